@@ -1,0 +1,29 @@
+"""flexattn_zoo: programmable attention on the fastest exact kernel.
+
+    import flexattn_zoo as fz
+    from flexattn_zoo import masks, score_mods
+
+    out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=1023))
+    print(fz.plan(q, k, v, mask="causal").explain())
+"""
+
+from __future__ import annotations
+
+from flexattn_zoo import masks, score_mods, testing
+from flexattn_zoo.blockmask import block_mask
+from flexattn_zoo.dispatch import Plan, attention, plan
+from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec
+
+__all__ = [
+    "Chain",
+    "MaskSpec",
+    "Plan",
+    "ScoreSpec",
+    "attention",
+    "block_mask",
+    "masks",
+    "plan",
+    "score_mods",
+    "testing",
+]
+__version__ = "0.1.0"

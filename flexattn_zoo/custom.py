@@ -1,0 +1,168 @@
+"""Specs that wrap user functions, and coercion of every accepted ``mask=`` / ``score_mod=`` form.
+
+``fz.attention`` accepts a spec object, a registry name, or a raw flex callable. Raw callables are
+wrapped here so the rest of the library only ever sees specs. The dense oracle of a wrapped
+function evaluates the function itself on broadcast index grids, so write it with elementwise
+torch ops (which flex requires anyway).
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
+
+
+def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
+    """Whether ``fn`` can depend on its ``index``-th positional argument.
+
+    Exact for plain Python functions: an argument whose name is never loaded (nor captured by an
+    inner function) cannot influence the result. Anything else is assumed to read it.
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None or index >= code.co_argcount:
+        return True
+    arg = code.co_varnames[index]
+    if arg in code.co_cellvars:
+        return True
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD") and (
+            ins.argval == arg or (isinstance(ins.argval, tuple) and arg in ins.argval)
+        ):
+            return True
+    return False
+
+
+def _positional_arity(fn: Callable[..., Any]) -> int | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    params = list(sig.parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
+    b = torch.arange(batch).view(batch, 1, 1, 1)
+    h = torch.arange(heads).view(1, heads, 1, 1)
+    q = torch.arange(q_len).view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len).view(1, 1, 1, kv_len)
+    return b, h, q, kv
+
+
+@spec_dataclass
+class FunctionMask(MaskSpec):
+    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool`` as a spec (identity = the function object)."""
+
+    fn: Callable[..., Any]
+    label: str = ""
+
+    def uses_batch(self) -> bool:
+        return _reads_argument(self.fn, 0)
+
+    def uses_head(self) -> bool:
+        return _reads_argument(self.fn, 1)
+
+    def _make_mask_mod(self) -> MaskMod:
+        return self.fn
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        b, h, q, kv = _grids(batch, heads, q_len, kv_len)
+        return torch.broadcast_to(torch.as_tensor(self.fn(b, h, q, kv)), (batch, heads, q_len, kv_len))
+
+
+@spec_dataclass
+class FunctionScore(ScoreSpec):
+    """A user ``score_mod(score, b, h, q_idx, kv_idx) -> score`` as a spec."""
+
+    fn: Callable[..., Any]
+    label: str = ""
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        return self.fn
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        batch, heads, q_len, kv_len = scores.shape
+        b, h, q, kv = (g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))
+        return torch.broadcast_to(self.fn(scores, b, h, q, kv), scores.shape).to(scores.dtype)
+
+
+def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
+    """Reject a callable that is not a valid ``mask_mod`` with a TypeError naming ``arg``."""
+    arity = _positional_arity(fn)
+    if arity is not None and arity != 4:
+        raise TypeError(
+            f"{arg} callable must have the flex mask_mod signature (b, h, q_idx, kv_idx) -> bool; "
+            f"{getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
+        )
+    z = torch.zeros((), dtype=torch.int32)
+    try:
+        out = fn(z, z, z, z)
+    except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
+        raise TypeError(f"{arg} callable failed on scalar index tensors: {exc!r}") from exc
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"{arg} callable must return a bool tensor (e.g. q_idx >= kv_idx), got {got}")
+
+
+def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None:
+    """Reject a callable that is not a valid ``score_mod`` with a TypeError naming ``arg``."""
+    arity = _positional_arity(fn)
+    if arity is not None and arity != 5:
+        raise TypeError(
+            f"{arg} callable must have the flex score_mod signature (score, b, h, q_idx, kv_idx) -> "
+            f"score; {getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
+        )
+    z = torch.zeros((), dtype=torch.int32)
+    try:
+        out = fn(torch.zeros(()), z, z, z, z)
+    except Exception as exc:  # noqa: BLE001
+        raise TypeError(f"{arg} callable failed on scalar inputs: {exc!r}") from exc
+    if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        raise TypeError(f"{arg} callable must return a floating tensor (the new score), got {got}")
+
+
+def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
+    """Coerce ``None`` / spec / registry name / callable into a :class:`MaskSpec` (or None)."""
+    from flexattn_zoo.registry import MASKS
+
+    if mask is None or isinstance(mask, MaskSpec):
+        return mask
+    if isinstance(mask, str):
+        return MASKS.get(mask)
+    if isinstance(mask, ScoreSpec):
+        raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
+    if callable(mask):
+        check_mask_function(mask, arg)
+        return FunctionMask(fn=mask, label=getattr(mask, "__name__", "mask_mod"))
+    raise TypeError(
+        f"{arg} must be None, a mask spec (e.g. masks.Causal()), a registry name (one of "
+        f"{', '.join(MASKS.names())}), a mask_mod callable or a BlockMask; got {type(mask).__name__}"
+    )
+
+
+def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
+    """Coerce ``None`` / spec / registry name / callable into a :class:`ScoreSpec` (or None)."""
+    from flexattn_zoo.registry import SCORES
+
+    if score is None or isinstance(score, ScoreSpec):
+        return score
+    if isinstance(score, str):
+        return SCORES.get(score)
+    if isinstance(score, MaskSpec):
+        raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
+    if callable(score):
+        check_score_function(score, arg)
+        return FunctionScore(fn=score, label=getattr(score, "__name__", "score_mod"))
+    raise TypeError(
+        f"{arg} must be None, a score spec (e.g. score_mods.SoftCap(cap=30.0)), a registry name "
+        f"(one of {', '.join(SCORES.names())}) or a score_mod callable; got {type(score).__name__}"
+    )

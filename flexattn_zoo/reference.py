@@ -1,0 +1,67 @@
+"""The float64 math reference: dense, slow, obviously correct. The oracle for every test.
+
+Conventions (the same on every route):
+
+* Layout ``[B, H, L, D]``; with ``enable_gqa`` the query heads are grouped onto ``H_kv`` key/value
+  heads, query head ``h`` reading kv head ``h // (H_q // H_kv)`` (as SDPA and flex do).
+* Default ``scale`` is ``1/sqrt(D)``; score mods see the *scaled* score.
+* A query row that sees no key outputs 0 and has lse ``-inf`` (never NaN).
+* lse is the natural-log log-sum-exp of the modified, masked scores, shape ``[B, H, Lq]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.validation import check_qkv
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention in float64 with a dense mask, differentiable with respect to q, k, v.
+
+    ``mask`` and ``score_mod`` accept specs, registry names or raw callables (not BlockMasks: the
+    oracle never trusts block sparsity). The output has ``q``'s dtype only if ``q`` is float64;
+    otherwise it stays float64 so callers compare against full precision.
+    """
+    shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
+    mask_spec = as_mask_spec(mask)
+    score_spec = as_score_spec(score_mod)
+    if mask_spec is not None:
+        mask_spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
+    if score_spec is not None:
+        score_spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    if shape.heads != shape.kv_heads:
+        group = shape.heads // shape.kv_heads
+        k64 = k64.repeat_interleave(group, dim=1)
+        v64 = v64.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else float(scale)
+    scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    if score_spec is not None:
+        scores = score_spec.to(scores.device).dense(scores)
+    if mask_spec is not None:
+        visible = mask_spec.to("cpu").dense(
+            shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads
+        ).to(scores.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # Rows that see nothing: lse is -inf; exp(scores - lse) would be NaN, so zero those rows.
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
+    probs = probs.masked_fill(empty.unsqueeze(-1), 0.0)
+    out = torch.matmul(probs, v64)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,164 @@
+"""Name -> spec registries for masks and score mods.
+
+``MASKS`` and ``SCORES`` are exposed as ``flexattn_zoo.masks.{get,names,register,register_function}``
+and the same under ``flexattn_zoo.score_mods``. Names are snake_case and unique; a duplicate or
+unknown name raises ``ValueError`` listing the valid names with the nearest one suggested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from flexattn_zoo.custom import FunctionMask, FunctionScore
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
+
+S = TypeVar("S", bound=Spec)
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def snake_case(name: str) -> str:
+    """``SlidingWindow`` -> ``sliding_window``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One registered spec: its name, its factory and what the CLI shows about it."""
+
+    name: str
+    factory: Callable[..., Spec]
+    params: tuple[tuple[str, str], ...]  # (name, default as text or "required")
+    doc: str
+
+    @property
+    def summary(self) -> str:
+        return self.doc.strip().splitlines()[0] if self.doc.strip() else ""
+
+
+def _describe_params(cls: type) -> tuple[tuple[str, str], ...]:
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out.append((f.name, repr(f.default)))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((f.name, repr(f.default_factory())))
+        else:
+            out.append((f.name, "required"))
+    return tuple(out)
+
+
+def did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+class Registry(Generic[S]):
+    """A thread-safe name -> spec-factory map."""
+
+    def __init__(self, kind: str, base: type[S]) -> None:
+        self.kind = kind
+        self.base = base
+        self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()
+
+    def _add(self, entry: Entry) -> None:
+        if not _NAME.match(entry.name):
+            raise ValueError(f"{self.kind} name must be snake_case ([a-z][a-z0-9_]*), got {entry.name!r}")
+        with self._lock:
+            if entry.name in self._entries:
+                raise ValueError(
+                    f"{self.kind} name {entry.name!r} is already registered; registered names: "
+                    f"{', '.join(sorted(self._entries))}"
+                )
+            self._entries[entry.name] = entry
+
+    def register(self, cls: type[S] | None = None, *, name: str | None = None) -> Any:
+        """Class decorator: ``@masks.register`` or ``@masks.register(name="my_mask")``.
+
+        The class must be a spec dataclass deriving from the registry's base class; its name
+        defaults to the snake_case of the class name.
+        """
+
+        def decorate(klass: type[S]) -> type[S]:
+            if not (isinstance(klass, type) and issubclass(klass, self.base)):
+                raise TypeError(f"register expects a subclass of {self.base.__name__}, got {klass!r}")
+            if not dataclasses.is_dataclass(klass):
+                raise TypeError(f"{klass.__name__} must be a dataclass (use @spec_dataclass)")
+            reg_name = name or snake_case(klass.__name__)
+            self._add(Entry(reg_name, klass, _describe_params(klass), klass.__doc__ or ""))
+            klass.name = reg_name  # type: ignore[misc]
+            return klass
+
+        return decorate(cls) if cls is not None else decorate
+
+    def register_function(self, name: str, fn: Callable[..., Any], *, doc: str | None = None) -> Callable[..., Any]:
+        """Register a plain ``mask_mod`` / ``score_mod`` function (no parameters) under ``name``.
+
+        ``get(name)`` then returns a spec wrapping ``fn``; its dense oracle evaluates ``fn`` on
+        broadcast index grids. Returns ``fn`` so this also works as ``@register_function`` helper.
+        """
+        if not callable(fn):
+            raise TypeError(f"register_function(fn=...) must be callable, got {type(fn).__name__}")
+        wrapper: type[Spec] = FunctionMask if self.base is MaskSpec else FunctionScore
+        text = doc or fn.__doc__ or f"user function {getattr(fn, '__name__', name)}"
+
+        def factory() -> Spec:
+            return wrapper(fn=fn, label=name)  # type: ignore[call-arg]
+
+        self._add(Entry(name, factory, (), text))
+        return fn
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (mainly for tests that register temporary specs)."""
+        with self._lock:
+            if name not in self._entries:
+                raise ValueError(self._unknown(name))
+            del self._entries[name]
+
+    def _unknown(self, name: str) -> str:
+        names = self.names()
+        return f"unknown {self.kind} {name!r}; valid names: {', '.join(names)}.{did_you_mean(name, names)}"
+
+    def entry(self, name: str) -> Entry:
+        if not isinstance(name, str):
+            raise TypeError(f"{self.kind} name must be a str, got {type(name).__name__}")
+        with self._lock:
+            found = self._entries.get(name)
+        if found is None:
+            raise ValueError(self._unknown(name))
+        return found
+
+    def get(self, name: str, **params: Any) -> S:
+        """Build the spec registered as ``name`` with ``params``; bad parameters raise ValueError."""
+        entry = self.entry(name)
+        valid = [p for p, _ in entry.params]
+        unknown = [p for p in params if p not in valid]
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r} got unknown parameter(s) {', '.join(map(repr, unknown))}; "
+                f"valid parameters: {', '.join(valid) or '(none)'}.{did_you_mean(unknown[0], valid)}"
+            )
+        missing = [p for p, d in entry.params if d == "required" and p not in params]
+        if missing:
+            raise ValueError(f"{self.kind} {name!r} needs parameter(s): {', '.join(missing)}")
+        return entry.factory(**params)  # type: ignore[return-value]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._entries)
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return [self._entries[n] for n in sorted(self._entries)]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+
+MASKS: Registry[MaskSpec] = Registry("mask", MaskSpec)
+SCORES: Registry[ScoreSpec] = Registry("score_mod", ScoreSpec)

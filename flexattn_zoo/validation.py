@@ -1,0 +1,67 @@
+"""Input checks shared by the public entry points and the reference.
+
+Every failure is a ``ValueError``/``TypeError`` naming the argument and what would be valid, so
+nothing crashes deep inside torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """Sizes of one attention problem (layout ``[B, H, L, D]``)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_dim: int
+
+
+def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> Shape:
+    """Validate q/k/v and return their sizes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape [B, H, L, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims [B, H, L, D] (like SDPA and flex), got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
+            )
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    b, hq, lq, d = q.shape
+    bk, hk, lk, dk = k.shape
+    bv, hv, lv, dv = v.shape
+    if not (b == bk == bv):
+        raise ValueError(f"batch size (dim 0) differs: q={b}, k={bk}, v={bv}")
+    if hk != hv:
+        raise ValueError(f"k and v must have the same number of heads (dim 1), got k={hk}, v={hv}")
+    if lk != lv:
+        raise ValueError(f"k and v must have the same length (dim 2), got k={lk}, v={lv}")
+    if d != dk:
+        raise ValueError(f"q and k head dims (dim 3) differ: q={d}, k={dk}")
+    if hq != hk:
+        if not enable_gqa:
+            raise ValueError(
+                f"q has {hq} heads but k/v have {hk}; pass enable_gqa=True for grouped-query attention"
+            )
+        if hk == 0 or hq % hk != 0:
+            raise ValueError(
+                f"enable_gqa=True needs q heads ({hq}) to be a multiple of k/v heads ({hk})"
+            )
+    if min(b, hq, hk, d) == 0:
+        raise ValueError(f"batch, heads and head dim must be positive, got q shape {tuple(q.shape)}")
+    return Shape(batch=b, heads=hq, kv_heads=hk, q_len=lq, kv_len=lk, head_dim=d, v_dim=dv)
