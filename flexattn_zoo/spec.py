@@ -183,16 +183,27 @@ class VarlenForm:
 
 
 @dataclasses.dataclass(frozen=True)
-class KvBlocks:
-    """Closed-form block structure, in the layout ``BlockMask.from_kv_blocks`` expects.
+class BlockMap:
+    """Block-level visibility, computed in closed form (O(n_q_blocks * n_kv_blocks), never O(L^2)).
 
-    Tensors are ``[B|1, H|1, n_q_blocks]`` and ``[B|1, H|1, n_q_blocks, n_kv_blocks]`` (full width).
+    ``any[b, h, r, c]`` is True when query block ``r`` sees at least one key of key block ``c``;
+    ``full[b, h, r, c]`` when it sees all of them. Leading dims are 1 when the spec does not depend
+    on batch/head. Conventions follow ``create_block_mask``: positions past ``Lq``/``Lkv`` count as
+    masked, so a trailing incomplete block is never full. ``full`` implies ``any``.
     """
 
-    kv_num_blocks: torch.Tensor
-    kv_indices: torch.Tensor
-    full_kv_num_blocks: torch.Tensor | None
-    full_kv_indices: torch.Tensor | None
+    any: torch.Tensor
+    full: torch.Tensor
+
+
+def block_ranges(length: int, block: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(start, last, complete)`` per block of ``[0, length)``: first index, last valid index,
+    and whether the block is complete (holds ``block`` valid positions)."""
+    n = -(-length // block)
+    start = torch.arange(n, device=device) * block
+    last = torch.clamp(start + block - 1, max=length - 1)
+    complete = (start + block) <= length
+    return start, last, complete
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,10 +251,14 @@ class MaskSpec(Spec):
         """Exact varlen form, or None."""
         return None
 
-    def kv_blocks(
-        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device
-    ) -> KvBlocks | None:
-        """Closed-form block structure in O(live blocks), or None if the spec has none."""
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        """Closed-form block visibility (see :class:`BlockMap`), or None if there is none.
+
+        None sends ``fz.block_mask`` to the generic builder, which evaluates ``mask_mod`` in
+        bounded-memory chunks.
+        """
         return None
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
@@ -318,6 +333,19 @@ class And(MaskSpec):
             right = fr if right < 0 else (right if fr < 0 else min(right, fr))
         return VarlenForm(segments=segmented[0].segments if segmented else None, window=(left, right))
 
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
+        if any(m is None for m in maps):
+            return None
+        # full is exact; any is a superset (two partial blocks may not overlap), which is safe:
+        # the kernel still applies mask_mod inside partial blocks.
+        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
+        for m in maps[1:]:
+            any_, full = any_ & m.any, full & m.full  # type: ignore[union-attr]
+        return BlockMap(any=any_, full=full)
+
     def __and__(self, other: MaskSpec) -> MaskSpec:
         _check_mask(other, "&")
         return And(parts=(*self.parts, other))
@@ -356,6 +384,18 @@ class Or(MaskSpec):
         for p in self.parts:
             p.validate(q_len, kv_len, batch, heads)
 
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
+        if any(m is None for m in maps):
+            return None
+        # any is exact; full is a subset (two partial blocks may cover each other), which is safe.
+        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
+        for m in maps[1:]:
+            any_, full = any_ | m.any, full | m.full  # type: ignore[union-attr]
+        return BlockMap(any=any_, full=full)
+
     def __or__(self, other: MaskSpec) -> MaskSpec:
         _check_mask(other, "|")
         return Or(parts=(*self.parts, other))
@@ -386,6 +426,20 @@ class Not(MaskSpec):
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         self.part.validate(q_len, kv_len, batch, heads)
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        inner = self.part.block_map(q_len, kv_len, q_block, kv_block, device)
+        if inner is None:
+            return None
+        _, _, q_complete = block_ranges(q_len, q_block, device)
+        _, _, kv_complete = block_ranges(kv_len, kv_block, device)
+        complete = q_complete.view(-1, 1) & kv_complete.view(1, -1)
+        # A block is fully visible in ~a iff a sees none of it (and it is complete); it has some
+        # visible element iff a does not see all of it. Incomplete blocks are never "full" in a,
+        # so they stay "any" here: a safe superset.
+        return BlockMap(any=~inner.full, full=~inner.any & complete)
 
     def __invert__(self) -> MaskSpec:
         return self.part
