@@ -1,2 +1,39 @@
-"""flexattn_zoo (bootstrap __init__: the full one is restored once dispatch lands)."""
-from flexattn_zoo import masks, score_mods  # noqa: F401
+"""flexattn_zoo: programmable attention on the fastest exact kernel.
+
+    import flexattn_zoo as fz
+    from flexattn_zoo import masks, score_mods
+
+    out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=1023))
+    print(fz.plan(q, k, v, mask="causal").explain())
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.blockmask import block_mask
+from flexattn_zoo.dispatch import Plan, attention, plan
+from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec
+
+__all__ = [
+    "Chain",
+    "MaskSpec",
+    "Plan",
+    "ScoreSpec",
+    "attention",
+    "block_mask",
+    "masks",
+    "plan",
+    "score_mods",
+    "testing",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # fz.testing is imported on first use: it pulls in test-only helpers users may not need.
+    if name == "testing":
+        return importlib.import_module("flexattn_zoo.testing")
+    raise AttributeError(f"module 'flexattn_zoo' has no attribute {name!r}")

@@ -226,6 +226,16 @@ class MaskSpec(Spec):
         """Whether this spec instance depends on the head index (composites override)."""
         return self.depends_on_head
 
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        """This spec specialised to ``q_len`` x ``kv_len`` (``self`` for most specs).
+
+        ``mask_mod`` receives no lengths, so a spec whose rule mentions them (e.g.
+        ``Causal(align="bottom_right")``, which needs ``Lkv - Lq``) returns an equivalent spec with
+        the length-derived value made explicit. Callers building kernels call
+        ``spec.bind(Lq, Lkv)`` before asking for ``mask_mod()``.
+        """
+        return self
+
     def mask_mod(self) -> MaskMod:
         """The flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``; one function object per value."""
         return _MODS.get_or_create(("mask", self), self._make_mask_mod)
@@ -291,6 +301,13 @@ class And(MaskSpec):
 
     def uses_head(self) -> bool:
         return any(p.uses_head() for p in self.parts)
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
+        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
+        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
+            return self
+        return dataclasses.replace(self, parts=parts)
 
     def _make_mask_mod(self) -> MaskMod:
         mods = [p.mask_mod() for p in self.parts]
@@ -363,6 +380,13 @@ class Or(MaskSpec):
     def uses_head(self) -> bool:
         return any(p.uses_head() for p in self.parts)
 
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
+        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
+        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
+            return self
+        return dataclasses.replace(self, parts=parts)
+
     def _make_mask_mod(self) -> MaskMod:
         mods = [p.mask_mod() for p in self.parts]
 
@@ -412,6 +436,10 @@ class Not(MaskSpec):
 
     def uses_head(self) -> bool:
         return self.part.uses_head()
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        part = self.part.bind(q_len, kv_len)
+        return self if part is self.part else dataclasses.replace(self, part=part)
 
     def _make_mask_mod(self) -> MaskMod:
         mod = self.part.mask_mod()

@@ -1,0 +1,108 @@
+"""Which hardware generation a problem runs on, and the per-generation route priorities (data).
+
+``FLEXATTN_ZOO_ARCH`` (e.g. ``sm90``, ``sm80``, ``cpu``) overrides the detected generation for CUDA
+tensors, so dispatch tables can be unit-tested on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+ARCH_ENV = "FLEXATTN_ZOO_ARCH"
+_ARCH = re.compile(r"^sm(\d+)$")
+
+
+def parse_arch(arch: str) -> tuple[int, int] | None:
+    """``"sm90"`` -> ``(9, 0)``, ``"sm86"`` -> ``(8, 6)``, ``"sm100"`` -> ``(10, 0)``; ``"cpu"`` -> None."""
+    if arch == "cpu":
+        return None
+    m = _ARCH.match(arch)
+    if not m:
+        raise ValueError(f"arch must look like 'sm80', 'sm90', 'sm100' or be 'cpu', got {arch!r}")
+    digits = m.group(1)
+    return int(digits[:-1]), int(digits[-1])
+
+
+def detect_arch(device: torch.device | str | None = None) -> str:
+    """The generation name of ``device``: ``"cpu"`` or ``"sm<major><minor>"``.
+
+    The environment variable ``FLEXATTN_ZOO_ARCH`` wins for CUDA devices (and for ``device=None``).
+    """
+    override = os.environ.get(ARCH_ENV)
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cpu":
+        return "cpu"
+    if override:
+        parse_arch(override)
+        return override
+    if dev is None:
+        if not torch.cuda.is_available():
+            return "cpu"
+        dev = torch.device("cuda")
+    if dev.type != "cuda":
+        return dev.type
+    major, minor = torch.cuda.get_device_capability(dev)
+    return f"sm{major}{minor}"
+
+
+def generation(arch: str) -> str:
+    """Priority-table key of an arch: ``cpu``, ``sm80``, ``sm86`` (sm86/sm89), ``sm90``, ``sm100``."""
+    cc = parse_arch(arch)
+    if cc is None:
+        return "cpu"
+    if cc >= (10, 0):
+        return "sm100"
+    if cc >= (9, 0):
+        return "sm90"
+    if cc >= (8, 6):
+        return "sm86"
+    return "sm80"
+
+
+# Route order per generation and mode: the first route that accepts a problem wins. sm90 comes
+# from benchmarks/results/h200*.md (measured on an H200); the others follow the same kernels'
+# relative speeds and are marked as not yet measured here. "dense" is never auto-picked on GPUs:
+# it materializes Lq x Lkv and is only taken when asked for.
+PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
+    "sm90": {
+        "fwd": ("flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),
+        "fwdbwd": ("flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),
+    },
+    "sm100": {
+        "fwd": ("flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),
+        "fwdbwd": ("flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),
+    },
+    "sm86": {
+        "fwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
+        "fwdbwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
+    },
+    "sm80": {
+        "fwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
+        "fwdbwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
+    },
+    "cpu": {
+        "fwd": ("sdpa_flash", "flex_cpu", "sdpa_math", "dense"),
+        "fwdbwd": ("sdpa_flash", "sdpa_math", "dense"),
+    },
+}
+
+# Measured exceptions to the table above: (generation, mode, max head dim, routes moved to front).
+# H200, causal D=64 forward: cuDNN 457 vs FA4 442 TFLOP/s (fwd+bwd: FA4 485 vs cuDNN 418).
+HEAD_DIM_OVERRIDES: tuple[tuple[str, str, int, tuple[str, ...]], ...] = (
+    ("sm90", "fwd", 64, ("sdpa_cudnn",)),
+)
+
+
+def priority(arch: str, mode: str, head_dim: int) -> tuple[str, ...]:
+    """The ordered route names for ``arch`` in ``mode`` (``"fwd"`` or ``"fwdbwd"``)."""
+    if mode not in ("fwd", "fwdbwd"):
+        raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
+    gen = generation(arch)
+    order = PRIORITY[gen][mode]
+    for o_gen, o_mode, max_d, front in HEAD_DIM_OVERRIDES:
+        if o_gen == gen and o_mode == mode and head_dim <= max_d:
+            order = front + tuple(r for r in order if r not in front)
+    return order

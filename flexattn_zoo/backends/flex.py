@@ -1,0 +1,82 @@
+"""FlexAttention routes: Triton (``flex``), FlashAttention-4 CuTe (``flex_flash``), CPU (``flex_cpu``).
+
+Flex is exact for every spec: the BlockMask only skips blocks the spec proves invisible and
+``mask_mod`` runs inside partial blocks. Each route compiles through :mod:`flexattn_zoo.compile`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+from flexattn_zoo.backends.base import LOW_PRECISION, Backend
+from flexattn_zoo.blockmask import block_mask as build_block_mask
+from flexattn_zoo.compile import CACHE
+from flexattn_zoo.problem import Problem
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexBackend(Backend):
+    """flex_attention compiled with fixed ``kernel_options``."""
+
+    kernel_options: tuple[tuple[str, Any], ...] = ()
+    fast_score_mods: bool = False  # use score mods' GPU fast variants (e.g. approx tanh)
+
+    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+        if block_mask is None and p.mask is not None:
+            block_mask = build_block_mask(
+                p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
+            )
+        score_mod = p.score.to(q.device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
+        entry = CACHE.get(
+            block_mask.mask_mod if block_mask is not None else None,
+            score_mod,
+            dict(self.kernel_options) or None,
+            p.return_lse,
+            p.gqa,
+        )
+        return entry(q, k, v, block_mask, scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexFlashBackend(FlexBackend):
+    """flex with ``BACKEND="FLASH"``: the FlashAttention-4 CuTe kernels (sm90/sm100)."""
+
+    def unavailable_reasons(self) -> list[str]:
+        if not _compat.flash_cute_available():
+            return ["flash_attn.cute (flash-attn-4) is not installed"]
+        return []
+
+    def mask_reasons(self, p: Problem) -> list[str]:
+        out = []
+        if p.score is not None and p.score.captures_grad_tensors():
+            out.append("FLASH cannot capture tensors that require grad in score_mod")
+        if p.return_lse and not _compat.FLASH_LSE_TRUSTWORTHY:
+            out.append("FLASH lse is off by a factor ln 2 on this torch (< 2.13)")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexCpuBackend(FlexBackend):
+    pass
+
+
+FLEX = FlexBackend(
+    name="flex", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    head_dims=(16, 256), min_cc=(8, 0), score_mods=True, lse=True, fast_score_mods=True,
+    doc="FlexAttention compiled to Triton with BlockMask sparsity (any mask, any score mod)",
+)  # fmt: skip
+FLEX_FLASH = FlexFlashBackend(
+    name="flex_flash", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
+    head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
+    kernel_options=(("BACKEND", "FLASH"),),
+    doc="FlexAttention on the FlashAttention-4 CuTe backend (flash-attn-4; sm90/sm100)",
+)  # fmt: skip
+FLEX_CPU = FlexCpuBackend(
+    name="flex_cpu", devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    head_dims=(1, 512), score_mods=True, lse=False, backward=False,
+    doc="FlexAttention compiled to C++ on CPU (inference only: torch has no CPU flex backward or lse)",
+)  # fmt: skip

@@ -1,0 +1,72 @@
+"""PyTorch SDPA routes, each pinned to one kernel with ``sdpa_kernel`` (so nothing falls back).
+
+SDPA is only exact for masks whose ``sdpa_form()`` is "no mask" or ``is_causal`` (top-left,
+offered only when Lq == Lkv), and for no score mod: a dense boolean mask would materialize
+Lq x Lkv, which this library never does behind the user's back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from flexattn_zoo import _compat
+from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, _dtype_names
+from flexattn_zoo.problem import Problem
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaBackend(Backend):
+    """One SDPA kernel. ``cuda_dtypes``/``cuda_head_dims`` narrow what the CUDA kernel accepts."""
+
+    kernel: str = "MATH"
+    cuda_dtypes: frozenset[torch.dtype] = FLOATS
+    cuda_head_dims: tuple[int, int] = (1, 1024)
+
+    def mask_reasons(self, p: Problem) -> list[str]:
+        out = []
+        if p.device_type == "cuda":
+            if p.dtype not in self.cuda_dtypes:
+                out.append(f"CUDA kernel needs dtype in {{{_dtype_names(self.cuda_dtypes)}}}")
+            lo, hi = self.cuda_head_dims
+            if not lo <= p.head_dim <= hi:
+                out.append(f"CUDA kernel needs head dim {lo}..{hi}")
+        if p.user_block_mask:
+            out.append("takes no BlockMask")
+        elif p.mask is not None and p.mask.sdpa_form(p.q_len, p.kv_len) is None:
+            out.append(
+                f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask, or causal with Lq == Lkv)"
+            )
+        return out
+
+    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+        form = p.mask.sdpa_form(p.q_len, p.kv_len) if p.mask is not None else None
+        is_causal = bool(form and form.is_causal)
+        with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=is_causal, scale=scale, enable_gqa=p.gqa
+            )
+        return out, None
+
+
+SDPA_CUDNN = SdpaBackend(
+    name="sdpa_cudnn", kernel="CUDNN_ATTENTION", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION,
+    head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), gqa=False,
+    doc="cuDNN fused attention via SDPA (no mask or causal)",
+)  # fmt: skip
+SDPA_FLASH = SdpaBackend(
+    name="sdpa_flash", kernel="FLASH_ATTENTION", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS,
+    cuda_dtypes=LOW_PRECISION, cuda_head_dims=(8, 256), head_dim_multiple=1, min_cc=(8, 0),
+    doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask or causal)",
+)  # fmt: skip
+SDPA_EFFICIENT = SdpaBackend(
+    name="sdpa_efficient", kernel="EFFICIENT_ATTENTION", devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=(1, 256), min_cc=(5, 0),
+    doc="memory-efficient (xFormers-style) kernel via SDPA (no mask or causal)",
+)  # fmt: skip
+SDPA_MATH = SdpaBackend(
+    name="sdpa_math", kernel="MATH", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS,
+    doc="SDPA's reference math kernel (no mask or causal); materializes scores internally",
+)  # fmt: skip

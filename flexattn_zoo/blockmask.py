@@ -1,0 +1,197 @@
+"""BlockMasks built in closed form where the spec has one, cached.
+
+Two builders, neither ever holds an ``Lq x Lkv`` tensor:
+
+* closed form: the spec's ``block_map`` gives block-level visibility from interval arithmetic on
+  block boundaries, O(n_q_blocks * n_kv_blocks);
+* generic: ``mask_mod`` is evaluated on broadcast index grids one slab of query blocks at a time
+  (at most ``GENERIC_CHUNK_ELEMENTS`` elements live), for user masks and sparse document ids.
+
+Both index sides (kv rows and q columns) are derived from the block map with an O(n) ranking
+instead of a sort or ``from_kv_blocks``' dense transpose. Cache: an LRU of ``BLOCK_MASK_CACHE_SIZE``
+entries keyed by (spec, lengths, block sizes, device, batch/heads when the spec depends on them).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+from flexattn_zoo.custom import as_mask_spec
+from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges
+
+DEFAULT_BLOCK_SIZE = 128
+#: Upper bound of cached BlockMasks (least recently used dropped first).
+BLOCK_MASK_CACHE_SIZE = 64
+#: Elements of the mask evaluated at once by the generic builder (bool: bytes).
+GENERIC_CHUNK_ELEMENTS = 1 << 24
+
+
+def _ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row counts and full-width column order (True columns first, ascending) of a bool map.
+
+    Same result as ``argsort(m, descending=True, stable=True)`` but O(n): each column's rank is
+    read off a running count, then columns are scattered into place.
+    """
+    m_i = m.to(torch.int32)
+    count = m_i.cumsum(-1, dtype=torch.int32)
+    num = count[..., -1:]
+    cols = torch.arange(m.shape[-1], device=m.device, dtype=torch.int32).expand_as(m_i)
+    rank = torch.where(m, count - 1, num + cols - count)
+    order = torch.empty_like(m_i)
+    order.scatter_(-1, rank.long(), cols)
+    return num.squeeze(-1).contiguous(), order.contiguous()
+
+
+def from_block_map(
+    bmap: BlockMap, q_len: int, kv_len: int, block_size: tuple[int, int], mask_mod: Any
+) -> _compat.BlockMask:
+    """Turn a block map into a torch BlockMask (partial blocks run ``mask_mod``, full ones skip it)."""
+    full = bmap.full & bmap.any
+    partial = bmap.any & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_kv_num, full_kv_idx = _ordered(full)
+    q_num, q_idx = _ordered(partial.transpose(-1, -2))
+    full_q_num, full_q_idx = _ordered(full.transpose(-1, -2))
+    return _compat.make_block_mask(
+        (q_len, kv_len), kv_num, kv_idx, full_kv_num, full_kv_idx,
+        q_num, q_idx, full_q_num, full_q_idx, block_size, mask_mod,
+    )  # fmt: skip
+
+
+def generic_block_map(
+    spec: MaskSpec, q_len: int, kv_len: int, block_size: tuple[int, int], batch: int, heads: int,
+    device: torch.device,
+) -> BlockMap:  # fmt: skip
+    """Evaluate ``spec.mask_mod()`` slab by slab and reduce each slab to block visibility."""
+    qb, kvb = block_size
+    mod = spec.mask_mod()
+    n_q, n_kv = -(-q_len // qb), -(-kv_len // kvb)
+    kv_pad = n_kv * kvb
+    b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    kv = torch.arange(kv_pad, device=device).view(1, 1, 1, kv_pad)
+    kv_valid = kv < kv_len
+    rows_per_slab = max(1, GENERIC_CHUNK_ELEMENTS // max(1, batch * heads * qb * kv_pad))
+    any_parts, full_parts = [], []
+    for start in range(0, n_q, rows_per_slab):
+        stop = min(n_q, start + rows_per_slab)
+        q = torch.arange(start * qb, stop * qb, device=device).view(1, 1, -1, 1)
+        # Padding positions are clamped for evaluation (so captured tensors index in range),
+        # then counted as masked, exactly as create_block_mask pads with False.
+        vis = mod(b, h, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1))
+        vis = torch.broadcast_to(torch.as_tensor(vis, device=device), (batch, heads, q.shape[2], kv_pad))
+        vis = vis & (q < q_len) & kv_valid
+        blocks = vis.view(batch, heads, stop - start, qb, n_kv, kvb)
+        any_parts.append(blocks.any(dim=5).any(dim=3))
+        full_parts.append(blocks.all(dim=5).all(dim=3))
+    return BlockMap(any=torch.cat(any_parts, dim=2), full=torch.cat(full_parts, dim=2))
+
+
+class _BlockMaskCache:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.builds = 0
+
+    def get(self, key: Hashable) -> Any | None:
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return self._data[key]
+        return None
+
+    def put(self, key: Hashable, value: Any) -> Any:
+        with self._lock:
+            value = self._data.setdefault(key, value)
+            self._data.move_to_end(key)
+            self.builds += 1
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+            return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.builds = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+CACHE = _BlockMaskCache(BLOCK_MASK_CACHE_SIZE)
+
+
+def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        block_size = (block_size, block_size)
+    if (
+        not isinstance(block_size, tuple)
+        or len(block_size) != 2
+        or not all(isinstance(x, int) and x > 0 and x % 16 == 0 for x in block_size)
+    ):
+        raise ValueError(f"block_size must be a positive multiple of 16 or a (q, kv) pair of them, got {block_size!r}")
+    return block_size
+
+
+def block_mask(
+    spec: Any,
+    q_len: int,
+    kv_len: int,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    device: torch.device | str = "cpu",
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> _compat.BlockMask:
+    """The BlockMask of ``spec`` for ``q_len`` x ``kv_len``, cached, never evaluated densely.
+
+    Args:
+        spec: a mask spec, registry name or ``mask_mod`` callable.
+        q_len, kv_len: sequence lengths (any positive ints; not necessarily multiples of 128).
+        batch, heads: sizes of the problem. Only used when the spec depends on them; otherwise
+            the mask has size-1 batch/head dims that flex broadcasts.
+        device: where the mask lives (the device of q).
+        block_size: ``(q, kv)`` sparse block size; kernels need matching tile sizes.
+    """
+    mask_spec = as_mask_spec(spec, arg="spec")
+    if mask_spec is None:
+        raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    qb, kvb = _block_size(block_size)
+    device = torch.device(device)
+    mask_spec = mask_spec.bind(q_len, kv_len)
+    for name, value, needed in (("batch", batch, mask_spec.uses_batch()), ("heads", heads, mask_spec.uses_head())):
+        if value is None and needed:
+            raise ValueError(f"this mask depends on the {name} index: pass {name}=")
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    b_eff = batch if mask_spec.uses_batch() else 1
+    h_eff = heads if mask_spec.uses_head() else 1
+    mask_spec.validate(q_len, kv_len, batch or 1, heads or 1)
+    key = (mask_spec, q_len, kv_len, qb, kvb, str(device), b_eff, h_eff)
+    cached = CACHE.get(key)
+    if cached is not None:
+        return cached
+    on_device = mask_spec.to(device)
+    bmap = on_device.block_map(q_len, kv_len, qb, kvb, device)
+    if bmap is None:
+        bmap = generic_block_map(on_device, q_len, kv_len, (qb, kvb), b_eff, h_eff, device)
+    else:
+        bmap = BlockMap(
+            any=as_4d(bmap.any).expand(b_eff, h_eff, -1, -1).contiguous(),
+            full=as_4d(bmap.full).expand(b_eff, h_eff, -1, -1).contiguous(),
+        )
+    built = from_block_map(bmap, q_len, kv_len, (qb, kvb), on_device.mask_mod())
+    return CACHE.put(key, built)
+
+
+__all__ = ["BLOCK_MASK_CACHE_SIZE", "CACHE", "DEFAULT_BLOCK_SIZE", "block_mask", "block_ranges", "from_block_map"]

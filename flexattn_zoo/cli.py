@@ -1,0 +1,442 @@
+"""``flexattn-zoo``: look at the zoo, the machine and the dispatcher's choices from a shell.
+
+Subcommands (``python -m flexattn_zoo`` is the same program)::
+
+    flexattn-zoo list [masks|score_mods|all]
+    flexattn-zoo show NAME [--param value ...] --len N [--kv-len M] [--png FILE]
+    flexattn-zoo env
+    flexattn-zoo plan --mask NAME [--param value ...] [--score NAME] --len N [--kv-len M]
+                      --heads H[,HKV] --dim D --dtype bf16 [--batch B] [--arch sm90] [--grad]
+    flexattn-zoo demo [--device cpu|cuda] [--len N] [--only TEXT]
+
+Spec parameters are parsed generically (see :mod:`flexattn_zoo.cli_params`), so masks and score
+mods registered by users work here too. Exit codes: 0 success, 1 a demo preset failed or an
+optional dependency is missing, 2 bad input (unknown name, bad parameter: the message is printed,
+no traceback; set ``FLEXATTN_ZOO_DEBUG=1`` to get the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flexattn_zoo import viz
+from flexattn_zoo.cli_params import build_specs, describe_params, split_options
+
+DTYPES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
+    "fp64": "float64", "f64": "float64", "double": "float64", "float64": "float64",
+}  # fmt: skip
+
+
+class CliError(Exception):
+    """A failure to report without a traceback, with its exit code."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _heads(text: str) -> tuple[int, int]:
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"--heads takes H or H,HKV, got {text!r}")
+    values = tuple(_positive(p) for p in parts)
+    return (values[0], values[-1])
+
+
+def _dtype_name(text: str) -> str:
+    name = DTYPES.get(text.lower())
+    if name is None:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from bf16, fp16, fp32, fp64")
+    return name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flexattn-zoo",
+        description="Attention masks and score mods, run on the fastest exact kernel. "
+        "Spec parameters are passed as --name value (e.g. --left 3, --doc-ids 0,0,1,1).",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("list", help="list registered masks and score mods", allow_abbrev=False)
+    p.add_argument("kind", nargs="?", default="all", choices=["masks", "score_mods", "all"])
+
+    p = sub.add_parser(
+        "show", help="picture of a mask (or a score mod's bias) and its block sparsity", allow_abbrev=False,
+        epilog="Combine with '+': causal+chunked --size 16. Target one part: --chunked.size 16.",
+    )  # fmt: skip
+    p.add_argument("name", help="registry name, or names joined by '+'")
+    p.add_argument("--len", dest="length", type=_positive, required=True, help="query length")
+    p.add_argument("--kv-len", type=_positive, help="key/value length (default: --len)")
+    p.add_argument("--batch", type=_positive, default=1, help="batch size, for masks that depend on it")
+    p.add_argument("--heads", type=_positive, help="number of heads (default 1; 8 for score mods)")
+    p.add_argument("--head", type=int, default=0, help="head index to draw (default 0)")
+    p.add_argument("--png", metavar="FILE", help="also write a heatmap (needs the 'viz' extra: matplotlib)")
+
+    sub.add_parser("env", help="versions, GPU, detected arch and which routes can run here", allow_abbrev=False)
+
+    p = sub.add_parser("plan", help="which route a problem would take, and why", allow_abbrev=False)
+    p.add_argument("--mask", help="mask name, or names joined by '+' (default: no mask)")
+    p.add_argument("--score", help="score mod name, or names joined by '+' (chained left to right)")
+    p.add_argument("--config", metavar="YAML", help="mask/score_mod from a YAML file instead of --mask/--score")
+    p.add_argument("--len", dest="length", type=_positive, required=True, help="query length")
+    p.add_argument("--kv-len", type=_positive, help="key/value length (default: --len)")
+    p.add_argument("--heads", type=_heads, default=(8, 8), help="H or H,HKV for grouped-query attention (default 8)")
+    p.add_argument("--dim", type=_positive, default=128, help="head dim (default 128)")
+    p.add_argument("--dtype", type=_dtype_name, default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
+    p.add_argument("--batch", type=_positive, default=1)
+    p.add_argument("--arch", help="sm80, sm90, sm100, ... or cpu (default: this machine)")
+    p.add_argument("--grad", action="store_true", help="inputs require grad (forward + backward)")
+    p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
+
+    p = sub.add_parser("demo", help="run every zoo preset, time it and check it against float64", allow_abbrev=False)
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    p.add_argument("--len", dest="length", type=_positive, help="sequence length (default 256 on CPU, 4096 on GPU)")
+    p.add_argument("--batch", type=_positive)
+    p.add_argument("--heads", type=_positive)
+    p.add_argument("--dim", type=_positive)
+    p.add_argument("--dtype", type=_dtype_name)
+    p.add_argument("--repeats", type=_positive, help="timed runs after the warm-up (median reported)")
+    p.add_argument("--only", action="append", metavar="TEXT", help="only presets whose name contains TEXT (repeatable)")
+    return parser
+
+
+# Options that ``show``/``plan`` define themselves; every other --option is a spec parameter.
+_OWN_OPTIONS = {
+    "show": {"--len": True, "--kv-len": True, "--batch": True, "--heads": True, "--head": True, "--png": True,
+             "-h": False, "--help": False},
+    "plan": {"--mask": True, "--score": True, "--config": True, "--len": True, "--kv-len": True, "--heads": True,
+             "--dim": True, "--dtype": True, "--batch": True, "--arch": True, "--grad": False, "--lse": False,
+             "-h": False, "--help": False},
+}  # fmt: skip
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("flexattn-zoo")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _short(obj: object, limit: int = 100) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# list
+
+
+def cmd_list(args: argparse.Namespace, console: Console) -> int:
+    from flexattn_zoo.registry import MASKS, SCORES
+
+    registries = {"masks": [MASKS], "score_mods": [SCORES], "all": [MASKS, SCORES]}[args.kind]
+    for registry in registries:
+        title = "masks (combine with & | ~)" if registry is MASKS else "score mods (chain with >>)"
+        table = Table(title=title, title_justify="left")
+        table.add_column("name", style="bold", no_wrap=True)
+        table.add_column("class", no_wrap=True)
+        table.add_column("parameters", overflow="fold")
+        table.add_column("description", ratio=1)
+        for entry in registry.entries():
+            cls = entry.factory.__name__ if isinstance(entry.factory, type) else "(function)"
+            summary = entry.summary.replace("``", "")
+            table.add_row(entry.name, cls, escape(describe_params(entry) or "-"), escape(summary))
+        console.print(table)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# show
+
+
+def _print_lines(console: Console, lines: list[str]) -> None:
+    for line in lines:
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], console: Console) -> int:
+    from flexattn_zoo.registry import MASKS
+
+    q_len = args.length
+    kv_len = args.kv_len or q_len
+    first = args.name.split("+")[0].strip()
+    is_mask = first in MASKS
+    if is_mask:
+        heads = args.heads or 1
+        mask, _ = build_specs(args.name, None, params, {"num_heads": heads})
+        spec = mask
+    else:
+        heads = args.heads or 8
+        _, spec = build_specs(None, args.name, params, {"num_heads": heads})
+        heads = getattr(spec, "num_heads", heads)
+    if not 0 <= args.head < heads:
+        raise ValueError(f"--head must be in [0, {heads}), got {args.head}")
+    if args.png and not viz.have_matplotlib():
+        raise CliError("--png needs matplotlib, which is not installed: pip install 'flexattn-zoo[viz]'")
+    console.print(f"[bold]{escape(args.name)}[/bold]  {escape(_short(spec, 140))}")
+    console.print(f"q_len={q_len} kv_len={kv_len}" + (f" batch={args.batch}" if args.batch > 1 else "")
+                  + (f" head {args.head} of {heads}" if heads > 1 else ""))  # fmt: skip
+    if is_mask:
+        return _show_mask(args, spec, q_len, kv_len, heads, console)
+    return _show_score(args, spec, q_len, kv_len, heads, console)
+
+
+def _show_mask(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, heads: int, console: Console) -> int:
+    import flexattn_zoo as fz
+
+    spec.validate(q_len, kv_len, args.batch, heads)
+    cells = viz.mask_cells(spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head)
+    if cells.downsampled:
+        how = "sampled at points of each cell" if cells.sampled else "exact"
+        console.print(
+            f"downsampled: each character is {cells.row_step} queries x {cells.col_step} keys "
+            f"('#' all visible, '+' some visible, '.' none; {how})"
+        )
+    else:
+        console.print("rows are queries, columns keys ('#' visible, '.' masked)")
+    _print_lines(console, viz.render_cells(cells.frac))
+    bm = fz.block_mask(spec, q_len, kv_len, batch=args.batch, heads=heads, device="cpu")
+    counts = viz.block_counts(bm, q_len, kv_len)
+    qb, kvb = bm.BLOCK_SIZE
+    if cells.visible is not None:
+        total = q_len * kv_len * (args.batch if spec.uses_batch() else 1)
+        console.print(f"visible: {cells.visible} of {total} positions ({100 * cells.visible / total:.1f}%)")
+    console.print(
+        f"BlockMask {qb}x{kvb}: block sparsity {100 * counts['empty'] / counts['total']:.1f}% (blocks skipped); "
+        f"{counts['total']} blocks: {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty"
+    )
+    codes = viz.block_codes(bm, q_len, kv_len, batch_index=0, head_index=args.head)
+    if codes.numel() > 1:
+        lines, r_step, c_step = viz.render_block_codes(codes)
+        group = f", each character {r_step}x{c_step} blocks" if r_step > 1 or c_step > 1 else ""
+        console.print(f"blocks ('#' full, '+' partial, '.' empty{group}):")
+        _print_lines(console, lines)
+    if args.png:
+        big = viz.mask_cells(spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512)
+        viz.write_png(args.png, f"{args.name} (Lq={q_len}, Lkv={kv_len})", big.frac, blocks=codes,
+                      cell_label="visible fraction")  # fmt: skip
+        console.print(f"wrote {args.png}")
+    return 0
+
+
+def _show_score(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, heads: int, console: Console) -> int:
+    spec.validate(q_len, kv_len, args.batch, heads)
+    if q_len * kv_len > viz.DENSE_LIMIT:
+        raise ValueError(f"score mod pictures are dense: keep len * kv_len <= {viz.DENSE_LIMIT}")
+    bias = viz.score_bias(spec, q_len, kv_len, heads=heads, head_index=args.head)
+    if bool((bias == 0).all()):
+        console.print("adds no position-dependent bias (a zero score stays 0 everywhere)")
+    elif q_len <= 16 and kv_len <= 16:
+        console.print("bias added to a zero score (rows queries, columns keys):")
+        _print_lines(console, viz.render_numbers(bias))
+    else:
+        lines, r_step, c_step = viz.render_shades(bias)
+        note = f"; each character {r_step}x{c_step} positions" if r_step > 1 or c_step > 1 else ""
+        console.print(
+            f"bias added to a zero score, shaded from ' ' = {float(bias.min()):.3g} to '@' = {float(bias.max()):.3g}{note}:"
+        )
+        _print_lines(console, lines)
+    inputs = [-100.0, -10.0, -1.0, 0.0, 1.0, 10.0, 100.0]
+    outputs = viz.score_response(spec, inputs, heads=heads, head_index=args.head)
+    table = Table(title="score at i=0, j=0 (scaled) -> modified score")
+    table.add_column("score in", justify="right")
+    table.add_column("score out", justify="right")
+    for x, y in zip(inputs, outputs, strict=True):
+        table.add_row(f"{x:g}", f"{y:.4g}")
+    console.print(table)
+    if args.png:
+        viz.write_png(args.png, f"{args.name} bias, head {args.head}", bias, cell_label="bias", cmap="viridis")
+        console.print(f"wrote {args.png}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# env
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cmd_env(args: argparse.Namespace, console: Console) -> int:
+    import torch
+
+    from flexattn_zoo.arch import detect_arch
+    from flexattn_zoo.backends import BACKENDS
+
+    info = Table(title="environment", show_header=False)
+    info.add_column("what", style="bold")
+    info.add_column("value")
+    info.add_row("flexattn_zoo", _version())
+    info.add_row("python", f"{platform.python_version()} ({platform.platform()})")
+    info.add_row("torch", torch.__version__)
+    info.add_row("triton", _dist_version("triton", "pytorch-triton") or "not installed")
+    info.add_row("flash-attn-4 (flex FLASH)", _dist_version("flash-attn-4", "flash_attn_4") or "not installed")
+    info.add_row("CUDA (torch built with)", str(torch.version.cuda or "none (CPU build)"))
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    info.add_row("cuDNN", str(cudnn) if cudnn else "not available")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(i)
+            info.add_row(f"GPU {i}", f"{torch.cuda.get_device_name(i)} (compute capability {major}.{minor})")
+    else:
+        info.add_row("GPU", "none visible to torch")
+    info.add_row("CPU cores", str(os.cpu_count()))
+    info.add_row("detected arch", detect_arch())
+    info.add_row("matplotlib (viz extra)", _dist_version("matplotlib") or "not installed")
+    console.print(info)
+
+    routes = Table(title="routes on this machine")
+    routes.add_column("route", style="bold")
+    routes.add_column("available")
+    routes.add_column("why not")
+    for backend in BACKENDS:
+        reasons = list(backend.unavailable_reasons())
+        routes.add_row(backend.name, "[red]no[/red]" if reasons else "[green]yes[/green]", escape("; ".join(reasons)))
+    console.print(routes)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], console: Console) -> int:
+    import torch
+
+    from flexattn_zoo.arch import detect_arch, parse_arch
+    from flexattn_zoo.dispatch import Problem, plan_problem
+
+    heads, kv_heads = args.heads
+    if args.config:
+        if args.mask or args.score or params:
+            raise ValueError("--config replaces --mask/--score and their parameters; give one or the other")
+        from flexattn_zoo.config import load_yaml_spec
+
+        mask, score = load_yaml_spec(args.config)
+    else:
+        mask, score = build_specs(args.mask, args.score, params, {"num_heads": heads})
+    arch = args.arch or detect_arch()
+    parse_arch(arch)  # a ValueError naming valid forms for a typo such as "h100"
+    q_len = args.length
+    kv_len = args.kv_len or q_len
+    problem = Problem(
+        batch=args.batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=args.dim,
+        dtype=getattr(torch, args.dtype), device_type="cpu" if arch == "cpu" else "cuda", arch=arch,
+        requires_grad=args.grad, mask=mask, score=score, return_lse=args.lse,
+    )  # fmt: skip
+    plan = plan_problem(problem)
+    gqa = f",{kv_heads}" if kv_heads != heads else ""
+    console.print(
+        f"problem: B={args.batch} H={heads}{gqa} Lq={q_len} Lkv={kv_len} D={args.dim} {args.dtype} on {arch}, "
+        f"{'forward + backward' if args.grad else 'forward'}"
+    )
+    console.print(f"mask: {escape(_short(mask, 120))}    score_mod: {escape(_short(score, 120))}")
+    console.print(f"route: [bold green]{escape(str(plan.backend))}[/bold green]")
+    table = Table(title="candidates, in priority order")
+    table.add_column("route", style="bold")
+    table.add_column("verdict")
+    table.add_column("reasons")
+    for cand in plan.candidates:
+        if cand.name == plan.backend:
+            verdict = "[bold green]chosen[/bold green]"
+        elif cand.accepted:
+            verdict = "[green]could run[/green]"
+        else:
+            verdict = "[red]refused[/red]"
+        table.add_row(cand.name, verdict, escape("; ".join(cand.reasons)))
+    console.print(table)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# demo
+
+
+def cmd_demo(args: argparse.Namespace, console: Console) -> int:
+    from flexattn_zoo import demo
+
+    results = demo.run_demo(
+        device=args.device, length=args.length, batch=args.batch, heads=args.heads, dim=args.dim,
+        dtype=args.dtype, repeats=args.repeats, only=args.only, console=console,
+    )  # fmt: skip
+    if not results:
+        raise CliError(f"no preset matches --only {' '.join(args.only or [])}", code=2)
+    return 0 if all(r.passed for r in results) else 1
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (the console script exits with it)."""
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    params: list[tuple[str, str | None]] = []
+    if tokens and tokens[0] in _OWN_OPTIONS:
+        kept, params = split_options(tokens[1:], _OWN_OPTIONS[tokens[0]])
+        tokens = [tokens[0], *kept]
+    console = Console(highlight=False)
+    errors = Console(stderr=True, highlight=False)
+    try:
+        args = build_parser().parse_args(tokens)
+        if args.command == "list":
+            return cmd_list(args, console)
+        if args.command == "show":
+            return cmd_show(args, params, console)
+        if args.command == "env":
+            return cmd_env(args, console)
+        if args.command == "plan":
+            return cmd_plan(args, params, console)
+        return cmd_demo(args, console)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2, message already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    except CliError as exc:
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return exc.code
+    except viz.MissingDependency as exc:
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return 1
+    except (ValueError, TypeError) as exc:
+        if os.environ.get("FLEXATTN_ZOO_DEBUG"):
+            raise
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Turning command-line ``--name value`` pairs into zoo specs (the CLI's helper).
+
+Spec parameters are not known to argparse in advance (users register their own specs), so the CLI
+collects every option it does not define itself and hands it here:
+
+* values parse as ``true``/``false`` (bool), ``none``, int, float, comma lists (``3,2,1``),
+  semicolon-separated rows of lists (``0,0,1;0,1,1``), or stay strings (``bottom_right``);
+* ``--doc-ids`` is the parameter ``doc_ids``; ``--chunked.size 16`` targets one part of a
+  combination; a plain name goes to every part that has that parameter;
+* a list given to a tensor-typed field becomes a tensor, to any other field a tuple;
+* a parameter that is not a field but is the argument of a ``from_*`` constructor picks that
+  constructor: ``document --lengths 3,2,1`` calls ``Document.from_lengths(lengths=[3, 2, 1])``.
+
+Combinations are written with ``+``: ``causal+chunked`` is ``Causal() & Chunked(...)`` for masks,
+``alibi+softcap`` is ``Alibi(...) >> SoftCap(...)`` for score mods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from flexattn_zoo.registry import MASKS, SCORES, Entry, Registry, did_you_mean
+from flexattn_zoo.spec import Spec
+
+_TRUE = {"true", "yes", "on"}
+_FALSE = {"false", "no", "off"}
+
+
+def parse_scalar(text: str) -> Any:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    if low in ("none", "null"):
+        return None
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_value(text: str) -> Any:
+    """``"3"`` -> 3, ``"0.5"`` -> 0.5, ``"true"`` -> True, ``"1,2"`` -> [1, 2], ``"1,2;3,4"`` -> [[1, 2], [3, 4]]."""
+    body = text.strip()
+    if body.startswith("[") and body.endswith("]"):
+        body = body[1:-1]
+    if ";" in body:
+        return [parse_value(row) for row in body.split(";") if row.strip()]
+    if "," in body:
+        return [parse_scalar(part) for part in body.split(",") if part.strip()]
+    return parse_scalar(body)
+
+
+def split_options(tokens: Iterable[str], known: dict[str, bool]) -> tuple[list[str], list[tuple[str, str | None]]]:
+    """Split argv into the tokens argparse knows and ``(name, raw value)`` spec parameters.
+
+    ``known`` maps each option string of the subcommand to whether it takes a value. An unknown
+    ``--name`` takes the next token as its value unless that token is another ``--option``
+    (negative numbers such as ``-1`` are values); ``--name=value`` works too.
+    """
+    kept: list[str] = []
+    params: list[tuple[str, str | None]] = []
+    items = list(tokens)
+    i = 0
+    while i < len(items):
+        tok = items[i]
+        name, eq, inline = tok.partition("=")
+        if tok == "--":
+            kept.extend(items[i:])
+            break
+        if name in known or not tok.startswith("--"):
+            kept.append(tok)
+            if name in known and known[name] and not eq and i + 1 < len(items):
+                kept.append(items[i + 1])
+                i += 1
+            i += 1
+            continue
+        if eq:
+            params.append((name[2:], inline))
+        elif i + 1 < len(items) and not items[i + 1].startswith("--"):
+            params.append((name[2:], items[i + 1]))
+            i += 1
+        else:
+            params.append((name[2:], None))  # a bare flag means True
+        i += 1
+    return kept, params
+
+
+@dataclasses.dataclass
+class Part:
+    """One named component of a ``+`` combination."""
+
+    registry: Registry[Any]
+    name: str
+    entry: Entry
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fields(self) -> list[str]:
+        return [p for p, _ in self.entry.params]
+
+    def constructors(self) -> dict[str, inspect.Signature]:
+        """``from_*`` classmethods of the spec class and their signatures."""
+        factory = self.entry.factory
+        if not isinstance(factory, type):
+            return {}
+        found = {}
+        for attr in sorted(dir(factory)):
+            if attr.startswith("from_") and callable(getattr(factory, attr)):
+                try:
+                    found[attr] = inspect.signature(getattr(factory, attr))
+                except (TypeError, ValueError):
+                    continue
+        return found
+
+    def accepts(self, param: str) -> bool:
+        return param in self.fields or any(param in sig.parameters for sig in self.constructors().values())
+
+    def valid_names(self) -> list[str]:
+        names = list(self.fields)
+        for sig in self.constructors().values():
+            names.extend(p for p in sig.parameters if p not in names and p != "device")
+        return names
+
+
+def _tensor_fields(factory: Any) -> set[str]:
+    if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
+        return set()
+    return {f.name for f in dataclasses.fields(factory) if "Tensor" in str(f.type)}
+
+
+def _build(part: Part, context: dict[str, Any]) -> Spec:
+    params = dict(part.params)
+    # Fill a required parameter the problem already determines (ALiBi's num_heads = heads).
+    for name, default in part.entry.params:
+        if default == "required" and name not in params and name in context:
+            params[name] = context[name]
+    extra = [p for p in params if p not in part.fields]
+    if extra:
+        for ctor, sig in part.constructors().items():
+            accepted = set(sig.parameters)
+            required = {
+                n for n, p in sig.parameters.items()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            }  # fmt: skip
+            if set(extra) <= accepted and required <= set(params) and set(params) <= accepted:
+                return getattr(part.entry.factory, ctor)(**params)  # type: ignore[no-any-return]
+        # No constructor fits: let the registry produce its standard error listing valid names.
+    tensors = _tensor_fields(part.entry.factory)
+    for key, value in params.items():
+        if isinstance(value, list):
+            params[key] = torch.tensor(value) if key in tensors else tuple(value)
+    return part.registry.get(part.name, **params)  # type: ignore[no-any-return]
+
+
+def _parts(text: str, registry: Registry[Any]) -> list[Part]:
+    names = [n.strip() for n in text.split("+")]
+    if not all(names):
+        raise ValueError(f"bad {registry.kind} combination {text!r}: write names joined by '+', e.g. causal+chunked")
+    return [Part(registry, n, registry.entry(n)) for n in names]
+
+
+def build_specs(
+    mask: str | None,
+    score: str | None,
+    raw_params: list[tuple[str, str | None]],
+    context: dict[str, Any] | None = None,
+) -> tuple[Spec | None, Spec | None]:
+    """Build the mask spec and the score spec named on the command line from their parameters.
+
+    Raises:
+        ValueError: unknown names, parameters no part accepts, or values a spec rejects.
+    """
+    mask_parts = _parts(mask, MASKS) if mask else []
+    score_parts = _parts(score, SCORES) if score else []
+    parts = mask_parts + score_parts
+    for raw_name, raw_value in raw_params:
+        value = True if raw_value is None else parse_value(raw_value)
+        target, dot, name = raw_name.replace("-", "_").rpartition(".")
+        if not dot:
+            target, name = "", raw_name.replace("-", "_")
+        chosen = [p for p in parts if (not target or p.name == target) and p.accepts(name)]
+        if not chosen:
+            if target and not any(p.name == target for p in parts):
+                raise ValueError(
+                    f"--{raw_name}: {target!r} is not part of this command's specs "
+                    f"({', '.join(p.name for p in parts) or 'none given'})"
+                )
+            valid = sorted({n for p in parts for n in p.valid_names()})
+            pretty = ", ".join(f"--{n.replace('_', '-')}" for n in valid) or "(none)"
+            raise ValueError(
+                f"unknown parameter --{raw_name} for {'+'.join(p.name for p in parts) or 'this command'}; "
+                f"valid parameters: {pretty}.{did_you_mean(name, valid)}"
+            )
+        for p in chosen:
+            p.params[name] = value
+    ctx = context or {}
+    mask_specs = [_build(p, ctx) for p in mask_parts]
+    score_specs = [_build(p, ctx) for p in score_parts]
+    mask_spec = None
+    for s in mask_specs:
+        mask_spec = s if mask_spec is None else mask_spec & s  # type: ignore[operator]
+    score_spec = None
+    for s in score_specs:
+        score_spec = s if score_spec is None else score_spec >> s  # type: ignore[operator]
+    return mask_spec, score_spec
+
+
+def describe_params(entry: Entry) -> str:
+    """``left, right=0`` for the CLI listing."""
+    return ", ".join(name if default == "required" else f"{name}={default}" for name, default in entry.params)

@@ -1,0 +1,113 @@
+"""One compiled flex_attention per (mask_mod, score_mod, kernel options, outputs), never unfused.
+
+Why a code object per key: Dynamo keeps its compiled-graph cache on the *code object* and gives
+up after ``recompile_limit`` (8) entries, silently running flex unfused (which asked for 64 GiB at
+L=32K in our baseline). If every spec shared one compiled function, eight specs would exhaust it.
+Each key here gets its own copy of a small wrapper's code object, so its cache only ever holds
+the variations of *one* kernel: grad mode, and shapes (static first, then one dynamic-shape graph
+once a second length is seen, by Dynamo's automatic dynamic shapes).
+
+Why fallback is impossible: the wrapper raises :class:`UnfusedFallbackError` when its body runs
+outside Dynamo. Compiled, ``is_compiling()`` is constant-folded to True and the check vanishes;
+the body can only execute eagerly if Dynamo refused to compile it — exactly the silent fallback.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+
+#: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
+COMPILE_CACHE_SIZE = 128
+
+
+class UnfusedFallbackError(RuntimeError):
+    """torch would have run flex_attention unfused (materializing Lq x Lkv): refused."""
+
+
+def _template(score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Callable[..., Any]:
+    aux = _compat.flex_aux_request(lse)
+    flex = _compat.flex_attention
+    is_compiling = _compat.is_compiling
+
+    def flexattn_zoo_flex(q, k, v, block_mask, scale):  # type: ignore[no-untyped-def]
+        if not is_compiling():
+            raise UnfusedFallbackError(
+                "torch.compile did not compile flex_attention for this call (recompile limit or a "
+                "graph break), so it would run unfused and materialize Lq x Lkv. flexattn_zoo "
+                "refuses; please report this with the shapes and spec."
+            )
+        return flex(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+            enable_gqa=gqa, kernel_options=kernel_options, **aux,
+        )  # fmt: skip
+
+    return flexattn_zoo_flex
+
+
+class CompiledFlex:
+    """A compiled flex call for one key; ``compiles`` counts graphs Dynamo built for it."""
+
+    def __init__(self, serial: int, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> None:
+        self.compiles = 0
+        self.calls = 0
+        self.lse = lse
+        fn = _template(score_mod, kernel_options, lse, gqa)
+        code = fn.__code__.replace(co_name=f"flexattn_zoo_flex_{serial}")
+        unique = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        inductor = _compat.inductor_backend()
+
+        def counting_backend(gm: Any, example_inputs: Any) -> Any:
+            self.compiles += 1
+            return inductor(gm, example_inputs)
+
+        self._fn = torch.compile(unique, backend=counting_backend, fullgraph=True)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.calls += 1
+        out = self._fn(q, k, v, block_mask, scale)
+        return _compat.unpack_flex_output(out, self.lse)
+
+
+class CompileCache:
+    """Thread-safe LRU of :class:`CompiledFlex` entries."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._data: OrderedDict[Hashable, CompiledFlex] = OrderedDict()
+        self._lock = threading.Lock()
+        self._serial = 0
+
+    def get(self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> CompiledFlex:
+        key = (mask_mod, score_mod, tuple(sorted((kernel_options or {}).items())), lse, gqa)
+        with self._lock:
+            entry = self._data.get(key)
+            if entry is None:
+                self._serial += 1
+                entry = CompiledFlex(self._serial, score_mod, kernel_options, lse, gqa)
+                self._data[key] = entry
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+            return entry
+
+    def total_compiles(self) -> int:
+        with self._lock:
+            return sum(e.compiles for e in self._data.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+CACHE = CompileCache(COMPILE_CACHE_SIZE)

@@ -1,0 +1,48 @@
+"""The description of one attention call that backends inspect (no tensors needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flexattn_zoo.spec import MaskSpec, ScoreSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Everything a backend needs to decide whether it can run a call exactly.
+
+    ``mask`` is already bound to the lengths (``spec.bind(Lq, Lkv)``); ``None`` means no mask.
+    ``user_block_mask`` is set when the caller passed a BlockMask instead of a spec.
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: torch.dtype
+    device_type: str
+    arch: str
+    requires_grad: bool
+    mask: MaskSpec | None = None
+    score: ScoreSpec | None = None
+    return_lse: bool = False
+    v_dim: int | None = None
+    user_block_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.v_dim is None:
+            object.__setattr__(self, "v_dim", self.head_dim)
+        if self.mask is not None:
+            object.__setattr__(self, "mask", self.mask.bind(self.q_len, self.kv_len))
+
+    @property
+    def mode(self) -> str:
+        return "fwdbwd" if self.requires_grad else "fwd"
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads != self.kv_heads

@@ -1,0 +1,200 @@
+"""Testing toolkit for users and for our own tests (``fz.testing``).
+
+* :func:`reference_attention` -- the float64 oracle (re-exported from :mod:`flexattn_zoo.reference`).
+* :func:`eager_attention` -- the same math done eagerly in the *input* precision: the baseline
+  that says how much error a low-precision computation of this problem is expected to have.
+* :func:`assert_matches_reference` -- the tolerance rule of the project (DESIGN.md section 6):
+
+      max|route - ref64|  <=  ratio * max|eager - ref64|  +  floor
+
+  with ``ratio = 2`` and ``floor = floor_ulps * eps(dtype) * max|ref64|`` (``floor_ulps = 4``). The
+  floor exists because the eager baseline is sometimes luckily exact (a row that sees one key,
+  a fully masked row, float64 inputs) while a correct route that sums in another order, or
+  rounds its result once more to the output dtype, is a few ulps off; 4 ulps of the largest
+  reference value is far below any real bug (a wrong mask or scale moves outputs by O(1)).
+* :func:`assert_mask_consistent` / :func:`assert_score_consistent` -- a spec's ``mask_mod`` /
+  ``score_mod`` against its dense oracle, and its cheap exact forms (block map, SDPA, varlen).
+* :func:`spec_examples` -- every registered spec's ``examples()`` for one problem shape.
+* ``strategies`` -- hypothesis strategies (imported on first use; hypothesis is a dev extra).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from flexattn_zoo._checks import assert_mask_consistent, assert_score_consistent, spec_examples
+from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.reference import reference_attention
+from flexattn_zoo.validation import check_qkv
+
+__all__ = [
+    "DEFAULT_RATIO",
+    "FLOOR_ULPS",
+    "assert_mask_consistent",
+    "assert_matches_reference",
+    "assert_score_consistent",
+    "eager_attention",
+    "reference_attention",
+    "spec_examples",
+    "strategies",
+]
+
+#: A correct route may be this many times worse than eager attention in the same precision.
+DEFAULT_RATIO = 2.0
+#: Absolute floor of the budget, in ulps of the dtype at the largest reference magnitude.
+FLOOR_ULPS = 4.0
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy so that ``import flexattn_zoo`` never needs hypothesis (a dev extra).
+    if name == "strategies":
+        import flexattn_zoo.strategies as strategies
+
+        return strategies
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention computed in ``q.dtype`` throughout (scores, softmax, output), autograd-able.
+
+    Same conventions as :func:`reference_attention` (fully masked rows give 0 and lse -inf); only
+    the precision differs, which makes its error the yardstick for low-precision routes.
+    """
+    shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
+    mask_spec, score_spec = as_mask_spec(mask), as_score_spec(score_mod)
+    dtype = q.dtype
+    if shape.heads != shape.kv_heads:
+        group = shape.heads // shape.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else float(scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if score_spec is not None:
+        scores = score_spec.to(q.device).dense(scores).to(dtype)
+    if mask_spec is not None:
+        visible = mask_spec.to("cpu").dense(
+            shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads
+        ).to(q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
+    out = torch.matmul(probs.masked_fill(empty.unsqueeze(-1), 0.0), v)
+    return (out, lse) if return_lse else out
+
+
+def _compare(
+    what: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    eager: torch.Tensor,
+    dtype: torch.dtype,
+    ratio: float,
+    floor_ulps: float,
+) -> None:
+    if tuple(got.shape) != tuple(ref.shape):
+        raise AssertionError(f"{what}: shape {tuple(got.shape)} != expected {tuple(ref.shape)}")
+    got64 = got.detach().double().to(ref.device)
+    # -inf is legitimate (lse of a row that sees nothing) but must sit exactly where it should.
+    got_inf, ref_inf = torch.isneginf(got64), torch.isneginf(ref)
+    if not torch.equal(got_inf, ref_inf):
+        where = tuple(int(x) for x in torch.nonzero(got_inf != ref_inf)[0])
+        raise AssertionError(
+            f"{what}: -inf pattern differs from the reference at index {where} "
+            f"(got {got64[where].item()}, reference {ref[where].item()})"
+        )
+    bad = ~torch.isfinite(got64) & ~got_inf
+    if bad.any():
+        where = tuple(int(x) for x in torch.nonzero(bad)[0])
+        raise AssertionError(f"{what}: non-finite value {got64[where].item()} at index {where}")
+    finite = ~ref_inf
+    err = torch.where(finite, (got64 - ref).abs(), 0.0)
+    # An eager value that overflowed (fp16) says nothing about the expected error: skip it
+    # rather than let an infinite baseline make every output pass.
+    eager_err = torch.where(finite, (eager.detach().double() - ref).abs(), 0.0)
+    eager_err = eager_err.nan_to_num(nan=0.0, posinf=0.0)
+    magnitude = float(torch.where(finite, ref.abs(), 0.0).max()) if ref.numel() else 0.0
+    floor = floor_ulps * torch.finfo(dtype).eps * (magnitude if magnitude > 0 else 1.0)
+    eager_max = float(eager_err.max()) if ref.numel() else 0.0
+    budget = ratio * eager_max + floor
+    worst = float(err.max()) if ref.numel() else 0.0
+    if worst > budget:
+        where = tuple(int(x) for x in torch.nonzero(err == worst)[0])
+        raise AssertionError(
+            f"{what}: max abs error {worst:.3e} at index {where} (got {got64[where].item():.6g}, "
+            f"reference {ref[where].item():.6g}) exceeds the budget {budget:.3e} = {ratio} x eager "
+            f"{dtype} error {eager_max:.3e} + floor {floor:.3e} ({floor_ulps} ulps of {dtype} at "
+            f"max |reference| {magnitude:.3g})"
+        )
+
+
+def assert_matches_reference(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    lse: torch.Tensor | None = None,
+    grads: Sequence[torch.Tensor | None] | None = None,
+    grad_out: torch.Tensor | None = None,
+    ratio: float = DEFAULT_RATIO,
+    floor_ulps: float = FLOOR_ULPS,
+) -> None:
+    """Assert that a route's results are as accurate as attention in ``q.dtype`` can be.
+
+    Args:
+        out: The route's output for ``q, k, v`` (any dtype; compared in float64).
+        q, k, v: The inputs the route was given (their dtype sets the expected precision).
+        mask, score_mod, scale, enable_gqa: As given to the route (specs, names or callables).
+        lse: The route's log-sum-exp ``[B, H, Lq]``, checked too when given (natural log;
+            ``-inf`` exactly on rows that see no key).
+        grads: ``(dq, dk, dv)`` the route produced for the upstream gradient ``grad_out``
+            (``None`` entries are skipped).
+        grad_out: Upstream gradient of ``out``; required with ``grads``.
+        ratio, floor_ulps: The tolerance rule (see the module docstring).
+
+    Raises:
+        AssertionError: naming the quantity, the worst index, its error and the budget.
+        ValueError: ``grads`` without ``grad_out``.
+    """
+    if grads is not None and grad_out is None:
+        raise ValueError("assert_matches_reference(grads=...) needs grad_out= (the upstream gradient)")
+    want_grads = grads is not None
+    kwargs: dict[str, Any] = dict(
+        mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa, return_lse=True
+    )
+    ins64 = [t.detach().double().requires_grad_(want_grads) for t in (q, k, v)]
+    ins_low = [t.detach().clone().requires_grad_(want_grads) for t in (q, k, v)]
+    with torch.enable_grad():
+        ref, ref_lse = reference_attention(*ins64, **kwargs)  # type: ignore[misc]
+        eager, eager_lse = eager_attention(*ins_low, **kwargs)  # type: ignore[misc]
+    dtype = q.dtype
+    _compare("output", out, ref, eager, dtype, ratio, floor_ulps)
+    if lse is not None:
+        _compare("lse", lse, ref_lse, eager_lse, dtype, ratio, floor_ulps)
+    if grads is not None:
+        assert grad_out is not None
+        if len(grads) != 3:
+            raise ValueError(f"grads must be (dq, dk, dv), got {len(grads)} tensors")
+        ref_g = torch.autograd.grad(ref, ins64, grad_out.detach().double())
+        eager_g = torch.autograd.grad(eager, ins_low, grad_out.detach().to(dtype))
+        for name, got, r, e in zip(("dq", "dk", "dv"), grads, ref_g, eager_g, strict=True):
+            if got is not None:
+                _compare(name, got, r, e, dtype, ratio, floor_ulps)
