@@ -1,0 +1,82 @@
+"""Mask / score-mod pairs from YAML, with strict keys.
+
+Format (every key optional, nothing else allowed)::
+
+    mask: {name: sliding_window, left: 1023}        # a mapping: one registry entry
+    score_mod: {name: softcap, cap: 30.0}
+
+``mask`` may also be a list of mappings, combined with ``&`` (e.g. document & causal), and
+``score_mod`` a list, chained in order (``a >> b``).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
+from flexattn_zoo.spec import MaskSpec, ScoreSpec
+
+TOP_LEVEL_KEYS = ("mask", "score_mod")
+
+
+def _entry(reg: Registry[Any], item: Any, where: str) -> Any:
+    if not isinstance(item, dict):
+        raise ValueError(f"{where} must be a mapping like {{name: ..., param: value}}, got {type(item).__name__}")
+    if "name" not in item:
+        raise ValueError(f"{where} needs a 'name' key (one of {', '.join(reg.names())})")
+    params = {k: v for k, v in item.items() if k != "name"}
+    try:
+        return reg.get(item["name"], **params)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+
+
+def spec_from_dict(data: Any) -> tuple[MaskSpec | None, ScoreSpec | None]:
+    """Build ``(mask, score_mod)`` from an already-parsed mapping (see module doc)."""
+    if data is None:
+        return None, None
+    if not isinstance(data, dict):
+        raise ValueError(f"YAML config must be a mapping with keys {TOP_LEVEL_KEYS}, got {type(data).__name__}")
+    unknown = [k for k in data if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise ValueError(
+            f"unknown YAML key(s) {unknown}; valid keys: {', '.join(TOP_LEVEL_KEYS)}."
+            f"{did_you_mean(str(unknown[0]), list(TOP_LEVEL_KEYS))}"
+        )
+    mask = data.get("mask")
+    score = data.get("score_mod")
+    mask_spec = score_spec = None
+    if mask is not None:
+        items = mask if isinstance(mask, list) else [mask]
+        if not items:
+            raise ValueError("mask: an empty list; give at least one {name: ...} entry")
+        parts = [_entry(MASKS, it, f"mask[{i}]" if isinstance(mask, list) else "mask") for i, it in enumerate(items)]
+        mask_spec = functools.reduce(operator.and_, parts)
+    if score is not None:
+        items = score if isinstance(score, list) else [score]
+        if not items:
+            raise ValueError("score_mod: an empty list; give at least one {name: ...} entry")
+        parts_s = [_entry(SCORES, it, f"score_mod[{i}]" if isinstance(score, list) else "score_mod") for i, it in enumerate(items)]
+        score_spec = functools.reduce(operator.rshift, parts_s)
+    return mask_spec, score_spec
+
+
+def load_yaml_spec(source: str | os.PathLike[str]) -> tuple[MaskSpec | None, ScoreSpec | None]:
+    """Parse YAML text, or a path to a YAML file, into ``(mask, score_mod)`` specs."""
+    text = str(source)
+    if isinstance(source, os.PathLike) or (("\n" not in text) and text.endswith((".yaml", ".yml"))):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"YAML config file {str(path)!r} does not exist")
+        text = path.read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"malformed YAML config: {exc}") from exc
+    return spec_from_dict(data)

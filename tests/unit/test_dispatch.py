@@ -1,0 +1,207 @@
+"""Dispatcher: route choice (per arch, mode, spec), explicit backends, CPU routes vs the reference.
+
+CPU compiles cost seconds each, so flex_cpu runs only a handful of specs here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.backends import BACKENDS
+from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.compile import UnfusedFallbackError
+from flexattn_zoo.dispatch import Problem, plan_problem
+from flexattn_zoo.testing import assert_matches_reference
+
+
+def _problem(mask=None, score=None, *, arch="sm90", dtype=torch.bfloat16, d=128, lq=1024, lkv=None,
+             grad=False, heads=(16, 16), lse=False, device="cuda"):  # fmt: skip
+    return Problem(
+        batch=2, heads=heads[0], kv_heads=heads[1], q_len=lq, kv_len=lkv or lq, head_dim=d, dtype=dtype,
+        device_type=device, arch=arch, requires_grad=grad, mask=mask, score=score, return_lse=lse,
+    )  # fmt: skip
+
+
+DOC = masks.Document.from_lengths([300, 500, 224])
+
+
+@pytest.mark.parametrize(
+    ("problem", "route"),
+    [
+        (_problem(masks.Causal()), "sdpa_cudnn"),
+        (_problem(None), "sdpa_cudnn"),
+        (_problem(masks.Causal(), d=64), "sdpa_cudnn"),
+        (_problem(masks.Causal(), grad=True), "sdpa_cudnn"),
+        (_problem(masks.Causal(), heads=(32, 8)), "flex"),  # cuDNN refuses GQA; flex 412 > FA2 341
+        (_problem(masks.Causal(), lq=1000, lkv=1200), "flex"),  # no SDPA form when Lq != Lkv
+        (_problem(DOC & masks.Causal()), "flex"),  # measured: flex >= varlen on sm90
+        (_problem(masks.SlidingWindow(left=127)), "flex"),
+        (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "flex"),
+        (_problem(masks.Causal(), dtype=torch.float32), "flex"),
+        (_problem(masks.Causal(), arch="sm80"), "sdpa_flash"),
+        (_problem(masks.Causal(), arch="sm86"), "sdpa_flash"),
+        (_problem(masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32), "sdpa_flash"),
+        (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32), "flex_cpu"),
+        (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True), "dense"),
+        (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, lse=True), "dense"),
+    ],
+)
+def test_auto_route_table(problem: Problem, route: str) -> None:
+    # On this CPU machine flash-attn-4 is not installed, so flex_flash always refuses.
+    assert plan_problem(problem).backend == route
+
+
+def test_plan_lists_every_route_with_reasons() -> None:
+    p = plan_problem(_problem(masks.SlidingWindow(left=127)))
+    names = [c.name for c in p.candidates]
+    assert set(names) == {b.name for b in BACKENDS}
+    text = p.explain()
+    for c in p.candidates:
+        assert c.name in text
+    sdpa = next(c for c in p.candidates if c.name == "sdpa_cudnn")
+    assert not sdpa.accepted and any("SDPA form" in r for r in sdpa.reasons)
+
+
+def test_arch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexattn_zoo.arch import detect_arch
+
+    monkeypatch.setenv("FLEXATTN_ZOO_ARCH", "sm80")
+    assert detect_arch("cuda") == "sm80"
+    assert detect_arch("cpu") == "cpu"  # CPU tensors are CPU whatever the override says
+    monkeypatch.setenv("FLEXATTN_ZOO_ARCH", "volta")
+    with pytest.raises(ValueError, match="arch must look like"):
+        detect_arch("cuda")
+
+
+def test_named_backend_never_falls_back() -> None:
+    q = torch.randn(1, 2, 64, 16)
+    with pytest.raises(ValueError, match="backend 'sdpa_math' cannot run this call: mask SlidingWindow"):
+        fz.attention(q, q, q, mask=masks.SlidingWindow(left=4), backend="sdpa_math")
+    with pytest.raises(ValueError, match="backend 'flex' cannot run.*runs on cuda, not cpu"):
+        fz.attention(q, q, q, backend="flex")
+    with pytest.raises(ValueError, match="unknown backend 'flax'; valid: auto, sdpa_cudnn"):
+        fz.attention(q, q, q, backend="flax")
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="has no backward"):
+        fz.attention(q, q, q, mask="causal", backend="flex_cpu")
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [None, masks.Causal(), masks.Causal(align="bottom_right"), masks.SlidingWindow(left=5, right=2),
+     DOC & masks.Causal(), masks.PrefixLM(prefix_len=17) | masks.Chunked(size=32)],
+)  # fmt: skip
+@pytest.mark.parametrize("lq_lkv", [(70, 70), (90, 61)])
+def test_dense_route_forward_backward(mask, lq_lkv) -> None:  # type: ignore[no-untyped-def]
+    lq, lkv = lq_lkv
+    g = torch.Generator().manual_seed(lq)
+    q = torch.randn(2, 4, lq, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, lkv, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, lkv, 16, generator=g, requires_grad=True)
+    out, lse = fz.attention(q, k, v, mask=mask, enable_gqa=True, return_lse=True, backend="dense")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out)
+
+
+def test_auto_cpu_training_uses_exact_route_with_grads() -> None:
+    q = torch.randn(1, 2, 50, 16, requires_grad=True)
+    spec = masks.SlidingWindow(left=7) & masks.Causal()
+    score = score_mods.Alibi(num_heads=2) >> score_mods.SoftCap(cap=5.0)
+    assert fz.plan(q, q, q, mask=spec, score_mod=score).backend == "dense"
+    out = fz.attention(q, q, q, mask=spec, score_mod=score)
+    grad_out = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, (q,), grad_out)
+    assert dq.abs().sum() > 0
+    assert_matches_reference(out, q, q, q, mask=spec, score_mod=score)
+
+
+def test_dense_memory_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEXATTN_ZOO_DENSE_LIMIT_MB", "1")
+    q = torch.randn(1, 4, 512, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="no route in the cpu priority list.*dense: would materialize"):
+        fz.attention(q, q, q, mask=masks.SlidingWindow(left=8))
+
+
+def test_sdpa_cpu_routes_match_reference() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 96, 32, generator=g) for _ in range(3))
+    for backend in ("sdpa_flash", "sdpa_math"):
+        for mask in (None, "causal", masks.Causal(align="bottom_right")):
+            out = fz.attention(q, k, v, mask=mask, backend=backend, scale=0.3)
+            assert_matches_reference(out, q, k, v, mask=mask, scale=0.3)
+
+
+# -- flex on CPU (compiled; each distinct spec costs one compile) ---------------------------------
+
+
+def test_flex_cpu_matches_reference_and_fully_masked_rows() -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 150, 32, generator=g)
+    k = torch.randn(2, 2, 100, 32, generator=g)
+    v = torch.randn(2, 2, 100, 32, generator=g)
+    spec = masks.Causal(align="bottom_right")  # Lq > Lkv: the first 50 query rows see nothing
+    plan = fz.plan(q, k, v, mask=spec, enable_gqa=True)
+    assert plan.backend == "flex_cpu"
+    out = fz.attention(q, k, v, mask=spec, enable_gqa=True)
+    assert torch.equal(out[:, :, :50], torch.zeros_like(out[:, :, :50]))
+    assert_matches_reference(out, q, k, v, mask=spec, enable_gqa=True)
+
+
+def test_flex_cpu_score_mod_chain_and_document() -> None:
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 200, 32, generator=g) for _ in range(3))
+    spec = masks.Document(doc_ids=torch.tensor([[0] * 120 + [1] * 80, [0] * 30 + [1] * 170])) & masks.Causal()
+    score = score_mods.Alibi(num_heads=4) >> score_mods.SoftCap(cap=20.0)
+    out = fz.attention(q, k, v, mask=spec, score_mod=score, backend="flex_cpu")
+    assert_matches_reference(out, q, k, v, mask=spec, score_mod=score)
+
+
+def test_compile_cache_reuses_graphs_across_equal_specs_and_lengths() -> None:
+    def run(spec, length):  # type: ignore[no-untyped-def]
+        q = torch.randn(1, 2, length, 16)
+        out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
+        assert_matches_reference(out, q, q, q, mask=spec)
+
+    run(masks.SlidingWindow(left=9, right=1), 100)
+    before = COMPILE_CACHE.total_compiles()
+    run(masks.SlidingWindow(left=9, right=1), 100)  # a value-equal spec: same mod, same graph
+    assert COMPILE_CACHE.total_compiles() == before
+    for length in (130, 170, 260, 333):  # a length sweep: one dynamic-shape graph serves all
+        run(masks.SlidingWindow(left=9, right=1), length)
+    assert COMPILE_CACHE.total_compiles() - before <= 1
+
+
+def test_unfused_fallback_is_refused() -> None:
+    """If torch ever ran our flex call outside a compiled graph, we raise instead."""
+    q = torch.randn(1, 2, 64, 16)
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(UnfusedFallbackError, match="would run unfused"):
+            fz.attention(q, q, q, mask=masks.SlidingWindow(left=3), backend="flex_cpu")
+
+
+def test_user_block_mask_path() -> None:
+    q = torch.randn(1, 2, 100, 16)
+    bm = fz.block_mask(masks.SlidingWindow(left=9, right=1), 100, 100)
+    assert fz.plan(q, q, q, mask=bm).backend == "flex_cpu"
+    out = fz.attention(q, q, q, mask=bm)
+    assert_matches_reference(out, q, q, q, mask=masks.SlidingWindow(left=9, right=1))
+    with pytest.raises(ValueError, match="built for lengths"):
+        fz.attention(q[:, :, :50], q, q, mask=bm)
+    with pytest.raises(ValueError, match="takes no BlockMask"):
+        fz.attention(q, q, q, mask=bm, backend="sdpa_math")
+
+
+def test_zero_length_sequences() -> None:
+    q = torch.randn(1, 2, 5, 16, requires_grad=True)
+    kv = torch.randn(1, 2, 0, 16, requires_grad=True)
+    out, lse = fz.attention(q, kv, kv, return_lse=True)
+    assert out.shape == (1, 2, 5, 16) and torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()
+    out.sum().backward()
+    assert q.grad is not None and torch.equal(q.grad, torch.zeros_like(q))
+    empty_q = torch.randn(1, 2, 0, 16)
+    assert fz.attention(empty_q, q.detach(), q.detach()).shape == (1, 2, 0, 16)
