@@ -10,12 +10,19 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from typing import Any
 
-from flexattn_zoo import masks, score_mods
-from flexattn_zoo.blockmask import block_mask
-from flexattn_zoo.dispatch import Plan, attention, plan
-from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec
+# In a source checkout used via PYTHONPATH (no install), masks/ and score_mods/ sit beside this
+# package instead of inside it; let the import system find them there as our subpackages.
+if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
+    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # type: ignore[name-defined]
+
+from flexattn_zoo import masks, score_mods  # noqa: E402
+from flexattn_zoo.blockmask import block_mask  # noqa: E402
+from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
+from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec  # noqa: E402
 
 __all__ = [
     "Chain",

@@ -1,0 +1,188 @@
+"""Every zoo preset x every route that claims it, forward and backward, vs the float64 reference.
+
+Runs on a CUDA machine (`pytest -m gpu`). A (preset, route) pair whose route refuses the problem is
+reported as skipped with the route's reasons; ``test_route_coverage`` then asserts that each route
+accepted the presets it must accept, so a route that silently refuses everything fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import _compat, masks, score_mods
+from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.compile import UnfusedFallbackError
+from flexattn_zoo.testing import assert_matches_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+B, H, L = 2, 4, 333  # L is not a multiple of 128 on purpose
+
+
+def _doc() -> masks.Document:
+    return masks.Document.from_lengths([[100, 150, 83], [20, 313]])
+
+
+PRESETS = {
+    "full": (lambda: None, None),
+    "causal": (lambda: masks.Causal(), None),
+    "causal_br_lq_lt_lkv": (lambda: masks.Causal(align="bottom_right"), (200, 333)),
+    "causal_tl_lq_gt_lkv": (lambda: masks.Causal(), (333, 200)),
+    "sliding": (lambda: masks.SlidingWindow(left=64, right=16), None),
+    "document_causal": (lambda: _doc() & masks.Causal(), None),
+    "prefix_lm": (lambda: masks.PrefixLM(prefix_len=torch.tensor([40, 300])), None),
+    "chunked_causal": (lambda: masks.Chunked(size=128) & masks.Causal(), None),
+    "alibi_causal": (lambda: masks.Causal(), "alibi"),
+    "softcap_causal": (lambda: masks.Causal(), "softcap"),
+    "fully_masked_rows": (lambda: masks.Causal(align="bottom_right"), (333, 200)),
+}
+ROUTES = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "varlen", "flex", "flex_flash"]
+ACCEPTED: dict[str, set[str]] = {r: set() for r in ROUTES}
+
+
+def _score(kind):  # type: ignore[no-untyped-def]
+    if kind == "alibi":
+        return score_mods.Alibi(num_heads=H)
+    if kind == "softcap":
+        return score_mods.SoftCap(cap=5.0)
+    return None
+
+
+def _inputs(lq: int, lkv: int, dtype: torch.dtype, d: int = 64, hkv: int = H, seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, H, lq, d, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    k = torch.randn(B, hkv, lkv, d, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    v = torch.randn(B, hkv, lkv, d, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    return q, k, v
+
+
+def _check(q, k, v, route, mask, score, *, gqa=False, lse=True):  # type: ignore[no-untyped-def]
+    plan = None
+    try:
+        plan = fz.plan(q, k, v, mask=mask, score_mod=score, backend=route, enable_gqa=gqa, return_lse=lse)
+    except ValueError:
+        try:  # the route may serve the call without lse (SDPA has none)
+            plan = fz.plan(q, k, v, mask=mask, score_mod=score, backend=route, enable_gqa=gqa)
+            lse = False
+        except ValueError as exc:
+            pytest.skip(f"{route} refuses: {exc}")
+    assert plan is not None and plan.backend == route
+    res = fz.attention(q, k, v, mask=mask, score_mod=score, backend=route, enable_gqa=gqa, return_lse=lse)
+    out, out_lse = res if lse else (res, None)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask=mask, score_mod=score, enable_gqa=gqa, lse=out_lse, grads=grads, grad_out=grad_out
+    )
+    return out
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_preset_route_fwd_bwd(preset: str, route: str) -> None:
+    make_mask, extra = PRESETS[preset]
+    lq, lkv = extra if isinstance(extra, tuple) else (L, L)
+    score = _score(extra) if isinstance(extra, str) else None
+    q, k, v = _inputs(lq, lkv, torch.bfloat16)
+    out = _check(q, k, v, route, make_mask(), score)
+    ACCEPTED[route].add(preset)
+    if preset == "fully_masked_rows":
+        assert torch.equal(out[:, :, : lq - lkv].float(), torch.zeros_like(out[:, :, : lq - lkv].float()))
+
+
+def test_route_coverage() -> None:
+    """Routes must accept what they claim; runs after the matrix above (file order)."""
+    assert set(PRESETS) <= ACCEPTED["flex"], ACCEPTED["flex"]
+    for r in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math"):
+        assert {"full", "causal"} <= ACCEPTED[r], (r, ACCEPTED[r])
+    assert {"full", "causal", "sliding", "document_causal", "chunked_causal"} <= ACCEPTED["varlen"], ACCEPTED["varlen"]
+    if _compat.flash_cute_available():
+        assert {"causal", "sliding", "document_causal", "alibi_causal"} <= ACCEPTED["flex_flash"], ACCEPTED["flex_flash"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_flex_other_dtypes(dtype: torch.dtype) -> None:
+    q, k, v = _inputs(L, L, dtype)
+    _check(q, k, v, "flex", masks.SlidingWindow(left=64, right=16), None)
+
+
+@pytest.mark.parametrize("d", [16, 128, 256])
+def test_flex_head_dims(d: int) -> None:
+    q, k, v = _inputs(L, L, torch.bfloat16, d=d)
+    _check(q, k, v, "flex", masks.Causal(), None)
+
+
+@pytest.mark.parametrize("route", ["flex", "sdpa_flash", "varlen", "flex_flash", "auto"])
+def test_gqa(route: str) -> None:
+    q, k, v = _inputs(L, L, torch.bfloat16, hkv=2)
+    if route == "auto":
+        out = fz.attention(q, k, v, mask=_doc() & masks.Causal(), enable_gqa=True)
+        assert_matches_reference(out, q, k, v, mask=_doc() & masks.Causal(), enable_gqa=True)
+        return
+    _check(q, k, v, route, masks.Causal(), None, gqa=True)
+
+
+def test_auto_follows_requires_grad() -> None:
+    """Mode matters: inference and training may pick different routes, both exact."""
+    q, k, v = _inputs(L, L, torch.bfloat16)
+    with torch.no_grad():
+        fwd_plan = fz.plan(q, k, v, mask="causal")
+        out = fz.attention(q, k, v, mask="causal")
+    assert fwd_plan.problem.mode == "fwd"
+    assert fz.plan(q, k, v, mask="causal").problem.mode == "fwdbwd"
+    assert_matches_reference(out, q, k, v, mask="causal")
+
+
+def test_no_recompiles_for_equal_specs_grad_toggles_and_length_sweep() -> None:
+    spec = masks.SlidingWindow(left=100)
+    q, k, v = _inputs(512, 512, torch.bfloat16)
+    fz.attention(q, k, v, mask=spec, backend="flex")
+    with torch.no_grad():
+        fz.attention(q, k, v, mask=spec, backend="flex")
+    base = COMPILE_CACHE.total_compiles()
+    for _ in range(2):  # value-equal spec objects, both grad modes: nothing new to compile
+        fz.attention(q, k, v, mask=masks.SlidingWindow(left=100), backend="flex")
+        with torch.no_grad():
+            fz.attention(q, k, v, mask=masks.SlidingWindow(left=100), backend="flex")
+    assert COMPILE_CACHE.total_compiles() == base
+    with torch.no_grad():
+        for length in (640, 1000, 1500, 2048, 3000, 4096, 5000, 8192, 9000, 12000):
+            q2, k2, v2 = (t.detach()[:, :, :1].expand(-1, -1, length, -1).contiguous() for t in (q, k, v))
+            fz.attention(q2, k2, v2, mask=spec, backend="flex")
+    # Ten lengths (more than Dynamo's recompile limit of 8): at most one dynamic-shape graph more.
+    assert COMPILE_CACHE.total_compiles() - base <= 1, COMPILE_CACHE.total_compiles() - base
+
+
+def test_unfused_fallback_guard_on_gpu() -> None:
+    q, k, v = _inputs(1024, 1024, torch.bfloat16)
+    with torch.compiler.set_stance("force_eager"), pytest.raises(UnfusedFallbackError):
+        fz.attention(q, k, v, mask=masks.SlidingWindow(left=33), backend="flex")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [masks.Causal(), masks.SlidingWindow(left=300, right=7), masks.Chunked(size=200) & masks.Causal(),
+     masks.PrefixLM(prefix_len=700) , masks.Document.from_lengths([257, 600, 1000, 143])],
+)  # fmt: skip
+@pytest.mark.parametrize("lens", [(2000, 2000), (1500, 2000), (2000, 1300)])
+def test_closed_form_block_mask_equals_create_block_mask(spec, lens) -> None:  # type: ignore[no-untyped-def]
+    lq, lkv = lens
+    bound = spec.bind(lq, lkv)
+    ours = fz.block_mask(spec, lq, lkv, device=DEV)
+    theirs = _compat.create_block_mask(bound.to(DEV).mask_mod(), None, None, lq, lkv, device=DEV)
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
+    assert torch.equal(ours.kv_num_blocks, theirs.kv_num_blocks)
+    assert torch.equal(ours.q_num_blocks, theirs.q_num_blocks)
+    assert torch.equal(ours.full_q_num_blocks, theirs.full_q_num_blocks)
+
+
+def test_backends_declared() -> None:
+    assert set(ROUTES) <= set(BY_NAME)
