@@ -129,7 +129,60 @@ def unpack_flex_output(out: Any, lse: bool) -> tuple[torch.Tensor, torch.Tensor 
     return out[0], out[1]
 
 
-fast_tanh = None  # set by flexattn_zoo.fast_tanh when the GPU inline-asm lowering is available
+_FAST_TANH_OP: Any = None
+_FAST_TANH_LOCK = __import__("threading").Lock()
+
+
+def _register_fast_tanh() -> Any:
+    """Register ``flexattn_zoo::tanh_approx``: torch.tanh eagerly, PTX ``tanh.approx.f32`` when
+    Inductor lowers it into a Triton kernel (measured on H200 flex softcap: 195 -> 351 TFLOP/s).
+
+    Registered on first use, never at import. Uses Inductor's private lowering API.
+    """
+    from torch._inductor.lowering import make_pointwise, register_lowering
+    from torch._inductor.virtualized import ops
+
+    @torch.library.custom_op("flexattn_zoo::tanh_approx", mutates_args=())
+    def tanh_approx(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    @tanh_approx.register_fake
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(output)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+    tanh_approx.register_autograd(backward, setup_context=setup_context)
+
+    def lowering(x: Any) -> Any:
+        def inner(value: Any) -> Any:
+            return ops.inline_asm_elementwise(
+                value, asm="tanh.approx.f32 $0, $1;", constraints="=r,r", dtype=torch.float32, is_pure=True, pack=1
+            )
+
+        return make_pointwise(inner)(x)
+
+    register_lowering(torch.ops.flexattn_zoo.tanh_approx)(lowering)
+    return torch.ops.flexattn_zoo.tanh_approx
+
+
+def fast_tanh_op() -> Any | None:
+    """The tanh op that compiles to the hardware approximation in CUDA Triton kernels, registered
+    on first call (call it when building a score_mod, not inside one being traced); None when this
+    torch lacks the Inductor hooks."""
+    global _FAST_TANH_OP
+    with _FAST_TANH_LOCK:
+        if _FAST_TANH_OP is None:
+            try:
+                _FAST_TANH_OP = _register_fast_tanh()
+            except (ImportError, AttributeError, RuntimeError):
+                _FAST_TANH_OP = False
+    return _FAST_TANH_OP or None
 
 
 def inductor_backend() -> Any:

@@ -106,3 +106,19 @@ def priority(arch: str, mode: str, head_dim: int) -> tuple[str, ...]:
         if o_gen == gen and o_mode == mode and head_dim <= max_d:
             order = front + tuple(r for r in order if r not in front)
     return order
+
+
+# Triton flex kernel options per generation, applied to 16-bit inputs with the listed head dims.
+# H200, causal B=4 H=16 L=8192 D=128 bf16: these forward tiles took flex from 403 to 431 TFLOP/s
+# (DESIGN.md section 5); the backward keeps torch's autotuned defaults.
+FLEX_TRITON_OPTIONS: dict[str, tuple[tuple[int, ...], dict[str, int | bool]]] = {
+    "sm90": ((128,), {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3}),
+}
+
+
+def flex_triton_options(arch: str, head_dim: int, dtype: torch.dtype) -> dict[str, int | bool]:
+    """Measured Triton kernel options for this generation/head dim, or {} (torch's defaults)."""
+    entry = FLEX_TRITON_OPTIONS.get(generation(arch))
+    if entry is None or dtype not in (torch.float16, torch.bfloat16) or head_dim not in entry[0]:
+        return {}
+    return dict(entry[1])

@@ -36,16 +36,19 @@ def _ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row counts and full-width column order (True columns first, ascending) of a bool map.
 
     Same result as ``argsort(m, descending=True, stable=True)`` but O(n): each column's rank is
-    read off a running count, then columns are scattered into place.
+    read off a running count, then columns are scattered into place. Counts run in int16 when the
+    row fits (halves the memory traffic, which dominates at 1M tokens).
     """
-    m_i = m.to(torch.int32)
-    count = m_i.cumsum(-1, dtype=torch.int32)
+    m = m.contiguous()
+    n = m.shape[-1]
+    small = torch.int16 if n < 2**15 else torch.int32
+    count = m.cumsum(-1, dtype=small)
     num = count[..., -1:]
-    cols = torch.arange(m.shape[-1], device=m.device, dtype=torch.int32).expand_as(m_i)
+    cols = torch.arange(n, device=m.device, dtype=small)
     rank = torch.where(m, count - 1, num + cols - count)
-    order = torch.empty_like(m_i)
-    order.scatter_(-1, rank.long(), cols)
-    return num.squeeze(-1).contiguous(), order.contiguous()
+    order = torch.empty(m.shape, device=m.device, dtype=torch.int32)
+    order.scatter_(-1, rank.long(), cols.to(torch.int32).expand(m.shape))
+    return num.squeeze(-1).to(torch.int32), order
 
 
 def from_block_map(
@@ -56,6 +59,7 @@ def from_block_map(
     partial = bmap.any & ~full
     kv_num, kv_idx = _ordered(partial)
     full_kv_num, full_kv_idx = _ordered(full)
+    # The q side is the same ranking on the transposed maps (made contiguous inside _ordered).
     q_num, q_idx = _ordered(partial.transpose(-1, -2))
     full_q_num, full_q_idx = _ordered(full.transpose(-1, -2))
     return _compat.make_block_mask(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.arch import flex_triton_options
 from flexattn_zoo.backends.base import LOW_PRECISION, Backend
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
@@ -24,6 +25,14 @@ class FlexBackend(Backend):
 
     kernel_options: tuple[tuple[str, Any], ...] = ()
     fast_score_mods: bool = False  # use score mods' GPU fast variants (e.g. approx tanh)
+    tuned: bool = False  # add the measured per-generation Triton options (arch.flex_triton_options)
+
+    def options(self, p: Problem) -> dict[str, Any] | None:
+        """The kernel_options this route passes to flex_attention for ``p``."""
+        opts = dict(self.kernel_options)
+        if self.tuned:
+            opts.update(flex_triton_options(p.arch, p.head_dim, p.dtype))
+        return opts or None
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
         if block_mask is None and p.mask is not None:
@@ -34,7 +43,7 @@ class FlexBackend(Backend):
         entry = CACHE.get(
             block_mask.mask_mod if block_mask is not None else None,
             score_mod,
-            dict(self.kernel_options) or None,
+            self.options(p),
             p.return_lse,
             p.gqa,
         )
@@ -66,7 +75,7 @@ class FlexCpuBackend(FlexBackend):
 
 FLEX = FlexBackend(
     name="flex", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    head_dims=(16, 256), min_cc=(8, 0), score_mods=True, lse=True, fast_score_mods=True,
+    head_dims=(16, 256), min_cc=(8, 0), score_mods=True, lse=True, fast_score_mods=True, tuned=True,
     doc="FlexAttention compiled to Triton with BlockMask sparsity (any mask, any score mod)",
 )  # fmt: skip
 FLEX_FLASH = FlexFlashBackend(
