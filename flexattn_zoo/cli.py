@@ -8,6 +8,7 @@ Subcommands (``python -m flexattn_zoo`` is the same program)::
     flexattn-zoo plan --mask NAME [--param value ...] [--score NAME] --len N [--kv-len M]
                       --heads H[,HKV] --dim D --dtype bf16 [--batch B] [--arch sm90] [--grad]
     flexattn-zoo demo [--device cpu|cuda] [--len N] [--only TEXT]
+    flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--cases a,b] [--routes x,y] [--modes fwd]
 
 Spec parameters are parsed generically (see :mod:`flexattn_zoo.cli_params`), so masks and score
 mods registered by users work here too. Exit codes: 0 success, 1 a demo preset failed or an
@@ -18,6 +19,7 @@ no traceback; set ``FLEXATTN_ZOO_DEBUG=1`` to get the traceback).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -31,7 +33,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flexattn_zoo import viz
-from flexattn_zoo.cli_params import build_specs, describe_params, split_options
+from flexattn_zoo.cli_params import build_specs, describe_params, describe_spec, split_options
 
 DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -82,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument(
+        "--import", dest="imports", action="append", metavar="MODULE",
+        help="import MODULE first, so the masks and score mods it registers can be used (repeatable)",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -90,25 +96,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "show", help="picture of a mask (or a score mod's bias) and its block sparsity", allow_abbrev=False,
-        epilog="Combine with '+': causal+chunked --size 16. Target one part: --chunked.size 16.",
+        epilog="Any other --name value is a spec parameter (--left 3, --doc-ids 0,0,1, --lengths 3,2,1). "
+        "Combine with '+': causal+chunked --size 16; target one part with --chunked.size 16.",
     )  # fmt: skip
     p.add_argument("name", help="registry name, or names joined by '+'")
-    p.add_argument("--len", dest="length", type=_positive, required=True, help="query length")
-    p.add_argument("--kv-len", type=_positive, help="key/value length (default: --len)")
+    p.add_argument("--len", dest="length", metavar="N", type=_positive, required=True, help="query length")
+    p.add_argument("--kv-len", metavar="M", type=_positive, help="key/value length (default: --len)")
     p.add_argument("--batch", type=_positive, default=1, help="batch size, for masks that depend on it")
     p.add_argument("--heads", type=_positive, help="number of heads (default 1; 8 for score mods)")
     p.add_argument("--head", type=int, default=0, help="head index to draw (default 0)")
     p.add_argument("--png", metavar="FILE", help="also write a heatmap (needs the 'viz' extra: matplotlib)")
 
-    sub.add_parser("env", help="versions, GPU, detected arch and which routes can run here", allow_abbrev=False)
+    sub.add_parser(
+        "env", help="versions, GPU, detected arch and which routes can run here", allow_abbrev=False
+    )
 
     p = sub.add_parser("plan", help="which route a problem would take, and why", allow_abbrev=False)
-    p.add_argument("--mask", help="mask name, or names joined by '+' (default: no mask)")
-    p.add_argument("--score", help="score mod name, or names joined by '+' (chained left to right)")
-    p.add_argument("--config", metavar="YAML", help="mask/score_mod from a YAML file instead of --mask/--score")
-    p.add_argument("--len", dest="length", type=_positive, required=True, help="query length")
-    p.add_argument("--kv-len", type=_positive, help="key/value length (default: --len)")
-    p.add_argument("--heads", type=_heads, default=(8, 8), help="H or H,HKV for grouped-query attention (default 8)")
+    p.add_argument(
+        "--mask", action="append", help="mask name (repeat, or join names with '+', to combine with &)"
+    )
+    p.add_argument(
+        "--score", action="append", help="score mod name (repeat or join with '+' to chain, left first)"
+    )
+    p.add_argument(
+        "--config", metavar="YAML", help="mask/score_mod from a YAML file instead of --mask/--score"
+    )
+    p.add_argument("--len", dest="length", metavar="N", type=_positive, required=True, help="query length")
+    p.add_argument("--kv-len", metavar="M", type=_positive, help="key/value length (default: --len)")
+    p.add_argument(
+        "--heads", type=_heads, default=(8, 8), help="H or H,HKV for grouped-query attention (default 8)"
+    )
     p.add_argument("--dim", type=_positive, default=128, help="head dim (default 128)")
     p.add_argument("--dtype", type=_dtype_name, default="bfloat16", help="bf16 (default), fp16, fp32, fp64")
     p.add_argument("--batch", type=_positive, default=1)
@@ -116,15 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad", action="store_true", help="inputs require grad (forward + backward)")
     p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
 
-    p = sub.add_parser("demo", help="run every zoo preset, time it and check it against float64", allow_abbrev=False)
+    p = sub.add_parser(
+        "demo", help="run every zoo preset, time it and check it against float64", allow_abbrev=False
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
-    p.add_argument("--len", dest="length", type=_positive, help="sequence length (default 256 on CPU, 4096 on GPU)")
+    p.add_argument(
+        "--len", dest="length", type=_positive, help="sequence length (default 256 on CPU, 4096 on GPU)"
+    )
     p.add_argument("--batch", type=_positive)
     p.add_argument("--heads", type=_positive)
     p.add_argument("--dim", type=_positive)
     p.add_argument("--dtype", type=_dtype_name)
     p.add_argument("--repeats", type=_positive, help="timed runs after the warm-up (median reported)")
-    p.add_argument("--only", action="append", metavar="TEXT", help="only presets whose name contains TEXT (repeatable)")
+    p.add_argument(
+        "--only", action="append", metavar="TEXT", help="only presets whose name contains TEXT (repeatable)"
+    )
+    # bench has its own parser (flexattn_zoo.bench); main() hands it the raw arguments.
+    sub.add_parser(
+        "bench", help="time every route side by side from a YAML sweep (see bench -h)", add_help=False
+    )
     return parser
 
 
@@ -143,11 +170,6 @@ def _version() -> str:
         return importlib.metadata.version("flexattn-zoo")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _short(obj: object, limit: int = 100) -> str:
-    text = repr(obj)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,12 +205,18 @@ def _print_lines(console: Console, lines: list[str]) -> None:
 
 
 def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], console: Console) -> int:
-    from flexattn_zoo.registry import MASKS
+    from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
 
     q_len = args.length
     kv_len = args.kv_len or q_len
     first = args.name.split("+")[0].strip()
     is_mask = first in MASKS
+    if not is_mask and first not in SCORES:
+        known = MASKS.names() + SCORES.names()
+        raise ValueError(
+            f"unknown mask or score_mod {first!r}; masks: {', '.join(MASKS.names())}; "
+            f"score mods: {', '.join(SCORES.names())}.{did_you_mean(first, known)}"
+        )
     if is_mask:
         heads = args.heads or 1
         mask, _ = build_specs(args.name, None, params, {"num_heads": heads})
@@ -197,19 +225,22 @@ def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         heads = args.heads or 8
         _, spec = build_specs(None, args.name, params, {"num_heads": heads})
         heads = getattr(spec, "num_heads", heads)
+    per_head = bool(spec.uses_head()) if is_mask else bool(getattr(spec, "depends_on_head", False))
     if not 0 <= args.head < heads:
         raise ValueError(f"--head must be in [0, {heads}), got {args.head}")
     if args.png and not viz.have_matplotlib():
         raise CliError("--png needs matplotlib, which is not installed: pip install 'flexattn-zoo[viz]'")
-    console.print(f"[bold]{escape(args.name)}[/bold]  {escape(_short(spec, 140))}")
+    console.print(f"[bold]{escape(describe_spec(spec))}[/bold]")
     console.print(f"q_len={q_len} kv_len={kv_len}" + (f" batch={args.batch}" if args.batch > 1 else "")
-                  + (f" head {args.head} of {heads}" if heads > 1 else ""))  # fmt: skip
+                  + (f" head {args.head} of {heads}" if per_head else ""))  # fmt: skip
     if is_mask:
         return _show_mask(args, spec, q_len, kv_len, heads, console)
     return _show_score(args, spec, q_len, kv_len, heads, console)
 
 
-def _show_mask(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, heads: int, console: Console) -> int:
+def _show_mask(
+    args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, heads: int, console: Console
+) -> int:
     import flexattn_zoo as fz
 
     spec.validate(q_len, kv_len, args.batch, heads)
@@ -231,7 +262,7 @@ def _show_mask(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, hea
         console.print(f"visible: {cells.visible} of {total} positions ({100 * cells.visible / total:.1f}%)")
     console.print(
         f"BlockMask {qb}x{kvb}: block sparsity {100 * counts['empty'] / counts['total']:.1f}% (blocks skipped); "
-        f"{counts['total']} blocks: {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty"
+        f"{counts['total']} block{'s' if counts['total'] != 1 else ''}: {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty"
     )
     codes = viz.block_codes(bm, q_len, kv_len, batch_index=0, head_index=args.head)
     if codes.numel() > 1:
@@ -240,14 +271,18 @@ def _show_mask(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, hea
         console.print(f"blocks ('#' full, '+' partial, '.' empty{group}):")
         _print_lines(console, lines)
     if args.png:
-        big = viz.mask_cells(spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512)
+        big = viz.mask_cells(
+            spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512
+        )
         viz.write_png(args.png, f"{args.name} (Lq={q_len}, Lkv={kv_len})", big.frac, blocks=codes,
-                      cell_label="visible fraction")  # fmt: skip
+                      cell_label="visible fraction", lengths=(q_len, kv_len))  # fmt: skip
         console.print(f"wrote {args.png}")
     return 0
 
 
-def _show_score(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, heads: int, console: Console) -> int:
+def _show_score(
+    args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, heads: int, console: Console
+) -> int:
     spec.validate(q_len, kv_len, args.batch, heads)
     if q_len * kv_len > viz.DENSE_LIMIT:
         raise ValueError(f"score mod pictures are dense: keep len * kv_len <= {viz.DENSE_LIMIT}")
@@ -266,14 +301,19 @@ def _show_score(args: argparse.Namespace, spec: Any, q_len: int, kv_len: int, he
         _print_lines(console, lines)
     inputs = [-100.0, -10.0, -1.0, 0.0, 1.0, 10.0, 100.0]
     outputs = viz.score_response(spec, inputs, heads=heads, head_index=args.head)
-    table = Table(title="score at i=0, j=0 (scaled) -> modified score")
-    table.add_column("score in", justify="right")
-    table.add_column("score out", justify="right")
-    for x, y in zip(inputs, outputs, strict=True):
-        table.add_row(f"{x:g}", f"{y:.4g}")
-    console.print(table)
+    if any(
+        abs((y - outputs[3]) - x) > 1e-12 * max(1.0, abs(x)) for x, y in zip(inputs, outputs, strict=True)
+    ):
+        table = Table(title="at i=0, j=0", title_justify="left")
+        table.add_column("score in", justify="right")
+        table.add_column("score out", justify="right")
+        for x, y in zip(inputs, outputs, strict=True):
+            table.add_row(f"{x:g}", f"{y:.4g}")
+        console.print(table)
     if args.png:
-        viz.write_png(args.png, f"{args.name} bias, head {args.head}", bias, cell_label="bias", cmap="viridis")
+        viz.write_png(
+            args.png, f"{args.name} bias, head {args.head}", bias, cell_label="bias", cmap="viridis"
+        )
         console.print(f"wrote {args.png}")
     return 0
 
@@ -304,7 +344,9 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
     info.add_row("python", f"{platform.python_version()} ({platform.platform()})")
     info.add_row("torch", torch.__version__)
     info.add_row("triton", _dist_version("triton", "pytorch-triton") or "not installed")
-    info.add_row("flash-attn-4 (flex FLASH)", _dist_version("flash-attn-4", "flash_attn_4") or "not installed")
+    info.add_row(
+        "flash-attn-4 (flex FLASH)", _dist_version("flash-attn-4", "flash_attn_4") or "not installed"
+    )
     info.add_row("CUDA (torch built with)", str(torch.version.cuda or "none (CPU build)"))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     info.add_row("cuDNN", str(cudnn) if cudnn else "not available")
@@ -321,11 +363,19 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
 
     routes = Table(title="routes on this machine")
     routes.add_column("route", style="bold")
-    routes.add_column("available")
+    routes.add_column("runs on")
+    routes.add_column("available here")
     routes.add_column("why not")
+    present = {"cpu"} | ({"cuda"} if torch.cuda.is_available() else set())
     for backend in BACKENDS:
         reasons = list(backend.unavailable_reasons())
-        routes.add_row(backend.name, "[red]no[/red]" if reasons else "[green]yes[/green]", escape("; ".join(reasons)))
+        devices = sorted(getattr(backend, "devices", ()) or ())
+        if devices and not present & set(devices):
+            reasons.append(f"needs a {'/'.join(d.upper() if d == 'cuda' else d for d in devices)} device")
+        routes.add_row(
+            backend.name, "/".join(devices) or "?", "[red]no[/red]" if reasons else "[green]yes[/green]",
+            escape("; ".join(reasons)),
+        )  # fmt: skip
     console.print(routes)
     return 0
 
@@ -348,7 +398,9 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
 
         mask, score = load_yaml_spec(args.config)
     else:
-        mask, score = build_specs(args.mask, args.score, params, {"num_heads": heads})
+        mask_names = "+".join(args.mask) if args.mask else None
+        score_names = "+".join(args.score) if args.score else None
+        mask, score = build_specs(mask_names, score_names, params, {"num_heads": heads})
     arch = args.arch or detect_arch()
     parse_arch(arch)  # a ValueError naming valid forms for a typo such as "h100"
     q_len = args.length
@@ -364,20 +416,29 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         f"problem: B={args.batch} H={heads}{gqa} Lq={q_len} Lkv={kv_len} D={args.dim} {args.dtype} on {arch}, "
         f"{'forward + backward' if args.grad else 'forward'}"
     )
-    console.print(f"mask: {escape(_short(mask, 120))}    score_mod: {escape(_short(score, 120))}")
+    console.print(f"mask: {escape(describe_spec(mask))}    score_mod: {escape(describe_spec(score))}")
     console.print(f"route: [bold green]{escape(str(plan.backend))}[/bold green]")
-    table = Table(title="candidates, in priority order")
+    table = Table(title="every route, in this arch's priority order")
+    table.add_column("#", justify="right")
     table.add_column("route", style="bold")
     table.add_column("verdict")
     table.add_column("reasons")
-    for cand in plan.candidates:
+
+    def order(cand: Any) -> tuple[int, int]:
+        rank = getattr(cand, "rank", None)
+        return (0, rank) if rank is not None else (1, 0)
+
+    for cand in sorted(plan.candidates, key=order):
+        rank = getattr(cand, "rank", None)
         if cand.name == plan.backend:
             verdict = "[bold green]chosen[/bold green]"
         elif cand.accepted:
-            verdict = "[green]could run[/green]"
+            verdict = "[green]could run[/green]" if rank is not None else "[green]only if named[/green]"
         else:
             verdict = "[red]refused[/red]"
-        table.add_row(cand.name, verdict, escape("; ".join(cand.reasons)))
+        table.add_row(
+            "-" if rank is None else str(rank + 1), cand.name, verdict, escape("; ".join(cand.reasons))
+        )
     console.print(table)
     return 0
 
@@ -405,11 +466,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     tokens = list(sys.argv[1:] if argv is None else argv)
     params: list[tuple[str, str | None]] = []
+    modules: list[str] = []
+    # Global "--import MODULE" options (before the command) load user specs into the registries.
+    while len(tokens) >= 2 and tokens[0] == "--import":
+        modules.append(tokens[1])
+        tokens = tokens[2:]
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            Console(stderr=True, soft_wrap=True).print(
+                f"error: --import {module}: {exc}", style="bold red", markup=False
+            )
+            return 2
     if tokens and tokens[0] in _OWN_OPTIONS:
         kept, params = split_options(tokens[1:], _OWN_OPTIONS[tokens[0]])
         tokens = [tokens[0], *kept]
-    console = Console(highlight=False)
-    errors = Console(stderr=True, highlight=False)
+    if tokens and tokens[0] == "bench":
+        from flexattn_zoo import bench
+
+        return bench.main(tokens[1:], prog="flexattn-zoo bench")
+    # soft_wrap: text lines are never hard-wrapped (pipes and greps see whole lines); tables still fit.
+    console = Console(highlight=False, soft_wrap=True)
+    errors = Console(stderr=True, highlight=False, soft_wrap=True)
     try:
         args = build_parser().parse_args(tokens)
         if args.command == "list":

@@ -18,14 +18,15 @@ Combinations are written with ``+``: ``causal+chunked`` is ``Causal() & Chunked(
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from flexattn_zoo.registry import MASKS, SCORES, Entry, Registry, did_you_mean
-from flexattn_zoo.spec import Spec
+from flexattn_zoo.registry import MASKS, SCORES, Entry, Registry
+from flexattn_zoo.spec import And, Chain, Not, Or, Spec
 
 _TRUE = {"true", "yes", "on"}
 _FALSE = {"false", "no", "off"}
@@ -59,7 +60,9 @@ def parse_value(text: str) -> Any:
     return parse_scalar(body)
 
 
-def split_options(tokens: Iterable[str], known: dict[str, bool]) -> tuple[list[str], list[tuple[str, str | None]]]:
+def split_options(
+    tokens: Iterable[str], known: dict[str, bool]
+) -> tuple[list[str], list[tuple[str, str | None]]]:
     """Split argv into the tokens argparse knows and ``(name, raw value)`` spec parameters.
 
     ``known`` maps each option string of the subcommand to whether it takes a value. An unknown
@@ -131,6 +134,11 @@ class Part:
         return names
 
 
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" Did you mean --{close[0].replace('_', '-')}?" if close else ""
+
+
 def _tensor_fields(factory: Any) -> set[str]:
     if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
         return set()
@@ -164,7 +172,9 @@ def _build(part: Part, context: dict[str, Any]) -> Spec:
 def _parts(text: str, registry: Registry[Any]) -> list[Part]:
     names = [n.strip() for n in text.split("+")]
     if not all(names):
-        raise ValueError(f"bad {registry.kind} combination {text!r}: write names joined by '+', e.g. causal+chunked")
+        raise ValueError(
+            f"bad {registry.kind} combination {text!r}: write names joined by '+', e.g. causal+chunked"
+        )
     return [Part(registry, n, registry.entry(n)) for n in names]
 
 
@@ -198,7 +208,7 @@ def build_specs(
             pretty = ", ".join(f"--{n.replace('_', '-')}" for n in valid) or "(none)"
             raise ValueError(
                 f"unknown parameter --{raw_name} for {'+'.join(p.name for p in parts) or 'this command'}; "
-                f"valid parameters: {pretty}.{did_you_mean(name, valid)}"
+                f"valid parameters: {pretty}.{_suggest(name, valid)}"
             )
         for p in chosen:
             p.params[name] = value
@@ -217,3 +227,38 @@ def build_specs(
 def describe_params(entry: Entry) -> str:
     """``left, right=0`` for the CLI listing."""
     return ", ".join(name if default == "required" else f"{name}={default}" for name, default in entry.params)
+
+
+def describe_spec(spec: Any) -> str:
+    """Compact text of a spec: ``document(doc_ids=<8192>) & causal``, ``alibi(num_heads=8) >> softcap(cap=30.0)``.
+
+    Shows the registry name and only the parameters that differ from their defaults; tensors
+    appear as their shape.
+    """
+    if spec is None:
+        return "none"
+    if isinstance(spec, (And, Or)):
+        op = " & " if isinstance(spec, And) else " | "
+        return op.join(_grouped(p) for p in spec.parts)
+    if isinstance(spec, Not):
+        return "~" + _grouped(spec.part)
+    if isinstance(spec, Chain):
+        return " >> ".join(_grouped(m) for m in spec.mods)
+    label = getattr(spec, "label", None)
+    if isinstance(label, str) and label:  # a registered plain function (FunctionMask / FunctionScore)
+        return label
+    name = getattr(spec, "name", "") or type(spec).__name__
+    parts = []
+    if dataclasses.is_dataclass(spec):
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            if isinstance(value, torch.Tensor):
+                parts.append(f"{f.name}=<{'x'.join(map(str, value.shape))}>")
+            elif f.default is dataclasses.MISSING or value != f.default:
+                parts.append(f"{f.name}={value!r}")
+    return f"{name}({', '.join(parts)})" if parts else name
+
+
+def _grouped(spec: Any) -> str:
+    text = describe_spec(spec)
+    return f"({text})" if isinstance(spec, (And, Or, Chain)) else text

@@ -116,9 +116,10 @@ class Registry(Generic[S]):
     def unregister(self, name: str) -> None:
         """Remove ``name`` (mainly for tests that register temporary specs)."""
         with self._lock:
-            if name not in self._entries:
-                raise ValueError(self._unknown(name))
-            del self._entries[name]
+            found = self._entries.pop(name, None)
+        if found is None:
+            # Outside the lock: _unknown() calls names(), which takes the (non-reentrant) lock.
+            raise ValueError(self._unknown(name))
 
     def _unknown(self, name: str) -> str:
         names = self.names()

@@ -137,7 +137,9 @@ def _scatter_blocks(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Te
     return out[..., :n_kv]
 
 
-def block_codes(block_mask: Any, q_len: int, kv_len: int, *, batch_index: int = 0, head_index: int = 0) -> torch.Tensor:
+def block_codes(
+    block_mask: Any, q_len: int, kv_len: int, *, batch_index: int = 0, head_index: int = 0
+) -> torch.Tensor:
     """``[n_q_blocks, n_kv_blocks]`` int8: 2 full block, 1 partial block, 0 empty block."""
     qb, kvb = block_mask.BLOCK_SIZE
     n_q, n_kv = -(-q_len // qb), -(-kv_len // kvb)
@@ -179,7 +181,12 @@ def render_block_codes(codes: torch.Tensor, max_cells: int = MAX_CELLS) -> tuple
     any_vis = _pooled_fraction(codes > 0, r_step, c_step)
     lines = []
     for full_row, any_row in zip(all_full.tolist(), any_vis.tolist(), strict=True):
-        lines.append("".join(FULL if f >= 1.0 else EMPTY if a <= 0.0 else PARTIAL for f, a in zip(full_row, any_row, strict=True)))
+        lines.append(
+            "".join(
+                FULL if f >= 1.0 else EMPTY if a <= 0.0 else PARTIAL
+                for f, a in zip(full_row, any_row, strict=True)
+            )
+        )
     return lines, r_step, c_step
 
 
@@ -195,7 +202,9 @@ def score_bias(spec: ScoreSpec, q_len: int, kv_len: int, *, heads: int, head_ind
 
 def score_response(spec: ScoreSpec, inputs: list[float], *, heads: int, head_index: int = 0) -> list[float]:
     """``spec`` applied to each input score at position ``(0, 0)`` of one head."""
-    scores = torch.tensor(inputs, dtype=torch.float64).view(len(inputs), 1, 1, 1).expand(len(inputs), heads, 1, 1)
+    scores = (
+        torch.tensor(inputs, dtype=torch.float64).view(len(inputs), 1, 1, 1).expand(len(inputs), heads, 1, 1)
+    )
     return spec.dense(scores.contiguous())[:, head_index, 0, 0].tolist()
 
 
@@ -217,7 +226,9 @@ def render_shades(matrix: torch.Tensor, max_cells: int = MAX_CELLS) -> tuple[lis
     n_r, n_c = -(-rows // r_step), -(-cols // c_step)
     pad = (0, n_c * c_step - cols, 0, n_r * r_step - rows)
     total = torch.nn.functional.pad(finite, pad).view(n_r, r_step, n_c, c_step).sum(dim=(1, 3))
-    count = torch.nn.functional.pad(torch.ones_like(finite), pad).view(n_r, r_step, n_c, c_step).sum(dim=(1, 3))
+    count = (
+        torch.nn.functional.pad(torch.ones_like(finite), pad).view(n_r, r_step, n_c, c_step).sum(dim=(1, 3))
+    )
     mean = total / count
     lo, hi = float(mean.min()), float(mean.max())
     span = hi - lo
@@ -244,8 +255,11 @@ def write_png(
     blocks: torch.Tensor | None = None,
     cell_label: str = "mask",
     cmap: str = "Blues",
+    lengths: tuple[int, int] | None = None,
 ) -> None:
     """Heatmap of ``cells`` (and, beside it, of block codes) written to ``path``.
+
+    ``lengths`` = ``(Lq, Lkv)`` labels the axes in positions when ``cells`` is downsampled.
 
     Raises:
         MissingDependency: matplotlib is not installed.
@@ -258,18 +272,26 @@ def write_png(
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     n = 1 if blocks is None else 2
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 5), squeeze=False)
     ax = axes[0][0]
-    img = ax.imshow(cells.float().numpy(), cmap=cmap, interpolation="nearest", aspect="auto")
+    extent = None if lengths is None else (0, lengths[1], lengths[0], 0)
+    img = ax.imshow(cells.float().numpy(), cmap=cmap, interpolation="nearest", aspect="auto", extent=extent)
     ax.set_title(cell_label)
     ax.set_xlabel("key")
     ax.set_ylabel("query")
     fig.colorbar(img, ax=ax, fraction=0.046)
     if blocks is not None:
         ax = axes[0][1]
-        img = ax.imshow(blocks.float().numpy(), cmap="Greens", vmin=0, vmax=2, interpolation="nearest", aspect="auto")
+        n_q, n_kv = blocks.shape
+        img = ax.imshow(
+            blocks.float().numpy(), cmap="Greens", vmin=0, vmax=2, interpolation="nearest", aspect="auto",
+            extent=(0, n_kv, n_q, 0),
+        )  # fmt: skip
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title("blocks (0 empty, 1 partial, 2 full)")
         ax.set_xlabel("key block")
         ax.set_ylabel("query block")

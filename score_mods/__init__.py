@@ -1,8 +1,29 @@
-"""The score-mod catalogue."""
+"""The score-mod catalogue: one family per module, each registered by name.
+
+Chain score specs with ``a >> b`` (``a`` first, then ``b``), e.g.
+``Alibi(num_heads=16) >> SoftCap(cap=30.0)``; ``Chain(mods=(a, b))`` is the same spec.
+"""
 
 from flexattn_zoo.registry import SCORES
+from flexattn_zoo.spec import Chain, ScoreSpec
+
+from .alibi import Alibi
+from .softcap import SoftCap
 
 get = SCORES.get
 names = SCORES.names
 register = SCORES.register
 register_function = SCORES.register_function
+unregister = SCORES.unregister
+
+__all__ = [
+    "Alibi",
+    "Chain",
+    "ScoreSpec",
+    "SoftCap",
+    "get",
+    "names",
+    "register",
+    "register_function",
+    "unregister",
+]

@@ -63,7 +63,7 @@ SDPA_FLASH = SdpaBackend(
 )  # fmt: skip
 SDPA_EFFICIENT = SdpaBackend(
     name="sdpa_efficient", kernel="EFFICIENT_ATTENTION", devices=frozenset({"cuda"}),
-    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=(1, 256), min_cc=(5, 0),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=(1, 256), min_cc=(5, 0), gqa=False,
     doc="memory-efficient (xFormers-style) kernel via SDPA (no mask or causal)",
 )  # fmt: skip
 SDPA_MATH = SdpaBackend(

@@ -1,0 +1,276 @@
+"""Consistency checks of a spec against its own dense oracle (exposed through ``fz.testing``).
+
+Each check evaluates the spec's kernel-facing function (``mask_mod`` / ``score_mod``) the way
+flex would see it -- on int32 index grids that broadcast against each other -- and compares it
+with the independently written ``dense`` oracle. Block maps and the SDPA / varlen forms are
+checked against the same oracle, since a wrong cheap form silently computes the wrong attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexattn_zoo._compat import BlockMask, create_block_mask
+from flexattn_zoo.registry import MASKS, SCORES, Registry
+from flexattn_zoo.spec import And, MaskSpec, Not, Or, ScoreSpec, Spec, VarlenForm
+
+#: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
+#: sequences still span many blocks, with trailing incomplete ones.
+DEFAULT_BLOCK_SIZES: tuple[tuple[int, int], ...] = ((128, 128), (16, 32))
+
+
+def spec_examples(
+    kind: str, q_len: int, kv_len: int, batch: int = 1, heads: int = 1, *, names: list[str] | None = None
+) -> list[tuple[str, Spec]]:
+    """``(name, spec)`` for every registered ``kind`` (``"mask"`` or ``"score"``) spec's examples.
+
+    Spec classes contribute their ``examples(q_len, kv_len, batch, heads)``; plain functions
+    registered with ``register_function`` contribute their single spec.
+    """
+    registries: dict[str, Registry] = {"mask": MASKS, "score": SCORES}  # type: ignore[type-arg]
+    if kind not in registries:
+        raise ValueError(f"spec_examples(kind=...) must be 'mask' or 'score', got {kind!r}")
+    registry = registries[kind]
+    found: list[tuple[str, Spec]] = []
+    for entry in registry.entries():
+        if names is not None and entry.name not in names:
+            continue
+        factory = entry.factory
+        if isinstance(factory, type) and issubclass(factory, Spec):
+            found.extend((entry.name, s) for s in factory.examples(q_len, kv_len, batch, heads))
+        else:
+            found.append((entry.name, factory()))
+    return found
+
+
+def index_grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
+    """int32 ``(b, h, q_idx, kv_idx)`` of shapes ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,Lq,1]``, ``[1,1,1,Lkv]``."""
+    i32 = torch.int32  # what the flex kernels pass
+    return (
+        torch.arange(batch, dtype=i32).view(batch, 1, 1, 1),
+        torch.arange(heads, dtype=i32).view(1, heads, 1, 1),
+        torch.arange(q_len, dtype=i32).view(1, 1, q_len, 1),
+        torch.arange(kv_len, dtype=i32).view(1, 1, 1, kv_len),
+    )
+
+
+def _first(diff: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in torch.nonzero(diff)[0])
+
+
+def _require_equal(what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec) -> None:
+    got, want = torch.broadcast_tensors(got, want)
+    if not torch.equal(got, want):
+        where = _first(got != want)
+        raise AssertionError(
+            f"{spec!r}: {what} differs from the dense oracle at index {where} "
+            f"(got {got[where].item()}, oracle {want[where].item()}; {int((got != want).sum())} "
+            "elements differ)"
+        )
+
+
+def dense_block_map(dense: torch.Tensor, q_block: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(any, full)`` of a dense ``[B, H, Lq, Lkv]`` mask; padding counts as masked."""
+    b, h, lq, lkv = dense.shape
+    nq, nkv = -(-lq // q_block), -(-lkv // kv_block)
+    padded = torch.zeros(b, h, nq * q_block, nkv * kv_block, dtype=torch.bool)
+    padded[..., :lq, :lkv] = dense
+    tiles = padded.view(b, h, nq, q_block, nkv, kv_block)
+    return tiles.any(dim=5).any(dim=3), tiles.all(dim=5).all(dim=3)
+
+
+def _indices_to_dense(num: torch.Tensor | None, idx: torch.Tensor | None, n_kv: int) -> torch.Tensor | None:
+    if num is None or idx is None:
+        return None
+    valid = torch.arange(idx.shape[-1]) < num.unsqueeze(-1).long()
+    out = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.bool)
+    out.scatter_(-1, torch.where(valid, idx.long(), n_kv), True)
+    return out[..., :n_kv]
+
+
+def block_mask_map(block_mask: BlockMask, n_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(any, full)`` of a flex ``BlockMask`` (partial and full kv blocks, on the CPU)."""
+    partial = _indices_to_dense(block_mask.kv_num_blocks.cpu(), block_mask.kv_indices.cpu(), n_kv)
+    full_num = block_mask.full_kv_num_blocks
+    full_idx = block_mask.full_kv_indices
+    full = _indices_to_dense(
+        None if full_num is None else full_num.cpu(), None if full_idx is None else full_idx.cpu(), n_kv
+    )
+    assert partial is not None
+    if full is None:
+        full = torch.zeros_like(partial)
+    return partial | full, full
+
+
+def varlen_dense(form: VarlenForm, length: int, batch: int) -> torch.Tensor:
+    """The ``[B|1, 1, L, L]`` mask a :class:`VarlenForm` describes."""
+    segs = form.segments
+    if segs is None:
+        ids = torch.zeros(1, length, dtype=torch.long)
+    else:
+        rows = segs.cpu().long().reshape(-1, segs.shape[-1])
+        if bool((rows.sum(dim=-1) != length).any()):
+            raise AssertionError(f"VarlenForm segments {rows.tolist()} do not tile length {length}")
+        ids = torch.stack([torch.repeat_interleave(torch.arange(r.numel()), r) for r in rows])
+    i = torch.arange(length).view(length, 1)
+    j = torch.arange(length).view(1, length)
+    visible = ids[:, :, None] == ids[:, None, :]
+    left, right = form.window
+    if left >= 0:
+        visible = visible & (j >= i - left)
+    if right >= 0:
+        visible = visible & (j <= i + right)
+    return visible[:, None]
+
+
+def assert_mask_consistent(
+    spec: MaskSpec,
+    q_len: int,
+    kv_len: int,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    block_sizes: tuple[tuple[int, int], ...] = DEFAULT_BLOCK_SIZES,
+    exact_blocks: bool | None = None,
+    check_create_block_mask: bool = True,
+) -> None:
+    """Check a mask spec's ``mask_mod``, block map and cheap forms against ``spec.dense``.
+
+    Args:
+        spec: The mask spec (must be valid for this shape).
+        q_len, kv_len, batch, heads: The problem shape.
+        block_sizes: ``(q_block, kv_block)`` pairs for the block-map checks.
+        exact_blocks: Require the block map to equal the dense block classification exactly
+            (the :class:`~flexattn_zoo.spec.BlockMap` contract). ``None``: exact except for ``&``,
+            ``|``, ``~`` composites, whose maps are documented safe approximations; those must
+            still have no false negatives in ``any`` and no false positives in ``full``.
+        check_create_block_mask: Also compare with ``create_block_mask`` (which evaluates the
+            ``mask_mod`` through ``vmap``, as flex does).
+    """
+    spec.validate(q_len, kv_len, batch, heads)
+    dense = spec.dense(q_len, kv_len, batch=batch, heads=heads)
+    if dense.dtype != torch.bool or dense.dim() != 4:
+        raise AssertionError(f"{spec!r}: dense() must be a 4-d bool tensor, got {dense.dtype} {tuple(dense.shape)}")
+    b0, h0, lq, lkv = dense.shape
+    if (lq, lkv) != (q_len, kv_len) or b0 not in (1, batch) or h0 not in (1, heads):
+        raise AssertionError(f"{spec!r}: dense() shape {tuple(dense.shape)} is not [B|1, H|1, {q_len}, {kv_len}]")
+    dense = dense.cpu().expand(batch, heads, q_len, kv_len)
+    # Kernels get the mask_mod of the spec bound to the lengths (e.g. bottom-right causal).
+    bound = spec.bind(q_len, kv_len)
+    if bound is not spec:
+        _require_equal("bind(q_len, kv_len).dense", bound.dense(q_len, kv_len, batch=batch, heads=heads), dense, spec)
+    got = torch.as_tensor(bound.mask_mod()(*index_grids(batch, heads, q_len, kv_len)))
+    if got.dtype != torch.bool:
+        raise AssertionError(f"{spec!r}: mask_mod returned {got.dtype}, expected torch.bool")
+    _require_equal("mask_mod", got, dense, spec)
+    if not spec.uses_batch() and not bool((dense == dense[:1]).all()):
+        raise AssertionError(f"{spec!r}: uses_batch() is False but the mask differs across batch rows")
+    if not spec.uses_head() and not bool((dense == dense[:, :1]).all()):
+        raise AssertionError(f"{spec!r}: uses_head() is False but the mask differs across heads")
+    if exact_blocks is None:
+        exact_blocks = not isinstance(spec, (And, Or, Not))
+    for q_block, kv_block in block_sizes:
+        _check_block_map(spec, bound, dense, q_block, kv_block, exact_blocks, check_create_block_mask)
+    _check_forms(spec, dense, batch)
+
+
+def _check_block_map(
+    spec: MaskSpec,
+    bound: MaskSpec,
+    dense: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    exact: bool,
+    vs_create: bool,
+) -> None:
+    batch, heads, q_len, kv_len = dense.shape
+    want_any, want_full = dense_block_map(dense, q_block, kv_block)
+    if vs_create:
+        bm = create_block_mask(
+            bound.mask_mod(),
+            batch if bound.uses_batch() else None,
+            heads if bound.uses_head() else None,
+            q_len,
+            kv_len,
+            device="cpu",
+            BLOCK_SIZE=(q_block, kv_block),
+        )
+        c_any, c_full = block_mask_map(bm, want_any.shape[-1])
+        tag = f"create_block_mask any (blocks {q_block}x{kv_block})"
+        _require_equal(tag, c_any, want_any, spec)
+        _require_equal(tag.replace("any", "full"), c_full, want_full, spec)
+    bmap = spec.block_map(q_len, kv_len, q_block, kv_block, "cpu")
+    if bmap is None:
+        return
+    got_any, got_full = bmap.any.cpu(), bmap.full.cpu()
+    if got_any.shape[-2:] != want_any.shape[-2:] or got_full.shape != got_any.shape:
+        raise AssertionError(
+            f"{spec!r}: block_map shapes any={tuple(got_any.shape)} full={tuple(got_full.shape)}, "
+            f"expected [..., {want_any.shape[-2]}, {want_any.shape[-1]}] for blocks {q_block}x{kv_block}"
+        )
+    got_any, got_full = got_any.expand_as(want_any), got_full.expand_as(want_full)
+    where = f"(blocks {q_block}x{kv_block})"
+    if bool((want_any & ~got_any).any()):
+        raise AssertionError(f"{spec!r}: block_map misses a visible block at {_first(want_any & ~got_any)} {where}")
+    if bool((got_full & ~want_full).any()):
+        raise AssertionError(
+            f"{spec!r}: block_map marks block {_first(got_full & ~want_full)} full but it has masked "
+            f"elements {where}"
+        )
+    if bool((got_full & ~got_any).any()):
+        raise AssertionError(f"{spec!r}: block_map full is not a subset of any {where}")
+    if exact:
+        hint = " (pass exact_blocks=False to accept a safe approximation)"
+        _require_equal(f"block_map any {where}{hint}", got_any, want_any, spec)
+        _require_equal(f"block_map full {where}{hint}", got_full, want_full, spec)
+
+
+def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
+    _, _, q_len, kv_len = dense.shape
+    sdpa = spec.sdpa_form(q_len, kv_len)
+    if sdpa is not None:
+        i = torch.arange(q_len).view(q_len, 1)
+        j = torch.arange(kv_len).view(1, kv_len)
+        # SDPA's is_causal is top-left aligned: key j visible to query i iff j <= i.
+        want = (j <= i) if sdpa.is_causal else torch.ones(q_len, kv_len, dtype=torch.bool)
+        _require_equal(f"sdpa_form {sdpa}", want.expand_as(dense), dense, spec)
+    varlen = spec.varlen_form(q_len, kv_len, batch)
+    if varlen is not None:
+        if q_len != kv_len:
+            raise AssertionError(f"{spec!r}: varlen_form offered for q_len {q_len} != kv_len {kv_len}")
+        _require_equal(f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch).expand_as(dense), dense, spec)
+
+
+def assert_score_consistent(
+    spec: ScoreSpec,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    q_len: int = 33,
+    kv_len: int = 47,
+    seed: int = 0,
+    magnitude: float = 4.0,
+    rtol: float = 1e-6,
+    atol: float = 1e-6,
+) -> None:
+    """Check a score spec's ``score_mod`` (exact variant) against ``spec.dense`` in float64.
+
+    The default tolerances admit score mods that compute in float32, as kernels do; specs that
+    compute in the score's dtype agree to float64 precision.
+    """
+    spec.validate(q_len, kv_len, batch, heads)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(batch, heads, q_len, kv_len, dtype=torch.float64, generator=gen) * magnitude
+    got = spec.score_mod(fast=False)(scores.clone(), *index_grids(batch, heads, q_len, kv_len))
+    want = spec.dense(scores.clone())
+    if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
+        raise AssertionError(f"{spec!r}: score_mod must return a floating tensor, got {type(got).__name__}")
+    got = torch.broadcast_to(got, want.shape).double()
+    err = (got - want).abs()
+    bad = err > atol + rtol * want.abs()
+    if bool(bad.any()) or not bool(torch.isfinite(got).all()):
+        where = _first(bad | ~torch.isfinite(got))
+        raise AssertionError(
+            f"{spec!r}: score_mod differs from the dense oracle at index {where}: got "
+            f"{got[where].item():.10g}, oracle {want[where].item():.10g} (max abs error {float(err.max()):.3e})"
+        )

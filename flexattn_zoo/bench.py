@@ -1,0 +1,301 @@
+"""Benchmark harness: every route for a case, side by side, in one process.
+
+    python -m flexattn_zoo.bench benchmarks/configs/smoke.yaml --out results.json --md results.md
+    flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--png PREFIX] [--cases a,b] [--routes x,y]
+                       [--modes fwd] [--iters N] [--warmup N] [--resume] [--time-budget S] [--no-fa4]
+
+For each case (see :mod:`flexattn_zoo.bench_config` for the YAML schema), mode and route it
+records one row: median time, TFLOP/s on visible work, peak memory, compile time, mask build time
+and a status: ``ok``, ``unsupported`` (with the dispatcher's reasons), ``OOM`` (caught, or skipped by
+the dense-memory estimate) or ``error`` (the exception, never a crash). Rows are written to
+``--out`` after every route, so a sweep that is killed keeps what it measured; ``--resume`` skips
+rows already there, and ``--time-budget`` stops starting new rows after S seconds (exit code 3).
+``--report-only`` rewrites the Markdown/PNGs from an existing ``--out`` JSON.
+
+Exit codes: 0 done, 1 matplotlib missing for ``--png``, 2 bad input, 3 stopped by the time budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from flexattn_zoo import bench_routes
+from flexattn_zoo.bench_config import MODES, Case, all_routes, load_config, parse_names
+from flexattn_zoo.bench_env import block_fa4, collect_env
+from flexattn_zoo.bench_report import markdown, rich_table, write_pngs
+from flexattn_zoo.bench_timing import free_memory, visible_pairs
+from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.viz import MissingDependency
+
+FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x forward
+COMMAND_ENV = "FLEXATTN_ZOO_BENCH_COMMAND"  # recorded instead of argv (e.g. by run_h200.sh)
+
+
+def _device(case: Case) -> torch.device:
+    if case.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if case.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"case {case.name!r} asks for device cuda, but torch sees no GPU")
+    return torch.device(case.device)
+
+
+def _message(exc: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _row(case: Case, route: str, mode: str, device: torch.device, visible: int | None) -> dict[str, Any]:
+    L = case.seq_len
+    flops = 4 * case.head_dim * visible * FLOP_FACTOR[mode] if visible is not None else None
+    return {
+        "case": case.name, "route": route, "mode": mode, "status": "error", "reason": None, "chosen": None,
+        "ms": None, "tflops": None, "peak_mib": None, "base_mib": None, "compile_s": None,
+        "blockmask_s": None, "blockmask_compile_s": None, "max_err": None, "err_vs": None,
+        "batch": case.batch, "heads": case.heads, "kv_heads": case.kv_heads, "seq_len": L,
+        "head_dim": case.head_dim, "dtype": str(case.dtype).removeprefix("torch."), "device": str(device),
+        "visible_pairs": visible, "density": visible / (case.batch * case.heads * L * L) if visible else None,
+        "flops": flops, "warmup": case.warmup, "iters": case.iters, "compiled_graphs": None,
+        "notes": [], "wall_s": None,
+    }  # fmt: skip
+
+
+def run_one(row: dict[str, Any], case: Case, mask: Any, score: Any, x: bench_routes.Inputs | None,
+            device: torch.device, ref: list[Any]) -> None:  # fmt: skip
+    """Fill ``row`` by running its route; ``ref`` holds ``[route, out]`` of the first fwd output."""
+    start, graphs = time.perf_counter(), COMPILE_CACHE.total_compiles()
+    outcome = None
+    try:
+        if x is None:
+            raise RuntimeError("inputs could not be allocated")
+        outcome = bench_routes.run(row["route"], case, row["mode"], mask, score, x, device)
+    except bench_routes.Unsupported as exc:
+        row["status"], row["reason"] = "unsupported", str(exc)
+    except bench_routes.SkippedOOM as exc:
+        row["status"], row["reason"] = "OOM", str(exc)
+    except torch.OutOfMemoryError as exc:
+        row["status"], row["reason"] = "OOM", _message(exc)
+    except Exception as exc:  # a benchmark row, never a crash
+        oom = "out of memory" in str(exc).lower() or "can't allocate memory" in str(exc).lower()
+        row["status"], row["reason"] = ("OOM" if oom else "error"), _message(exc)
+    if outcome is not None:
+        row.update(status="ok", chosen=outcome.prepared.chosen, ms=outcome.ms, compile_s=outcome.compile_s,
+                   peak_mib=outcome.peak_mib, base_mib=outcome.base_mib, blockmask_s=outcome.prepared.blockmask_s,
+                   blockmask_compile_s=outcome.prepared.blockmask_compile_s, notes=outcome.notes)  # fmt: skip
+        if row["flops"] is not None and outcome.ms > 0:
+            row["tflops"] = row["flops"] / (outcome.ms * 1e-3) / 1e12
+        if outcome.out is not None:
+            if not ref:
+                ref.extend([row["route"], outcome.out])
+            else:
+                err = float((outcome.out.float() - ref[1].float()).abs().max())
+                row["err_vs"] = ref[0]
+                if math.isfinite(err):
+                    row["max_err"] = err
+                else:
+                    row["notes"].append("output holds NaN or inf")
+    if row["route"] == "raw_flex":
+        bench_routes.note_raw_limit(f"{case.name}/{row['mode']}", row["notes"])
+    delta = COMPILE_CACHE.total_compiles() - graphs
+    row["compiled_graphs"] = delta if delta >= 0 else None
+    row["wall_s"] = time.perf_counter() - start
+    outcome = None
+    free_memory(device)
+
+
+def _save(path: Path | None, data: dict[str, Any]) -> None:
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _line(row: dict[str, Any]) -> str:
+    what = f"{row['case']} {row['mode']} {row['route']}" + (
+        f" -> {row['chosen']}" if row.get("chosen") else ""
+    )
+    if row["status"] == "ok":
+        return (
+            f"{what}: {row['tflops'] or 0:.4g} TFLOP/s ({row['ms']:.3f} ms, compile {row['compile_s']:.1f} s)"
+        )
+    return f"{what}: {row['status']}: {row['reason']}"
+
+
+def run_sweep(
+    cases: Sequence[Case], data: dict[str, Any], *, out: Path | None = None, time_budget: float | None = None,
+    console: Console | None = None, quiet: bool = False,
+) -> bool:  # fmt: skip
+    """Run every missing row of ``cases`` into ``data["rows"]``; False if the time budget stopped it."""
+    console = console or Console(stderr=True, highlight=False)
+    rows: list[dict[str, Any]] = data.setdefault("rows", [])
+    done = {(r["case"], r["route"], r["mode"]) for r in rows}
+    todo = {c.name: [(m, r) for m in c.modes for r in c.routes if (c.name, r, m) not in done] for c in cases}
+    start = time.monotonic()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
+        task = progress.add_task("sweep", total=sum(len(t) for t in todo.values()))
+        for case in cases:
+            if not todo[case.name]:
+                continue
+            device = _device(case)
+            try:
+                mask, score = case.specs(device)
+                visible: int | None = visible_pairs(mask, case.seq_len, case.batch, case.heads, device)
+            except Exception as exc:  # a broken case gives error rows, the sweep goes on
+                mask = score = visible = None
+                case_failure: str | None = _message(exc)
+            else:
+                case_failure = None
+            for mode in MODES:
+                routes = [r for m, r in todo[case.name] if m == mode]
+                if not routes:
+                    continue
+                x, failure = None, case_failure
+                if failure is None:
+                    try:
+                        x = bench_routes.Inputs.make(case, mode, device)
+                    except torch.OutOfMemoryError as exc:
+                        failure = _message(exc)
+                ref: list[Any] = []
+                for route in routes:
+                    if time_budget is not None and time.monotonic() - start > time_budget:
+                        return False
+                    progress.update(task, description=f"{case.name} {mode} {route}")
+                    row = _row(case, route, mode, device, visible)
+                    if failure is not None:
+                        row["reason"] = failure
+                        row["status"] = "OOM" if "OutOfMemory" in failure else "error"
+                    else:
+                        run_one(row, case, mask, score, x, device, ref)
+                    rows.append(row)
+                    _save(out, data)
+                    if not quiet:
+                        progress.console.print(_line(row), markup=False, highlight=False)
+                    progress.advance(task)
+                del x, ref
+                free_memory(device)
+    return True
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("config", help="YAML sweep config (benchmarks/configs/*.yaml)")
+    p.add_argument("--out", type=Path, help="JSON results file (written after every row)")
+    p.add_argument("--md", type=Path, help="Markdown report file")
+    p.add_argument(
+        "--png", metavar="PREFIX", help="bar charts PREFIX-fwd.png, PREFIX-fwdbwd.png (needs matplotlib)"
+    )
+    p.add_argument("--cases", help="comma-separated case names to run (default: all)")
+    p.add_argument(
+        "--routes", help=f"comma-separated routes, overriding the config ({', '.join(all_routes())})"
+    )
+    p.add_argument("--modes", help="comma-separated modes: fwd, fwdbwd")
+    p.add_argument("--iters", type=int, help="override timed iterations")
+    p.add_argument("--warmup", type=int, help="override warm-up iterations")
+    p.add_argument(
+        "--resume", action="store_true", help="keep the rows already in --out and run only the others"
+    )
+    p.add_argument("--time-budget", type=float, metavar="S", help="start no new row after S seconds (exit 3)")
+    p.add_argument("--no-fa4", action="store_true", help="hide flash_attn.cute (FA4) from this process")
+    p.add_argument("--report-only", action="store_true", help="only rewrite --md/--png from the --out JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or per-row lines")
+    return p
+
+
+def _select(cases: list[Case], args: argparse.Namespace) -> list[Case]:
+    if args.cases:
+        wanted = parse_names("--cases", args.cases, [c.name for c in cases])
+        cases = [c for c in cases if c.name in wanted]
+    changes: dict[str, Any] = {}
+    if args.routes:
+        changes["routes"] = parse_names("--routes", args.routes, all_routes())
+    if args.modes:
+        changes["modes"] = parse_names("--modes", args.modes, list(MODES))
+    for key in ("iters", "warmup"):
+        value = getattr(args, key)
+        if value is not None:
+            if value < (1 if key == "iters" else 0):
+                raise ValueError(f"--{key} must be >= {1 if key == 'iters' else 0}, got {value}")
+            changes[key] = value
+    return [dataclasses.replace(c, **changes) for c in cases]
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Summary tables are wide: don't squeeze them into 80 columns when stdout is a file or pipe.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 250)
+    errors = Console(stderr=True, highlight=False)
+    try:
+        args = build_parser(prog).parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+    command = os.environ.get(COMMAND_ENV) or shlex.join([*shlex.split(prog), *argv])
+    try:
+        if args.no_fa4:
+            block_fa4()
+        if args.png:
+            from flexattn_zoo.bench_report import have_matplotlib
+
+            if not have_matplotlib():
+                raise MissingDependency("--png needs matplotlib: pip install 'flexattn-zoo[viz]'")
+        if (args.resume or args.report_only) and args.out is None:
+            raise ValueError("--resume and --report-only need --out")
+        complete = True
+        if args.report_only:
+            data = json.loads(args.out.read_text())
+        else:
+            cases = _select(load_config(args.config), args)
+            data = {"env": {}, "rows": []}
+            if args.resume and args.out.is_file():
+                data = json.loads(args.out.read_text())
+                previous = data.get("env", {})
+                history = [*previous.get("previous_commands", []), previous.get("command")]
+            else:
+                history = []
+            env = collect_env(_device(cases[0]), command)
+            env["no_fa4"] = bool(args.no_fa4)
+            if history:
+                env["previous_commands"] = [h for h in history if h]
+            data["env"] = env
+            complete = run_sweep(cases, data, out=args.out, time_budget=args.time_budget, quiet=args.quiet)
+            _save(args.out, data)
+        title = f"flexattn_zoo benchmark: {Path(args.config).stem}"
+        if not args.quiet:
+            console.print(rich_table(data["rows"], title=title))
+        if args.md:
+            args.md.write_text(markdown(data, title=title))
+        if args.png:
+            write_pngs(data["rows"], args.png, title=Path(args.config).stem)
+        if not complete:
+            errors.print(f"stopped by --time-budget {args.time_budget:g} s; run again with --resume to finish",
+                         markup=False)  # fmt: skip
+            return 3
+        return 0
+    except MissingDependency as exc:
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return 1
+    except (ValueError, TypeError, json.JSONDecodeError) as exc:
+        if os.environ.get("FLEXATTN_ZOO_DEBUG"):
+            raise
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""YAML sweep configs for :mod:`flexattn_zoo.bench`, validated strictly.
+
+Schema (``defaults`` keys may also be given per case, where they win)::
+
+    defaults:
+      dtype: bf16            # bf16 | fp16 | fp32 | fp64
+      device: auto           # auto (cuda when available) | cuda | cpu
+      warmup: 5              # untimed calls after the first (compiling) call
+      iters: 20              # timed calls; the median is reported
+      modes: [fwd, fwdbwd]   # fwd: torch.no_grad inference; fwdbwd: forward + backward
+      routes: [auto, sdpa_cudnn, flex, raw_flex, sdpa_dense_mask]
+      max_dense_gib: 60      # routes whose dense-memory estimate exceeds this are skipped as OOM
+      seed: 0                # inputs are torch.manual_seed(seed) + randn
+    cases:
+      - name: document_causal
+        batch: 4
+        heads: 16
+        kv_heads: 4          # optional (default: heads); fewer = grouped-query attention
+        seq_len: 8192
+        head_dim: 128
+        mask: {name: causal}                 # as flexattn_zoo.config: mapping, or list joined with &
+        score_mod: {name: softcap, cap: 30}  # mapping, or list chained with >>
+        document_lengths: {min: 256, max: 2048, seed: 0}
+
+``document_lengths`` draws document lengths uniformly in ``[min, max]`` (the last one is cut to
+fit ``seq_len``) and prepends ``Document.from_lengths(lengths) &`` to the mask. A score entry
+without ``num_heads`` (e.g. ``{name: alibi}``) gets the case's ``heads``. ``mask: causal`` is short
+for ``mask: {name: causal}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.config import spec_from_dict
+from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
+from flexattn_zoo.spec import MaskSpec, ScoreSpec
+
+#: Routes the harness adds to the dispatcher's: a user's hand-written flex, and SDPA with a dense mask.
+EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask")
+MODES = ("fwd", "fwdbwd")
+DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64,
+}  # fmt: skip
+DEFAULTS: dict[str, Any] = {
+    "dtype": "bf16", "device": "auto", "warmup": 5, "iters": 20, "modes": list(MODES),
+    "routes": ["auto"], "max_dense_gib": 60.0, "seed": 0,
+}  # fmt: skip
+CASE_KEYS = (
+    "name",
+    "batch",
+    "heads",
+    "kv_heads",
+    "seq_len",
+    "head_dim",
+    "mask",
+    "score_mod",
+    "document_lengths",
+)
+
+
+def all_routes() -> list[str]:
+    return ["auto", *BY_NAME, *EXTRA_ROUTES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One problem of a sweep and how to time it."""
+
+    name: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+    dtype: torch.dtype
+    device: str
+    warmup: int
+    iters: int
+    modes: tuple[str, ...]
+    routes: tuple[str, ...]
+    max_dense_gib: float
+    seed: int
+    mask: Any = None
+    score_mod: Any = None
+    document_lengths: dict[str, int] | None = None
+
+    @property
+    def gqa(self) -> bool:
+        return self.kv_heads != self.heads
+
+    def specs(self, device: torch.device | str | None = None) -> tuple[MaskSpec | None, ScoreSpec | None]:
+        """The case's (mask, score) specs, with captured tensors on ``device``."""
+        mask, score = spec_from_dict({"mask": _with_heads(self.mask, MASKS, self.heads),
+                                      "score_mod": _with_heads(self.score_mod, SCORES, self.heads)})  # fmt: skip
+        if self.document_lengths is not None:
+            from flexattn_zoo.masks import Document
+
+            d = self.document_lengths
+            doc = Document.from_lengths(document_lengths(self.seq_len, d["min"], d["max"], d.get("seed", 0)))
+            mask = doc if mask is None else doc & mask
+        for spec in (mask, score):
+            if spec is not None:
+                spec.validate(self.seq_len, self.seq_len, self.batch, self.heads)
+        if device is not None:
+            mask = mask.to(device) if mask is not None else None  # type: ignore[assignment]
+            score = score.to(device) if score is not None else None  # type: ignore[assignment]
+        return mask, score
+
+    def shape(self) -> str:
+        heads = f"{self.heads}:{self.kv_heads}" if self.gqa else str(self.heads)
+        return f"B={self.batch} H={heads} L={self.seq_len} D={self.head_dim}"
+
+
+def document_lengths(seq_len: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """Random document lengths in ``[lo, hi]`` that tile ``seq_len`` (the last one is cut to fit)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    total = 0
+    while total < seq_len:
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        n = n if total + n <= seq_len else seq_len - total
+        out.append(n)
+        total += n
+    return out
+
+
+def _with_heads(entries: Any, registry: Any, heads: int) -> Any:
+    """Fill ``num_heads`` into entries whose spec takes it (ALiBi) and that do not give it."""
+    if entries is None:
+        return None
+    if isinstance(entries, str):
+        entries = {"name": entries}
+    if isinstance(entries, list):
+        return [_with_heads(e, registry, heads) for e in entries]
+    if isinstance(entries, dict) and entries.get("name") in registry and "num_heads" not in entries:
+        factory = registry.entry(entries["name"]).factory
+        if dataclasses.is_dataclass(factory) and "num_heads" in {f.name for f in dataclasses.fields(factory)}:
+            return {**entries, "num_heads": heads}
+    return entries
+
+
+def _int(where: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_names(where: str, value: Any, valid: list[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{where} must be a non-empty list, one of {', '.join(valid)}")
+    for v in value:
+        if v not in valid:
+            raise ValueError(
+                f"{where}: unknown {v!r}; valid: {', '.join(valid)}.{did_you_mean(str(v), valid)}"
+            )
+    return tuple(value)
+
+
+def _settings(where: str, data: dict[str, Any]) -> dict[str, Any]:
+    out = dict(data)
+    if "dtype" in out and str(out["dtype"]).lower() not in DTYPES:
+        raise ValueError(f"{where}.dtype: unknown {out['dtype']!r}; valid: bf16, fp16, fp32, fp64")
+    if "device" in out and out["device"] not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"{where}.device must be auto, cuda or cpu, got {out['device']!r}")
+    for key, minimum in (("warmup", 0), ("iters", 1), ("seed", 0)):
+        if key in out:
+            _int(f"{where}.{key}", out[key], minimum)
+    if "modes" in out:
+        out["modes"] = parse_names(f"{where}.modes", out["modes"], list(MODES))
+    if "routes" in out:
+        out["routes"] = parse_names(f"{where}.routes", out["routes"], all_routes())
+    if "max_dense_gib" in out:
+        v = out["max_dense_gib"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"{where}.max_dense_gib must be a positive number, got {v!r}")
+    return out
+
+
+def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
+    where = f"cases[{i}]"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be a mapping with keys {', '.join(CASE_KEYS)}")
+    valid = [*CASE_KEYS, *DEFAULTS]
+    for key in raw:
+        if key not in valid:
+            raise ValueError(
+                f"{where}: unknown key {key!r}; valid: {', '.join(valid)}.{did_you_mean(str(key), valid)}"
+            )
+    for key in ("name", "batch", "heads", "seq_len", "head_dim"):
+        if key not in raw:
+            raise ValueError(f"{where} needs {key!r}")
+    name = raw["name"]
+    if not isinstance(name, str) or not name or "," in name:
+        raise ValueError(f"{where}.name must be a non-empty string without commas, got {name!r}")
+    where = f"case {name!r}"
+    s = {**defaults, **_settings(where, {k: v for k, v in raw.items() if k in DEFAULTS})}
+    heads = _int(f"{where}.heads", raw["heads"])
+    kv_heads = _int(f"{where}.kv_heads", raw.get("kv_heads", heads))
+    if heads % kv_heads:
+        raise ValueError(f"{where}: heads {heads} must be a multiple of kv_heads {kv_heads}")
+    docs = raw.get("document_lengths")
+    if docs is not None:
+        if (
+            not isinstance(docs, dict)
+            or set(docs) - {"min", "max", "seed"}
+            or not {"min", "max"} <= set(docs)
+        ):
+            raise ValueError(
+                f"{where}.document_lengths must be {{min: int, max: int, seed: int}}, got {docs!r}"
+            )
+        lo, hi = (
+            _int(f"{where}.document_lengths.min", docs["min"]),
+            _int(f"{where}.document_lengths.max", docs["max"]),
+        )
+        if hi < lo:
+            raise ValueError(f"{where}.document_lengths: max {hi} < min {lo}")
+        _int(f"{where}.document_lengths.seed", docs.get("seed", 0), 0)
+    case = Case(
+        name=name, batch=_int(f"{where}.batch", raw["batch"]), heads=heads, kv_heads=kv_heads,
+        seq_len=_int(f"{where}.seq_len", raw["seq_len"]), head_dim=_int(f"{where}.head_dim", raw["head_dim"]),
+        dtype=DTYPES[str(s["dtype"]).lower()], device=s["device"], warmup=s["warmup"], iters=s["iters"],
+        modes=tuple(s["modes"]), routes=tuple(s["routes"]), max_dense_gib=float(s["max_dense_gib"]),
+        seed=s["seed"], mask=raw.get("mask"), score_mod=raw.get("score_mod"), document_lengths=docs,
+    )  # fmt: skip
+    try:
+        case.specs()  # fail at load time, not half-way through a sweep
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return case
+
+
+def parse_config(data: Any) -> list[Case]:
+    """Cases of an already-parsed sweep config (see the module docstring)."""
+    if not isinstance(data, dict) or set(data) - {"defaults", "cases"}:
+        raise ValueError("a sweep config is a mapping with keys 'defaults' (optional) and 'cases'")
+    raw_defaults = data.get("defaults") or {}
+    if not isinstance(raw_defaults, dict):
+        raise ValueError("defaults must be a mapping")
+    for key in raw_defaults:
+        if key not in DEFAULTS:
+            valid = list(DEFAULTS)
+            raise ValueError(
+                f"defaults: unknown key {key!r}; valid: {', '.join(valid)}.{did_you_mean(str(key), valid)}"
+            )
+    defaults = {**DEFAULTS, **_settings("defaults", raw_defaults)}
+    cases = data.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise ValueError("cases must be a non-empty list")
+    out = [_case(i, c, defaults) for i, c in enumerate(cases)]
+    names = [c.name for c in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"duplicate case names: {', '.join(dupes)}")
+    return out
+
+
+def load_config(path: str | Path) -> list[Case]:
+    """Read and validate a YAML sweep config file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"sweep config {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"malformed YAML in {str(p)!r}: {exc}") from exc
+    return parse_config(data)

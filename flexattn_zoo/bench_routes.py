@@ -1,0 +1,276 @@
+"""The routes :mod:`flexattn_zoo.bench` times, each prepared into a zero-argument forward call.
+
+* ``auto`` and every dispatcher route: ``fz.attention(..., backend=route)``, run only when
+  ``fz.plan`` accepts the call (else :class:`Unsupported` with the dispatcher's reasons).
+* ``raw_flex``: what a user writes by hand: one ``torch.compile(flex_attention)`` (default options)
+  for the whole process and a BlockMask from ``torch.compile(create_block_mask)``. Sharing one
+  compiled function across cases can exhaust Dynamo's recompile limit; that is measured, not avoided.
+* ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
+  a float bias when the score mod is additive, like ALiBi); k/v are expanded for GQA so SDPA can
+  use its memory-efficient kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import flexattn_zoo as fz
+from flexattn_zoo import _compat
+from flexattn_zoo import blockmask as fz_blockmask
+from flexattn_zoo.bench_config import Case
+from flexattn_zoo.bench_timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
+from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec
+
+#: Routes that run flex with a BlockMask built by ``fz.block_mask`` (its build time is reported).
+BLOCKMASK_ROUTES = frozenset({"flex", "flex_flash", "flex_cpu"})
+#: Score specs that only add a bias to the score, so SDPA can take them as a float mask.
+ADDITIVE_SCORES = frozenset({"alibi"})
+#: Steady-state BlockMask builds timed (after the first, compiling one).
+BLOCKMASK_REPEATS = 3
+
+
+class Unsupported(Exception):
+    """The route cannot run this case exactly; the message holds the reasons."""
+
+
+class SkippedOOM(Exception):
+    """The route's estimated dense memory is over the case's ``max_dense_gib``."""
+
+
+@dataclasses.dataclass
+class Inputs:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad_out: torch.Tensor | None  # fwdbwd only
+
+    @classmethod
+    def make(cls, case: Case, mode: str, device: torch.device) -> Inputs:
+        torch.manual_seed(case.seed)
+        grad = mode == "fwdbwd"
+        b, length, d = case.batch, case.seq_len, case.head_dim
+        q = torch.randn(b, case.heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
+        k = torch.randn(b, case.kv_heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
+        v = torch.randn(b, case.kv_heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
+        g = torch.randn(b, case.heads, length, d, device=device, dtype=case.dtype) if grad else None
+        return cls(q, k, v, g)
+
+
+@dataclasses.dataclass
+class Prepared:
+    call: Callable[[], torch.Tensor]  # one forward; returns out [B, H, L, D]
+    chosen: str | None = None
+    blockmask_s: float | None = None
+    blockmask_compile_s: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Outcome:
+    prepared: Prepared
+    ms: float
+    compile_s: float
+    peak_mib: float | None
+    base_mib: float | None
+    out: torch.Tensor | None  # first fwd output, for the error check
+    notes: list[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher routes
+
+
+def _plan(route: str, case: Case, mask: Any, score: Any, x: Inputs) -> str:
+    try:
+        return fz.plan(x.q, x.k, x.v, mask=mask, score_mod=score, enable_gqa=case.gqa, backend=route).backend
+    except ValueError as exc:
+        text = str(exc)
+        prefix = f"backend {route!r} cannot run this call: "
+        raise Unsupported(text.removeprefix(prefix)) from None
+
+
+def _time_fz_block_mask(case: Case, mask: MaskSpec, device: torch.device) -> float:
+    """Median build time of ``fz.block_mask`` from an empty cache; the last build stays cached."""
+    times = []
+    for _ in range(BLOCKMASK_REPEATS):
+        fz_blockmask.CACHE.clear()
+        _, seconds = timed(lambda: fz.block_mask(mask, case.seq_len, case.seq_len, batch=case.batch,
+                                                 heads=case.heads, device=device), device)  # fmt: skip
+        times.append(seconds)
+    return sorted(times)[len(times) // 2]
+
+
+def prepare_fz(route: str, chosen: str, case: Case, mask: Any, score: Any, x: Inputs,
+               device: torch.device) -> Prepared:  # fmt: skip
+    def call() -> torch.Tensor:
+        return fz.attention(x.q, x.k, x.v, mask=mask, score_mod=score, enable_gqa=case.gqa, backend=route)
+
+    prep = Prepared(call=call, chosen=chosen if route == "auto" else None)
+    if chosen in BLOCKMASK_ROUTES and mask is not None:
+        prep.blockmask_s = _time_fz_block_mask(case, mask, device)
+    return prep
+
+
+# ---------------------------------------------------------------------------------------------
+# raw_flex: one compiled flex_attention and create_block_mask per process, like a user's script
+
+_RAW: dict[str, Any] = {}
+
+
+def _raw_compiled() -> tuple[Any, Any]:
+    if not _RAW:
+        _RAW["flex"] = torch.compile(_compat.flex_attention)
+        _RAW["create_block_mask"] = torch.compile(_compat.create_block_mask)
+        _RAW["limit_hit"] = None
+    return _RAW["flex"], _RAW["create_block_mask"]
+
+
+def prepare_raw_flex(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs,
+                     device: torch.device) -> Prepared:  # fmt: skip
+    flex, cbm = _raw_compiled()
+    block_mask = build_s = build_compile_s = None
+    if mask is not None:
+        mod = mask.bind(case.seq_len, case.seq_len).mask_mod()
+        b = case.batch if mask.uses_batch() else None
+        h = case.heads if mask.uses_head() else None
+
+        def build() -> Any:
+            return cbm(mod, b, h, case.seq_len, case.seq_len, device=device)
+
+        block_mask, first = timed(build, device)
+        times = []
+        for _ in range(BLOCKMASK_REPEATS):
+            block_mask, seconds = timed(build, device)
+            times.append(seconds)
+        build_s = sorted(times)[len(times) // 2]
+        build_compile_s = max(0.0, first - build_s)
+    score_mod = score.score_mod() if score is not None else None
+    gqa = case.gqa
+
+    def call() -> torch.Tensor:
+        return flex(x.q, x.k, x.v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+
+    prep = Prepared(call=call, blockmask_s=build_s, blockmask_compile_s=build_compile_s)
+    if _RAW.get("limit_hit"):
+        prep.notes.append(f"runs after Dynamo's recompile limit was hit ({_RAW['limit_hit']})")
+    return prep
+
+
+def note_raw_limit(where: str, notes: list[str]) -> None:
+    """Remember recompile-limit hits of the raw compiled functions: Dynamo logs each only once."""
+    hits = [n.split(": ")[0].removeprefix("Dynamo hit ") for n in notes if n.startswith("Dynamo hit")]
+    if _RAW and hits:
+        seen = f"{', '.join(hits)} at {where}"
+        _RAW["limit_hit"] = f"{_RAW['limit_hit']}; {seen}" if _RAW.get("limit_hit") else seen
+
+
+# ---------------------------------------------------------------------------------------------
+# sdpa_dense_mask
+
+
+def _additive(score: ScoreSpec) -> bool:
+    mods = score.mods if isinstance(score, Chain) else (score,)
+    return all(getattr(m, "name", "") in ADDITIVE_SCORES for m in mods)
+
+
+def dense_estimate_bytes(
+    route: str, case: Case, mode: str, mask: MaskSpec | None, score: ScoreSpec | None
+) -> int:
+    """Rough peak of the routes that hold ``L x L`` tensors (0 for the others)."""
+    b, h, n = case.batch, case.heads, case.seq_len * case.seq_len
+    elem = case.dtype.itemsize
+    if route == "sdpa_dense_mask":
+        if score is not None:
+            nb = b if (mask is not None and mask.uses_batch()) else 1
+            mask_bytes = nb * h * n * elem
+        else:
+            nb = b if mask is not None and mask.uses_batch() else 1
+            nh = h if mask is not None and mask.uses_head() else 1
+            mask_bytes = nb * nh * n
+        return mask_bytes + b * h * n * 2
+    if route == "sdpa_math":  # float32 scores and probabilities (and their grads)
+        return b * h * n * 4 * (4 if mode == "fwdbwd" else 2)
+    return 0
+
+
+def prepare_dense_mask(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs,
+                       device: torch.device) -> Prepared:  # fmt: skip
+    if score is not None:
+        mod = score.score_mod()
+        attn_mask, seconds = timed(lambda: dense_bias(mod, mask, case.seq_len, case.batch, case.heads,
+                                                      case.dtype, device), device)  # fmt: skip
+    elif mask is not None:
+        attn_mask, seconds = timed(
+            lambda: dense_mask(mask, case.seq_len, case.batch, case.heads, device), device
+        )
+    else:
+        attn_mask, seconds = None, None
+    group = case.heads // case.kv_heads
+
+    def call() -> torch.Tensor:
+        k, v = x.k, x.v
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(x.q, k, v, attn_mask=attn_mask)
+
+    return Prepared(call=call, blockmask_s=seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare(
+    route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, device: torch.device
+) -> Prepared:
+    """Check the route can run exactly, apply the memory guard, then build what it needs (timed)."""
+    chosen = route
+    if route == "sdpa_dense_mask":
+        if score is not None and not _additive(score):
+            raise Unsupported(
+                f"score_mod {type(score).__name__} is not an additive bias; SDPA cannot express it"
+            )
+    elif route != "raw_flex":
+        chosen = _plan(route, case, mask, score, x)
+    need = max(dense_estimate_bytes(route, case, mode, mask, score),
+               dense_estimate_bytes(chosen, case, mode, mask, score))  # fmt: skip
+    if need > case.max_dense_gib * GIB:
+        raise SkippedOOM(f"skipped: estimated {need / GIB:.1f} GiB > max_dense_gib {case.max_dense_gib:g}")
+    if route == "raw_flex":
+        return prepare_raw_flex(case, mask, score, x, device)
+    if route == "sdpa_dense_mask":
+        return prepare_dense_mask(case, mask, score, x, device)
+    return prepare_fz(route, chosen, case, mask, score, x, device)
+
+
+def run(route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, device: torch.device) -> Outcome:
+    """Prepare and time one route in one mode (exceptions propagate to the caller)."""
+    with torch_warnings() as notes:
+        prep = prepare(route, case, mode, mask, score, x, device)
+        first: list[torch.Tensor] = []
+        if mode == "fwd":
+
+            def step() -> torch.Tensor:
+                with torch.no_grad():
+                    return prep.call()
+
+            def keep(out: torch.Tensor) -> None:
+                first.append(out)
+        else:
+            inputs = (x.q, x.k, x.v)
+
+            def step() -> torch.Tensor:
+                out = prep.call()
+                torch.autograd.grad(out, inputs, x.grad_out)
+                return out
+
+            def keep(out: torch.Tensor) -> None:
+                pass
+
+        t = measure(step, device, case.warmup, case.iters, on_first=keep)
+    return Outcome(prep, t.median_ms, t.compile_s, t.peak_mib, t.base_mib, first[0] if first else None,
+                   [*prep.notes, *notes])  # fmt: skip

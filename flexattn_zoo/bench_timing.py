@@ -1,0 +1,214 @@
+"""Timing, memory and visible-work counting for :mod:`flexattn_zoo.bench`.
+
+Timing follows the usual GPU recipe: one first call timed on the wall clock (it includes
+compilation), ``warmup`` untimed calls, then ``iters`` calls each bracketed by CUDA events; the
+median is reported. On CPU the events are ``time.perf_counter`` around ``torch.cpu.synchronize``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from flexattn_zoo.spec import MaskSpec
+
+#: Mask elements evaluated at once when counting visible pairs or materializing a dense mask.
+SLAB_ELEMENTS = 1 << 26
+MIB = 2**20
+GIB = 2**30
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "cpu":
+        torch.cpu.synchronize()
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage (tracebacks keep tensors alive through cycles) and return cached blocks."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclasses.dataclass
+class Timing:
+    first_s: float
+    median_ms: float
+    times_ms: list[float]
+    peak_mib: float | None
+    base_mib: float | None
+
+    @property
+    def compile_s(self) -> float:
+        """First call minus a steady-state call: compilation and one-time setup."""
+        return max(0.0, self.first_s - self.median_ms / 1e3)
+
+
+def measure(
+    step: Callable[[], Any], device: torch.device, warmup: int, iters: int,
+    on_first: Callable[[Any], None] | None = None,
+) -> Timing:  # fmt: skip
+    """Time ``step`` (see the module docstring). ``on_first`` sees the first call's result."""
+    sync(device)
+    start = time.perf_counter()
+    result = step()
+    sync(device)
+    first = time.perf_counter() - start
+    if on_first is not None:
+        on_first(result)
+    del result
+    for _ in range(warmup):
+        step()
+    sync(device)
+    peak = base = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) / MIB
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for i in range(iters):
+            starts[i].record()
+            step()
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+        peak = torch.cuda.max_memory_allocated(device) / MIB
+    else:
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(first, statistics.median(times), times, peak, base)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), seconds)`` with the device synchronized on both sides."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------
+# Visible work, without ever holding Lq x Lkv
+
+
+def _grid_sizes(spec: MaskSpec, batch: int, heads: int) -> tuple[int, int]:
+    return (batch if spec.uses_batch() else 1), (heads if spec.uses_head() else 1)
+
+
+def mask_slabs(
+    spec: MaskSpec, length: int, batch: int, heads: int, device: torch.device
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(row_start, row_stop, visible[B|1, H|1, rows, L])`` over slabs of query rows.
+
+    Evaluates the spec's ``mask_mod`` on broadcast index grids, at most ``SLAB_ELEMENTS`` at a time
+    (like :func:`flexattn_zoo.blockmask.generic_block_map`), so temporaries stay bounded.
+    """
+    mod = spec.bind(length, length).mask_mod()
+    nb, nh = _grid_sizes(spec, batch, heads)
+    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
+    h = torch.arange(nh, device=device).view(1, nh, 1, 1)
+    kv = torch.arange(length, device=device).view(1, 1, 1, length)
+    rows = max(1, SLAB_ELEMENTS // (nb * nh * length))
+    for r0 in range(0, length, rows):
+        r1 = min(length, r0 + rows)
+        q = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
+        vis = torch.as_tensor(mod(b, h, q, kv), device=device)
+        yield r0, r1, torch.broadcast_to(vis, (nb, nh, r1 - r0, length))
+
+
+def visible_pairs(spec: MaskSpec | None, length: int, batch: int, heads: int, device: torch.device) -> int:
+    """Visible (query, key) pairs summed over every batch row and query head."""
+    if spec is None:
+        return batch * heads * length * length
+    nb, nh = _grid_sizes(spec, batch, heads)
+    total = sum(int(vis.sum()) for _, _, vis in mask_slabs(spec, length, batch, heads, device))
+    return total * (batch // nb) * (heads // nh)
+
+
+def dense_mask(spec: MaskSpec, length: int, batch: int, heads: int, device: torch.device) -> torch.Tensor:
+    """The boolean ``[B|1, H|1, L, L]`` mask, filled slab by slab from ``mask_mod``."""
+    nb, nh = _grid_sizes(spec, batch, heads)
+    out = torch.empty(nb, nh, length, length, dtype=torch.bool, device=device)
+    for r0, r1, vis in mask_slabs(spec, length, batch, heads, device):
+        out[:, :, r0:r1] = vis
+    return out
+
+
+def dense_bias(
+    score_mod: Callable[..., torch.Tensor], mask: MaskSpec | None, length: int, batch: int, heads: int,
+    dtype: torch.dtype, device: torch.device,
+) -> torch.Tensor:  # fmt: skip
+    """Additive float bias ``[B|1, H, L, L]``: ``score_mod`` of a zero score, ``-inf`` where masked."""
+    nb = batch if (mask is not None and mask.uses_batch()) else 1
+    b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, heads, 1, 1)
+    kv = torch.arange(length, device=device).view(1, 1, 1, length)
+    out = torch.empty(nb, heads, length, length, dtype=dtype, device=device)
+    rows = max(1, SLAB_ELEMENTS // (nb * heads * length))
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    slabs = mask_slabs(mask, length, batch, heads, device) if mask is not None else None
+    for r0 in range(0, length, rows):
+        r1 = min(length, r0 + rows)
+        q = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
+        out[:, :, r0:r1] = score_mod(zero, b, h, q, kv).to(dtype)
+    if slabs is not None:
+        for r0, r1, vis in slabs:
+            out[:, :, r0:r1].masked_fill_(~vis, float("-inf"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Catching what torch only logs: Dynamo's recompile limit and flex's unfused fallback
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "recompile_limit" in msg or "cache_size_limit" in msg:
+            func = re.search(r"function: '([^']+)'", msg)
+            limit = re.search(r"config\.(\w+) \((\d+)\)", msg)
+            self.messages.append(
+                f"Dynamo hit {limit.group(1) + ' ' + limit.group(2) if limit else 'its recompile limit'}"
+                f" for {func.group(1) if func else 'a compiled function'}: it runs eagerly from here on"
+            )
+
+
+@contextlib.contextmanager
+def torch_warnings() -> Iterator[list[str]]:
+    """Collect Dynamo recompile-limit logs and torch's "unfused" warnings raised inside the block."""
+    notes: list[str] = []
+    handler = _Collect()
+    logger = logging.getLogger("torch._dynamo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logger.addHandler(handler)
+        try:
+            yield notes
+        finally:
+            logger.removeHandler(handler)
+            notes.extend(dict.fromkeys(handler.messages))
+            for w in caught:
+                text = str(w.message)
+                if "unfused" in text or "without torch.compile" in text:
+                    notes.append("torch warned: " + text.splitlines()[0][:200])

@@ -1,0 +1,92 @@
+"""Closed-form block visibility shared by the mask families.
+
+Every helper works on per-block vectors (first / last valid position of each block, from
+:func:`flexattn_zoo.spec.block_ranges`) and compares a ``[n_q, 1]`` column with a ``[1, n_kv]``
+row, so the only ``n_q x n_kv`` temporaries are booleans: at 1M tokens with 128-wide blocks that
+is 64 MiB each, against 512 MiB for an int64 difference matrix.
+
+The classification matches ``create_block_mask``: a pair is *any* when some valid ``(i, j)`` in it
+is visible, *full* when both blocks are complete and every ``(i, j)`` is visible.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexattn_zoo.spec import BlockMap, block_ranges
+
+
+def band_block_map(
+    q_len: int,
+    kv_len: int,
+    q_block: int,
+    kv_block: int,
+    device: torch.device | str,
+    *,
+    lo: int | None,
+    hi: int | None,
+) -> BlockMap:
+    """Blocks of the diagonal band ``lo <= j - i <= hi`` (``None``: unbounded on that side).
+
+    Inside a block pair ``j - i`` takes every integer of ``[k_first - q_last, k_last - q_first]``
+    (both index ranges are contiguous), so the pair touches the band iff that interval meets
+    ``[lo, hi]`` and lies in the band iff the interval is inside it.
+    """
+    q_first, q_last, q_complete = block_ranges(q_len, q_block, device)
+    k_first, k_last, k_complete = block_ranges(kv_len, kv_block, device)
+    any_ = torch.ones(q_first.numel(), k_first.numel(), dtype=torch.bool, device=device)
+    full = q_complete[:, None] & k_complete[None, :]
+    if hi is not None:
+        any_ &= k_first[None, :] <= (q_last + hi)[:, None]
+        full &= k_last[None, :] <= (q_first + hi)[:, None]
+    if lo is not None:
+        any_ &= k_last[None, :] >= (q_first + lo)[:, None]
+        full &= k_first[None, :] >= (q_last + lo)[:, None]
+    return BlockMap(any=any_[None, None], full=full[None, None])
+
+
+def sorted_label_block_map(
+    q_lo: torch.Tensor,
+    q_hi: torch.Tensor,
+    kv_lo: torch.Tensor,
+    kv_hi: torch.Tensor,
+    complete: torch.Tensor,
+) -> BlockMap:
+    """Blocks of ``label[i] == label[j]`` where labels never decrease along a row.
+
+    ``q_lo``/``q_hi`` (``[R, n_q]``) and ``kv_lo``/``kv_hi`` (``[R, n_kv]``) are the labels of each
+    block's first and last valid position, i.e. its min and max; ``R`` is 1 or the batch size and
+    ``complete`` is ``[n_q, n_kv]``. Why overlap of label ranges is exact: both blocks are windows
+    of one sorted sequence, so either they share a position, or the earlier block's max and the
+    later block's min are neighbours in sorted order and overlapping ranges force them equal.
+    """
+    # In-place updates keep the peak at the two outputs plus one boolean temporary.
+    any_ = q_lo[:, :, None] <= kv_hi[:, None, :]
+    any_ &= kv_lo[:, None, :] <= q_hi[:, :, None]
+    full = q_lo[:, :, None] == kv_lo[:, None, :]
+    full &= complete
+    full &= (q_lo == q_hi)[:, :, None]
+    full &= (kv_lo == kv_hi)[:, None, :]
+    return BlockMap(any=any_[:, None], full=full[:, None])
+
+
+def complete_pairs(
+    q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+) -> torch.Tensor:
+    """``[n_q, n_kv]``: both blocks of the pair hold only valid positions."""
+    _, _, q_complete = block_ranges(q_len, q_block, device)
+    _, _, k_complete = block_ranges(kv_len, kv_block, device)
+    return q_complete[:, None] & k_complete[None, :]
+
+
+def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> int:
+    """``value`` as a plain int (``>= minimum`` unless None); TypeError/ValueError naming
+    ``owner(name=...)``. ``bool`` is refused although it subclasses ``int``:
+    ``SlidingWindow(left=True)`` is a bug, not a window of 1."""
+    wanted = "an int" if minimum is None else f"an int >= {minimum}"
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}")
+    as_int = int(value.__index__())  # type: ignore[attr-defined]
+    if minimum is not None and as_int < minimum:
+        raise ValueError(f"{owner}({name}=...) must be {wanted}, got {as_int}")
+    return as_int

@@ -1,0 +1,289 @@
+"""The ``flexattn-zoo`` CLI, called in-process through ``cli.main(argv)`` (and once as a module)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexattn_zoo import cli
+from flexattn_zoo.registry import MASKS, SCORES
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def picture(out: str) -> list[str]:
+    """The lines of a text picture in ``out`` (only '#', '+', '.')."""
+    return [line for line in out.splitlines() if line and set(line) <= set("#+.")]
+
+
+# ---------------------------------------------------------------------------------------------
+# list
+
+
+def test_list_all_names_every_registered_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    for name in MASKS.names() + SCORES.names():
+        assert name in out
+    assert "left, right=0" in out  # parameters with their defaults
+
+
+def test_list_one_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "list", "masks")
+    assert code == 0
+    assert "sliding_window" in out
+    assert "softcap" not in out
+    code, out, _ = run(capsys, "list", "score_mods")
+    assert code == 0 and "alibi" in out and "sliding_window" not in out
+
+
+# ---------------------------------------------------------------------------------------------
+# show
+
+
+def test_show_causal_picture_and_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "causal", "--len", "6")
+    assert code == 0
+    assert picture(out) == ["#.....", "##....", "###...", "####..", "#####.", "######"]
+    assert "visible: 21 of 36" in out
+    assert "1 block: 0 full, 1 partial, 0 empty" in out
+
+
+def test_show_generic_params_including_negative_looking_order(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "sliding_window", "--len", "5", "--left", "1", "--right=1")
+    assert code == 0
+    assert picture(out) == ["##...", "###..", ".###.", "..###", "...##"]
+
+
+def test_show_kv_len_and_string_param(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "causal", "--align", "bottom_right", "--len", "2", "--kv-len", "4")
+    assert code == 0
+    assert picture(out) == ["###.", "####"]
+
+
+def test_show_constructor_param_and_list_value(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "document", "--lengths", "3,2,1", "--len", "6")
+    assert code == 0
+    assert picture(out) == ["###...", "###...", "###...", "...##.", "...##.", ".....#"]
+    code, out2, _ = run(capsys, "show", "document", "--doc-ids", "0,0,0,1,1,2", "--len", "6")
+    assert code == 0 and picture(out2) == picture(out)
+
+
+def test_show_combination(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "causal+chunked", "--size", "2", "--len", "4")
+    assert code == 0
+    assert picture(out) == ["#...", "##..", "..#.", "..##"]
+    code, out, _ = run(capsys, "show", "causal+chunked", "--chunked.size", "2", "--len", "4")
+    assert code == 0 and picture(out)[2] == "..#."
+
+
+def test_show_downsamples_long_masks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "sliding_window", "--left", "100", "--len", "1000")
+    assert code == 0
+    assert "downsampled" in out
+    lines = picture(out)
+    assert 0 < len(lines) <= 64 + 8  # mask picture (<= 64 rows) plus the block picture (8 rows)
+    assert all(len(line) <= 64 for line in lines)
+    assert "64 blocks" in out  # ceil(1000 / 128) ** 2
+
+
+def test_show_sampled_for_huge_lengths(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "causal", "--len", "20000")
+    assert code == 0
+    assert "sampled" in out
+    lines = picture(out)
+    assert lines[0].startswith("+.") and all(len(line) <= 64 for line in lines)
+
+
+def test_show_score_mod_bias(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "show", "alibi", "--len", "4", "--heads", "8")
+    assert code == 0
+    assert "-0.50" in out and "head 0 of 8" in out  # slope of head 0 of 8 is 1/2
+    code, out, _ = run(capsys, "show", "softcap", "--cap", "5", "--len", "4")
+    assert code == 0
+    assert "no position-dependent bias" in out
+    assert "4.82" in out  # 5 * tanh(10 / 5)
+
+
+def test_show_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "mask.png"
+    code, _, err = run(capsys, "show", "causal", "--len", "8", "--png", str(target))
+    if importlib.util.find_spec("matplotlib") is None:
+        assert code == 1
+        assert "pip install 'flexattn-zoo[viz]'" in err
+        assert "Traceback" not in err
+        assert not target.exists()
+    else:
+        assert code == 0
+        assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: exit code 2, the message, no traceback
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["show", "slidng_window", "--len", "4"], "Did you mean 'sliding_window'"),
+        (["show", "sliding_window", "--lft", "3", "--len", "4"], "Did you mean --left"),
+        (["show", "sliding_window", "--len", "4"], "needs parameter(s): left"),
+        (["show", "chunked", "--size", "-1", "--len", "4"], "size"),
+        (["show", "causal", "--align", "middle", "--len", "4"], "align"),
+        (["plan", "--mask", "nope", "--len", "8", "--arch", "sm90"], "unknown mask 'nope'"),
+        (["plan", "--mask", "causal", "--len", "8", "--arch", "h100"], "arch"),
+    ],
+)
+def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert message in " ".join(err.split())  # rich may wrap long messages
+    assert "Traceback" not in err
+
+
+def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "show", "causal")  # --len missing
+    assert code == 2 and "--len" in err
+    code, _, _ = run(capsys, "list", "everything")
+    assert code == 2
+
+
+def test_module_entry_point_exit_code() -> None:
+    env = {**os.environ, "COLUMNS": "120"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flexattn_zoo", "show", "no_such_mask", "--len", "4"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "unknown mask or score_mod 'no_such_mask'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# env and plan
+
+
+def test_env_lists_versions_and_routes(capsys: pytest.CaptureFixture[str]) -> None:
+    from flexattn_zoo.backends import BACKENDS
+
+    code, out, _ = run(capsys, "env")
+    assert code == 0
+    assert torch.__version__ in out
+    assert "detected arch" in out
+    for backend in BACKENDS:
+        assert backend.name in out
+
+
+def test_plan_on_sm90_from_a_cpu_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    from flexattn_zoo import masks
+    from flexattn_zoo.dispatch import Problem, plan_problem
+
+    argv = ["plan", "--mask", "sliding_window", "--left", "1023", "--len", "32768", "--heads", "16,4",
+            "--dim", "128", "--dtype", "bf16", "--arch", "sm90", "--grad"]  # fmt: skip
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    expected = plan_problem(
+        Problem(batch=1, heads=16, kv_heads=4, q_len=32768, kv_len=32768, head_dim=128, dtype=torch.bfloat16,
+                device_type="cuda", arch="sm90", requires_grad=True, mask=masks.SlidingWindow(left=1023), score=None)
+    )  # fmt: skip
+    assert f"route: {expected.backend}" in out
+    for cand in expected.candidates:
+        assert cand.name in out
+    assert "chosen" in out and "refused" in out
+
+
+def test_plan_score_mod_takes_num_heads_from_heads(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "plan", "--mask", "causal", "--score", "alibi", "--score", "softcap", "--cap", "30",
+        "--len", "1000", "--heads", "12", "--dim", "64", "--dtype", "fp32", "--arch", "cpu",
+    )  # fmt: skip
+    assert code == 0
+    assert "alibi(num_heads=12) >> softcap(cap=30.0)" in " ".join(out.split())
+
+
+def test_plan_from_yaml_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("flexattn_zoo.config")
+    config = tmp_path / "attn.yaml"
+    config.write_text("mask: {name: sliding_window, left: 127}\nscore_mod: {name: softcap, cap: 30}\n")
+    code, out, _ = run(capsys, "plan", "--config", str(config), "--len", "512", "--arch", "sm90")
+    assert code == 0
+    assert "sliding_window(left=127)" in out and "softcap(cap=30.0)" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# demo
+
+
+def test_demo_tiny_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    # Two presets (one SDPA route, one compiled flex route) at L=64 keep this well under a minute.
+    code, out, _ = run(
+        capsys, "demo", "--device", "cpu", "--len", "64", "--repeats", "1", "--only", "full", "--only", "sliding_window"
+    )  # fmt: skip
+    assert code == 0, out
+    assert "full" in out and "sliding_window(left=8)" in out
+    assert out.count("PASS") == 2 and "FAIL" not in out
+    assert "demo: 2 of 2 presets" in out
+
+
+def test_demo_no_matching_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "demo", "--device", "cpu", "--only", "no-such-preset")
+    assert code == 2 and "no preset matches" in err
+
+
+def test_demo_presets_cover_the_registry() -> None:
+    from flexattn_zoo import demo
+
+    names = [p.name for p in demo.presets(256, 1, 2)]
+    for name in MASKS.names():
+        assert any(n == name or n.startswith(f"{name}(") for n in names), name
+    for name in SCORES.names():
+        assert any(n.startswith(f"causal + {name}") for n in names), name
+    assert any(n.startswith("causal & document(") for n in names)
+    assert any(n.startswith("causal & chunked(") for n in names)
+
+
+@pytest.mark.slow
+def test_demo_defaults_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "demo", "--device", "cpu")
+    assert code == 0, out
+    assert "FAIL" not in out
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code, out, _ = run(capsys, "demo", "--device", "cuda", "--len", "1024", "--repeats", "3")
+    assert code == 0, out
+    assert "FAIL" not in out
+
+
+def test_import_option_loads_user_specs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "cli_user_masks.py").write_text(
+        "from flexattn_zoo import masks\n"
+        "masks.register_function('cli_even_keys', lambda b, h, q_idx, kv_idx: kv_idx % 2 == 0)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        code, out, _ = run(capsys, "--import", "cli_user_masks", "show", "causal+cli_even_keys", "--len", "4")
+        assert code == 0
+        assert out.splitlines()[0] == "causal & cli_even_keys"
+        assert picture(out) == ["#...", "#...", "#.#.", "#.#."]
+    finally:
+        if "cli_even_keys" in MASKS:
+            MASKS.unregister("cli_even_keys")
+        sys.modules.pop("cli_user_masks", None)
+    code, _, err = run(capsys, "--import", "no_such_module_here", "list")
+    assert code == 2 and "no_such_module_here" in err

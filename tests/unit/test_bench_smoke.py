@@ -1,0 +1,171 @@
+"""The benchmark harness: the CPU smoke sweep gives one well-formed row per (case, route, mode).
+
+Routes that cannot run a case give ``unsupported`` rows with the dispatcher's reasons, failures
+give ``error``/``OOM`` rows, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flexattn_zoo import bench, cli, masks
+from flexattn_zoo.bench_config import load_config, parse_config
+from flexattn_zoo.bench_report import markdown, summary
+from flexattn_zoo.bench_timing import dense_mask, visible_pairs
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = ROOT / "benchmarks" / "configs" / "smoke.yaml"
+H200 = ROOT / "benchmarks" / "configs" / "h200.yaml"
+ROW_KEYS = {
+    "case", "route", "mode", "ms", "tflops", "peak_mib", "compile_s", "blockmask_s", "status", "reason",
+    "chosen", "max_err", "err_vs", "visible_pairs", "density", "flops", "notes",
+}  # fmt: skip
+ENV_KEYS = {"torch", "triton", "cuda", "cudnn", "gpu", "cc", "flash_attn_cute", "command"}
+STATUSES = {"ok", "unsupported", "OOM", "error"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("bench")
+    rc = bench.main([str(SMOKE), "--out", str(out / "smoke.json"), "--md", str(out / "smoke.md"), "--quiet"])
+    return rc, json.loads((out / "smoke.json").read_text()), (out / "smoke.md").read_text()
+
+
+def _rows(data: dict[str, Any], **match: str) -> list[dict[str, Any]]:
+    return [r for r in data["rows"] if all(r[k] == v for k, v in match.items())]
+
+
+def test_smoke_json_structure(smoke: tuple[int, dict[str, Any], str]) -> None:
+    rc, data, _ = smoke
+    assert rc == 0
+    assert set(data) == {"env", "rows"}
+    assert ENV_KEYS <= set(data["env"])
+    assert "smoke.yaml" in data["env"]["command"]
+    expected = [(c.name, r, m) for c in load_config(SMOKE) for m in c.modes for r in c.routes]
+    got = [(r["case"], r["route"], r["mode"]) for r in data["rows"]]
+    assert sorted(got) == sorted(expected)  # every row exactly once
+    for row in data["rows"]:
+        assert ROW_KEYS <= set(row), row
+        assert row["status"] in STATUSES
+        if row["status"] == "ok":
+            assert row["ms"] > 0 and row["tflops"] > 0 and row["compile_s"] >= 0
+            assert row["peak_mib"] is None  # CPU
+        else:
+            assert row["reason"], row
+            assert row["ms"] is None and row["tflops"] is None
+
+
+def test_smoke_unsupported_and_error_rows(smoke: tuple[int, dict[str, Any], str]) -> None:
+    _, data, _ = smoke
+    for row in _rows(data, route="flex_cpu", mode="fwdbwd"):
+        assert row["status"] == "unsupported" and "backward" in row["reason"]
+    (softcap,) = _rows(data, case="sliding_softcap", route="sdpa_dense_mask", mode="fwd")
+    assert softcap["status"] == "unsupported" and "SoftCap" in softcap["reason"]
+    (math_row,) = _rows(data, case="sliding_softcap", route="sdpa_math", mode="fwd")
+    assert math_row["status"] == "unsupported" and "SDPA form" in math_row["reason"]
+    (raw_bwd,) = _rows(data, case="causal", route="raw_flex", mode="fwdbwd")
+    assert raw_bwd["status"] == "error" and "backward" in raw_bwd["reason"]  # CPU flex has no backward
+
+
+def test_smoke_ok_rows_agree_and_record_choices(smoke: tuple[int, dict[str, Any], str]) -> None:
+    _, data, _ = smoke
+    for row in _rows(data, route="auto"):
+        assert row["status"] == "ok" and row["chosen"]
+    fwd = [r for r in _rows(data, mode="fwd", status="ok") if r["err_vs"]]
+    assert fwd, "fwd rows are compared with the first route's output"
+    for row in fwd:
+        assert row["max_err"] < 1e-4, row  # float32: every exact route agrees
+    for row in _rows(data, case="document_alibi", route="sdpa_dense_mask"):  # the float-bias path
+        assert row["status"] == "ok" and row["blockmask_s"] is not None
+    (flex,) = _rows(data, case="causal", route="flex_cpu", mode="fwd")
+    assert flex["blockmask_s"] is not None
+    (causal,) = _rows(data, case="causal", route="auto", mode="fwd")
+    assert causal["visible_pairs"] == 2 * 256 * 257 // 2
+
+
+def test_smoke_markdown(smoke: tuple[int, dict[str, Any], str]) -> None:
+    _, data, md = smoke
+    assert data["env"]["command"] in md
+    assert "| case | mode |" in md and "auto/best" in md and "sdpa_dense_mask" in md
+    assert "n/a" in md and "has no backward" in md
+
+
+def test_visible_pairs_match_dense_oracle() -> None:
+    cpu = torch.device("cpu")
+    specs = [
+        masks.Causal(), masks.SlidingWindow(left=7),
+        masks.Document.from_lengths([10, 30, 60]) & masks.Causal(),
+        masks.PrefixLM(prefix_len=torch.tensor([5, 40])),  # depends on the batch index
+    ]  # fmt: skip
+    for spec in specs:
+        dense = spec.dense(100, 100, batch=2, heads=3)
+        expected = int(dense.expand(2, 3, 100, 100).sum())
+        assert visible_pairs(spec, 100, 2, 3, cpu) == expected
+        assert torch.equal(
+            dense_mask(spec, 100, 2, 3, cpu).expand(2, 3, 100, 100), dense.expand(2, 3, 100, 100)
+        )
+    assert visible_pairs(None, 10, 2, 3, cpu) == 600
+
+
+def _config(**case: Any) -> dict[str, Any]:
+    base = {"name": "c", "batch": 1, "heads": 2, "seq_len": 64, "head_dim": 16, "mask": {"name": "causal"}}
+    return {
+        "defaults": {"dtype": "fp32", "device": "cpu", "warmup": 0, "iters": 1},
+        "cases": [{**base, **case}],
+    }
+
+
+def test_config_errors_name_the_valid_choices() -> None:
+    with pytest.raises(ValueError, match="valid:.*routes"):
+        parse_config(_config(rutes=["auto"]))
+    with pytest.raises(ValueError, match="unknown 'flexx'.*flex"):
+        parse_config(_config(routes=["flexx"]))
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        parse_config(_config(kv_heads=3))
+    with pytest.raises(ValueError, match="mask"):
+        parse_config(_config(mask={"name": "causl"}))
+    h200 = load_config(H200)
+    assert [c.name for c in h200] == [
+        "causal", "alibi_causal", "softcap_causal", "document_causal", "prefix_lm", "causal_d64",
+        "document_causal_d64", "causal_gqa", "document_causal_gqa", "sliding_32k", "chunked_32k",
+    ]  # fmt: skip
+
+
+def test_memory_guard_and_resume(tmp_path: Path) -> None:
+    cases = parse_config(_config(routes=["sdpa_math", "sdpa_dense_mask"], max_dense_gib=1e-9, modes=["fwd"]))
+    data: dict[str, Any] = {"env": {}, "rows": []}
+    assert bench.run_sweep(cases, data, time_budget=-1.0, quiet=True) is False  # budget spent: no rows
+    assert data["rows"] == []
+    assert bench.run_sweep(cases, data, quiet=True) is True
+    assert [r["status"] for r in data["rows"]] == ["OOM", "OOM"]
+    assert all(r["reason"].startswith("skipped: estimated") for r in data["rows"])
+    assert bench.run_sweep(cases, data, quiet=True) is True  # nothing left to run
+    assert len(data["rows"]) == 2
+    header, lines = summary(data["rows"])
+    assert lines[0][header.index("sdpa_math")] == "OOM (skipped)"
+    assert "## OOM and errors" in markdown(data)
+
+
+def test_cli_bench_delegates(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["bench", str(SMOKE), "--cases", "causal", "--routes", "sdpa_math", "--modes", "fwd", "--quiet"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["route"], r["mode"], r["status"]) for r in rows] == [
+        ("causal", "sdpa_math", "fwd", "ok")
+    ]
+    assert cli.main(["bench", str(SMOKE), "--cases", "nope", "--quiet"]) == 2
+
+
+def test_png_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from flexattn_zoo import bench_report
+
+    monkeypatch.setattr(bench_report, "have_matplotlib", lambda: False)
+    with pytest.raises(bench_report.MissingDependency, match="viz"):
+        bench_report.write_pngs([], tmp_path / "x")
+    assert bench.main([str(SMOKE), "--png", str(tmp_path / "x"), "--quiet"]) == 1  # before running anything

@@ -1,0 +1,145 @@
+"""Registries: lookup, errors that name the valid choices, user registration."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.custom import FunctionMask, FunctionScore
+from flexattn_zoo.registry import MASKS, SCORES
+from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
+from flexattn_zoo.testing import assert_mask_consistent, assert_score_consistent
+
+
+@pytest.fixture
+def temp_names() -> Iterator[list[tuple[object, str]]]:
+    """Collect (registry, name) pairs registered by a test and remove them afterwards."""
+    added: list[tuple[object, str]] = []
+    yield added
+    for registry, name in added:
+        registry.unregister(name)  # type: ignore[attr-defined]
+
+
+def test_names_and_get() -> None:
+    names = score_mods.names()
+    assert names == sorted(names) and {"alibi", "softcap"} <= set(names)
+    assert "softcap" in SCORES and "no_such" not in SCORES
+    assert score_mods.get("softcap", cap=3.0) == score_mods.SoftCap(cap=3.0)
+    assert all(n == n.lower() for n in masks.names())
+
+
+def test_unknown_name_lists_names_and_suggests() -> None:
+    with pytest.raises(ValueError, match=r"unknown score_mod 'sofcap'.*alibi.*softcap.*Did you mean 'softcap'"):
+        score_mods.get("sofcap")
+    with pytest.raises(ValueError, match="unknown mask 'zzz_nothing_like_it'; valid names"):
+        masks.get("zzz_nothing_like_it")
+    with pytest.raises(TypeError, match="name must be a str"):
+        score_mods.get(3)  # type: ignore[arg-type]
+
+
+def test_unknown_and_missing_params() -> None:
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'num_head'.*num_heads, slopes.*Did you mean 'num_heads'"):
+        score_mods.get("alibi", num_head=4)
+    with pytest.raises(ValueError, match=r"needs parameter\(s\): num_heads"):
+        score_mods.get("alibi")
+
+
+def test_duplicate_registration_is_an_error() -> None:
+    @spec_dataclass
+    class Softcap(ScoreSpec):
+        pass
+
+    with pytest.raises(ValueError, match="'softcap' is already registered"):
+        score_mods.register(Softcap)
+    with pytest.raises(ValueError, match="'alibi' is already registered"):
+        score_mods.register_function("alibi", lambda s, b, h, q, kv: s)
+    assert score_mods.get("softcap", cap=1.0) == score_mods.SoftCap(cap=1.0)
+
+
+def test_register_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="snake_case"):
+        score_mods.register_function("BadName", lambda s, b, h, q, kv: s)
+    with pytest.raises(TypeError, match="subclass of ScoreSpec"):
+        score_mods.register(int)
+    with pytest.raises(TypeError, match="callable"):
+        score_mods.register_function("not_callable", 3)  # type: ignore[arg-type]
+
+
+def test_register_user_score_class(temp_names: list) -> None:
+    @score_mods.register(name="test_temperature")
+    @spec_dataclass
+    class Temperature(ScoreSpec):
+        """Divide scores by ``t``."""
+
+        t: float = 2.0
+
+        def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+            t = self.t
+
+            def temperature(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+                return score / t
+
+            return temperature
+
+        def dense(self, scores: torch.Tensor) -> torch.Tensor:
+            return scores * (1.0 / self.t)
+
+    temp_names.append((SCORES, "test_temperature"))
+    assert Temperature.name == "test_temperature"
+    spec = score_mods.get("test_temperature", t=4.0)
+    assert spec == Temperature(t=4.0) and spec.score_mod() is Temperature(t=4.0).score_mod()
+    assert_score_consistent(spec)
+    assert SCORES.entry("test_temperature").params == (("t", "2.0"),)
+    with pytest.raises(ValueError, match="valid parameters: t"):
+        score_mods.get("test_temperature", temp=1.0)
+
+
+def test_register_user_mask_class_default_name(temp_names: list) -> None:
+    @masks.register
+    @spec_dataclass
+    class EvenKeysForTest(MaskSpec):
+        """Only even keys."""
+
+        def _make_mask_mod(self) -> MaskMod:
+            def even(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+                return (kv_idx % 2 == 0) & (q_idx >= 0)
+
+            return even
+
+        def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+            out = torch.zeros(1, 1, q_len, kv_len, dtype=torch.bool)
+            out[..., ::2] = True
+            return out
+
+    temp_names.append((MASKS, "even_keys_for_test"))
+    spec = masks.get("even_keys_for_test")
+    assert isinstance(spec, EvenKeysForTest)
+    assert_mask_consistent(spec, 37, 50, batch=2, heads=3)
+
+
+def test_register_plain_functions(temp_names: list) -> None:
+    def doubled(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return score * 2
+
+    def lower(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return kv_idx <= q_idx
+
+    assert score_mods.register_function("test_doubled", doubled) is doubled
+    temp_names.append((SCORES, "test_doubled"))
+    masks.register_function("test_lower", lower)
+    temp_names.append((MASKS, "test_lower"))
+    s, m = score_mods.get("test_doubled"), masks.get("test_lower")
+    assert isinstance(s, FunctionScore) and s.score_mod() is doubled
+    assert isinstance(m, FunctionMask) and m.mask_mod() is lower and not m.uses_batch()
+    assert_score_consistent(s, batch=2, heads=2)
+    assert_mask_consistent(m, 40, 40)
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'x'.*\(none\)"):
+        score_mods.get("test_doubled", x=1)
+
+
+def test_unregister_unknown_name() -> None:
+    with pytest.raises(ValueError, match="unknown score_mod"):
+        SCORES.unregister("never_registered")

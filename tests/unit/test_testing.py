@@ -1,0 +1,133 @@
+"""fz.testing: the tolerance rule passes correct routes and fails wrong ones."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexattn_zoo.testing as fzt
+from flexattn_zoo import score_mods
+from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
+
+Alibi, SoftCap = score_mods.Alibi, score_mods.SoftCap
+
+
+def causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    return kv_idx <= q_idx
+
+
+def late_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    # Queries 0..4 see nothing: rows that must come out as 0 with lse -inf.
+    return (kv_idx <= q_idx) & (q_idx >= 5)
+
+
+def make_qkv(dtype: torch.dtype, b: int = 2, hq: int = 4, hkv: int = 4, lq: int = 37, lkv: int = 37, d: int = 16):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, lkv, d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, lkv, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def sdpa_route(q, k, v, mask_fn, *, enable_gqa: bool = False) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    lq, lkv = q.shape[-2], k.shape[-2]
+    i = torch.arange(lq).view(1, 1, lq, 1)
+    j = torch.arange(lkv).view(1, 1, 1, lkv)
+    visible = mask_fn(None, None, i, j)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=enable_gqa)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_eager_route_passes(dtype: torch.dtype) -> None:
+    q, k, v = make_qkv(dtype)
+    score = SoftCap(cap=2.0) >> Alibi(num_heads=4)
+    out, lse = eager_attention(q, k, v, mask=causal, score_mod=score, return_lse=True)  # type: ignore[misc]
+    assert out.dtype == dtype
+    assert_matches_reference(out, q, k, v, mask=causal, score_mod=score, lse=lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_route_passes_with_gqa_and_ragged_lengths(dtype: torch.dtype) -> None:
+    q, k, v = make_qkv(dtype, hq=4, hkv=2, lq=29, lkv=45)
+    out = sdpa_route(q, k, v, causal, enable_gqa=True)
+    assert_matches_reference(out, q, k, v, mask=causal, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wrong_outputs_fail(dtype: torch.dtype) -> None:
+    q, k, v = make_qkv(dtype)
+    good = sdpa_route(q, k, v, causal)
+    assert_matches_reference(good, q, k, v, mask=causal)
+    no_mask = F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(AssertionError, match=r"output: max abs error .* at index \(.*exceeds the budget"):
+        assert_matches_reference(no_mask, q, k, v, mask=causal)
+    wrong_scale = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True, scale=0.5)
+    with pytest.raises(AssertionError, match="output"):
+        assert_matches_reference(wrong_scale, q, k, v, mask=causal)
+    # A perturbation of a few percent of one element is caught as well.
+    nudged = good.clone()
+    nudged[1, 2, 30, 3] += 0.05 * good.abs().max()
+    with pytest.raises(AssertionError, match=r"index \(1, 2, 30, 3\)"):
+        assert_matches_reference(nudged, q, k, v, mask=causal)
+    with pytest.raises(AssertionError, match="shape"):
+        assert_matches_reference(good[:, :2], q, k, v, mask=causal)
+
+
+def test_fp32_budget_is_tight() -> None:
+    q, k, v = make_qkv(torch.float32)
+    out = eager_attention(q, k, v, mask=causal)
+    with pytest.raises(AssertionError, match="float32"):
+        assert_matches_reference(out + 1e-4, q, k, v, mask=causal)
+
+
+def test_fully_masked_rows() -> None:
+    q, k, v = make_qkv(torch.bfloat16)
+    out, lse = eager_attention(q, k, v, mask=late_causal, return_lse=True)  # type: ignore[misc]
+    assert torch.isneginf(lse[..., :5]).all() and (out[..., :5, :] == 0).all()
+    assert_matches_reference(out, q, k, v, mask=late_causal, lse=lse)
+    nan_rows = out.clone()
+    nan_rows[..., :5, :] = math.nan  # what a fused kernel with a dense mask may return
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_matches_reference(nan_rows, q, k, v, mask=late_causal)
+    finite_lse = lse.clone()
+    finite_lse[..., :5] = 0.0
+    with pytest.raises(AssertionError, match=r"lse: -inf pattern differs"):
+        assert_matches_reference(out, q, k, v, mask=late_causal, lse=finite_lse)
+
+
+def test_lse_in_the_wrong_base_fails() -> None:
+    q, k, v = make_qkv(torch.bfloat16)
+    out, lse = eager_attention(q, k, v, mask=causal, return_lse=True)  # type: ignore[misc]
+    assert_matches_reference(out, q, k, v, mask=causal, lse=lse)
+    with pytest.raises(AssertionError, match="lse: max abs error"):
+        assert_matches_reference(out, q, k, v, mask=causal, lse=lse * math.log(2))  # FLASH on torch 2.11
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients(dtype: torch.dtype) -> None:
+    q, k, v = (t.requires_grad_() for t in make_qkv(dtype, hq=4, hkv=2, lq=33, lkv=40))
+    out = sdpa_route(q, k, v, late_causal, enable_gqa=True)  # NaN rows: zero them like a careful route
+    out = torch.where(torch.isnan(out), 0.0, out).to(dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=late_causal, enable_gqa=True, grads=grads, grad_out=grad_out)
+    bad = (grads[0] * 1.1, grads[1], grads[2])
+    with pytest.raises(AssertionError, match="dq: max abs error"):
+        assert_matches_reference(out, q, k, v, mask=late_causal, enable_gqa=True, grads=bad, grad_out=grad_out)
+    assert_matches_reference(  # None entries are skipped
+        out, q, k, v, mask=late_causal, enable_gqa=True, grads=(None, None, grads[2]), grad_out=grad_out
+    )
+    with pytest.raises(ValueError, match="grad_out"):
+        assert_matches_reference(out, q, k, v, mask=late_causal, enable_gqa=True, grads=grads)
+
+
+def test_reference_is_reexported_and_strategies_are_lazy() -> None:
+    from flexattn_zoo import reference
+
+    assert fzt.reference_attention is reference.reference_attention is reference_attention
+    assert fzt.strategies.shapes is not None
+    with pytest.raises(AttributeError):
+        fzt.no_such_thing  # noqa: B018
