@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from flexattn_zoo.masks import Causal, Chunked, Document, Full, PrefixLM, SlidingWindow
-from flexattn_zoo.masks.causal import OffsetCausal
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexattn_zoo import masks
+from flexattn_zoo.masks import Causal, Chunked, Document, Full, PrefixLM, SlidingWindow
+from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.spec import And, MaskSpec, Not, Or, SdpaForm, VarlenForm
 
 FAMILIES: list[type[MaskSpec]] = [Full, Causal, SlidingWindow, Document, PrefixLM, Chunked]
