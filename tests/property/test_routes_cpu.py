@@ -1,0 +1,76 @@
+"""Every registered spec through every CPU route that accepts it, vs the float64 reference.
+
+Iterates the registry, so specs registered later are covered automatically. Forward and backward
+where the route has a backward (dense, sdpa_*); flex_cpu is inference-only and compiles once per
+distinct spec, so it runs the first example of each registered name (a bounded number of graphs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.testing import assert_matches_reference, spec_examples
+
+B, H, HKV, D = 2, 4, 2, 16
+SHAPES = [(77, 77), (90, 61)]  # lengths not multiples of the block size, and Lq != Lkv
+GRAD_ROUTES = ("dense", "sdpa_flash", "sdpa_math")
+
+
+def _inputs(lq: int, lkv: int, seed: int, grad: bool):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, lq, D, generator=g).requires_grad_(grad)
+    k = torch.randn(B, HKV, lkv, D, generator=g).requires_grad_(grad)
+    v = torch.randn(B, HKV, lkv, D, generator=g).requires_grad_(grad)
+    return q, k, v
+
+
+def _run(route, q, k, v, mask, score, grad):  # type: ignore[no-untyped-def]
+    try:
+        fz.plan(q, k, v, mask=mask, score_mod=score, enable_gqa=True, backend=route)
+    except ValueError:
+        return False
+    out = fz.attention(q, k, v, mask=mask, score_mod=score, enable_gqa=True, backend=route)
+    if grad:
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, grads=grads, grad_out=grad_out)
+    else:
+        assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True)
+    return True
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", masks.names())
+def test_every_mask_example_on_grad_routes(name: str, shape: tuple[int, int]) -> None:
+    lq, lkv = shape
+    ran = 0
+    for i, (_, spec) in enumerate(spec_examples("mask", lq, lkv, B, H, names=[name])):
+        q, k, v = _inputs(lq, lkv, seed=i, grad=True)
+        for route in GRAD_ROUTES:
+            ran += _run(route, q, k, v, spec, None, grad=True)
+    assert ran > 0, f"no CPU training route accepted any example of {name}"
+
+
+@pytest.mark.parametrize("name", score_mods.names())
+def test_every_score_example_on_dense(name: str) -> None:
+    for i, (_, spec) in enumerate(spec_examples("score", 70, 70, B, H, names=[name])):
+        q, k, v = _inputs(70, 70, seed=i, grad=True)
+        assert _run("dense", q, k, v, masks.Causal(), spec, grad=True)
+
+
+@pytest.mark.parametrize("name", masks.names())
+def test_first_mask_example_on_flex_cpu(name: str) -> None:
+    lq, lkv = SHAPES[1]
+    _, spec = spec_examples("mask", lq, lkv, B, H, names=[name])[0]
+    q, k, v = _inputs(lq, lkv, seed=0, grad=False)
+    assert _run("flex_cpu", q, k, v, spec, None, grad=False)
+
+
+@pytest.mark.parametrize("name", score_mods.names())
+def test_first_score_example_on_flex_cpu(name: str) -> None:
+    _, spec = spec_examples("score", 70, 70, B, H, names=[name])[0]
+    q, k, v = _inputs(70, 70, seed=0, grad=False)
+    assert _run("flex_cpu", q, k, v, masks.Causal(), spec, grad=False)
