@@ -5,9 +5,12 @@ Nothing here probes hardware at import time; feature checks are functions evalua
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -190,3 +193,37 @@ def inductor_backend() -> Any:
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend("inductor")
+
+
+_DETERMINISTIC_LOCK = threading.Lock()
+_DETERMINISTIC_DEPTH = 0
+_DETERMINISTIC_SAVED: tuple[bool, bool] = (False, False)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """Run the body with torch's deterministic mode on (not warn-only), then restore it.
+
+    The flag is process-global (``at::globalContext()``), so overlapping uses from several threads
+    share one reference count: the first entry saves the caller's setting, the last exit restores
+    it, and no thread switches the mode off under another. Uses the ``torch._C`` setters rather
+    than ``torch.use_deterministic_algorithms``, which would also overwrite Inductor's
+    ``deterministic`` config on restore.
+    """
+    global _DETERMINISTIC_DEPTH, _DETERMINISTIC_SAVED
+    with _DETERMINISTIC_LOCK:
+        if _DETERMINISTIC_DEPTH == 0:
+            _DETERMINISTIC_SAVED = (
+                torch._C._get_deterministic_algorithms(),
+                torch._C._get_deterministic_algorithms_warn_only(),
+            )
+            torch._C._set_deterministic_algorithms(True, warn_only=False)
+        _DETERMINISTIC_DEPTH += 1
+    try:
+        yield
+    finally:
+        with _DETERMINISTIC_LOCK:
+            _DETERMINISTIC_DEPTH -= 1
+            if _DETERMINISTIC_DEPTH == 0:
+                mode, warn_only = _DETERMINISTIC_SAVED
+                torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)

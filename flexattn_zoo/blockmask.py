@@ -24,6 +24,7 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.custom import as_mask_spec
 from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges
+from flexattn_zoo.validation import SUPPORTED_DEVICES
 
 DEFAULT_BLOCK_SIZE = 128
 #: Upper bound of cached BlockMasks (least recently used dropped first).
@@ -144,6 +145,18 @@ def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     return block_size
 
 
+def _device(device: Any) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"device must be a torch.device or a string like 'cpu' or 'cuda:0', got {device!r}"
+        raise ValueError(msg) from exc
+    if dev.type not in SUPPORTED_DEVICES:
+        choices = ", ".join(SUPPORTED_DEVICES)
+        raise ValueError(f"device {str(dev)!r} has no attention route; use one of: {choices}")
+    return dev
+
+
 def block_mask(
     spec: Any,
     q_len: int,
@@ -171,7 +184,7 @@ def block_mask(
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     qb, kvb = _block_size(block_size)
-    device = torch.device(device)
+    device = _device(device)
     mask_spec = mask_spec.bind(q_len, kv_len)
     for name, value, needed in (("batch", batch, mask_spec.uses_batch()), ("heads", heads, mask_spec.uses_head())):
         if value is None and needed:

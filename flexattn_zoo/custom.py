@@ -94,6 +94,23 @@ class FunctionScore(ScoreSpec):
         return torch.broadcast_to(self.fn(scores, b, h, q, kv), scores.shape).to(scores.dtype)
 
 
+_PROBE_HINT = (
+    "index tensors (flex calls it on tensors: use elementwise ops such as &, |, torch.where, "
+    "not Python if/and/or on them)"
+)
+
+
+def _probe_grids() -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Scalar int32 indices (what flex's vmap passes per element) and small broadcast grids (what
+    the dense route and BlockMask builder pass), so data-dependent Python control flow fails here,
+    with a clear message, instead of deep inside a kernel or the reference."""
+    z = torch.zeros((), dtype=torch.int32)
+    # All-zero values (in range for any captured table), but multi-element shapes.
+    shapes = ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2))
+    grids = tuple(torch.zeros(shape, dtype=torch.int32) for shape in shapes)
+    return (z, z, z, z), grids
+
+
 def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
     """Reject a callable that is not a valid ``mask_mod`` with a TypeError naming ``arg``."""
     arity = _positional_arity(fn)
@@ -102,14 +119,14 @@ def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
             f"{arg} callable must have the flex mask_mod signature (b, h, q_idx, kv_idx) -> bool; "
             f"{getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
         )
-    z = torch.zeros((), dtype=torch.int32)
-    try:
-        out = fn(z, z, z, z)
-    except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
-        raise TypeError(f"{arg} callable failed on scalar index tensors: {exc!r}") from exc
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-        raise TypeError(f"{arg} callable must return a bool tensor (e.g. q_idx >= kv_idx), got {got}")
+    for grids in _probe_grids():
+        try:
+            out = fn(*grids)
+        except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
+            raise TypeError(f"{arg} callable failed on {_PROBE_HINT}: {exc!r}") from exc
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"{arg} callable must return a bool tensor (e.g. q_idx >= kv_idx), got {got}")
 
 
 def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None:
@@ -120,14 +137,15 @@ def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None
             f"{arg} callable must have the flex score_mod signature (score, b, h, q_idx, kv_idx) -> "
             f"score; {getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
         )
-    z = torch.zeros((), dtype=torch.int32)
-    try:
-        out = fn(torch.zeros(()), z, z, z, z)
-    except Exception as exc:  # noqa: BLE001
-        raise TypeError(f"{arg} callable failed on scalar inputs: {exc!r}") from exc
-    if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
-        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-        raise TypeError(f"{arg} callable must return a floating tensor (the new score), got {got}")
+    for grids in _probe_grids():
+        score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)))
+        try:
+            out = fn(score, *grids)
+        except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
+            raise TypeError(f"{arg} callable failed on {_PROBE_HINT}: {exc!r}") from exc
+        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
+            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(f"{arg} callable must return a floating tensor (the new score), got {got}")
 
 
 def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:

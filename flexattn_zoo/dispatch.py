@@ -19,7 +19,7 @@ from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.custom import as_mask_spec, as_score_spec
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.validation import check_qkv
+from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,8 @@ class Plan:
         mask = type(p.mask).__name__ if p.mask is not None else ("BlockMask" if p.user_block_mask else "none")
         score = type(p.score).__name__ if p.score is not None else "none"
         lines = [
-            f"route: {self.backend} (requested {self.requested!r}; arch {p.arch}, mode {p.mode})",
+            f"route: {self.backend} (requested {self.requested!r}; arch {p.arch}, mode {p.mode}"
+            f"{', deterministic' if p.deterministic else ''})",
             f"problem: B={p.batch} H={p.heads}/{p.kv_heads} Lq={p.q_len} Lkv={p.kv_len} D={p.head_dim} "
             f"{str(p.dtype).removeprefix('torch.')} on {p.device_type}; mask={mask} score_mod={score}",
         ]
@@ -115,12 +116,23 @@ def _check_user_block_mask(bm: Any, batch: int, heads: int, q_len: int, kv_len: 
         raise ValueError(f"mask BlockMask is on {bm.kv_num_blocks.device} but q is on {device}")
 
 
-def _problem(q, k, v, mask, score_mod, enable_gqa, return_lse) -> tuple[Problem, Any]:  # type: ignore[no-untyped-def]
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+def _resolve_deterministic(deterministic: Any) -> bool:
+    if deterministic is None:
+        # Follow torch's own switch: under torch.use_deterministic_algorithms(True) torch itself
+        # refuses cuDNN SDPA and FA4's block-sparse backward, so those routes must not be chosen.
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        return torch.are_deterministic_algorithms_enabled() and not warn_only
+    return check_flag("deterministic", deterministic)
+
+
+def _problem(  # type: ignore[no-untyped-def]
+    q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic
+) -> tuple[Problem, Any]:
+    check_flag("enable_gqa", enable_gqa)
+    check_flag("return_lse", return_lse)
+    det = _resolve_deterministic(deterministic)
     shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
+    check_device(q)
     user_bm = mask if isinstance(mask, _compat.BlockMask) else None
     mask_spec = None if user_bm is not None else as_mask_spec(mask)
     score_spec = as_score_spec(score_mod)
@@ -132,11 +144,18 @@ def _problem(q, k, v, mask, score_mod, enable_gqa, return_lse) -> tuple[Problem,
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if score_spec is not None and torch.is_grad_enabled() and score_spec.captures_grad_tensors():
         requires_grad = True
+    nonfinite = False
+    # Free of device syncs on the CPU; on CUDA (and while torch.compile traces us, where the
+    # data-dependent branch would break the graph) non-finite inputs go unchecked.
+    if q.device.type == "cpu" and not _compat.is_compiling():
+        with torch.no_grad():
+            nonfinite = not all(bool(torch.isfinite(t).all()) for t in (q, k, v))
     problem = Problem(
         batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
         kv_len=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=q.dtype,
         device_type=q.device.type, arch=detect_arch(q.device), requires_grad=requires_grad,
         mask=mask_spec, score=score_spec, return_lse=return_lse, user_block_mask=user_bm is not None,
+        deterministic=det, nonfinite=nonfinite,
     )  # fmt: skip
     return problem, user_bm
 
@@ -144,18 +163,12 @@ def _problem(q, k, v, mask, score_mod, enable_gqa, return_lse) -> tuple[Problem,
 def plan(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None,
     scale: float | None = None, enable_gqa: bool = False, backend: str = "auto", return_lse: bool = False,
+    deterministic: bool | None = None,
 ) -> Plan:  # fmt: skip
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
-    _check_scale(scale)
-    problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse)
+    check_scale(scale)
+    problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic)
     return plan_problem(problem, backend)
-
-
-def _check_scale(scale: Any) -> None:
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-    ):
-        raise ValueError(f"scale must be None or a finite number, got {scale!r}")
 
 
 def _empty_result(q, k, v, p: Problem):  # type: ignore[no-untyped-def]
@@ -169,30 +182,47 @@ def _empty_result(q, k, v, p: Problem):  # type: ignore[no-untyped-def]
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None,
     scale: float | None = None, enable_gqa: bool = False, backend: str = "auto", return_lse: bool = False,
+    deterministic: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
+
+    Any strides work (transposed, sliced, expanded): a route copies an input only where its kernel
+    needs another layout.
 
     Args:
         mask: a mask spec, registry name, ``mask_mod`` callable or a ``BlockMask``.
         score_mod: a score spec, registry name or ``score_mod`` callable (sees the scaled score).
-        scale: defaults to ``1/sqrt(D)``.
+        scale: a finite real number; defaults to ``1/sqrt(D)``.
         enable_gqa: allow fewer k/v heads than q heads (q head h reads kv head h // group).
         backend: ``"auto"`` or a route name (see ``fz.plan(...).explain()``); a named route never
             falls back, it raises ``ValueError`` with its reasons.
         return_lse: also return the natural-log log-sum-exp ``[B, H, Lq]`` (float32).
+        deterministic: ``True`` takes only routes whose forward and backward are bitwise
+            reproducible run to run (same inputs, shapes, machine and torch), and runs FA2 /
+            memory-efficient backwards under torch's deterministic mode; routes that cannot
+            promise it refuse with the reason. ``None`` (default) follows
+            ``torch.use_deterministic_algorithms`` (non-warn-only); ``False`` does not ask.
 
     Returns:
         ``out`` with q's dtype, or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
+
+    Non-finite inputs: NaN/inf are not checked on CUDA (that would cost a device sync per call);
+    a NaN in query row ``i``, or in a key or value that row ``i`` sees, puts NaN in output row
+    ``i`` on every route, as in SDPA (a value's NaN reaches only its own column). Rows that do
+    not see it may come out NaN too (dense routes multiply masked probabilities, which are 0, by
+    the values: 0 * NaN = NaN), so never rely on them. ``+inf`` scores give NaN rows; ``-inf``
+    scores just hide that key. On the CPU the check is free, and ``flex_cpu`` (whose kernel drops
+    NaN silently) refuses non-finite inputs.
     """
-    _check_scale(scale)
-    problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse)
+    scale_checked = check_scale(scale)
+    problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic)
     if problem.q_len == 0 or problem.kv_len == 0:
-        if backend != "auto" and backend not in BY_NAME:
-            raise ValueError(f"unknown backend {backend!r}; valid: auto, {', '.join(BY_NAME)}")
+        if backend != "auto":
+            plan_problem(problem, backend)  # a named route must still be able to serve the call
         out, lse = _empty_result(q, k, v, problem)
         return (out, lse) if return_lse else out
     chosen = plan_problem(problem, backend)
     log.debug("flexattn_zoo route %s", chosen.backend)
-    scale_f = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
-    out, lse = BY_NAME[chosen.backend].run(q, k, v, problem, scale=scale_f, block_mask=user_bm)
+    scale_f = 1.0 / math.sqrt(problem.head_dim) if scale_checked is None else scale_checked
+    out, lse = BY_NAME[chosen.backend].execute(q, k, v, problem, scale=scale_f, block_mask=user_bm)
     return (out, lse) if return_lse else out

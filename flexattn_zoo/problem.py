@@ -15,6 +15,9 @@ class Problem:
 
     ``mask`` is already bound to the lengths (``spec.bind(Lq, Lkv)``); ``None`` means no mask.
     ``user_block_mask`` is set when the caller passed a BlockMask instead of a spec.
+    ``deterministic`` asks for bitwise run-to-run reproducible forward and backward.
+    ``nonfinite`` is True when q/k/v are known to hold NaN/inf; ``fz.attention`` only looks on
+    the CPU, where the check costs no device synchronization.
     """
 
     batch: int
@@ -32,10 +35,24 @@ class Problem:
     return_lse: bool = False
     v_dim: int | None = None
     user_block_mask: bool = False
+    deterministic: bool = False
+    nonfinite: bool = False
 
     def __post_init__(self) -> None:
         if self.v_dim is None:
             object.__setattr__(self, "v_dim", self.head_dim)
+        # Problems are also built by hand (CLI `plan`, tests), not only from tensors: reject sizes
+        # no call could have, so a plan never describes an impossible problem.
+        for name in ("batch", "heads", "kv_heads", "head_dim", "v_dim", "q_len", "kv_len"):
+            value = getattr(self, name)
+            low = 0 if name in ("q_len", "kv_len") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Problem {name} must be an int >= {low}, got {value!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"q heads ({self.heads}) must be a multiple of k/v heads ({self.kv_heads}) "
+                "for grouped-query attention"
+            )
         if self.mask is not None:
             object.__setattr__(self, "mask", self.mask.bind(self.q_len, self.kv_len))
 

@@ -7,10 +7,14 @@ nothing crashes deep inside torch.
 from __future__ import annotations
 
 import dataclasses
+import math
+from numbers import Real
 
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Devices some route runs on; anything else (meta, mps, xpu...) is refused before planning.
+SUPPORTED_DEVICES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,17 +30,46 @@ class Shape:
     v_dim: int
 
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is a real bool; a truthy int or string is a typo we refuse to guess about."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_scale(scale: object) -> float | None:
+    """``None`` or a finite real number (as float); TypeError for other types, ValueError for nan/inf."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        got = f"{type(scale).__name__} {scale!r}"
+        raise TypeError(f"scale must be None or a finite real number (e.g. 0.125), got {got}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+    return float(scale)
+
+
+def check_device(t: torch.Tensor) -> None:
+    """Refuse devices no route runs on (checked after q/k/v are known to share one device)."""
+    if t.device.type not in SUPPORTED_DEVICES:
+        raise ValueError(
+            f"q, k, v are on device {t.device.type!r}; flexattn_zoo runs on: {', '.join(SUPPORTED_DEVICES)}"
+        )
+
+
 def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> Shape:
     """Validate q/k/v and return their sizes."""
+    check_flag("enable_gqa", enable_gqa)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape [B, H, L, D], got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dims [B, H, L, D] (like SDPA and flex), got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64"
-            )
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
+        if t.is_sparse or t.is_nested:
+            kind = "sparse" if t.is_sparse else "nested"
+            raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one")
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")

@@ -36,6 +36,7 @@ class PrefixLM(MaskSpec):
 
     Args:
         prefix_len: int ``>= 0``, or integer tensor ``[B]`` of values ``>= 0`` (stored as int64).
+            Values ``>= Lkv`` are allowed and mean that every key is visible.
     """
 
     prefix_len: int | torch.Tensor

@@ -7,9 +7,12 @@ attention the problem describes (same mask, score mod, scale, GQA grouping, lse 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.arch import parse_arch
 from flexattn_zoo.problem import Problem
 
@@ -36,6 +39,13 @@ class Backend:
     lse: bool = False
     backward: bool = True
     gqa: bool = True
+    #: Forward and backward are bitwise reproducible run to run (same inputs, machine, torch).
+    deterministic: bool = True
+    #: Why not, when ``deterministic`` is False (shown in the refusal).
+    nondeterministic_why: str = ""
+    #: The kernel's backward is deterministic only under torch's deterministic mode (FA2 and the
+    #: memory-efficient kernel on CUDA read that flag when their backward runs).
+    needs_torch_deterministic_mode: bool = False
     doc: str = ""
 
     # -- machine-level ------------------------------------------------------------------------
@@ -71,8 +81,32 @@ class Backend:
             out.append("has no backward (inputs require grad)")
         if p.gqa and not self.gqa:
             out.append(f"no grouped-query attention ({p.heads} q heads vs {p.kv_heads} kv heads)")
+        if p.deterministic:
+            out.extend(self.determinism_reasons(p))
         out.extend(self.mask_reasons(p))
         return out
+
+    def determinism_reasons(self, p: Problem) -> list[str]:
+        """Why this route cannot promise bitwise-reproducible forward and backward for ``p``."""
+        if not self.deterministic:
+            return [f"not deterministic: {self.nondeterministic_why}"]
+        if p.requires_grad and p.score is not None and p.score.captures_grad_tensors():
+            # Every route accumulates gradients of captured tensors by scatter-add (atomics on
+            # CUDA, a parallel loop on CPU): the summation order changes between runs.
+            return ["not deterministic: gradients of tensors captured by the score_mod are scatter-added"]
+        return []
+
+    def execute(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float,
+        block_mask: object = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """``run``, with the backward under torch's deterministic mode when ``p`` asks for it."""
+        wrap = self.needs_torch_deterministic_mode and p.device_type == "cuda"
+        if p.deterministic and p.requires_grad and wrap:
+            run = lambda a, b, c: self.run(a, b, c, p, scale=scale, block_mask=block_mask)  # noqa: E731
+            out, lse = _DeterministicBackward.apply(run, q, k, v)
+            return out, lse
+        return self.run(q, k, v, p, scale=scale, block_mask=block_mask)
 
     def mask_reasons(self, p: Problem) -> list[str]:
         """Reasons specific to the mask form this route needs (override)."""
@@ -83,3 +117,37 @@ class Backend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``(out, lse or None)``; only called when ``reasons(p)`` is empty."""
         raise NotImplementedError
+
+
+class _DeterministicBackward(torch.autograd.Function):
+    """Runs ``fn`` as usual and replays its backward inside ``_compat.deterministic_algorithms()``.
+
+    The flag must be on when the kernel's *backward* runs, which is long after ``fz.attention``
+    returned; setting it around the forward call would not help. The route's own autograd graph
+    is kept on ``ctx`` and freed after one backward (a second backward raises, as usual).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        ctx.set_materialize_grads(False)
+        inner = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        with torch.enable_grad():
+            out, lse = fn(*inner)
+        ctx.graph = (inner, out, lse)
+        return out.detach(), (None if lse is None else lse.detach())
+
+    @staticmethod
+    def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> Any:
+        inner, out, lse = ctx.graph
+        ctx.graph = None
+        pairs = [(t, g) for t, g in ((out, g_out), (lse, g_lse)) if g is not None and t is not None]
+        pairs = [(t, g) for t, g in pairs if t.requires_grad]
+        wants = [t for t in inner if t.requires_grad]
+        if not pairs or not wants:
+            return None, None, None, None
+        with _compat.deterministic_algorithms():
+            got = iter(torch.autograd.grad(
+                [t for t, _ in pairs], wants, [g for _, g in pairs], allow_unused=True,
+                create_graph=torch.is_grad_enabled(),
+            ))  # fmt: skip
+        return (None, *(next(got) if t.requires_grad else None for t in inner))

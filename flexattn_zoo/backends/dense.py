@@ -43,6 +43,12 @@ def _grids(p: Problem, device: torch.device) -> tuple[torch.Tensor, ...]:
     return b, h, qi, kj
 
 
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """kv head ``g`` serves q heads ``g * group .. (g + 1) * group - 1`` (SDPA's grouping)."""
+    b, hkv, length, d = t.shape
+    return t[:, :, None].expand(b, hkv, heads // hkv, length, d).reshape(b, heads, length, d)
+
+
 @dataclasses.dataclass(frozen=True)
 class DenseBackend(Backend):
     def mask_reasons(self, p: Problem) -> list[str]:
@@ -60,8 +66,9 @@ class DenseBackend(Backend):
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
         if p.gqa:
-            group = p.heads // p.kv_heads
-            kc, vc = kc.repeat_interleave(group, 1), vc.repeat_interleave(group, 1)
+            # expand + reshape (not repeat_interleave): the backward is a plain sum over the
+            # group dim, reproducible on every device.
+            kc, vc = _repeat_heads(kc, p.heads), _repeat_heads(vc, p.heads)
         scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
         b, h, qi, kj = _grids(p, q.device)
         if p.score is not None:

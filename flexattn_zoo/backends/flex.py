@@ -35,6 +35,7 @@ class FlexBackend(Backend):
         return opts or None
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+        q, k, v = _canonical_layout(q, k, v)
         if block_mask is None and p.mask is not None:
             block_mask = build_block_mask(
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
@@ -48,6 +49,21 @@ class FlexBackend(Backend):
             p.gqa,
         )
         return entry(q, k, v, block_mask, scale)
+
+
+def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in one of two layouts: all contiguous ``[B, H, L, D]``, or all ``[B, L, H, D]``
+    viewed with ``transpose(1, 2)`` (what projections produce; kept to avoid a copy on GPUs).
+
+    The kernels take any strides, but Dynamo guards on them: every new stride pattern
+    (expanded, sliced, transposed...) is a recompile of the same code object, and past
+    ``recompile_limit`` (8) flex would run unfused -- measured: six layouts took six of the
+    eight slots. Two canonical layouts bound that; the copy is O(L*D), small next to attention.
+    """
+    ts = (q, k, v)
+    if all(t.is_contiguous() for t in ts) or all(t.transpose(1, 2).is_contiguous() for t in ts):
+        return ts
+    return tuple(t.contiguous() for t in ts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +86,13 @@ class FlexFlashBackend(FlexBackend):
 
 @dataclasses.dataclass(frozen=True)
 class FlexCpuBackend(FlexBackend):
-    pass
+    def mask_reasons(self, p: Problem) -> list[str]:
+        if p.nonfinite:
+            # Measured (torch 2.13): a NaN in q row i gave a *finite* row i, and a NaN key reached
+            # only some of the rows that see it -- a silent wrong result, so refuse; other CPU
+            # routes propagate NaN (see fz.attention's docstring).
+            return ["q/k/v hold NaN or inf, which torch's CPU flex kernel drops silently"]
+        return []
 
 
 FLEX = FlexBackend(
@@ -81,7 +103,11 @@ FLEX = FlexBackend(
 FLEX_FLASH = FlexFlashBackend(
     name="flex_flash", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
     head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
-    kernel_options=(("BACKEND", "FLASH"),),
+    kernel_options=(("BACKEND", "FLASH"),), deterministic=False,
+    nondeterministic_why=(
+        "FA4's backward with a block mask is deterministic only on sm100+ with dQ write-order "
+        "metadata (torch >= 2.13), which these BlockMasks do not carry"
+    ),
     doc="FlexAttention on the FlashAttention-4 CuTe backend (flash-attn-4; sm90/sm100)",
 )  # fmt: skip
 FLEX_CPU = FlexCpuBackend(

@@ -3,11 +3,17 @@
 SDPA is only exact for masks whose ``sdpa_form()`` is "no mask" or ``is_causal`` (top-left,
 offered only when Lq == Lkv), and for no score mod: a dense boolean mask would materialize
 Lq x Lkv, which this library never does behind the user's back.
+
+``sdpa_kernel`` flips process-global flags (``torch._C._set_sdp_use_*``) and restores them on
+exit; two threads pinning different kernels could run each other's kernel or leave the flags
+wrong for good. ``_SDPA_LOCK`` serializes our pinned calls (on CUDA only the launch, which is
+asynchronous); SDPA calls elsewhere in the process can still observe the pinned flags meanwhile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -44,26 +50,50 @@ class SdpaBackend(Backend):
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
         form = p.mask.sdpa_form(p.q_len, p.kv_len) if p.mask is not None else None
         is_causal = bool(form and form.is_causal)
-        with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
+        if self.kernel != "MATH":
+            q, k, v = (_fused_layout(t) for t in (q, k, v))
+        with _SDPA_LOCK, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=is_causal, scale=scale, enable_gqa=p.gqa
             )
         return out, None
 
 
+_SDPA_LOCK = threading.Lock()
+
+
+def _fused_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when a fused SDPA kernel takes its layout, else a contiguous copy.
+
+    Every fused kernel needs ``stride(-1) == 1`` (else SDPA raises "No available kernel"). On CUDA
+    we also copy anything but the two layouts the kernels are tested with -- contiguous
+    ``[B, H, L, D]`` and the ``[B, L, H, D]`` projection output viewed with ``transpose(1, 2)`` --
+    because the memory-efficient kernel has returned wrong results for broadcast (stride-0) k/v
+    (pytorch#191937) and cuDNN checks layouts. The copy is O(L*D), small next to attention.
+    """
+    if t.device.type != "cuda":
+        return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    if t.is_contiguous() or t.transpose(1, 2).is_contiguous():
+        return t
+    return t.contiguous()
+
+
 SDPA_CUDNN = SdpaBackend(
     name="sdpa_cudnn", kernel="CUDNN_ATTENTION", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION,
-    head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), gqa=False,
+    head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), gqa=False, deterministic=False,
+    nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
     doc="cuDNN fused attention via SDPA (no mask or causal)",
 )  # fmt: skip
 SDPA_FLASH = SdpaBackend(
     name="sdpa_flash", kernel="FLASH_ATTENTION", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS,
     cuda_dtypes=LOW_PRECISION, cuda_head_dims=(8, 256), head_dim_multiple=1, min_cc=(8, 0),
+    needs_torch_deterministic_mode=True,  # FA2's backward: deterministic dQ accumulation only then
     doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask or causal)",
 )  # fmt: skip
 SDPA_EFFICIENT = SdpaBackend(
     name="sdpa_efficient", kernel="EFFICIENT_ATTENTION", devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=(1, 256), min_cc=(5, 0), gqa=False,
+    needs_torch_deterministic_mode=True,  # forces num_splits_key=1 in its backward
     doc="memory-efficient (xFormers-style) kernel via SDPA (no mask or causal)",
 )  # fmt: skip
 SDPA_MATH = SdpaBackend(

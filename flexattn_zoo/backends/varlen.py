@@ -8,22 +8,34 @@ to ``[B*L, H, D]``; each batch row contributes its own segments.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import LOW_PRECISION, Backend
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.spec import MaskSpec, VarlenForm
+from flexattn_zoo.spec import _LRU, MaskSpec, VarlenForm
+
+#: Upper bound of cached cu_seqlens (least recently used dropped first).
+CU_SEQLENS_CACHE_SIZE = 64
+#: Thread-safe LRU (the mod cache's class); ``CU_SEQLENS_CACHE.size`` is its bound.
+CU_SEQLENS_CACHE = _LRU(CU_SEQLENS_CACHE_SIZE)
 
 
-@functools.lru_cache(maxsize=64)
-def _cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> tuple[torch.Tensor, int, tuple[int, int]]:
+CuSeqlens = tuple[torch.Tensor, int, tuple[int, int]]
+
+
+def _cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> CuSeqlens:
     """Cumulative offsets of every segment of every row, the longest segment, and the window.
 
     Keyed by the (value-hashed) spec, so repeated calls with an equal spec reuse the offsets.
     """
+    key = (mask, batch, length, device)
+    build = lambda: _build_cu_seqlens(mask, batch, length, device)  # noqa: E731
+    return CU_SEQLENS_CACHE.get_or_create(key, build)  # type: ignore[no-any-return]
+
+
+def _build_cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> CuSeqlens:
     form = mask.varlen_form(length, length, batch) if mask is not None else VarlenForm(None)
     assert form is not None
     if form.segments is None:
@@ -85,5 +97,6 @@ class VarlenBackend(Backend):
 VARLEN = VarlenBackend(
     name="varlen", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(8, 256),
     head_dim_multiple=8, min_cc=(8, 0), lse=True,
+    needs_torch_deterministic_mode=True,  # FA2 varlen backward, like sdpa_flash
     doc="torch.nn.attention.varlen (FlashAttention varlen): documents/chunks via cu_seqlens, windows",
 )  # fmt: skip

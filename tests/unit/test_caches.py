@@ -1,0 +1,201 @@
+"""Caches are thread-safe LRUs with documented bounds (README, "Caches"):
+
+* ``spec._MODS`` -- one ``mask_mod``/``score_mod`` function object per spec value (``MOD_CACHE_SIZE``);
+* ``blockmask.CACHE`` -- built BlockMasks (``BLOCK_MASK_CACHE_SIZE``);
+* ``compile.CACHE`` -- compiled flex entries, each with its own Dynamo cache (``COMPILE_CACHE_SIZE``);
+* ``backends.varlen.CU_SEQLENS_CACHE`` -- cu_seqlens per (spec, batch, length, device).
+
+Bounds are tested on fresh small instances swapped in with ``monkeypatch`` (so the session's real
+caches, and the kernels compiled for other tests, are not evicted).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import blockmask, compile, masks, score_mods, spec
+from flexattn_zoo.backends import flex as flex_backend
+from flexattn_zoo.backends import varlen
+from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass
+from flexattn_zoo.testing import assert_matches_reference
+
+
+def _in_threads(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Run each fn in its own thread, released together; re-raise the first failure."""
+    barrier = threading.Barrier(len(fns))
+    results: list[Any] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - reported in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _sdpa_flags() -> tuple[bool, ...]:
+    b = torch.backends.cuda
+    return (b.flash_sdp_enabled(), b.math_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled())
+
+
+WORKLOADS: dict[str, list[tuple[str, Any, Any]]] = {
+    # (route, mask, score_mod); each thread has its own specs, so caches fill concurrently
+    "a": [
+        ("dense", masks.SlidingWindow(left=5) & masks.Causal(), score_mods.SoftCap(cap=4.0)),
+        ("sdpa_math", masks.Causal(), None),
+        ("sdpa_flash", None, None),
+        ("flex_cpu", masks.SlidingWindow(left=9, right=1), None),
+    ],
+    "b": [
+        ("dense", masks.Chunked(size=16) | masks.PrefixLM(prefix_len=3), score_mods.Alibi(num_heads=4)),
+        ("sdpa_flash", masks.Causal(), None),
+        ("sdpa_math", None, None),
+        ("flex_cpu", masks.Chunked(size=16) & masks.Causal(), None),
+    ],
+}
+
+
+def test_two_threads_with_different_specs_match_the_reference() -> None:
+    flags = _sdpa_flags()
+
+    def worker(name: str) -> list[tuple[Any, ...]]:
+        g = torch.Generator().manual_seed(ord(name))
+        done = []
+        for _ in range(3):  # repeat so the threads overlap inside the same routes
+            for route, mask, score in WORKLOADS[name]:
+                q, k, v = (torch.randn(2, 4, 48, 16, generator=g) for _ in range(3))
+                done.append((fz.attention(q, k, v, mask=mask, score_mod=score, backend=route), q, k, v, mask, score))
+        return done
+
+    for results in _in_threads([lambda: worker("a"), lambda: worker("b")]):
+        for out, q, k, v, mask, score in results:
+            assert_matches_reference(out, q, k, v, mask=mask, score_mod=score)
+    # sdpa_kernel flips process-global flags; our calls hold a lock so they are always restored.
+    assert _sdpa_flags() == flags
+
+
+def test_concurrent_sdpa_routes_leave_global_flags_as_they_were() -> None:
+    """Without our lock, interleaved ``sdpa_kernel`` enter/exit pairs from threads pinning
+    different kernels left flash attention disabled process-wide (measured)."""
+    flags = _sdpa_flags()
+
+    def hammer(route: str) -> None:
+        q = torch.randn(1, 2, 16, 16)
+        for _ in range(200):
+            fz.attention(q, q, q, mask="causal", backend=route)
+
+    _in_threads([lambda r=r: hammer(r) for r in ("sdpa_flash", "sdpa_math") * 2])  # type: ignore[misc]
+    assert _sdpa_flags() == flags
+
+
+def test_mod_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spec, "_MODS", spec._LRU(4))
+    mods = [masks.SlidingWindow(left=i).mask_mod() for i in range(10)]
+    assert len(spec._MODS) == 4  # holds left=6..9
+    assert masks.SlidingWindow(left=9).mask_mod() is mods[9]  # cached: the same object back
+    # Touching an entry protects it: left=6 is the oldest, but used now, so 7 and 8 go first.
+    assert masks.SlidingWindow(left=6).mask_mod() is mods[6]
+    for i in (20, 21):
+        masks.SlidingWindow(left=i).mask_mod()
+    assert len(spec._MODS) == 4
+    assert masks.SlidingWindow(left=6).mask_mod() is mods[6]
+    assert masks.SlidingWindow(left=7).mask_mod() is not mods[7]  # evicted, rebuilt
+
+
+def test_block_mask_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blockmask, "CACHE", blockmask._BlockMaskCache(3))
+    first = fz.block_mask(masks.Causal(), 64, 64)
+    for n in (80, 96, 112, 128, 144):
+        fz.block_mask(masks.Causal(), n, n)
+        assert len(blockmask.CACHE) <= 3
+    assert fz.block_mask(masks.Causal(), 144, 144) is fz.block_mask(masks.Causal(), 144, 144)
+    assert fz.block_mask(masks.Causal(), 64, 64) is not first  # evicted, rebuilt
+    assert len(blockmask.CACHE) == 3
+
+
+def test_compile_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
+    small = compile.CompileCache(2)
+    monkeypatch.setattr(compile, "CACHE", small)
+    monkeypatch.setattr(flex_backend, "CACHE", small)
+    # get() only wraps with torch.compile (lazy): nothing is compiled here.
+    mods = [masks.SlidingWindow(left=i).mask_mod() for i in range(5)]
+    entries = [small.get(m, None, None, False, False) for m in mods]
+    assert len(small) == 2
+    assert small.get(mods[4], None, None, False, False) is entries[4]
+    assert small.get(mods[0], None, None, False, False) is not entries[0]
+    assert len(small) == 2
+
+
+def test_cu_seqlens_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(varlen, "CU_SEQLENS_CACHE", spec._LRU(2))
+    doc = masks.Document.from_lengths([3, 5, 8])
+    got = [varlen._cu_seqlens(doc, 2, 16, "cpu") for _ in range(2)]
+    assert got[0] is got[1]  # cached
+    assert got[0][0].tolist() == [0, 3, 8, 16, 19, 24, 32] and got[0][1] == 8
+    for n in (8, 12, 20, 24):
+        varlen._cu_seqlens(masks.Chunked(size=4), 1, n, "cpu")
+        assert len(varlen.CU_SEQLENS_CACHE) <= 2
+
+
+@spec_dataclass
+class SlowMask(MaskSpec):
+    """Causal, but building its mask_mod takes a while: widens the window for races."""
+
+    tag: int = 0
+
+    def _make_mask_mod(self) -> MaskMod:
+        time.sleep(0.05)
+
+        def slow_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return kv_idx <= q_idx
+
+        return slow_causal
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril()[None, None]
+
+
+def test_mask_mod_identity_is_stable_under_concurrent_get_or_create() -> None:
+    # Eight threads ask for the mod of equal-but-distinct spec objects at the same moment; the
+    # builders race, but everyone must get the one object that went into the cache.
+    mods = _in_threads([lambda: SlowMask(tag=7).mask_mod() for _ in range(8)])
+    assert all(m is mods[0] for m in mods)
+    assert SlowMask(tag=7).mask_mod() is mods[0]
+    # The same for BlockMasks and compiled entries built from it.
+    bms = _in_threads([lambda: fz.block_mask(SlowMask(tag=7), 200, 200) for _ in range(6)])
+    assert all(b is bms[0] for b in bms) and bms[0].mask_mod is mods[0]
+    entries = _in_threads([lambda: compile.CACHE.get(mods[0], None, None, False, False) for _ in range(6)])
+    assert all(e is entries[0] for e in entries)
+
+
+def test_deterministic_mode_survives_overlapping_threads() -> None:
+    from flexattn_zoo import _compat
+
+    before = torch.are_deterministic_algorithms_enabled()
+    seen: list[bool] = []
+
+    def hold(delay: float) -> None:
+        with _compat.deterministic_algorithms():
+            time.sleep(delay)
+            seen.append(torch.are_deterministic_algorithms_enabled())
+
+    _in_threads([lambda d=d: hold(d) for d in (0.01, 0.05, 0.02, 0.08)])  # type: ignore[misc]
+    assert seen == [True] * 4  # nobody switched it off under another thread
+    assert torch.are_deterministic_algorithms_enabled() == before
