@@ -19,20 +19,25 @@ from typing import Any
 if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
     __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # type: ignore[name-defined]
 
-from flexattn_zoo import masks, score_mods  # noqa: E402
+from flexattn_zoo import layers, masks, presets, score_mods  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
+from flexattn_zoo.layers import Attention  # noqa: E402
 from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec  # noqa: E402
 
 __all__ = [
+    "Attention",
     "Chain",
     "MaskSpec",
     "Plan",
     "ScoreSpec",
     "attention",
     "block_mask",
+    "decode",
+    "layers",
     "masks",
     "plan",
+    "presets",
     "score_mods",
     "testing",
 ]
@@ -41,6 +46,8 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     # fz.testing is imported on first use: it pulls in test-only helpers users may not need.
-    if name == "testing":
-        return importlib.import_module("flexattn_zoo.testing")
+    # fz.decode likewise; fz.hf needs the optional 'hf' extra (transformers), so it is never
+    # imported implicitly: ``import flexattn_zoo.hf``.
+    if name in ("testing", "decode"):
+        return importlib.import_module(f"flexattn_zoo.{name}")
     raise AttributeError(f"module 'flexattn_zoo' has no attribute {name!r}")

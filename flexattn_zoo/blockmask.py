@@ -14,15 +14,13 @@ entries keyed by (spec, lengths, block sizes, device, batch/heads when the spec 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.custom import as_mask_spec
+from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges
 from flexattn_zoo.validation import SUPPORTED_DEVICES
 
@@ -98,39 +96,7 @@ def generic_block_map(
     return BlockMap(any=torch.cat(any_parts, dim=2), full=torch.cat(full_parts, dim=2))
 
 
-class _BlockMaskCache:
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._data: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.builds = 0
-
-    def get(self, key: Hashable) -> Any | None:
-        with self._lock:
-            if key in self._data:
-                self._data.move_to_end(key)
-                return self._data[key]
-        return None
-
-    def put(self, key: Hashable, value: Any) -> Any:
-        with self._lock:
-            value = self._data.setdefault(key, value)
-            self._data.move_to_end(key)
-            self.builds += 1
-            while len(self._data) > self.size:
-                self._data.popitem(last=False)
-            return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-            self.builds = 0
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-CACHE = _BlockMaskCache(BLOCK_MASK_CACHE_SIZE)
+CACHE: LRUCache[Any] = LRUCache(BLOCK_MASK_CACHE_SIZE)
 
 
 def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:

@@ -2,7 +2,7 @@
 
 Subcommands (``python -m flexattn_zoo`` is the same program)::
 
-    flexattn-zoo list [masks|score_mods|all]
+    flexattn-zoo list [masks|score_mods|presets|all]
     flexattn-zoo show NAME [--param value ...] --len N [--kv-len M] [--png FILE]
     flexattn-zoo env
     flexattn-zoo plan --mask NAME [--param value ...] [--score NAME] --len N [--kv-len M]
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("list", help="list registered masks and score mods", allow_abbrev=False)
-    p.add_argument("kind", nargs="?", default="all", choices=["masks", "score_mods", "all"])
+    p = sub.add_parser("list", help="list registered masks, score mods and model presets", allow_abbrev=False)
+    p.add_argument("kind", nargs="?", default="all", choices=["masks", "score_mods", "presets", "all"])
 
     p = sub.add_parser(
         "show", help="picture of a mask (or a score mod's bias) and its block sparsity", allow_abbrev=False,
@@ -179,7 +179,7 @@ def _version() -> str:
 def cmd_list(args: argparse.Namespace, console: Console) -> int:
     from flexattn_zoo.registry import MASKS, SCORES
 
-    registries = {"masks": [MASKS], "score_mods": [SCORES], "all": [MASKS, SCORES]}[args.kind]
+    registries = {"masks": [MASKS], "score_mods": [SCORES], "presets": [], "all": [MASKS, SCORES]}[args.kind]
     for registry in registries:
         title = "masks (combine with & | ~)" if registry is MASKS else "score mods (chain with >>)"
         table = Table(title=title, title_justify="left")
@@ -192,7 +192,24 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
             summary = entry.summary.replace("``", "")
             table.add_row(entry.name, cls, escape(describe_params(entry) or "-"), escape(summary))
         console.print(table)
+    if args.kind in ("presets", "all"):
+        _list_presets(console)
     return 0
+
+
+def _list_presets(console: Console) -> None:
+    from flexattn_zoo import presets
+
+    table = Table(title="model presets (fz.presets.get(name, layer=i))", title_justify="left")
+    table.add_column("name", style="bold", no_wrap=True)
+    table.add_column("model")
+    table.add_column("layer pattern", ratio=1)
+    table.add_column("parameters", overflow="fold")
+    table.add_column("source", ratio=2)
+    for p in presets.presets():
+        params = ", ".join([*p.params, *(["num_heads (required)"] if p.needs_heads else [])])
+        table.add_row(p.name, escape(p.model), escape(p.pattern), escape(params or "-"), escape(p.source.replace("``", "")))
+    console.print(table)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,15 +14,15 @@ the body can only execute eagerly if Dynamo refused to compile it — exactly th
 
 from __future__ import annotations
 
-import threading
+import itertools
 import types
-from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.lru import LRUCache
 
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
 COMPILE_CACHE_SIZE = 128
@@ -77,37 +77,33 @@ class CompiledFlex:
 
 
 class CompileCache:
-    """Thread-safe LRU of :class:`CompiledFlex` entries."""
+    """Thread-safe LRU of :class:`CompiledFlex` entries, one per kernel key."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._data: OrderedDict[Hashable, CompiledFlex] = OrderedDict()
-        self._lock = threading.Lock()
-        self._serial = 0
+        self._entries: LRUCache[CompiledFlex] = LRUCache(size)
+        self._serial = itertools.count(1)
+
+    @property
+    def size(self) -> int:
+        return self._entries.size
 
     def get(self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> CompiledFlex:
         key = (mask_mod, score_mod, tuple(sorted((kernel_options or {}).items())), lse, gqa)
-        with self._lock:
-            entry = self._data.get(key)
-            if entry is None:
-                self._serial += 1
-                entry = CompiledFlex(self._serial, score_mod, kernel_options, lse, gqa)
-                self._data[key] = entry
-            self._data.move_to_end(key)
-            while len(self._data) > self.size:
-                self._data.popitem(last=False)
-            return entry
+        return self._entries.get_or_create(
+            key, lambda: CompiledFlex(next(self._serial), score_mod, kernel_options, lse, gqa)
+        )
+
+    def entries(self) -> list[CompiledFlex]:
+        return self._entries.values()
 
     def total_compiles(self) -> int:
-        with self._lock:
-            return sum(e.compiles for e in self._data.values())
+        return sum(e.compiles for e in self._entries.values())
 
     def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
+        self._entries.clear()
 
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self._entries)
 
 
 CACHE = CompileCache(COMPILE_CACHE_SIZE)

@@ -7,6 +7,9 @@ Conventions (the same on every route):
 * Default ``scale`` is ``1/sqrt(D)``; score mods see the *scaled* score.
 * A query row that sees no key outputs 0 and has lse ``-inf`` (never NaN).
 * lse is the natural-log log-sum-exp of the modified, masked scores, shape ``[B, H, Lq]``.
+* Attention sinks (``sinks=``, one learned logit ``s_h`` per query head, as in gpt-oss): the
+  softmax of every row gets one extra logit ``s_h`` whose value vector is zero. It takes part in
+  the normaliser only, so the lse includes it and a row that sees no key still outputs 0.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ def reference_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention in float64 with a dense mask, differentiable with respect to q, k, v.
+    """Attention in float64 with a dense mask, differentiable with respect to q, k, v (and sinks).
 
     ``mask`` and ``score_mod`` accept specs, registry names or raw callables (not BlockMasks: the
     oracle never trusts block sparsity). The output has ``q``'s dtype only if ``q`` is float64;
-    otherwise it stays float64 so callers compare against full precision.
+    otherwise it stays float64 so callers compare against full precision. ``sinks`` is a float
+    tensor ``[H]`` (one logit per query head) or None.
     """
     shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
     mask_spec = as_mask_spec(mask)
@@ -58,6 +63,17 @@ def reference_attention(
             shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads
         ).to(scores.device)
         scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        # The sink is literally one more column of logits (value vector 0): written as a concat,
+        # not through the out * sigmoid(lse - s) identity the layers use, so tests compare the two.
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (shape.heads,):
+            got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a float tensor [H] = [{shape.heads}], got {got}")
+        column = sinks.to(scores.device, torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+        out = torch.matmul(probs, v64)
+        return (out, lse) if return_lse else out
     lse = torch.logsumexp(scores, dim=-1)
     # Rows that see nothing: lse is -inf; exp(scores - lse) would be NaN, so zero those rows.
     empty = torch.isneginf(lse)

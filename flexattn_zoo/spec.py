@@ -20,12 +20,12 @@ applied first, then ``b`` (function composition read left to right).
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 import torch
+
+from flexattn_zoo.lru import LRUCache
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[
@@ -66,37 +66,7 @@ def _values_equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-class _LRU:
-    """A small thread-safe LRU map used for mod identity (bounded by ``MOD_CACHE_SIZE``)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._data: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.RLock()
-
-    def get_or_create(self, key: Hashable, make: Callable[[], Any]) -> Any:
-        with self._lock:
-            if key in self._data:
-                self._data.move_to_end(key)
-                return self._data[key]
-        value = make()
-        with self._lock:
-            # Another thread may have won the race: keep the first object so identity is stable.
-            value = self._data.setdefault(key, value)
-            self._data.move_to_end(key)
-            while len(self._data) > self.size:
-                self._data.popitem(last=False)
-            return value
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-_MODS = _LRU(MOD_CACHE_SIZE)
+_MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
 
 
 class Spec:

@@ -6,10 +6,12 @@ class and ``register_function`` a plain ``mask_mod`` function.
 
 from flexattn_zoo.registry import MASKS
 
+from .band import Band
 from .causal import Causal
 from .chunked import Chunked
 from .document import Document
 from .full import Full
+from .padding import KeyPadding
 from .prefix_lm import PrefixLM
 from .sliding_window import SlidingWindow
 
@@ -19,10 +21,12 @@ register = MASKS.register
 register_function = MASKS.register_function
 
 __all__ = [
+    "Band",
     "Causal",
     "Chunked",
     "Document",
     "Full",
+    "KeyPadding",
     "PrefixLM",
     "SlidingWindow",
     "get",

@@ -13,13 +13,14 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import LOW_PRECISION, Backend
+from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.spec import _LRU, MaskSpec, VarlenForm
+from flexattn_zoo.spec import MaskSpec, VarlenForm
 
 #: Upper bound of cached cu_seqlens (least recently used dropped first).
 CU_SEQLENS_CACHE_SIZE = 64
-#: Thread-safe LRU (the mod cache's class); ``CU_SEQLENS_CACHE.size`` is its bound.
-CU_SEQLENS_CACHE = _LRU(CU_SEQLENS_CACHE_SIZE)
+#: Thread-safe LRU; ``CU_SEQLENS_CACHE.size`` is its bound.
+CU_SEQLENS_CACHE: LRUCache[tuple[torch.Tensor, int, tuple[int, int]]] = LRUCache(CU_SEQLENS_CACHE_SIZE)
 
 
 CuSeqlens = tuple[torch.Tensor, int, tuple[int, int]]

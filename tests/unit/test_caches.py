@@ -23,6 +23,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import blockmask, compile, masks, score_mods, spec
 from flexattn_zoo.backends import flex as flex_backend
 from flexattn_zoo.backends import varlen
+from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass
 from flexattn_zoo.testing import assert_matches_reference
 
@@ -106,7 +107,7 @@ def test_concurrent_sdpa_routes_leave_global_flags_as_they_were() -> None:
 
 
 def test_mod_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spec, "_MODS", spec._LRU(4))
+    monkeypatch.setattr(spec, "_MODS", LRUCache(4))
     mods = [masks.SlidingWindow(left=i).mask_mod() for i in range(10)]
     assert len(spec._MODS) == 4  # holds left=6..9
     assert masks.SlidingWindow(left=9).mask_mod() is mods[9]  # cached: the same object back
@@ -120,7 +121,7 @@ def test_mod_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_block_mask_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(blockmask, "CACHE", blockmask._BlockMaskCache(3))
+    monkeypatch.setattr(blockmask, "CACHE", LRUCache(3))
     first = fz.block_mask(masks.Causal(), 64, 64)
     for n in (80, 96, 112, 128, 144):
         fz.block_mask(masks.Causal(), n, n)
@@ -144,7 +145,7 @@ def test_compile_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cu_seqlens_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(varlen, "CU_SEQLENS_CACHE", spec._LRU(2))
+    monkeypatch.setattr(varlen, "CU_SEQLENS_CACHE", LRUCache(2))
     doc = masks.Document.from_lengths([3, 5, 8])
     got = [varlen._cu_seqlens(doc, 2, 16, "cpu") for _ in range(2)]
     assert got[0] is got[1]  # cached

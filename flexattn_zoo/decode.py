@@ -1,0 +1,318 @@
+"""KV-cache decoding: a few new queries against a long cache, without rebuilding masks per step.
+
+``decode_step(q, k_cache, v_cache, cache_len)`` attends the newest ``Lq`` tokens (already written
+into the cache at positions ``cache_len - Lq .. cache_len - 1``) to the first ``cache_len`` cached
+keys, under a pattern given over *absolute* positions (``mask=``, default ``Causal()``; e.g.
+``SlidingWindow.from_hf(4096)`` or ``Chunked(8192) & Causal()``), with score mods and sinks.
+
+Design: one BlockMask per (pattern, batch, Lq, cache capacity), built once and **updated in
+place** each step. Its ``mask_mod`` and the score mods read the current position from a captured
+int32 tensor ``offset[b] = cache_len[b] - Lq``; the per-step update writes that tensor and the kv
+block list (``kv_num_blocks``/``kv_indices``: the blocks from the pattern's lowest visible key to
+``cache_len - 1``) with a few device ops, no host sync and no new objects. So the compiled kernel
+(keyed by the ``mask_mod`` object), the BlockMask and all tensor shapes stay the same from step to
+step: no rebuild, no recompile, and the kernel reads only the live blocks of the cache, not its
+capacity. Why not the alternatives: a fresh ``Causal(align="bottom_right")`` per step has a new
+offset in its ``mask_mod`` every step (a new kernel each time); bucketing lengths bounds the
+recompiles but still rebuilds masks and slices the cache to bucket shapes, which recompiles too.
+The q-side block indices are not maintained (they only serve the backward): decoding with
+inputs that require grad takes the exact ``dense`` route instead.
+
+Paged KV (``block_table=``): the cache is a pool of pages of ``block_size`` tokens,
+``k_cache``/``v_cache`` of shape ``[1, Hkv, n_pages * block_size, D]``, and ``block_table[b, p]``
+is the physical page of row ``b``'s logical page ``p``. The BlockMask then lists physical blocks
+and the ``mask_mod`` maps a physical key index back to its logical position through a captured
+page-to-position table (updated in place like the offsets). On CUDA with torch >= 2.13,
+:func:`decode_step_varlen` runs the same paged decode on FlashAttention's varlen kernel
+(``block_table`` + ``seqused_k``) for causal or sliding-window patterns.
+
+Routes: CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
+no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
+the cache (the pages gathered for paged caches): exact, but it materialises ``Lq x cache_len``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
+from flexattn_zoo.dispatch import attention
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.masks import Causal, Chunked, SlidingWindow
+from flexattn_zoo.masks.band import Band
+from flexattn_zoo.sinks import apply_sinks, check_sinks
+from flexattn_zoo.spec import And, MaskSpec, Or
+
+__all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
+
+DEFAULT_BLOCK_SIZE = 128
+#: DecodeMask objects kept by ``decode_step`` (least recently used dropped first).
+DECODE_CACHE_SIZE = 32
+
+
+def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
+    """A lower bound on the keys the pattern lets absolute query ``q_abs`` see (0 if unknown).
+
+    Used only to skip kv blocks, so any lower bound is correct; a tight one saves bandwidth.
+    """
+    zero = torch.zeros_like(q_abs)
+    if isinstance(spec, SlidingWindow):
+        return q_abs - spec.left
+    if isinstance(spec, Band) and spec.lo is not None:
+        return q_abs + spec.lo
+    if isinstance(spec, Chunked):
+        return torch.div(q_abs, spec.size, rounding_mode="floor") * spec.size
+    if isinstance(spec, And):
+        return torch.stack([lowest_key(p, q_abs) for p in spec.parts]).amax(0)
+    if isinstance(spec, Or):
+        return torch.stack([lowest_key(p, q_abs) for p in spec.parts]).amin(0)
+    return zero
+
+
+class DecodeMask:
+    """A decode BlockMask for ``q_len`` new queries per row, updated in place by :meth:`update`.
+
+    Args:
+        spec: the pattern over absolute positions (None: every cached key is visible).
+        batch, q_len: rows and new queries per row.
+        capacity: cache capacity in tokens (logical; for paged caches the block-table width
+            times ``block_size``).
+        n_physical: number of physical kv blocks (pages) when paged, else None.
+        device: where the cache lives.
+        block_size: kv block (page) size; also the q block size.
+    """
+
+    def __init__(
+        self, spec: MaskSpec | None, batch: int, q_len: int, capacity: int, *, n_physical: int | None = None,
+        device: torch.device | str = "cpu", block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:  # fmt: skip
+        self.spec = spec.bind(capacity, capacity) if spec is not None else None
+        self.batch, self.q_len, self.block_size = batch, q_len, block_size
+        self.paged = n_physical is not None
+        self.n_logical = -(-capacity // block_size)
+        n_kv = n_physical if n_physical is not None else self.n_logical
+        self.kv_len = n_kv * block_size if self.paged else capacity
+        n_q = -(-q_len // block_size)
+        device = torch.device(device)
+        i32 = torch.int32
+        self.offset = torch.zeros(batch, dtype=i32, device=device)  # cache_len - q_len, per row
+        self.cache_len = torch.zeros(batch, dtype=i32, device=device)
+        # Physical page -> first logical position stored in it (see update); one spare column.
+        self.page_start = torch.full((batch, n_kv + 1), -block_size, dtype=i32, device=device)
+        self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=i32, device=device)
+        self.kv_indices = torch.arange(n_kv, dtype=i32, device=device).view(1, 1, 1, n_kv).repeat(batch, 1, n_q, 1)
+        self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * block_size
+        self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
+        self.logical_mask_mod = self._make_mod(paged=False)
+        self.mask_mod = self._make_mod(paged=self.paged)
+        # No block is marked "full" (mask_mod runs on every live block: cheap next to reading the
+        # cache). Empty full-block tensors are passed anyway: torch 2.13's CPU flex template fails
+        # to compile some masks without them.
+        self.block_mask = _compat.BlockMask.from_kv_blocks(
+            self.kv_num_blocks, self.kv_indices, torch.zeros_like(self.kv_num_blocks), self.kv_indices.clone(),
+            BLOCK_SIZE=(block_size, block_size),
+            mask_mod=self.mask_mod, seq_lengths=(q_len, self.kv_len),
+        )  # fmt: skip
+        self._scores: dict[Hashable, Any] = {}
+
+    def _logical(self, b: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size
+        return self.page_start[b, kv_idx // bs] + kv_idx % bs
+
+    def _make_mod(self, *, paged: bool) -> Any:
+        inner = self.spec.mask_mod() if self.spec is not None else None
+        offset, cache_len, logical = self.offset, self.cache_len, self._logical
+
+        def decode_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            kv = logical(b, kv_idx) if paged else kv_idx
+            out = (kv < cache_len[b]) & (kv >= 0)
+            if inner is not None:
+                out = out & inner(b, h, q_idx + offset[b], kv)
+            return out
+
+        return decode_mask
+
+    def score_mod(self, inner: Any, *, paged: bool | None = None) -> Any:
+        """``inner`` (a flex score_mod over absolute positions) seen through this mask's offsets;
+        one function object per ``inner`` so compiled kernels are reused."""
+        paged = self.paged if paged is None else paged
+        key = (inner, paged)
+        if key not in self._scores:
+            offset, logical = self.offset, self._logical
+
+            def decode_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+                kv = logical(b, kv_idx) if paged else kv_idx
+                return inner(score, b, h, q_idx + offset[b], kv)
+
+            self._scores[key] = decode_score
+        return self._scores[key]
+
+    def update(self, cache_len: torch.Tensor, block_table: torch.Tensor | None = None) -> _compat.BlockMask:
+        """Point the mask at the current lengths (and pages); returns the same BlockMask object."""
+        bs = self.block_size
+        lens = cache_len.to(self.cache_len.device, torch.int64)
+        self.cache_len.copy_(lens)
+        self.offset.copy_(lens - self.q_len)
+        q_abs = (lens - self.q_len)[:, None] + self._q_starts[None, :]  # first query of each q block
+        first = torch.div(lowest_key(self.spec, q_abs).clamp(min=0), bs, rounding_mode="floor")
+        last = torch.div((lens - 1).clamp(min=0), bs, rounding_mode="floor")[:, None]
+        num = (last - first + 1).clamp(min=0) * (lens > 0)[:, None]
+        logical_blocks = (first[..., None] + self._steps).clamp(max=self.n_logical - 1)
+        if self.paged:
+            assert block_table is not None
+            table = block_table.to(self.cache_len.device, torch.int64)
+            flat = logical_blocks.reshape(logical_blocks.shape[0], -1)
+            indices = table.gather(1, flat).view_as(logical_blocks).clamp(min=0)
+            # page_start[b, physical page] = first logical position stored there; -block_size
+            # (so every key of the page maps below 0, i.e. invisible) for pages row b does not own.
+            # Unowned table entries (-1) scatter into a spare last column that is never read.
+            n_phys = self.page_start.shape[1] - 1
+            starts = torch.full_like(self.page_start, -bs, dtype=torch.int64)
+            pages = torch.arange(table.shape[1], device=table.device).expand_as(table) * bs
+            starts.scatter_(1, torch.where(table >= 0, table, n_phys), pages)
+            self.page_start.copy_(starts)
+        else:
+            indices = logical_blocks
+        self.kv_num_blocks.copy_(num[:, None, :])
+        self.kv_indices.copy_(indices[:, None, :, :])
+        return self.block_mask
+
+
+CACHE: LRUCache[DecodeMask] = LRUCache(DECODE_CACHE_SIZE)
+
+
+def _lengths(cache_len: Any, batch: int, device: torch.device) -> torch.Tensor:
+    if isinstance(cache_len, torch.Tensor):
+        lens = cache_len.to(device=device, dtype=torch.int64).reshape(-1)
+        if lens.numel() == 1:
+            lens = lens.expand(batch)
+    elif isinstance(cache_len, int) and not isinstance(cache_len, bool):
+        lens = torch.full((batch,), cache_len, dtype=torch.int64, device=device)
+    else:
+        raise TypeError(f"cache_len must be an int or an int tensor [B], got {type(cache_len).__name__}")
+    if lens.numel() != batch:
+        raise ValueError(f"cache_len must hold one length per batch row ({batch}), got {lens.numel()}")
+    return lens
+
+
+def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs: int) -> torch.Tensor:
+    """The first ``pages`` logical pages of every row, as a contiguous ``[B, H, pages * bs, D]``."""
+    _, h, _, d = pool.shape
+    paged = pool[0].view(h, -1, bs, d)  # [H, n_pages, bs, D]
+    idx = block_table[:, :pages].clamp(min=0).to(pool.device, torch.int64)
+    return paged[:, idx].permute(1, 0, 2, 3, 4).reshape(idx.shape[0], h, pages * bs, d)
+
+
+def decode_step(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor, *,
+    mask: Any = None, score_mod: Any = None, scale: float | None = None, enable_gqa: bool | None = None,
+    sinks: torch.Tensor | None = None, block_table: torch.Tensor | None = None, return_lse: bool = False,
+    backend: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Attention of the newest ``Lq`` tokens to a KV cache (see the module docstring).
+
+    Args:
+        q: ``[B, H, Lq, D]``, the queries at absolute positions ``cache_len - Lq .. cache_len - 1``.
+        k_cache, v_cache: ``[B, Hkv, capacity, D]`` caches whose first ``cache_len`` entries are
+            valid (the new tokens included); with ``block_table``, page pools
+            ``[1, Hkv, n_pages * block_size, D]``.
+        cache_len: valid length, an int or an int tensor ``[B]`` (rows may differ).
+        mask: the pattern over absolute positions (spec, name or callable); default ``Causal()``.
+        score_mod: a score spec / name / callable over absolute positions.
+        scale, enable_gqa (None: from head counts), sinks ``[H]``, return_lse: as for the layers.
+        block_table: ``[B, max_pages]`` int, physical page of each logical page (-1: none).
+        backend: ``"auto"``, a flex route, or ``"dense"``.
+        block_size: kv block size, and the page size of paged caches.
+    """
+    spec = as_mask_spec(mask) if mask is not None else Causal()
+    score = as_score_spec(score_mod)
+    batch, heads, q_len, _ = q.shape
+    gqa = heads != k_cache.shape[1] if enable_gqa is None else enable_gqa
+    lens = _lengths(cache_len, batch, q.device)
+    paged = block_table is not None
+    if paged:
+        assert block_table is not None
+        if k_cache.shape[0] != 1 or k_cache.shape[2] % block_size:
+            raise ValueError(
+                f"paged caches are pools [1, Hkv, n_pages * {block_size}, D]; got {tuple(k_cache.shape)}"
+            )
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
+        capacity = block_table.shape[1] * block_size
+        n_physical: int | None = k_cache.shape[2] // block_size
+    else:
+        capacity, n_physical = k_cache.shape[2], None
+    if score is not None:
+        score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
+    need_lse = sinks is not None or return_lse
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))
+    use_flex = backend != "dense" and not grad and (q.is_cuda or not need_lse)
+    if backend not in ("auto", "dense", "flex", "flex_flash", "flex_cpu"):
+        raise ValueError(f"decode_step backend must be auto, dense, flex, flex_flash or flex_cpu; got {backend!r}")
+    if not use_flex and backend not in ("auto", "dense"):
+        raise ValueError(f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)")
+    key = (spec, batch, q_len, capacity, n_physical, block_size, str(q.device))
+    dm = CACHE.get_or_create(key, lambda: DecodeMask(spec, batch, q_len, capacity, n_physical=n_physical, device=q.device, block_size=block_size))
+    fast = q.is_cuda
+    inner_score = score.score_mod(fast=fast) if score is not None else None
+    if use_flex:
+        bm = dm.update(lens, block_table)
+        k_run, v_run = k_cache.expand(batch, -1, -1, -1), v_cache.expand(batch, -1, -1, -1)
+        run_mask: Any = bm
+        run_score = FunctionScore(fn=dm.score_mod(inner_score), label="decode") if inner_score is not None else None
+        route = backend
+    else:
+        dm.update(lens, block_table if paged else None)
+        live = int(lens.max()) if lens.numel() else 0
+        if live > capacity:
+            raise ValueError(f"cache_len {live} exceeds the cache capacity {capacity}")
+        pages = max(1, -(-live // block_size))
+        if paged:
+            assert block_table is not None
+            k_run = _gather_pages(k_cache, block_table, pages, block_size)
+            v_run = _gather_pages(v_cache, block_table, pages, block_size)
+        else:
+            stop = min(capacity, pages * block_size)
+            k_run, v_run = k_cache[:, :, :stop], v_cache[:, :, :stop]
+        run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode")
+        run_score = FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode") if inner_score is not None else None
+        route = "dense"
+    common: dict[str, Any] = dict(mask=run_mask, score_mod=run_score, scale=scale, enable_gqa=gqa, backend=route)
+    if sinks is None:
+        return attention(q, k_run, v_run, return_lse=return_lse, **common)
+    check_sinks(sinks, heads, q.device)
+    out, lse = attention(q, k_run, v_run, return_lse=True, **common)  # type: ignore[misc]
+    out, lse = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
+
+
+def decode_step_varlen(
+    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_len: torch.Tensor,
+    block_table: torch.Tensor, *, window: int | None = None, scale: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Paged causal (or sliding-window) decode on FlashAttention varlen (CUDA, torch >= 2.13).
+
+    ``q [B, H, Lq, D]``; ``k_pages``/``v_pages`` ``[n_pages, page_size, Hkv, D]`` (varlen's paged
+    layout); ``cache_len [B]`` valid keys per row (new tokens included); ``block_table [B,
+    max_pages]`` int32; ``window``: Hugging Face ``sliding_window`` (W keys, own included) or None.
+    FlashAttention aligns causal masks bottom-right to ``cache_len``, which is the decode
+    convention. Returns ``[B, H, Lq, D]``. Not covered by CPU tests (varlen is CUDA-only).
+    """
+    fn = _compat.varlen_attn_fn()
+    if fn is None or not _compat.varlen_supports("block_table") or not q.is_cuda:
+        raise ValueError("decode_step_varlen needs CUDA and torch.nn.attention.varlen with block_table (torch >= 2.13)")
+    batch, heads, q_len, d = q.shape
+    flat_q = q.transpose(1, 2).reshape(batch * q_len, heads, d)
+    cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * q_len
+    seqused = cache_len.to(q.device, torch.int32)
+    max_k = block_table.shape[1] * k_pages.shape[1]
+    left = -1 if window is None else window - 1
+    out = fn(
+        flat_q, k_pages, v_pages, cu_q, None, q_len, max_k, scale=scale, window_size=(left, 0),
+        enable_gqa=heads != k_pages.shape[2], seqused_k=seqused, block_table=block_table.to(torch.int32),
+    )  # fmt: skip
+    return out.view(batch, q_len, heads, -1).transpose(1, 2)

@@ -1,0 +1,196 @@
+"""Attention as a model layer: ``fz.Attention`` (an ``nn.Module``) and ``attention_layer`` (functional).
+
+Both take ``q, k, v`` in ``[B, H, L, D]`` (projections, RoPE and the KV cache stay in the model)
+and a configuration given once:
+
+* ``config=``: a preset name (``"gemma2"``, with ``layer=``/``num_heads=``; see ``fz.presets``), a
+  :class:`~flexattn_zoo.presets.LayerAttention`, a YAML path or text (``{mask: ..., score_mod: ...}``,
+  see :mod:`flexattn_zoo.config`) or an already-parsed mapping;
+* or ``mask=`` / ``score_mod=`` directly (specs, registry names or callables).
+
+What the layer adds over ``fz.attention``: the configuration is resolved **once** into spec
+objects that are reused on every call, so the BlockMask cache (keyed by spec value and shape) and
+the compiled-kernel cache (keyed by ``mask_mod`` identity) hit from the second step on; GQA is
+detected from the shapes; and learned **attention sinks** (see :mod:`flexattn_zoo.sinks`) are
+applied through the route's lse, so they run on every route that returns a differentiable lse.
+
+``Attention(..., sinks=True)`` creates the per-head sink logits as a parameter (zeros); a tensor
+is used as given (a parameter if it requires grad).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from flexattn_zoo import presets as _presets
+from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.dispatch import attention
+from flexattn_zoo.presets import LayerAttention
+from flexattn_zoo.sinks import apply_sinks, check_sinks
+
+__all__ = ["Attention", "attention_layer", "resolve_config"]
+
+
+def resolve_config(
+    config: Any = None,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    layer: int = 0,
+    num_heads: int | None = None,
+) -> LayerAttention:
+    """Turn any accepted configuration into a :class:`LayerAttention` of spec objects.
+
+    ``config`` (preset name, ``LayerAttention``, YAML path/text, or mapping) and ``mask``/``score_mod``
+    are exclusive. ``layer``/``num_heads`` are only used by presets.
+    """
+    if config is not None and (mask is not None or score_mod is not None):
+        raise ValueError("give either config= or mask=/score_mod=, not both")
+    if config is None:
+        return LayerAttention(mask=as_mask_spec(mask), score_mod=as_score_spec(score_mod))
+    if isinstance(config, LayerAttention):
+        return config
+    if isinstance(config, str) and config in _presets.names():
+        return _presets.get(config, layer=layer, num_heads=num_heads)
+    from flexattn_zoo.config import load_yaml_spec, spec_from_dict
+
+    if isinstance(config, Mapping):
+        m, s = spec_from_dict(dict(config))
+    elif isinstance(config, (str, os.PathLike)):
+        text = str(config)
+        if "\n" not in text and ":" not in text and not text.endswith((".yaml", ".yml")):
+            raise ValueError(
+                f"config {text!r} is neither a preset ({', '.join(_presets.names())}) nor YAML "
+                "(a path ending in .yaml/.yml, or text such as 'mask: {name: causal}')"
+            )
+        m, s = load_yaml_spec(config)
+    else:
+        raise TypeError(
+            "config must be a preset name, a presets.LayerAttention, a YAML path or text, or a mapping; "
+            f"got {type(config).__name__}"
+        )
+    return LayerAttention(mask=m, score_mod=s)
+
+
+def _gqa(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool | None) -> bool:
+    if enable_gqa is None:
+        return q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+    return enable_gqa
+
+
+def _run(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la: LayerAttention, *, scale: float | None,
+    enable_gqa: bool | None, return_lse: bool, sinks: torch.Tensor | None, backend: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if la.uses_sinks and sinks is None:
+        raise ValueError(
+            f"this layer ({la.kind or 'preset'} attention) has learned attention sinks: pass sinks= "
+            "(a float tensor [H]), or Attention(..., sinks=True) to learn them"
+        )
+    scale = la.scale if scale is None else scale
+    gqa = _gqa(q, k, enable_gqa)
+    kwargs: dict[str, Any] = dict(mask=la.mask, score_mod=la.score_mod, scale=scale, enable_gqa=gqa, backend=backend)
+    if sinks is None:
+        return attention(q, k, v, return_lse=return_lse, **kwargs)
+    check_sinks(sinks, q.shape[1], q.device)
+    out, lse = attention(q, k, v, return_lse=True, **kwargs)  # type: ignore[misc]
+    out, lse = apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
+
+
+def attention_layer(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: Any = None, mask: Any = None,
+    score_mod: Any = None, layer: int = 0, scale: float | None = None, enable_gqa: bool | None = None,
+    return_lse: bool = False, sinks: torch.Tensor | None = None, backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
+
+    Args:
+        config: preset name, ``LayerAttention``, YAML path or text, or mapping (or use mask/score_mod).
+        layer: the layer index, for presets whose layers differ (local/global patterns).
+        scale: overrides the preset's scale (default ``1/sqrt(D)``).
+        enable_gqa: None detects grouped-query attention from the head counts.
+        return_lse: also return the lse (with sinks: the log-normaliser including the sink).
+        sinks: per-head sink logits ``[H]`` (see :mod:`flexattn_zoo.sinks`), or None.
+        backend: as for ``fz.attention``; with sinks the route must return an lse.
+
+    For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a
+    preset or YAML config is resolved on every call (equal specs still hit the caches).
+    """
+    la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=q.shape[1] if q.dim() == 4 else None)
+    return _run(q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend)
+
+
+class Attention(nn.Module):
+    """Attention over given ``q, k, v`` as a module: ``forward(q, k, v) -> out`` (or ``(out, lse)``).
+
+    Args:
+        config: preset name (then ``layer`` and, for ALiBi presets, ``num_heads``), a
+            ``LayerAttention``, a YAML path or text, or a mapping. Exclusive with mask/score_mod.
+        mask, score_mod: specs, registry names or callables.
+        layer: layer index for presets.
+        num_heads: number of query heads (needed for ALiBi presets and for ``sinks=True``).
+        scale: overrides the preset's scale; default ``1/sqrt(D)``.
+        enable_gqa: None detects GQA from the head counts.
+        return_lse: forward also returns the lse.
+        sinks: None; True to learn per-head sink logits (a parameter of zeros, needs ``num_heads``;
+            also implied by a preset layer with sinks); or a tensor ``[H]`` (a parameter if it
+            requires grad, else a buffer).
+        backend: as for ``fz.attention``.
+
+    The specs are resolved in ``__init__`` and the same objects are passed on every call, so after
+    the first step no BlockMask is built and no kernel compiled for an unchanged shape.
+    """
+
+    def __init__(
+        self, config: Any = None, *, mask: Any = None, score_mod: Any = None, layer: int = 0,
+        num_heads: int | None = None, scale: float | None = None, enable_gqa: bool | None = None,
+        return_lse: bool = False, sinks: bool | torch.Tensor | None = None, backend: str = "auto",
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self.spec = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=num_heads)
+        self.scale = scale
+        self.enable_gqa = enable_gqa
+        self.return_lse = return_lse
+        self.backend = backend
+        self.sinks: torch.Tensor | None
+        if sinks is True or (sinks is None and self.spec.uses_sinks):
+            if num_heads is None:
+                raise ValueError("Attention(sinks=True) (or a preset layer with sinks) needs num_heads=")
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        elif isinstance(sinks, nn.Parameter):
+            self.sinks = sinks
+        elif isinstance(sinks, torch.Tensor):
+            if sinks.requires_grad:
+                self.sinks = nn.Parameter(sinks)
+            else:
+                self.register_buffer("sinks", sinks)
+        elif sinks is None or sinks is False:
+            self.sinks = None
+        else:
+            raise TypeError(f"sinks must be None, True or a tensor [H], got {type(sinks).__name__}")
+
+    @property
+    def mask(self) -> Any:
+        return self.spec.mask
+
+    @property
+    def score_mod(self) -> Any:
+        return self.spec.score_mod
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return _run(
+            q, k, v, self.spec, scale=self.scale, enable_gqa=self.enable_gqa,
+            return_lse=self.return_lse, sinks=self.sinks, backend=self.backend,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        parts = [f"mask={self.spec.mask!r}", f"score_mod={self.spec.score_mod!r}"]
+        if self.sinks is not None:
+            parts.append(f"sinks=[{self.sinks.numel()}]")
+        return ", ".join(parts)

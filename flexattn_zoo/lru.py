@@ -1,0 +1,64 @@
+"""The one bounded, thread-safe LRU map behind every cache of the library.
+
+Used for mod identity (``spec``), BlockMasks (``blockmask``), compiled flex entries (``compile``),
+varlen offsets (``backends.varlen``) and decode masks (``decode``); each module documents its
+size. When two threads build the same key at once, the first value stored wins and both get it,
+so identity-based reuse (mask_mod objects, compiled kernels) stays stable.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+
+
+class LRUCache(Generic[V]):
+    """``size`` entries at most (least recently used dropped first); ``inserts`` counts new
+    entries since the last ``clear()`` (tests use it to prove a step built nothing)."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"LRU size must be >= 1, got {size}")
+        self.size = size
+        self.inserts = 0
+        self._data: OrderedDict[Hashable, V] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            if key not in self._data:
+                return None
+            self._data.move_to_end(key)
+            return self._data[key]
+
+    def put(self, key: Hashable, value: V) -> V:
+        """Store ``value`` unless another thread stored one first; return the stored value."""
+        with self._lock:
+            if key not in self._data:
+                self._data[key] = value
+                self.inserts += 1
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+            return self._data[key]
+
+    def get_or_create(self, key: Hashable, make: Callable[[], V]) -> V:
+        """The cached value, or ``make()`` stored and returned (built outside the lock)."""
+        found = self.get(key)
+        return found if found is not None else self.put(key, make())
+
+    def values(self) -> list[V]:
+        with self._lock:
+            return list(self._data.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.inserts = 0
+
+    def __len__(self) -> int:
+        return len(self._data)

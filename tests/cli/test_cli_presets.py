@@ -1,0 +1,23 @@
+"""``flexattn-zoo list presets``: every model preset with its pattern and source."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexattn_zoo import cli, presets
+
+
+def test_list_presets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["list", "presets"]) == 0
+    out = capsys.readouterr().out
+    for name in presets.names():
+        assert name in out
+    assert "arXiv:2408.00118" in out  # Gemma 2's citation
+    assert "sliding_window" not in out.split("model presets")[0]  # masks are not listed
+
+
+def test_list_all_includes_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "gpt_oss" in out and "sliding_window" in out

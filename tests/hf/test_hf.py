@@ -1,0 +1,269 @@
+"""flexattn_zoo.hf: tiny random transformers models give the logits of transformers' own ``eager``.
+
+Error budget (the project's rule, DESIGN.md section 6, applied to whole models): the oracle is the
+same model run with ``eager`` attention in float64. Our float32 logits may be off by at most twice
+what transformers' own float32 ``eager`` run is off, plus a floor of 16 float32 ulps of the largest
+logit (a model is dozens of float32 roundings deep; the floor covers a lucky eager run, as in
+``fz.testing``). A wrong mask, scale, window, softcap or sink is orders of magnitude above that.
+
+Padded batches: the oracle runs each row's real tokens alone (no padding, the same position ids),
+which checks the padding mapping against the unpadded computation itself. (Batched float64
+``eager`` cannot serve: a padded query that sees no key gets the dtype's minimum in every logit,
+which its float32 softmax turns into -inf and NaN, and NaN values then reach real tokens through
+``0 * NaN``.) Logits are compared at real tokens only; a padded query that sees no key outputs 0
+here (see ``flexattn_zoo.hf``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flexattn_zoo.hf as zhf  # noqa: E402
+from flexattn_zoo import masks  # noqa: E402
+from flexattn_zoo.masks.band import Band  # noqa: E402
+from flexattn_zoo.masks.causal import OffsetCausal  # noqa: E402
+from flexattn_zoo.masks.padding import KeyPadding  # noqa: E402
+
+mu = pytest.importorskip("transformers.masking_utils")
+
+COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+CONFIGS = {
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=7),
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=7, query_pre_attn_scalar=16),
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    # 4 layers: three chunked (chunk 8) and one global, as Llama 4 interleaves them.
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1,
+        intermediate_size_mlp=96, interleave_moe_layer_step=2,
+    ),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON, sliding_window=7, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}  # fmt: skip
+L = 24
+# Two packed documents of 9 and 15 tokens in row 0; row 1 is one sequence.
+PACKED_POSITIONS = torch.tensor([list(range(9)) + list(range(15)), list(range(L))])
+
+
+@pytest.fixture(scope="module")
+def name() -> str:
+    # The dense route on CPU: every spec runs without compiling flex kernels (CI time).
+    return zhf.register("flexattn_zoo_test", backend="dense")
+
+
+def _model(kind: str):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[kind](), attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    if kind == "gpt_oss":  # sinks are created uninitialised: give them a spread of values
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=2.0)
+    if kind == "gemma2":  # a cap small enough to bend the random model's logits
+        model.config.attn_logit_softcapping = 1.0
+    return model
+
+
+def _logits(model, impl: str, dtype: torch.dtype, **inputs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    model.set_attn_implementation(impl)
+    model.to(dtype)
+    with torch.no_grad():
+        return model(**inputs).logits.double()
+
+
+def _assert_close(ours: torch.Tensor, eager32: torch.Tensor, eager64: torch.Tensor, keep: torch.Tensor) -> None:
+    err = (ours - eager64).abs()[keep].max().item()
+    eager_err = (eager32 - eager64).abs()[keep].max().item()
+    floor = 16 * torch.finfo(torch.float32).eps * eager64[keep].abs().max().item()
+    assert err <= 2 * eager_err + floor, f"logit error {err:.3e} > 2 x eager {eager_err:.3e} + {floor:.3e}"
+
+
+INPUTS = {
+    "plain": lambda ids: (dict(input_ids=ids), torch.ones(ids.shape, dtype=torch.bool)),
+    "left_padding": lambda ids: _padded(ids, left=True),
+    "right_padding": lambda ids: _padded(ids, left=False),
+    "packed": lambda ids: (dict(input_ids=ids, position_ids=PACKED_POSITIONS, use_cache=False),
+                           torch.ones(ids.shape, dtype=torch.bool)),
+}  # fmt: skip
+
+
+def _padded(ids: torch.Tensor, *, left: bool):  # type: ignore[no-untyped-def]
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    if left:
+        mask[1, :10] = 0
+    else:
+        mask[1, -10:] = 0
+    return dict(input_ids=ids, attention_mask=mask), mask.bool()
+
+
+def _rowwise(model, impl: str, dtype: torch.dtype, kwargs: dict, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Logits of each row's real tokens run alone (positions as in the padded batch), scattered
+    back into a padded ``[B, L, V]`` tensor (zeros elsewhere)."""
+    ids = kwargs["input_ids"]
+    positions = kwargs.get("position_ids", torch.arange(ids.shape[1]).expand(ids.shape[0], -1))
+    out = None
+    for b in range(ids.shape[0]):
+        real = keep[b]
+        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+        logits = _logits(model, impl, dtype, input_ids=ids[b : b + 1, real], position_ids=positions[b : b + 1, real], **rest)
+        if out is None:
+            out = torch.zeros(ids.shape[0], ids.shape[1], logits.shape[-1], dtype=torch.float64)
+        out[b, real] = logits[0]
+    assert out is not None
+    return out
+
+
+@pytest.mark.parametrize("inputs", list(INPUTS))
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_logits_match_eager(kind: str, inputs: str, name: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(kind)
+    ids = torch.randint(0, 100, (2, L), generator=torch.Generator().manual_seed(1))
+    kwargs, keep = INPUTS[inputs](ids)
+    with caplog.at_level(logging.WARNING, logger="flexattn_zoo.hf"):
+        ours = _logits(model, name, torch.float32, **kwargs)
+    assert "not recognised" not in caplog.text  # every mask was read into zoo specs
+    if "padding" in inputs:
+        eager32, eager64 = (_rowwise(model, "eager", dt, kwargs, keep) for dt in (torch.float32, torch.float64))
+    else:
+        eager32, eager64 = (_logits(model, "eager", dt, **kwargs) for dt in (torch.float32, torch.float64))
+    _assert_close(ours, eager32, eager64, keep)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss"])
+def test_cached_decoding_matches_eager(kind: str, name: str) -> None:
+    # Prefill 12 tokens, then 4 single-token steps: sliding layers' caches keep only the window,
+    # so the masks carry query/key offsets (Band / OffsetCausal specs). Row 1 is left-padded;
+    # the oracle decodes each row's real tokens alone with the same positions.
+    model = _model(kind)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    pad = torch.ones(2, 16, dtype=torch.long)
+    pad[1, :3] = 0
+    positions = torch.arange(16).expand(2, -1)
+    # transformers renamed past_key_values to cache (the old name warns, then goes in 5.40).
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def run(impl: str, dtype: torch.dtype, rows: slice, real: torch.Tensor) -> torch.Tensor:
+        model.set_attn_implementation(impl)
+        model.to(dtype)
+        cache = transformers.DynamicCache(config=model.config)
+        batched = real.shape[0] > 1  # the padded batch gets the padding mask; single rows run unpadded
+        extra = {"attention_mask": pad[rows, :12]} if batched else {}
+        sel = torch.ones(12, dtype=torch.bool) if batched else real[0, :12]
+        steps = []
+        with torch.no_grad():
+            out = model(input_ids=ids[rows, :12][:, sel], position_ids=positions[rows, :12][:, sel],
+                        use_cache=True, **{cache_kw: cache}, **extra)  # fmt: skip
+            steps.append(out.logits[:, -1])
+            for t in range(12, 16):
+                extra = {"attention_mask": pad[rows, : t + 1]} if batched else {}
+                out = model(input_ids=ids[rows, t : t + 1], position_ids=positions[rows, t : t + 1],
+                            use_cache=True, **{cache_kw: cache}, **extra)  # fmt: skip
+                steps.append(out.logits[:, -1])
+        return torch.stack(steps).double()
+
+    everything = torch.ones(1, 16, dtype=torch.bool)
+    ours = run(name, torch.float32, slice(0, 2), pad.bool())
+    eager = {dt: torch.cat([run("eager", dt, slice(b, b + 1), pad[b : b + 1].bool() & everything) for b in (0, 1)], dim=1)
+             for dt in (torch.float32, torch.float64)}  # fmt: skip
+    _assert_close(ours, eager[torch.float32], eager[torch.float64], torch.ones(ours.shape, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask reader, against transformers' own boolean masks
+
+
+def _hf_dense(fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: int = 0, padding=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return mu.sdpa_mask(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_off, kv_offset=kv_off,
+                        mask_function=fn, attention_mask=padding, allow_is_causal_skip=False)  # fmt: skip
+
+
+def _ours(fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: int = 0, padding=None):  # type: ignore[no-untyped-def]
+    m = zhf._mask_builder(batch, q_len, kv_len, q_off, kv_off, mask_function=fn, attention_mask=padding)
+    spec = m.spec()
+    if spec is None:
+        return spec, torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
+    return spec, spec.dense(q_len, kv_len, batch=batch, heads=1).expand(batch, 1, q_len, kv_len)
+
+
+PAD = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize(
+    ("fn", "shape", "expected"),
+    [
+        (lambda: mu.causal_mask_function, (10, 10, 0, 0), masks.Causal()),
+        (lambda: mu.bidirectional_mask_function, (10, 10, 0, 0), None),
+        (lambda: mu.sliding_window_causal_mask_function(4), (10, 10, 0, 0), masks.SlidingWindow.from_hf(4)),
+        (lambda: mu.sliding_window_causal_mask_function(4), (1, 4, 9, 6), masks.SlidingWindow(left=0, right=3)),
+        (lambda: mu.sliding_window_causal_mask_function(4), (2, 10, 8, 0), Band(lo=5, hi=8)),
+        (lambda: mu.causal_mask_function, (3, 10, 7, 0), OffsetCausal(offset=7)),
+        (lambda: mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)), (10, 10, 0, 0),
+         masks.Chunked(size=4) & masks.Causal()),
+        (lambda: mu.sliding_window_bidirectional_mask_function(2), (10, 10, 0, 0), masks.SlidingWindow(left=2, right=2)),
+    ],
+)  # fmt: skip
+def test_mask_reader_matches_transformers(fn, shape, expected) -> None:  # type: ignore[no-untyped-def]
+    q_len, kv_len, q_off, kv_off = shape
+    spec, ours = _ours(fn(), 2, q_len, kv_len, q_off, kv_off)
+    assert spec == expected
+    assert torch.equal(ours, _hf_dense(fn(), 2, q_len, kv_len, q_off, kv_off))
+    # With padding the reader adds KeyPadding over the keys' slice of the 2-D mask.
+    padding = PAD[:, : kv_off + kv_len] if kv_off + kv_len <= PAD.shape[1] else None
+    if padding is not None:
+        spec, ours = _ours(fn(), 2, q_len, kv_len, q_off, kv_off, padding)
+        assert isinstance(spec, KeyPadding) or any(isinstance(p, KeyPadding) for p in getattr(spec, "parts", ()))
+        assert torch.equal(ours, _hf_dense(fn(), 2, q_len, kv_len, q_off, kv_off, padding))
+
+
+def test_packed_sequences_become_documents() -> None:
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]])
+    seq = mu.find_packed_sequence_indices(pos)
+    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(3), pos),
+                      mu.packed_sequence_mask_function(seq))  # fmt: skip
+    spec, ours = _ours(fn, 1, 10, 10)
+    assert spec == masks.Document(doc_ids=seq) & masks.SlidingWindow.from_hf(3)
+    assert torch.equal(ours, _hf_dense(fn, 1, 10, 10))
+
+
+def test_chunks_count_from_the_first_real_token_under_left_padding() -> None:
+    fn = mu.chunked_causal_mask_function(4, torch.tensor([2, 0]))
+    spec, ours = _ours(fn, 2, 10, 10, padding=PAD)
+    assert "Document" in repr(spec) and "KeyPadding" in repr(spec)
+    assert torch.equal(ours, _hf_dense(fn, 2, 10, 10, padding=PAD))
+
+
+def test_unknown_patterns_run_transformers_function_exactly(caplog: pytest.LogCaptureFixture) -> None:
+    blocks = torch.tensor([[-1, -1, 0, 0, 0, -1, 1, 1, -1, -1]])
+    fn = mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(blocks))
+    with caplog.at_level(logging.WARNING, logger="flexattn_zoo.hf"):
+        spec, _ = _ours(fn, 1, 10, 10, padding=PAD[:1])
+    assert "not recognised" in caplog.text
+    b, h, q, kv = (torch.arange(n).view(*s) for n, s in ((1, (1, 1, 1, 1)), (1, (1, 1, 1, 1)), (10, (1, 1, 10, 1)), (10, (1, 1, 1, 10))))
+    got = torch.broadcast_to(spec.mask_mod()(b, h, q, kv), (1, 1, 10, 10))
+    assert torch.equal(got, _hf_dense(fn, 1, 10, 10, padding=PAD[:1]))
+
+
+def test_four_d_masks_go_dense_and_biases_are_refused() -> None:
+    q = torch.randn(1, 4, 6, 16)
+    k = v = torch.randn(1, 2, 6, 16)
+    visible = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    out, _ = zhf._attention_forward(None, q, k, v, visible)
+    additive = torch.zeros(1, 1, 6, 6).masked_fill(~visible, torch.finfo(torch.float32).min)
+    out2, _ = zhf._attention_forward(None, q, k, v, additive)
+    ref = zhf._attention_forward(None, q, k, v, zhf._mask_builder(1, 6, 6))[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out2, ref, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="additive"):
+        zhf._attention_forward(None, q, k, v, additive + 0.5)
+    with pytest.raises(ValueError, match="dropout"):
+        zhf._attention_forward(None, q, k, v, None, dropout=0.1)
+    with pytest.raises(ValueError, match="position_bias"):
+        zhf._attention_forward(None, q, k, v, None, position_bias=torch.zeros(1))

@@ -1,0 +1,112 @@
+"""fz.decode: decode steps vs the float64 reference, in-place mask updates, paged caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexattn_zoo import decode, masks, score_mods
+from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.testing import reference_attention
+
+B, H, HKV, D, CAP, BS = 2, 4, 2, 16, 640, 128
+
+
+def reference_decode(q, k, v, lens, mask, score=None, sinks=None):  # type: ignore[no-untyped-def]
+    """Oracle: the full causal forward of each row with q placed at its last Lq positions."""
+    rows = []
+    for b in range(q.shape[0]):
+        n, lq = int(lens[b]), q.shape[2]
+        full_q = torch.zeros(1, q.shape[1], n, q.shape[3], dtype=torch.float64)
+        full_q[:, :, n - lq :] = q[b : b + 1].double()
+        out = reference_attention(full_q, k[b : b + 1, :, :n].double(), v[b : b + 1, :, :n].double(), mask=mask, score_mod=score,
+                                  enable_gqa=True, sinks=sinks)  # fmt: skip
+        rows.append(out[0, :, n - lq :])
+    return torch.stack(rows)
+
+
+def _cache(seed: int = 0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, HKV, CAP, D, generator=g), torch.randn(B, HKV, CAP, D, generator=g)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # float32 kernels vs float64: unit-scale values over <= 640 keys; 2e-6 is ~30 float32 ulps.
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+
+
+def test_steps_reuse_one_mask_and_kernel_and_read_only_live_blocks() -> None:
+    mask, score = masks.SlidingWindow.from_hf(150), score_mods.Alibi(num_heads=H)
+    k, v = _cache()
+    lengths = [torch.tensor([300, 129]), torch.tensor([301, 130]), torch.tensor([520, 7]), torch.tensor([640, 256])]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for step, lens in enumerate(lengths):
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, lens, mask=mask, score_mod=score)
+            _close(out, reference_decode(q, k, v, lens, mask, score))
+            if step == 0:
+                builds, compiles = decode.CACHE.inserts, COMPILE_CACHE.total_compiles()
+                (dm,) = [d for d in decode.CACHE.values() if d.spec == mask]
+                bm = dm.block_mask
+            # The kernel visits only blocks from the window's first key to the last live key.
+            for b in range(B):
+                n = int(lens[b])
+                first, last = max(0, n - 150) // BS, (n - 1) // BS
+                assert int(dm.kv_num_blocks[b, 0, 0]) == last - first + 1
+                assert dm.kv_indices[b, 0, 0, : last - first + 1].tolist() == list(range(first, last + 1))
+    assert decode.CACHE.inserts == builds and COMPILE_CACHE.total_compiles() == compiles
+    assert dm.block_mask is bm
+
+
+def test_several_new_tokens_and_int_length() -> None:
+    k, v = _cache(1)
+    q = torch.randn(B, H, 3, D, generator=torch.Generator().manual_seed(6))
+    mask = masks.Chunked(size=100) & masks.Causal()
+    with torch.no_grad():
+        out = decode.decode_step(q, k, v, 333, mask=mask, score_mod=score_mods.SoftCap(cap=2.0))
+    _close(out, reference_decode(q, k, v, torch.tensor([333, 333]), mask, score_mods.SoftCap(cap=2.0)))
+
+
+def test_paged_cache_matches_contiguous() -> None:
+    n_pages = 8
+    g = torch.Generator().manual_seed(7)
+    kp, vp = torch.randn(1, HKV, n_pages * BS, D, generator=g), torch.randn(1, HKV, n_pages * BS, D, generator=g)
+    table = torch.tensor([[5, 2, 7, -1], [1, 0, 3, 6]])
+    lens = torch.tensor([300, 450])
+    k = decode._gather_pages(kp, table, 4, BS)
+    v = decode._gather_pages(vp, table, 4, BS)
+    q = torch.randn(B, H, 1, D, generator=g)
+    mask = masks.SlidingWindow.from_hf(200)
+    with torch.no_grad():
+        out = decode.decode_step(q, kp, vp, lens, block_table=table, mask=mask)
+    _close(out, reference_decode(q, k, v, lens, mask))
+    # With sinks (an lse is needed) the CPU runs the dense route over the gathered pages.
+    sinks = torch.tensor([-1.0, 0.0, 2.0, 5.0])
+    out = decode.decode_step(q, kp, vp, lens, block_table=table, mask=mask, sinks=sinks)
+    _close(out, reference_decode(q, k, v, lens, mask, sinks=sinks))
+
+
+def test_grads_take_the_dense_route() -> None:
+    k, v = _cache(2)
+    q = torch.randn(B, H, 2, D, generator=torch.Generator().manual_seed(8), dtype=torch.float64).requires_grad_()
+    k, v = k.double().requires_grad_(), v.double().requires_grad_()
+    lens = torch.tensor([100, 250])
+    out = decode.decode_step(q, k, v, lens, mask=masks.SlidingWindow.from_hf(64))
+    ref = reference_decode(q, k, v, lens, masks.SlidingWindow.from_hf(64))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and k.grad is not None
+
+
+def test_bad_arguments() -> None:
+    k, v = _cache()
+    q = torch.randn(B, H, 1, D)
+    with pytest.raises(ValueError, match="one length per batch row"):
+        decode.decode_step(q, k, v, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="backend"):
+        decode.decode_step(q, k, v, 10, backend="sdpa_math")
+    with pytest.raises(ValueError, match="cannot run this decode step"):
+        decode.decode_step(q, k, v, 10, backend="flex_cpu", sinks=torch.zeros(H))
+    with pytest.raises(ValueError, match="paged caches are pools"):
+        decode.decode_step(q, k, v, 10, block_table=torch.zeros(B, 2, dtype=torch.long))

@@ -1,0 +1,103 @@
+"""fz.Attention / fz.layers.attention_layer: configuration forms, GQA, lse, and mask reuse."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import blockmask, masks, score_mods
+from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.masks.band import Band
+from flexattn_zoo.masks.padding import KeyPadding
+from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
+
+YAML = "mask: {name: sliding_window, left: 5}\nscore_mod: {name: softcap, cap: 2.0}\n"
+
+
+def _qkv(hkv: int = 2, lq: int = 40, lkv: int = 40):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2, 4, lq, 16, generator=g), torch.randn(2, hkv, lkv, 16, generator=g), torch.randn(2, hkv, lkv, 16, generator=g)
+
+
+def test_config_forms_agree(tmp_path: Path) -> None:
+    path = tmp_path / "attn.yaml"
+    path.write_text(YAML)
+    mask, score = masks.SlidingWindow(left=5), score_mods.SoftCap(cap=2.0)
+    forms = [
+        fz.Attention(YAML, backend="dense"),
+        fz.Attention(str(path), backend="dense"),
+        fz.Attention(path, backend="dense"),
+        fz.Attention({"mask": {"name": "sliding_window", "left": 5}, "score_mod": {"name": "softcap", "cap": 2.0}}, backend="dense"),
+        fz.Attention(mask=mask, score_mod=score, backend="dense"),
+    ]
+    q, k, v = _qkv()
+    for layer in forms:
+        assert layer.mask == mask and layer.score_mod == score
+        out = layer(q, k, v)  # GQA 4:2 detected from the shapes
+        assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True)
+    functional = fz.layers.attention_layer(q, k, v, config=YAML, backend="dense")
+    torch.testing.assert_close(functional, forms[0](q, k, v), rtol=0, atol=0)
+
+
+def test_preset_layer_and_lse() -> None:
+    q, k, v = _qkv(hkv=4)
+    layer = fz.Attention("gemma2", layer=0, return_lse=True, backend="dense")
+    out, lse = layer(q, k, v)
+    assert_matches_reference(out, q, k, v, mask=layer.mask, score_mod=layer.score_mod, scale=256**-0.5, lse=lse)
+
+
+def test_grads_through_the_layer() -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = fz.Attention(mask=masks.Causal())(q, k, v)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=masks.Causal(), enable_gqa=True, grads=grads, grad_out=grad_out)
+
+
+def test_second_step_builds_and_compiles_nothing() -> None:
+    # No grad on CPU: a sliding window runs on flex_cpu, which needs a BlockMask and a kernel.
+    layer = fz.Attention("mistral_7b", layer=0)
+    layer.spec = fz.presets.LayerAttention(mask=masks.SlidingWindow.from_hf(24))
+    q, k, v = _qkv(lq=300, lkv=300)
+    with torch.no_grad():
+        first = layer(q, k, v)
+        builds, compiles = blockmask.CACHE.inserts, COMPILE_CACHE.total_compiles()
+        for _ in range(3):
+            again = layer(q + 0, k, v)
+    assert fz.plan(q, k, v, mask=layer.mask, enable_gqa=True).backend == "flex_cpu"
+    assert blockmask.CACHE.inserts == builds and COMPILE_CACHE.total_compiles() == compiles
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert_matches_reference(first, q, k, v, mask=layer.mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(config="gemma2", mask=masks.Causal()), ValueError, "either config= or mask="),
+        (dict(config="not a preset"), ValueError, "neither a preset"),
+        (dict(config=3), TypeError, "config must be"),
+        (dict(config="gpt_oss"), ValueError, "needs num_heads"),
+        (dict(mask=masks.Causal(), sinks="yes"), TypeError, "sinks must be"),
+    ],
+)
+def test_bad_configurations(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        fz.Attention(**kwargs)
+
+
+def test_preset_with_sinks_needs_them_in_functional_form() -> None:
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(ValueError, match="has learned attention sinks"):
+        fz.layers.attention_layer(q, k, v, config="gpt_oss", backend="dense")
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(37, 37), (5, 140), (140, 33)])
+def test_band_and_key_padding_specs_match_their_oracles(q_len: int, kv_len: int) -> None:
+    for spec in Band.examples(q_len, kv_len, 2, 1) + KeyPadding.examples(q_len, kv_len, 2, 1):
+        assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=1)
+    # Band generalises the zoo's causal and window masks exactly.
+    assert torch.equal(Band(hi=0).dense(9, 12), masks.Causal().dense(9, 12))
+    assert torch.equal(Band(lo=-3, hi=0).dense(9, 12), masks.SlidingWindow.from_hf(4).dense(9, 12))

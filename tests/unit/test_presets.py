@@ -1,0 +1,90 @@
+"""fz.presets: each model family's layer pattern, its citations, and every layer vs the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, presets, score_mods
+from flexattn_zoo.testing import assert_matches_reference
+
+REQUIRED = {"mistral_7b", "gemma2", "gemma3", "llama4", "bloom", "mpt", "grok1", "gpt_oss", "modernbert", "prefix_lm"}
+
+
+def test_catalogue_and_sources() -> None:
+    assert REQUIRED <= set(presets.names())
+    for p in presets.presets():
+        # Every preset cites where its numbers come from.
+        assert len(p.source) > 80 and any(w in p.source for w in ("arXiv", "model card", "Config", "model.py")), p.name
+        assert p.model and p.pattern
+
+
+@pytest.mark.parametrize(
+    ("name", "layer", "mask", "score", "sinks"),
+    [
+        ("mistral_7b", 5, masks.SlidingWindow(left=4095), None, False),
+        ("gemma2", 0, masks.SlidingWindow.from_hf(4096), score_mods.SoftCap(cap=50.0), False),
+        ("gemma2", 1, masks.Causal(), score_mods.SoftCap(cap=50.0), False),
+        ("gemma3", 4, masks.SlidingWindow.from_hf(1024), None, False),
+        ("gemma3", 5, masks.Causal(), None, False),
+        ("gemma3", 11, masks.Causal(), None, False),
+        ("llama4", 0, masks.Chunked(size=8192) & masks.Causal(), None, False),
+        ("llama4", 3, masks.Causal(), None, False),
+        ("grok1", 7, masks.Causal(), score_mods.SoftCap(cap=30.0), False),
+        ("gpt_oss", 0, masks.SlidingWindow.from_hf(128), None, True),
+        ("gpt_oss", 1, masks.Causal(), None, True),
+        ("modernbert", 0, None, None, False),
+        ("modernbert", 1, masks.SlidingWindow(left=64, right=64), None, False),
+        ("modernbert", 3, None, None, False),
+    ],
+)
+def test_layer_patterns(name: str, layer: int, mask: object, score: object, sinks: bool) -> None:
+    la = presets.get(name, layer=layer)
+    assert la.mask == mask
+    assert la.score_mod == score
+    assert la.uses_sinks is sinks
+
+
+def test_alibi_presets_and_parameters() -> None:
+    assert presets.get("bloom", num_heads=8).score_mod == score_mods.Alibi(num_heads=8)
+    assert presets.get("mpt", layer=3, num_heads=32).mask == masks.Causal()
+    assert presets.get("gemma2", layer=2).scale == pytest.approx(256**-0.5)
+    assert presets.get("mistral_7b", window=16).mask == masks.SlidingWindow.from_hf(16)
+    assert presets.get("prefix_lm", prefix_len=5).mask == masks.PrefixLM(prefix_len=5)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: presets.get("gemma"), "unknown preset 'gemma'.*Did you mean"),
+        (lambda: presets.get("bloom"), "needs num_heads"),
+        (lambda: presets.get("gemma2", windw=3), "unknown parameter.*'windw'"),
+        (lambda: presets.get("gemma2", layer=-1), "layer"),
+        (lambda: presets.get("prefix_lm"), "needs prefix_len"),
+    ],
+)
+def test_errors(call, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_every_layer_kind_matches_reference(name: str) -> None:
+    # Short windows so a 70-token problem exercises the local pattern; two layers cover both kinds.
+    small = {"mistral_7b": {"window": 9}, "gemma2": {"window": 9}, "gemma3": {"window": 9, "every": 2},
+             "llama4": {"chunk": 16, "every": 2}, "gpt_oss": {"window": 9}, "modernbert": {"window": 8, "every": 2},
+             "prefix_lm": {"prefix_len": 20}}.get(name, {})  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 70, 16, generator=g) for _ in range(3))
+    sinks = torch.linspace(-1, 1, 4)
+    for layer in (0, 1):
+        la = presets.get(name, layer=layer, num_heads=4, **small)
+        kw = dict(mask=la.mask, score_mod=la.score_mod, scale=la.scale)
+        if la.uses_sinks:
+            ref = fz.testing.reference_attention(q, k, v, sinks=sinks, **kw)
+            out = fz.layers.attention_layer(q, k, v, config=la, sinks=sinks, backend="dense")
+            torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-5)
+        else:
+            out = fz.layers.attention_layer(q, k, v, config=la, backend="dense")
+            assert_matches_reference(out, q, k, v, **kw)
