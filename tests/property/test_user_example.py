@@ -1,4 +1,4 @@
-"""The README example: a user property-tests their own mask (docs_snippets/custom_mask_property_test.md).
+"""The README example ("Testing your own mask"): a user property-tests their own mask.
 
 Keep this file and the snippet identical in substance: the snippet is what users copy.
 """
