@@ -28,9 +28,7 @@ import torch
 from flexattn_zoo.lru import LRUCache
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-ScoreMod = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Upper bound on cached mod functions; old entries are dropped least-recently-used first.
 MOD_CACHE_SIZE = 1024
@@ -55,12 +53,7 @@ def _values_equal(a: Any, b: Any) -> bool:
             return False
         if a is b:
             return True
-        return (
-            a.shape == b.shape
-            and a.dtype == b.dtype
-            and a.device == b.device
-            and bool(torch.equal(a, b))
-        )
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
@@ -82,7 +75,8 @@ class Spec:
         if type(self) is not type(other):
             return NotImplemented
         return all(
-            _values_equal(a, b) for a, b in zip(self._fields(), other._fields(), strict=True)  # type: ignore[attr-defined]
+            _values_equal(a, b)
+            for a, b in zip(self._fields(), other._fields(), strict=True)  # type: ignore[attr-defined]
         )
 
     def __hash__(self) -> int:
@@ -166,7 +160,9 @@ class BlockMap:
     full: torch.Tensor
 
 
-def block_ranges(length: int, block: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_ranges(
+    length: int, block: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(start, last, complete)`` per block of ``[0, length)``: first index, last valid index,
     and whether the block is complete (holds ``block`` valid positions)."""
     n = -(-length // block)
@@ -241,206 +237,23 @@ class MaskSpec(Spec):
         """
         return None
 
+    # The composites live in flexattn_zoo.compose, which imports this module.
     def __and__(self, other: MaskSpec) -> MaskSpec:
-        _check_mask(other, "&")
+        from flexattn_zoo.compose import And, check_mask
+
+        check_mask(other, "&")
         return And(parts=(self, other))
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
-        _check_mask(other, "|")
+        from flexattn_zoo.compose import Or, check_mask
+
+        check_mask(other, "|")
         return Or(parts=(self, other))
 
     def __invert__(self) -> MaskSpec:
+        from flexattn_zoo.compose import Not
+
         return Not(part=self)
-
-
-def _check_mask(other: object, op: str) -> None:
-    if not isinstance(other, MaskSpec):
-        raise TypeError(
-            f"mask {op} expects another mask spec (e.g. masks.Causal()), got {type(other).__name__}"
-        )
-
-
-@spec_dataclass
-class And(MaskSpec):
-    """Visible iff visible in every part."""
-
-    parts: tuple[MaskSpec, ...]
-
-    def uses_batch(self) -> bool:
-        return any(p.uses_batch() for p in self.parts)
-
-    def uses_head(self) -> bool:
-        return any(p.uses_head() for p in self.parts)
-
-    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
-        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
-        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
-        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
-            return self
-        return dataclasses.replace(self, parts=parts)
-
-    def _make_mask_mod(self) -> MaskMod:
-        mods = [p.mask_mod() for p in self.parts]
-
-        def and_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            out = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                out = out & mod(b, h, q_idx, kv_idx)
-            return out
-
-        return and_mask
-
-    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        out = self.parts[0].dense(q_len, kv_len, batch=batch, heads=heads)
-        for p in self.parts[1:]:
-            out = out & p.dense(q_len, kv_len, batch=batch, heads=heads)
-        return out
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        for p in self.parts:
-            p.validate(q_len, kv_len, batch, heads)
-
-    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        forms = [p.sdpa_form(q_len, kv_len) for p in self.parts]
-        if any(f is None for f in forms):
-            return None
-        return SdpaForm(is_causal=any(f.is_causal for f in forms))  # type: ignore[union-attr]
-
-    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
-        forms = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
-        if any(f is None for f in forms):
-            return None
-        segmented = [f for f in forms if f.segments is not None]  # type: ignore[union-attr]
-        if len(segmented) > 1:
-            return None  # intersecting two segmentations has no cheap exact form here
-        left, right = -1, -1
-        for f in forms:
-            fl, fr = f.window  # type: ignore[union-attr]
-            left = fl if left < 0 else (left if fl < 0 else min(left, fl))
-            right = fr if right < 0 else (right if fr < 0 else min(right, fr))
-        return VarlenForm(segments=segmented[0].segments if segmented else None, window=(left, right))
-
-    def block_map(
-        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
-    ) -> BlockMap | None:
-        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
-        if any(m is None for m in maps):
-            return None
-        # full is exact; any is a superset (two partial blocks may not overlap), which is safe:
-        # the kernel still applies mask_mod inside partial blocks.
-        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
-        for m in maps[1:]:
-            any_, full = any_ & m.any, full & m.full  # type: ignore[union-attr]
-        return BlockMap(any=any_, full=full)
-
-    def __and__(self, other: MaskSpec) -> MaskSpec:
-        _check_mask(other, "&")
-        return And(parts=(*self.parts, other))
-
-
-@spec_dataclass
-class Or(MaskSpec):
-    """Visible iff visible in any part."""
-
-    parts: tuple[MaskSpec, ...]
-
-    def uses_batch(self) -> bool:
-        return any(p.uses_batch() for p in self.parts)
-
-    def uses_head(self) -> bool:
-        return any(p.uses_head() for p in self.parts)
-
-    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
-        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
-        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
-        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
-            return self
-        return dataclasses.replace(self, parts=parts)
-
-    def _make_mask_mod(self) -> MaskMod:
-        mods = [p.mask_mod() for p in self.parts]
-
-        def or_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            out = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                out = out | mod(b, h, q_idx, kv_idx)
-            return out
-
-        return or_mask
-
-    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        out = self.parts[0].dense(q_len, kv_len, batch=batch, heads=heads)
-        for p in self.parts[1:]:
-            out = out | p.dense(q_len, kv_len, batch=batch, heads=heads)
-        return out
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        for p in self.parts:
-            p.validate(q_len, kv_len, batch, heads)
-
-    def block_map(
-        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
-    ) -> BlockMap | None:
-        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
-        if any(m is None for m in maps):
-            return None
-        # any is exact; full is a subset (two partial blocks may cover each other), which is safe.
-        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
-        for m in maps[1:]:
-            any_, full = any_ | m.any, full | m.full  # type: ignore[union-attr]
-        return BlockMap(any=any_, full=full)
-
-    def __or__(self, other: MaskSpec) -> MaskSpec:
-        _check_mask(other, "|")
-        return Or(parts=(*self.parts, other))
-
-
-@spec_dataclass
-class Not(MaskSpec):
-    """Visible iff not visible in ``part``."""
-
-    part: MaskSpec
-
-    def uses_batch(self) -> bool:
-        return self.part.uses_batch()
-
-    def uses_head(self) -> bool:
-        return self.part.uses_head()
-
-    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
-        part = self.part.bind(q_len, kv_len)
-        return self if part is self.part else dataclasses.replace(self, part=part)
-
-    def _make_mask_mod(self) -> MaskMod:
-        mod = self.part.mask_mod()
-
-        def not_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            return ~mod(b, h, q_idx, kv_idx)
-
-        return not_mask
-
-    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        return ~self.part.dense(q_len, kv_len, batch=batch, heads=heads)
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        self.part.validate(q_len, kv_len, batch, heads)
-
-    def block_map(
-        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
-    ) -> BlockMap | None:
-        inner = self.part.block_map(q_len, kv_len, q_block, kv_block, device)
-        if inner is None:
-            return None
-        _, _, q_complete = block_ranges(q_len, q_block, device)
-        _, _, kv_complete = block_ranges(kv_len, kv_block, device)
-        complete = q_complete.view(-1, 1) & kv_complete.view(1, -1)
-        # A block is fully visible in ~a iff a sees none of it (and it is complete); it has some
-        # visible element iff a does not see all of it. Incomplete blocks are never "full" in a,
-        # so they stay "any" here: a safe superset.
-        return BlockMap(any=~inner.full, full=~inner.any & complete)
-
-    def __invert__(self) -> MaskSpec:
-        return self.part
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,49 +293,11 @@ class ScoreSpec(Spec):
                 "score >> expects another score spec (e.g. score_mods.SoftCap(cap=30.0)), "
                 f"got {type(other).__name__}"
             )
+        from flexattn_zoo.compose import Chain
+
         left = self.mods if isinstance(self, Chain) else (self,)
         right = other.mods if isinstance(other, Chain) else (other,)
         return Chain(mods=(*left, *right))
-
-
-@spec_dataclass
-class Chain(ScoreSpec):
-    """Apply ``mods`` in order: ``Chain(mods=(a, b))`` computes ``b(a(score))``; same as ``a >> b``."""
-
-    mods: tuple[ScoreSpec, ...]
-
-    def __post_init__(self) -> None:
-        if not self.mods:
-            raise ValueError("Chain(mods=...) needs at least one score spec")
-        for m in self.mods:
-            if not isinstance(m, ScoreSpec):
-                raise TypeError(f"Chain(mods=...) takes score specs, got {type(m).__name__}")
-
-    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        fns = [m.score_mod(fast=fast) for m in self.mods]
-
-        def chained(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            for fn in fns:
-                score = fn(score, b, h, q_idx, kv_idx)
-            return score
-
-        return chained
-
-    def dense(self, scores: torch.Tensor) -> torch.Tensor:
-        for m in self.mods:
-            scores = m.dense(scores)
-        return scores
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        for m in self.mods:
-            m.validate(q_len, kv_len, batch, heads)
-
-
-def positions(q_len: int, kv_len: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(i, j)`` index grids of shape ``[Lq, 1]`` and ``[1, Lkv]`` for writing dense oracles."""
-    i = torch.arange(q_len, device=device).view(q_len, 1)
-    j = torch.arange(kv_len, device=device).view(1, kv_len)
-    return i, j
 
 
 def as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -532,3 +307,12 @@ def as_4d(mask: torch.Tensor) -> torch.Tensor:
     if mask.dim() == 3:
         return mask[:, None]
     return mask
+
+
+# Re-exported so ``flexattn_zoo.spec.And`` etc. keep working; compose needs the names above.
+from flexattn_zoo.compose import And, Chain, Not, Or  # noqa: E402
+
+__all__ = [
+    "And", "BlockMap", "Chain", "MaskMod", "MaskSpec", "Not", "Or", "ScoreMod", "ScoreSpec",
+    "SdpaForm", "Spec", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
+]  # fmt: skip

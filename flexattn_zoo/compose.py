@@ -1,0 +1,247 @@
+"""Spec algebra: ``a & b``, ``a | b``, ``~a`` for masks and ``a >> b`` for score mods.
+
+Composites keep every cheap form that stays exact: SDPA and varlen forms intersect under ``&``,
+and block maps combine block-wise (``&``: exact "full", safe superset "any"; ``|``: exact "any",
+safe subset "full"; ``~``: swaps them, keeping incomplete edge blocks partial).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    ScoreMod,
+    ScoreSpec,
+    SdpaForm,
+    VarlenForm,
+    block_ranges,
+    spec_dataclass,
+)
+
+
+def check_mask(other: object, op: str) -> None:
+    if not isinstance(other, MaskSpec):
+        raise TypeError(
+            f"mask {op} expects another mask spec (e.g. masks.Causal()), got {type(other).__name__}"
+        )
+
+
+@spec_dataclass
+class And(MaskSpec):
+    """Visible iff visible in every part."""
+
+    parts: tuple[MaskSpec, ...]
+
+    def uses_batch(self) -> bool:
+        return any(p.uses_batch() for p in self.parts)
+
+    def uses_head(self) -> bool:
+        return any(p.uses_head() for p in self.parts)
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
+        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
+        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
+            return self
+        return dataclasses.replace(self, parts=parts)
+
+    def _make_mask_mod(self) -> MaskMod:
+        mods = [p.mask_mod() for p in self.parts]
+
+        def and_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            out = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                out = out & mod(b, h, q_idx, kv_idx)
+            return out
+
+        return and_mask
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        out = self.parts[0].dense(q_len, kv_len, batch=batch, heads=heads)
+        for p in self.parts[1:]:
+            out = out & p.dense(q_len, kv_len, batch=batch, heads=heads)
+        return out
+
+    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
+        for p in self.parts:
+            p.validate(q_len, kv_len, batch, heads)
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        forms = [p.sdpa_form(q_len, kv_len) for p in self.parts]
+        if any(f is None for f in forms):
+            return None
+        return SdpaForm(is_causal=any(f.is_causal for f in forms))  # type: ignore[union-attr]
+
+    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
+        forms = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
+        if any(f is None for f in forms):
+            return None
+        segmented = [f for f in forms if f.segments is not None]  # type: ignore[union-attr]
+        if len(segmented) > 1:
+            return None  # intersecting two segmentations has no cheap exact form here
+        left, right = -1, -1
+        for f in forms:
+            fl, fr = f.window  # type: ignore[union-attr]
+            left = fl if left < 0 else (left if fl < 0 else min(left, fl))
+            right = fr if right < 0 else (right if fr < 0 else min(right, fr))
+        return VarlenForm(segments=segmented[0].segments if segmented else None, window=(left, right))
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
+        if any(m is None for m in maps):
+            return None
+        # full is exact; any is a superset (two partial blocks may not overlap), which is safe:
+        # the kernel still applies mask_mod inside partial blocks.
+        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
+        for m in maps[1:]:
+            any_, full = any_ & m.any, full & m.full  # type: ignore[union-attr]
+        return BlockMap(any=any_, full=full)
+
+    def __and__(self, other: MaskSpec) -> MaskSpec:
+        check_mask(other, "&")
+        return And(parts=(*self.parts, other))
+
+
+@spec_dataclass
+class Or(MaskSpec):
+    """Visible iff visible in any part."""
+
+    parts: tuple[MaskSpec, ...]
+
+    def uses_batch(self) -> bool:
+        return any(p.uses_batch() for p in self.parts)
+
+    def uses_head(self) -> bool:
+        return any(p.uses_head() for p in self.parts)
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
+        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
+        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
+            return self
+        return dataclasses.replace(self, parts=parts)
+
+    def _make_mask_mod(self) -> MaskMod:
+        mods = [p.mask_mod() for p in self.parts]
+
+        def or_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            out = mods[0](b, h, q_idx, kv_idx)
+            for mod in mods[1:]:
+                out = out | mod(b, h, q_idx, kv_idx)
+            return out
+
+        return or_mask
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        out = self.parts[0].dense(q_len, kv_len, batch=batch, heads=heads)
+        for p in self.parts[1:]:
+            out = out | p.dense(q_len, kv_len, batch=batch, heads=heads)
+        return out
+
+    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
+        for p in self.parts:
+            p.validate(q_len, kv_len, batch, heads)
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
+        if any(m is None for m in maps):
+            return None
+        # any is exact; full is a subset (two partial blocks may cover each other), which is safe.
+        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
+        for m in maps[1:]:
+            any_, full = any_ | m.any, full | m.full  # type: ignore[union-attr]
+        return BlockMap(any=any_, full=full)
+
+    def __or__(self, other: MaskSpec) -> MaskSpec:
+        check_mask(other, "|")
+        return Or(parts=(*self.parts, other))
+
+
+@spec_dataclass
+class Not(MaskSpec):
+    """Visible iff not visible in ``part``."""
+
+    part: MaskSpec
+
+    def uses_batch(self) -> bool:
+        return self.part.uses_batch()
+
+    def uses_head(self) -> bool:
+        return self.part.uses_head()
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        part = self.part.bind(q_len, kv_len)
+        return self if part is self.part else dataclasses.replace(self, part=part)
+
+    def _make_mask_mod(self) -> MaskMod:
+        mod = self.part.mask_mod()
+
+        def not_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return ~mod(b, h, q_idx, kv_idx)
+
+        return not_mask
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return ~self.part.dense(q_len, kv_len, batch=batch, heads=heads)
+
+    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
+        self.part.validate(q_len, kv_len, batch, heads)
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        inner = self.part.block_map(q_len, kv_len, q_block, kv_block, device)
+        if inner is None:
+            return None
+        _, _, q_complete = block_ranges(q_len, q_block, device)
+        _, _, kv_complete = block_ranges(kv_len, kv_block, device)
+        complete = q_complete.view(-1, 1) & kv_complete.view(1, -1)
+        # A block is fully visible in ~a iff a sees none of it (and it is complete); it has some
+        # visible element iff a does not see all of it. Incomplete blocks are never "full" in a,
+        # so they stay "any" here: a safe superset.
+        return BlockMap(any=~inner.full, full=~inner.any & complete)
+
+    def __invert__(self) -> MaskSpec:
+        return self.part
+
+
+@spec_dataclass
+class Chain(ScoreSpec):
+    """Apply ``mods`` in order: ``Chain(mods=(a, b))`` computes ``b(a(score))``; same as ``a >> b``."""
+
+    mods: tuple[ScoreSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.mods:
+            raise ValueError("Chain(mods=...) needs at least one score spec")
+        for m in self.mods:
+            if not isinstance(m, ScoreSpec):
+                raise TypeError(f"Chain(mods=...) takes score specs, got {type(m).__name__}")
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        fns = [m.score_mod(fast=fast) for m in self.mods]
+
+        def chained(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            for fn in fns:
+                score = fn(score, b, h, q_idx, kv_idx)
+            return score
+
+        return chained
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        for m in self.mods:
+            scores = m.dense(scores)
+        return scores
+
+    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
+        for m in self.mods:
+            m.validate(q_len, kv_len, batch, heads)
