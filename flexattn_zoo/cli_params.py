@@ -28,6 +28,14 @@ import torch
 from flexattn_zoo.registry import MASKS, SCORES, Entry, Registry
 from flexattn_zoo.spec import And, Chain, Not, Or, Spec
 
+
+class CliError(Exception):
+    """A failure to report without a traceback, with its exit code."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
 _TRUE = {"true", "yes", "on"}
 _FALSE = {"false", "no", "off"}
 

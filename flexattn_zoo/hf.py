@@ -58,7 +58,6 @@ Dropout is not implemented: a call with ``dropout > 0`` raises instead of silent
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -67,13 +66,10 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.dispatch import attention
-from flexattn_zoo.masks import Causal, Chunked, Document, SlidingWindow
-from flexattn_zoo.masks.band import Band
-from flexattn_zoo.masks.causal import OffsetCausal
-from flexattn_zoo.masks.padding import KeyPadding
+from flexattn_zoo.hf_masks import HFMask, dense_mask_spec, translate
+from flexattn_zoo.hf_masks import transformers_module as _transformers
 from flexattn_zoo.score_mods import SoftCap
 from flexattn_zoo.sinks import apply_sinks, check_sinks
-from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass
 
 log = logging.getLogger(__name__)
 
@@ -84,43 +80,8 @@ UNSUPPORTED_KWARGS = ("position_bias", "alibi", "head_mask")
 __all__ = ["DEFAULT_NAME", "HFMask", "register", "translate"]
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "flexattn_zoo.hf needs transformers: pip install 'flexattn-zoo[hf]'"
-        ) from exc
-    return transformers
-
-
 # ---------------------------------------------------------------------------------------------
-# The mask descriptor
-
-
-@dataclasses.dataclass(eq=False)
-class HFMask:
-    """What transformers' mask builder told us, unevaluated (what our attention function receives).
-
-    ``padding`` is the 2-D ``attention_mask`` (bool, True = real token), or None when it has no
-    padding; ``mask_function`` is transformers' pattern over absolute positions (padding excluded).
-    """
-
-    mask_function: Callable[..., Any]
-    padding: torch.Tensor | None
-    batch_size: int
-    q_length: int
-    kv_length: int
-    q_offset: int
-    kv_offset: int
-    _spec: Any = dataclasses.field(default=None, repr=False)
-    _done: bool = dataclasses.field(default=False, repr=False)
-
-    def spec(self) -> MaskSpec | None:
-        """The zoo spec of this mask (computed once, shared by every layer that receives it)."""
-        if not self._done:
-            self._spec, self._done = translate(self), True
-        return self._spec
+# The mask builder
 
 
 def _mask_builder(
@@ -135,284 +96,6 @@ def _mask_builder(
     if mask_function is None:
         mask_function = _transformers().masking_utils.causal_mask_function
     return HFMask(mask_function, padding, int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset))
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading transformers' mask functions
-
-
-class _Unknown(Exception):
-    """A mask function we cannot read exactly (handled by the exact generic fallback)."""
-
-
-_CODES: dict[str, Any] | None = None
-
-
-def _codes() -> dict[str, Any]:
-    """Code objects of transformers' mask-function closures, taken from live instances."""
-    global _CODES
-    if _CODES is None:
-        mu = _transformers().masking_utils
-        t = torch.zeros(1, 1, dtype=torch.long)
-        makers: dict[str, Callable[[], Any]] = {
-            "and": lambda: mu.and_masks(mu.causal_mask_function),
-            "or": lambda: mu.or_masks(mu.causal_mask_function),
-            "sliding": lambda: mu.sliding_window_overlay(1),
-            "sliding_bidirectional": lambda: mu.sliding_window_bidirectional_overlay(1),
-            "chunked": lambda: mu.chunked_overlay(1, t[0]),
-            "packed": lambda: mu.packed_sequence_mask_function(t),
-            "remap": lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t),
-            "padding": lambda: mu.padding_mask_function(t),
-        }
-        codes = {}
-        for key, make in makers.items():
-            try:
-                codes[key] = make().__code__
-            except (AttributeError, TypeError):  # absent in this transformers version
-                continue
-        _CODES = codes
-    return _CODES
-
-
-def _cells(fn: Any) -> dict[str, Any]:
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
-
-
-@dataclasses.dataclass(frozen=True)
-class _BandNode:
-    lo: int | None
-    hi: int | None
-
-
-def _read(fn: Any) -> Any:
-    """A small tree describing ``fn`` over absolute positions; ``_Unknown`` if not exactly known."""
-    mu = _transformers().masking_utils
-    if fn is getattr(mu, "causal_mask_function", None):
-        return _BandNode(None, 0)
-    if fn is getattr(mu, "bidirectional_mask_function", None):
-        return _BandNode(None, None)
-    code = getattr(fn, "__code__", None)
-    kind = next((k for k, c in _codes().items() if c is code), None)
-    if kind is None:
-        raise _Unknown(getattr(fn, "__qualname__", repr(fn)))
-    cells = _cells(fn)
-    if kind in ("and", "or"):
-        return (kind, [_read(f) for f in cells["mask_functions"]])
-    if kind == "sliding":  # kv > q - W
-        return _BandNode(1 - int(cells["sliding_window"]), None)
-    if kind == "sliding_bidirectional":  # |q - kv| <= W
-        w = int(cells["sliding_window"])
-        return _BandNode(-w, w)
-    if kind == "chunked":
-        return ("chunked", int(cells["chunk_size"]), cells["left_padding"])
-    if kind == "packed":
-        return ("packed", cells["packed_sequence_mask"])
-    if kind == "remap":
-        return ("remap", _read(cells["mask_function"]), cells["position_ids"])
-    return ("padding", cells["padding_mask"])
-
-
-def _difference_only(node: Any) -> bool:
-    """Whether ``node`` depends on positions only through ``kv - q`` (so remapping is a no-op
-    inside one packed sequence, where positions advance by one per token)."""
-    if isinstance(node, _BandNode):
-        return True
-    return isinstance(node, tuple) and node[0] in ("and", "or") and all(_difference_only(n) for n in node[1])
-
-
-def _flatten_and(nodes: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for n in nodes:
-        out.extend(_flatten_and(n[1]) if isinstance(n, tuple) and n[0] == "and" else [n])
-    return out
-
-
-def _combine_labels(labels: list[torch.Tensor]) -> torch.Tensor:
-    """One label per position equal iff all ``labels`` are equal; sorted rows stay sorted (each
-    label is nondecreasing inside the runs of the previous ones: mixed-radix, first label most
-    significant)."""
-    out = labels[0].to(torch.int64)
-    for lab in labels[1:]:
-        lab = lab.to(torch.int64)
-        lo = lab.min()
-        out = out * (lab.max() - lo + 1) + (lab - lo)
-    return out
-
-
-def band_spec(lo: int | None, hi: int | None) -> MaskSpec | None:
-    """The canonical zoo spec of ``lo <= j - i <= hi`` (None for no mask at all)."""
-    if lo is None and hi is None:
-        return None
-    if lo is None:
-        return Causal() if hi == 0 else OffsetCausal(offset=hi)  # type: ignore[arg-type]
-    if hi is not None and lo <= 0 <= hi:
-        return SlidingWindow(left=-lo, right=hi)
-    return Band(lo=lo, hi=hi)
-
-
-def _and(specs: list[MaskSpec | None]) -> MaskSpec | None:
-    parts = [s for s in specs if s is not None]
-    if not parts:
-        return None
-    out = parts[0]
-    for p in parts[1:]:
-        out = out & p
-    return out
-
-
-def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
-    d = m.q_offset - m.kv_offset
-    if isinstance(node, _BandNode):
-        return band_spec(None if node.lo is None else node.lo + d, None if node.hi is None else node.hi + d)
-    kind = node[0]
-    if kind == "and":
-        children = _flatten_and(node[1])
-        packed = [c for c in children if isinstance(c, tuple) and c[0] == "packed"]
-        if packed:
-            if m.q_offset or m.kv_offset:
-                raise _Unknown("packed sequences with a cache offset")
-            unwrapped, labels = [], [packed[0][1]]
-            for c in children:
-                if isinstance(c, tuple) and c[0] == "remap":
-                    for n in _flatten_and([c[1]]):
-                        if isinstance(n, tuple) and n[0] == "chunked":
-                            # Chunks of the remapped positions (Llama 4 + packing): one more label.
-                            pos = c[2].expand(m.batch_size, -1) - torch.as_tensor(n[2]).view(-1, 1)
-                            labels.append(torch.div(pos, n[1], rounding_mode="floor"))
-                        elif _difference_only(n):
-                            unwrapped.append(n)
-                        else:
-                            raise _Unknown("packed sequences over a position-dependent pattern")
-                elif not (isinstance(c, tuple) and c[0] == "packed"):
-                    unwrapped.append(c)
-            unwrapped.append(("packed", _combine_labels(labels)))
-            children = _flatten_and(unwrapped)
-        # Intersect the bands into one canonical spec (e.g. SlidingWindow), placed last as the zoo
-        # writes compositions (Document(...) & Causal(), Chunked(...) & Causal()).
-        bands = [c for c in children if isinstance(c, _BandNode)]
-        specs: list[MaskSpec | None] = [_to_spec(c, m) for c in children if not isinstance(c, _BandNode)]
-        if bands:
-            los = [b.lo for b in bands if b.lo is not None]
-            his = [b.hi for b in bands if b.hi is not None]
-            specs.append(_to_spec(_BandNode(max(los) if los else None, min(his) if his else None), m))
-        return _and(specs)
-    if kind == "or":
-        parts = [_to_spec(c, m) for c in node[1]]
-        if any(p is None for p in parts):
-            return None  # one part sees everything
-        out = parts[0]
-        for p in parts[1:]:
-            out = out | p  # type: ignore[operator]
-        return out
-    if kind == "chunked":
-        size, left_padding = node[1], torch.as_tensor(node[2])
-        if m.q_offset or m.kv_offset:
-            raise _Unknown("chunked attention with a cache offset")
-        if not bool(left_padding.any()):
-            return Chunked(size=size)
-        # transformers counts chunks from each row's first real token: chunk id
-        # (p - left_padding[b]) // size, sorted along the row, so a Document of chunk ids.
-        n = max(m.q_length, m.kv_length)
-        pos = torch.arange(n, device=left_padding.device)[None, :] - left_padding.view(-1, 1)
-        return Document(doc_ids=torch.div(pos, size, rounding_mode="floor").expand(m.batch_size, n))
-    if kind == "packed":
-        ids = node[1]
-        if ids.shape[-1] < max(m.q_length, m.kv_length):
-            raise _Unknown("packed sequence ids shorter than the sequence")
-        return Document(doc_ids=ids)
-    if kind == "padding":
-        return KeyPadding(valid=_key_slice(node[1], m))
-    raise _Unknown(f"{kind} outside packed sequences")
-
-
-def _key_slice(mask: torch.Tensor, m: HFMask) -> torch.Tensor:
-    """``mask[:, kv_offset : kv_offset + Lkv]`` as bool, padded with False like transformers."""
-    valid = mask.to(torch.bool)[:, m.kv_offset : m.kv_offset + m.kv_length]
-    if valid.shape[-1] < m.kv_length:
-        valid = torch.nn.functional.pad(valid, (0, m.kv_length - valid.shape[-1]), value=False)
-    return valid
-
-
-_WARNED: set[str] = set()
-
-
-def translate(m: HFMask) -> MaskSpec | None:
-    """The zoo spec equal to transformers' mask ``m`` (pattern, offsets and padding)."""
-    try:
-        pattern = _to_spec(_read(m.mask_function), m)
-    except _Unknown as exc:
-        if str(exc) not in _WARNED:
-            _WARNED.add(str(exc))
-            log.warning(
-                "flexattn_zoo.hf: transformers mask pattern not recognised (%s); running it exactly as a "
-                "mask_mod (no cheap forms, a new BlockMask per forward)", exc,
-            )  # fmt: skip
-        return _generic(m)
-    if m.padding is None:
-        return pattern
-    return _and([pattern, KeyPadding(valid=_key_slice(m.padding, m))])
-
-
-def _generic(m: HFMask) -> MaskSpec:
-    """transformers' own mask function (plus padding and offsets) as a mask_mod: always exact."""
-    fn, qo, kvo = m.mask_function, m.q_offset, m.kv_offset
-    padding = None if m.padding is None else _key_slice(m.padding, m)
-
-    def hf_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-        out = fn(b, h, q_idx + qo, kv_idx + kvo)
-        if padding is not None:
-            out = out & padding[b, kv_idx]
-        return out
-
-    from flexattn_zoo.custom import FunctionMask
-
-    return FunctionMask(fn=hf_mask, label="transformers_mask")
-
-
-# ---------------------------------------------------------------------------------------------
-# Ready-made 4-D masks
-
-
-@spec_dataclass
-class _DenseMask(MaskSpec):
-    """A materialised boolean mask ``[B|1, H|1, Lq, Lkv]`` (only run on the dense route)."""
-
-    mask: torch.Tensor
-
-    depends_on_batch = True
-    depends_on_head = True
-
-    def _make_mask_mod(self) -> MaskMod:
-        t = self.mask
-        bmax, hmax = t.shape[0] - 1, t.shape[1] - 1
-
-        def dense_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            return t[b.clamp(max=bmax), h.clamp(max=hmax), q_idx, kv_idx]
-
-        return dense_mask
-
-    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        return self.mask.cpu()
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        b, h, lq, lkv = self.mask.shape
-        if (lq, lkv) != (q_len, kv_len) or b not in (1, batch) or h not in (1, heads):
-            raise ValueError(f"4-D attention_mask has shape {tuple(self.mask.shape)}; need [{batch}|1, {heads}|1, {q_len}, {kv_len}]")
-
-
-def _dense_mask(mask: torch.Tensor) -> _DenseMask:
-    if mask.dtype == torch.bool:
-        return _DenseMask(mask=mask)
-    if not mask.is_floating_point():
-        raise TypeError(f"4-D attention_mask must be bool or float, got {mask.dtype}")
-    lowest = torch.finfo(mask.dtype).min
-    blocked = mask <= lowest / 2
-    if not bool(((mask == 0) | blocked).all()):
-        raise ValueError(
-            "4-D float attention_mask holds values other than 0 and the dtype's minimum (an additive "
-            "bias); flexattn_zoo cannot apply arbitrary biases: pass a boolean mask or use a score_mod"
-        )
-    return _DenseMask(mask=~blocked)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +124,7 @@ def _attention_forward(
     elif isinstance(attention_mask, _compat.BlockMask):
         mask = attention_mask
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        mask, route = _dense_mask(attention_mask), "dense"
+        mask, route = dense_mask_spec(attention_mask), "dense"
     else:
         raise TypeError(
             "flexattn_zoo attention got an attention_mask it cannot read exactly: "
