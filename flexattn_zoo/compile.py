@@ -1,11 +1,13 @@
-"""One compiled flex_attention per (mask_mod, score_mod, kernel options, outputs), never unfused.
+"""One compiled flex_attention per kernel (mod code + captured constants, options), never unfused.
 
 Why a code object per key: Dynamo keeps its compiled-graph cache on the *code object* and gives
 up after ``recompile_limit`` (8) entries, silently running flex unfused (which asked for 64 GiB at
 L=32K in our baseline). If every spec shared one compiled function, eight specs would exhaust it.
 Each key here gets its own copy of a small wrapper's code object, so its cache only ever holds
 the variations of *one* kernel: grad mode, and shapes (static first, then one dynamic-shape graph
-once a second length is seen, by Dynamo's automatic dynamic shapes).
+once a second length is seen, by Dynamo's automatic dynamic shapes). The key (:func:`mod_key`)
+ignores the *values* of captured tensors, so new document ids each step reuse the kernel; an
+entry about to reach the recompile limit is replaced by a fresh one.
 
 Why fallback is impossible: the wrapper raises :class:`UnfusedFallbackError` when its body runs
 outside Dynamo. Compiled, ``is_compiling()`` is constant-folded to True and the check vanishes;
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -76,6 +78,38 @@ class CompiledFlex:
         return _compat.unpack_flex_output(out, self.lse)
 
 
+def mod_key(fn: Any) -> Hashable:
+    """What a compiled graph depends on in a mask_mod / score_mod: its code and captured constants.
+
+    Captured *tensors* count only by shape, dtype and device: Dynamo lifts them into graph inputs,
+    so a new ``Document`` (new ids, same length) per training step reuses the compiled kernel
+    instead of compiling a new one every step. Captured Python values (window sizes, caps) are
+    baked into the kernel, so they stay part of the key. Either way Dynamo's own guards keep the
+    call correct; this key only decides which calls share a compile cache.
+    """
+    if fn is None:
+        return None
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("object", fn)
+    cells = tuple(_captured_key(c.cell_contents) for c in (fn.__closure__ or ()))
+    return ("function", code, cells)
+
+
+def _captured_key(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device.type)
+    if callable(value) and hasattr(value, "__code__"):
+        return mod_key(value)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_captured_key(v) for v in value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))  # unhashable and unknown: never shared
+    return (type(value).__name__, value)
+
+
 class CompileCache:
     """Thread-safe LRU of :class:`CompiledFlex` entries, one per kernel key."""
 
@@ -88,10 +122,18 @@ class CompileCache:
         return self._entries.size
 
     def get(self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> CompiledFlex:
-        key = (mask_mod, score_mod, tuple(sorted((kernel_options or {}).items())), lse, gqa)
-        return self._entries.get_or_create(
-            key, lambda: CompiledFlex(next(self._serial), score_mod, kernel_options, lse, gqa)
-        )
+        key = (mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa)
+
+        def make() -> CompiledFlex:
+            return CompiledFlex(next(self._serial), score_mod, kernel_options, lse, gqa)
+
+        entry = self._entries.get_or_create(key, make)
+        # One call adds at most one graph. An entry one graph short of Dynamo's recompile limit is
+        # retired for a fresh code object (one more compile) so the limit, and with it torch's
+        # unfused fallback, is never reached.
+        if entry.compiles >= _compat.recompile_limit() - 1:
+            entry = self._entries.replace(key, make())
+        return entry
 
     def entries(self) -> list[CompiledFlex]:
         return self._entries.values()

@@ -46,6 +46,12 @@ class LRUCache(Generic[V]):
                 self._data.popitem(last=False)
             return self._data[key]
 
+    def replace(self, key: Hashable, value: V) -> V:
+        """Store ``value`` under ``key`` even if one is cached (counts as an insert)."""
+        with self._lock:
+            self._data.pop(key, None)
+        return self.put(key, value)
+
     def get_or_create(self, key: Hashable, make: Callable[[], V]) -> V:
         """The cached value, or ``make()`` stored and returned (built outside the lock)."""
         found = self.get(key)

@@ -205,3 +205,26 @@ def test_zero_length_sequences() -> None:
     assert q.grad is not None and torch.equal(q.grad, torch.zeros_like(q))
     empty_q = torch.randn(1, 2, 0, 16)
     assert fz.attention(empty_q, q.detach(), q.detach()).shape == (1, 2, 0, 16)
+
+
+def test_new_document_ids_each_step_reuse_the_compiled_kernel() -> None:
+    """Packed training builds a new Document every step: same kernel, new ids, no recompiles."""
+    q = torch.randn(1, 2, 256, 16)
+    compiles = []
+    for lengths in ([43, 51, 130, 32], [22, 65, 27, 142], [40, 216], [256]):
+        spec = masks.Document.from_lengths(lengths) & masks.Causal()
+        out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
+        assert_matches_reference(out, q, q, q, mask=spec)  # the new ids were used, not stale ones
+        compiles.append(COMPILE_CACHE.total_compiles())
+    assert len(set(compiles)) == 1, compiles  # only the first step compiled
+
+
+def test_entry_near_recompile_limit_is_replaced_not_run_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexattn_zoo import _compat
+
+    monkeypatch.setattr(_compat, "recompile_limit", lambda: 2)
+    spec = masks.SlidingWindow(left=5, right=5)
+    for length in (64, 96, 128, 160):  # static graph, then dynamic: would pass a limit of 2
+        q = torch.randn(1, 2, length, 16)
+        out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
+        assert_matches_reference(out, q, q, q, mask=spec)
