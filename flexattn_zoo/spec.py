@@ -39,9 +39,32 @@ def spec_dataclass(cls: type) -> type:
     return dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
 
 
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(t: torch.Tensor) -> int:
+    """A content hash of ``t`` (one small reduction, one device sync).
+
+    Spec hashes include it so that specs holding different tensors of one shape (a new Document
+    every training step) land in different hash buckets: with shape-only hashes every cache
+    lookup compared the new ids against every cached one (a device sync each). Floats are
+    reinterpreted as integers so the sum is exact and order-independent.
+    """
+    if t.device.type == "meta":
+        return 0  # no data to read; equality still decides
+    flat = t.detach().reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
+    flat = flat.to(torch.int64)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+    sums = torch.stack([flat.sum(), (flat * weights).sum()]) if flat.numel() else torch.zeros(2, dtype=torch.int64)
+    a, b = sums.tolist()
+    return hash((a, b))
+
+
 def _freeze(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), str(value.dtype))
+        return ("tensor", tuple(value.shape), str(value.dtype), _fingerprint(value))
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
     return value
@@ -80,7 +103,13 @@ class Spec:
         )
 
     def __hash__(self) -> int:
-        return hash((type(self).__qualname__, _freeze(self._fields())))
+        # Cached: specs are immutable (tensor parameters included, by contract) and hashing a
+        # tensor parameter reads it.
+        cached = self.__dict__.get("_hash_value")
+        if cached is None:
+            cached = hash((type(self).__qualname__, _freeze(self._fields())))
+            object.__setattr__(self, "_hash_value", cached)
+        return cached
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:

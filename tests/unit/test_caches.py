@@ -200,3 +200,18 @@ def test_deterministic_mode_survives_overlapping_threads() -> None:
     _in_threads([lambda d=d: hold(d) for d in (0.01, 0.05, 0.02, 0.08)])  # type: ignore[misc]
     assert seen == [True] * 4  # nobody switched it off under another thread
     assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_specs_with_different_tensors_do_not_share_hash_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new Document per step must not be compared against every cached one (a sync each on GPU)."""
+    docs = [masks.Document(doc_ids=torch.arange(512) // (i + 2)) for i in range(60)]
+    for d in docs:
+        d.mask_mod()
+    calls = []
+    real = spec._values_equal
+    monkeypatch.setattr(spec, "_values_equal", lambda a, b: calls.append(1) or real(a, b))
+    fresh = masks.Document(doc_ids=torch.arange(512) // 97)
+    fresh.mask_mod()
+    assert len(calls) <= 2, len(calls)  # shape-only hashes compared it with all 60
+    same = masks.Document(doc_ids=(torch.arange(512) // 2).clone())
+    assert same.mask_mod() is docs[0].mask_mod()  # equal values still share one function object
