@@ -8,6 +8,10 @@ safe subset "full"; ``~``: swaps them, keeping incomplete edge blocks partial).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -31,11 +35,12 @@ def check_mask(other: object, op: str) -> None:
         )
 
 
-@spec_dataclass
-class And(MaskSpec):
-    """Visible iff visible in every part."""
+class _Combined(MaskSpec):
+    """Shared behaviour of ``And``/``Or``: fold ``parts`` with one elementwise boolean op."""
 
     parts: tuple[MaskSpec, ...]
+    #: ``operator.and_`` or ``operator.or_``; also used for the dense oracles and block maps.
+    op: ClassVar[Callable[[Any, Any], Any]]
 
     def uses_batch(self) -> bool:
         return any(p.uses_batch() for p in self.parts)
@@ -48,28 +53,49 @@ class And(MaskSpec):
         # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
         if all(a is b for a, b in zip(parts, self.parts, strict=True)):
             return self
-        return dataclasses.replace(self, parts=parts)
+        return dataclasses.replace(self, parts=parts)  # type: ignore[type-var]
 
     def _make_mask_mod(self) -> MaskMod:
         mods = [p.mask_mod() for p in self.parts]
+        op = type(self).op
 
-        def and_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def combined_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
             out = mods[0](b, h, q_idx, kv_idx)
             for mod in mods[1:]:
-                out = out & mod(b, h, q_idx, kv_idx)
+                out = op(out, mod(b, h, q_idx, kv_idx))
             return out
 
-        return and_mask
+        return combined_mask
 
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        out = self.parts[0].dense(q_len, kv_len, batch=batch, heads=heads)
-        for p in self.parts[1:]:
-            out = out & p.dense(q_len, kv_len, batch=batch, heads=heads)
-        return out
+        return functools.reduce(type(self).op, (p.dense(q_len, kv_len, batch=batch, heads=heads) for p in self.parts))
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         for p in self.parts:
             p.validate(q_len, kv_len, batch, heads)
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        # &: "full" exact, "any" a superset (two partial blocks may not overlap); |: "any" exact,
+        # "full" a subset (two partial blocks may cover each other). Both are safe: the kernel
+        # still applies mask_mod inside partial blocks.
+        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
+        if any(m is None for m in maps):
+            return None
+        op = type(self).op
+        return BlockMap(
+            any=functools.reduce(op, (m.any for m in maps)),  # type: ignore[union-attr]
+            full=functools.reduce(op, (m.full for m in maps)),  # type: ignore[union-attr]
+        )
+
+
+@spec_dataclass
+class And(_Combined):
+    """Visible iff visible in every part."""
+
+    parts: tuple[MaskSpec, ...]
+    op = operator.and_
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
         forms = [p.sdpa_form(q_len, kv_len) for p in self.parts]
@@ -91,75 +117,17 @@ class And(MaskSpec):
             right = fr if right < 0 else (right if fr < 0 else min(right, fr))
         return VarlenForm(segments=segmented[0].segments if segmented else None, window=(left, right))
 
-    def block_map(
-        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
-    ) -> BlockMap | None:
-        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
-        if any(m is None for m in maps):
-            return None
-        # full is exact; any is a superset (two partial blocks may not overlap), which is safe:
-        # the kernel still applies mask_mod inside partial blocks.
-        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
-        for m in maps[1:]:
-            any_, full = any_ & m.any, full & m.full  # type: ignore[union-attr]
-        return BlockMap(any=any_, full=full)
-
     def __and__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "&")
         return And(parts=(*self.parts, other))
 
 
 @spec_dataclass
-class Or(MaskSpec):
+class Or(_Combined):
     """Visible iff visible in any part."""
 
     parts: tuple[MaskSpec, ...]
-
-    def uses_batch(self) -> bool:
-        return any(p.uses_batch() for p in self.parts)
-
-    def uses_head(self) -> bool:
-        return any(p.uses_head() for p in self.parts)
-
-    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
-        parts = tuple(p.bind(q_len, kv_len) for p in self.parts)
-        # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
-        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
-            return self
-        return dataclasses.replace(self, parts=parts)
-
-    def _make_mask_mod(self) -> MaskMod:
-        mods = [p.mask_mod() for p in self.parts]
-
-        def or_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            out = mods[0](b, h, q_idx, kv_idx)
-            for mod in mods[1:]:
-                out = out | mod(b, h, q_idx, kv_idx)
-            return out
-
-        return or_mask
-
-    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        out = self.parts[0].dense(q_len, kv_len, batch=batch, heads=heads)
-        for p in self.parts[1:]:
-            out = out | p.dense(q_len, kv_len, batch=batch, heads=heads)
-        return out
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        for p in self.parts:
-            p.validate(q_len, kv_len, batch, heads)
-
-    def block_map(
-        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
-    ) -> BlockMap | None:
-        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
-        if any(m is None for m in maps):
-            return None
-        # any is exact; full is a subset (two partial blocks may cover each other), which is safe.
-        any_, full = maps[0].any, maps[0].full  # type: ignore[union-attr]
-        for m in maps[1:]:
-            any_, full = any_ | m.any, full | m.full  # type: ignore[union-attr]
-        return BlockMap(any=any_, full=full)
+    op = operator.or_
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "|")
