@@ -43,7 +43,8 @@ def _git() -> tuple[str | None, bool | None]:
     return rev.stdout.strip(), bool(dirty.stdout.strip())
 
 
-def _dist(*names: str) -> str | None:
+def dist_version(*names: str) -> str | None:
+    """The installed version of the first distribution found among ``names`` (or None)."""
     for name in names:
         try:
             return importlib.metadata.version(name)
@@ -62,8 +63,8 @@ def collect_env(device: torch.device, command: str) -> dict[str, Any]:
         "triton": _compat.triton_version(), "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "device": str(device), "gpu": None, "cc": None, "arch": detect_arch(device),
-        "flash_attn_cute": _compat.flash_cute_available(), "flash_attn_4": _dist("flash-attn-4", "flash_attn_4"),
-        "flexattn_zoo": _dist("flexattn-zoo") or flexattn_zoo.__version__, "git": git, "git_dirty": dirty,
+        "flash_attn_cute": _compat.flash_cute_available(), "flash_attn_4": dist_version("flash-attn-4", "flash_attn_4"),
+        "flexattn_zoo": dist_version("flexattn-zoo") or flexattn_zoo.__version__, "git": git, "git_dirty": dirty,
         "cpu_count": os.cpu_count(),
     }  # fmt: skip
     if device.type == "cuda":

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.metadata
-import importlib.util
 import os
 import platform
 from typing import Any
@@ -16,6 +13,7 @@ from rich.table import Table
 
 import flexattn_zoo
 from flexattn_zoo import viz
+from flexattn_zoo.bench_env import dist_version
 from flexattn_zoo.cli_params import CliError, build_specs, describe_spec
 
 
@@ -142,15 +140,6 @@ def _show_score(
 # env
 
 
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def cmd_env(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -163,9 +152,9 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
     info.add_row("flexattn_zoo", flexattn_zoo.__version__)
     info.add_row("python", f"{platform.python_version()} ({platform.platform()})")
     info.add_row("torch", torch.__version__)
-    info.add_row("triton", _dist_version("triton", "pytorch-triton") or "not installed")
+    info.add_row("triton", dist_version("triton", "pytorch-triton") or "not installed")
     info.add_row(
-        "flash-attn-4 (flex FLASH)", _dist_version("flash-attn-4", "flash_attn_4") or "not installed"
+        "flash-attn-4 (flex FLASH)", dist_version("flash-attn-4", "flash_attn_4") or "not installed"
     )
     info.add_row("CUDA (torch built with)", str(torch.version.cuda or "none (CPU build)"))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -178,7 +167,7 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
         info.add_row("GPU", "none visible to torch")
     info.add_row("CPU cores", str(os.cpu_count()))
     info.add_row("detected arch", detect_arch())
-    info.add_row("matplotlib (viz extra)", _dist_version("matplotlib") or "not installed")
+    info.add_row("matplotlib (viz extra)", dist_version("matplotlib") or "not installed")
     console.print(info)
 
     routes = Table(title="routes on this machine")
