@@ -49,22 +49,20 @@ def spec_from_dict(data: Any) -> tuple[MaskSpec | None, ScoreSpec | None]:
             f"unknown YAML key(s) {unknown}; valid keys: {', '.join(TOP_LEVEL_KEYS)}."
             f"{did_you_mean(str(unknown[0]), list(TOP_LEVEL_KEYS))}"
         )
-    mask = data.get("mask")
-    score = data.get("score_mod")
-    mask_spec = score_spec = None
-    if mask is not None:
-        items = mask if isinstance(mask, list) else [mask]
-        if not items:
-            raise ValueError("mask: an empty list; give at least one {name: ...} entry")
-        parts = [_entry(MASKS, it, f"mask[{i}]" if isinstance(mask, list) else "mask") for i, it in enumerate(items)]
-        mask_spec = functools.reduce(operator.and_, parts)
-    if score is not None:
-        items = score if isinstance(score, list) else [score]
-        if not items:
-            raise ValueError("score_mod: an empty list; give at least one {name: ...} entry")
-        parts_s = [_entry(SCORES, it, f"score_mod[{i}]" if isinstance(score, list) else "score_mod") for i, it in enumerate(items)]
-        score_spec = functools.reduce(operator.rshift, parts_s)
+    mask_spec = _combined(MASKS, data.get("mask"), "mask", operator.and_)
+    score_spec = _combined(SCORES, data.get("score_mod"), "score_mod", operator.rshift)
     return mask_spec, score_spec
+
+
+def _combined(reg: Registry[Any], value: Any, key: str, combine: Any) -> Any:
+    """One ``{name: ...}`` mapping, or a list of them folded with ``combine`` (& or >>)."""
+    if value is None:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError(f"{key}: an empty list; give at least one {{name: ...}} entry")
+    where = (lambda i: f"{key}[{i}]") if isinstance(value, list) else (lambda i: key)
+    return functools.reduce(combine, [_entry(reg, item, where(i)) for i, item in enumerate(items)])
 
 
 def load_yaml_spec(source: str | os.PathLike[str]) -> tuple[MaskSpec | None, ScoreSpec | None]:

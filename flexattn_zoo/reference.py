@@ -42,6 +42,30 @@ def reference_attention(
     otherwise it stays float64 so callers compare against full precision. ``sinks`` is a float
     tensor ``[H]`` (one logit per query head) or None.
     """
+    return dense_attention(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
+        return_lse=return_lse, sinks=sinks, dtype=torch.float64,
+    )  # fmt: skip
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
+    dtype: torch.dtype,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The reference math with every step (scores, softmax, output) computed in ``dtype``.
+
+    ``dtype=float64`` is :func:`reference_attention`; the input dtype is ``fz.testing``'s eager
+    baseline, whose error says how accurate a low-precision route can be.
+    """
     shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
     mask_spec = as_mask_spec(mask)
     score_spec = as_score_spec(score_mod)
@@ -49,15 +73,15 @@ def reference_attention(
         mask_spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
     if score_spec is not None:
         score_spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
-    q64, k64, v64 = q.double(), k.double(), v.double()
+    qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
     if shape.heads != shape.kv_heads:
         group = shape.heads // shape.kv_heads
-        k64 = k64.repeat_interleave(group, dim=1)
-        v64 = v64.repeat_interleave(group, dim=1)
+        kc = kc.repeat_interleave(group, dim=1)
+        vc = vc.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else float(scale)
-    scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     if score_spec is not None:
-        scores = score_spec.to(scores.device).dense(scores)
+        scores = score_spec.to(scores.device).dense(scores).to(dtype)
     if mask_spec is not None:
         visible = mask_spec.to("cpu").dense(
             shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads
@@ -69,15 +93,15 @@ def reference_attention(
         if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (shape.heads,):
             got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
             raise ValueError(f"sinks must be a float tensor [H] = [{shape.heads}], got {got}")
-        column = sinks.to(scores.device, torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        column = sinks.to(scores.device, dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1))
-        out = torch.matmul(probs, v64)
+        out = torch.matmul(probs, vc)
         return (out, lse) if return_lse else out
     lse = torch.logsumexp(scores, dim=-1)
     # Rows that see nothing: lse is -inf; exp(scores - lse) would be NaN, so zero those rows.
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
     probs = probs.masked_fill(empty.unsqueeze(-1), 0.0)
-    out = torch.matmul(probs, v64)
+    out = torch.matmul(probs, vc)
     return (out, lse) if return_lse else out

@@ -40,9 +40,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo._checks import assert_mask_consistent, assert_score_consistent, spec_examples
-from flexattn_zoo.custom import as_mask_spec, as_score_spec
-from flexattn_zoo.reference import reference_attention
-from flexattn_zoo.validation import check_qkv
+from flexattn_zoo.reference import dense_attention, reference_attention
 
 __all__ = [
     "DEFAULT_RATIO",
@@ -84,29 +82,13 @@ def eager_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense attention computed in ``q.dtype`` throughout (scores, softmax, output), autograd-able.
 
-    Same conventions as :func:`reference_attention` (fully masked rows give 0 and lse -inf); only
-    the precision differs, which makes its error the yardstick for low-precision routes.
+    Same code and conventions as :func:`reference_attention` (fully masked rows give 0 and lse
+    -inf); only the precision differs, which makes its error the yardstick for low-precision routes.
     """
-    shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
-    mask_spec, score_spec = as_mask_spec(mask), as_score_spec(score_mod)
-    dtype = q.dtype
-    if shape.heads != shape.kv_heads:
-        group = shape.heads // shape.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else float(scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if score_spec is not None:
-        scores = score_spec.to(q.device).dense(scores).to(dtype)
-    if mask_spec is not None:
-        visible = mask_spec.to("cpu").dense(
-            shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads
-        ).to(q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = torch.isneginf(lse)
-    probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
-    out = torch.matmul(probs.masked_fill(empty.unsqueeze(-1), 0.0), v)
-    return (out, lse) if return_lse else out
+    return dense_attention(
+        q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
+        return_lse=return_lse, dtype=q.dtype,
+    )  # fmt: skip
 
 
 def _floor(dtype: torch.dtype, magnitude: float, lse_scale: float, floor_ulps: float) -> float:
