@@ -34,12 +34,15 @@ class UnfusedFallbackError(RuntimeError):
     """torch would have run flex_attention unfused (materializing Lq x Lkv): refused."""
 
 
-def _template(score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Callable[..., Any]:
+def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Callable[..., Any]:
     aux = _compat.flex_aux_request(lse)
     flex = _compat.flex_attention
     is_compiling = _compat.is_compiling
 
-    def flexattn_zoo_flex(q, k, v, block_mask, scale):  # type: ignore[no-untyped-def]
+    # score_mod is an argument, like the mask_mod inside block_mask, never a captured value: calls
+    # that share this entry (equal mod_key) may close over *different* tensors (decode offsets, a
+    # new Document's ids), and Dynamo reads those from the function it is given on each call.
+    def flexattn_zoo_flex(q, k, v, block_mask, scale, score_mod):  # type: ignore[no-untyped-def]
         if not is_compiling():
             raise UnfusedFallbackError(
                 "torch.compile did not compile flex_attention for this call (recompile limit or a "
@@ -57,11 +60,11 @@ def _template(score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, 
 class CompiledFlex:
     """A compiled flex call for one key; ``compiles`` counts graphs Dynamo built for it."""
 
-    def __init__(self, serial: int, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> None:
+    def __init__(self, serial: int, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> None:
         self.compiles = 0
         self.calls = 0
         self.lse = lse
-        fn = _template(score_mod, kernel_options, lse, gqa)
+        fn = _template(kernel_options, lse, gqa)
         code = fn.__code__.replace(co_name=f"flexattn_zoo_flex_{serial}")
         unique = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         inductor = _compat.inductor_backend()
@@ -72,9 +75,10 @@ class CompiledFlex:
 
         self._fn = torch.compile(unique, backend=counting_backend, fullgraph=True)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float,
+                 score_mod: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         self.calls += 1
-        out = self._fn(q, k, v, block_mask, scale)
+        out = self._fn(q, k, v, block_mask, scale, score_mod)
         return _compat.unpack_flex_output(out, self.lse)
 
 
@@ -125,7 +129,7 @@ class CompileCache:
         key = (mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa)
 
         def make() -> CompiledFlex:
-            return CompiledFlex(next(self._serial), score_mod, kernel_options, lse, gqa)
+            return CompiledFlex(next(self._serial), kernel_options, lse, gqa)
 
         entry = self._entries.get_or_create(key, make)
         # One call adds at most one graph. An entry one graph short of Dynamo's recompile limit is

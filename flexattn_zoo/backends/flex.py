@@ -48,7 +48,7 @@ class FlexBackend(Backend):
             p.return_lse,
             p.gqa,
         )
-        return entry(q, k, v, block_mask, scale)
+        return entry(q, k, v, block_mask, scale, score_mod)
 
 
 def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

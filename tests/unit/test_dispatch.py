@@ -219,6 +219,26 @@ def test_new_document_ids_each_step_reuse_the_compiled_kernel() -> None:
     assert len(set(compiles)) == 1, compiles  # only the first step compiled
 
 
+def test_score_mods_sharing_a_kernel_each_use_their_own_captured_tensors() -> None:
+    """Two score mods with the same code share one compiled entry; each call must still read its
+    own captured tensor (a decode offset, a learned bias), not the first caller's."""
+
+    def head_bias(bias: torch.Tensor):  # type: ignore[no-untyped-def]
+        def score(s, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return s + bias[h] * kv_idx / 32  # a per-row constant would cancel in the softmax
+
+        return score
+
+    q = torch.randn(1, 2, 128, 16)
+    entries = set()
+    for bias in (torch.tensor([0.0, 0.0]), torch.tensor([3.0, -3.0])):
+        score = head_bias(bias)
+        out = fz.attention(q, q, q, mask="causal", score_mod=score, backend="flex_cpu")
+        assert_matches_reference(out, q, q, q, mask="causal", score_mod=score)
+        entries.add(id(COMPILE_CACHE.get(masks.Causal().bind(128, 128).mask_mod(), score, None, False, False)))
+    assert len(entries) == 1  # the point of the test: one shared compiled entry
+
+
 def test_entry_near_recompile_limit_is_replaced_not_run_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
     from flexattn_zoo import _compat
 
