@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -124,6 +125,25 @@ def main() -> int:
         print("decode_bench needs a CUDA GPU", file=sys.stderr)
         return 1
     heads, kv_heads = (int(x) for x in a.heads.split(","))
+    command = shlex.join(["python", "benchmarks/decode_bench.py", *sys.argv[1:]])
+
+    def save() -> None:  # after every row: a sweep stopped at a time limit keeps its rows
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": a.heads, "dim": a.dim,
+                "window": a.window, "hbm_tbps": a.hbm_tbps}  # fmt: skip
+        if a.json:
+            Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        if a.md:
+            lines = [f"# Decode step, {meta['device']}, torch {meta['torch']}, H={a.heads}, D={a.dim}, window={a.window}",
+                     "", f"Command: `{command}`", "", f"Fraction of HBM = live K+V bytes / step time / {a.hbm_tbps} TB/s.", "",
+                     "| length | batch | route | step (us) | TB/s | of HBM | first call (s) | note |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            for r in rows:
+                if "step_us" in r:
+                    lines.append(f"| {r['length']} | {r['batch']} | {r['route']} | {r['step_us']:.1f} | {r['tbps']:.2f} | "
+                                 f"{r['hbm_fraction']:.0%} | {r['first_call_s']:.2f} | |")  # fmt: skip
+                else:
+                    lines.append(f"| {r['length']} | {r['batch']} | {r['route']} | | | | | {r.get('skipped', r.get('error', ''))} |")
+            Path(a.md).write_text("\n".join(lines) + "\n")
+
     rows = []
     for length in (int(x) for x in a.lens.split(",")):
         for batch in (int(x) for x in a.batch.split(",")):
@@ -142,22 +162,8 @@ def main() -> int:
                     row["hbm_fraction"] = row["tbps"] / a.hbm_tbps
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                save()
                 torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": a.heads, "dim": a.dim,
-            "window": a.window, "hbm_tbps": a.hbm_tbps}  # fmt: skip
-    if a.json:
-        Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    if a.md:
-        lines = [f"# Decode step, {meta['device']}, torch {meta['torch']}, H={a.heads}, D={a.dim}, window={a.window}",
-                 "", f"Fraction of HBM = live K+V bytes / step time / {a.hbm_tbps} TB/s.", "",
-                 "| length | batch | route | step (us) | TB/s | of HBM | first call (s) | note |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for r in rows:
-            if "step_us" in r:
-                lines.append(f"| {r['length']} | {r['batch']} | {r['route']} | {r['step_us']:.1f} | {r['tbps']:.2f} | "
-                             f"{r['hbm_fraction']:.0%} | {r['first_call_s']:.2f} | |")  # fmt: skip
-            else:
-                lines.append(f"| {r['length']} | {r['batch']} | {r['route']} | | | | | {r.get('skipped', r.get('error', ''))} |")
-        Path(a.md).write_text("\n".join(lines) + "\n")
     return 0
 
 

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Run the GPU test suite (`pytest -m gpu tests/gpu`) on a CUDA machine as two parallel pytest
 # processes (correctness only, nothing is timed, so sharing the GPU is harmless), and write
-#   $OUT/NAME.txt                   both pytest outputs (-rs: every skip with its reason)
+#   $OUT/NAME.txt                   both pytest outputs in full (-rfEs: failures, every skip with
+#                                   its reason; --durations: the slowest tests)
 #   $OUT/NAME-determinism.json      per route: accepted / refused with reasons, bitwise over 10 runs
 #
 #   benchmarks/gpu_tests.sh gpu_tests_nofa4                                  # FA4 not importable
 #   PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD benchmarks/gpu_tests.sh gpu_tests_fa4
 #
 # Environment: OUT (default benchmarks/results), PYTHON (default python3), TEST_TIMEOUT seconds per
-# process (default 540). Exit code: non-zero if either process failed or timed out.
+# process (default 540), PARTS (default "a b": a = routes + determinism, b = fuzz + decode).
+# Exit code: non-zero if either process failed or timed out.
 set -uo pipefail
 name="${1:?usage: $0 NAME}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,23 +25,30 @@ fa4=$("$py" -c "import importlib.util as u; print('FA4 importable' if u.find_spe
 
 run() {  # part, pytest args...
   local part=$1; shift
-  timeout "$limit" "$py" -m pytest -m gpu -q -rfEs -p no:cacheprovider "$@" >"$out/$name.$part.log" 2>&1
-  echo $? >"$out/$name.$part.rc"
+  timeout "$limit" "$py" -m pytest -m gpu -q -rfEs --durations=10 -p no:cacheprovider "$@" >"$logs/$part.log" 2>&1
+  echo $? >"$logs/$part.rc"
 }
+logs="$(mktemp -d)"
+parts="${PARTS:-a b}"
 start=$(date +%s)
-run a tests/gpu/test_routes_gpu.py tests/gpu/test_determinism_gpu.py &
-run b tests/gpu/test_fuzz_gpu.py tests/gpu/test_decode_gpu.py &
+for part in $parts; do
+  case $part in
+    a) run a tests/gpu/test_routes_gpu.py tests/gpu/test_determinism_gpu.py & ;;
+    b) run b tests/gpu/test_fuzz_gpu.py tests/gpu/test_decode_gpu.py & ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done
 wait
 rc=0
 {
   echo "# pytest -m gpu tests/gpu on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $fa4"
   echo "# command: benchmarks/gpu_tests.sh $name (two processes in parallel, $(( $(date +%s) - start )) s wall)"
   "$py" -c "import torch, triton; print('# torch', torch.__version__, 'triton', triton.__version__, 'cuDNN', torch.backends.cudnn.version())" 2>/dev/null
-  for part in a b; do
-    echo; echo "## part $part: exit code $(cat "$out/$name.$part.rc")"
-    grep -v -E "^\s*$|DeprecationWarning|warnings.warn" "$out/$name.$part.log" | tail -n 80
-    [ "$(cat "$out/$name.$part.rc")" = 0 ] || rc=1
+  for part in $parts; do
+    echo; echo "## part $part: exit code $(cat "$logs/$part.rc") (124: stopped at TEST_TIMEOUT)"
+    grep -v -E "^\s*$|DeprecationWarning|warnings.warn" "$logs/$part.log"
+    [ "$(cat "$logs/$part.rc")" = 0 ] || rc=1
   done
 } >"$out/$name.txt"
-tail -n 4 "$out/$name.a.log" "$out/$name.b.log"
+for part in $parts; do tail -n 3 "$logs/$part.log"; done
 exit $rc
