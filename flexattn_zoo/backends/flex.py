@@ -41,14 +41,34 @@ class FlexBackend(Backend):
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
             )
         score_mod = p.score.to(q.device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
+        options = self.options(p)
+        if "BACKEND" not in (options or {}) and _decode_kernel_has_no_config(p, block_mask):
+            options = {**(options or {}), "BACKEND": "TRITON"}
         entry = CACHE.get(
             block_mask.mask_mod if block_mask is not None else None,
             score_mod,
-            self.options(p),
+            options,
             p.return_lse,
             p.gqa,
         )
         return entry(q, k, v, block_mask, scale, score_mod)
+
+
+def _decode_kernel_has_no_config(p: Problem, block_mask: Any) -> bool:
+    """Whether torch's automatic choice of the Triton flex-*decoding* kernel would fail to compile.
+
+    For ``Lq < 128`` on CUDA, BACKEND="AUTO" picks flex decoding, which packs the ``Lq`` queries of
+    all ``Hq / Hkv`` heads sharing a kv head into one tile of ``BLOCK_M = next_pow2(Lq * Hq / Hkv)``
+    rows and keeps only configs whose BLOCK_M divides the BlockMask's q block size. With GQA and
+    ``Lq * Hq / Hkv`` above that size no config remains and Inductor raises NoValidChoicesError
+    (found by the GPU fuzz: Lq=64, 8:2 heads, torch 2.11). The main Triton kernel serves those
+    calls (BACKEND="TRITON"); a routing choice, not a change of result.
+    """
+    if p.device_type != "cuda" or not 0 < p.q_len < 128:
+        return False
+    rows = max(16, 1 << (p.q_len * (p.heads // p.kv_heads) - 1).bit_length())
+    q_block = block_mask.BLOCK_SIZE[0] if block_mask is not None else 128  # torch's default mask
+    return int(q_block) % rows != 0
 
 
 def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

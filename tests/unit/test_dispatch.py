@@ -5,6 +5,8 @@ CPU compiles cost seconds each, so flex_cpu runs only a handful of specs here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -248,3 +250,25 @@ def test_entry_near_recompile_limit_is_replaced_not_run_unfused(monkeypatch: pyt
         q = torch.randn(1, 2, length, 16)
         out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
         assert_matches_reference(out, q, q, q, mask=spec)
+
+
+@pytest.mark.parametrize(
+    ("lq", "heads", "q_block", "forced"),
+    [
+        (64, (8, 2), 128, True),  # 64 x 4 rows > 128: torch's decoding kernel has no config
+        (32, (8, 2), 128, False),  # 128 rows fit
+        (64, (8, 8), 128, False),
+        (1, (32, 8), 128, False),  # decode steps keep the decoding kernel
+        (100, (8, 1), 128, True),
+        (128, (8, 2), 128, False),  # Lq >= 128: the main kernel anyway
+        (16, (8, 2), 32, True),
+    ],
+)
+def test_short_gqa_queries_avoid_the_decoding_kernel_without_a_config(lq, heads, q_block, forced) -> None:  # type: ignore[no-untyped-def]
+    from types import SimpleNamespace
+
+    from flexattn_zoo.backends.flex import _decode_kernel_has_no_config
+
+    p = _problem(masks.Causal(), lq=lq, lkv=1024, heads=heads)
+    assert _decode_kernel_has_no_config(p, SimpleNamespace(BLOCK_SIZE=(q_block, 128))) is forced
+    assert not _decode_kernel_has_no_config(dataclasses.replace(p, device_type="cpu"), None)
