@@ -83,7 +83,16 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     ts = (q, k, v)
     if all(t.is_contiguous() for t in ts) or all(t.transpose(1, 2).is_contiguous() for t in ts):
         return ts
+    if q.is_contiguous() and all(_batch_broadcast(t) for t in (k, v)):
+        # A third layout: one k/v pool shared by every batch row (decode_step's paged cache,
+        # expanded to [B, ...]). Copying it would allocate B x the pool (measured: 512 GiB asked
+        # for at batch 64); the kernel reads it through the zero batch stride.
+        return ts
     return tuple(t.contiguous() for t in ts)
+
+
+def _batch_broadcast(t: torch.Tensor) -> bool:
+    return t.shape[0] > 1 and t.stride(0) == 0 and t[0].is_contiguous()
 
 
 @dataclasses.dataclass(frozen=True)

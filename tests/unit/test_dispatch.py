@@ -272,3 +272,16 @@ def test_short_gqa_queries_avoid_the_decoding_kernel_without_a_config(lq, heads,
     p = _problem(masks.Causal(), lq=lq, lkv=1024, heads=heads)
     assert _decode_kernel_has_no_config(p, SimpleNamespace(BLOCK_SIZE=(q_block, 128))) is forced
     assert not _decode_kernel_has_no_config(dataclasses.replace(p, device_type="cpu"), None)
+
+
+def test_a_kv_pool_shared_by_the_batch_is_not_copied() -> None:
+    """decode_step's paged pool is expanded to [B, ...]; a copy would cost B x the pool."""
+    from flexattn_zoo.backends.flex import _canonical_layout
+
+    q = torch.randn(4, 2, 1, 16)
+    pool = torch.randn(1, 2, 256, 16)
+    k, v = pool.expand(4, -1, -1, -1), pool.expand(4, -1, -1, -1)
+    out = _canonical_layout(q, k, v)
+    assert all(a is b for a, b in zip(out, (q, k, v), strict=True))
+    sliced = torch.randn(4, 2, 64, 32)[..., :16]  # other strided inputs still become contiguous
+    assert all(t.is_contiguous() for t in _canonical_layout(sliced, sliced, sliced))
