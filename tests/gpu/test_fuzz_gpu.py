@@ -79,6 +79,19 @@ def test_gpu_fuzz_matches_reference(index, route, q_len, kv_len, kv_heads, grad,
         assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True)
 
 
+@pytest.mark.parametrize("index", [0, 4])
+@pytest.mark.parametrize("q_len", [1, 40, 64, 100])
+def test_short_gqa_queries_on_flex(index: int, q_len: int) -> None:
+    """The fuzz's first find (torch 2.11, no FA4): Lq=64 with 8:2 heads made torch pick its
+    flex-decoding kernel with no valid config (NoValidChoicesError); the flex route now avoids it."""
+    mask, score = POOL[index]
+    g = torch.Generator(device="cuda").manual_seed(q_len)
+    q = torch.randn(2, HEADS, q_len, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 128, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    out = fz.attention(q, k, v, mask=mask, score_mod=score, enable_gqa=True, backend="flex")
+    assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True)
+
+
 def test_gpu_fuzz_compiles_stay_bounded() -> None:
     # Per compiled entry: grad modes x (static, dynamic) x GQA on/off is far below Dynamo's 8.
     assert all(e.compiles <= 6 for e in COMPILE_CACHE.entries()), [e.compiles for e in COMPILE_CACHE.entries()]
