@@ -122,16 +122,12 @@ def prepare_fz(route: str, chosen: str, case: Case, mask: Any, score: Any, x: In
 # ---------------------------------------------------------------------------------------------
 # raw_flex: a compiled flex_attention and create_block_mask as a user's one-variant script has
 
-_RAW: dict[str, Any] = {}
-
-
 def _raw_compiled() -> tuple[Any, Any]:
     # A fresh Dynamo per (case, mode): see the module docstring. Our own compiled entries lose
-    # their graphs too; they recompile on their next call, outside any timed region.
+    # their graphs too; they recompile on their next call, outside any timed region. A limit hit
+    # inside one case still reaches the row's notes (bench_timing catches Dynamo's log).
     torch.compiler.reset()
-    _RAW.update(flex=torch.compile(_compat.flex_attention), create_block_mask=torch.compile(_compat.create_block_mask),
-                limit_hit=None)  # fmt: skip
-    return _RAW["flex"], _RAW["create_block_mask"]
+    return torch.compile(_compat.flex_attention), torch.compile(_compat.create_block_mask)
 
 
 def prepare_raw_flex(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs,
@@ -159,18 +155,7 @@ def prepare_raw_flex(case: Case, mask: MaskSpec | None, score: ScoreSpec | None,
     def call() -> torch.Tensor:
         return flex(x.q, x.k, x.v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
 
-    prep = Prepared(call=call, blockmask_s=build_s, blockmask_compile_s=build_compile_s)
-    if _RAW.get("limit_hit"):
-        prep.notes.append(f"runs after Dynamo's recompile limit was hit ({_RAW['limit_hit']})")
-    return prep
-
-
-def note_raw_limit(where: str, notes: list[str]) -> None:
-    """Remember recompile-limit hits of the raw compiled functions: Dynamo logs each only once."""
-    hits = [n.split(": ")[0].removeprefix("Dynamo hit ") for n in notes if n.startswith("Dynamo hit")]
-    if _RAW and hits:
-        seen = f"{', '.join(hits)} at {where}"
-        _RAW["limit_hit"] = f"{_RAW['limit_hit']}; {seen}" if _RAW.get("limit_hit") else seen
+    return Prepared(call=call, blockmask_s=build_s, blockmask_compile_s=build_compile_s)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,19 +103,21 @@ def mask_specs(
     *,
     names: list[str] | None = None,
     compose: bool = True,
+    depth: int = 1,
 ) -> st.SearchStrategy[MaskSpec]:
     """Registered mask specs (each class's ``examples()`` for this shape), optionally combined
-    with ``&``, ``|`` and ``~``. ``names`` restricts the registry entries drawn from."""
-    base = st.sampled_from(_valid("mask", q_len, kv_len, batch, heads, names))
-    if not compose:
-        return base  # type: ignore[return-value]
-    pairs = st.tuples(base, base)
-    return st.one_of(
-        base,
-        pairs.map(lambda ab: ab[0] & ab[1]),
-        pairs.map(lambda ab: ab[0] | ab[1]),
-        base.map(lambda a: ~a),
-    )
+    with ``&``, ``|`` and ``~`` up to ``depth`` levels deep (``compose=False``: none). ``names``
+    restricts the registry entries drawn from."""
+    spec = st.sampled_from(_valid("mask", q_len, kv_len, batch, heads, names))
+    for _ in range(depth if compose else 0):
+        pairs = st.tuples(spec, spec)
+        spec = st.one_of(
+            spec,
+            pairs.map(lambda ab: ab[0] & ab[1]),
+            pairs.map(lambda ab: ab[0] | ab[1]),
+            spec.map(lambda a: ~a),
+        )
+    return spec  # type: ignore[return-value]
 
 
 def score_specs(

@@ -27,11 +27,13 @@ class FlexBackend(Backend):
     fast_score_mods: bool = False  # use score mods' GPU fast variants (e.g. approx tanh)
     tuned: bool = False  # add the measured per-generation Triton options (arch.flex_triton_options)
 
-    def options(self, p: Problem) -> dict[str, Any] | None:
-        """The kernel_options this route passes to flex_attention for ``p``."""
+    def options(self, p: Problem, block_mask: Any = None) -> dict[str, Any] | None:
+        """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask)."""
         opts = dict(self.kernel_options)
         if self.tuned:
             opts.update(flex_triton_options(p.arch, p.head_dim, p.dtype))
+        if "BACKEND" not in opts and _decode_kernel_has_no_config(p, block_mask):
+            opts["BACKEND"] = "TRITON"
         return opts or None
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
@@ -41,13 +43,10 @@ class FlexBackend(Backend):
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
             )
         score_mod = p.score.to(q.device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
-        options = self.options(p)
-        if "BACKEND" not in (options or {}) and _decode_kernel_has_no_config(p, block_mask):
-            options = {**(options or {}), "BACKEND": "TRITON"}
         entry = CACHE.get(
             block_mask.mask_mod if block_mask is not None else None,
             score_mod,
-            options,
+            self.options(p, block_mask),
             p.return_lse,
             p.gqa,
         )

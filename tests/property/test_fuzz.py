@@ -33,21 +33,6 @@ from flexattn_zoo.testing import assert_matches_reference, strategies
 CPU_TRAINING_ROUTES = {"sdpa_flash", "sdpa_math", "dense"}
 
 
-def composed_masks(shape: ProblemShape, depth: int = 3) -> st.SearchStrategy[MaskSpec]:
-    """Registered masks (their examples for this shape) combined with & | ~, ``depth`` levels deep."""
-    base = strategies.mask_specs(shape.q_len, shape.kv_len, shape.batch, shape.heads, compose=False)
-    if depth == 0:
-        return base
-    sub = composed_masks(shape, depth - 1)
-    pairs = st.tuples(sub, sub)
-    return st.one_of(
-        base,
-        pairs.map(lambda ab: ab[0] & ab[1]),
-        pairs.map(lambda ab: ab[0] | ab[1]),
-        sub.map(lambda a: ~a),
-    )
-
-
 def score_chains(shape: ProblemShape) -> st.SearchStrategy[ScoreSpec]:
     """One to three registered score specs chained left to right with ``>>``."""
     base = strategies.score_specs(shape.q_len, shape.kv_len, shape.batch, shape.heads, chain=False)
@@ -67,7 +52,7 @@ def _depth(spec: MaskSpec | None) -> int:
 @st.composite
 def problems(draw: st.DrawFn, max_len: int = 300) -> tuple[ProblemShape, MaskSpec | None, ScoreSpec | None]:
     shape = draw(strategies.shapes(max_len=max_len))
-    mask = draw(st.none() | composed_masks(shape))
+    mask = draw(st.none() | strategies.mask_specs(shape.q_len, shape.kv_len, shape.batch, shape.heads, depth=3))
     score = draw(st.none() | score_chains(shape))
     return shape, mask, score
 
