@@ -5,6 +5,9 @@ One decode step reads the whole live KV cache once, so its speed of light is
 (``--hbm-tbps``, default 4.3 TB/s, about what an H200 sustains in a copy). Routes:
 
 * ``flex``        ``fz.decode.decode_step`` on a contiguous cache (BlockMask updated in place);
+* ``flex_graph``  the same step captured once in a CUDA graph and replayed (the lengths tensor
+  is read in the graph, so one capture serves every step): what a serving loop that graphs its
+  step pays, without Python and launch overhead;
 * ``flex_paged``  the same on a paged pool (``block_table``, page = 128 tokens, shuffled pages);
 * ``varlen_paged`` ``fz.decode.decode_step_varlen`` (FlashAttention varlen, torch >= 2.13);
 * ``sdpa``        ``F.scaled_dot_product_attention`` over ``cache[:, :, :L]`` with one query and no
@@ -15,8 +18,8 @@ Usage (GPU session)::
     python benchmarks/decode_bench.py --md benchmarks/results/decode_h200.md --json benchmarks/results/decode_h200.json
     python benchmarks/decode_bench.py --lens 4096 --batch 1 --routes flex   # quick check
 
-Each case: GQA ``--heads 32,8``, head dim 128, bf16, one new token per row, all rows at the same
-length; ``--window`` adds a sliding window (then only the window is read, and the bandwidth is
+Step time: median over back-to-back loops of 10 steps (no sync between steps). Each case: GQA
+``--heads 32,8``, head dim 128, bf16, one new token per row, all rows at the same length; ``--window`` adds a sliding window (then only the window is read, and the bandwidth is
 computed over the window). Not run on CPU.
 """
 
@@ -40,7 +43,12 @@ from flexattn_zoo import _compat, decode, masks  # noqa: E402
 BS = 128
 
 
-def _time(fn, warmup: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
+def _time(fn, warmup: int, repeats: int, inner: int = 10) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds per step over back-to-back loops of ``inner`` steps (CUDA events).
+
+    Steps are launched without a sync in between, as a serving loop does: host work that keeps
+    ahead of the GPU is hidden, host work that does not shows up.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -48,11 +56,26 @@ def _time(fn, warmup: int, repeats: int) -> float:  # type: ignore[no-untyped-de
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         stop.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
+        times.append(start.elapsed_time(stop) / 1e3 / inner)
     return statistics.median(times)
+
+
+def _graphed(step):  # type: ignore[no-untyped-def]
+    """``step`` captured in a CUDA graph (after a warm-up on a side stream); returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def run_case(route: str, batch: int, length: int, heads: int, kv_heads: int, dim: int, window: int | None,
@@ -84,7 +107,7 @@ def run_case(route: str, batch: int, length: int, heads: int, kv_heads: int, dim
     else:
         k = torch.randn(batch, kv_heads, pages * BS, dim, device=dev, dtype=dtype)
         v = torch.randn_like(k)
-        if route == "flex":
+        if route in ("flex", "flex_graph"):
 
             def step():  # type: ignore[no-untyped-def]
                 return decode.decode_step(q, k, v, lens, mask=mask)
@@ -97,6 +120,8 @@ def run_case(route: str, batch: int, length: int, heads: int, kv_heads: int, dim
 
     with torch.no_grad():
         t0 = time.perf_counter()
+        if route == "flex_graph":
+            step = _graphed(step)
         step()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
@@ -113,7 +138,7 @@ def main() -> int:
     p.add_argument("--heads", default="32,8", help="H,HKV")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--window", type=int, default=None)
-    p.add_argument("--routes", default="flex,flex_paged,varlen_paged,sdpa")
+    p.add_argument("--routes", default="flex,flex_graph,flex_paged,varlen_paged,sdpa")
     p.add_argument("--hbm-tbps", type=float, default=4.3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)

@@ -1,10 +1,10 @@
 """flexattn_zoo: programmable attention on the fastest exact kernel.
 
-    import flexattn_zoo as fz
-    from flexattn_zoo import masks, score_mods
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
 
-    out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=1023))
-    print(fz.plan(q, k, v, mask="causal").explain())
+out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=1023))
+print(fz.plan(q, k, v, mask="causal").explain())
 """
 
 from __future__ import annotations

@@ -150,15 +150,21 @@ def assert_mask_consistent(
     spec.validate(q_len, kv_len, batch, heads)
     dense = spec.dense(q_len, kv_len, batch=batch, heads=heads)
     if dense.dtype != torch.bool or dense.dim() != 4:
-        raise AssertionError(f"{spec!r}: dense() must be a 4-d bool tensor, got {dense.dtype} {tuple(dense.shape)}")
+        raise AssertionError(
+            f"{spec!r}: dense() must be a 4-d bool tensor, got {dense.dtype} {tuple(dense.shape)}"
+        )
     b0, h0, lq, lkv = dense.shape
     if (lq, lkv) != (q_len, kv_len) or b0 not in (1, batch) or h0 not in (1, heads):
-        raise AssertionError(f"{spec!r}: dense() shape {tuple(dense.shape)} is not [B|1, H|1, {q_len}, {kv_len}]")
+        raise AssertionError(
+            f"{spec!r}: dense() shape {tuple(dense.shape)} is not [B|1, H|1, {q_len}, {kv_len}]"
+        )
     dense = dense.cpu().expand(batch, heads, q_len, kv_len)
     # Kernels get the mask_mod of the spec bound to the lengths (e.g. bottom-right causal).
     bound = spec.bind(q_len, kv_len)
     if bound is not spec:
-        _require_equal("bind(q_len, kv_len).dense", bound.dense(q_len, kv_len, batch=batch, heads=heads), dense, spec)
+        _require_equal(
+            "bind(q_len, kv_len).dense", bound.dense(q_len, kv_len, batch=batch, heads=heads), dense, spec
+        )
     got = torch.as_tensor(bound.mask_mod()(*index_grids(batch, heads, q_len, kv_len)))
     if got.dtype != torch.bool:
         raise AssertionError(f"{spec!r}: mask_mod returned {got.dtype}, expected torch.bool")
@@ -211,7 +217,9 @@ def _check_block_map(
     got_any, got_full = got_any.expand_as(want_any), got_full.expand_as(want_full)
     where = f"(blocks {q_block}x{kv_block})"
     if bool((want_any & ~got_any).any()):
-        raise AssertionError(f"{spec!r}: block_map misses a visible block at {_first(want_any & ~got_any)} {where}")
+        raise AssertionError(
+            f"{spec!r}: block_map misses a visible block at {_first(want_any & ~got_any)} {where}"
+        )
     if bool((got_full & ~want_full).any()):
         raise AssertionError(
             f"{spec!r}: block_map marks block {_first(got_full & ~want_full)} full but it has masked "
@@ -238,7 +246,9 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
     if varlen is not None:
         if q_len != kv_len:
             raise AssertionError(f"{spec!r}: varlen_form offered for q_len {q_len} != kv_len {kv_len}")
-        _require_equal(f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch).expand_as(dense), dense, spec)
+        _require_equal(
+            f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch).expand_as(dense), dense, spec
+        )
 
 
 def assert_score_consistent(

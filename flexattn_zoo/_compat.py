@@ -165,7 +165,12 @@ def _register_fast_tanh() -> Any:
     def lowering(x: Any) -> Any:
         def inner(value: Any) -> Any:
             return ops.inline_asm_elementwise(
-                value, asm="tanh.approx.f32 $0, $1;", constraints="=r,r", dtype=torch.float32, is_pure=True, pack=1
+                value,
+                asm="tanh.approx.f32 $0, $1;",
+                constraints="=r,r",
+                dtype=torch.float32,
+                is_pure=True,
+                pack=1,
             )
 
         return make_pointwise(inner)(x)

@@ -122,6 +122,7 @@ def prepare_fz(route: str, chosen: str, case: Case, mask: Any, score: Any, x: In
 # ---------------------------------------------------------------------------------------------
 # raw_flex: a compiled flex_attention and create_block_mask as a user's one-variant script has
 
+
 def _raw_compiled() -> tuple[Any, Any]:
     # A fresh Dynamo per (case, mode): see the module docstring. Our own compiled entries lose
     # their graphs too; they recompile on their next call, outside any timed region. A limit hit

@@ -107,7 +107,9 @@ def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
         or len(block_size) != 2
         or not all(isinstance(x, int) and x > 0 and x % 16 == 0 for x in block_size)
     ):
-        raise ValueError(f"block_size must be a positive multiple of 16 or a (q, kv) pair of them, got {block_size!r}")
+        raise ValueError(
+            f"block_size must be a positive multiple of 16 or a (q, kv) pair of them, got {block_size!r}"
+        )
     return block_size
 
 
@@ -152,7 +154,10 @@ def block_mask(
     qb, kvb = _block_size(block_size)
     device = _device(device)
     mask_spec = mask_spec.bind(q_len, kv_len)
-    for name, value, needed in (("batch", batch, mask_spec.uses_batch()), ("heads", heads, mask_spec.uses_head())):
+    for name, value, needed in (
+        ("batch", batch, mask_spec.uses_batch()),
+        ("heads", heads, mask_spec.uses_head()),
+    ):
         if value is None and needed:
             raise ValueError(f"this mask depends on the {name} index: pass {name}=")
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
@@ -177,4 +182,11 @@ def block_mask(
     return CACHE.put(key, built)
 
 
-__all__ = ["BLOCK_MASK_CACHE_SIZE", "CACHE", "DEFAULT_BLOCK_SIZE", "block_mask", "block_ranges", "from_block_map"]
+__all__ = [
+    "BLOCK_MASK_CACHE_SIZE",
+    "CACHE",
+    "DEFAULT_BLOCK_SIZE",
+    "block_mask",
+    "block_ranges",
+    "from_block_map",
+]

@@ -200,7 +200,13 @@ def _list_presets(console: Console) -> None:
     table.add_column("source", ratio=2)
     for p in presets.presets():
         params = ", ".join([*p.params, *(["num_heads (required)"] if p.needs_heads else [])])
-        table.add_row(p.name, escape(p.model), escape(p.pattern), escape(params or "-"), escape(p.source.replace("``", "")))
+        table.add_row(
+            p.name,
+            escape(p.model),
+            escape(p.pattern),
+            escape(params or "-"),
+            escape(p.source.replace("``", "")),
+        )
     console.print(table)
 
 

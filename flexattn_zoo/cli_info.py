@@ -153,9 +153,7 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
     info.add_row("python", f"{platform.python_version()} ({platform.platform()})")
     info.add_row("torch", torch.__version__)
     info.add_row("triton", dist_version("triton", "pytorch-triton") or "not installed")
-    info.add_row(
-        "flash-attn-4 (flex FLASH)", dist_version("flash-attn-4", "flash_attn_4") or "not installed"
-    )
+    info.add_row("flash-attn-4 (flex FLASH)", dist_version("flash-attn-4", "flash_attn_4") or "not installed")
     info.add_row("CUDA (torch built with)", str(torch.version.cuda or "none (CPU build)"))
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     info.add_row("cuDNN", str(cudnn) if cudnn else "not available")

@@ -36,6 +36,7 @@ class CliError(Exception):
         super().__init__(message)
         self.code = code
 
+
 _TRUE = {"true", "yes", "on"}
 _FALSE = {"false", "no", "off"}
 

@@ -125,7 +125,9 @@ class CompileCache:
     def size(self) -> int:
         return self._entries.size
 
-    def get(self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> CompiledFlex:
+    def get(
+        self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool
+    ) -> CompiledFlex:
         key = (mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa)
 
         def make() -> CompiledFlex:

@@ -68,7 +68,9 @@ class _Combined(MaskSpec):
         return combined_mask
 
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        return functools.reduce(type(self).op, (p.dense(q_len, kv_len, batch=batch, heads=heads) for p in self.parts))
+        return functools.reduce(
+            type(self).op, (p.dense(q_len, kv_len, batch=batch, heads=heads) for p in self.parts)
+        )
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         for p in self.parts:

@@ -27,7 +27,9 @@ TOP_LEVEL_KEYS = ("mask", "score_mod")
 
 def _entry(reg: Registry[Any], item: Any, where: str) -> Any:
     if not isinstance(item, dict):
-        raise ValueError(f"{where} must be a mapping like {{name: ..., param: value}}, got {type(item).__name__}")
+        raise ValueError(
+            f"{where} must be a mapping like {{name: ..., param: value}}, got {type(item).__name__}"
+        )
     if "name" not in item:
         raise ValueError(f"{where} needs a 'name' key (one of {', '.join(reg.names())})")
     params = {k: v for k, v in item.items() if k != "name"}
@@ -42,7 +44,9 @@ def spec_from_dict(data: Any) -> tuple[MaskSpec | None, ScoreSpec | None]:
     if data is None:
         return None, None
     if not isinstance(data, dict):
-        raise ValueError(f"YAML config must be a mapping with keys {TOP_LEVEL_KEYS}, got {type(data).__name__}")
+        raise ValueError(
+            f"YAML config must be a mapping with keys {TOP_LEVEL_KEYS}, got {type(data).__name__}"
+        )
     unknown = [k for k in data if k not in TOP_LEVEL_KEYS]
     if unknown:
         raise ValueError(

@@ -33,14 +33,17 @@ the cache (the pages gathered for paged caches): exact, but it materialises ``Lq
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
-from flexattn_zoo.dispatch import attention
+from flexattn_zoo.dispatch import attention, plan
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal, Chunked, SlidingWindow
 from flexattn_zoo.masks.band import Band
@@ -71,6 +74,19 @@ def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
     if isinstance(spec, Or):
         return torch.stack([lowest_key(p, q_abs) for p in spec.parts]).amin(0)
     return zero
+
+
+def _bounded_below(spec: MaskSpec | None) -> bool:
+    """Whether :func:`lowest_key` can be above 0 for ``spec`` (else every row's blocks start at 0)."""
+    if isinstance(spec, SlidingWindow | Chunked):
+        return True
+    if isinstance(spec, Band):
+        return spec.lo is not None
+    if isinstance(spec, And):
+        return any(_bounded_below(p) for p in spec.parts)
+    if isinstance(spec, Or):
+        return all(_bounded_below(p) for p in spec.parts)
+    return False
 
 
 class DecodeMask:
@@ -104,20 +120,30 @@ class DecodeMask:
         # Physical page -> first logical position stored in it (see update); one spare column.
         self.page_start = torch.full((batch, n_kv + 1), -block_size, dtype=i32, device=device)
         self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=i32, device=device)
-        self.kv_indices = torch.arange(n_kv, dtype=i32, device=device).view(1, 1, 1, n_kv).repeat(batch, 1, n_q, 1)
+        self.kv_indices = (
+            torch.arange(n_kv, dtype=i32, device=device).view(1, 1, 1, n_kv).repeat(batch, 1, n_q, 1)
+        )
         self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * block_size
         self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
+        # Blocks 0 .. last for every row when the pattern has no lower bound on a contiguous cache:
+        # kv_indices never changes, and update() writes only the counts (5 launches instead of 20).
+        self._indices_fixed = not self.paged and not _bounded_below(self.spec)
         self.logical_mask_mod = self._make_mod(paged=False)
         self.mask_mod = self._make_mod(paged=self.paged)
         # No block is marked "full" (mask_mod runs on every live block: cheap next to reading the
-        # cache). Empty full-block tensors are passed anyway: torch 2.13's CPU flex template fails
-        # to compile some masks without them.
+        # cache). On CUDA no full-block tensors either: with them torch's decoding kernel splits
+        # the whole capacity among its CTAs instead of the live blocks. On the CPU empty ones are
+        # passed: torch 2.13's CPU flex template fails to compile some masks without them.
+        on_cpu = device.type == "cpu"
         self.block_mask = _compat.BlockMask.from_kv_blocks(
-            self.kv_num_blocks, self.kv_indices, torch.zeros_like(self.kv_num_blocks), self.kv_indices.clone(),
-            BLOCK_SIZE=(block_size, block_size),
-            mask_mod=self.mask_mod, seq_lengths=(q_len, self.kv_len),
+            self.kv_num_blocks, self.kv_indices,
+            torch.zeros_like(self.kv_num_blocks) if on_cpu else None, self.kv_indices.clone() if on_cpu else None,
+            BLOCK_SIZE=(block_size, block_size), mask_mod=self.mask_mod, seq_lengths=(q_len, self.kv_len),
         )  # fmt: skip
         self._scores: dict[Hashable, Any] = {}
+        #: decode_step's planned runs: call signature -> (route, Problem), so later steps skip
+        #: validation and route choice (host time that dominated short steps on the H200).
+        self.runs: dict[Hashable, Any] = {}
 
     def _logical(self, b: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -151,16 +177,36 @@ class DecodeMask:
             self._scores[key] = decode_score
         return self._scores[key]
 
+    def score_spec(self, inner: Any) -> FunctionScore:
+        """:meth:`score_mod` of ``inner`` as a spec, one object per ``inner`` (a stable plan key)."""
+        key = ("spec", inner)
+        if key not in self._scores:
+            self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode")
+        return self._scores[key]
+
     def update(self, cache_len: torch.Tensor, block_table: torch.Tensor | None = None) -> _compat.BlockMask:
-        """Point the mask at the current lengths (and pages); returns the same BlockMask object."""
+        """Point the mask at the current lengths (and pages); returns the same BlockMask object.
+
+        Only device ops on preallocated tensors, no host sync: a CUDA graph can capture it.
+        """
         bs = self.block_size
+        if self._indices_fixed:
+            self.cache_len.copy_(cache_len)
+            torch.sub(self.cache_len, self.q_len, out=self.offset)
+            # Blocks 0 .. ceil(len / bs) - 1, the same count for every q block.
+            # Clamped so that a length past the capacity cannot make the kernel read past kv_indices.
+            count = torch.div(self.cache_len + (bs - 1), bs, rounding_mode="floor").clamp_(
+                0, self.kv_indices.shape[-1]
+            )
+            self.kv_num_blocks.copy_(count[:, None, None].expand_as(self.kv_num_blocks))
+            return self.block_mask
         lens = cache_len.to(self.cache_len.device, torch.int64)
         self.cache_len.copy_(lens)
         self.offset.copy_(lens - self.q_len)
         q_abs = (lens - self.q_len)[:, None] + self._q_starts[None, :]  # first query of each q block
         first = torch.div(lowest_key(self.spec, q_abs).clamp(min=0), bs, rounding_mode="floor")
         last = torch.div((lens - 1).clamp(min=0), bs, rounding_mode="floor")[:, None]
-        num = (last - first + 1).clamp(min=0) * (lens > 0)[:, None]
+        num = (last - first + 1).clamp(0, self.kv_indices.shape[-1]) * (lens > 0)[:, None]
         logical_blocks = (first[..., None] + self._steps).clamp(max=self.n_logical - 1)
         if self.paged:
             assert block_table is not None
@@ -249,45 +295,131 @@ def decode_step(
     if score is not None:
         score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
     need_lse = sinks is not None or return_lse
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks))
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)
+    )
     use_flex = backend != "dense" and not grad and (q.is_cuda or not need_lse)
     if backend not in ("auto", "dense", "flex", "flex_flash", "flex_cpu"):
-        raise ValueError(f"decode_step backend must be auto, dense, flex, flex_flash or flex_cpu; got {backend!r}")
+        raise ValueError(
+            f"decode_step backend must be auto, dense, flex, flex_flash or flex_cpu; got {backend!r}"
+        )
     if not use_flex and backend not in ("auto", "dense"):
-        raise ValueError(f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)")
+        raise ValueError(
+            f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)"
+        )
+    if use_flex and not paged and batch > 1:
+        rows = _rows_per_launch(k_cache, v_cache)
+        if rows < batch:  # a cache too large for one flex launch: decode it a slice of rows at a time
+            parts = [
+                decode_step(
+                    q[i : i + rows],
+                    k_cache[i : i + rows],
+                    v_cache[i : i + rows],
+                    lens[i : i + rows],
+                    mask=spec,
+                    score_mod=score,
+                    scale=scale,
+                    enable_gqa=gqa,
+                    sinks=sinks,
+                    return_lse=True,
+                    backend=backend,
+                    block_size=block_size,
+                )  # fmt: skip
+                for i in range(0, batch, rows)
+            ]
+            out = torch.cat([o for o, _ in parts])
+            return (out, torch.cat([lse for _, lse in parts])) if return_lse else out
     key = (spec, batch, q_len, capacity, n_physical, block_size, str(q.device))
-    dm = CACHE.get_or_create(key, lambda: DecodeMask(spec, batch, q_len, capacity, n_physical=n_physical, device=q.device, block_size=block_size))
+    dm = CACHE.get_or_create(
+        key,
+        lambda: DecodeMask(
+            spec, batch, q_len, capacity, n_physical=n_physical, device=q.device, block_size=block_size
+        ),
+    )
     fast = q.is_cuda
     inner_score = score.score_mod(fast=fast) if score is not None else None
     if use_flex:
         bm = dm.update(lens, block_table)
         k_run, v_run = k_cache.expand(batch, -1, -1, -1), v_cache.expand(batch, -1, -1, -1)
-        run_mask: Any = bm
-        run_score = FunctionScore(fn=dm.score_mod(inner_score), label="decode") if inner_score is not None else None
-        route = backend
+        run_score = dm.score_spec(inner_score) if inner_score is not None else None
+        if q.is_cuda and q_len > 0:
+            out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
+        else:  # the CPU keeps fz.attention's per-call checks (its NaN check guards flex_cpu)
+            res = attention(q, k_run, v_run, mask=bm, score_mod=run_score, scale=scale, enable_gqa=gqa,
+                            backend=backend, return_lse=need_lse)  # fmt: skip
+            out, lse = res if need_lse else (res, None)
+        if sinks is not None:
+            check_sinks(sinks, heads, q.device)
+            out, lse = apply_sinks(out, lse, sinks)
+        return (out, lse) if return_lse else out
+    dm.update(lens, block_table if paged else None)
+    live = int(lens.max()) if lens.numel() else 0
+    if live > capacity:
+        raise ValueError(f"cache_len {live} exceeds the cache capacity {capacity}")
+    pages = max(1, -(-live // block_size))
+    if paged:
+        assert block_table is not None
+        k_run = _gather_pages(k_cache, block_table, pages, block_size)
+        v_run = _gather_pages(v_cache, block_table, pages, block_size)
     else:
-        dm.update(lens, block_table if paged else None)
-        live = int(lens.max()) if lens.numel() else 0
-        if live > capacity:
-            raise ValueError(f"cache_len {live} exceeds the cache capacity {capacity}")
-        pages = max(1, -(-live // block_size))
-        if paged:
-            assert block_table is not None
-            k_run = _gather_pages(k_cache, block_table, pages, block_size)
-            v_run = _gather_pages(v_cache, block_table, pages, block_size)
-        else:
-            stop = min(capacity, pages * block_size)
-            k_run, v_run = k_cache[:, :, :stop], v_cache[:, :, :stop]
-        run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode")
-        run_score = FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode") if inner_score is not None else None
-        route = "dense"
-    common: dict[str, Any] = dict(mask=run_mask, score_mod=run_score, scale=scale, enable_gqa=gqa, backend=route)
+        stop = min(capacity, pages * block_size)
+        k_run, v_run = k_cache[:, :, :stop], v_cache[:, :, :stop]
+    run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode")
+    dense_score = (
+        FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode")
+        if inner_score is not None
+        else None
+    )
+    common: dict[str, Any] = dict(
+        mask=run_mask, score_mod=dense_score, scale=scale, enable_gqa=gqa, backend="dense"
+    )
     if sinks is None:
         return attention(q, k_run, v_run, return_lse=return_lse, **common)
     check_sinks(sinks, heads, q.device)
     out, lse = attention(q, k_run, v_run, return_lse=True, **common)  # type: ignore[misc]
     out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """How many batch rows of a contiguous cache one flex launch can take (see MAX_FLEX_ELEMENTS)."""
+    per_row = max(t[:1].numel() for t in (k_cache, v_cache))
+    return max(1, (MAX_FLEX_ELEMENTS - 1) // max(per_row, 1))
+
+
+def _run_planned(  # type: ignore[no-untyped-def]
+    dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature.
+
+    The signature holds everything the plan depends on: shapes, strides, dtypes, the score mod,
+    scale, GQA, lse, the requested route and torch's determinism switch.
+    """
+    det = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    sig = (
+        q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+        q.device, k.device, v.device, score, scale, gqa, need_lse, backend, det,
+    )  # fmt: skip
+    planned = dm.runs.get(sig)
+    if planned is None:
+        chosen = plan(
+            q,
+            k,
+            v,
+            mask=bm,
+            score_mod=score,
+            scale=scale,
+            enable_gqa=gqa,
+            backend=backend,
+            return_lse=need_lse,
+        )
+        scale_f = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else float(scale)
+        planned = dm.runs[sig] = (BY_NAME[chosen.backend], chosen.problem, scale_f)
+    route, problem, scale_f = planned
+    return route.execute(q, k, v, problem, scale=scale_f, block_mask=bm)
 
 
 def decode_step_varlen(
@@ -304,7 +436,9 @@ def decode_step_varlen(
     """
     fn = _compat.varlen_attn_fn()
     if fn is None or not _compat.varlen_supports("block_table") or not q.is_cuda:
-        raise ValueError("decode_step_varlen needs CUDA and torch.nn.attention.varlen with block_table (torch >= 2.13)")
+        raise ValueError(
+            "decode_step_varlen needs CUDA and torch.nn.attention.varlen with block_table (torch >= 2.13)"
+        )
     batch, heads, q_len, d = q.shape
     flat_q = q.transpose(1, 2).reshape(batch * q_len, heads, d)
     cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * q_len

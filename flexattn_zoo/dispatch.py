@@ -106,9 +106,13 @@ def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
     )
 
 
-def _check_user_block_mask(bm: Any, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device) -> None:
+def _check_user_block_mask(
+    bm: Any, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device
+) -> None:
     if tuple(bm.seq_lengths) != (q_len, kv_len):
-        raise ValueError(f"mask BlockMask was built for lengths {tuple(bm.seq_lengths)}, but Lq, Lkv = {q_len}, {kv_len}")
+        raise ValueError(
+            f"mask BlockMask was built for lengths {tuple(bm.seq_lengths)}, but Lq, Lkv = {q_len}, {kv_len}"
+        )
     bb, bh = bm.kv_num_blocks.shape[:2]
     if bb not in (1, batch) or bh not in (1, heads):
         raise ValueError(f"mask BlockMask has batch/heads {bb}/{bh}; need 1 or {batch} and 1 or {heads}")

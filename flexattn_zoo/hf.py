@@ -95,7 +95,9 @@ def _mask_builder(
             padding = None
     if mask_function is None:
         mask_function = _transformers().masking_utils.causal_mask_function
-    return HFMask(mask_function, padding, int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset))
+    return HFMask(
+        mask_function, padding, int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,9 +29,7 @@ def transformers_module() -> Any:
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "flexattn_zoo.hf needs transformers: pip install 'flexattn-zoo[hf]'"
-        ) from exc
+        raise ImportError("flexattn_zoo.hf needs transformers: pip install 'flexattn-zoo[hf]'") from exc
     return transformers
 
 
@@ -324,7 +322,9 @@ class _DenseMask(MaskSpec):
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         b, h, lq, lkv = self.mask.shape
         if (lq, lkv) != (q_len, kv_len) or b not in (1, batch) or h not in (1, heads):
-            raise ValueError(f"4-D attention_mask has shape {tuple(self.mask.shape)}; need [{batch}|1, {heads}|1, {q_len}, {kv_len}]")
+            raise ValueError(
+                f"4-D attention_mask has shape {tuple(self.mask.shape)}; need [{batch}|1, {heads}|1, {q_len}, {kv_len}]"
+            )
 
 
 def dense_mask_spec(mask: torch.Tensor) -> _DenseMask:
@@ -340,5 +340,3 @@ def dense_mask_spec(mask: torch.Tensor) -> _DenseMask:
             "bias); flexattn_zoo cannot apply arbitrary biases: pass a boolean mask or use a score_mod"
         )
     return _DenseMask(mask=~blocked)
-
-

@@ -94,7 +94,9 @@ def _run(
         )
     scale = la.scale if scale is None else scale
     gqa = _gqa(q, k, enable_gqa)
-    kwargs: dict[str, Any] = dict(mask=la.mask, score_mod=la.score_mod, scale=scale, enable_gqa=gqa, backend=backend)
+    kwargs: dict[str, Any] = dict(
+        mask=la.mask, score_mod=la.score_mod, scale=scale, enable_gqa=gqa, backend=backend
+    )
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
     check_sinks(sinks, q.shape[1], q.device)
@@ -122,8 +124,12 @@ def attention_layer(
     For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a
     preset or YAML config is resolved on every call (equal specs still hit the caches).
     """
-    la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=q.shape[1] if q.dim() == 4 else None)
-    return _run(q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend)
+    la = resolve_config(
+        config, mask=mask, score_mod=score_mod, layer=layer, num_heads=q.shape[1] if q.dim() == 4 else None
+    )
+    return _run(
+        q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend
+    )
 
 
 class Attention(nn.Module):

@@ -72,7 +72,9 @@ class Preset:
 _PRESETS: dict[str, Preset] = {}
 
 
-def preset(name: str, *, model: str, pattern: str, params: tuple[str, ...] = (), needs_heads: bool = False) -> Callable[[Callable[..., LayerAttention]], Callable[..., LayerAttention]]:
+def preset(
+    name: str, *, model: str, pattern: str, params: tuple[str, ...] = (), needs_heads: bool = False
+) -> Callable[[Callable[..., LayerAttention]], Callable[..., LayerAttention]]:
     """Decorator registering a layer builder as a preset; its docstring is the cited source."""
 
     def decorate(fn: Callable[..., LayerAttention]) -> Callable[..., LayerAttention]:
@@ -100,7 +102,9 @@ def entry(name: str) -> Preset:
     if not isinstance(name, str):
         raise TypeError(f"preset name must be a str, got {type(name).__name__}")
     if name not in _PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid: {', '.join(names())}.{did_you_mean(name, names())}")
+        raise ValueError(
+            f"unknown preset {name!r}; valid: {', '.join(names())}.{did_you_mean(name, names())}"
+        )
     return _PRESETS[name]
 
 
@@ -125,7 +129,12 @@ def _scores() -> Any:
     return score_mods
 
 
-@preset("mistral_7b", model="Mistral 7B (v0.1)", pattern="every layer: causal sliding window of 4096", params=("window",))
+@preset(
+    "mistral_7b",
+    model="Mistral 7B (v0.1)",
+    pattern="every layer: causal sliding window of 4096",
+    params=("window",),
+)
 def _mistral(layer: int, num_heads: int | None, window: int = 4096) -> LayerAttention:
     """Mistral 7B paper (Jiang et al., 2023, arXiv:2310.06825, section 2: sliding window attention,
     W = 4096, in every layer); Hugging Face MistralConfig ``sliding_window=4096`` for v0.1 (the
@@ -136,7 +145,13 @@ def _mistral(layer: int, num_heads: int | None, window: int = 4096) -> LayerAtte
 
 @preset("gemma2", model="Gemma 2", pattern="layers 0,2,4..: sliding 4096; 1,3,5..: global; softcap 50 everywhere",
         params=("window", "cap", "query_pre_attn_scalar"))  # fmt: skip
-def _gemma2(layer: int, num_heads: int | None, window: int = 4096, cap: float = 50.0, query_pre_attn_scalar: float = 256) -> LayerAttention:
+def _gemma2(
+    layer: int,
+    num_heads: int | None,
+    window: int = 4096,
+    cap: float = 50.0,
+    query_pre_attn_scalar: float = 256,
+) -> LayerAttention:
     """Gemma 2 report (Gemma Team, 2024, arXiv:2408.00118, section 2): local sliding-window and
     global attention alternate in every other layer (local span 4096, global 8192), attention
     logits soft-capped at 50.0. Hugging Face Gemma2Config: ``sliding_window=4096``,
@@ -151,7 +166,9 @@ def _gemma2(layer: int, num_heads: int | None, window: int = 4096, cap: float = 
 
 @preset("gemma3", model="Gemma 3", pattern="5 local (sliding 1024) : 1 global; layers 5, 11, 17.. global",
         params=("window", "every", "query_pre_attn_scalar"))  # fmt: skip
-def _gemma3(layer: int, num_heads: int | None, window: int = 1024, every: int = 6, query_pre_attn_scalar: float = 256) -> LayerAttention:
+def _gemma3(
+    layer: int, num_heads: int | None, window: int = 1024, every: int = 6, query_pre_attn_scalar: float = 256
+) -> LayerAttention:
     """Gemma 3 technical report (Gemma Team, 2025, arXiv:2503.19786, section 2): 5 local layers per
     global layer, local span 1024 tokens, soft-capping replaced by QK-norm (so no score mod here).
     Hugging Face Gemma3TextConfig: ``sliding_window_pattern=6`` (layer i is global iff
@@ -160,7 +177,9 @@ def _gemma3(layer: int, num_heads: int | None, window: int = 1024, every: int = 
     m = _masks()
     local = (layer + 1) % every != 0
     mask = m.SlidingWindow.from_hf(window) if local else m.Causal()
-    return LayerAttention(mask=mask, scale=float(query_pre_attn_scalar) ** -0.5, kind="local" if local else "global")
+    return LayerAttention(
+        mask=mask, scale=float(query_pre_attn_scalar) ** -0.5, kind="local" if local else "global"
+    )
 
 
 @preset("llama4", model="Llama 4 (Scout / Maverick)", pattern="3 chunked (8192) : 1 global; layers 3, 7, 11.. global",

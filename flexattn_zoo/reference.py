@@ -83,9 +83,11 @@ def dense_attention(
     if score_spec is not None:
         scores = score_spec.to(scores.device).dense(scores).to(dtype)
     if mask_spec is not None:
-        visible = mask_spec.to("cpu").dense(
-            shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads
-        ).to(scores.device)
+        visible = (
+            mask_spec.to("cpu")
+            .dense(shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads)
+            .to(scores.device)
+        )
         scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         # The sink is literally one more column of logits (value vector 0): written as a concat,

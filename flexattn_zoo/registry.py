@@ -96,7 +96,9 @@ class Registry(Generic[S]):
 
         return decorate(cls) if cls is not None else decorate
 
-    def register_function(self, name: str, fn: Callable[..., Any], *, doc: str | None = None) -> Callable[..., Any]:
+    def register_function(
+        self, name: str, fn: Callable[..., Any], *, doc: str | None = None
+    ) -> Callable[..., Any]:
         """Register a plain ``mask_mod`` / ``score_mod`` function (no parameters) under ``name``.
 
         ``get(name)`` then returns a spec wrapping ``fn``; its dense oracle evaluates ``fn`` on

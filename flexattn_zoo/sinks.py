@@ -26,17 +26,23 @@ import torch
 def check_sinks(sinks: torch.Tensor, heads: int, device: torch.device) -> torch.Tensor:
     """``sinks`` validated as a float tensor ``[heads]`` on ``device`` (``ValueError``/``TypeError``)."""
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a float tensor [H] (one logit per query head), got {type(sinks).__name__}")
+        raise TypeError(
+            f"sinks must be a float tensor [H] (one logit per query head), got {type(sinks).__name__}"
+        )
     if not sinks.is_floating_point():
         raise TypeError(f"sinks must be a floating tensor, got dtype {sinks.dtype}")
     if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape [H] = [{heads}] (one per query head), got {tuple(sinks.shape)}")
+        raise ValueError(
+            f"sinks must have shape [H] = [{heads}] (one per query head), got {tuple(sinks.shape)}"
+        )
     if sinks.device != device:
         raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
     return sinks
 
 
-def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out * sigmoid(lse - s), logaddexp(lse, s))`` for ``out [B, H, L, Dv]``, ``lse [B, H, L]``.
 
     See the module docstring for the derivation. Computed in float32 (float64 for float64 ``out``);

@@ -57,7 +57,11 @@ def _fingerprint(t: torch.Tensor) -> int:
         flat = flat.contiguous().view(_INT_OF_SIZE[flat.element_size()])
     flat = flat.to(torch.int64)
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
-    sums = torch.stack([flat.sum(), (flat * weights).sum()]) if flat.numel() else torch.zeros(2, dtype=torch.int64)
+    sums = (
+        torch.stack([flat.sum(), (flat * weights).sum()])
+        if flat.numel()
+        else torch.zeros(2, dtype=torch.int64)
+    )
     a, b = sums.tolist()
     return hash((a, b))
 

@@ -64,7 +64,9 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape [B, H, L, D], got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims [B, H, L, D] (like SDPA and flex), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dims [B, H, L, D] (like SDPA and flex), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
         if t.is_sparse or t.is_nested:
@@ -92,9 +94,7 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
                 f"q has {hq} heads but k/v have {hk}; pass enable_gqa=True for grouped-query attention"
             )
         if hk == 0 or hq % hk != 0:
-            raise ValueError(
-                f"enable_gqa=True needs q heads ({hq}) to be a multiple of k/v heads ({hk})"
-            )
+            raise ValueError(f"enable_gqa=True needs q heads ({hq}) to be a multiple of k/v heads ({hk})")
     if min(b, hq, hk, d) == 0:
         raise ValueError(f"batch, heads and head dim must be positive, got q shape {tuple(q.shape)}")
     return Shape(batch=b, heads=hq, kv_heads=hk, q_len=lq, kv_len=lk, head_dim=d, v_dim=dv)

@@ -113,7 +113,14 @@ class Backend:
         return []
 
     def run(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float, block_mask: object = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: Problem,
+        *,
+        scale: float,
+        block_mask: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``(out, lse or None)``; only called when ``reasons(p)`` is empty."""
         raise NotImplementedError

@@ -18,6 +18,11 @@ from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
 from flexattn_zoo.problem import Problem
 
+#: Inputs of this many elements or more fail to compile in torch's Triton flex templates
+#: (measured on the H200, torch 2.11: the decoding kernel at K = 2**31 elements; see
+#: benchmarks/large_index_probe.py). ``fz.decode.decode_step`` splits such batches.
+MAX_FLEX_ELEMENTS = 2**31
+
 
 @dataclasses.dataclass(frozen=True)
 class FlexBackend(Backend):

@@ -53,9 +53,7 @@ class SdpaBackend(Backend):
         if self.kernel != "MATH":
             q, k, v = (_fused_layout(t) for t in (q, k, v))
         with _SDPA_LOCK, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=is_causal, scale=scale, enable_gqa=p.gqa
-            )
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=p.gqa)
         return out, None
 
 

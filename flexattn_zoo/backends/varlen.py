@@ -87,11 +87,15 @@ class VarlenBackend(Backend):
             kwargs["return_aux"] = AuxRequest(lse=True)
         fn = _compat.varlen_attn_fn()
         res = fn(pack(q), pack(k), pack(v), cu, cu, max_len, max_len, **kwargs)
-        out, lse = (res if p.return_lse else (res, None))
+        out, lse = res if p.return_lse else (res, None)
         out = out.view(b, length, h, d).transpose(1, 2)
         if lse is not None:
             # varlen returns lse per packed token; bring it back to [B, H, L].
-            lse = lse.view(h, b, length).transpose(0, 1) if lse.shape[0] == h else lse.view(b, length, h).transpose(1, 2)
+            lse = (
+                lse.view(h, b, length).transpose(0, 1)
+                if lse.shape[0] == h
+                else lse.view(b, length, h).transpose(1, 2)
+            )
         return out, lse
 
 

@@ -110,3 +110,52 @@ def test_bad_arguments() -> None:
         decode.decode_step(q, k, v, 10, backend="flex_cpu", sinks=torch.zeros(H))
     with pytest.raises(ValueError, match="paged caches are pools"):
         decode.decode_step(q, k, v, 10, block_table=torch.zeros(B, 2, dtype=torch.long))
+
+
+def test_patterns_without_a_lower_bound_keep_their_block_list_and_update_only_counts() -> None:
+    k, v = _cache(3)
+    dm = decode.DecodeMask(masks.Causal(), B, 1, CAP)
+    indices = dm.kv_indices.clone()
+    for lens in (torch.tensor([1, 640]), torch.tensor([129, 0]), torch.tensor([5000, 300])):
+        dm.update(lens)
+        want = [min(-(-int(n) // BS), CAP // BS) for n in lens]  # past the capacity: clamped, never out of range
+        assert dm.kv_num_blocks[:, 0, 0].tolist() == want
+        assert dm.offset.tolist() == [int(n) - 1 for n in lens]
+    assert torch.equal(dm.kv_indices, indices)
+    # ... and decoding through that path is exact.
+    q = torch.randn(B, H, 2, D, generator=torch.Generator().manual_seed(4))
+    lens = torch.tensor([200, 640])
+    with torch.no_grad():
+        out = decode.decode_step(q, k, v, lens)
+    _close(out, reference_decode(q, k, v, lens, masks.Causal()))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        masks.Causal(), masks.SlidingWindow.from_hf(100), masks.Chunked(size=64), masks.Full(),
+        masks.Causal() & masks.SlidingWindow.from_hf(50), masks.Causal() | masks.Chunked(size=64),
+        masks.SlidingWindow.from_hf(30) | masks.Chunked(size=64), None,
+    ],
+    ids=repr,
+)  # fmt: skip
+def test_bounded_below_agrees_with_lowest_key(spec) -> None:  # type: ignore[no-untyped-def]
+    q_abs = torch.arange(0, 1000, 7)
+    lowest = decode.lowest_key(spec, q_abs)
+    assert decode._bounded_below(spec) == bool((lowest > 0).any())
+
+
+def test_caches_too_large_for_one_launch_are_decoded_a_slice_of_rows_at_a_time(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    k, v = torch.randn(5, HKV, 256, D), torch.randn(5, HKV, 256, D)
+    q = torch.randn(5, H, 1, D)
+    lens = torch.tensor([256, 3, 100, 200, 129])
+    mask = masks.SlidingWindow.from_hf(90)
+    with torch.no_grad():
+        whole = decode.decode_step(q, k, v, lens, mask=mask)
+        monkeypatch.setattr(decode, "MAX_FLEX_ELEMENTS", 2 * k[0].numel() + 1)  # two rows per launch
+        decode.CACHE.clear()
+        split = decode.decode_step(q, k, v, lens, mask=mask)
+    # Rows 0-1 and 2-3 share one 2-row DecodeMask (updated in stream order), row 4 has its own.
+    assert sorted(dm.batch for dm in decode.CACHE.values()) == [1, 2]
+    torch.testing.assert_close(split, whole, rtol=0, atol=2e-6)  # other kernels (batch 2, 1): not bitwise
+    _close(split, reference_decode(q, k, v, lens, mask))
