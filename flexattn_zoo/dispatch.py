@@ -159,9 +159,16 @@ def _problem(  # type: ignore[no-untyped-def]
         kv_len=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=q.dtype,
         device_type=q.device.type, arch=detect_arch(q.device), requires_grad=requires_grad,
         mask=mask_spec, score=score_spec, return_lse=return_lse, user_block_mask=user_bm is not None,
-        deterministic=det, nonfinite=nonfinite,
+        deterministic=det, nonfinite=nonfinite, index_extent=max(_extent(t) for t in (q, k, v)),
     )  # fmt: skip
     return problem, user_bm
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Largest element offset + 1 reachable through ``t``'s sizes and strides (0 if empty)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
 def plan(

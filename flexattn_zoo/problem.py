@@ -18,6 +18,8 @@ class Problem:
     ``deterministic`` asks for bitwise run-to-run reproducible forward and backward.
     ``nonfinite`` is True when q/k/v are known to hold NaN/inf; ``fz.attention`` only looks on
     the CPU, where the check costs no device synchronization.
+    ``index_extent`` is the largest element offset + 1 that a kernel reads in any of q/k/v (from
+    their sizes and strides: an expanded tensor counts once); 0 when unknown.
     """
 
     batch: int
@@ -37,6 +39,7 @@ class Problem:
     user_block_mask: bool = False
     deterministic: bool = False
     nonfinite: bool = False
+    index_extent: int = 0
 
     def __post_init__(self) -> None:
         if self.v_dim is None:

@@ -18,9 +18,11 @@ from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
 from flexattn_zoo.problem import Problem
 
-#: Inputs of this many elements or more fail to compile in torch's Triton flex templates
-#: (measured on the H200, torch 2.11: the decoding kernel at K = 2**31 elements; see
-#: benchmarks/large_index_probe.py). ``fz.decode.decode_step`` splits such batches.
+#: torch's Triton flex-*decoding* template fails to compile (an int32/int64 type clash in its
+#: 64-bit indexing) when an input spans this many elements or more; the main flex template runs
+#: them (H200, torch 2.11: benchmarks/large_index_probe.py, results/large_index_probe_h200.txt).
+#: The flex route then asks for the main kernel; ``fz.decode.decode_step`` instead splits the
+#: batch of a contiguous cache, which keeps the faster decoding kernel.
 MAX_FLEX_ELEMENTS = 2**31
 
 
@@ -37,8 +39,16 @@ class FlexBackend(Backend):
         opts = dict(self.kernel_options)
         if self.tuned:
             opts.update(flex_triton_options(p.arch, p.head_dim, p.dtype))
-        if "BACKEND" not in opts and _decode_kernel_has_no_config(p, block_mask):
-            opts["BACKEND"] = "TRITON"
+        if "BACKEND" not in opts and _decoding_kernel_chosen(p):
+            if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:
+                opts["BACKEND"] = "TRITON"
+            else:
+                # The decoding kernel reads fwd_* options too, and a forward BLOCK_M (128 query
+                # rows) replaces its own (the Lq * Hq/Hkv rows it packs, >= 16): measured on the
+                # H200, decoding 16K x 64 rows then took 1.65 ms instead of 0.96 ms. Its BLOCK_N,
+                # warps and stages keep the forward's tuned values (also the best decode variants
+                # in benchmarks/decode_tuning.py at D=128).
+                opts.pop("fwd_BLOCK_M", None)
         return opts or None
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
@@ -58,6 +68,11 @@ class FlexBackend(Backend):
         return entry(q, k, v, block_mask, scale, score_mod)
 
 
+def _decoding_kernel_chosen(p: Problem) -> bool:
+    """Whether torch's BACKEND="AUTO" would lower this call to the flex-decoding kernel."""
+    return p.device_type == "cuda" and 0 < p.q_len < 128
+
+
 def _decode_kernel_has_no_config(p: Problem, block_mask: Any) -> bool:
     """Whether torch's automatic choice of the Triton flex-*decoding* kernel would fail to compile.
 
@@ -68,7 +83,7 @@ def _decode_kernel_has_no_config(p: Problem, block_mask: Any) -> bool:
     (found by the GPU fuzz: Lq=64, 8:2 heads, torch 2.11). The main Triton kernel serves those
     calls (BACKEND="TRITON"); a routing choice, not a change of result.
     """
-    if p.device_type != "cuda" or not 0 < p.q_len < 128:
+    if not _decoding_kernel_chosen(p):
         return False
     rows = max(16, 1 << (p.q_len * (p.heads // p.kv_heads) - 1).bit_length())
     q_block = block_mask.BLOCK_SIZE[0] if block_mask is not None else 128  # torch's default mask

@@ -285,3 +285,30 @@ def test_a_kv_pool_shared_by_the_batch_is_not_copied() -> None:
     assert all(a is b for a, b in zip(out, (q, k, v), strict=True))
     sliced = torch.randn(4, 2, 64, 32)[..., :16]  # other strided inputs still become contiguous
     assert all(t.is_contiguous() for t in _canonical_layout(sliced, sliced, sliced))
+
+
+def test_flex_kernel_options_for_the_decoding_kernel() -> None:
+    """The decoding kernel drops the forward's BLOCK_M (128 rows would replace its 16 packed
+    ones); inputs spanning >= 2**31 elements, which its template cannot compile, take the main
+    kernel; longer queries keep the tuned forward options."""
+    from types import SimpleNamespace
+
+    from flexattn_zoo.backends.flex import FLEX, MAX_FLEX_ELEMENTS
+
+    bm = SimpleNamespace(BLOCK_SIZE=(128, 128))
+    decode = _problem(masks.Causal(), lq=1, lkv=4096, heads=(32, 8), arch="sm90", dtype=torch.bfloat16, d=128)
+    opts = FLEX.options(decode, bm)
+    assert "fwd_BLOCK_M" not in opts and opts["fwd_BLOCK_N"] == 128 and "BACKEND" not in opts
+    huge = dataclasses.replace(decode, index_extent=MAX_FLEX_ELEMENTS)
+    assert FLEX.options(huge, bm)["BACKEND"] == "TRITON"
+    assert "BACKEND" not in FLEX.options(dataclasses.replace(decode, index_extent=MAX_FLEX_ELEMENTS - 1), bm)
+    prefill = _problem(masks.Causal(), lq=4096, lkv=4096, heads=(32, 8), arch="sm90", dtype=torch.bfloat16, d=128)
+    assert FLEX.options(prefill, bm)["fwd_BLOCK_M"] == 128
+
+
+def test_problems_record_the_index_extent_of_their_inputs() -> None:
+    q = torch.randn(2, 4, 8, 16)
+    pool = torch.randn(1, 4, 32, 16).expand(2, -1, -1, -1)  # shared across the batch: counted once
+    assert fz.plan(q, pool, pool).problem.index_extent == max(q.numel(), pool[0].numel())
+    t = torch.randn(2, 8, 4, 16).transpose(1, 2)
+    assert fz.plan(t, t, t).problem.index_extent == t.numel()
