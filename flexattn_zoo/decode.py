@@ -26,6 +26,15 @@ page-to-position table (updated in place like the offsets). On CUDA with torch >
 :func:`decode_step_varlen` runs the same paged decode on FlashAttention's varlen kernel
 (``block_table`` + ``seqused_k``) for causal or sliding-window patterns.
 
+Serving: on CUDA a step is planned (validated and routed) once per call signature and is
+capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
+tensor) and the new tokens in place and replay; nothing syncs with the host or reallocates.
+Eager steps cost ~0.3 ms of host time on an H200 host, graphed ones run at the kernel's speed
+(benchmarks/results/decode_h200.md). ``cache_len`` values are not checked against the capacity
+on CUDA (that would be a sync); block counts are clamped to it, so a bad length can never make
+the kernel read outside the cache. A contiguous cache of >= 2**31 elements is decoded a slice
+of rows at a time (see ``backends.flex.MAX_FLEX_ELEMENTS``).
+
 Routes: CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
 no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
 the cache (the pages gathered for paged caches): exact, but it materialises ``Lq x cache_len``.
