@@ -64,6 +64,8 @@ __all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
 DEFAULT_BLOCK_SIZE = 128
 #: DecodeMask objects kept by ``decode_step`` (least recently used dropped first).
 DECODE_CACHE_SIZE = 32
+#: Planned call signatures kept per DecodeMask (dtypes, score mods... seen with it).
+RUNS_PER_MASK = 16
 
 
 def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
@@ -150,9 +152,9 @@ class DecodeMask:
             BLOCK_SIZE=(block_size, block_size), mask_mod=self.mask_mod, seq_lengths=(q_len, self.kv_len),
         )  # fmt: skip
         self._scores: dict[Hashable, Any] = {}
-        #: decode_step's planned runs: call signature -> (route, Problem), so later steps skip
-        #: validation and route choice (host time that dominated short steps on the H200).
-        self.runs: dict[Hashable, Any] = {}
+        #: decode_step's planned runs: call signature -> (route, Problem, scale), so later steps
+        #: skip validation and route choice (host time that dominated short steps on the H200).
+        self.runs: LRUCache[Any] = LRUCache(RUNS_PER_MASK)
 
     def _logical(self, b: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -430,7 +432,7 @@ def _run_planned(  # type: ignore[no-untyped-def]
             return_lse=need_lse,
         )
         scale_f = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else float(scale)
-        planned = dm.runs[sig] = (BY_NAME[chosen.backend], chosen.problem, scale_f)
+        planned = dm.runs.put(sig, (BY_NAME[chosen.backend], chosen.problem, scale_f))
     route, problem, scale_f = planned
     return route.execute(q, k, v, problem, scale=scale_f, block_mask=bm)
 
