@@ -43,7 +43,7 @@ from flexattn_zoo import _compat, decode, masks  # noqa: E402
 BS = 128
 
 
-def _time(fn, warmup: int, repeats: int, inner: int = 10) -> float:  # type: ignore[no-untyped-def]
+def time_steps(fn, warmup: int, repeats: int, inner: int = 10) -> float:  # type: ignore[no-untyped-def]
     """Median seconds per step over back-to-back loops of ``inner`` steps (CUDA events).
 
     Steps are launched without a sync in between, as a serving loop does: host work that keeps
@@ -125,7 +125,7 @@ def run_case(route: str, batch: int, length: int, heads: int, kv_heads: int, dim
         step()
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
-        seconds = _time(step, warmup, repeats)
+        seconds = time_steps(step, warmup, repeats)
     cache_bytes = 2 * batch * kv_heads * live * dim * torch.finfo(dtype).bits // 8
     return {"route": route, "batch": batch, "length": length, "window": window, "first_call_s": first,
             "step_us": seconds * 1e6, "bytes": cache_bytes, "tbps": cache_bytes / seconds / 1e12}  # fmt: skip

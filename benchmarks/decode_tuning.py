@@ -23,7 +23,6 @@ Command used for benchmarks/results/decode_tuning_h200.txt::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,24 +32,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from decode_bench import time_steps  # noqa: E402  (this directory: benchmarks/)
+
 from flexattn_zoo import _compat, decode, masks  # noqa: E402
 
 
 def per_call(fn, inner: int, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds per call over back-to-back loops of ``inner`` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / inner)
-    return statistics.median(out)
+    """Median seconds per call over back-to-back loops of ``inner`` calls (3 warm-up calls)."""
+    return time_steps(fn, 3, repeats, inner)
 
 
 def variants(quick: bool) -> list[tuple[str, dict]]:

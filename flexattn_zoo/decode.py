@@ -42,17 +42,15 @@ the cache (the pages gathered for paged caches): exact, but it materialises ``Lq
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
-from flexattn_zoo.dispatch import attention, plan
+from flexattn_zoo.dispatch import attention, execute_plan, plan
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal, Chunked, SlidingWindow
 from flexattn_zoo.masks.band import Band
@@ -152,7 +150,7 @@ class DecodeMask:
             BLOCK_SIZE=(block_size, block_size), mask_mod=self.mask_mod, seq_lengths=(q_len, self.kv_len),
         )  # fmt: skip
         self._scores: dict[Hashable, Any] = {}
-        #: decode_step's planned runs: call signature -> (route, Problem, scale), so later steps
+        #: decode_step's plans (fz.plan results) per call signature, so later steps
         #: skip validation and route choice (host time that dominated short steps on the H200).
         self.runs: LRUCache[Any] = LRUCache(RUNS_PER_MASK)
 
@@ -356,40 +354,58 @@ def decode_step(
         if q.is_cuda and q_len > 0:
             out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
         else:  # the CPU keeps fz.attention's per-call checks (its NaN check guards flex_cpu)
-            res = attention(q, k_run, v_run, mask=bm, score_mod=run_score, scale=scale, enable_gqa=gqa,
-                            backend=backend, return_lse=need_lse)  # fmt: skip
-            out, lse = res if need_lse else (res, None)
-        if sinks is not None:
-            check_sinks(sinks, heads, q.device)
-            out, lse = apply_sinks(out, lse, sinks)
-        return (out, lse) if return_lse else out
-    dm.update(lens, block_table if paged else None)
-    live = int(lens.max()) if lens.numel() else 0
-    if live > capacity:
-        raise ValueError(f"cache_len {live} exceeds the cache capacity {capacity}")
-    pages = max(1, -(-live // block_size))
-    if paged:
-        assert block_table is not None
-        k_run = _gather_pages(k_cache, block_table, pages, block_size)
-        v_run = _gather_pages(v_cache, block_table, pages, block_size)
+            out, lse = _attend(
+                q,
+                k_run,
+                v_run,
+                need_lse,
+                mask=bm,
+                score_mod=run_score,
+                scale=scale,
+                enable_gqa=gqa,
+                backend=backend,
+            )
     else:
-        stop = min(capacity, pages * block_size)
-        k_run, v_run = k_cache[:, :, :stop], v_cache[:, :, :stop]
-    run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode")
-    dense_score = (
-        FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode")
-        if inner_score is not None
-        else None
-    )
-    common: dict[str, Any] = dict(
-        mask=run_mask, score_mod=dense_score, scale=scale, enable_gqa=gqa, backend="dense"
-    )
-    if sinks is None:
-        return attention(q, k_run, v_run, return_lse=return_lse, **common)
-    check_sinks(sinks, heads, q.device)
-    out, lse = attention(q, k_run, v_run, return_lse=True, **common)  # type: ignore[misc]
-    out, lse = apply_sinks(out, lse, sinks)
+        dm.update(lens, block_table if paged else None)
+        live = int(lens.max()) if lens.numel() else 0
+        if live > capacity:
+            raise ValueError(f"cache_len {live} exceeds the cache capacity {capacity}")
+        pages = max(1, -(-live // block_size))
+        if paged:
+            assert block_table is not None
+            k_run = _gather_pages(k_cache, block_table, pages, block_size)
+            v_run = _gather_pages(v_cache, block_table, pages, block_size)
+        else:
+            stop = min(capacity, pages * block_size)
+            k_run, v_run = k_cache[:, :, :stop], v_cache[:, :, :stop]
+        run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode")
+        dense_score = (
+            FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode")
+            if inner_score is not None
+            else None
+        )
+        out, lse = _attend(
+            q,
+            k_run,
+            v_run,
+            need_lse,
+            mask=run_mask,
+            score_mod=dense_score,
+            scale=scale,
+            enable_gqa=gqa,
+            backend="dense",
+        )
+    if sinks is not None:
+        check_sinks(sinks, heads, q.device)
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _attend(q, k, v, need_lse: bool, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+    """``fz.attention`` as ``(out, lse or None)``."""
+    if need_lse:
+        return attention(q, k, v, return_lse=True, **kwargs)  # type: ignore[return-value]
+    return attention(q, k, v, **kwargs), None  # type: ignore[return-value]
 
 
 def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -418,8 +434,8 @@ def _run_planned(  # type: ignore[no-untyped-def]
         q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
         q.device, k.device, v.device, score, scale, gqa, need_lse, backend, det,
     )  # fmt: skip
-    planned = dm.runs.get(sig)
-    if planned is None:
+    chosen = dm.runs.get(sig)
+    if chosen is None:
         chosen = plan(
             q,
             k,
@@ -431,10 +447,8 @@ def _run_planned(  # type: ignore[no-untyped-def]
             backend=backend,
             return_lse=need_lse,
         )
-        scale_f = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else float(scale)
-        planned = dm.runs.put(sig, (BY_NAME[chosen.backend], chosen.problem, scale_f))
-    route, problem, scale_f = planned
-    return route.execute(q, k, v, problem, scale=scale_f, block_mask=bm)
+        chosen = dm.runs.put(sig, chosen)
+    return execute_plan(chosen, q, k, v, scale=None if scale is None else float(scale), block_mask=bm)
 
 
 def decode_step_varlen(

@@ -234,6 +234,16 @@ def attention(
         return (out, lse) if return_lse else out
     chosen = plan_problem(problem, backend)
     log.debug("flexattn_zoo route %s", chosen.backend)
-    scale_f = 1.0 / math.sqrt(problem.head_dim) if scale_checked is None else scale_checked
-    out, lse = BY_NAME[chosen.backend].execute(q, k, v, problem, scale=scale_f, block_mask=user_bm)
+    out, lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
     return (out, lse) if return_lse else out
+
+
+def execute_plan(  # type: ignore[no-untyped-def]
+    chosen: Plan, q, k, v, *, scale: float | None, block_mask=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a plan's route on inputs it was made for: ``(out, lse or None)``.
+
+    ``scale`` must already be checked (``validation.check_scale``); None means ``1/sqrt(D)``.
+    """
+    scale_f = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else scale
+    return BY_NAME[chosen.backend].execute(q, k, v, chosen.problem, scale=scale_f, block_mask=block_mask)

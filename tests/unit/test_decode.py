@@ -159,3 +159,18 @@ def test_caches_too_large_for_one_launch_are_decoded_a_slice_of_rows_at_a_time(m
     assert sorted(dm.batch for dm in decode.CACHE.values()) == [1, 2]
     torch.testing.assert_close(split, whole, rtol=0, atol=2e-6)  # other kernels (batch 2, 1): not bitwise
     _close(split, reference_decode(q, k, v, lens, mask))
+
+
+def test_planned_runs_are_reused_and_exact() -> None:
+    """The CUDA fast path (plan once per signature, then execute) exercised on the CPU's flex route."""
+    k, v = _cache(5)
+    dm = decode.DecodeMask(masks.Causal(), B, 1, CAP)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for lens in (torch.tensor([10, 640]), torch.tensor([300, 1])):
+            q = torch.randn(B, H, 1, D, generator=g)
+            bm = dm.update(lens)
+            out, lse = decode._run_planned(dm, q, k, v, bm, None, None, True, False, "auto")
+            assert lse is None
+            _close(out, reference_decode(q, k, v, lens, masks.Causal()))
+    assert len(dm.runs) == 1 and dm.runs.inserts == 1
