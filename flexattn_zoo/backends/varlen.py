@@ -26,7 +26,7 @@ CU_SEQLENS_CACHE: LRUCache[tuple[torch.Tensor, int, tuple[int, int]]] = LRUCache
 CuSeqlens = tuple[torch.Tensor, int, tuple[int, int]]
 
 
-def _cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> CuSeqlens:
+def cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> CuSeqlens:
     """Cumulative offsets of every segment of every row, the longest segment, and the window.
 
     Keyed by the (value-hashed) spec, so repeated calls with an equal spec reuse the offsets.
@@ -72,7 +72,7 @@ class VarlenBackend(Backend):
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
-        cu, max_len, window = _cu_seqlens(p.mask, p.batch, p.q_len, str(q.device))
+        cu, max_len, window = cu_seqlens(p.mask, p.batch, p.q_len, str(q.device))
         b, h, length, d = q.shape
 
         def pack(t: torch.Tensor) -> torch.Tensor:

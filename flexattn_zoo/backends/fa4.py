@@ -1,0 +1,145 @@
+"""``fa4``: the FlashAttention-4 CuTe kernels called directly (``flash_attn.cute``), not through flex.
+
+FA4's own kernels know causal and sliding windows (``window_size``), packed documents
+(``cu_seqlens``) and soft-capping natively, so they skip the BlockMask and the compiled
+``mask_mod`` / ``score_mod`` that ``flex_flash`` evaluates per element. Exact for masks whose
+``varlen_form()`` exists (segments + a window inside each), like the ``varlen`` route:
+
+* one segment per row (no mask, causal, sliding window): one batched call, no copy;
+* equal segments (``Chunked``): the rows are viewed as a larger batch of chunks (no copy when the
+  tensors' layout allows the view, else a reshape copy);
+* unequal segments (documents): q/k/v are packed to ``[tokens, H, D]`` with ``cu_seqlens``.
+
+Score mods: only ``SoftCap(approx=True)``. FA4's soft-capping evaluates ``tanh`` with the hardware
+approximation (``tanh.approx.f32``), which is what ``approx=True`` allows and nothing else does.
+FA4's lse is the natural-log log-sum-exp, ``[B, H, Lq]`` for batched calls (``[H, tokens]`` packed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+from flexattn_zoo.backends.base import LOW_PRECISION, Backend
+from flexattn_zoo.backends.varlen import cu_seqlens
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.problem import Problem
+from flexattn_zoo.spec import MaskSpec, VarlenForm
+
+#: Per (mask, batch, length): how the call is laid out (see ``fa4_layout``).
+LAYOUT_CACHE: LRUCache[tuple[str, int, tuple[int | None, int | None]]] = LRUCache(64)
+
+
+def fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
+    """A ``VarlenForm`` window (``-1`` = unbounded) as FA4's ``window_size`` (``None`` = unbounded).
+
+    FA4 reads ``(None, 0)`` as causal and ``(None, None)`` as no mask; key ``j`` of query ``i`` is
+    visible when ``i - left <= j <= i + right`` (the same diagonal as ours since Lq == Lkv).
+    """
+    left, right = window
+    return (None if left < 0 else left, None if right < 0 else right)
+
+
+def fa4_layout(mask: MaskSpec | None, batch: int, length: int) -> tuple[str, int, tuple[int | None, int | None]]:
+    """``(kind, chunk, window)`` for a mask with a varlen form, cached per (mask, batch, length).
+
+    ``kind`` is ``"rows"`` (one segment per batch row), ``"chunks"`` (every segment ``chunk`` long,
+    tiling each row) or ``"packed"`` (anything else: cu_seqlens).
+    """
+    return LAYOUT_CACHE.get_or_create((mask, batch, length), lambda: _layout(mask, batch, length))
+
+
+def _layout(mask: MaskSpec | None, batch: int, length: int) -> tuple[str, int, tuple[int | None, int | None]]:
+    form = mask.varlen_form(length, length, batch) if mask is not None else VarlenForm(None)
+    if form is None:
+        raise ValueError(f"mask {mask!r} has no varlen form")
+    window = fa4_window(form.window)
+    if form.segments is None:
+        return "rows", length, window
+    seg = form.segments.detach().to("cpu", torch.int64)
+    lengths = seg[seg > 0]
+    chunk = int(lengths[0]) if lengths.numel() else 0
+    if chunk > 0 and length % chunk == 0 and bool((lengths == chunk).all()):
+        return ("rows" if chunk == length else "chunks"), chunk, window
+    return "packed", 0, window
+
+
+def _softcap(p: Problem) -> float:
+    from flexattn_zoo.score_mods.softcap import SoftCap
+
+    if p.score is None:
+        return 0.0
+    assert isinstance(p.score, SoftCap)
+    return p.score.cap
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashAttn4Backend(Backend):
+    def unavailable_reasons(self) -> list[str]:
+        if not _compat.flash_cute_available():
+            return ["flash_attn.cute (flash-attn-4) is not installed"]
+        return []
+
+    def mask_reasons(self, p: Problem) -> list[str]:
+        from flexattn_zoo.score_mods.softcap import SoftCap
+
+        out = []
+        if p.score is not None and not (isinstance(p.score, SoftCap) and p.score.approx):
+            out.append(
+                f"score_mod {type(p.score).__name__}: FA4's own kernels only soft-cap, with a hardware "
+                "tanh approximation (SoftCap(cap, approx=True))"
+            )
+        if p.user_block_mask:
+            out.append("takes no BlockMask")
+        elif p.mask is not None and p.q_len != p.kv_len:
+            out.append("needs Lq == Lkv when a mask is given")
+        elif p.mask is not None and p.mask.varlen_form(p.q_len, p.kv_len, p.batch) is None:
+            out.append(f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window)")
+        return out
+
+    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # type: ignore[import-not-found]
+
+        b, h, lq, d = q.shape
+        kind, chunk, window = fa4_layout(p.mask, b, lq) if p.mask is not None else ("rows", lq, (None, None))
+        common: dict[str, Any] = dict(
+            softmax_scale=scale, causal=False, window_size=window, softcap=_softcap(p), return_lse=p.return_lse
+        )
+        # FA4 takes [batch, seq, heads, dim]; ours are [B, H, L, D] views of either layout.
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        if kind == "packed":
+            cu, max_len, _ = cu_seqlens(p.mask, b, lq, str(q.device))
+            packed = [t.reshape(b * lq, t.shape[2], d) for t in (qt, kt, vt)]
+            res = flash_attn_varlen_func(
+                *packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len, **common
+            )
+            out, lse = _split(res)
+            out = out.view(b, lq, h, d).transpose(1, 2)
+            lse = None if lse is None else lse.view(h, b, lq).transpose(0, 1)
+            return out, lse
+        n = lq // chunk if kind == "chunks" else 1
+        batched = [t.reshape(b * n, lq // n, t.shape[2], d) for t in (qt, kt, vt)] if n > 1 else [qt, kt, vt]
+        out, lse = _split(flash_attn_func(*batched, **common))
+        out = out.reshape(b, lq, h, d).transpose(1, 2)
+        if lse is not None and n > 1:  # [B*n, H, c] -> [B, H, n*c]
+            lse = lse.view(b, n, h, lq // n).permute(0, 2, 1, 3).reshape(b, h, lq)
+        return out, lse
+
+
+def _split(res: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """FA4 returns ``(out, lse)`` (lse may be None when not asked for) or just ``out``."""
+    if isinstance(res, tuple):
+        return res[0], (res[1] if len(res) > 1 else None)
+    return res, None
+
+
+FA4 = FlashAttn4Backend(
+    name="fa4", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
+    head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
+    deterministic=False,
+    nondeterministic_why="FA4's backward accumulates dQ with atomics (its deterministic mode is not validated here)",
+    doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks, SoftCap(approx=True)",
+)  # fmt: skip

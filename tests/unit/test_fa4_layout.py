@@ -1,0 +1,57 @@
+"""The fa4 route's call layouts and refusals, checked on the CPU (the kernels run in tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.backends.fa4 import FA4, fa4_layout, fa4_window
+from flexattn_zoo.problem import Problem
+
+
+def test_window_conversion() -> None:
+    assert fa4_window((-1, -1)) == (None, None)
+    assert fa4_window((-1, 0)) == (None, 0)  # causal
+    assert fa4_window((1023, 0)) == (1023, 0)
+    assert fa4_window((5, 7)) == (5, 7)
+
+
+@pytest.mark.parametrize(
+    ("mask", "length", "batch", "expected"),
+    [
+        (masks.Causal(), 100, 2, ("rows", 100, (None, 0))),
+        (masks.SlidingWindow(left=9, right=2), 100, 1, ("rows", 100, (9, 2))),
+        (masks.Chunked(size=25) & masks.Causal(), 100, 3, ("chunks", 25, (None, 0))),
+        (masks.Chunked(size=100), 100, 1, ("rows", 100, (None, None))),
+        (masks.Chunked(size=30) & masks.Causal(), 100, 1, ("packed", 0, (None, 0))),
+        (masks.Document.from_lengths([40, 60]) & masks.Causal(), 100, 2, ("packed", 0, (None, 0))),
+        (masks.Document.from_lengths([50, 50]), 100, 1, ("chunks", 50, (None, None))),
+    ],
+)
+def test_layouts(mask, length: int, batch: int, expected) -> None:  # type: ignore[no-untyped-def]
+    assert fa4_layout(mask.bind(length, length), batch, length) == expected
+
+
+def _problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
+    base = dict(batch=2, heads=8, kv_heads=8, q_len=256, kv_len=256, head_dim=128, dtype=torch.bfloat16,
+                device_type="cuda", arch="sm90", requires_grad=True)  # fmt: skip
+    base.update(kw)
+    return Problem(**base)  # type: ignore[arg-type]
+
+
+def test_reasons_name_what_fa4_cannot_do() -> None:
+    r = " ".join(FA4.mask_reasons(_problem(score=score_mods.SoftCap(cap=30.0))))
+    assert "approx=True" in r  # exact tanh is not what FA4's soft-capping computes
+    assert FA4.mask_reasons(_problem(score=score_mods.SoftCap(cap=30.0, approx=True), mask=masks.Causal())) == []
+    assert "Alibi" in " ".join(FA4.mask_reasons(_problem(score=score_mods.Alibi(num_heads=8))))
+    assert "no exact FA4 form" in " ".join(FA4.mask_reasons(_problem(mask=masks.PrefixLM(prefix_len=10))))
+    assert "Lq == Lkv" in " ".join(FA4.mask_reasons(_problem(mask=masks.Causal(), q_len=100)))
+    assert FA4.mask_reasons(_problem(q_len=100)) == []  # no mask: any lengths
+
+
+def test_fa4_refuses_on_cpu_with_reasons() -> None:
+    q = torch.randn(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="backend 'fa4' cannot run"):
+        fz.attention(q, q, q, mask="causal", backend="fa4")
