@@ -89,21 +89,34 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
-# Measured exceptions to the table above: (generation, mode, max head dim, routes moved to front).
-# H200, causal D=64 forward: cuDNN 457 vs FA4 442 TFLOP/s (fwd+bwd: FA4 485 vs cuDNN 418).
-HEAD_DIM_OVERRIDES: tuple[tuple[str, str, int, tuple[str, ...]], ...] = (
-    ("sm90", "fwd", 64, ("sdpa_cudnn",)),
+# Measured exceptions to the table above: (generation, mode, traits, routes moved to the front),
+# applied in order when a problem has every listed trait (``dispatch.problem_traits``: "score_mod",
+# "fast_score_mod" -- one that allows an approximation such as SoftCap(approx=True) --,
+# "packed_segments" -- a mask of unequal segments, i.e. documents -- and "head_dim<=64").
+# H200 (benchmarks/results/h200.md, bf16 TFLOP/s): fa4 packs documents' q/k/v into cu_seqlens
+# order, which costs more than its kernel saves in the forward (document_causal: flex_flash 316 vs
+# fa4 188) and at D=64 (document_causal_d64 fwd+bwd 173 vs 165); fa4's own soft-capping is slower
+# than flex_flash's score_mod (softcap_causal 336 / 374 vs 305 / 361); Triton's hardware tanh
+# (SoftCap(approx=True), which the CuTe path cannot emit) makes flex the fastest softcap forward
+# (DESIGN.md: 376 vs 333).
+OVERRIDES: tuple[tuple[str, str, frozenset[str], tuple[str, ...]], ...] = (
+    ("sm90", "fwd", frozenset({"packed_segments"}), ("flex_flash",)),
+    ("sm90", "fwdbwd", frozenset({"packed_segments", "head_dim<=64"}), ("flex_flash",)),
+    ("sm90", "fwd", frozenset({"score_mod"}), ("flex_flash",)),
+    ("sm90", "fwdbwd", frozenset({"score_mod"}), ("flex_flash",)),
+    ("sm90", "fwd", frozenset({"fast_score_mod"}), ("flex",)),
 )
 
 
-def priority(arch: str, mode: str, head_dim: int) -> tuple[str, ...]:
-    """The ordered route names for ``arch`` in ``mode`` (``"fwd"`` or ``"fwdbwd"``)."""
+def priority(arch: str, mode: str, traits: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """The ordered route names for ``arch`` in ``mode`` (``"fwd"`` or ``"fwdbwd"``) for a problem
+    with ``traits`` (see ``OVERRIDES``)."""
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
     gen = generation(arch)
     order = PRIORITY[gen][mode]
-    for o_gen, o_mode, max_d, front in HEAD_DIM_OVERRIDES:
-        if o_gen == gen and o_mode == mode and head_dim <= max_d:
+    for o_gen, o_mode, needs, front in OVERRIDES:
+        if o_gen == gen and o_mode == mode and needs <= traits:
             order = front + tuple(r for r in order if r not in front)
     return order
 

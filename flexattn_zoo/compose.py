@@ -207,6 +207,9 @@ class Chain(ScoreSpec):
 
         return chained
 
+    def has_fast_variant(self) -> bool:
+        return any(m.has_fast_variant() for m in self.mods)
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         for m in self.mods:
             scores = m.dense(scores)

@@ -17,6 +17,7 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
+from flexattn_zoo.backends.fa4 import fa4_layout
 from flexattn_zoo.custom import as_mask_spec, as_score_spec
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale
@@ -68,8 +69,24 @@ class Plan:
         return self.explain()
 
 
+def problem_traits(p: Problem) -> frozenset[str]:
+    """The named properties that ``arch.OVERRIDES`` select on (measured exceptions to PRIORITY)."""
+    traits = set()
+    if p.score is not None:
+        traits.add("score_mod")
+        if p.score.has_fast_variant():
+            traits.add("fast_score_mod")
+    if p.head_dim <= 64:
+        traits.add("head_dim<=64")
+    if p.mask is not None and p.q_len == p.kv_len and not p.user_block_mask:
+        layout = fa4_layout(p.mask, p.batch, p.q_len)
+        if layout is not None and layout[0] == "packed":
+            traits.add("packed_segments")
+    return frozenset(traits)
+
+
 def _verdicts(problem: Problem) -> list[Candidate]:
-    order = priority(problem.arch, problem.mode, problem.head_dim)
+    order = priority(problem.arch, problem.mode, problem_traits(problem))
     out = []
     for b in BACKENDS:
         reasons = b.reasons(problem)

@@ -309,6 +309,10 @@ class ScoreSpec(Spec):
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         raise NotImplementedError
 
+    def has_fast_variant(self) -> bool:
+        """True when ``score_mod(fast=True)`` may differ from the exact one (an opted-in approximation)."""
+        return False
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         """Apply to a dense ``[B, H, Lq, Lkv]`` float64 tensor of scaled scores (oracle)."""
         raise NotImplementedError

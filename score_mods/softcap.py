@@ -65,6 +65,9 @@ class SoftCap(ScoreSpec):
 
         return softcap
 
+    def has_fast_variant(self) -> bool:
+        return self.approx
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         # Independent of torch.tanh: tanh(x) = sign(x) * (1 - e) / (1 + e) with e = exp(-2|x|),
         # which never overflows (e <= 1) and keeps full relative precision near 0 via expm1.

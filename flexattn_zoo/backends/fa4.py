@@ -29,8 +29,9 @@ from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, VarlenForm
 
+Layout = tuple[str, int, tuple[int | None, int | None]]
 #: Per (mask, batch, length): how the call is laid out (see ``fa4_layout``).
-LAYOUT_CACHE: LRUCache[tuple[str, int, tuple[int | None, int | None]]] = LRUCache(64)
+LAYOUT_CACHE: LRUCache[Layout] = LRUCache(64)
 
 
 def fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
@@ -43,19 +44,22 @@ def fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
     return (None if left < 0 else left, None if right < 0 else right)
 
 
-def fa4_layout(mask: MaskSpec | None, batch: int, length: int) -> tuple[str, int, tuple[int | None, int | None]]:
-    """``(kind, chunk, window)`` for a mask with a varlen form, cached per (mask, batch, length).
+def fa4_layout(mask: MaskSpec | None, batch: int, length: int) -> Layout | None:
+    """``(kind, chunk, window)`` of a ``[batch, length]`` call (Lq == Lkv), or None when the mask
+    has no varlen form; cached per (mask, batch, length).
 
     ``kind`` is ``"rows"`` (one segment per batch row), ``"chunks"`` (every segment ``chunk`` long,
     tiling each row) or ``"packed"`` (anything else: cu_seqlens).
     """
-    return LAYOUT_CACHE.get_or_create((mask, batch, length), lambda: _layout(mask, batch, length))
-
-
-def _layout(mask: MaskSpec | None, batch: int, length: int) -> tuple[str, int, tuple[int | None, int | None]]:
+    key = (mask, batch, length)
+    found = LAYOUT_CACHE.get(key)
+    if found is not None:
+        return found
     form = mask.varlen_form(length, length, batch) if mask is not None else VarlenForm(None)
-    if form is None:
-        raise ValueError(f"mask {mask!r} has no varlen form")
+    return None if form is None else LAYOUT_CACHE.put(key, _layout(form, length))
+
+
+def _layout(form: VarlenForm, length: int) -> Layout:
     window = fa4_window(form.window)
     if form.segments is None:
         return "rows", length, window
@@ -96,7 +100,7 @@ class FlashAttn4Backend(Backend):
             out.append("takes no BlockMask")
         elif p.mask is not None and p.q_len != p.kv_len:
             out.append("needs Lq == Lkv when a mask is given")
-        elif p.mask is not None and p.mask.varlen_form(p.q_len, p.kv_len, p.batch) is None:
+        elif p.mask is not None and fa4_layout(p.mask, p.batch, p.q_len) is None:
             out.append(f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window)")
         return out
 
@@ -104,7 +108,9 @@ class FlashAttn4Backend(Backend):
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # type: ignore[import-not-found]
 
         b, h, lq, d = q.shape
-        kind, chunk, window = fa4_layout(p.mask, b, lq) if p.mask is not None else ("rows", lq, (None, None))
+        layout = fa4_layout(p.mask, b, lq) if p.mask is not None else ("rows", lq, (None, None))
+        assert layout is not None  # mask_reasons refused masks without one
+        kind, chunk, window = layout
         common: dict[str, Any] = dict(
             softmax_scale=scale, causal=False, window_size=window, softcap=_softcap(p), return_lse=p.return_lse
         )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, score_mods
+from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.compile import UnfusedFallbackError
@@ -54,6 +54,40 @@ DOC = masks.Document.from_lengths([300, 500, 224])
 def test_auto_route_table(problem: Problem, route: str) -> None:
     # On this CPU machine flash-attn-4 is not installed, so flex_flash always refuses.
     assert plan_problem(problem).backend == route
+
+
+@pytest.mark.parametrize(
+    ("problem", "route"),
+    [
+        (_problem(masks.Causal()), "fa4"),
+        (_problem(masks.Causal(), d=64), "fa4"),  # H200: fa4 547 vs cuDNN 460 fwd
+        (_problem(masks.Causal(), heads=(32, 8), grad=True), "fa4"),
+        (_problem(masks.SlidingWindow(left=127)), "fa4"),
+        (_problem(masks.Chunked(size=256) & masks.Causal()), "fa4"),  # equal chunks: no packing
+        (_problem(DOC & masks.Causal()), "flex_flash"),  # packing q/k/v costs fa4 the forward
+        (_problem(DOC & masks.Causal(), grad=True), "fa4"),
+        (_problem(DOC & masks.Causal(), grad=True, d=64), "flex_flash"),
+        (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "flex_flash"),
+        (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0, approx=True)), "flex"),  # Triton's fast tanh
+        (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0, approx=True), grad=True), "flex_flash"),
+        (_problem(masks.PrefixLM(prefix_len=100)), "flex_flash"),  # no FA4 form
+        (_problem(masks.Causal(), lq=1000, lkv=1200), "flex_flash"),
+    ],
+)
+def test_auto_route_table_with_fa4(problem: Problem, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sm90 with flash-attn-4 installed (faked: only the planning is exercised here)."""
+    monkeypatch.setattr(_compat, "flash_cute_available", lambda: True)
+    assert plan_problem(problem).backend == route
+
+
+def test_priority_overrides_apply_only_with_all_traits() -> None:
+    from flexattn_zoo.arch import priority
+
+    plain = priority("sm90", "fwdbwd")
+    assert plain[:2] == ("fa4", "flex_flash")
+    assert priority("sm90", "fwdbwd", frozenset({"packed_segments"})) == plain
+    assert priority("sm90", "fwdbwd", frozenset({"packed_segments", "head_dim<=64"}))[:2] == ("flex_flash", "fa4")
+    assert priority("sm80", "fwd", frozenset({"score_mod", "packed_segments"})) == priority("sm80", "fwd")
 
 
 def test_plan_lists_every_route_with_reasons() -> None:
