@@ -126,9 +126,21 @@ class CompileCache:
         return self._entries.size
 
     def get(
-        self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool
+        self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
+        model_shape: Hashable = None,
     ) -> CompiledFlex:
-        key = (mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa)
+        """The entry for this kernel; ``model_shape`` (heads, kv heads, head dim, dtype) separates
+        calls whose model constants differ, so only lengths and batch vary inside one entry.
+
+        Why: with one entry per mask code, a document mask used at D=128 and then at D=64 (or 16 vs
+        32 heads) made Dynamo compile a dynamic-shape graph for the second model, and the H200 sweep
+        measured flex_flash at 74 instead of 130-181 TFLOP/s (document_causal_d64) and 204 instead
+        of 344 (document_causal_gqa) in such a process.
+        """
+        key = (
+            mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa,
+            model_shape,
+        )  # fmt: skip
 
         def make() -> CompiledFlex:
             return CompiledFlex(next(self._serial), kernel_options, lse, gqa)

@@ -64,6 +64,7 @@ class FlexBackend(Backend):
             self.options(p, block_mask),
             p.return_lse,
             p.gqa,
+            (p.heads, p.kv_heads, p.head_dim, p.dtype),
         )
         return entry(q, k, v, block_mask, scale, score_mod)
 
