@@ -210,6 +210,9 @@ class Chain(ScoreSpec):
     def has_fast_variant(self) -> bool:
         return any(m.has_fast_variant() for m in self.mods)
 
+    def uses_head(self) -> bool:
+        return any(m.uses_head() for m in self.mods)
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         for m in self.mods:
             scores = m.dense(scores)

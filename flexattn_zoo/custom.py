@@ -88,6 +88,9 @@ class FunctionScore(ScoreSpec):
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         return self.fn
 
+    def uses_head(self) -> bool:
+        return True  # unknown: a user function may read h
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
         b, h, q, kv = (g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))

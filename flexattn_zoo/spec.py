@@ -313,6 +313,10 @@ class ScoreSpec(Spec):
         """True when ``score_mod(fast=True)`` may differ from the exact one (an opted-in approximation)."""
         return False
 
+    def uses_head(self) -> bool:
+        """Whether the score may depend on the head index (composites and user functions override)."""
+        return self.depends_on_head
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         """Apply to a dense ``[B, H, Lq, Lkv]`` float64 tensor of scaled scores (oracle)."""
         raise NotImplementedError

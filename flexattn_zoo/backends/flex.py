@@ -130,6 +130,11 @@ class FlexFlashBackend(FlexBackend):
             out.append("FLASH cannot capture tensors that require grad in score_mod")
         if p.return_lse and not _compat.FLASH_LSE_TRUSTWORTHY:
             out.append("FLASH lse is off by a factor ln 2 on this torch (< 2.13)")
+        if p.requires_grad and p.gqa and p.score is not None and p.score.uses_head():
+            # H200, torch 2.11, flash-attn-4 4.0.0b36 (benchmarks/flex_flash_grad_probe.py): with
+            # GQA, a score_mod that reads h (ALiBi) gets dQ wrong by ~50x; the forward, GQA without
+            # such a score, and head-dependent scores without GQA were all right.
+            out.append("FLASH backward gives wrong dQ for a head-dependent score_mod under GQA")
         return out
 
 
