@@ -43,9 +43,15 @@ def _order(rows: Sequence[dict[str, Any]], key: str) -> list[str]:
     return list(dict.fromkeys(r[key] for r in rows))
 
 
+def _route_order(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Routes in order of first appearance, ``auto`` first (a resumed sweep appends rows late)."""
+    routes = _order(rows, "route")
+    return sorted(routes, key=lambda r: r != "auto")
+
+
 def summary(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Header and lines: one line per case x mode, one column per route, then the ratios."""
-    routes = _order(rows, "route")
+    routes = _route_order(rows)
     by_key = {(r["case"], r["mode"], r["route"]): r for r in rows}
     ratios = (["auto/best"] if "auto" in routes else []) + (
         ["auto/raw_flex"] if {"auto", "raw_flex"} <= set(routes) else []
@@ -114,9 +120,16 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
     if env.get("cc"):
         gpu += f" (sm{env['cc'].replace('.', '')})"
     fa4 = env.get("flash_attn_cute")
+    history = [c for c in env.get("previous_commands") or [] if c]
+    earlier = (
+        ["Rows kept from earlier runs of the sweep (`--resume`), oldest first: "
+         + "; ".join(f"`{c}`" for c in history), ""]
+        if history else []
+    )  # fmt: skip
     parts = [
         f"# {title}", "",
         f"Command: `{env.get('command', '?')}`", "",
+        *earlier,
         f"torch {env.get('torch')}, triton {env.get('triton') or '-'}, CUDA {env.get('cuda') or '-'}, "
         f"cuDNN {env.get('cudnn') or '-'}; device {env.get('device')}; GPU {gpu}; "
         f"flash_attn.cute (FA4) {'available' if fa4 else 'not available'}"
@@ -184,7 +197,7 @@ def write_pngs(rows: Sequence[dict[str, Any]], prefix: str | Path, title: str = 
     import matplotlib.pyplot as plt
 
     written = []
-    routes = _order(rows, "route")
+    routes = _route_order(rows)
     for mode in _order(rows, "mode"):
         mine = [r for r in rows if r["mode"] == mode]
         cases = _order(mine, "case")

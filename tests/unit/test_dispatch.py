@@ -68,6 +68,8 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(DOC & masks.Causal(), grad=True), "fa4"),
         (_problem(DOC & masks.Causal(), grad=True, d=64), "flex"),  # FA4 routes unsteady there
         (_problem(DOC & masks.Causal(), d=64), "flex"),
+        (_problem(DOC & masks.Causal(), heads=(32, 8)), "flex"),  # FA4 routes unsteady there too
+        (_problem(DOC & masks.Causal(), heads=(32, 8), grad=True), "fa4"),
         # flex_flash's backward gets dQ wrong for head-dependent scores under GQA: flex instead
         (_problem(masks.Causal(), score_mods.Alibi(num_heads=16), heads=(16, 4), grad=True), "flex"),
         (_problem(masks.Causal(), score_mods.Alibi(num_heads=16) >> score_mods.SoftCap(cap=5.0), heads=(16, 4),
