@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flexattn_zoo import bench_routes
-from flexattn_zoo.bench_config import MODES, Case, all_routes, load_config, parse_names
+from flexattn_zoo.bench_config import MODES, Case, all_routes, goals, load_config, parse_names
 from flexattn_zoo.bench_env import block_fa4, collect_env
 from flexattn_zoo.bench_report import markdown, rich_table, write_pngs
 from flexattn_zoo.bench_timing import free_memory, visible_pairs
@@ -257,6 +257,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
         complete = True
         if args.report_only:
             data = json.loads(args.out.read_text())
+            cases = load_config(args.config)
         else:
             cases = _select(load_config(args.config), args)
             data = {"env": {}, "rows": []}
@@ -273,9 +274,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
             data["env"] = env
             complete = run_sweep(cases, data, out=args.out, time_budget=args.time_budget, quiet=args.quiet)
             _save(args.out, data)
+        # The goals are targets for a machine with every route installed (H200 with FA4).
+        data["goals"] = {} if data.get("env", {}).get("no_fa4") else goals(cases)
         title = f"flexattn_zoo benchmark: {Path(args.config).stem}"
         if not args.quiet:
-            console.print(rich_table(data["rows"], title=title))
+            console.print(rich_table(data["rows"], title=title, goals=data["goals"]))
         if args.md:
             args.md.write_text(markdown(data, title=title))
         if args.png:

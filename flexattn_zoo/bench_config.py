@@ -22,6 +22,9 @@ Schema (``defaults`` keys may also be given per case, where they win)::
         score_mod: {name: softcap, cap: 30}  # mapping, or list chained with >>
         document_lengths: {min: 256, max: 2048, seed: 0}
 
+``goal: {fwd: 640, fwdbwd: 570}`` (optional) is the TFLOP/s the ``auto`` row should reach; the
+report marks it met or not (not for ``--no-fa4`` runs: the goals assume every route installed).
+
 ``document_lengths`` draws document lengths uniformly in ``[min, max]`` (the last one is cut to
 fit ``seq_len``) and prepends ``Document.from_lengths(lengths) &`` to the mask. A score entry
 without ``num_heads`` (e.g. ``{name: alibi}``) gets the case's ``heads``. ``mask: causal`` is short
@@ -63,6 +66,7 @@ CASE_KEYS = (
     "mask",
     "score_mod",
     "document_lengths",
+    "goal",
 )
 
 
@@ -91,6 +95,8 @@ class Case:
     mask: Any = None
     score_mod: Any = None
     document_lengths: dict[str, int] | None = None
+    #: Target TFLOP/s of the ``auto`` row per mode (reported as met or not), e.g. (("fwd", 640.0),).
+    goal: tuple[tuple[str, float], ...] = ()
 
     @property
     def gqa(self) -> bool:
@@ -225,18 +231,39 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         if hi < lo:
             raise ValueError(f"{where}.document_lengths: max {hi} < min {lo}")
         _int(f"{where}.document_lengths.seed", docs.get("seed", 0), 0)
+    goal = _goal(where, raw.get("goal"))
     case = Case(
         name=name, batch=_int(f"{where}.batch", raw["batch"]), heads=heads, kv_heads=kv_heads,
         seq_len=_int(f"{where}.seq_len", raw["seq_len"]), head_dim=_int(f"{where}.head_dim", raw["head_dim"]),
         dtype=DTYPES[str(s["dtype"]).lower()], device=s["device"], warmup=s["warmup"], iters=s["iters"],
         modes=tuple(s["modes"]), routes=tuple(s["routes"]), max_dense_gib=float(s["max_dense_gib"]),
         seed=s["seed"], mask=raw.get("mask"), score_mod=raw.get("score_mod"), document_lengths=docs,
+        goal=goal,
     )  # fmt: skip
     try:
         case.specs()  # fail at load time, not half-way through a sweep
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     return case
+
+
+def _goal(where: str, raw: Any) -> tuple[tuple[str, float], ...]:
+    """``goal: {fwd: 640, fwdbwd: 570}`` (either mode may be left out) as sorted pairs."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or not raw or set(raw) - set(MODES):
+        raise ValueError(f"{where}.goal must map {' and/or '.join(MODES)} to TFLOP/s, got {raw!r}")
+    out = []
+    for mode, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{where}.goal.{mode} must be a positive number, got {value!r}")
+        out.append((mode, float(value)))
+    return tuple(sorted(out))
+
+
+def goals(cases: list[Case]) -> dict[str, float]:
+    """``{"case/mode": TFLOP/s}`` of every case's goal, as stored in a results file."""
+    return {f"{c.name}/{mode}": value for c in cases for mode, value in c.goal}
 
 
 def parse_config(data: Any) -> list[Case]:

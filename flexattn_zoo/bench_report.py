@@ -49,13 +49,17 @@ def _route_order(rows: Sequence[dict[str, Any]]) -> list[str]:
     return sorted(routes, key=lambda r: r != "auto")
 
 
-def summary(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    """Header and lines: one line per case x mode, one column per route, then the ratios."""
+def summary(
+    rows: Sequence[dict[str, Any]], goals: dict[str, float] | None = None
+) -> tuple[list[str], list[list[str]]]:
+    """Header and lines: one line per case x mode, one column per route, then the ratios and,
+    with ``goals`` (``{"case/mode": TFLOP/s}``), whether ``auto`` met its case's goal."""
+    goals = goals or {}
     routes = _route_order(rows)
     by_key = {(r["case"], r["mode"], r["route"]): r for r in rows}
     ratios = (["auto/best"] if "auto" in routes else []) + (
         ["auto/raw_flex"] if {"auto", "raw_flex"} <= set(routes) else []
-    )
+    ) + (["goal (auto)"] if goals and "auto" in routes else [])
     header = ["case", "mode", "shape", "visible", "auto chose", *routes, *ratios]
     lines = []
     for case in _order(rows, "case"):
@@ -76,6 +80,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
             ratio_cells = {
                 "auto/best": f"{auto_t / best['tflops']:.2f} ({best['route']})" if auto_t and best else "",
                 "auto/raw_flex": f"{auto_t / raw_t:.2f}" if auto_t and raw_t else "",
+                "goal (auto)": _goal_cell(goals.get(f"{case}/{mode}"), auto_t),
             }
             lines.append([
                 case, mode, _shape(any_row), f"{100 * density:.1f}%" if density is not None else "",
@@ -85,13 +90,23 @@ def summary(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]
     return header, lines
 
 
+def _goal_cell(goal: float | None, got: float | None) -> str:
+    if goal is None:
+        return ""
+    if got is None:
+        return f"{goal:g}: no auto result"
+    return f"{goal:g}: met" if got >= goal else f"{goal:g}: NOT met ({100 * (got / goal - 1):+.1f}%)"
+
+
 def _shape(row: dict[str, Any]) -> str:
     heads = f"{row['heads']}:{row['kv_heads']}" if row["kv_heads"] != row["heads"] else str(row["heads"])
     return f"{row['batch']}x{heads}x{row['seq_len']}x{row['head_dim']}"
 
 
-def rich_table(rows: Sequence[dict[str, Any]], title: str = "TFLOP/s on visible work") -> Table:
-    header, lines = summary(rows)
+def rich_table(
+    rows: Sequence[dict[str, Any]], title: str = "TFLOP/s on visible work", goals: dict[str, float] | None = None
+) -> Table:
+    header, lines = summary(rows, goals)
     table = Table(title=title, title_justify="left")
     for i, name in enumerate(header):
         table.add_column(name, justify="left" if i < 5 else "right", no_wrap=i < 2)
@@ -139,9 +154,10 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
         "TFLOP/s on visible work only: forward 4·B·H·visible_pairs·D, forward+backward 3.5x that "
         "(backward counted as 2.5x forward). Median of the timed runs after warm-up "
         "(CUDA events on GPU). `n/a`: the route cannot run the case exactly (reasons below); "
-        "`auto/best`: auto's TFLOP/s over the fastest other route's (named).", "",
+        "`auto/best`: auto's TFLOP/s over the fastest other route's (named)."
+        + (" `goal (auto)`: the config's target TFLOP/s for auto, met or not." if data.get("goals") else ""), "",
     ]  # fmt: skip
-    header, lines = summary(rows)
+    header, lines = summary(rows, data.get("goals"))
     parts += _md_table(header, lines)
     problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
     if problems:

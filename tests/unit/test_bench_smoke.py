@@ -93,6 +93,7 @@ def test_smoke_markdown(smoke: tuple[int, dict[str, Any], str]) -> None:
     assert data["env"]["command"] in md
     assert "| case | mode |" in md and "auto/best" in md and "sdpa_dense_mask" in md
     assert "n/a" in md and "has no backward" in md
+    assert "goal (auto)" in md and "1e-06: met" in md and "1e+06: NOT met" in md
 
 
 def test_visible_pairs_match_dense_oracle() -> None:
@@ -129,6 +130,11 @@ def test_config_errors_name_the_valid_choices() -> None:
         parse_config(_config(kv_heads=3))
     with pytest.raises(ValueError, match="mask"):
         parse_config(_config(mask={"name": "causl"}))
+    with pytest.raises(ValueError, match=r"goal must map fwd and/or fwdbwd"):
+        parse_config(_config(goal={"forward": 1.0}))
+    with pytest.raises(ValueError, match=r"goal.fwd must be a positive number"):
+        parse_config(_config(goal={"fwd": -1}))
+    assert parse_config(_config(goal={"fwdbwd": 5, "fwd": 7}))[0].goal == (("fwd", 7.0), ("fwdbwd", 5.0))
     h200 = load_config(H200)
     assert [c.name for c in h200] == [
         "causal", "alibi_causal", "softcap_causal", "document_causal", "prefix_lm", "causal_d64",
