@@ -64,7 +64,7 @@ def _row(case: Case, route: str, mode: str, device: torch.device, visible: int |
     flops = 4 * case.head_dim * visible * FLOP_FACTOR[mode] if visible is not None else None
     return {
         "case": case.name, "route": route, "mode": mode, "status": "error", "reason": None, "chosen": None,
-        "ms": None, "tflops": None, "peak_mib": None, "base_mib": None, "compile_s": None,
+        "ms": None, "host_ms": None, "tflops": None, "peak_mib": None, "base_mib": None, "compile_s": None,
         "blockmask_s": None, "blockmask_compile_s": None, "max_err": None, "err_vs": None,
         "batch": case.batch, "heads": case.heads, "kv_heads": case.kv_heads, "seq_len": L,
         "head_dim": case.head_dim, "dtype": str(case.dtype).removeprefix("torch."), "device": str(device),
@@ -93,8 +93,8 @@ def run_one(row: dict[str, Any], case: Case, mask: Any, score: Any, x: bench_rou
         oom = "out of memory" in str(exc).lower() or "can't allocate memory" in str(exc).lower()
         row["status"], row["reason"] = ("OOM" if oom else "error"), _message(exc)
     if outcome is not None:
-        row.update(status="ok", chosen=outcome.prepared.chosen, ms=outcome.ms, compile_s=outcome.compile_s,
-                   peak_mib=outcome.peak_mib, base_mib=outcome.base_mib, blockmask_s=outcome.prepared.blockmask_s,
+        row.update(status="ok", chosen=outcome.prepared.chosen, ms=outcome.ms, host_ms=outcome.host_ms,
+                   compile_s=outcome.compile_s, peak_mib=outcome.peak_mib, base_mib=outcome.base_mib, blockmask_s=outcome.prepared.blockmask_s,
                    blockmask_compile_s=outcome.prepared.blockmask_compile_s, notes=outcome.notes)  # fmt: skip
         if row["flops"] is not None and outcome.ms > 0:
             row["tflops"] = row["flops"] / (outcome.ms * 1e-3) / 1e12

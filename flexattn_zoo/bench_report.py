@@ -178,11 +178,11 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
     if notes:
         parts += ["", "## Notes", ""]
         parts += [f"- {r['case']} / {r['mode']} / {r['route']}: {'; '.join(r['notes'])}" for r in notes]
-    detail_header = ["case", "mode", "route", "status", "ms", "TFLOP/s", "peak MiB", "compile s",
+    detail_header = ["case", "mode", "route", "status", "ms", "host ms", "TFLOP/s", "peak MiB", "compile s",
                      "mask build ms", "max err"]  # fmt: skip
     detail = [
         [r["case"], r["mode"], r["route"] + (f" -> {r['chosen']}" if r.get("chosen") else ""), r["status"],
-         _num(r.get("ms"), ".3f"), fmt_tflops(r.get("tflops")) if r["status"] == "ok" else "",
+         _num(r.get("ms"), ".3f"), _num(r.get("host_ms"), ".3f"), fmt_tflops(r.get("tflops")) if r["status"] == "ok" else "",
          _num(r.get("peak_mib"), ".0f"), _num(r.get("compile_s"), ".2f"),
          _num(r["blockmask_s"] * 1e3 if r.get("blockmask_s") is not None else None, ".2f"),
          _num(r.get("max_err"), ".2e")]
@@ -193,7 +193,8 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
                   "`compile s` = first call minus a steady call (a kernel another route already compiled "
                   "in this process shows ~0); `mask build ms` = fz.block_mask (flex routes), compiled "
                   "create_block_mask (raw_flex) or the dense mask (sdpa_dense_mask); `max err` = max |out - "
-                  "out of the first route run| (fwd only).", "", "<details><summary>table</summary>", ""]  # fmt: skip
+                  "out of the first route run| (fwd only); `host ms` = the host's time to issue one call (CUDA): "
+                  "when it reaches `ms`, the call is host-bound and `ms` measures the host.", "", "<details><summary>table</summary>", ""]  # fmt: skip
         parts += _md_table(detail_header, detail)
         parts += ["", "</details>"]
     return "\n".join(parts) + "\n"

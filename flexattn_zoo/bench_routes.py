@@ -82,6 +82,7 @@ class Outcome:
     base_mib: float | None
     out: torch.Tensor | None  # first fwd output, for the error check
     notes: list[str]
+    host_ms: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,4 +264,4 @@ def run(route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, dev
 
         t = measure(step, device, case.warmup, case.iters, on_first=keep)
     return Outcome(prep, t.median_ms, t.compile_s, t.peak_mib, t.base_mib, first[0] if first else None,
-                   [*prep.notes, *notes])  # fmt: skip
+                   [*prep.notes, *notes], t.host_ms)  # fmt: skip

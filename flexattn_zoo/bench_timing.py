@@ -3,6 +3,10 @@
 Timing follows the usual GPU recipe: one first call timed on the wall clock (it includes
 compilation), ``warmup`` untimed calls, then ``iters`` calls each bracketed by CUDA events; the
 median is reported. On CPU the events are ``time.perf_counter`` around ``torch.cpu.synchronize``.
+
+The timed calls run back to back, as in a model: when a call's host work (Python, launches)
+takes longer than its kernels, the GPU waits and the events measure the host. ``host_ms`` (median
+wall time for the host to return from one call, no synchronization) shows when that happens.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Timing:
     times_ms: list[float]
     peak_mib: float | None
     base_mib: float | None
+    host_ms: float | None = None  # median host time to issue one call (CUDA only)
 
     @property
     def compile_s(self) -> float:
@@ -78,13 +83,17 @@ def measure(
         base = torch.cuda.memory_allocated(device) / MIB
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        host = []
         for i in range(iters):
             starts[i].record()
+            t0 = time.perf_counter()
             step()
+            host.append((time.perf_counter() - t0) * 1e3)
             ends[i].record()
         torch.cuda.synchronize(device)
         times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
         peak = torch.cuda.max_memory_allocated(device) / MIB
+        return Timing(first, statistics.median(times), times, peak, base, statistics.median(host))
     else:
         times = []
         for _ in range(iters):

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "benchmarks" / "configs" / "smoke.yaml"
 H200 = ROOT / "benchmarks" / "configs" / "h200.yaml"
 ROW_KEYS = {
-    "case", "route", "mode", "ms", "tflops", "peak_mib", "compile_s", "blockmask_s", "status", "reason",
+    "case", "route", "mode", "ms", "host_ms", "tflops", "peak_mib", "compile_s", "blockmask_s", "status", "reason",
     "chosen", "max_err", "err_vs", "visible_pairs", "density", "flops", "notes",
 }  # fmt: skip
 ENV_KEYS = {"torch", "triton", "cuda", "cudnn", "gpu", "cc", "flash_attn_cute", "command"}
