@@ -331,20 +331,9 @@ def decode_step(
         rows = _rows_per_launch(k_cache, v_cache)
         if rows < batch:  # a cache too large for one flex launch: decode it a slice of rows at a time
             parts = [
-                decode_step(
-                    q[i : i + rows],
-                    k_cache[i : i + rows],
-                    v_cache[i : i + rows],
-                    lens[i : i + rows],
-                    mask=spec,
-                    score_mod=score,
-                    scale=scale,
-                    enable_gqa=gqa,
-                    sinks=sinks,
-                    return_lse=True,
-                    backend=backend,
-                    block_size=block_size,
-                )  # fmt: skip
+                decode_step(q[i : i + rows], k_cache[i : i + rows], v_cache[i : i + rows], lens[i : i + rows],
+                            mask=spec, score_mod=score, scale=scale, enable_gqa=gqa, sinks=sinks,
+                            return_lse=True, backend=backend, block_size=block_size)  # fmt: skip
                 for i in range(0, batch, rows)
             ]
             out = torch.cat([o for o, _ in parts])
@@ -365,17 +354,8 @@ def decode_step(
         if q.is_cuda and q_len > 0:
             out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
         else:  # the CPU keeps fz.attention's per-call checks (its NaN check guards flex_cpu)
-            out, lse = _attend(
-                q,
-                k_run,
-                v_run,
-                need_lse,
-                mask=bm,
-                score_mod=run_score,
-                scale=scale,
-                enable_gqa=gqa,
-                backend=backend,
-            )
+            out, lse = _attend(q, k_run, v_run, need_lse, mask=bm, score_mod=run_score, scale=scale,
+                               enable_gqa=gqa, backend=backend)  # fmt: skip
     else:
         dm.update(lens, block_table if paged else None)
         live = int(lens.max()) if lens.numel() else 0
@@ -395,17 +375,8 @@ def decode_step(
             if inner_score is not None
             else None
         )
-        out, lse = _attend(
-            q,
-            k_run,
-            v_run,
-            need_lse,
-            mask=run_mask,
-            score_mod=dense_score,
-            scale=scale,
-            enable_gqa=gqa,
-            backend="dense",
-        )
+        out, lse = _attend(q, k_run, v_run, need_lse, mask=run_mask, score_mod=dense_score, scale=scale,
+                           enable_gqa=gqa, backend="dense")  # fmt: skip
     if sinks is not None:
         check_sinks(sinks, heads, q.device)
         out, lse = apply_sinks(out, lse, sinks)
@@ -447,17 +418,8 @@ def _run_planned(  # type: ignore[no-untyped-def]
     )  # fmt: skip
     chosen = dm.runs.get(sig)
     if chosen is None:
-        chosen = plan(
-            q,
-            k,
-            v,
-            mask=bm,
-            score_mod=score,
-            scale=scale,
-            enable_gqa=gqa,
-            backend=backend,
-            return_lse=need_lse,
-        )
+        chosen = plan(q, k, v, mask=bm, score_mod=score, scale=scale, enable_gqa=gqa, backend=backend,
+                      return_lse=need_lse)  # fmt: skip
         chosen = dm.runs.put(sig, chosen)
     return execute_plan(chosen, q, k, v, scale=None if scale is None else float(scale), block_mask=bm)
 

@@ -46,11 +46,15 @@ class Backend:
     #: The kernel's backward is deterministic only under torch's deterministic mode (FA2 and the
     #: memory-efficient kernel on CUDA read that flag when their backward runs).
     needs_torch_deterministic_mode: bool = False
+    #: Runs FlashAttention-4's CuTe kernels: needs ``flash_attn.cute`` (flash-attn-4) importable.
+    needs_flash_cute: bool = False
     doc: str = ""
 
     # -- machine-level ------------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
         """Why this route cannot run on this machine at all (imports, torch version); [] if it can."""
+        if self.needs_flash_cute and not _compat.flash_cute_available():
+            return ["flash_attn.cute (flash-attn-4) is not installed"]
         return []
 
     # -- problem-level ------------------------------------------------------------------------

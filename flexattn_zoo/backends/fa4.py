@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import LOW_PRECISION, Backend
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.lru import LRUCache
@@ -82,11 +81,6 @@ def _softcap(p: Problem) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttn4Backend(Backend):
-    def unavailable_reasons(self) -> list[str]:
-        if not _compat.flash_cute_available():
-            return ["flash_attn.cute (flash-attn-4) is not installed"]
-        return []
-
     def mask_reasons(self, p: Problem) -> list[str]:
         from flexattn_zoo.score_mods.softcap import SoftCap
 
@@ -145,7 +139,7 @@ def _split(res: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 FA4 = FlashAttn4Backend(
     name="fa4", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
     head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
-    deterministic=False,
+    needs_flash_cute=True, deterministic=False,
     nondeterministic_why="FA4's backward accumulates dQ with atomics (its deterministic mode is not validated here)",
     doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks, SoftCap(approx=True)",
 )  # fmt: skip

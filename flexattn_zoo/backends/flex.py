@@ -119,11 +119,6 @@ def _batch_broadcast(t: torch.Tensor) -> bool:
 class FlexFlashBackend(FlexBackend):
     """flex with ``BACKEND="FLASH"``: the FlashAttention-4 CuTe kernels (sm90/sm100)."""
 
-    def unavailable_reasons(self) -> list[str]:
-        if not _compat.flash_cute_available():
-            return ["flash_attn.cute (flash-attn-4) is not installed"]
-        return []
-
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
         if p.score is not None and p.score.captures_grad_tensors():
@@ -157,7 +152,7 @@ FLEX = FlexBackend(
 FLEX_FLASH = FlexFlashBackend(
     name="flex_flash", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
     head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
-    kernel_options=(("BACKEND", "FLASH"),), deterministic=False,
+    kernel_options=(("BACKEND", "FLASH"),), needs_flash_cute=True, deterministic=False,
     nondeterministic_why=(
         "FA4's backward with a block mask is deterministic only on sm100+ with dQ write-order "
         "metadata (torch >= 2.13), which these BlockMasks do not carry"
