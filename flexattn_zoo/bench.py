@@ -2,14 +2,15 @@
 
     python -m flexattn_zoo.bench benchmarks/configs/smoke.yaml --out results.json --md results.md
     flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--png PREFIX] [--cases a,b] [--routes x,y]
-                       [--modes fwd] [--iters N] [--warmup N] [--resume] [--time-budget S] [--no-fa4]
+                       [--modes fwd] [--iters N] [--warmup N] [--resume [--rerun]] [--time-budget S] [--no-fa4]
 
 For each case (see :mod:`flexattn_zoo.bench_config` for the YAML schema), mode and route it
 records one row: median time, TFLOP/s on visible work, peak memory, compile time, mask build time
 and a status: ``ok``, ``unsupported`` (with the dispatcher's reasons), ``OOM`` (caught, or skipped by
 the dense-memory estimate) or ``error`` (the exception, never a crash). Rows are written to
 ``--out`` after every route, so a sweep that is killed keeps what it measured; ``--resume`` skips
-rows already there, and ``--time-budget`` stops starting new rows after S seconds (exit code 3).
+rows already there (``--rerun``: the selected cases/routes/modes are measured again), and
+``--time-budget`` stops starting new rows after S seconds (exit code 3).
 ``--report-only`` rewrites the Markdown/PNGs from an existing ``--out`` JSON.
 
 Exit codes: 0 done, 1 matplotlib missing for ``--png``, 2 bad input, 3 stopped by the time budget.
@@ -209,6 +210,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--resume", action="store_true", help="keep the rows already in --out and run only the others"
     )
+    p.add_argument(
+        "--rerun", action="store_true",
+        help="with --resume: measure the selected cases/routes/modes again, replacing their rows",
+    )  # fmt: skip
     p.add_argument("--time-budget", type=float, metavar="S", help="start no new row after S seconds (exit 3)")
     p.add_argument("--no-fa4", action="store_true", help="hide flash_attn.cute (FA4) from this process")
     p.add_argument("--report-only", action="store_true", help="only rewrite --md/--png from the --out JSON")
@@ -234,6 +239,10 @@ def _select(cases: list[Case], args: argparse.Namespace) -> list[Case]:
     return [dataclasses.replace(c, **changes) for c in cases]
 
 
+def _selected(row: dict[str, Any], cases: list[Case]) -> bool:
+    return any(row["case"] == c.name and row["route"] in c.routes and row["mode"] in c.modes for c in cases)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Summary tables are wide: don't squeeze them into 80 columns when stdout is a file or pipe.
@@ -254,6 +263,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
                 raise MissingDependency("--png needs matplotlib: pip install 'flexattn-zoo[viz]'")
         if (args.resume or args.report_only) and args.out is None:
             raise ValueError("--resume and --report-only need --out")
+        if args.rerun and not args.resume:
+            raise ValueError("--rerun only makes sense with --resume (without it every row is measured anew)")
         complete = True
         if args.report_only:
             data = json.loads(args.out.read_text())
@@ -265,6 +276,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
                 data = json.loads(args.out.read_text())
                 previous = data.get("env", {})
                 history = [*previous.get("previous_commands", []), previous.get("command")]
+                if args.rerun:
+                    data["rows"] = [r for r in data.get("rows", []) if not _selected(r, cases)]
             else:
                 history = []
             env = collect_env(_device(cases[0]), command)

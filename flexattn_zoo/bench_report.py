@@ -57,9 +57,11 @@ def summary(
     goals = goals or {}
     routes = _route_order(rows)
     by_key = {(r["case"], r["mode"], r["route"]): r for r in rows}
-    ratios = (["auto/best"] if "auto" in routes else []) + (
-        ["auto/raw_flex"] if {"auto", "raw_flex"} <= set(routes) else []
-    ) + (["goal (auto)"] if goals and "auto" in routes else [])
+    ratios = (
+        (["auto/best"] if "auto" in routes else [])
+        + (["auto/raw_flex"] if {"auto", "raw_flex"} <= set(routes) else [])
+        + (["goal (auto)"] if goals and "auto" in routes else [])
+    )
     header = ["case", "mode", "shape", "visible", "auto chose", *routes, *ratios]
     lines = []
     for case in _order(rows, "case"):
@@ -78,8 +80,10 @@ def summary(
             raw_t = raw["tflops"] if raw and raw["status"] == "ok" else None
             density = any_row.get("density")
             ratio_cells = {
-                "auto/best": f"{auto_t / best['tflops']:.2f} ({best['route']})" if auto_t and best else "",
-                "auto/raw_flex": f"{auto_t / raw_t:.2f}" if auto_t and raw_t else "",
+                "auto/best": _ratio_cell(
+                    auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best and best["route"]
+                ),
+                "auto/raw_flex": _ratio_cell(auto_t, raw_t, AUTO_VS_RAW_FLEX),
                 "goal (auto)": _goal_cell(goals.get(f"{case}/{mode}"), auto_t),
             }
             lines.append([
@@ -88,6 +92,20 @@ def summary(
                 *(ratio_cells[name] for name in ratios),
             ])  # fmt: skip
     return header, lines
+
+
+#: Issue 4's rules for auto: never more than 3% below the fastest route, at least 1.3x raw_flex.
+AUTO_VS_BEST = 0.97
+AUTO_VS_RAW_FLEX = 1.3
+
+
+def _ratio_cell(got: float | None, other: float | None, rule: float, name: str | None = None) -> str:
+    """``"1.04"``, ``"1.04 (flex)"`` with the other route named; `` -- below r`` when under ``rule``."""
+    if not got or not other:
+        return ""
+    ratio = got / other
+    text = f"{ratio:.2f}" + (f" ({name})" if name else "")
+    return text + (f" -- below {rule:g}" if ratio < rule else "")
 
 
 def _goal_cell(goal: float | None, got: float | None) -> str:
@@ -104,7 +122,9 @@ def _shape(row: dict[str, Any]) -> str:
 
 
 def rich_table(
-    rows: Sequence[dict[str, Any]], title: str = "TFLOP/s on visible work", goals: dict[str, float] | None = None
+    rows: Sequence[dict[str, Any]],
+    title: str = "TFLOP/s on visible work",
+    goals: dict[str, float] | None = None,
 ) -> Table:
     header, lines = summary(rows, goals)
     table = Table(title=title, title_justify="left")
@@ -154,7 +174,8 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
         "TFLOP/s on visible work only: forward 4·B·H·visible_pairs·D, forward+backward 3.5x that "
         "(backward counted as 2.5x forward). Median of the timed runs after warm-up "
         "(CUDA events on GPU). `n/a`: the route cannot run the case exactly (reasons below); "
-        "`auto/best`: auto's TFLOP/s over the fastest other route's (named)."
+        "`auto/best`: auto's TFLOP/s over the fastest other route's (named); it and `auto/raw_flex` "
+        f"say `below` where auto misses the rules ({AUTO_VS_BEST:g} and {AUTO_VS_RAW_FLEX:g}x)."
         + (" `goal (auto)`: the config's target TFLOP/s for auto, met or not." if data.get("goals") else ""), "",
     ]  # fmt: skip
     header, lines = summary(rows, data.get("goals"))

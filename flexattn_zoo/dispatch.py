@@ -17,9 +17,9 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
-from flexattn_zoo.backends.fa4 import fa4_layout
 from flexattn_zoo.custom import as_mask_spec, as_score_spec
 from flexattn_zoo.problem import Problem
+from flexattn_zoo.segments import segment_layout
 from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def problem_traits(p: Problem) -> frozenset[str]:
     if p.gqa:
         traits.add("gqa")
     if p.mask is not None and p.q_len == p.kv_len and not p.user_block_mask:
-        layout = fa4_layout(p.mask, p.batch, p.q_len)
+        layout = segment_layout(p.mask, p.batch, p.q_len)
         if layout is not None and layout[0] == "packed":
             traits.add("packed_segments")
     return frozenset(traits)

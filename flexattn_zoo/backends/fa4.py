@@ -24,13 +24,8 @@ import torch
 
 from flexattn_zoo.backends.base import LOW_PRECISION, Backend
 from flexattn_zoo.backends.varlen import cu_seqlens
-from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.spec import MaskSpec, VarlenForm
-
-Layout = tuple[str, int, tuple[int | None, int | None]]
-#: Per (mask, batch, length): how the call is laid out (see ``fa4_layout``).
-LAYOUT_CACHE: LRUCache[Layout] = LRUCache(64)
+from flexattn_zoo.segments import segment_layout
 
 
 def fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
@@ -41,33 +36,6 @@ def fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
     """
     left, right = window
     return (None if left < 0 else left, None if right < 0 else right)
-
-
-def fa4_layout(mask: MaskSpec | None, batch: int, length: int) -> Layout | None:
-    """``(kind, chunk, window)`` of a ``[batch, length]`` call (Lq == Lkv), or None when the mask
-    has no varlen form; cached per (mask, batch, length).
-
-    ``kind`` is ``"rows"`` (one segment per batch row), ``"chunks"`` (every segment ``chunk`` long,
-    tiling each row) or ``"packed"`` (anything else: cu_seqlens).
-    """
-    key = (mask, batch, length)
-    found = LAYOUT_CACHE.get(key)
-    if found is not None:
-        return found
-    form = mask.varlen_form(length, length, batch) if mask is not None else VarlenForm(None)
-    return None if form is None else LAYOUT_CACHE.put(key, _layout(form, length))
-
-
-def _layout(form: VarlenForm, length: int) -> Layout:
-    window = fa4_window(form.window)
-    if form.segments is None:
-        return "rows", length, window
-    seg = form.segments.detach().to("cpu", torch.int64)
-    lengths = seg[seg > 0]
-    chunk = int(lengths[0]) if lengths.numel() else 0
-    if chunk > 0 and length % chunk == 0 and bool((lengths == chunk).all()):
-        return ("rows" if chunk == length else "chunks"), chunk, window
-    return "packed", 0, window
 
 
 def _softcap(p: Problem) -> float:
@@ -94,7 +62,7 @@ class FlashAttn4Backend(Backend):
             out.append("takes no BlockMask")
         elif p.mask is not None and p.q_len != p.kv_len:
             out.append("needs Lq == Lkv when a mask is given")
-        elif p.mask is not None and fa4_layout(p.mask, p.batch, p.q_len) is None:
+        elif segment_layout(p.mask, p.batch, p.q_len) is None:
             out.append(f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window)")
         return out
 
@@ -102,11 +70,15 @@ class FlashAttn4Backend(Backend):
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # type: ignore[import-not-found]
 
         b, h, lq, d = q.shape
-        layout = fa4_layout(p.mask, b, lq) if p.mask is not None else ("rows", lq, (None, None))
+        layout = segment_layout(p.mask, b, lq)
         assert layout is not None  # mask_reasons refused masks without one
         kind, chunk, window = layout
         common: dict[str, Any] = dict(
-            softmax_scale=scale, causal=False, window_size=window, softcap=_softcap(p), return_lse=p.return_lse
+            softmax_scale=scale,
+            causal=False,
+            window_size=fa4_window(window),
+            softcap=_softcap(p),
+            return_lse=p.return_lse,
         )
         # FA4 takes [batch, seq, heads, dim]; ours are [B, H, L, D] views of either layout.
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -114,7 +86,12 @@ class FlashAttn4Backend(Backend):
             cu, max_len, _ = cu_seqlens(p.mask, b, lq, str(q.device))
             packed = [t.reshape(b * lq, t.shape[2], d) for t in (qt, kt, vt)]
             res = flash_attn_varlen_func(
-                *packed, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len, **common
+                *packed,
+                cu_seqlens_q=cu,
+                cu_seqlens_k=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_k=max_len,
+                **common,
             )
             out, lse = _split(res)
             out = out.view(b, lq, h, d).transpose(1, 2)

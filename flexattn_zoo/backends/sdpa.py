@@ -1,8 +1,10 @@
 """PyTorch SDPA routes, each pinned to one kernel with ``sdpa_kernel`` (so nothing falls back).
 
 SDPA is only exact for masks whose ``sdpa_form()`` is "no mask" or ``is_causal`` (top-left,
-offered only when Lq == Lkv), and for no score mod: a dense boolean mask would materialize
-Lq x Lkv, which this library never does behind the user's back.
+offered only when Lq == Lkv), for equal chunks of either (``Chunked``, ``Chunked & Causal``,
+equal documents: each chunk becomes a batch row, see ``segments.as_chunks``), and for no score
+mod: a dense boolean mask would materialize Lq x Lkv, which this library never does behind the
+user's back.
 
 ``sdpa_kernel`` flips process-global flags (``torch._C._set_sdp_use_*``) and restores them on
 exit; two threads pinning different kernels could run each other's kernel or leave the flags
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, _dtype_names
 from flexattn_zoo.problem import Problem
+from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,20 +44,41 @@ class SdpaBackend(Backend):
                 out.append(f"CUDA kernel needs head dim {lo}..{hi}")
         if p.user_block_mask:
             out.append("takes no BlockMask")
-        elif p.mask is not None and p.mask.sdpa_form(p.q_len, p.kv_len) is None:
+        elif _sdpa_call(p) is None:
             out.append(
-                f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask, or causal with Lq == Lkv)"
+                f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask or causal with Lq == Lkv, "
+                "or equal chunks of either)"
             )
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
-        form = p.mask.sdpa_form(p.q_len, p.kv_len) if p.mask is not None else None
-        is_causal = bool(form and form.is_causal)
+        call = _sdpa_call(p)
+        assert call is not None  # mask_reasons refused the rest
+        is_causal, chunk = call
+        batch = q.shape[0]
+        if chunk:
+            q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
         if self.kernel != "MATH":
             q, k, v = (_fused_layout(t) for t in (q, k, v))
         with _SDPA_LOCK, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=p.gqa)
-        return out, None
+        return (from_chunks(out, batch) if chunk else out), None
+
+
+def _sdpa_call(p: Problem) -> tuple[bool, int] | None:
+    """``(is_causal, chunk)`` of the exact SDPA call for ``p``'s mask (``chunk`` 0: the call as it
+    is, else each ``chunk`` positions as their own batch row), or None when there is none."""
+    if p.mask is None:
+        return False, 0
+    form = p.mask.sdpa_form(p.q_len, p.kv_len)
+    if form is not None:
+        return form.is_causal, 0
+    if p.q_len != p.kv_len:
+        return None
+    layout = segment_layout(p.mask, p.batch, p.q_len)
+    if layout is None or layout[0] != "chunks" or layout[2] not in ((-1, -1), (-1, 0)):
+        return None
+    return layout[2] == (-1, 0), layout[1]
 
 
 _SDPA_LOCK = threading.Lock()

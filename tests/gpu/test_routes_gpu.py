@@ -39,6 +39,8 @@ PRESETS = {
     "document_causal": (lambda: _doc() & masks.Causal(), None),
     "prefix_lm": (lambda: masks.PrefixLM(prefix_len=torch.tensor([40, 300])), None),
     "chunked_causal": (lambda: masks.Chunked(size=128) & masks.Causal(), None),
+    "chunked_equal_causal": (lambda: masks.Chunked(size=111) & masks.Causal(), None),  # 333 = 3 chunks
+    "chunked_equal": (lambda: masks.Chunked(size=111), None),
     "alibi_causal": (lambda: masks.Causal(), "alibi"),
     "softcap_causal": (lambda: masks.Causal(), "softcap"),
     "softcap_approx_causal": (lambda: masks.Causal(), "softcap_approx"),
@@ -117,11 +119,12 @@ def test_route_coverage() -> None:
     accepted = {r: {p for p in PRESETS if _accepts(r, p)} for r in ROUTES}
     assert set(PRESETS) == accepted["flex"], accepted["flex"]
     for r in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math"):
-        assert {"full", "causal"} <= accepted[r], (r, accepted[r])
-    assert {"full", "causal", "sliding", "document_causal", "chunked_causal"} <= accepted["varlen"], accepted["varlen"]
+        assert {"full", "causal", "chunked_equal_causal", "chunked_equal"} <= accepted[r], (r, accepted[r])
+    chunks = {"chunked_causal", "chunked_equal_causal", "chunked_equal"}
+    assert {"full", "causal", "sliding", "document_causal"} | chunks <= accepted["varlen"], accepted["varlen"]
     if _compat.flash_cute_available():
         assert set(PRESETS) == accepted["flex_flash"], accepted["flex_flash"]
-        fa4 = {"full", "causal", "sliding", "document_causal", "chunked_causal", "softcap_approx_causal"}
+        fa4 = {"full", "causal", "sliding", "document_causal", "softcap_approx_causal"} | chunks
         assert fa4 == accepted["fa4"], accepted["fa4"]
 
 
@@ -221,12 +224,12 @@ def test_backends_declared() -> None:
 def test_fa4_layouts_with_lse_and_gqa(mask, length: int, layout: str, batch: int) -> None:  # type: ignore[no-untyped-def]
     """Each way the fa4 route lays a call out (rows, a batch of chunks, packed cu_seqlens), with
     GQA, lse and gradients, against float64; batch 1 keeps the chunk view copy-free."""
-    from flexattn_zoo.backends.fa4 import fa4_layout
+    from flexattn_zoo.segments import segment_layout
 
     if mask == "documents":
         mask = masks.Document.from_lengths([[100, 150, 83], [20, 313]][:batch]) & masks.Causal()
     bound = mask.bind(length, length)
-    assert fa4_layout(bound, batch, length)[0] == layout
+    assert segment_layout(bound, batch, length)[0] == layout
     g = torch.Generator(device=DEV).manual_seed(1)
     q = torch.randn(batch, 8, length, 128, device=DEV, dtype=torch.float16, generator=g).requires_grad_(True)
     k = torch.randn(batch, 2, length, 128, device=DEV, dtype=torch.float16, generator=g).requires_grad_(True)

@@ -166,6 +166,15 @@ def test_cli_bench_delegates(tmp_path: Path) -> None:
         ("causal", "sdpa_math", "fwd", "ok")
     ]
     assert cli.main(["bench", str(SMOKE), "--cases", "nope", "--quiet"]) == 2
+    # --rerun replaces only the selected rows; the others are kept as they are.
+    assert cli.main([*args[:4], "--modes", "fwd", "--routes", "sdpa_math,sdpa_flash", "--quiet", "--out", str(out),
+                     "--resume"]) == 0  # fmt: skip
+    before = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
+    assert cli.main([*args, "--out", str(out), "--resume", "--rerun"]) == 0
+    after = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
+    assert after.keys() == {"sdpa_math", "sdpa_flash"} and after["sdpa_flash"] == before["sdpa_flash"]
+    assert after["sdpa_math"]["wall_s"] != before["sdpa_math"]["wall_s"]  # measured again
+    assert cli.main([*args, "--out", str(out), "--rerun"]) == 2  # needs --resume
 
 
 def test_png_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -41,12 +41,17 @@ DOC = masks.Document.from_lengths([300, 500, 224])
         (_problem(masks.Causal(), lq=1000, lkv=1200), "flex"),  # no SDPA form when Lq != Lkv
         (_problem(DOC & masks.Causal()), "flex"),  # measured: flex >= varlen on sm90
         (_problem(masks.SlidingWindow(left=127)), "flex"),
+        (_problem(masks.Chunked(size=256) & masks.Causal()), "sdpa_cudnn"),  # equal chunks as batch rows
+        (_problem(masks.Chunked(size=256), grad=True), "sdpa_cudnn"),
+        (_problem(masks.Chunked(size=300) & masks.Causal()), "flex"),  # unequal: no SDPA form
         (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "flex"),
         (_problem(masks.Causal(), dtype=torch.float32), "flex"),
         (_problem(masks.Causal(), arch="sm80"), "sdpa_flash"),
         (_problem(masks.Causal(), arch="sm86"), "sdpa_flash"),
         (_problem(masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32), "sdpa_flash"),
         (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32), "flex_cpu"),
+        (_problem(masks.Chunked(size=64) & masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32,
+                  grad=True), "sdpa_flash"),  # fmt: skip
         (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True), "dense"),
         (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, lse=True), "dense"),
     ],
@@ -174,10 +179,25 @@ def test_dense_memory_guard(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sdpa_cpu_routes_match_reference() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 96, 32, generator=g) for _ in range(3))
+    chunks = (masks.Chunked(size=32), masks.Chunked(size=24) & masks.Causal(), masks.Document.from_lengths([48, 48]))
     for backend in ("sdpa_flash", "sdpa_math"):
-        for mask in (None, "causal", masks.Causal(align="bottom_right")):
+        for mask in (None, "causal", masks.Causal(align="bottom_right"), *chunks):
             out = fz.attention(q, k, v, mask=mask, backend=backend, scale=0.3)
             assert_matches_reference(out, q, k, v, mask=mask, scale=0.3)
+
+
+def test_sdpa_chunks_backward_and_refusals() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 96, 32, generator=g).requires_grad_(True) for _ in range(3))
+    mask = masks.Chunked(size=32) & masks.Causal()
+    out = fz.attention(q, k, v, mask=mask, backend="sdpa_flash")
+    grad_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=mask, grads=grads, grad_out=grad_out)
+    # Unequal chunks and windows inside chunks have no SDPA call.
+    for bad in (masks.Chunked(size=40), masks.Chunked(size=32) & masks.SlidingWindow(left=4)):
+        with pytest.raises(ValueError, match="no exact SDPA form"):
+            fz.attention(q, k, v, mask=bad, backend="sdpa_math")
 
 
 # -- flex on CPU (compiled; each distinct spec costs one compile) ---------------------------------

@@ -1,4 +1,4 @@
-"""The fa4 route's call layouts and refusals, checked on the CPU (the kernels run in tests/gpu)."""
+"""Segment layouts (fa4 and SDPA chunk calls) and the fa4 route's refusals, on the CPU (kernels: tests/gpu)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.backends.fa4 import FA4, fa4_layout, fa4_window
+from flexattn_zoo.backends.fa4 import FA4, fa4_window
 from flexattn_zoo.problem import Problem
+from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
 
 
 def test_window_conversion() -> None:
@@ -21,17 +22,29 @@ def test_window_conversion() -> None:
 @pytest.mark.parametrize(
     ("mask", "length", "batch", "expected"),
     [
-        (masks.Causal(), 100, 2, ("rows", 100, (None, 0))),
+        (masks.Causal(), 100, 2, ("rows", 100, (-1, 0))),
         (masks.SlidingWindow(left=9, right=2), 100, 1, ("rows", 100, (9, 2))),
-        (masks.Chunked(size=25) & masks.Causal(), 100, 3, ("chunks", 25, (None, 0))),
-        (masks.Chunked(size=100), 100, 1, ("rows", 100, (None, None))),
-        (masks.Chunked(size=30) & masks.Causal(), 100, 1, ("packed", 0, (None, 0))),
-        (masks.Document.from_lengths([40, 60]) & masks.Causal(), 100, 2, ("packed", 0, (None, 0))),
-        (masks.Document.from_lengths([50, 50]), 100, 1, ("chunks", 50, (None, None))),
+        (masks.Chunked(size=25) & masks.Causal(), 100, 3, ("chunks", 25, (-1, 0))),
+        (masks.Chunked(size=100), 100, 1, ("rows", 100, (-1, -1))),
+        (masks.Chunked(size=30) & masks.Causal(), 100, 1, ("packed", 0, (-1, 0))),
+        (masks.Document.from_lengths([40, 60]) & masks.Causal(), 100, 2, ("packed", 0, (-1, 0))),
+        (masks.Document.from_lengths([50, 50]), 100, 1, ("chunks", 50, (-1, -1))),
     ],
 )
 def test_layouts(mask, length: int, batch: int, expected) -> None:  # type: ignore[no-untyped-def]
-    assert fa4_layout(mask.bind(length, length), batch, length) == expected
+    assert segment_layout(mask.bind(length, length), batch, length) == expected
+
+
+def test_chunks_are_views_of_projection_layouts() -> None:
+    proj = torch.randn(2, 96, 4, 8)  # [B, L, H, D] as a projection writes it
+    t = proj.transpose(1, 2)  # [B, H, L, D] view
+    chunked = as_chunks(t, 32)
+    assert chunked.shape == (6, 4, 32, 8) and chunked.data_ptr() == proj.data_ptr()
+    assert chunked._base is not None  # a view, no copy
+    torch.testing.assert_close(chunked[4], t[1, :, 32:64])
+    torch.testing.assert_close(from_chunks(chunked, 2), t)
+    contiguous = t.contiguous()  # [B, H, L, D] contiguous: one copy, same values
+    torch.testing.assert_close(from_chunks(as_chunks(contiguous, 24), 2), t)
 
 
 def _problem(**kw) -> Problem:  # type: ignore[no-untyped-def]

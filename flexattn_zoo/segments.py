@@ -1,0 +1,71 @@
+"""How a mask's varlen form lays a ``[batch, length]`` call out for kernels without mask mods.
+
+Kernels that only know "no mask", causal or a window (SDPA's fused kernels, FlashAttention-4's
+own kernels) can still run a block-diagonal mask exactly when the blocks are laid out so the
+kernel sees them as separate sequences:
+
+* ``rows``: one segment per batch row (no mask, causal, sliding window): the call as it is;
+* ``chunks``: every segment ``chunk`` long, tiling each row (``Chunked``, equal documents): the
+  rows viewed as a larger batch of chunks;
+* ``packed``: anything else (documents of unequal length): only varlen kernels (``cu_seqlens``).
+
+``window`` is the ``VarlenForm`` window inside each segment: ``(left, right)``, ``-1`` unbounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.spec import MaskSpec, VarlenForm
+
+#: ``(kind, chunk, window)``; ``chunk`` is the segment length for rows/chunks, 0 when packed.
+SegmentLayout = tuple[str, int, tuple[int, int]]
+#: Per (mask, batch, length): reading a document mask's segments is a device sync, so it is cached.
+LAYOUT_CACHE: LRUCache[SegmentLayout] = LRUCache(64)
+
+
+def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLayout | None:
+    """The layout of a ``[batch, length]`` call with ``Lq == Lkv``, or None when the mask has no
+    varlen form; cached per (mask, batch, length). No mask is ``("rows", length, (-1, -1))``."""
+    if mask is None:
+        return "rows", length, (-1, -1)
+    key = (mask, batch, length)
+    found = LAYOUT_CACHE.get(key)
+    if found is not None:
+        return found
+    form = mask.varlen_form(length, length, batch)
+    return None if form is None else LAYOUT_CACHE.put(key, _layout(form, length))
+
+
+def _layout(form: VarlenForm, length: int) -> SegmentLayout:
+    if form.segments is None:
+        return "rows", length, form.window
+    seg = form.segments.detach().to("cpu", torch.int64)
+    lengths = seg[seg > 0]
+    chunk = int(lengths[0]) if lengths.numel() else 0
+    if chunk > 0 and length % chunk == 0 and bool((lengths == chunk).all()):
+        return ("rows" if chunk == length else "chunks"), chunk, form.window
+    return "packed", 0, form.window
+
+
+def as_chunks(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[B, H, L, D]`` -> ``[B * L // chunk, H, chunk, D]``: each chunk its own batch row.
+
+    A view when the layout allows it (``[B, L, H, D]`` projections viewed with ``transpose(1, 2)``,
+    or B == 1), else one copy.
+    """
+    b, h, length, d = t.shape
+    return (
+        t.unflatten(2, (length // chunk, chunk)).transpose(1, 2).reshape(b * (length // chunk), h, chunk, d)
+    )
+
+
+def from_chunks(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of :func:`as_chunks`: ``[B * n, H, chunk, D]`` -> ``[B, H, n * chunk, D]``."""
+    bn, h, chunk, d = t.shape
+    n = bn // batch
+    return t.reshape(batch, n, h, chunk, d).transpose(1, 2).reshape(batch, h, n * chunk, d)
+
+
+__all__ = ["LAYOUT_CACHE", "SegmentLayout", "as_chunks", "from_chunks", "segment_layout"]
