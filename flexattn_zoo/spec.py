@@ -20,6 +20,7 @@ applied first, then ``b`` (function composition read left to right).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
@@ -88,6 +89,26 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 _MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
 
+#: Verdicts of ``==`` between two distinct live specs that hold tensors, by ``(id, id)``; an entry
+#: leaves when either spec is collected. Cache lookups compare a call's spec with the stored key
+#: whenever their hashes match: a value-equal spec built anew (the same document layout again, a
+#: second model with the same masks) compared tensor contents -- a device sync -- on every call
+#: (H200: 2.2 ms per call instead of 0.7 on document_causal_d64). Specs are immutable, so the
+#: verdict holds for their lifetime.
+_EQ_MEMO: dict[tuple[int, int], bool] = {}
+
+
+def _memo_key(a: object, b: object) -> tuple[int, int]:
+    return (id(a), id(b)) if id(a) < id(b) else (id(b), id(a))
+
+
+def _remember_equal(a: object, b: object, verdict: bool) -> None:
+    key = _memo_key(a, b)
+    if key not in _EQ_MEMO:
+        _EQ_MEMO[key] = verdict
+        for obj in (a, b):
+            weakref.finalize(obj, _EQ_MEMO.pop, key, None)
+
 
 class Spec:
     """Common behaviour: value equality, hashing, device moves."""
@@ -101,10 +122,18 @@ class Spec:
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
             return NotImplemented
-        return all(
+        if self is other:
+            return True
+        known = _EQ_MEMO.get(_memo_key(self, other))
+        if known is not None:
+            return known
+        verdict = all(
             _values_equal(a, b)
             for a, b in zip(self._fields(), other._fields(), strict=True)  # type: ignore[attr-defined]
         )
+        if self.tensors():  # comparing read tensor contents: don't do it again for this pair
+            _remember_equal(self, other, verdict)
+        return verdict
 
     def __hash__(self) -> int:
         # Cached: specs are immutable (tensor parameters included, by contract) and hashing a

@@ -215,3 +215,25 @@ def test_specs_with_different_tensors_do_not_share_hash_buckets(monkeypatch: pyt
     assert len(calls) <= 2, len(calls)  # shape-only hashes compared it with all 60
     same = masks.Document(doc_ids=(torch.arange(512) // 2).clone())
     assert same.mask_mod() is docs[0].mask_mod()  # equal values still share one function object
+
+
+def test_value_equal_specs_compare_tensor_contents_once_per_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cache lookups with a value-equal spec built anew must not read tensors (sync) every call."""
+    import gc
+
+    cached = masks.Document(doc_ids=torch.arange(512) // 7) & masks.Causal()
+    fresh = masks.Document(doc_ids=(torch.arange(512) // 7).clone()) & masks.Causal()
+    other = masks.Document(doc_ids=torch.arange(512) // 9) & masks.Causal()
+    calls = []
+    real = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: calls.append(1) or real(a, b))
+    before = len(spec._EQ_MEMO)
+    assert fresh == cached and cached == fresh and fresh == cached
+    assert cached != other and other != cached
+    assert len(calls) == 2, len(calls)  # one comparison per pair, remembered after
+    remembered = len(spec._EQ_MEMO)
+    assert remembered > before
+    assert masks.Causal() == masks.Causal() and len(spec._EQ_MEMO) == remembered  # tensor-free: not kept
+    del fresh, other
+    gc.collect()
+    assert len(spec._EQ_MEMO) == before  # verdicts leave with their specs
