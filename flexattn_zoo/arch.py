@@ -95,18 +95,15 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
 # "packed_segments" -- a mask of unequal segments, i.e. documents --, "gqa" and "head_dim<=64").
 # Later entries win. H200 (benchmarks/results/h200.md, bf16 TFLOP/s):
 # - documents, forward: fa4 packs q/k/v into cu_seqlens order, which costs more than its kernel
-#   saves (document_causal: flex_flash 293-316 vs fa4 186-188);
-# - documents at D=64 or with GQA: both FA4 routes varied between processes (document_causal_d64
-#   flex_flash 63-181 fwd / 93-174 fwd+bwd, fa4 72-103 / 129-165; document_causal_gqa forward
-#   flex_flash 183-344, fa4 178-221) while Triton flex held 126 / 155 and 263, so flex leads;
+#   saves (document_causal: flex_flash 315 vs fa4 188; at D=64 149 vs 139; with GQA 342 vs 268);
 # - score mods: fa4's own soft-capping is slower than flex_flash's score_mod (softcap_causal
 #   336 / 374 vs 305 / 361); Triton's hardware tanh (SoftCap(approx=True), which the CuTe path
 #   cannot emit) makes flex the fastest softcap forward (376 vs 334).
+# (Documents at D=64 or with GQA once went to Triton flex because both FA4 routes looked unsteady
+# there; the cause was a device sync in our spec comparison, fixed in 07f7535. Re-measured, the
+# FA4 routes lead: document_causal_d64 149 / 235 vs flex 126 / 155.)
 OVERRIDES: tuple[tuple[str, str, frozenset[str], tuple[str, ...]], ...] = (
     ("sm90", "fwd", frozenset({"packed_segments"}), ("flex_flash",)),
-    ("sm90", "fwd", frozenset({"packed_segments", "head_dim<=64"}), ("flex",)),
-    ("sm90", "fwdbwd", frozenset({"packed_segments", "head_dim<=64"}), ("flex",)),
-    ("sm90", "fwd", frozenset({"packed_segments", "gqa"}), ("flex",)),
     ("sm90", "fwd", frozenset({"score_mod"}), ("flex_flash",)),
     ("sm90", "fwdbwd", frozenset({"score_mod"}), ("flex_flash",)),
     ("sm90", "fwd", frozenset({"fast_score_mod"}), ("flex",)),

@@ -71,9 +71,9 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(masks.Chunked(size=256) & masks.Causal()), "fa4"),  # equal chunks: no packing
         (_problem(DOC & masks.Causal()), "flex_flash"),  # packing q/k/v costs fa4 the forward
         (_problem(DOC & masks.Causal(), grad=True), "fa4"),
-        (_problem(DOC & masks.Causal(), grad=True, d=64), "flex"),  # FA4 routes unsteady there
-        (_problem(DOC & masks.Causal(), d=64), "flex"),
-        (_problem(DOC & masks.Causal(), heads=(32, 8)), "flex"),  # FA4 routes unsteady there too
+        (_problem(DOC & masks.Causal(), grad=True, d=64), "fa4"),  # 235 vs flex_flash 161
+        (_problem(DOC & masks.Causal(), d=64), "flex_flash"),
+        (_problem(DOC & masks.Causal(), heads=(32, 8)), "flex_flash"),  # 342 vs fa4 268
         (_problem(DOC & masks.Causal(), heads=(32, 8), grad=True), "fa4"),
         # flex_flash's backward gets dQ wrong for head-dependent scores under GQA: flex instead
         (_problem(masks.Causal(), score_mods.Alibi(num_heads=16), heads=(16, 4), grad=True), "flex"),
@@ -100,7 +100,8 @@ def test_priority_overrides_apply_only_with_all_traits() -> None:
     plain = priority("sm90", "fwdbwd")
     assert plain[:2] == ("fa4", "flex_flash")
     assert priority("sm90", "fwdbwd", frozenset({"packed_segments"})) == plain
-    assert priority("sm90", "fwdbwd", frozenset({"packed_segments", "head_dim<=64"}))[:3] == ("flex", "fa4", "flex_flash")
+    assert priority("sm90", "fwd", frozenset({"packed_segments", "score_mod"}))[:2] == ("flex_flash", "fa4")
+    assert priority("sm90", "fwd", frozenset({"score_mod", "fast_score_mod"}))[:2] == ("flex", "flex_flash")
     assert priority("sm80", "fwd", frozenset({"score_mod", "packed_segments"})) == priority("sm80", "fwd")
 
 
