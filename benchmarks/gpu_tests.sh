@@ -21,7 +21,9 @@ limit="${TEST_TIMEOUT:-540}"
 mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:-$root}" PYTHONUNBUFFERED=1
 export FLEXATTN_ZOO_DETERMINISM_SUMMARY="$out/$name-determinism.json"
-fa4=$("$py" -c "import importlib.util as u; print('FA4 importable' if u.find_spec('flash_attn.cute') else 'FA4 not importable')" 2>/dev/null)
+# find_spec('flash_attn.cute') raises when the flash_attn package itself is missing.
+fa4=$("$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('flash_attn') is None or u.find_spec('flash_attn.cute') is None)" 2>/dev/null \
+  && echo "FA4 importable" || echo "FA4 not importable")
 
 run() {  # part, pytest args...
   local part=$1; shift
