@@ -144,6 +144,13 @@ class Spec:
             object.__setattr__(self, "_hash_value", cached)
         return cached
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The cached hash hashes a str (the class name), which differs between processes
+        # (PYTHONHASHSEED): unpickled elsewhere it would not match equal specs built there.
+        state = dict(self.__dict__)
+        state.pop("_hash_value", None)
+        return state
+
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
         """A few valid instances for a problem of this shape; the registry-wide tests and the

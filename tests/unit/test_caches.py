@@ -237,3 +237,13 @@ def test_value_equal_specs_compare_tensor_contents_once_per_pair(monkeypatch: py
     del fresh, other
     gc.collect()
     assert len(spec._EQ_MEMO) == before  # verdicts leave with their specs
+
+
+def test_pickled_specs_rehash_in_the_receiving_process() -> None:
+    import pickle
+
+    m = masks.Document.from_lengths([3, 5]) & masks.Causal()
+    hash(m)  # caches the hash on the instance
+    back = pickle.loads(pickle.dumps(m))
+    assert "_hash_value" not in back.__dict__  # string hashes differ between processes
+    assert back == m and hash(back) == hash(m)
