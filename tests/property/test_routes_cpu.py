@@ -15,7 +15,9 @@ from flexattn_zoo import masks, score_mods
 from flexattn_zoo.testing import assert_matches_reference, spec_examples
 
 B, H, HKV, D = 2, 4, 2, 16
-SHAPES = [(77, 77), (90, 61)]  # lengths not multiples of the block size, and Lq != Lkv
+# Lengths not multiples of the block size, Lq != Lkv, and 96 = 3 x 32: Chunked(96 // 3) runs the
+# SDPA routes' equal-chunks call (chunks as batch rows).
+SHAPES = [(77, 77), (90, 61), (96, 96)]
 GRAD_ROUTES = ("dense", "sdpa_flash", "sdpa_math")
 
 
