@@ -92,12 +92,12 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
 # Measured exceptions to the table above: (generation, mode, traits, routes moved to the front),
 # applied in order when a problem has every listed trait (``dispatch.problem_traits``: "score_mod",
 # "fast_score_mod" -- one that allows an approximation such as SoftCap(approx=True) --,
-# "packed_segments" -- a mask of unequal segments, i.e. documents --, "gqa" and "head_dim<=64").
+# "packed_segments" -- a mask of unequal segments, i.e. documents).
 # Later entries win. H200 (benchmarks/results/h200.md, bf16 TFLOP/s):
 # - documents, forward: fa4 packs q/k/v into cu_seqlens order, which costs more than its kernel
 #   saves (document_causal: flex_flash 315 vs fa4 188; at D=64 149 vs 139; with GQA 342 vs 268);
 # - score mods: fa4's own soft-capping is slower than flex_flash's score_mod (softcap_causal
-#   336 / 374 vs 305 / 361); Triton's hardware tanh (SoftCap(approx=True), which the CuTe path
+#   334 / 378 vs 303 / 357); Triton's hardware tanh (SoftCap(approx=True), which the CuTe path
 #   cannot emit) makes flex the fastest softcap forward (376 vs 334).
 # (Documents at D=64 or with GQA once went to Triton flex because both FA4 routes looked unsteady
 # there; the cause was a device sync in our spec comparison, fixed in 07f7535. Re-measured, the

@@ -43,7 +43,7 @@ def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         heads = args.heads or 8
         _, spec = build_specs(None, args.name, params, {"num_heads": heads})
         heads = getattr(spec, "num_heads", heads)
-    per_head = bool(spec.uses_head()) if is_mask else bool(getattr(spec, "depends_on_head", False))
+    per_head = bool(spec.uses_head())
     if not 0 <= args.head < heads:
         raise ValueError(f"--head must be in [0, {heads}), got {args.head}")
     if args.png and not viz.have_matplotlib():

@@ -132,10 +132,11 @@ class CompileCache:
         """The entry for this kernel; ``model_shape`` (heads, kv heads, head dim, dtype) separates
         calls whose model constants differ, so only lengths and batch vary inside one entry.
 
-        Why: with one entry per mask code, a document mask used at D=128 and then at D=64 (or 16 vs
-        32 heads) made Dynamo compile a dynamic-shape graph for the second model, and the H200 sweep
-        measured flex_flash at 74 instead of 130-181 TFLOP/s (document_causal_d64) and 204 instead
-        of 344 (document_causal_gqa) in such a process.
+        Why: with one entry per mask code, a mask used at D=128 and then at D=64 (or 16 vs 32
+        heads) recompiles that entry, and Dynamo compiles the second graph with dynamic sizes
+        (automatic dynamic shapes) although those sizes never vary within one model.
+        (The H200 slowdowns first blamed on this -- document_causal_d64 flex_flash at 74 -- were
+        the spec-comparison sync fixed in 07f7535.)
         """
         key = (
             mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa,

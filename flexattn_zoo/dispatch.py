@@ -76,10 +76,6 @@ def problem_traits(p: Problem) -> frozenset[str]:
         traits.add("score_mod")
         if p.score.has_fast_variant():
             traits.add("fast_score_mod")
-    if p.head_dim <= 64:
-        traits.add("head_dim<=64")
-    if p.gqa:
-        traits.add("gqa")
     if p.mask is not None and p.q_len == p.kv_len and not p.user_block_mask:
         layout = segment_layout(p.mask, p.batch, p.q_len)
         if layout is not None and layout[0] == "packed":
