@@ -92,7 +92,7 @@ class Probe:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def flops(self, spec: Any, b: int, h: int, length: int, d: int) -> float:
-        return 4.0 * b * h * visible_pairs(spec, length, b, h, self.device) * d
+        return 4.0 * visible_pairs(spec, length, b, h, self.device) * d  # pairs over all rows and heads
 
     # -- 1 ------------------------------------------------------------------------------------
     def chunked(self) -> None:

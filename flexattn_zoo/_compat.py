@@ -83,8 +83,11 @@ def varlen_supports(param: str) -> bool:
 
 
 @functools.cache
+@functools.cache
 def flash_cute_available() -> bool:
-    """Whether the FlashAttention-4 CuTe DSL package (flex ``BACKEND="FLASH"``) is importable."""
+    """Whether the FlashAttention-4 CuTe DSL package (flex ``BACKEND="FLASH"``) is importable.
+
+    Looked up once per process (every plan asks): installing flash-attn-4 needs a restart."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):

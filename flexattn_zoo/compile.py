@@ -138,10 +138,24 @@ class CompileCache:
         (The H200 slowdowns first blamed on this -- document_causal_d64 flex_flash at 74 -- were
         the spec-comparison sync fixed in 07f7535.)
         """
-        key = (
+        return self.get_keyed(self.key(mask_mod, score_mod, kernel_options, lse, gqa, model_shape),
+                              kernel_options, lse, gqa)  # fmt: skip
+
+    @staticmethod
+    def key(
+        mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
+        model_shape: Hashable = None,
+    ) -> Hashable:
+        """The entry key of :meth:`get`'s arguments (a caller may keep it: see ``get_keyed``)."""
+        return (
             mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa,
             model_shape,
         )  # fmt: skip
+
+    def get_keyed(
+        self, key: Hashable, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool
+    ) -> CompiledFlex:
+        """:meth:`get` for a key from :meth:`key` with the same options, lse and gqa."""
 
         def make() -> CompiledFlex:
             return CompiledFlex(next(self._serial), kernel_options, lse, gqa)

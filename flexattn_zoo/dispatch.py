@@ -20,7 +20,8 @@ from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.custom import as_mask_spec, as_score_spec
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
-from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale
+from flexattn_zoo.plan_cache import PLANS, call_key
+from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale, inputs_nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -163,12 +164,7 @@ def _problem(  # type: ignore[no-untyped-def]
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if score_spec is not None and torch.is_grad_enabled() and score_spec.captures_grad_tensors():
         requires_grad = True
-    nonfinite = False
-    # Free of device syncs on the CPU; on CUDA (and while torch.compile traces us, where the
-    # data-dependent branch would break the graph) non-finite inputs go unchecked.
-    if q.device.type == "cpu" and not _compat.is_compiling():
-        with torch.no_grad():
-            nonfinite = not all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+    nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(
         batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
         kv_len=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=q.dtype,
@@ -241,13 +237,20 @@ def attention(
     NaN silently) refuses non-finite inputs.
     """
     scale_checked = check_scale(scale)
-    problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic)
-    if problem.q_len == 0 or problem.kv_len == 0:
-        if backend != "auto":
-            plan_problem(problem, backend)  # a named route must still be able to serve the call
-        out, lse = _empty_result(q, k, v, problem)
-        return (out, lse) if return_lse else out
-    chosen = plan_problem(problem, backend)
+    det = _resolve_deterministic(deterministic) if deterministic is None or type(deterministic) is bool else None
+    key = None if det is None else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend)
+    chosen = PLANS.get(key) if key is not None else None
+    user_bm = None
+    if chosen is None:
+        problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic)
+        if problem.q_len == 0 or problem.kv_len == 0:
+            if backend != "auto":
+                plan_problem(problem, backend)  # a named route must still be able to serve the call
+            out, lse = _empty_result(q, k, v, problem)
+            return (out, lse) if return_lse else out
+        chosen = plan_problem(problem, backend)
+        if key is not None:
+            PLANS.put(key, chosen)
     log.debug("flexattn_zoo route %s", chosen.backend)
     out, lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
     return (out, lse) if return_lse else out

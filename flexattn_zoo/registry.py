@@ -65,6 +65,8 @@ class Registry(Generic[S]):
         self.base = base
         self._entries: dict[str, Entry] = {}
         self._lock = threading.Lock()
+        #: Bumped on every (un)registration: caches keyed by a name include it (plan_cache).
+        self.version = 0
 
     def _add(self, entry: Entry) -> None:
         if not _NAME.match(entry.name):
@@ -76,6 +78,7 @@ class Registry(Generic[S]):
                     f"{', '.join(sorted(self._entries))}"
                 )
             self._entries[entry.name] = entry
+            self.version += 1
 
     def register(self, cls: type[S] | None = None, *, name: str | None = None) -> Any:
         """Class decorator: ``@masks.register`` or ``@masks.register(name="my_mask")``.
@@ -119,6 +122,7 @@ class Registry(Generic[S]):
         """Remove ``name`` (mainly for tests that register temporary specs)."""
         with self._lock:
             found = self._entries.pop(name, None)
+            self.version += 1
         if found is None:
             # Outside the lock: _unknown() calls names(), which takes the (non-reentrant) lock.
             raise ValueError(self._unknown(name))

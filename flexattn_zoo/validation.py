@@ -12,6 +12,8 @@ from numbers import Real
 
 import torch
 
+from flexattn_zoo import _compat
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Devices some route runs on; anything else (meta, mps, xpu...) is refused before planning.
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -98,3 +100,13 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
     if min(b, hq, hk, d) == 0:
         raise ValueError(f"batch, heads and head dim must be positive, got q shape {tuple(q.shape)}")
     return Shape(batch=b, heads=hq, kv_heads=hk, q_len=lq, kv_len=lk, head_dim=d, v_dim=dv)
+
+
+def inputs_nonfinite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether q/k/v are known to hold NaN/inf: checked on the CPU only, where it costs no device
+    synchronization (on CUDA, and while torch.compile traces us, where the data-dependent branch
+    would break the graph, non-finite inputs go unchecked: False)."""
+    if q.device.type != "cpu" or _compat.is_compiling():
+        return False
+    with torch.no_grad():
+        return not all(bool(torch.isfinite(t).all()) for t in (q, k, v))

@@ -16,6 +16,7 @@ from flexattn_zoo.arch import flex_triton_options
 from flexattn_zoo.backends.base import LOW_PRECISION, Backend
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
+from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 
 #: torch's Triton flex-*decoding* template fails to compile (an int32/int64 type clash in its
@@ -53,20 +54,44 @@ class FlexBackend(Backend):
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
         q, k, v = _canonical_layout(q, k, v)
+        user_mask = block_mask is not None
+        call = None if user_mask else CALLS.get((self.name, p, q.device))
+        if call is None:
+            call = self._prepare(p, q.device, block_mask)
+            if not user_mask:
+                CALLS.put((self.name, p, q.device), call)
+        entry = CACHE.get_keyed(call.key, call.options, p.return_lse, p.gqa)
+        return entry(q, k, v, call.block_mask, scale, call.score_mod)
+
+    def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> _FlexCall:
         if block_mask is None and p.mask is not None:
-            block_mask = build_block_mask(
-                p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
-            )
-        score_mod = p.score.to(q.device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
-        entry = CACHE.get(
-            block_mask.mask_mod if block_mask is not None else None,
-            score_mod,
-            self.options(p, block_mask),
-            p.return_lse,
-            p.gqa,
+            block_mask = build_block_mask(p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
+        score_mod = p.score.to(device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
+        options = self.options(p, block_mask)
+        key = CACHE.key(
+            block_mask.mask_mod if block_mask is not None else None, score_mod, options, p.return_lse, p.gqa,
             (p.heads, p.kv_heads, p.head_dim, p.dtype),
-        )
-        return entry(q, k, v, block_mask, scale, score_mod)
+        )  # fmt: skip
+        return _FlexCall(block_mask, score_mod, options, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlexCall:
+    """What a flex route builds for one problem before launching: its BlockMask, score_mod,
+    kernel options and compiled-entry key (the entry itself is looked up per call, since entries
+    are retired near Dynamo's recompile limit)."""
+
+    block_mask: Any
+    score_mod: Any
+    options: dict[str, Any] | None
+    key: Any
+
+
+#: Per (route, problem, device): a model's repeated call skips the BlockMask / score_mod / key
+#: lookups (tens of microseconds of host time per call, which short kernels wait for). Problems
+#: compare by value, so this is exactly what ``_prepare`` would build again; it holds at most
+#: this many BlockMasks alive beyond ``blockmask.CACHE``.
+CALLS: LRUCache[_FlexCall] = LRUCache(64)
 
 
 def _decoding_kernel_chosen(p: Problem) -> bool:

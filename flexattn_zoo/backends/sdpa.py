@@ -34,8 +34,15 @@ class SdpaBackend(Backend):
     cuda_dtypes: frozenset[torch.dtype] = FLOATS
     cuda_head_dims: tuple[int, int] = (1, 1024)
 
+    #: GQA runs by copying k/v to every q head (for kernels without grouped heads; see ``run``).
+    expand_gqa: bool = False
+
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
+        if p.gqa and self.expand_gqa and p.q_len != p.kv_len:
+            # The copy of k/v per call is O(Lkv * H * D): next to Lq x Lkv attention it is small
+            # when Lq == Lkv (measured there), but a decode step would copy its whole cache.
+            out.append("runs GQA by expanding k/v, done only when Lq == Lkv")
         if p.device_type == "cuda":
             if p.dtype not in self.cuda_dtypes:
                 out.append(f"CUDA kernel needs dtype in {{{_dtype_names(self.cuda_dtypes)}}}")
@@ -56,12 +63,21 @@ class SdpaBackend(Backend):
         assert call is not None  # mask_reasons refused the rest
         is_causal, chunk = call
         batch = q.shape[0]
+        gqa = p.gqa
+        if gqa and self.expand_gqa:
+            # cuDNN refuses enable_gqa; q head h reads kv head h // group, as repeat_interleave
+            # lays them out. Autograd sums each group's k/v gradients back (H200, 32:8 causal
+            # L=8192: 4.4 / 15.6 ms fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex,
+            # benchmarks/results/nofa4_levers_probe_h200.txt).
+            k, v = (t.repeat_interleave(p.heads // p.kv_heads, dim=1) for t in (k, v))
+            gqa = False
+        view_ok = chunk and self.kernel in CHUNK_VIEW_KERNELS and all(t.is_contiguous() for t in (q, k, v))
         if chunk:
             q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
-        if self.kernel != "MATH":
+        if self.kernel != "MATH" and not view_ok:
             q, k, v = (_fused_layout(t) for t in (q, k, v))
         with _SDPA_LOCK, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=p.gqa)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         return (from_chunks(out, batch) if chunk else out), None
 
 
@@ -82,6 +98,11 @@ def _sdpa_call(p: Problem) -> tuple[bool, int] | None:
 
 
 _SDPA_LOCK = threading.Lock()
+#: Kernels given the chunk view of contiguous ``[B, H, L, D]`` inputs as it is (strides
+#: ``(chunk*D, L*D, D, 1)`` when B == 1), not a copy: cuDNN took it with the same output, in
+#: 1.76 ms instead of 2.41 ms with the copy (H200, chunked 8192 + causal, 1x16x32768x128;
+#: benchmarks/results/nofa4_levers_probe_h200.txt). Other kernels keep ``_fused_layout``.
+CHUNK_VIEW_KERNELS = frozenset({"CUDNN_ATTENTION"})
 
 
 def _fused_layout(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +123,7 @@ def _fused_layout(t: torch.Tensor) -> torch.Tensor:
 
 SDPA_CUDNN = SdpaBackend(
     name="sdpa_cudnn", kernel="CUDNN_ATTENTION", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION,
-    head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), gqa=False, deterministic=False,
+    head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), expand_gqa=True, deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
     doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks)",
 )  # fmt: skip

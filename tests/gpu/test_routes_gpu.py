@@ -140,7 +140,7 @@ def test_flex_head_dims(d: int) -> None:
     _check(q, k, v, "flex", masks.Causal(), None)
 
 
-@pytest.mark.parametrize("route", ["flex", "sdpa_flash", "varlen", "flex_flash", "fa4", "auto"])
+@pytest.mark.parametrize("route", ["flex", "sdpa_cudnn", "sdpa_flash", "varlen", "flex_flash", "fa4", "auto"])
 def test_gqa(route: str) -> None:
     q, k, v = _inputs(L, L, torch.bfloat16, hkv=2)
     if route == "auto":
@@ -148,6 +148,26 @@ def test_gqa(route: str) -> None:
         assert_matches_reference(out, q, k, v, mask=_doc() & masks.Causal(), enable_gqa=True)
         return
     _check(q, k, v, route, masks.Causal(), None, gqa=True)
+
+
+@pytest.mark.parametrize("route", ["sdpa_cudnn", "sdpa_flash"])
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("mask", [masks.Chunked(size=128) & masks.Causal(), masks.Chunked(size=96)])
+def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore[no-untyped-def]
+    """Batch 1, contiguous: cuDNN gets the strided chunk view itself (no copy); with GQA (k/v
+    expanded for cuDNN first), lse-free, forward and backward vs float64."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn(1, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k, v = (torch.randn(1, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(2))  # fmt: skip
+    _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
+
+
+def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:
+    q = torch.empty(2, 8, 16, 64, device=DEV, dtype=torch.bfloat16)
+    kv = torch.empty(2, 2, 300, 64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="expanding k/v"):
+        fz.plan(q, kv, kv, enable_gqa=True, backend="sdpa_cudnn")
 
 
 def test_auto_follows_requires_grad() -> None:

@@ -1,0 +1,76 @@
+"""The plans of recent ``fz.attention`` calls, so a model's repeated call skips re-planning.
+
+Planning a call (validating q/k/v and the specs, asking every route for its reasons, choosing
+one) took about a third of our host time per call on the H200 (cProfile in
+benchmarks/results/host_overhead_*_h200.txt), enough to leave short kernels waiting on the host.
+A model calls attention with the same arguments' *kinds* every step: the key here is everything
+planning reads from them, so a hit returns exactly the plan the full path would build:
+
+* q/k/v shapes, strides, dtype and device (``Problem`` sizes, ``index_extent``, arch);
+* the ``mask`` / ``score_mod`` objects themselves (specs compare by value, names and callables by
+  identity), the registries' versions (a name can be unregistered and registered anew);
+* grad mode and which inputs require grad, ``enable_gqa``, ``return_lse``, the resolved
+  ``deterministic`` flag, ``backend``; on the CPU, whether q/k/v hold NaN/inf (a check of the
+  data the full path makes too);
+* what routes read from the process: the ``FLEXATTN_ZOO_*`` environment variables and whether
+  flash-attn-4 is importable.
+
+Not cached (the full path runs): a ``BlockMask`` as mask, calls traced by ``torch.compile``,
+arguments that fail validation (errors come from the full path), and a score spec whose captured
+tensors require grad while q/k/v do not (its mode depends on those tensors).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
+
+#: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
+PLANS: LRUCache[Any] = LRUCache(256)
+#: Environment variables the dispatcher or a route reads (arch.ARCH_ENV, dense.DENSE_LIMIT_ENV).
+ENV_VARS = ("FLEXATTN_ZOO_ARCH", "FLEXATTN_ZOO_DENSE_LIMIT_MB")
+
+
+def call_key(
+    q: Any, k: Any, v: Any, mask: Any, score_mod: Any, enable_gqa: Any, return_lse: Any,
+    deterministic: bool, backend: Any,
+) -> Hashable | None:  # fmt: skip
+    """The plan-cache key of a call, or None when the call must be planned in full.
+
+    ``deterministic`` is the already resolved flag (it follows torch's global switch).
+    """
+    from flexattn_zoo.registry import MASKS, SCORES
+
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
+        return None  # subclasses and non-tensors: the full path validates them
+    if not (type(enable_gqa) is bool and type(return_lse) is bool and type(backend) is str):
+        return None  # 1 == True as a key: let the full path refuse non-bool flags
+    if isinstance(mask, _compat.BlockMask) or _compat.is_compiling():
+        return None
+    if q.dtype not in SUPPORTED_DTYPES or not (k.dtype == v.dtype == q.dtype and k.device == v.device == q.device):
+        return None  # let the full path name what is wrong (before reading the data below)
+    grad_on = torch.is_grad_enabled()
+    wants_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    if score_mod is not None and grad_on and not wants_grad:
+        return None
+    key = (
+        backend, mask, score_mod, enable_gqa, return_lse, deterministic, grad_on and wants_grad,
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, MASKS.version, SCORES.version,
+        tuple(os.environ.get(name) for name in ENV_VARS), _compat.flash_cute_available(),
+        q.device.type == "cpu" and inputs_nonfinite(q, k, v),
+    )  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:  # an unhashable mask/score argument: the full path says what is wrong
+        return None
+    return key
+
+
+__all__ = ["ENV_VARS", "PLANS", "call_key"]

@@ -1,0 +1,120 @@
+"""``plan_cache.PLANS``: a repeated call reuses its plan, and nothing the plan depends on is missed.
+
+Each test swaps in an empty cache (``monkeypatch``) and counts its ``inserts``: a hit adds none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, plan_cache
+from flexattn_zoo.backends import flex as flex_backend
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.registry import MASKS
+from flexattn_zoo.testing import assert_matches_reference
+
+
+@pytest.fixture
+def plans(monkeypatch: pytest.MonkeyPatch) -> LRUCache:
+    fresh: LRUCache = LRUCache(16)
+    monkeypatch.setattr(plan_cache, "PLANS", fresh)
+    monkeypatch.setattr("flexattn_zoo.dispatch.PLANS", fresh)
+    return fresh
+
+
+def _qkv(length: int = 64, seed: int = 0, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, length, 16, generator=g).requires_grad_(grad) for _ in range(3))
+
+
+def test_repeat_call_hits_and_matches_reference(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    spec = masks.SlidingWindow(left=8)
+    first = fz.attention(q, k, v, mask=spec)
+    assert plans.inserts == 1
+    for mask in (spec, masks.SlidingWindow(left=8)):  # the same spec, and an equal new one
+        again = fz.attention(q, k, v, mask=mask)
+        assert torch.equal(again, first)
+    assert plans.inserts == 1
+    q2, k2, v2 = _qkv(seed=1)  # new values, same kind of call: the cached plan, a new result
+    out = fz.attention(q2, k2, v2, mask=spec)
+    assert plans.inserts == 1
+    assert_matches_reference(out, q2, k2, v2, mask=spec)
+
+
+def test_key_changes_replan(plans: LRUCache) -> None:
+    q, k, v = _qkv(grad=True)
+    fz.attention(q, k, v, mask="causal")
+    with torch.no_grad():  # fwd instead of fwdbwd
+        fz.attention(q, k, v, mask="causal")
+    fz.attention(q, k, v, mask="causal", return_lse=False, backend="sdpa_math")
+    fz.attention(q.detach().transpose(2, 3).contiguous().transpose(2, 3), k, v, mask="causal")  # strides
+    fz.attention(*_qkv(length=96), mask="causal")  # shape
+    assert plans.inserts == 5
+    assert {p.problem.mode for p in plans.values()} == {"fwd", "fwdbwd"}
+
+
+def test_registry_change_is_seen(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    MASKS.register_function("plan_cache_probe", lambda b, h, i, j: j <= i)
+    try:
+        first = fz.attention(q, k, v, mask="plan_cache_probe")
+        assert_matches_reference(first, q, k, v, mask="causal")
+        MASKS.unregister("plan_cache_probe")
+        MASKS.register_function("plan_cache_probe", lambda b, h, i, j: (j <= i) & (i - j <= 3))  # same name
+        out = fz.attention(q, k, v, mask="plan_cache_probe")
+        assert_matches_reference(out, q, k, v, mask=masks.SlidingWindow(left=3))
+        assert not torch.allclose(out, first)
+    finally:
+        MASKS.unregister("plan_cache_probe")
+
+
+def test_environment_is_seen(plans: LRUCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 4, 512, 16)
+    assert fz.attention(q, q, q, mask=masks.SlidingWindow(left=8), backend="dense") is not None
+    monkeypatch.setenv("FLEXATTN_ZOO_DENSE_LIMIT_MB", "1")
+    with pytest.raises(ValueError, match="would materialize"):
+        fz.attention(q, q, q, mask=masks.SlidingWindow(left=8), backend="dense")
+
+
+def test_invalid_arguments_still_raise_after_a_hit(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    kv = k[:, :1], v[:, :1]
+    fz.attention(q, *kv, mask="causal", enable_gqa=True)
+    with pytest.raises(TypeError, match="enable_gqa"):
+        fz.attention(q, *kv, mask="causal", enable_gqa=1)
+    with pytest.raises(TypeError, match="deterministic"):
+        fz.attention(q, *kv, mask="causal", enable_gqa=True, deterministic=1)
+    with pytest.raises(TypeError, match="backend"):
+        fz.attention(q, *kv, mask="causal", enable_gqa=True, backend=None)
+
+
+def test_nonfinite_inputs_are_not_served_a_finite_plan(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", backend="flex_cpu")
+    bad = q.clone()
+    bad[0, 0, 3, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        fz.attention(bad, k, v, mask="causal", backend="flex_cpu")
+
+
+def test_block_mask_calls_bypass(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    bm = fz.block_mask("causal", 64, 64)
+    out = fz.attention(q, k, v, mask=bm, backend="flex_cpu")
+    assert plans.inserts == 0
+    assert_matches_reference(out, q, k, v, mask="causal")
+
+
+def test_flex_calls_prepared_once(plans: LRUCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: LRUCache = LRUCache(4)
+    monkeypatch.setattr(flex_backend, "CALLS", calls)
+    q, k, v = _qkv()
+    spec = masks.Document.from_lengths([20, 44]) & masks.Causal()
+    with torch.no_grad():
+        outs = [fz.attention(q, k, v, mask=spec, backend="flex_cpu") for _ in range(3)]
+    assert calls.inserts == 1
+    for out in outs:
+        assert_matches_reference(out, q, k, v, mask=spec)
