@@ -17,8 +17,8 @@ specs), then for each route
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import cProfile
+import dataclasses
 import io
 import pstats
 import statistics

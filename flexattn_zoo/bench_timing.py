@@ -74,6 +74,26 @@ def measure(
     if on_first is not None:
         on_first(result)
     del result
+    with _no_gc():
+        return _steady(step, device, warmup, iters, first)
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic GC off while timing, as ``timeit`` does: a sweep process holds many objects,
+    and a collection landing in a timed loop would stall the host, which host-bound calls (short
+    kernels) would show as GPU time."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _steady(step: Callable[[], Any], device: torch.device, warmup: int, iters: int, first: float) -> Timing:
     for _ in range(warmup):
         step()
     sync(device)

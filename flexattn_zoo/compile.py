@@ -126,7 +126,12 @@ class CompileCache:
         return self._entries.size
 
     def get(
-        self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
+        self,
+        mask_mod: Any,
+        score_mod: Any,
+        kernel_options: dict[str, Any] | None,
+        lse: bool,
+        gqa: bool,
         model_shape: Hashable = None,
     ) -> CompiledFlex:
         """The entry for this kernel; ``model_shape`` (heads, kv heads, head dim, dtype) separates
@@ -143,7 +148,11 @@ class CompileCache:
 
     @staticmethod
     def key(
-        mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
+        mask_mod: Any,
+        score_mod: Any,
+        kernel_options: dict[str, Any] | None,
+        lse: bool,
+        gqa: bool,
         model_shape: Hashable = None,
     ) -> Hashable:
         """The entry key of :meth:`get`'s arguments (a caller may keep it: see ``get_keyed``)."""

@@ -18,9 +18,9 @@ from flexattn_zoo import _compat
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.plan_cache import PLANS, call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
-from flexattn_zoo.plan_cache import PLANS, call_key
 from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale, inputs_nonfinite
 
 log = logging.getLogger(__name__)
@@ -237,7 +237,11 @@ def attention(
     NaN silently) refuses non-finite inputs.
     """
     scale_checked = check_scale(scale)
-    det = _resolve_deterministic(deterministic) if deterministic is None or type(deterministic) is bool else None
+    det = (
+        _resolve_deterministic(deterministic)
+        if deterministic is None or type(deterministic) is bool
+        else None
+    )
     key = None if det is None else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend)
     chosen = PLANS.get(key) if key is not None else None
     user_bm = None

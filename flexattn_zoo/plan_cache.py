@@ -54,7 +54,9 @@ def call_key(
         return None  # 1 == True as a key: let the full path refuse non-bool flags
     if isinstance(mask, _compat.BlockMask) or _compat.is_compiling():
         return None
-    if q.dtype not in SUPPORTED_DTYPES or not (k.dtype == v.dtype == q.dtype and k.device == v.device == q.device):
+    if q.dtype not in SUPPORTED_DTYPES or not (
+        k.dtype == v.dtype == q.dtype and k.device == v.device == q.device
+    ):
         return None  # let the full path name what is wrong (before reading the data below)
     grad_on = torch.is_grad_enabled()
     wants_grad = q.requires_grad or k.requires_grad or v.requires_grad

@@ -65,7 +65,9 @@ class FlexBackend(Backend):
 
     def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> _FlexCall:
         if block_mask is None and p.mask is not None:
-            block_mask = build_block_mask(p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
+            block_mask = build_block_mask(
+                p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device
+            )
         score_mod = p.score.to(device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
         options = self.options(p, block_mask)
         key = CACHE.key(
