@@ -125,7 +125,7 @@ SDPA_CUDNN = SdpaBackend(
     name="sdpa_cudnn", kernel="CUDNN_ATTENTION", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION,
     head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), expand_gqa=True, deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
-    doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks)",
+    doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks; GQA with k/v expanded)",
 )  # fmt: skip
 SDPA_FLASH = SdpaBackend(
     name="sdpa_flash", kernel="FLASH_ATTENTION", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS,
