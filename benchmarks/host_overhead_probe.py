@@ -92,9 +92,9 @@ def main() -> None:
                 else:
                     inputs = (x.q, x.k, x.v)
 
-                    def step(prep=prep, inputs=inputs):  # type: ignore[no-untyped-def]
+                    def step(prep=prep, inputs=inputs, grad_out=x.grad_out):  # type: ignore[no-untyped-def]
                         out = prep.call()
-                        torch.autograd.grad(out, inputs, x.grad_out)
+                        torch.autograd.grad(out, inputs, grad_out)
                         return out
 
                 t = measure(step, device, warmup=5, iters=30)
