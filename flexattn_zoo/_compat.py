@@ -83,7 +83,6 @@ def varlen_supports(param: str) -> bool:
 
 
 @functools.cache
-@functools.cache
 def flash_cute_available() -> bool:
     """Whether the FlashAttention-4 CuTe DSL package (flex ``BACKEND="FLASH"``) is importable.
 

@@ -126,12 +126,7 @@ class CompileCache:
         return self._entries.size
 
     def get(
-        self,
-        mask_mod: Any,
-        score_mod: Any,
-        kernel_options: dict[str, Any] | None,
-        lse: bool,
-        gqa: bool,
+        self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
         model_shape: Hashable = None,
     ) -> CompiledFlex:
         """The entry for this kernel; ``model_shape`` (heads, kv heads, head dim, dtype) separates
@@ -148,13 +143,9 @@ class CompileCache:
 
     @staticmethod
     def key(
-        mask_mod: Any,
-        score_mod: Any,
-        kernel_options: dict[str, Any] | None,
-        lse: bool,
-        gqa: bool,
+        mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
         model_shape: Hashable = None,
-    ) -> Hashable:
+    ) -> Hashable:  # fmt: skip
         """The entry key of :meth:`get`'s arguments (a caller may keep it: see ``get_keyed``)."""
         return (
             mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa,

@@ -331,20 +331,9 @@ def decode_step(
         rows = _rows_per_launch(k_cache, v_cache)
         if rows < batch:  # a cache too large for one flex launch: decode it a slice of rows at a time
             parts = [
-                decode_step(
-                    q[i : i + rows],
-                    k_cache[i : i + rows],
-                    v_cache[i : i + rows],
-                    lens[i : i + rows],
-                    mask=spec,
-                    score_mod=score,
-                    scale=scale,
-                    enable_gqa=gqa,
-                    sinks=sinks,
-                    return_lse=True,
-                    backend=backend,
-                    block_size=block_size,
-                )  # fmt: skip
+                decode_step(q[i : i + rows], k_cache[i : i + rows], v_cache[i : i + rows], lens[i : i + rows],
+                            mask=spec, score_mod=score, scale=scale, enable_gqa=gqa, sinks=sinks,
+                            return_lse=True, backend=backend, block_size=block_size)  # fmt: skip
                 for i in range(0, batch, rows)
             ]
             out = torch.cat([o for o, _ in parts])

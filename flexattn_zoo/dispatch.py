@@ -237,11 +237,8 @@ def attention(
     NaN silently) refuses non-finite inputs.
     """
     scale_checked = check_scale(scale)
-    det = (
-        _resolve_deterministic(deterministic)
-        if deterministic is None or type(deterministic) is bool
-        else None
-    )
+    # A non-bool ``deterministic`` skips the cache: the full path names the error.
+    det = _resolve_deterministic(deterministic) if deterministic is None or type(deterministic) is bool else None
     key = None if det is None else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend)
     chosen = PLANS.get(key) if key is not None else None
     user_bm = None

@@ -69,6 +69,8 @@ def _fingerprint(t: torch.Tensor) -> int:
 
 def _freeze(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
+        if value.requires_grad:  # a learned tensor is itself, whatever it holds (see _values_equal)
+            return ("learned", id(value))
         return ("tensor", tuple(value.shape), str(value.dtype), _fingerprint(value))
     if isinstance(value, (list, tuple)):
         return tuple(_freeze(v) for v in value)
@@ -81,6 +83,11 @@ def _values_equal(a: Any, b: Any) -> bool:
             return False
         if a is b:
             return True
+        if a.requires_grad or b.requires_grad:
+            # Learned tensors (biases a score mod trains) compare by identity: two layers' equal
+            # initial biases must not share one score_mod, or the second layer's gradient would
+            # reach the first layer's tensor (caches key mods, plans and compiled calls by spec).
+            return False
         return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
