@@ -7,8 +7,8 @@ A model calls attention with the same arguments' *kinds* every step: the key her
 planning reads from them, so a hit returns exactly the plan the full path would build:
 
 * q/k/v shapes, strides, dtype and device (``Problem`` sizes, ``index_extent``, arch);
-* the ``mask`` / ``score_mod`` objects themselves (specs compare by value, names and callables by
-  identity), the registries' versions (a name can be unregistered and registered anew);
+* the ``mask`` / ``score_mod`` objects themselves (specs compare by value, their learned tensors,
+  names and callables by identity), the registries' versions (a name can be unregistered and registered anew);
 * grad mode and which inputs require grad, ``enable_gqa``, ``return_lse``, the resolved
   ``deterministic`` flag, ``backend``; on the CPU, whether q/k/v hold NaN/inf (a check of the
   data the full path makes too);
@@ -29,13 +29,15 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.arch import ARCH_ENV
+from flexattn_zoo.backends.dense import DENSE_LIMIT_ENV
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
 #: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
 PLANS: LRUCache[Any] = LRUCache(256)
-#: Environment variables the dispatcher or a route reads (arch.ARCH_ENV, dense.DENSE_LIMIT_ENV).
-ENV_VARS = ("FLEXATTN_ZOO_ARCH", "FLEXATTN_ZOO_DENSE_LIMIT_MB")
+#: Environment variables the dispatcher or a route reads.
+ENV_VARS = (ARCH_ENV, DENSE_LIMIT_ENV)
 
 
 def call_key(
