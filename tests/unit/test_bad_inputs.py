@@ -378,3 +378,21 @@ def test_prefix_len_past_the_sequence_means_everything_visible() -> None:
         out = fz.attention(q, k, v, mask=spec)
         torch.testing.assert_close(out, fz.attention(q, k, v), rtol=1e-5, atol=1e-6)
         assert_matches_reference(out, q, k, v, mask=spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_check_is_exact(dtype: torch.dtype) -> None:
+    """The CPU check flags every NaN/inf and never the largest finite values (whose sum would
+    overflow in their own dtype)."""
+    from flexattn_zoo.validation import inputs_nonfinite
+
+    q = torch.randn(1, 2, 16, 8).to(dtype)
+    big = torch.full_like(q, torch.finfo(dtype).max)
+    assert not inputs_nonfinite(q, q, q) and not inputs_nonfinite(big, big, -big)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        x = q.clone()
+        x[0, 1, 3, 2] = bad
+        assert inputs_nonfinite(q, q, x) and inputs_nonfinite(x, q, q)
+    both = q.clone()
+    both[0, 0, 0, :2] = torch.tensor([float("inf"), -float("inf")])
+    assert inputs_nonfinite(both, q, q)
