@@ -21,32 +21,13 @@ from typing import Any
 
 import pytest
 import torch
+from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.backends.base import _DeterministicBackward
 from flexattn_zoo.dispatch import Problem, plan_problem
-from flexattn_zoo.spec import ScoreMod, ScoreSpec, spec_dataclass
-
-
-@spec_dataclass
-class LearnedHeadBias(ScoreSpec):
-    """``score + bias[h]`` with a learnable ``bias`` (a captured tensor that requires grad)."""
-
-    bias: torch.Tensor
-
-    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        bias = self.bias
-
-        def head_bias(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            return score + bias[h]
-
-        return head_bias
-
-    def dense(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores + self.bias.detach().double().view(1, -1, 1, 1)
-
 
 CAUSAL = masks.Causal()
 

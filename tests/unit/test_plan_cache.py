@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, plan_cache
 from flexattn_zoo.backends import flex as flex_backend
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import ScoreMod, ScoreSpec, spec_dataclass
 from flexattn_zoo.testing import assert_matches_reference
 
 
@@ -121,33 +121,15 @@ def test_flex_calls_prepared_once(plans: LRUCache, monkeypatch: pytest.MonkeyPat
         assert_matches_reference(out, q, k, v, mask=spec)
 
 
-@spec_dataclass
-class _LearnedBias(ScoreSpec):
-    """``score + bias[h]`` with a learned ``bias`` (requires grad)."""
-
-    bias: torch.Tensor
-
-    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        bias = self.bias
-
-        def learned_bias(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            return score + bias[h]
-
-        return learned_bias
-
-    def dense(self, scores: torch.Tensor) -> torch.Tensor:
-        return scores + self.bias.detach().double().view(1, -1, 1, 1)
-
-
 def test_equal_learned_tensors_keep_their_own_gradients(plans: LRUCache) -> None:
     """Two layers whose learned biases start equal (zeros) are different parameters: each gets
     its own gradient, although every cache (mods, plans) keys by spec."""
     q = torch.randn(1, 2, 32, 16, requires_grad=True)
     first, second = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
-    assert _LearnedBias(bias=first) != _LearnedBias(bias=second)
-    assert _LearnedBias(bias=first) == _LearnedBias(bias=first)
+    assert LearnedHeadBias(bias=first) != LearnedHeadBias(bias=second)
+    assert LearnedHeadBias(bias=first) == LearnedHeadBias(bias=first)
     for bias in (first, second):
-        out = fz.attention(q, q, q, mask="causal", score_mod=_LearnedBias(bias=bias), backend="dense")
+        out = fz.attention(q, q, q, mask="causal", score_mod=LearnedHeadBias(bias=bias), backend="dense")
         out.square().sum().backward()
     assert first.grad is not None and second.grad is not None
     assert torch.allclose(first.grad, second.grad) and first.grad.abs().sum() > 0
