@@ -12,7 +12,7 @@ import torch
 
 from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.registry import MASKS, SCORES, Registry
-from flexattn_zoo.spec import And, MaskSpec, Not, Or, ScoreSpec, Spec, VarlenForm
+from flexattn_zoo.spec import And, MaskSpec, Not, Or, ScoreSpec, Spec, SplitForm, VarlenForm
 
 #: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
 #: sequences still span many blocks, with trailing incomplete ones.
@@ -121,6 +121,28 @@ def varlen_dense(form: VarlenForm, length: int, batch: int) -> torch.Tensor:
     if right >= 0:
         visible = visible & (j <= i + right)
     return visible[:, None]
+
+
+def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
+    """The ``[1, 1, Lq, Lkv]`` mask a :class:`SplitForm` describes; ``AssertionError`` when it
+    breaks its contract (ranges out of bounds, keys shared by two parts in one row, a first part
+    that does not cover every row)."""
+    i = torch.arange(q_len).view(q_len, 1)
+    j = torch.arange(kv_len).view(1, kv_len)
+    union = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    if not form.parts or form.parts[0].q != (0, q_len):
+        raise AssertionError(f"SplitForm {form}: the first part must cover every query row [0, {q_len})")
+    for part in form.parts:
+        (q0, q1), (k0, k1) = part.q, part.kv
+        if not (0 <= q0 < q1 <= q_len and 0 <= k0 < k1 <= kv_len):
+            raise AssertionError(f"SplitForm part {part} is empty or outside Lq, Lkv = {q_len}, {kv_len}")
+        rect = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
+        if part.is_causal:
+            rect &= (j - k0) <= (i - q0)
+        if bool((rect & union).any()):
+            raise AssertionError(f"SplitForm part {part} shares keys with an earlier part")
+        union |= rect
+    return union[None, None]
 
 
 def assert_mask_consistent(
@@ -249,6 +271,9 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
         _require_equal(
             f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch).expand_as(dense), dense, spec
         )
+    split = spec.split_form(q_len, kv_len)
+    if split is not None:
+        _require_equal(f"split_form {split}", split_dense(split, q_len, kv_len).expand_as(dense), dense, spec)
 
 
 def assert_score_consistent(

@@ -68,8 +68,10 @@ def generation(arch: str) -> str:
 # it materializes Lq x Lkv and is only taken when asked for.
 PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     "sm90": {
-        "fwd": ("fa4", "flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),
-        "fwdbwd": ("fa4", "flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),
+        "fwd": ("fa4", "flex_flash", "sdpa_cudnn", "sdpa_split", "flex", "varlen", "sdpa_flash", "sdpa_efficient",
+                "sdpa_math"),
+        "fwdbwd": ("fa4", "flex_flash", "sdpa_cudnn", "sdpa_split", "flex", "varlen", "sdpa_flash",
+                   "sdpa_efficient", "sdpa_math"),
     },
     "sm100": {
         "fwd": ("fa4", "flex_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_flash", "sdpa_efficient", "sdpa_math"),

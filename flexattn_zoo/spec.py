@@ -223,6 +223,25 @@ class VarlenForm:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitPart:
+    """Queries ``q[0] <= i < q[1]`` see keys ``kv[0] <= j < kv[1]``: all of them, or when
+    ``is_causal`` those with ``j - kv[0] <= i - q[0]`` (top-left causal inside the rectangle)."""
+
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    is_causal: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitForm:
+    """The mask is exactly the union of ``parts``, each unmasked or causal, whose key ranges are
+    disjoint within every query row; ``parts[0]`` covers every query row. Fused kernels that know
+    only "no mask" and causal run each part, and the results merge by log-sum-exp."""
+
+    parts: tuple[SplitPart, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockMap:
     """Block-level visibility, computed in closed form (O(n_q_blocks * n_kv_blocks), never O(L^2)).
 
@@ -301,6 +320,10 @@ class MaskSpec(Spec):
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         """Exact varlen form, or None."""
+        return None
+
+    def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
+        """Exact split into unmasked / causal rectangles (see :class:`SplitForm`), or None."""
         return None
 
     def block_map(
@@ -398,5 +421,5 @@ from flexattn_zoo.compose import And, Chain, Not, Or  # noqa: E402
 
 __all__ = [
     "And", "BlockMap", "Chain", "MaskMod", "MaskSpec", "Not", "Or", "ScoreMod", "ScoreSpec",
-    "SdpaForm", "Spec", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
+    "SdpaForm", "Spec", "SplitForm", "SplitPart", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
 ]  # fmt: skip

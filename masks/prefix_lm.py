@@ -7,7 +7,17 @@ from typing import Any
 import torch
 
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, block_ranges, spec_dataclass
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    SdpaForm,
+    Spec,
+    SplitForm,
+    SplitPart,
+    block_ranges,
+    spec_dataclass,
+)
 
 from ._blocks import check_int, complete_pairs
 
@@ -32,7 +42,9 @@ class PrefixLM(MaskSpec):
 
     Forms offered: a closed-form block map for any lengths; SDPA only in the degenerate int cases
     (``prefix_len >= Lkv`` is ``is_causal=False``; ``prefix_len <= 1`` with ``Lq == Lkv`` is
-    ``is_causal=True``). No varlen form.
+    ``is_causal=True``); otherwise, for an int with ``Lq == Lkv``, a split form: every query
+    against the prefix keys unmasked, and queries ``prefix_len..`` against keys ``prefix_len..``
+    causal (the ``sdpa_split`` route). No varlen form.
 
     Args:
         prefix_len: int ``>= 0``, or integer tensor ``[B]`` of values ``>= 0`` (stored as int64).
@@ -109,6 +121,17 @@ class PrefixLM(MaskSpec):
             return SdpaForm(is_causal=False)
         # Key 0 is always visible causally, so a prefix of 1 adds nothing.
         return SdpaForm(is_causal=True) if p <= 1 and q_len == kv_len else None
+
+    def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
+        p = self.prefix_len
+        if isinstance(p, torch.Tensor) or q_len != kv_len or self.sdpa_form(q_len, kv_len) is not None:
+            return None
+        # Rows i < p see exactly keys [0, p) (j <= i adds nothing there); rows i >= p see [0, p)
+        # and, causally, [p, i]: two parts with disjoint keys, the first covering every row.
+        return SplitForm(parts=(
+            SplitPart(q=(0, q_len), kv=(0, p), is_causal=False),
+            SplitPart(q=(p, q_len), kv=(p, kv_len), is_causal=True),
+        ))  # fmt: skip
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

@@ -7,10 +7,11 @@ from flexattn_zoo.backends.dense import DENSE
 from flexattn_zoo.backends.fa4 import FA4
 from flexattn_zoo.backends.flex import FLEX, FLEX_CPU, FLEX_FLASH
 from flexattn_zoo.backends.sdpa import SDPA_CUDNN, SDPA_EFFICIENT, SDPA_FLASH, SDPA_MATH
+from flexattn_zoo.backends.split import SDPA_SPLIT
 from flexattn_zoo.backends.varlen import VARLEN
 
 BACKENDS: tuple[Backend, ...] = (
-    SDPA_CUDNN, SDPA_FLASH, SDPA_EFFICIENT, SDPA_MATH, VARLEN, FLEX, FLEX_FLASH, FA4, FLEX_CPU, DENSE,
+    SDPA_CUDNN, SDPA_FLASH, SDPA_EFFICIENT, SDPA_MATH, SDPA_SPLIT, VARLEN, FLEX, FLEX_FLASH, FA4, FLEX_CPU, DENSE,
 )  # fmt: skip
 BY_NAME: dict[str, Backend] = {b.name: b for b in BACKENDS}
 

@@ -38,6 +38,7 @@ PRESETS = {
     "sliding": (lambda: masks.SlidingWindow(left=64, right=16), None),
     "document_causal": (lambda: _doc() & masks.Causal(), None),
     "prefix_lm": (lambda: masks.PrefixLM(prefix_len=torch.tensor([40, 300])), None),
+    "prefix_lm_int": (lambda: masks.PrefixLM(prefix_len=100), None),  # split form: sdpa_split
     "chunked_causal": (lambda: masks.Chunked(size=128) & masks.Causal(), None),
     "chunked_equal_causal": (lambda: masks.Chunked(size=111) & masks.Causal(), None),  # 333 = 3 chunks
     "chunked_equal": (lambda: masks.Chunked(size=111), None),
@@ -46,7 +47,8 @@ PRESETS = {
     "softcap_approx_causal": (lambda: masks.Causal(), "softcap_approx"),
     "fully_masked_rows": (lambda: masks.Causal(align="bottom_right"), (333, 200)),
 }
-ROUTES = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "varlen", "flex", "flex_flash", "fa4"]
+ROUTES = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sdpa_split", "varlen", "flex", "flex_flash",
+          "fa4"]
 
 
 def _score(kind):  # type: ignore[no-untyped-def]
@@ -120,6 +122,7 @@ def test_route_coverage() -> None:
     assert set(PRESETS) == accepted["flex"], accepted["flex"]
     for r in ("sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math"):
         assert {"full", "causal", "chunked_equal_causal", "chunked_equal"} <= accepted[r], (r, accepted[r])
+    assert accepted["sdpa_split"] == {"prefix_lm_int"}, accepted["sdpa_split"]
     chunks = {"chunked_causal", "chunked_equal_causal", "chunked_equal"}
     assert {"full", "causal", "sliding", "document_causal"} | chunks <= accepted["varlen"], accepted["varlen"]
     if _compat.flash_cute_available():
@@ -161,6 +164,27 @@ def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore
     k, v = (torch.randn(1, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
             for _ in range(2))  # fmt: skip
     _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
+
+
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("layout", ["contiguous", "projection"])
+def test_sdpa_split_prefix(hkv: int, layout: str) -> None:
+    """cuDNN per part, merged by lse: GQA (k/v expanded), [B, L, H, D] projections viewed as
+    [B, H, L, D], D=128, a prefix off the 128 grid; forward+backward, then the no-grad forward
+    (its own compiled merge) vs float64."""
+    g = torch.Generator(device=DEV).manual_seed(5)
+
+    def make(heads: int) -> torch.Tensor:
+        if layout == "projection":
+            return torch.randn(B, 700, heads, 128, device=DEV, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        return torch.randn(B, heads, 700, 128, device=DEV, dtype=torch.bfloat16, generator=g)
+
+    q, k, v = (t.requires_grad_(True) for t in (make(H), make(hkv), make(hkv)))
+    mask = masks.PrefixLM(prefix_len=257)
+    _check(q, k, v, "sdpa_split", mask, None, gqa=hkv != H, lse=False)
+    with torch.no_grad():
+        out = fz.attention(q, k, v, mask=mask, enable_gqa=hkv != H, backend="sdpa_split")
+    assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=hkv != H)
 
 
 def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:

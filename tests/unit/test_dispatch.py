@@ -44,6 +44,11 @@ DOC = masks.Document.from_lengths([300, 500, 224])
         (_problem(masks.Causal(), lq=1000, lkv=1200), "flex"),  # no SDPA form when Lq != Lkv
         (_problem(DOC & masks.Causal()), "flex"),  # measured: flex >= varlen on sm90
         (_problem(masks.SlidingWindow(left=127)), "flex"),
+        # prefix-LM as two cuDNN parts merged by lse (cudnn_decomp_probe_h200.txt)
+        (_problem(masks.PrefixLM(prefix_len=300)), "sdpa_split"),
+        (_problem(masks.PrefixLM(prefix_len=300), grad=True, heads=(32, 8)), "sdpa_split"),
+        (_problem(masks.PrefixLM(prefix_len=torch.tensor([3, 300]))), "flex"),  # per-row prefixes: no split
+        (_problem(masks.PrefixLM(prefix_len=300), lse=True), "flex"),  # the split route returns no lse
         (_problem(masks.Chunked(size=256) & masks.Causal()), "sdpa_cudnn"),  # equal chunks as batch rows
         (_problem(masks.Chunked(size=256), grad=True), "sdpa_cudnn"),
         (_problem(masks.Chunked(size=300) & masks.Causal()), "flex"),  # unequal: no SDPA form
@@ -88,6 +93,7 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0, approx=True)), "flex"),  # Triton's fast tanh
         (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0, approx=True), grad=True), "flex_flash"),
         (_problem(masks.PrefixLM(prefix_len=100)), "flex_flash"),  # no FA4 form
+        (_problem(masks.PrefixLM(prefix_len=100), grad=True), "flex_flash"),  # 558 vs sdpa_split ~440
         (_problem(masks.Causal(), lq=1000, lkv=1200), "flex_flash"),
     ],
 )

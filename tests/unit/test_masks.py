@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from flexattn_zoo import masks
 from flexattn_zoo.masks import Causal, Chunked, Document, Full, PrefixLM, SlidingWindow
 from flexattn_zoo.masks.causal import OffsetCausal
-from flexattn_zoo.spec import And, MaskSpec, Not, Or, SdpaForm, VarlenForm
+from flexattn_zoo.spec import And, MaskSpec, Not, Or, SdpaForm, SplitForm, SplitPart, VarlenForm
 
 FAMILIES: list[type[MaskSpec]] = [Full, Causal, SlidingWindow, Document, PrefixLM, Chunked]
 SHAPES = [(200, 333, 1), (300, 300, 2), (77, 129, 3), (130, 65, 2)]  # (Lq, Lkv, B)
@@ -178,6 +178,22 @@ def test_cheap_forms_match_dense(spec: MaskSpec, lq: int, lkv: int, b: int) -> N
         assert form is None
     elif form is not None:
         assert torch.equal(varlen_dense(form, lq, b), want)
+    split = spec.split_form(lq, lkv)
+    if split is not None:
+        assert torch.equal(torch.broadcast_to(split_paint(split, lq, lkv), want.shape), want)
+
+
+def split_paint(form: SplitForm, lq: int, lkv: int) -> torch.Tensor:
+    """What a kernel per part computes: each rectangle painted (causal ones as a lower triangle
+    from its top-left corner); no key may be painted twice in a row (the merge would count it twice)."""
+    count = torch.zeros(lq, lkv, dtype=torch.int64)
+    for part in form.parts:
+        (q0, q1), (k0, k1) = part.q, part.kv
+        rect = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
+        count[q0:q1, k0:k1] += rect.tril() if part.is_causal else rect
+    assert int(count.max()) <= 1
+    assert form.parts[0].q == (0, lq)
+    return count.bool()
 
 
 def test_forms_offered_where_promised() -> None:
@@ -189,6 +205,13 @@ def test_forms_offered_where_promised() -> None:
     assert Causal().varlen_form(9, 9, 2) == VarlenForm(None, (-1, 0))
     assert SlidingWindow(left=4, right=2).varlen_form(9, 9, 2) == VarlenForm(None, (4, 2))
     assert PrefixLM(prefix_len=3).varlen_form(9, 9, 1) is None
+    split = PrefixLM(prefix_len=3).split_form(9, 9)
+    assert split == SplitForm((SplitPart((0, 9), (0, 3), False), SplitPart((3, 9), (3, 9), True)))
+    assert PrefixLM(prefix_len=3).split_form(9, 10) is None  # Lq != Lkv: not offered
+    assert PrefixLM(prefix_len=1).split_form(9, 9) is None  # plain causal: SDPA form instead
+    assert PrefixLM(prefix_len=9).split_form(9, 9) is None  # no mask: SDPA form instead
+    assert PrefixLM(prefix_len=torch.tensor([2, 3])).split_form(9, 9) is None  # per-row prefixes
+    assert Causal().split_form(9, 9) is None and (PrefixLM(prefix_len=3) & Causal()).split_form(9, 9) is None
     chunks = Chunked(size=4).varlen_form(10, 10, 1)
     assert chunks is not None and chunks.segments.tolist() == [4, 4, 2]
     docs = Document(doc_ids=[[5, 5, 1, 1, 1], [0, 1, 1, 1, 1]]).varlen_form(5, 5, 2)
