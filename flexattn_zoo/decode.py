@@ -54,6 +54,7 @@ from flexattn_zoo.dispatch import attention, execute_plan, plan
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal, Chunked, SlidingWindow
 from flexattn_zoo.masks.band import Band
+from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.sinks import apply_sinks, check_sinks
 from flexattn_zoo.spec import And, MaskSpec, Or
 
@@ -400,22 +401,28 @@ def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     return -(-batch // -(-batch // fit))
 
 
-def _run_planned(  # type: ignore[no-untyped-def]
-    dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature.
-
-    The signature holds everything the plan depends on: shapes, strides, dtypes, the score mod,
-    scale, GQA, lse, the requested route and torch's determinism switch.
-    """
+def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str) -> Hashable:  # type: ignore[no-untyped-def]
+    """Everything a decode step's plan depends on besides its DecodeMask: shapes, strides, dtypes,
+    devices, the score mod, scale, GQA, lse, the requested route, torch's determinism switch,
+    whether the step records gradients (routes differ by mode) and the process state the
+    dispatcher reads (``plan_cache.process_state``)."""
     det = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    sig = (
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return (
         q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
-        q.device, k.device, v.device, score, scale, gqa, need_lse, backend, det,
+        q.device, k.device, v.device, score, scale, gqa, need_lse, backend, det, grad, process_state(),
     )  # fmt: skip
+
+
+def _run_planned(  # type: ignore[no-untyped-def]
+    dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature
+    (:func:`run_signature`)."""
+    sig = run_signature(q, k, v, score, scale, gqa, need_lse, backend)
     chosen = dm.runs.get(sig)
     if chosen is None:
         chosen = plan(q, k, v, mask=bm, score_mod=score, scale=scale, enable_gqa=gqa, backend=backend,

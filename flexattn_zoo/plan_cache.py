@@ -48,8 +48,6 @@ def call_key(
 
     ``deterministic`` is the already resolved flag (it follows torch's global switch).
     """
-    from flexattn_zoo.registry import MASKS, SCORES
-
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None  # subclasses and non-tensors: the full path validates them
     if not (type(enable_gqa) is bool and type(return_lse) is bool and type(backend) is str):
@@ -66,8 +64,7 @@ def call_key(
         return None
     key = (
         backend, mask, score_mod, enable_gqa, return_lse, deterministic, grad_on and wants_grad,
-        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, MASKS.version, SCORES.version,
-        tuple(os.environ.get(name) for name in ENV_VARS), _compat.flash_cute_available(),
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, process_state(),
         q.device.type == "cpu" and inputs_nonfinite(q, k, v),
     )  # fmt: skip
     try:
@@ -77,4 +74,14 @@ def call_key(
     return key
 
 
-__all__ = ["ENV_VARS", "PLANS", "call_key"]
+def process_state() -> Hashable:
+    """What planning reads from the process rather than the call: the registries' versions (a
+    name can be unregistered and registered anew), the ``FLEXATTN_ZOO_*`` environment variables
+    and whether flash-attn-4 is importable. Part of every cached plan's key."""
+    from flexattn_zoo.registry import MASKS, SCORES
+
+    env = tuple(os.environ.get(name) for name in ENV_VARS)
+    return MASKS.version, SCORES.version, env, _compat.flash_cute_available()
+
+
+__all__ = ["ENV_VARS", "PLANS", "call_key", "process_state"]

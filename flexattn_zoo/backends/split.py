@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, _dtype_names
 from flexattn_zoo.problem import Problem
@@ -73,9 +74,11 @@ def _merge(
 
 @functools.cache
 def _compiled_merge() -> Callable[..., Any]:
-    # Eager, the merge is six passes over float32 copies of the outputs (~0.5 ms at 4x16x6144x128
-    # on the H200, a fifth of the forward); compiled it is one fused kernel.
-    return torch.compile(_merge, dynamic=False, fullgraph=True)  # type: ignore[no-any-return]
+    # Eager, the merge is six passes over float32 copies of the outputs; compiled it is one fused
+    # kernel (H200, prefix-LM 2048 at 4x16x8192x128: the forward went from 2.71 ms with the eager
+    # merge, cudnn_decomp_probe_h200.txt, to 2.02 ms, h200-nofa4.md). Default (automatic) dynamic
+    # shapes: a second prefix length or batch compiles one shape-generic kernel, not one per shape.
+    return torch.compile(_merge, fullgraph=True)  # type: ignore[no-any-return]
 
 
 def _rows(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
@@ -110,6 +113,7 @@ class _SplitAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels' backwards have no derivative: say so instead of a wrong one
     def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         _, backward = _KERNELS[q.device.type]

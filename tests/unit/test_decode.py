@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexattn_zoo import decode, masks, score_mods
+from flexattn_zoo import _compat, decode, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.testing import reference_attention
 
@@ -174,3 +174,22 @@ def test_planned_runs_are_reused_and_exact() -> None:
             assert lse is None
             _close(out, reference_decode(q, k, v, lens, masks.Causal()))
     assert len(dm.runs) == 1 and dm.runs.inserts == 1
+
+
+def test_run_signature_follows_grad_mode_and_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan made for inference is not reused by a step that records gradients (routes differ
+    by mode: flex_flash refuses some backwards), nor after the dispatcher's inputs from the
+    process change (an env var, flash-attn-4 becoming importable)."""
+    k, v = _cache(5)
+    q = torch.randn(B, H, 1, D)
+    with torch.no_grad():
+        base = decode.run_signature(q, k, v, None, None, True, False, "auto")
+        assert decode.run_signature(q.requires_grad_(), k, v, None, None, True, False, "auto") == base
+    assert decode.run_signature(q, k, v, None, None, True, False, "auto") != base
+    q = q.detach()
+    assert decode.run_signature(q, k, v, None, None, True, False, "auto") == base
+    monkeypatch.setenv("FLEXATTN_ZOO_ARCH", "sm80")
+    assert decode.run_signature(q, k, v, None, None, True, False, "auto") != base
+    monkeypatch.delenv("FLEXATTN_ZOO_ARCH")
+    monkeypatch.setattr(_compat, "flash_cute_available", lambda: True)
+    assert decode.run_signature(q, k, v, None, None, True, False, "auto") != base

@@ -46,6 +46,14 @@ def test_projection_layout() -> None:
     assert_matches_reference(out, q, k, v, mask=mask, grads=grads, grad_out=grad_out)
 
 
+def test_second_order_gradients_are_refused() -> None:
+    q, k, v = _inputs(1, 2, 2, 32, 8, torch.float64)
+    out = fz.attention(q, k, v, mask=masks.PrefixLM(prefix_len=9), backend="sdpa_split")
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad"):  # not a silently wrong one
+        torch.autograd.grad(dq.sum(), q)
+
+
 def test_merge_of_rows_that_see_nothing() -> None:
     """A row with no key in either part keeps lse -inf and output 0 (no NaN from -inf - -inf)."""
     out_a, out_b = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
