@@ -225,7 +225,8 @@ class VarlenForm:
 @dataclasses.dataclass(frozen=True)
 class SplitPart:
     """Queries ``q[0] <= i < q[1]`` see keys ``kv[0] <= j < kv[1]``: all of them, or when
-    ``is_causal`` those with ``j - kv[0] <= i - q[0]`` (top-left causal inside the rectangle)."""
+    ``is_causal`` those with ``j - kv[0] <= i - q[0]`` (causal inside a square rectangle: as many
+    queries as keys, so top-left and bottom-right alignment agree)."""
 
     q: tuple[int, int]
     kv: tuple[int, int]

@@ -11,8 +11,9 @@ gradient of the whole attention restricted to ``p``'s keys (its softmax probabil
 ``dq`` add up and their ``dk`` / ``dv`` land on disjoint keys -- as in ring attention.
 
 Kernels: cuDNN on CUDA (``aten._scaled_dot_product_cudnn_attention``; H200, prefix-LM 2048 at
-4x16x8192x128: 9.26 ms forward+backward vs 10.46 on Triton flex, see
-benchmarks/results/cudnn_decomp_probe_h200.txt), torch's flash kernel on CPU.
+4x16x8192x128: 2.02 / 9.01 ms forward / forward+backward vs 2.68 / 10.53 on Triton flex,
+benchmarks/results/h200-nofa4.md), torch's flash kernel on CPU. Causal parts must be square:
+the kernels' ``is_causal`` is only unambiguous (top-left = bottom-right) when Lq == Lkv.
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ class SplitBackend(Backend):
         elif p.mask is None or p.mask.split_form(p.q_len, p.kv_len) is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
             out.append(f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)")
+        else:
+            form = p.mask.split_form(p.q_len, p.kv_len)
+            bad = [part for part in form.parts if part.is_causal and part.q[1] - part.q[0] != part.kv[1] - part.kv[0]]
+            if bad:
+                out.append(f"split form has a causal part that is not square ({bad[0]}): the kernels' is_causal "
+                           "alignment is ambiguous there")  # fmt: skip
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
