@@ -65,7 +65,8 @@ def generation(arch: str) -> str:
 # Route order per generation and mode: the first route that accepts a problem wins. sm90 comes
 # from benchmarks/results/h200*.md (measured on an H200); the others follow the same kernels'
 # relative speeds and are marked as not yet measured here. "dense" is never auto-picked on GPUs:
-# it materializes Lq x Lkv and is only taken when asked for.
+# it materializes Lq x Lkv and is only taken when asked for. sdpa_split (prefix-LM as two cuDNN
+# parts) is measured only on sm90: 578 / 454 vs Triton flex 436 / 388, below flex_flash (680 / 566).
 PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     "sm90": {
         "fwd": ("fa4", "flex_flash", "sdpa_cudnn", "sdpa_split", "flex", "varlen", "sdpa_flash", "sdpa_efficient",
