@@ -66,7 +66,10 @@ def generation(arch: str) -> str:
 # from benchmarks/results/h200*.md (measured on an H200); the others follow the same kernels'
 # relative speeds and are marked as not yet measured here. "dense" is never auto-picked on GPUs:
 # it materializes Lq x Lkv and is only taken when asked for. sdpa_split (prefix-LM as two cuDNN
-# parts) is measured only on sm90: 578 / 454 vs Triton flex 436 / 388, below flex_flash (680 / 566).
+# parts) is measured only on sm90: 578 / 454 vs Triton flex 436 / 388, below flex_flash (680 / 566);
+# and on the CPU (torch's flash kernel per part; benchmarks/results/cpu_prefix.md): prefix-LM
+# fp32 forward 1.3-1.4x flex_cpu (1x8x2048x64, 1x8x4096x64), training 7.5x dense at 2K and the
+# only route at 4K (dense would materialize 2 GiB of scores).
 PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     "sm90": {
         "fwd": ("fa4", "flex_flash", "sdpa_cudnn", "sdpa_split", "flex", "varlen", "sdpa_flash", "sdpa_efficient",
@@ -87,8 +90,8 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
         "fwdbwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
     },
     "cpu": {
-        "fwd": ("sdpa_flash", "flex_cpu", "sdpa_math", "dense"),
-        "fwdbwd": ("sdpa_flash", "sdpa_math", "dense"),
+        "fwd": ("sdpa_flash", "sdpa_split", "flex_cpu", "sdpa_math", "dense"),
+        "fwdbwd": ("sdpa_flash", "sdpa_split", "sdpa_math", "dense"),
     },
 }
 

@@ -58,6 +58,10 @@ DOC = masks.Document.from_lengths([300, 500, 224])
         (_problem(masks.Causal(), arch="sm86"), "sdpa_flash"),
         (_problem(masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32), "sdpa_flash"),
         (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32), "flex_cpu"),
+        # prefix-LM: torch's CPU flash kernel per part (benchmarks/results/cpu_prefix.md)
+        (_problem(masks.PrefixLM(prefix_len=300), device="cpu", arch="cpu", dtype=torch.float32), "sdpa_split"),
+        (_problem(masks.PrefixLM(prefix_len=300), device="cpu", arch="cpu", dtype=torch.float32, grad=True),
+         "sdpa_split"),  # fmt: skip
         (_problem(masks.Chunked(size=64) & masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32,
                   grad=True), "sdpa_flash"),  # fmt: skip
         (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True), "dense"),
