@@ -24,6 +24,28 @@ def _dtype_names(dtypes: frozenset[torch.dtype]) -> str:
     return ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
+def cuda_kernel_reasons(
+    p: Problem, dtypes: frozenset[torch.dtype], head_dims: tuple[int, int], multiple: int = 1
+) -> list[str]:
+    """Why the CUDA kernel of a route that also runs elsewhere refuses ``p`` ([] off CUDA)."""
+    if p.device_type != "cuda":
+        return []
+    out = []
+    if p.dtype not in dtypes:
+        out.append(f"CUDA kernel needs dtype in {{{_dtype_names(dtypes)}}}")
+    lo, hi = head_dims
+    if not lo <= p.head_dim <= hi or p.head_dim % multiple:
+        out.append(f"CUDA kernel needs head dim {lo}..{hi}" + (f", multiple of {multiple}" if multiple > 1 else ""))
+    return out
+
+
+def expand_kv_heads(k: torch.Tensor, v: torch.Tensor, p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA for kernels without grouped heads: k/v copied to every q head (q head h reads kv head
+    h // group, as ``repeat_interleave`` lays them out); autograd sums each group's gradients back."""
+    group = p.heads // p.kv_heads
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """Declarative capabilities shared by every route; subclasses add mask-form checks and ``run``."""

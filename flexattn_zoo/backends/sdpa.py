@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, _dtype_names
+from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, cuda_kernel_reasons, expand_kv_heads
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
 
@@ -43,12 +43,7 @@ class SdpaBackend(Backend):
             # The copy of k/v per call is O(Lkv * H * D): next to Lq x Lkv attention it is small
             # when Lq == Lkv (measured there), but a decode step would copy its whole cache.
             out.append("runs GQA by expanding k/v, done only when Lq == Lkv")
-        if p.device_type == "cuda":
-            if p.dtype not in self.cuda_dtypes:
-                out.append(f"CUDA kernel needs dtype in {{{_dtype_names(self.cuda_dtypes)}}}")
-            lo, hi = self.cuda_head_dims
-            if not lo <= p.head_dim <= hi:
-                out.append(f"CUDA kernel needs head dim {lo}..{hi}")
+        out.extend(cuda_kernel_reasons(p, self.cuda_dtypes, self.cuda_head_dims))
         if p.user_block_mask:
             out.append("takes no BlockMask")
         elif _sdpa_call(p) is None:
@@ -65,11 +60,9 @@ class SdpaBackend(Backend):
         batch = q.shape[0]
         gqa = p.gqa
         if gqa and self.expand_gqa:
-            # cuDNN refuses enable_gqa; q head h reads kv head h // group, as repeat_interleave
-            # lays them out. Autograd sums each group's k/v gradients back (H200, 32:8 causal
-            # L=8192: 4.4 / 15.6 ms fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex,
-            # benchmarks/results/nofa4_levers_probe_h200.txt).
-            k, v = (t.repeat_interleave(p.heads // p.kv_heads, dim=1) for t in (k, v))
+            # cuDNN refuses enable_gqa (H200, 32:8 causal L=8192 with k/v expanded: 4.4 / 15.6 ms
+            # fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex, benchmarks/results/nofa4_levers_probe_h200.txt).
+            k, v = expand_kv_heads(k, v, p)
             gqa = False
         view_ok = chunk and self.kernel in CHUNK_VIEW_KERNELS and all(t.is_contiguous() for t in (q, k, v))
         if chunk:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, _dtype_names
+from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, cuda_kernel_reasons, expand_kv_heads
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
@@ -157,20 +157,14 @@ class SplitBackend(Backend):
     cuda_head_dims: tuple[int, int] = (8, 128)
 
     def mask_reasons(self, p: Problem) -> list[str]:
-        out = []
-        if p.device_type == "cuda":
-            if p.dtype not in self.cuda_dtypes:
-                out.append(f"CUDA kernel (cuDNN) needs dtype in {{{_dtype_names(self.cuda_dtypes)}}}")
-            lo, hi = self.cuda_head_dims
-            if not lo <= p.head_dim <= hi or p.head_dim % 8:
-                out.append(f"CUDA kernel (cuDNN) needs head dim {lo}..{hi}, multiple of 8")
+        out = cuda_kernel_reasons(p, self.cuda_dtypes, self.cuda_head_dims, multiple=8)  # cuDNN's limits
+        form = None if p.user_block_mask or p.mask is None else p.mask.split_form(p.q_len, p.kv_len)
         if p.user_block_mask:
             out.append("takes no BlockMask")
-        elif p.mask is None or p.mask.split_form(p.q_len, p.kv_len) is None:
+        elif form is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
             out.append(f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)")
         else:
-            form = p.mask.split_form(p.q_len, p.kv_len)
             bad = [part for part in form.parts if part.is_causal and part.q[1] - part.q[0] != part.kv[1] - part.kv[0]]
             if bad:
                 out.append(f"split form has a causal part that is not square ({bad[0]}): the kernels' is_causal "
@@ -180,9 +174,8 @@ class SplitBackend(Backend):
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
         form: SplitForm | None = p.mask.split_form(p.q_len, p.kv_len)
         assert form is not None  # mask_reasons refused the rest
-        if p.gqa:
-            # As sdpa_cudnn: the kernels take no grouped heads; autograd sums each group's grads.
-            k, v = (t.repeat_interleave(p.heads // p.kv_heads, dim=1) for t in (k, v))
+        if p.gqa:  # neither kernel takes grouped heads
+            k, v = expand_kv_heads(k, v, p)
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         return _SplitAttention.apply(q, k, v, form.parts, scale), None
 

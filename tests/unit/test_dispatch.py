@@ -118,6 +118,16 @@ def test_priority_overrides_apply_only_with_all_traits() -> None:
     assert priority("sm80", "fwd", frozenset({"score_mod", "packed_segments"})) == priority("sm80", "fwd")
 
 
+def test_cuda_kernel_limits_of_multi_device_routes() -> None:
+    """Routes that also run on the CPU name their CUDA kernel's limits (and only on CUDA)."""
+    with pytest.raises(ValueError, match=r"CUDA kernel needs dtype in \{bfloat16, float16\}"):
+        plan_problem(_problem(masks.Causal(), dtype=torch.float32), "sdpa_flash")
+    with pytest.raises(ValueError, match="CUDA kernel needs head dim 8..128, multiple of 8"):
+        plan_problem(_problem(masks.PrefixLM(prefix_len=300), d=100), "sdpa_split")
+    cpu = _problem(masks.PrefixLM(prefix_len=300), d=100, dtype=torch.float32, device="cpu", arch="cpu")
+    assert plan_problem(cpu, "sdpa_split").backend == "sdpa_split"
+
+
 def test_plan_lists_every_route_with_reasons() -> None:
     p = plan_problem(_problem(masks.SlidingWindow(left=127)))
     names = [c.name for c in p.candidates]
