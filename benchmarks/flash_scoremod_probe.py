@@ -1,0 +1,126 @@
+"""Score-mod spellings on the FA4 CuTe route (flex_flash) and Triton flex, side by side.
+
+Issue 4's softcap and ALiBi goals are far above what flex_flash reached (softcap 334 / 378 with the
+exact ``torch.tanh``, ALiBi 528 / 537, causal alone 668 / 555 TFLOP/s). Inductor lowers a score_mod
+op by op into CuTe DSL: ``torch.tanh`` becomes ``cute.math.tanh`` (the exact libdevice tanh), while
+``exp2`` and ``rsqrt`` become the hardware approximations. This probe times spellings of the same
+function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192 D=128, causal:
+
+- softcap 30: ``tanh`` (exact), ``exp2_rsqrt`` (``1 - 2 r^2`` with ``r = rsqrt(2^(2x log2 e) + 1)``:
+  two hardware approximations, no division), ``exp2_div`` (``1 - 2 / (2^(2x log2 e) + 1)``);
+- ALiBi: the library's ``Alibi`` (slope ``exp2`` of an affine function of ``h``, ``|i - j|``),
+  ``noabs`` (``i - j``: under a causal mask every visible pair has ``i >= j``), and ``const``
+  (one slope for every head; not ALiBi, the cost of the slope computation's absence).
+
+Each variant's output and gradients are compared with the first variant of its group.
+
+    python benchmarks/flash_scoremod_probe.py            # CUDA GPU with flash-attn-4 importable
+    python benchmarks/flash_scoremod_probe.py --small --routes flex_cpu --modes fwd   # checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import score_mods
+from flexattn_zoo.bench_timing import measure
+
+CAP = 30.0
+K2 = 2.0 * math.log2(math.e) / CAP  # tanh(s / cap) from 2^(s * K2)
+
+
+def softcap_tanh(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    return CAP * torch.tanh(score * (1.0 / CAP))
+
+
+def softcap_exp2_rsqrt(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    r = torch.rsqrt(torch.exp2(score * K2) + 1.0)
+    return CAP - (2.0 * CAP) * (r * r)
+
+
+def softcap_exp2_div(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    return CAP - (2.0 * CAP) / (torch.exp2(score * K2) + 1.0)
+
+
+def alibi_variants(heads: int) -> dict[str, Any]:
+    log2_step = -8.0 / heads  # power-of-two head counts only (the probe's 16)
+
+    def noabs(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        slope = torch.exp2(h.to(torch.float32) * log2_step + log2_step)
+        return score - slope * (q_idx - kv_idx).to(torch.float32)
+
+    def const(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return score - 0.0625 * (q_idx - kv_idx).to(torch.float32)
+
+    return {"alibi (library)": score_mods.Alibi(num_heads=heads), "alibi noabs": noabs, "alibi const": const}
+
+
+def compare(name: str, run: Callable[[], Any], ref: tuple[torch.Tensor, ...]) -> None:
+    got = run()
+    errs = [(g.float() - r.float()).abs().max().item() for g, r in zip(got, ref)]
+    print(f"    {name:<22} max |diff| vs first: out {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  dv {errs[3]:.2e}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="tiny sizes")
+    p.add_argument("--routes", default="flex_flash,flex")
+    p.add_argument("--modes", default="fwd,fwdbwd")
+    p.add_argument("--only", default="softcap,alibi")
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, h, length, d = (1, 2, 256, 64) if args.small else (4, 16, 8192, 128)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, length, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in "qkv")
+    grad_out = torch.randn(q.shape, device=device, dtype=dtype, generator=g)
+    flops = 4.0 * b * h * (length * (length + 1) // 2) * d
+    groups: dict[str, dict[str, Any]] = {
+        "softcap": {"tanh (exact)": softcap_tanh, "exp2_rsqrt": softcap_exp2_rsqrt, "exp2_div": softcap_exp2_div},
+        "alibi": alibi_variants(h),
+    }
+    print(f"{torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
+          f"{b}x{h}x{length}x{d} {dtype}, causal", flush=True)  # fmt: skip
+    for group in args.only.split(","):
+        for route in args.routes.split(","):
+            print(f"{group} on {route}", flush=True)
+
+            def call(mod: Any, route: str = route) -> torch.Tensor:
+                return fz.attention(q, k, v, mask="causal", score_mod=mod, backend=route)
+
+            ref: tuple[torch.Tensor, ...] | None = None
+            for name, mod in groups[group].items():
+                def fwdbwd(mod: Any = mod) -> tuple[torch.Tensor, ...]:
+                    out = call(mod)
+                    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+                try:
+                    if ref is None:
+                        ref = tuple(t.detach() for t in fwdbwd())
+                    else:
+                        compare(name, fwdbwd, ref)
+                except Exception as exc:  # a route that refuses a variant: report, go on
+                    print(f"    {name:<22} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+                    continue
+                for mode in args.modes.split(","):
+                    def step(mod: Any = mod, mode: str = mode) -> Any:
+                        if mode == "fwd":
+                            with torch.no_grad():
+                                return call(mod)
+                        return fwdbwd(mod)
+
+                    t = measure(step, device, warmup=3, iters=args.iters)
+                    f = flops * (3.5 if mode == "fwdbwd" else 1.0)
+                    print(f"  {name:<22} {mode:<6} {t.median_ms:8.3f} ms {f / t.median_ms / 1e9:7.1f} TFLOP/s"
+                          f"  (first call {t.first_s:.1f} s)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
