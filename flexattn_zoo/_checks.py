@@ -202,6 +202,23 @@ def assert_mask_consistent(
     for q_block, kv_block in block_sizes:
         _check_block_map(spec, bound, dense, q_block, kv_block, exact_blocks, check_create_block_mask)
     _check_forms(spec, dense, batch)
+    for s in {spec, bound}:
+        _check_future_keys(s, dense)
+
+
+def _check_future_keys(spec: MaskSpec, dense: torch.Tensor) -> None:
+    """``hides_future_keys`` may only say True when no visible pair has ``kv_idx > q_idx``."""
+    _, _, q_len, kv_len = dense.shape
+    if not spec.hides_future_keys(q_len, kv_len):
+        return
+    future = torch.arange(kv_len).view(1, kv_len) > torch.arange(q_len).view(q_len, 1)
+    seen = dense & future
+    if bool(seen.any()):
+        where = _first(seen)
+        raise AssertionError(
+            f"{spec!r}: hides_future_keys({q_len}, {kv_len}) is True but query {where[2]} sees the "
+            f"later key {where[3]} (batch {where[0]}, head {where[1]})"
+        )
 
 
 def _check_block_map(
@@ -290,7 +307,8 @@ def assert_score_consistent(
     rtol: float = 1e-6,
     atol: float = 1e-6,
 ) -> None:
-    """Check a score spec's ``score_mod`` (exact variant) against ``spec.dense`` in float64.
+    """Check a score spec's ``score_mod`` (exact variant) against ``spec.dense`` in float64, and
+    its ``future_keys_hidden=True`` variant on the pairs with ``kv_idx <= q_idx``.
 
     The default tolerances admit score mods that compute in float32, as kernels do; specs that
     compute in the score's dtype agree to float64 precision.
@@ -298,16 +316,20 @@ def assert_score_consistent(
     spec.validate(q_len, kv_len, batch, heads)
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(batch, heads, q_len, kv_len, dtype=torch.float64, generator=gen) * magnitude
-    got = spec.score_mod(fast=False)(scores.clone(), *index_grids(batch, heads, q_len, kv_len))
     want = spec.dense(scores.clone())
-    if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
-        raise AssertionError(f"{spec!r}: score_mod must return a floating tensor, got {type(got).__name__}")
-    got = torch.broadcast_to(got, want.shape).double()
-    err = (got - want).abs()
-    bad = err > atol + rtol * want.abs()
-    if bool(bad.any()) or not bool(torch.isfinite(got).all()):
-        where = _first(bad | ~torch.isfinite(got))
-        raise AssertionError(
-            f"{spec!r}: score_mod differs from the dense oracle at index {where}: got "
-            f"{got[where].item():.10g}, oracle {want[where].item():.10g} (max abs error {float(err.max()):.3e})"
-        )
+    past = torch.arange(kv_len).view(1, kv_len) <= torch.arange(q_len).view(q_len, 1)
+    for hidden, counted in ((False, torch.ones_like(past)), (True, past)):
+        fn = spec.score_mod(fast=False, future_keys_hidden=hidden)
+        got = fn(scores.clone(), *index_grids(batch, heads, q_len, kv_len))
+        what = "score_mod(future_keys_hidden=True)" if hidden else "score_mod"
+        if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
+            raise AssertionError(f"{spec!r}: {what} must return a floating tensor, got {type(got).__name__}")
+        got = torch.broadcast_to(got, want.shape).double()
+        err = (got - want).abs() * counted
+        bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & counted)
+        if bool(bad.any()):
+            where = _first(bad)
+            raise AssertionError(
+                f"{spec!r}: {what} differs from the dense oracle at index {where}: got "
+                f"{got[where].item():.10g}, oracle {want[where].item():.10g} (max abs error {float(err.max()):.3e})"
+            )

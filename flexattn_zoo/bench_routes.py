@@ -7,7 +7,9 @@
   variant: Dynamo is reset before each (case, mode), because one process sweeping many variants
   through the shared ``flex_attention`` code object exhausts Dynamo's recompile limit and runs
   unfused (measured: 0.7 instead of 126 TFLOP/s), which would flatter ``auto``. A limit hit within
-  one case is still caught and noted.
+  one case is still caught and noted. Its score_mod is the one the flex routes run (e.g. ALiBi
+  without ``abs`` under a causal mask, as hand-written causal ALiBi usually is), so the comparison
+  measures kernels, options and BlockMasks, not score_mod spelling.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
   a float bias when the score mod is additive, like ALiBi); k/v are expanded for GQA so SDPA can
   use its memory-efficient kernel.
@@ -151,7 +153,10 @@ def prepare_raw_flex(case: Case, mask: MaskSpec | None, score: ScoreSpec | None,
             times.append(seconds)
         build_s = sorted(times)[len(times) // 2]
         build_compile_s = max(0.0, first - build_s)
-    score_mod = score.score_mod() if score is not None else None
+    score_mod = None
+    if score is not None:
+        past = mask is not None and mask.hides_future_keys(case.seq_len, case.seq_len)
+        score_mod = score.score_mod(future_keys_hidden=past)
     gqa = case.gqa
 
     def call() -> torch.Tensor:

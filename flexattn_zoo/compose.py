@@ -105,6 +105,9 @@ class And(_Combined):
             return None
         return SdpaForm(is_causal=any(f.is_causal for f in forms))  # type: ignore[union-attr]
 
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return any(p.hides_future_keys(q_len, kv_len) for p in self.parts)
+
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         forms = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
         if any(f is None for f in forms):
@@ -130,6 +133,9 @@ class Or(_Combined):
 
     parts: tuple[MaskSpec, ...]
     op = operator.or_
+
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return all(p.hides_future_keys(q_len, kv_len) for p in self.parts)
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "|")
@@ -198,14 +204,13 @@ class Chain(ScoreSpec):
                 raise TypeError(f"Chain(mods=...) takes score specs, got {type(m).__name__}")
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        fns = [m.score_mod(fast=fast) for m in self.mods]
+        return _chained([m.score_mod(fast=fast) for m in self.mods])
 
-        def chained(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-            for fn in fns:
-                score = fn(score, b, h, q_idx, kv_idx)
-            return score
-
-        return chained
+    def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
+        fns = [m.score_mod(fast=fast, future_keys_hidden=True) for m in self.mods]
+        if all(f is m.score_mod(fast=fast) for f, m in zip(fns, self.mods, strict=True)):
+            return self.score_mod(fast=fast)  # no part has a cheaper variant: share the kernel
+        return _chained(fns)
 
     def has_fast_variant(self) -> bool:
         return any(m.has_fast_variant() for m in self.mods)
@@ -221,3 +226,12 @@ class Chain(ScoreSpec):
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         for m in self.mods:
             m.validate(q_len, kv_len, batch, heads)
+
+
+def _chained(fns: list[ScoreMod]) -> ScoreMod:
+    def chained(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        for fn in fns:
+            score = fn(score, b, h, q_idx, kv_idx)
+        return score
+
+    return chained

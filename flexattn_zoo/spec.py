@@ -327,6 +327,12 @@ class MaskSpec(Spec):
         """Exact split into unmasked / causal rectangles (see :class:`SplitForm`), or None."""
         return None
 
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        """True when no pair with ``kv_idx > q_idx`` is visible at these lengths (indices as the
+        bound spec's ``mask_mod`` sees them). Then a score_mod's value on those pairs is never used,
+        so kernels may run ``score.score_mod(future_keys_hidden=True)``. False is always safe."""
+        return False
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
@@ -365,16 +371,27 @@ class ScoreSpec(Spec):
 
     depends_on_head: ClassVar[bool] = False
 
-    def score_mod(self, *, fast: bool = False) -> ScoreMod:
+    def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.
 
         ``fast=True`` asks for the variant a GPU kernel should run (e.g. a hardware tanh); it is
         only different for specs that opted in (``SoftCap(approx=True)``).
+        ``future_keys_hidden=True`` is the caller's promise that its mask hides every pair with
+        ``kv_idx > q_idx`` (``MaskSpec.hides_future_keys``): the function returned need only be
+        right where ``kv_idx <= q_idx`` (ALiBi then drops its ``abs``). Specs without such a
+        variant return the same function object either way, so compiled kernels are shared.
         """
+        if future_keys_hidden:
+            return _MODS.get_or_create(("score", self, fast, "past"), lambda: self._make_past_score_mod(fast=fast))
         return _MODS.get_or_create(("score", self, fast), lambda: self._make_score_mod(fast=fast))
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         raise NotImplementedError
+
+    def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
+        """The score_mod for ``future_keys_hidden=True``: it must equal ``score_mod(fast=fast)`` on
+        every pair with ``kv_idx <= q_idx``. Default: that very function."""
+        return self.score_mod(fast=fast)
 
     def has_fast_variant(self) -> bool:
         """True when ``score_mod(fast=True)`` may differ from the exact one (an opted-in approximation)."""

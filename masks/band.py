@@ -87,6 +87,9 @@ class Band(MaskSpec):
         right = -1 if self.hi is None else self.hi
         return VarlenForm(segments=None, window=(left, right))
 
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return self.hi is not None and self.hi <= 0
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

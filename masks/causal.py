@@ -76,6 +76,9 @@ class Causal(MaskSpec):
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
         return SdpaForm(is_causal=True) if q_len == kv_len else None
 
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return self._offset(q_len, kv_len) <= 0
+
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         return VarlenForm(segments=None, window=(-1, 0)) if q_len == kv_len else None
 
@@ -130,6 +133,9 @@ class OffsetCausal(MaskSpec):
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
         return SdpaForm(is_causal=True) if q_len == kv_len and self.offset == 0 else None
+
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return self.offset <= 0
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         return VarlenForm(segments=None, window=(-1, 0)) if q_len == kv_len and self.offset == 0 else None

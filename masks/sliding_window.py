@@ -78,6 +78,9 @@ class SlidingWindow(MaskSpec):
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         return VarlenForm(segments=None, window=(self.left, self.right)) if q_len == kv_len else None
 
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return self.right == 0
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

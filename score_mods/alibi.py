@@ -77,6 +77,9 @@ class Alibi(ScoreSpec):
             every other slope (starting with the first) of the ``2n`` sequence -- or ``num_heads``
             finite floats of your own (stored as a tuple so the spec stays hashable).
 
+    Under a mask that hides every later key (``Causal``, a left-only window, ...) flex routes run
+    ``score_mod(future_keys_hidden=True)``, which uses ``i - j`` instead of ``|i - j|``.
+
     Default slopes are computed inline from ``h`` (one ``exp2`` of an affine function of ``h``),
     which measured clearly faster on the H200 than loading them from a captured tensor. Given
     slopes are selected by a chain of ``torch.where(h == k, ...)``: it captures no tensor, so the
@@ -111,8 +114,16 @@ class Alibi(ScoreSpec):
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         if self.slopes is None:
-            return _inline_press_mod(self.num_heads)
-        return _selected_slopes_mod(self.slopes)
+            return _inline_press_mod(self.num_heads, past_only=False)
+        return _selected_slopes_mod(self.slopes, past_only=False)
+
+    def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
+        # Where kv_idx <= q_idx, |q_idx - kv_idx| is q_idx - kv_idx. Dropping the abs measured on
+        # the H200 (benchmarks/results/mod_spelling_probe_h200_v1.txt, causal B=4 H=16 L=8K D=128):
+        # flex_flash 528 -> 567 / 535 -> 546 TFLOP/s, Triton flex 375 -> 401 / 365 -> 379.
+        if self.slopes is None:
+            return _inline_press_mod(self.num_heads, past_only=True)
+        return _selected_slopes_mod(self.slopes, past_only=True)
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         # Independent of the score_mod: slopes from math.pow in a Python list, not from exp2 of h.
@@ -150,7 +161,13 @@ def _compute_dtype(score: torch.Tensor) -> torch.dtype:
     return torch.float64 if score.dtype == torch.float64 else torch.float32
 
 
-def _inline_press_mod(num_heads: int) -> ScoreMod:
+def _distance(q_idx: torch.Tensor, kv_idx: torch.Tensor, past_only: bool) -> torch.Tensor:
+    """``|q_idx - kv_idx|``, or ``q_idx - kv_idx`` when only pairs with ``kv_idx <= q_idx`` count."""
+    diff = q_idx - kv_idx
+    return diff if past_only else diff.abs()
+
+
+def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
     n, a1, b1, a2, b2 = _exponent_pieces(num_heads)
 
     def alibi_inline(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
@@ -160,19 +177,17 @@ def _inline_press_mod(num_heads: int) -> ScoreMod:
             exponent = hf * a1 + b1
         else:
             exponent = torch.where(h < n, hf * a1 + b1, hf * a2 + b2)
-        dist = (q_idx - kv_idx).abs().to(dtype)
-        return score - torch.exp2(exponent) * dist
+        return score - torch.exp2(exponent) * _distance(q_idx, kv_idx, past_only).to(dtype)
 
     return alibi_inline
 
 
-def _selected_slopes_mod(slopes: tuple[float, ...]) -> ScoreMod:
+def _selected_slopes_mod(slopes: tuple[float, ...], *, past_only: bool) -> ScoreMod:
     def alibi_given(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         dtype = _compute_dtype(score)
         slope = torch.full_like(h, slopes[0], dtype=dtype)
         for k in range(1, len(slopes)):
             slope = torch.where(h == k, slopes[k], slope)
-        dist = (q_idx - kv_idx).abs().to(dtype)
-        return score - slope * dist
+        return score - slope * _distance(q_idx, kv_idx, past_only).to(dtype)
 
     return alibi_given

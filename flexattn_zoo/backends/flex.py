@@ -68,7 +68,11 @@ class FlexBackend(Backend):
             block_mask = build_block_mask(
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device
             )
-        score_mod = p.score.to(device).score_mod(fast=self.fast_score_mods) if p.score is not None else None
+        score_mod = None
+        if p.score is not None:
+            # A mask that hides every kv_idx > q_idx lets score mods skip work there (ALiBi's abs).
+            past = p.mask is not None and p.mask.hides_future_keys(p.q_len, p.kv_len)
+            score_mod = p.score.to(device).score_mod(fast=self.fast_score_mods, future_keys_hidden=past)
         options = self.options(p, block_mask)
         key = CACHE.key(
             block_mask.mask_mod if block_mask is not None else None, score_mod, options, p.return_lse, p.gqa,

@@ -76,3 +76,36 @@ def test_first_score_example_on_flex_cpu(name: str) -> None:
     _, spec = spec_examples("score", 70, 70, B, H, names=[name])[0]
     q, k, v = _inputs(70, 70, seed=0, grad=False)
     assert _run("flex_cpu", q, k, v, masks.Causal(), spec, grad=False)
+
+
+# Causal and a left-only window hide every later key (kernels may run a score mod's cheaper
+# future_keys_hidden variant); a two-sided window, no mask and a bottom-right causal with
+# Lkv > Lq do not, and must get the exact function.
+SCORE_MASKS = {
+    "causal": (masks.Causal(), (70, 70)),
+    "window_left": (masks.SlidingWindow(left=9), (70, 70)),
+    "window_both": (masks.SlidingWindow(left=9, right=4), (70, 70)),
+    "none": (None, (70, 70)),
+    "causal_bottom_right": (masks.Causal(align="bottom_right"), (50, 70)),
+}
+
+
+@pytest.mark.parametrize("mask_name", SCORE_MASKS)
+@pytest.mark.parametrize("name", score_mods.names())
+def test_first_score_example_on_flex_cpu_under_masks(name: str, mask_name: str) -> None:
+    mask, (lq, lkv) = SCORE_MASKS[mask_name]
+    _, spec = spec_examples("score", lq, lkv, B, H, names=[name])[0]
+    q, k, v = _inputs(lq, lkv, seed=1, grad=False)
+    assert _run("flex_cpu", q, k, v, mask, spec, grad=False)
+
+
+def test_flex_routes_run_the_past_only_score_mod_when_the_mask_allows() -> None:
+    from flexattn_zoo.backends.flex import FLEX_CPU
+
+    alibi = score_mods.Alibi(num_heads=H)
+    q, k, v = _inputs(70, 70, seed=0, grad=False)
+    for mask, past in ((masks.Causal(), True), (masks.SlidingWindow(left=9, right=4), False), (None, False)):
+        problem = fz.plan(q, k, v, mask=mask, score_mod=alibi, enable_gqa=True, backend="flex_cpu").problem
+        got = FLEX_CPU._prepare(problem, q.device, None).score_mod
+        assert got is alibi.score_mod(future_keys_hidden=past), mask
+    assert alibi.score_mod(future_keys_hidden=True) is not alibi.score_mod()

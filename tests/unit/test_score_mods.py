@@ -157,6 +157,26 @@ def test_chain_order() -> None:
         (cap >> alibi).validate(4, 4, 1, 3)
 
 
+def test_past_only_variants() -> None:
+    """future_keys_hidden=True: ALiBi drops its abs (right where kv_idx <= q_idx, different after);
+    specs without a cheaper variant, and chains of them, hand back the very same function."""
+    h = torch.arange(2, dtype=torch.int32).view(1, 2, 1, 1)
+    q = torch.arange(5, dtype=torch.int32).view(1, 1, 5, 1)
+    kv = torch.arange(6, dtype=torch.int32).view(1, 1, 1, 6)
+    past = (kv <= q).expand(1, 2, 5, 6)
+    scores = torch.randn(1, 2, 5, 6, dtype=torch.float64)
+    for spec in (Alibi(num_heads=2), Alibi(num_heads=2, slopes=[1.0, 0.5]), SoftCap(cap=2.0) >> Alibi(num_heads=2)):
+        plain, cheap = spec.score_mod(), spec.score_mod(future_keys_hidden=True)
+        assert cheap is not plain and cheap is spec.score_mod(future_keys_hidden=True)
+        want, got = spec.dense(scores.clone()), cheap(scores.clone(), Z, h, q, kv)
+        torch.testing.assert_close(got[past], want[past])
+        assert not torch.allclose(got[~past], want[~past])
+        assert_score_consistent(spec, heads=2)
+    for spec in (SoftCap(cap=2.0), SoftCap(cap=2.0, approx=True) >> SoftCap(cap=3.0)):
+        for fast in (False, True):
+            assert spec.score_mod(fast=fast, future_keys_hidden=True) is spec.score_mod(fast=fast)
+
+
 def test_equality_hash_and_mod_identity() -> None:
     assert Alibi(num_heads=8) == Alibi(num_heads=8) and hash(Alibi(num_heads=8)) == hash(Alibi(num_heads=8))
     assert Alibi(num_heads=8).score_mod() is Alibi(num_heads=8).score_mod()

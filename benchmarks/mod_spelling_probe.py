@@ -1,4 +1,4 @@
-"""Score-mod spellings on the FA4 CuTe route (flex_flash) and Triton flex, side by side.
+"""Score-mod and mask-mod spellings on the FA4 CuTe route (flex_flash) and Triton flex, side by side.
 
 Issue 4's softcap and ALiBi goals are far above what flex_flash reached (softcap 334 / 378 with the
 exact ``torch.tanh``, ALiBi 528 / 537, causal alone 668 / 555 TFLOP/s). Inductor lowers a score_mod
@@ -10,12 +10,17 @@ function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192
   two hardware approximations, no division), ``exp2_div`` (``1 - 2 / (2^(2x log2 e) + 1)``);
 - ALiBi: the library's ``Alibi`` (slope ``exp2`` of an affine function of ``h``, ``|i - j|``),
   ``noabs`` (``i - j``: under a causal mask every visible pair has ``i >= j``), and ``const``
-  (one slope for every head; not ALiBi, the cost of the slope computation's absence).
+  (one slope for every head; not ALiBi, the cost of the slope computation's absence);
+- documents (lengths 256-2048, as the h200 sweep) & causal: the library's ``Document & Causal``
+  (``ids[q] == ids[kv]`` on int64 ids, and ``kv <= q``), the same on int32 ids, and
+  ``starts[q] <= kv <= q`` (one lookup per query row instead of two per pair; exact for
+  contiguous documents).
 
-Each variant's output and gradients are compared with the first variant of its group.
+Each variant's output and gradients are compared with the first variant of its group. The first
+run (before ``documents`` existed) was ``python benchmarks/flash_scoremod_probe.py --iters 20``.
 
-    python benchmarks/flash_scoremod_probe.py            # CUDA GPU with flash-attn-4 importable
-    python benchmarks/flash_scoremod_probe.py --small --routes flex_cpu --modes fwd   # checks it runs
+    python benchmarks/mod_spelling_probe.py            # CUDA GPU with flash-attn-4 importable
+    python benchmarks/mod_spelling_probe.py --small --routes dense --iters 3   # checks it runs
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ from typing import Any
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import score_mods
-from flexattn_zoo.bench_timing import measure
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.bench_config import document_lengths
+from flexattn_zoo.bench_timing import measure, visible_pairs
 
 CAP = 30.0
 K2 = 2.0 * math.log2(math.e) / CAP  # tanh(s / cap) from 2^(s * K2)
@@ -58,12 +64,38 @@ def alibi_variants(heads: int) -> dict[str, Any]:
     def const(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return score - 0.0625 * (q_idx - kv_idx).to(torch.float32)
 
-    return {"alibi (library)": score_mods.Alibi(num_heads=heads), "alibi noabs": noabs, "alibi const": const}
+    return {
+        "alibi (library)": ("causal", score_mods.Alibi(num_heads=heads)),
+        "alibi noabs": ("causal", noabs),
+        "alibi const": ("causal", const),
+    }
+
+
+def document_variants(length: int, device: torch.device) -> dict[str, Any]:
+    lo, hi = (16, 64) if length < 1024 else (256, 2048)
+    lengths = document_lengths(length, lo, hi, seed=0)
+    library = masks.Document.from_lengths(lengths).to(device) & masks.Causal()
+    ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    ids32 = ids.to(torch.int32)
+    starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0).to(torch.int32)
+    starts = torch.repeat_interleave(starts, torch.tensor(lengths, device=device))
+
+    def ids_int32(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (ids32[q_idx] == ids32[kv_idx]) & (kv_idx <= q_idx)
+
+    def row_start(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (kv_idx >= starts[q_idx]) & (kv_idx <= q_idx)
+
+    return {
+        "Document & Causal": (library, None),
+        "int32 ids": (ids_int32, None),
+        "row start": (row_start, None),
+    }
 
 
 def compare(name: str, run: Callable[[], Any], ref: tuple[torch.Tensor, ...]) -> None:
     got = run()
-    errs = [(g.float() - r.float()).abs().max().item() for g, r in zip(got, ref)]
+    errs = [(g.float() - r.float()).abs().max().item() for g, r in zip(got, ref, strict=True)]
     print(f"    {name:<22} max |diff| vs first: out {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  dv {errs[3]:.2e}")
 
 
@@ -72,7 +104,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes")
     p.add_argument("--routes", default="flex_flash,flex")
     p.add_argument("--modes", default="fwd,fwdbwd")
-    p.add_argument("--only", default="softcap,alibi")
+    p.add_argument("--only", default="softcap,alibi,document")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -81,19 +113,26 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, h, length, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in "qkv")
     grad_out = torch.randn(q.shape, device=device, dtype=dtype, generator=g)
-    flops = 4.0 * b * h * (length * (length + 1) // 2) * d
     groups: dict[str, dict[str, Any]] = {
-        "softcap": {"tanh (exact)": softcap_tanh, "exp2_rsqrt": softcap_exp2_rsqrt, "exp2_div": softcap_exp2_div},
+        "softcap": {
+            "tanh (exact)": ("causal", softcap_tanh),
+            "exp2_rsqrt": ("causal", softcap_exp2_rsqrt),
+            "exp2_div": ("causal", softcap_exp2_div),
+        },
         "alibi": alibi_variants(h),
+        "document": document_variants(length, device),
     }
     print(f"{torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
           f"{b}x{h}x{length}x{d} {dtype}, causal", flush=True)  # fmt: skip
     for group in args.only.split(","):
+        first_mask = next(iter(groups[group].values()))[0]
+        spec = masks.Causal() if first_mask == "causal" else first_mask
+        flops = 4.0 * visible_pairs(spec, length, b, h, device) * d
         for route in args.routes.split(","):
             print(f"{group} on {route}", flush=True)
 
             def call(mod: Any, route: str = route) -> torch.Tensor:
-                return fz.attention(q, k, v, mask="causal", score_mod=mod, backend=route)
+                return fz.attention(q, k, v, mask=mod[0], score_mod=mod[1], backend=route)
 
             ref: tuple[torch.Tensor, ...] | None = None
             for name, mod in groups[group].items():
