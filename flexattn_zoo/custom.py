@@ -74,8 +74,12 @@ class FunctionMask(MaskSpec):
         return self.fn
 
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        b, h, q, kv = _grids(batch, heads, q_len, kv_len)
-        return torch.broadcast_to(torch.as_tensor(self.fn(b, h, q, kv)), (batch, heads, q_len, kv_len))
+        # Evaluated where the tensors the function indexes live (e.g. CUDA document ids), returned
+        # on the CPU like the other specs' oracles (composites combine them).
+        device = _captured_device(self.fn)
+        b, h, q, kv = (g.to(device) for g in _grids(batch, heads, q_len, kv_len))
+        out = torch.as_tensor(self.fn(b, h, q, kv)).cpu()
+        return torch.broadcast_to(out, (batch, heads, q_len, kv_len))
 
 
 @spec_dataclass
@@ -103,15 +107,44 @@ _PROBE_HINT = (
 )
 
 
-def _probe_grids() -> tuple[tuple[torch.Tensor, ...], ...]:
+def _probe_grids(device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
     """Scalar int32 indices (what flex's vmap passes per element) and small broadcast grids (what
     the dense route and BlockMask builder pass), so data-dependent Python control flow fails here,
     with a clear message, instead of deep inside a kernel or the reference."""
-    z = torch.zeros((), dtype=torch.int32)
+    z = torch.zeros((), dtype=torch.int32, device=device)
     # All-zero values (in range for any captured table), but multi-element shapes.
     shapes = ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2))
-    grids = tuple(torch.zeros(shape, dtype=torch.int32) for shape in shapes)
+    grids = tuple(torch.zeros(shape, dtype=torch.int32, device=device) for shape in shapes)
     return (z, z, z, z), grids
+
+
+def _captured_device(fn: Callable[..., Any], _seen: set[int] | None = None) -> torch.device:
+    """Where ``fn``'s captured tensors live: the device of the first non-CPU tensor among its
+    closure cells, defaults and the globals it names (and those of Python functions it captures),
+    else the CPU. The probe indexes those tensors (``doc_ids[q_idx]``), and a CUDA table cannot
+    be indexed with CPU indices."""
+    seen = set() if _seen is None else _seen
+    if id(fn) in seen:
+        return torch.device("cpu")
+    seen.add(id(fn))
+    values: list[Any] = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell (a name bound later in the enclosing function)
+            continue
+    values += list(getattr(fn, "__defaults__", None) or ())
+    code, names = getattr(fn, "__code__", None), getattr(fn, "__globals__", None) or {}
+    if code is not None:
+        values += [names[n] for n in code.co_names if n in names]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device
+        if inspect.isfunction(value):
+            device = _captured_device(value, seen)
+            if device.type != "cpu":
+                return device
+    return torch.device("cpu")
 
 
 def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
@@ -122,7 +155,7 @@ def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
             f"{arg} callable must have the flex mask_mod signature (b, h, q_idx, kv_idx) -> bool; "
             f"{getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
         )
-    for grids in _probe_grids():
+    for grids in _probe_grids(_captured_device(fn)):
         try:
             out = fn(*grids)
         except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
@@ -140,8 +173,9 @@ def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None
             f"{arg} callable must have the flex score_mod signature (score, b, h, q_idx, kv_idx) -> "
             f"score; {getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
         )
-    for grids in _probe_grids():
-        score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)))
+    device = _captured_device(fn)
+    for grids in _probe_grids(device):
+        score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=device)
         try:
             out = fn(score, *grids)
         except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause

@@ -42,7 +42,8 @@ PRESETS = {
     "chunked_causal": (lambda: masks.Chunked(size=128) & masks.Causal(), None),
     "chunked_equal_causal": (lambda: masks.Chunked(size=111) & masks.Causal(), None),  # 333 = 3 chunks
     "chunked_equal": (lambda: masks.Chunked(size=111), None),
-    "alibi_causal": (lambda: masks.Causal(), "alibi"),
+    "alibi_causal": (lambda: masks.Causal(), "alibi"),  # flex routes drop ALiBi's abs here
+    "alibi_sliding": (lambda: masks.SlidingWindow(left=64, right=16), "alibi"),  # ...and keep it here
     "softcap_causal": (lambda: masks.Causal(), "softcap"),
     "softcap_approx_causal": (lambda: masks.Causal(), "softcap_approx"),
     "fully_masked_rows": (lambda: masks.Causal(align="bottom_right"), (333, 200)),
@@ -129,6 +130,19 @@ def test_route_coverage() -> None:
         assert set(PRESETS) == accepted["flex_flash"], accepted["flex_flash"]
         fa4 = {"full", "causal", "sliding", "document_causal", "softcap_approx_causal"} | chunks
         assert fa4 == accepted["fa4"], accepted["fa4"]
+
+
+@pytest.mark.parametrize("route", ["flex", "flex_flash"])
+def test_callable_mask_indexing_cuda_document_ids(route: str) -> None:
+    """A hand-written document mask indexing CUDA ids (the usual way to write one) is accepted and
+    exact: the callable is probed with indices on the ids' device."""
+    ids = torch.repeat_interleave(torch.arange(3, device=DEV), torch.tensor([100, 150, 83], device=DEV))
+
+    def doc_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
+    q, k, v = _inputs(L, L, torch.bfloat16)
+    _check(q, k, v, route, doc_causal, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.custom import FunctionMask, FunctionScore
+from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
 from flexattn_zoo.testing import assert_mask_consistent, assert_score_consistent
@@ -143,3 +143,33 @@ def test_register_plain_functions(temp_names: list) -> None:
 def test_unregister_unknown_name() -> None:
     with pytest.raises(ValueError, match="unknown score_mod"):
         SCORES.unregister("never_registered")
+
+
+def test_callables_indexing_device_tensors_are_probed_on_that_device() -> None:
+    """A mask/score callable that captures a table on another device (CUDA document ids; here the
+    meta device, which CPU-only CI has) is probed with indices on that device, not refused: CUDA
+    cannot index a CUDA table with CPU indices, which ``needs`` stands in for."""
+    ids = torch.zeros(8, dtype=torch.int64, device="meta")
+
+    def needs(t: torch.Tensor) -> None:
+        if t.device != ids.device:
+            raise RuntimeError(f"indices on {t.device}, table on {ids.device}")
+
+    def doc_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        needs(q_idx)
+        return q_idx >= kv_idx
+
+    table = ids.float()
+
+    def doc_bias(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        if q_idx.device != table.device:
+            raise RuntimeError(f"indices on {q_idx.device}, table on {table.device}")
+        return score * 2.0
+
+    assert isinstance(as_mask_spec(doc_mask), FunctionMask)
+    assert isinstance(as_score_spec(doc_bias), FunctionScore)
+
+    def cpu_only(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return q_idx >= kv_idx
+
+    assert isinstance(as_mask_spec(cpu_only), FunctionMask)
