@@ -8,8 +8,9 @@ function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192
 
 - softcap 30: ``tanh`` (exact), ``exp2_rsqrt`` (``1 - 2 r^2`` with ``r = rsqrt(2^(2x log2 e) + 1)``:
   two hardware approximations, no division), ``exp2_div`` (``1 - 2 / (2^(2x log2 e) + 1)``);
-- ALiBi: the library's ``Alibi`` (slope ``exp2`` of an affine function of ``h``, ``|i - j|``),
-  ``noabs`` (``i - j``: under a causal mask every visible pair has ``i >= j``), and ``const``
+- ALiBi: the library's ``Alibi`` (slope ``exp2`` of an affine function of ``h``; ``|i - j|`` until
+  7d9ad13, since then ``i - j`` under this causal mask), ``noabs`` (``i - j``: under a causal mask
+  every visible pair has ``i >= j``), and ``const``
   (one slope for every head; not ALiBi, the cost of the slope computation's absence);
 - documents (lengths 256-2048, as the h200 sweep) & causal: the library's ``Document & Causal``
   (``ids[q] == ids[kv]`` on int64 ids, and ``kv <= q``), the same on int32 ids, and
