@@ -79,10 +79,11 @@ def summary(
             raw = cells.get("raw_flex")
             raw_t = raw["tflops"] if raw and raw["status"] == "ok" else None
             density = any_row.get("density")
+            vs_best = _ratio_cell(auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best and best["route"])
+            if "below" in vs_best and host_bound(auto):
+                vs_best += " (auto host-bound)"
             ratio_cells = {
-                "auto/best": _ratio_cell(
-                    auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best and best["route"]
-                ),
+                "auto/best": vs_best,
                 "auto/raw_flex": _ratio_cell(auto_t, raw_t, AUTO_VS_RAW_FLEX),
                 "goal (auto)": _goal_cell(goals.get(f"{case}/{mode}"), auto_t),
             }
@@ -97,6 +98,15 @@ def summary(
 #: Issue 4's rules for auto: never more than 3% below the fastest route, at least 1.3x raw_flex.
 AUTO_VS_BEST = 0.97
 AUTO_VS_RAW_FLEX = 1.3
+#: A row whose host time per call reaches this fraction of its median time measured the host.
+HOST_BOUND = 0.9
+
+
+def host_bound(row: dict[str, Any] | None) -> bool:
+    """Whether issuing one call took the host (nearly) as long as the call took (CUDA rows)."""
+    if not row or row.get("status") != "ok" or not row.get("ms") or row.get("host_ms") is None:
+        return False
+    return bool(row["host_ms"] >= HOST_BOUND * row["ms"])
 
 
 def _ratio_cell(got: float | None, other: float | None, rule: float, name: str | None = None) -> str:
@@ -175,7 +185,9 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
         "(backward counted as 2.5x forward). Median of the timed runs after warm-up "
         "(CUDA events on GPU). `n/a`: the route cannot run the case exactly (reasons below); "
         "`auto/best`: auto's TFLOP/s over the fastest other route's (named); it and `auto/raw_flex` "
-        f"say `below` where auto misses the rules ({AUTO_VS_BEST:g} and {AUTO_VS_RAW_FLEX:g}x)."
+        f"say `below` where auto misses the rules ({AUTO_VS_BEST:g} and {AUTO_VS_RAW_FLEX:g}x); "
+        f"`auto host-bound`: auto's host time per call was at least {HOST_BOUND:g} of its time, so that "
+        "row measured the host (see `host ms` below)."
         + (" `goal (auto)`: the config's target TFLOP/s for auto, met or not." if data.get("goals") else ""), "",
     ]  # fmt: skip
     header, lines = summary(rows, data.get("goals"))

@@ -184,3 +184,19 @@ def test_png_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(bench_report.MissingDependency, match="viz"):
         bench_report.write_pngs([], tmp_path / "x")
     assert bench.main([str(SMOKE), "--png", str(tmp_path / "x"), "--quiet"]) == 1  # before running anything
+
+
+def test_summary_marks_host_bound_auto_below_the_best_route() -> None:
+    def row(route: str, tflops: float, ms: float, host_ms: float | None) -> dict[str, Any]:
+        return {"case": "c", "mode": "fwd", "route": route, "status": "ok", "tflops": tflops, "ms": ms,
+                "host_ms": host_ms, "batch": 1, "heads": 1, "kv_heads": 1, "seq_len": 8, "head_dim": 8,
+                "density": 1.0, "chosen": "flex" if route == "auto" else None}  # fmt: skip
+
+    def auto_vs_best(auto: dict[str, Any]) -> str:
+        header, lines = summary([auto, row("flex", 314.0, 0.57, 0.39)])
+        return lines[0][header.index("auto/best")]
+
+    assert auto_vs_best(row("auto", 287.0, 0.63, 0.58)) == "0.91 (flex) -- below 0.97 (auto host-bound)"
+    assert auto_vs_best(row("auto", 287.0, 0.63, 0.30)) == "0.91 (flex) -- below 0.97"
+    assert auto_vs_best(row("auto", 287.0, 0.63, None)) == "0.91 (flex) -- below 0.97"  # CPU rows: no host time
+    assert auto_vs_best(row("auto", 310.0, 0.58, 0.58)) == "0.99 (flex)"  # within the rule: nothing to explain
