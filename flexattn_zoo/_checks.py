@@ -125,8 +125,9 @@ def varlen_dense(form: VarlenForm, length: int, batch: int) -> torch.Tensor:
 
 def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
     """The ``[1, 1, Lq, Lkv]`` mask a :class:`SplitForm` describes; ``AssertionError`` when it
-    breaks its contract (ranges out of bounds, a causal part that is not square, keys shared by
-    two parts in one row, a first part that does not cover every row)."""
+    breaks the contract parts cannot check alone (ranges beyond Lq / Lkv, keys shared by two parts
+    in one row, a first part that does not cover every row; ``SplitPart`` itself refuses empty
+    ranges and causal parts that are not square)."""
     i = torch.arange(q_len).view(q_len, 1)
     j = torch.arange(kv_len).view(1, kv_len)
     union = torch.zeros(q_len, kv_len, dtype=torch.bool)
@@ -134,10 +135,8 @@ def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
         raise AssertionError(f"SplitForm {form}: the first part must cover every query row [0, {q_len})")
     for part in form.parts:
         (q0, q1), (k0, k1) = part.q, part.kv
-        if not (0 <= q0 < q1 <= q_len and 0 <= k0 < k1 <= kv_len):
-            raise AssertionError(f"SplitForm part {part} is empty or outside Lq, Lkv = {q_len}, {kv_len}")
-        if part.is_causal and q1 - q0 != k1 - k0:
-            raise AssertionError(f"SplitForm part {part} is causal but not square")
+        if q1 > q_len or k1 > kv_len:
+            raise AssertionError(f"SplitForm part {part} is outside Lq, Lkv = {q_len}, {kv_len}")
         rect = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
         if part.is_causal:
             rect &= (j - k0) <= (i - q0)

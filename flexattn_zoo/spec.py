@@ -232,6 +232,14 @@ class SplitPart:
     kv: tuple[int, int]
     is_causal: bool
 
+    def __post_init__(self) -> None:
+        (q0, q1), (k0, k1) = self.q, self.kv
+        if not (0 <= q0 < q1 and 0 <= k0 < k1):
+            raise ValueError(f"SplitPart ranges must be non-empty [start, stop) from 0 up, got q={self.q}, kv={self.kv}")
+        if self.is_causal and q1 - q0 != k1 - k0:
+            # Kernels' is_causal alignment (top-left vs bottom-right) only agrees on squares.
+            raise ValueError(f"SplitPart is causal but not square: q={self.q}, kv={self.kv}")
+
 
 @dataclasses.dataclass(frozen=True)
 class SplitForm:

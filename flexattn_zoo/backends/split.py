@@ -164,11 +164,6 @@ class SplitBackend(Backend):
         elif form is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
             out.append(f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)")
-        else:
-            bad = [part for part in form.parts if part.is_causal and part.q[1] - part.q[0] != part.kv[1] - part.kv[0]]
-            if bad:
-                out.append(f"split form has a causal part that is not square ({bad[0]}): the kernels' is_causal "
-                           "alignment is ambiguous there")  # fmt: skip
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]

@@ -79,19 +79,21 @@ def test_refusals_name_the_reason(kwargs: dict, match: str) -> None:  # type: ig
         fz.attention(q, k, v, backend="sdpa_split", **kwargs)
 
 
-def test_causal_parts_must_be_square(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A non-square causal part is ambiguous for the kernels (top-left vs bottom-right): the
-    route refuses it, and the form checker flags it."""
+def test_split_parts_refuse_what_the_kernels_cannot_run() -> None:
+    """A non-square causal part is ambiguous for the kernels (top-left vs bottom-right) and an
+    empty range has no kernel call: SplitPart refuses both, so no route or mask can offer one;
+    the form checker flags a part beyond the lengths."""
     from flexattn_zoo._checks import split_dense
     from flexattn_zoo.spec import SplitForm, SplitPart
 
-    form = SplitForm((SplitPart((0, 32), (0, 8), False), SplitPart((8, 32), (8, 24), True)))
-    monkeypatch.setattr(masks.PrefixLM, "split_form", lambda self, lq, lkv: form)
-    q, k, v = _inputs(1, 2, 2, 32, 8, torch.float32)
     with pytest.raises(ValueError, match="not square"):
-        fz.attention(q, k, v, mask=masks.PrefixLM(prefix_len=8), backend="sdpa_split")
-    with pytest.raises(AssertionError, match="not square"):
-        split_dense(form, 32, 32)
+        SplitPart((8, 32), (8, 24), True)
+    with pytest.raises(ValueError, match="non-empty"):
+        SplitPart((8, 8), (0, 4), False)
+    assert SplitPart((8, 32), (8, 24), False).kv == (8, 24)  # unmasked rectangles may be any shape
+    form = SplitForm((SplitPart((0, 32), (0, 8), False), SplitPart((8, 32), (8, 32), True)))
+    with pytest.raises(AssertionError, match="outside"):
+        split_dense(form, 32, 24)
 
 
 def test_user_block_mask_refused() -> None:
