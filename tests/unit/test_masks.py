@@ -16,6 +16,7 @@ from flexattn_zoo import masks
 from flexattn_zoo.masks import Causal, Chunked, Document, Full, PrefixLM, SlidingWindow
 from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.spec import And, MaskSpec, Not, Or, SdpaForm, SplitForm, SplitPart, VarlenForm
+from flexattn_zoo.testing import assert_mask_consistent
 
 FAMILIES: list[type[MaskSpec]] = [Full, Causal, SlidingWindow, Document, PrefixLM, Chunked]
 SHAPES = [(200, 333, 1), (300, 300, 2), (77, 129, 3), (130, 65, 2)]  # (Lq, Lkv, B)
@@ -255,6 +256,19 @@ def test_document_from_lengths_and_cu_seqlens() -> None:
     assert torch.equal(padded.dense(5, 5), per_row.dense(5, 5))
     assert Document.from_lengths([2, 0, 1]).doc_ids.tolist() == [0, 0, 2]
     assert per_row.uses_batch() and not Document(doc_ids=ids).uses_batch()
+
+
+def test_document_mask_mod_uses_int32_labels_without_merging_documents() -> None:
+    # int32 labels are the kernels' fast lookup; labels beyond int32 are renumbered, not wrapped
+    # (2**32 wraps to 0, which would join the first and second documents).
+    small = Document(doc_ids=[0, 0, 1, 1, 2])
+    wide = Document(doc_ids=[0, 0, 2**32, 2**32, -(2**40)])
+    for spec in (small, wide):
+        labels = [c.cell_contents for c in spec.mask_mod().__closure__ or () if isinstance(c.cell_contents, torch.Tensor)]
+        assert [t.dtype for t in labels] == [torch.int32]
+        assert spec.doc_ids.dtype == torch.int64  # the public field keeps the user's labels
+        assert_mask_consistent(spec, 5, 5)
+    assert not wide.dense(5, 5)[0, 0, 1, 2]
 
 
 @pytest.mark.parametrize(
