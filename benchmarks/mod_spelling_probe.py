@@ -13,9 +13,12 @@ function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192
   every visible pair has ``i >= j``), and ``const``
   (one slope for every head; not ALiBi, the cost of the slope computation's absence);
 - documents (lengths 256-2048, as the h200 sweep) & causal: the library's ``Document & Causal``
-  (``ids[q] == ids[kv]`` on int64 ids, and ``kv <= q``), the same on int32 ids, and
+  (``ids[q] == ids[kv]`` and ``kv <= q``; int64 labels until eefbe3f, int32 since then, after this
+  probe), the same on int32 ids, and
   ``starts[q] <= kv <= q`` (one lookup per query row instead of two per pair; exact for
-  contiguous documents).
+  contiguous documents);
+- per-row prefix-LM lengths (a ``[B]`` tensor): the library's ``PrefixLM`` (int32 lengths since the
+  document probe) against the same rule on int64 lengths.
 
 Each variant's output and gradients are compared with the first variant of its group. The first
 run (before ``documents`` existed) was ``python benchmarks/flash_scoremod_probe.py --iters 20``.
@@ -94,6 +97,19 @@ def document_variants(length: int, device: torch.device) -> dict[str, Any]:
     }
 
 
+def prefix_variants(batch: int, length: int, device: torch.device) -> dict[str, Any]:
+    # A different prefix per batch row (a tensor, looked up with b); the h200 sweep's prefix_lm
+    # case has one int prefix, which the kernels see as a constant.
+    lengths = torch.tensor([length // 4, length // 8, length // 2, length // 16][:batch], device=device)
+    library = masks.PrefixLM(prefix_len=lengths)
+    prefix64 = lengths.to(torch.int64)
+
+    def int64_lengths(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (kv_idx < prefix64[b]) | (kv_idx <= q_idx)
+
+    return {"PrefixLM([B])": (library, None), "int64 lengths": (int64_lengths, None)}
+
+
 def compare(name: str, run: Callable[[], Any], ref: tuple[torch.Tensor, ...]) -> None:
     got = run()
     errs = [(g.float() - r.float()).abs().max().item() for g, r in zip(got, ref, strict=True)]
@@ -105,7 +121,7 @@ def main() -> None:
     p.add_argument("--small", action="store_true", help="tiny sizes")
     p.add_argument("--routes", default="flex_flash,flex")
     p.add_argument("--modes", default="fwd,fwdbwd")
-    p.add_argument("--only", default="softcap,alibi,document")
+    p.add_argument("--only", default="softcap,alibi,document,prefix")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,6 +138,7 @@ def main() -> None:
         },
         "alibi": alibi_variants(h),
         "document": document_variants(length, device),
+        "prefix": prefix_variants(b, length, device),
     }
     print(f"{torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
           f"{b}x{h}x{length}x{d} {dtype}, causal", flush=True)  # fmt: skip

@@ -275,7 +275,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
             if args.resume and args.out.is_file():
                 data = json.loads(args.out.read_text())
                 previous = data.get("env", {})
-                history = [*previous.get("previous_commands", []), previous.get("command")]
+                # Each kept command names its commit: a resumed table mixes rows of several.
+                last = previous.get("command")
+                if last and previous.get("git"):
+                    last = f"{last} @ {previous['git']}"
+                history = [*previous.get("previous_commands", []), last]
                 if args.rerun:
                     data["rows"] = [r for r in data.get("rows", []) if not _selected(r, cases)]
             else:

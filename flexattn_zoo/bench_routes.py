@@ -7,9 +7,9 @@
   variant: Dynamo is reset before each (case, mode), because one process sweeping many variants
   through the shared ``flex_attention`` code object exhausts Dynamo's recompile limit and runs
   unfused (measured: 0.7 instead of 126 TFLOP/s), which would flatter ``auto``. A limit hit within
-  one case is still caught and noted. Its score_mod is the one the flex routes run (e.g. ALiBi
-  without ``abs`` under a causal mask, as hand-written causal ALiBi usually is), so the comparison
-  measures kernels, options and BlockMasks, not score_mod spelling.
+  one case is still caught and noted. Its mask_mod and score_mod are the ones the flex routes run
+  (e.g. int32 document labels, ALiBi without ``abs`` under a causal mask, as hand-written causal
+  ALiBi usually is), so the comparison measures kernels, options and BlockMasks, not spelling.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
   a float bias when the score mod is additive, like ALiBi); k/v are expanded for GQA so SDPA can
   use its memory-efficient kernel.

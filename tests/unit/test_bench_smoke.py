@@ -166,10 +166,16 @@ def test_cli_bench_delegates(tmp_path: Path) -> None:
         ("causal", "sdpa_math", "fwd", "ok")
     ]
     assert cli.main(["bench", str(SMOKE), "--cases", "nope", "--quiet"]) == 2
+    # A resumed table names the earlier command with the commit it ran on.
+    first = json.loads(out.read_text())
+    first["env"].update(command="bench first", git="abc1234", previous_commands=["bench zeroth @ 0000000"])
+    out.write_text(json.dumps(first))
     # --rerun replaces only the selected rows; the others are kept as they are.
     assert cli.main([*args[:4], "--modes", "fwd", "--routes", "sdpa_math,sdpa_flash", "--quiet", "--out", str(out),
                      "--resume"]) == 0  # fmt: skip
-    before = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
+    resumed = json.loads(out.read_text())
+    assert resumed["env"]["previous_commands"] == ["bench zeroth @ 0000000", "bench first @ abc1234"]
+    before = {r["route"]: r for r in resumed["rows"]}
     assert cli.main([*args, "--out", str(out), "--resume", "--rerun"]) == 0
     after = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
     assert after.keys() == {"sdpa_math", "sdpa_flash"} and after["sdpa_flash"] == before["sdpa_flash"]

@@ -258,17 +258,27 @@ def test_document_from_lengths_and_cu_seqlens() -> None:
     assert per_row.uses_batch() and not Document(doc_ids=ids).uses_batch()
 
 
-def test_document_mask_mod_uses_int32_labels_without_merging_documents() -> None:
-    # int32 labels are the kernels' fast lookup; labels beyond int32 are renumbered, not wrapped
-    # (2**32 wraps to 0, which would join the first and second documents).
+def _captured_tensors(spec: MaskSpec) -> list[torch.Tensor]:
+    cells = spec.mask_mod().__closure__ or ()
+    return [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.Tensor)]
+
+
+def test_mask_mods_look_up_int32_without_changing_the_mask() -> None:
+    # int32 tables are the kernels' fast lookup. Document labels beyond int32 are renumbered, not
+    # wrapped (2**32 wraps to 0, which would join two documents); prefix lengths beyond int32 are
+    # clamped (2**33 wraps to 0, which would hide the prefix).
     small = Document(doc_ids=[0, 0, 1, 1, 2])
     wide = Document(doc_ids=[0, 0, 2**32, 2**32, -(2**40)])
     for spec in (small, wide):
-        labels = [c.cell_contents for c in spec.mask_mod().__closure__ or () if isinstance(c.cell_contents, torch.Tensor)]
-        assert [t.dtype for t in labels] == [torch.int32]
+        assert [t.dtype for t in _captured_tensors(spec)] == [torch.int32]
         assert spec.doc_ids.dtype == torch.int64  # the public field keeps the user's labels
         assert_mask_consistent(spec, 5, 5)
     assert not wide.dense(5, 5)[0, 0, 1, 2]
+    prefixes = PrefixLM(prefix_len=torch.tensor([2, 2**33]))
+    assert [t.dtype for t in _captured_tensors(prefixes)] == [torch.int32]
+    assert prefixes.prefix_len.dtype == torch.int64
+    assert_mask_consistent(prefixes, 5, 5, batch=2)
+    assert prefixes.dense(5, 5, batch=2)[1, 0, 0].all()
 
 
 @pytest.mark.parametrize(
