@@ -17,8 +17,8 @@ function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192
   probe), the same on int32 ids, and
   ``starts[q] <= kv <= q`` (one lookup per query row instead of two per pair; exact for
   contiguous documents);
-- per-row prefix-LM lengths (a ``[B]`` tensor): the library's ``PrefixLM`` (int32 lengths since the
-  document probe) against the same rule on int64 lengths.
+- per-row prefix-LM lengths (a ``[B]`` tensor): the library's ``PrefixLM`` (int64 lengths) against
+  the same rule on int32 lengths (no difference measured, so PrefixLM keeps int64).
 
 Each variant's output and gradients are compared with the first variant of its group. The first
 run (before ``documents`` existed) was ``python benchmarks/flash_scoremod_probe.py --iters 20``.
@@ -102,12 +102,12 @@ def prefix_variants(batch: int, length: int, device: torch.device) -> dict[str, 
     # case has one int prefix, which the kernels see as a constant.
     lengths = torch.tensor([length // 4, length // 8, length // 2, length // 16][:batch], device=device)
     library = masks.PrefixLM(prefix_len=lengths)
-    prefix64 = lengths.to(torch.int64)
+    prefix32 = lengths.to(torch.int32)
 
-    def int64_lengths(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
-        return (kv_idx < prefix64[b]) | (kv_idx <= q_idx)
+    def int32_lengths(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (kv_idx < prefix32[b]) | (kv_idx <= q_idx)
 
-    return {"PrefixLM([B])": (library, None), "int64 lengths": (int64_lengths, None)}
+    return {"PrefixLM([B])": (library, None), "int32 lengths": (int32_lengths, None)}
 
 
 def compare(name: str, run: Callable[[], Any], ref: tuple[torch.Tensor, ...]) -> None:
