@@ -13,8 +13,8 @@ function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192
   every visible pair has ``i >= j``), and ``const``
   (one slope for every head; not ALiBi, the cost of the slope computation's absence);
 - documents (lengths 256-2048, as the h200 sweep) & causal: the library's ``Document & Causal``
-  (``ids[q] == ids[kv]`` and ``kv <= q``; int64 labels until eefbe3f, int32 since then, after this
-  probe), the same on int32 ids, and
+  (``ids[q] == ids[kv]`` and ``kv <= q``; int64 labels when this group first ran, int32 since
+  eefbe3f), the same on int32 ids, and
   ``starts[q] <= kv <= q`` (one lookup per query row instead of two per pair; exact for
   contiguous documents);
 - per-row prefix-LM lengths (a ``[B]`` tensor): the library's ``PrefixLM`` (int64 lengths) against
