@@ -14,7 +14,7 @@ function, one process, median of timed runs (CUDA events), bf16, B=4 H=16 L=8192
   (one slope for every head; not ALiBi, the cost of the slope computation's absence);
 - documents (lengths 256-2048, as the h200 sweep) & causal: the library's ``Document & Causal``
   (``ids[q] == ids[kv]`` and ``kv <= q``; int64 labels when this group first ran, int32 since
-  eefbe3f), the same on int32 ids, and
+  eefbe3f), the same on int32 ids and on int64 ids, and
   ``starts[q] <= kv <= q`` (one lookup per query row instead of two per pair; exact for
   contiguous documents);
 - per-row prefix-LM lengths (a ``[B]`` tensor): the library's ``PrefixLM`` (int64 lengths) against
@@ -87,12 +87,16 @@ def document_variants(length: int, device: torch.device) -> dict[str, Any]:
     def ids_int32(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return (ids32[q_idx] == ids32[kv_idx]) & (kv_idx <= q_idx)
 
+    def ids_int64(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
     def row_start(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return (kv_idx >= starts[q_idx]) & (kv_idx <= q_idx)
 
     return {
         "Document & Causal": (library, None),
         "int32 ids": (ids_int32, None),
+        "int64 ids": (ids_int64, None),
         "row start": (row_start, None),
     }
 
@@ -123,10 +127,11 @@ def main() -> None:
     p.add_argument("--modes", default="fwd,fwdbwd")
     p.add_argument("--only", default="softcap,alibi,document,prefix")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--head-dim", type=int, default=128, help="D (default 128, as the probe's first runs)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    b, h, length, d = (1, 2, 256, 64) if args.small else (4, 16, 8192, 128)
+    b, h, length, d = (1, 2, 256, 64) if args.small else (4, 16, 8192, args.head_dim)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, h, length, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in "qkv")
     grad_out = torch.randn(q.shape, device=device, dtype=dtype, generator=g)
