@@ -209,12 +209,12 @@ class Document(MaskSpec):
 def _int32_labels(ids: torch.Tensor) -> torch.Tensor:
     """``ids`` as int32 labels with the same equalities, for the kernels' per-pair lookups.
 
-    Measured on the H200 (document & causal, bf16): the FA4 CuTe forward ran 6% faster on int32
-    labels than on int64 ones at D=128 (benchmarks/results/mod_spelling_probe_h200.txt), Triton flex
-    the same at D=128 and 40% / 13% faster (fwd / fwd+bwd) at D=64 between the sweeps before and
-    after the change (benchmarks/results/h200-nofa4.md). Labels outside the int32 range are
-    renumbered (rank among the distinct labels) instead of wrapped, which could make two documents
-    equal. Costs one device sync per spec, like the other data-dependent checks here.
+    Measured side by side on the H200 (document & causal, bf16, ``benchmarks/mod_spelling_probe.py``,
+    results/mod_spelling_probe_h200.txt): int32 labels made the FA4 CuTe forward 6% faster at
+    D=128, and Triton flex 42% / 13% faster (fwd / fwd+bwd) at D=64 (the same at D=128). Labels
+    outside the int32 range are renumbered (rank among the distinct labels) instead of wrapped,
+    which could make two documents equal. Costs one device sync per spec, like the other
+    data-dependent checks here.
     """
     lo, hi = torch.aminmax(ids)
     info = torch.iinfo(torch.int32)
