@@ -42,6 +42,20 @@ class _Combined(MaskSpec):
     #: ``operator.and_`` or ``operator.or_``; also used for the dense oracles and block maps.
     op: ClassVar[Callable[[Any, Any], Any]]
 
+    def __post_init__(self) -> None:
+        # Built directly (And(parts=[...])) as well as by ``&`` / ``|``: a list would hide its
+        # specs' tensors from ``tensors()`` / ``to()``, which walk tuples.
+        what = f"{type(self).__name__}(parts=...)"
+        if not isinstance(self.parts, (tuple, list)):
+            raise TypeError(f"{what} must be a tuple of mask specs, got {type(self.parts).__name__}")
+        parts = tuple(self.parts)
+        if not parts:
+            raise ValueError(f"{what} needs at least one mask spec")
+        for p in parts:
+            if not isinstance(p, MaskSpec):
+                raise TypeError(f"{what} takes mask specs (e.g. masks.Causal()), got {type(p).__name__}")
+        object.__setattr__(self, "parts", parts)
+
     def uses_batch(self) -> bool:
         return any(p.uses_batch() for p in self.parts)
 
@@ -147,6 +161,10 @@ class Not(MaskSpec):
     """Visible iff not visible in ``part``."""
 
     part: MaskSpec
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.part, MaskSpec):
+            raise TypeError(f"Not(part=...) takes a mask spec (e.g. masks.Causal()), got {type(self.part).__name__}")
 
     def uses_batch(self) -> bool:
         return self.part.uses_batch()

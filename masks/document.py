@@ -76,9 +76,10 @@ class Document(MaskSpec):
         list of per-row lists / a 2-D tensor (zero entries are ignored, so a zero-padded ``[B, S]``
         tensor such as ``VarlenForm.segments`` works). Rows shorter than the longest row are padded
         with one extra document (id = number of length entries in that row), so every row has length
-        ``max(total)`` and padding tokens see only each other, never a real document.
+        ``max(total)`` and padding tokens see only each other, never a real document. The ids go to
+        ``device`` when given, else to the device of a ``lengths`` tensor (else the CPU).
         """
-        dev = lengths.device if isinstance(lengths, torch.Tensor) else device
+        dev = device if device is not None else (lengths.device if isinstance(lengths, torch.Tensor) else None)
         rows, per_batch = _length_rows(lengths)
         totals = [int(r.sum()) for r in rows]
         width = max(totals)
@@ -94,8 +95,9 @@ class Document(MaskSpec):
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | torch.Tensor, *, device: torch.device | str | None = None) -> Document:
-        """From cumulative lengths ``[0, l0, l0 + l1, ...]`` (FlashAttention varlen style)."""
-        dev = cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else device
+        """From cumulative lengths ``[0, l0, l0 + l1, ...]`` (FlashAttention varlen style); ``device``
+        as in :meth:`from_lengths`."""
+        dev = device if device is not None else (cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None)
         cu = _int_vector(cu_seqlens, "Document.from_cu_seqlens(cu_seqlens=...)")
         if cu.numel() < 2 or int(cu[0]) != 0:
             raise ValueError(
@@ -105,7 +107,7 @@ class Document(MaskSpec):
         lengths = cu[1:] - cu[:-1]
         if bool((lengths < 0).any()):
             raise ValueError("Document.from_cu_seqlens(cu_seqlens=...) must be non-decreasing")
-        return cls.from_lengths(lengths.to(dev) if dev is not None else lengths)
+        return cls.from_lengths(lengths, device=dev)
 
     # ---- spec protocol ------------------------------------------------------------------------
 

@@ -63,6 +63,8 @@ class KeyPadding(MaskSpec):
         return key_padding_mask
 
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        if self.valid.shape[1] < kv_len:
+            raise ValueError(f"KeyPadding(valid=...) covers {self.valid.shape[1]} keys but Lkv = {kv_len}")
         # Oracle: slice the key columns and repeat them for every query row (no per-element gather).
         keys = self.valid[:, :kv_len].cpu()
         return keys[:, None, None, :].expand(keys.shape[0], 1, q_len, kv_len).clone()

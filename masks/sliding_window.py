@@ -7,7 +7,7 @@ import torch
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
 
-from ._blocks import band_block_map, check_int
+from ._blocks import band_block_map, check_int, index_constant
 
 
 @MASKS.register
@@ -54,12 +54,13 @@ class SlidingWindow(MaskSpec):
         return cls(left=width - 1, right=0)
 
     def _make_mask_mod(self) -> MaskMod:
-        left, right = self.left, self.right
+        left, right = index_constant(self.left), index_constant(self.right)
 
         def sliding_window_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+            # kv_idx - right, not q_idx + right: the sum could pass int32's maximum.
+            return (kv_idx >= q_idx - left) & (kv_idx - right <= q_idx)
 
         return sliding_window_mask
 

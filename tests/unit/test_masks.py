@@ -14,7 +14,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from flexattn_zoo import masks
 from flexattn_zoo.masks import Causal, Chunked, Document, Full, PrefixLM, SlidingWindow
+from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
+from flexattn_zoo.masks.padding import KeyPadding
 from flexattn_zoo.spec import And, MaskSpec, Not, Or, SdpaForm, SplitForm, SplitPart, VarlenForm
 from flexattn_zoo.testing import assert_mask_consistent
 
@@ -321,11 +323,54 @@ def test_document_constructor_errors(call: Callable[[], object], exc: type[Excep
         (lambda: PrefixLM(prefix_len=torch.tensor([1, 2])).validate(8, 8, 3, 1), ValueError, "batch"),
         (lambda: Causal(align="bottom_right").mask_mod(), ValueError, "bind"),
         (lambda: masks.get("sliding_window", left=-3), ValueError, "left"),
+        # __index__ that raises (float / multi-element tensors) still names the argument.
+        (lambda: SlidingWindow(left=torch.tensor(3.0)), TypeError, r"SlidingWindow\(left=...\)"),
+        (lambda: Chunked(size=torch.tensor([1, 2])), TypeError, r"Chunked\(size=...\)"),
+        (lambda: KeyPadding(valid=torch.ones(1, 2, dtype=torch.bool)).dense(3, 3), ValueError, "valid"),
+        (lambda: And(parts=()), ValueError, r"And\(parts=...\)"),
+        (lambda: And(parts=(Causal(), 3)), TypeError, r"And\(parts=...\)"),
+        (lambda: Or(parts=Causal()), TypeError, r"Or\(parts=...\)"),
+        (lambda: Not(part=3), TypeError, r"Not\(part=...\)"),
     ],
 )
 def test_validation_errors(call: Callable[[], object], exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         call()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SlidingWindow(left=0, right=2**31 - 1),  # fits int32, but q_idx + right would not
+        SlidingWindow(left=2**40, right=2**40),  # 2**40 wraps to 0 in int32
+        SlidingWindow(left=2**31 - 1),
+        PrefixLM(prefix_len=2**31),
+        Chunked(size=2**31),
+        Band(lo=-(2**40), hi=2**40),
+        OffsetCausal(offset=2**40),
+        OffsetCausal(offset=-(2**40)),
+    ],
+    ids=repr,
+)
+def test_huge_parameters_do_not_wrap_in_int32_index_arithmetic(spec: MaskSpec) -> None:
+    # Flex passes int32 q_idx / kv_idx (so does the checker); "unbounded" windows and prefixes
+    # must stay unbounded, not wrap around to small or negative values.
+    for q_len, kv_len in ((4, 4), (40, 47), (47, 40)):
+        assert_mask_consistent(spec, q_len, kv_len)
+
+
+def test_composites_built_directly_keep_their_parts_tensors() -> None:
+    docs = Document(doc_ids=[0, 0, 1])
+    both = And(parts=[Causal(), docs])  # a list, as a user might write it
+    assert both.parts == (Causal(), docs) and both == Causal() & docs
+    assert both.tensors() == [docs.doc_ids]
+    assert both.to("meta").parts[1].doc_ids.device.type == "meta"
+
+
+def test_document_constructors_put_ids_on_the_device_asked_for() -> None:
+    assert Document.from_lengths(torch.tensor([3, 2]), device="meta").doc_ids.device.type == "meta"
+    assert Document.from_cu_seqlens(torch.tensor([0, 3, 5]), device="meta").doc_ids.device.type == "meta"
+    assert Document.from_lengths(torch.tensor([3, 2])).doc_ids.device.type == "cpu"
 
 
 def test_valid_shapes_pass_validation() -> None:
