@@ -235,6 +235,9 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
     parse_arch(arch)  # a ValueError naming valid forms for a typo such as "h100"
     q_len = args.length
     kv_len = args.kv_len or q_len
+    for spec in (mask, score):  # what fz.plan checks too: e.g. ALiBi's head count, per-row lengths
+        if spec is not None:
+            spec.validate(q_len, kv_len, args.batch, heads)
     problem = Problem(
         batch=args.batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=args.dim,
         dtype=getattr(torch, args.dtype), device_type="cpu" if arch == "cpu" else "cuda", arch=arch,

@@ -22,8 +22,11 @@ def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
     """Whether ``fn`` can depend on its ``index``-th positional argument.
 
     Exact for plain Python functions: an argument whose name is never loaded (nor captured by an
-    inner function) cannot influence the result. Anything else is assumed to read it.
+    inner function) cannot influence the result. Anything else is assumed to read it. A bound
+    method's ``__code__`` is its function's, whose first argument is ``self``: skip it.
     """
+    if inspect.ismethod(fn):
+        fn, index = fn.__func__, index + 1
     code = getattr(fn, "__code__", None)
     if code is None or index >= code.co_argcount:
         return True

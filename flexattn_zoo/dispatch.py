@@ -146,7 +146,7 @@ def _resolve_deterministic(deterministic: Any) -> bool:
 
 
 def _problem(  # type: ignore[no-untyped-def]
-    q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic
+    q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale
 ) -> tuple[Problem, Any]:
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
@@ -171,6 +171,7 @@ def _problem(  # type: ignore[no-untyped-def]
         device_type=q.device.type, arch=detect_arch(q.device), requires_grad=requires_grad,
         mask=mask_spec, score=score_spec, return_lse=return_lse, user_block_mask=user_bm is not None,
         deterministic=det, nonfinite=nonfinite, index_extent=max(_extent(t) for t in (q, k, v)),
+        nonpositive_scale=scale is not None and scale <= 0,
     )  # fmt: skip
     return problem, user_bm
 
@@ -188,8 +189,7 @@ def plan(
     deterministic: bool | None = None,
 ) -> Plan:  # fmt: skip
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
-    check_scale(scale)
-    problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic)
+    problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
     return plan_problem(problem, backend)
 
 
@@ -239,11 +239,14 @@ def attention(
     scale_checked = check_scale(scale)
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
     det = _resolve_deterministic(deterministic) if deterministic is None or type(deterministic) is bool else None
-    key = None if det is None else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend)
+    key = (
+        None if det is None
+        else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked)
+    )  # fmt: skip
     chosen = PLANS.get(key) if key is not None else None
     user_bm = None
     if chosen is None:
-        problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic)
+        problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked)
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call

@@ -42,11 +42,12 @@ ENV_VARS = (ARCH_ENV, DENSE_LIMIT_ENV)
 
 def call_key(
     q: Any, k: Any, v: Any, mask: Any, score_mod: Any, enable_gqa: Any, return_lse: Any,
-    deterministic: bool, backend: Any,
+    deterministic: bool, backend: Any, scale: float | None = None,
 ) -> Hashable | None:  # fmt: skip
     """The plan-cache key of a call, or None when the call must be planned in full.
 
-    ``deterministic`` is the already resolved flag (it follows torch's global switch).
+    ``deterministic`` is the already resolved flag (it follows torch's global switch); ``scale``
+    the checked scale (only its sign takes part: routes refuse ``scale <= 0`` where it breaks them).
     """
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None  # subclasses and non-tensors: the full path validates them
@@ -65,7 +66,7 @@ def call_key(
     key = (
         backend, mask, score_mod, enable_gqa, return_lse, deterministic, grad_on and wants_grad,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, process_state(),
-        q.device.type == "cpu" and inputs_nonfinite(q, k, v),
+        q.device.type == "cpu" and inputs_nonfinite(q, k, v), scale is not None and scale <= 0,
     )  # fmt: skip
     try:
         hash(key)

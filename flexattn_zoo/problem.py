@@ -40,6 +40,8 @@ class Problem:
     deterministic: bool = False
     nonfinite: bool = False
     index_extent: int = 0
+    #: ``scale <= 0`` was asked for: torch's CPU flash kernel returns NaN rows for causal calls then.
+    nonpositive_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.v_dim is None:

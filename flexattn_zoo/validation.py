@@ -46,9 +46,13 @@ def check_scale(scale: object) -> float | None:
     if isinstance(scale, bool) or not isinstance(scale, Real):
         got = f"{type(scale).__name__} {scale!r}"
         raise TypeError(f"scale must be None or a finite real number (e.g. 0.125), got {got}")
-    if not math.isfinite(scale):
+    try:
+        value = float(scale)
+    except OverflowError:  # an int beyond float's range, e.g. 10**400
+        value = math.inf
+    if not math.isfinite(value):
         raise ValueError(f"scale must be None or a finite number, got {scale!r}")
-    return float(scale)
+    return value
 
 
 def check_device(t: torch.Tensor) -> None:

@@ -81,23 +81,20 @@ def complete_pairs(
 
 #: Flex evaluates mask_mods on int32 ``q_idx`` / ``kv_idx``, and a Python int in int32 arithmetic
 #: wraps (torch's promotion keeps int32): ``SlidingWindow(left=2**40)`` would become a window of 0.
+#: Mask parameters are clamped to this magnitude when a spec is built (see ``check_int``).
 INDEX_LIMIT = 2**31 - 1
-
-
-def index_constant(value: int) -> int:
-    """``value`` clamped to ``[-INDEX_LIMIT, INDEX_LIMIT]`` for a mask_mod's int32 arithmetic.
-
-    Exact for every mask parameter compared with an index or an index difference: indices lie in
-    ``[0, 2**31 - 2]`` and their differences in ``[-INDEX_LIMIT, INDEX_LIMIT]``, so no comparison
-    changes; mask_mods keep each sum / difference with a clamped constant in that range too.
-    """
-    return max(-INDEX_LIMIT, min(INDEX_LIMIT, value))
 
 
 def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> int:
     """``value`` as a plain int (``>= minimum`` unless None); TypeError/ValueError naming
     ``owner(name=...)``. ``bool`` is refused although it subclasses ``int``:
-    ``SlidingWindow(left=True)`` is a bug, not a window of 1."""
+    ``SlidingWindow(left=True)`` is a bug, not a window of 1.
+
+    Every caller is a mask's position parameter (window, prefix, chunk, offset), so the result is
+    clamped to ``[-INDEX_LIMIT, INDEX_LIMIT]``: indices lie in ``[0, 2**31 - 2]`` and their
+    differences within that range, so the mask is unchanged for every length a kernel can index,
+    while mask_mods (int32) and block maps (int64) no longer overflow on ``2**40``-style
+    "unbounded" values."""
     wanted = "an int" if minimum is None else f"an int >= {minimum}"
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}")
@@ -107,4 +104,4 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}: {exc}") from exc
     if minimum is not None and as_int < minimum:
         raise ValueError(f"{owner}({name}=...) must be {wanted}, got {as_int}")
-    return as_int
+    return max(-INDEX_LIMIT, min(INDEX_LIMIT, as_int))

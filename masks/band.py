@@ -7,7 +7,7 @@ import torch
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
 
-from ._blocks import band_block_map, check_int, index_constant
+from ._blocks import band_block_map, check_int
 
 
 @MASKS.register
@@ -49,7 +49,7 @@ class Band(MaskSpec):
                 object.__setattr__(self, name, check_int(name, value, minimum=None, owner="Band"))
 
     def _make_mask_mod(self) -> MaskMod:
-        lo, hi = (None if v is None else index_constant(v) for v in (self.lo, self.hi))
+        lo, hi = self.lo, self.hi
 
         def band_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             diff = kv_idx - q_idx

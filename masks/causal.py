@@ -9,7 +9,7 @@ import torch
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
 
-from ._blocks import band_block_map, check_int, index_constant
+from ._blocks import band_block_map, check_int
 
 _ALIGNS = ("top_left", "bottom_right")
 
@@ -119,7 +119,7 @@ class OffsetCausal(MaskSpec):
         object.__setattr__(self, "offset", check_int("offset", self.offset, minimum=None, owner="OffsetCausal"))
 
     def _make_mask_mod(self) -> MaskMod:
-        offset = index_constant(self.offset)
+        offset = self.offset
 
         def offset_causal_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

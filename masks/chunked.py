@@ -16,7 +16,7 @@ from flexattn_zoo.spec import (
     spec_dataclass,
 )
 
-from ._blocks import check_int, index_constant, sorted_label_block_map
+from ._blocks import check_int, sorted_label_block_map
 
 
 @MASKS.register
@@ -50,7 +50,7 @@ class Chunked(MaskSpec):
         object.__setattr__(self, "size", check_int("size", self.size, minimum=1, owner="Chunked"))
 
     def _make_mask_mod(self) -> MaskMod:
-        size = index_constant(self.size)
+        size = self.size
 
         def chunked_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return q_idx // size == kv_idx // size

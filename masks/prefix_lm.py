@@ -19,7 +19,7 @@ from flexattn_zoo.spec import (
     spec_dataclass,
 )
 
-from ._blocks import check_int, complete_pairs, index_constant
+from ._blocks import check_int, complete_pairs
 
 
 @MASKS.register(name="prefix_lm")
@@ -84,8 +84,6 @@ class PrefixLM(MaskSpec):
                 return (kv_idx < prefix[b]) | (kv_idx <= q_idx)
 
             return batched_prefix_lm_mask
-
-        prefix = index_constant(prefix)
 
         def prefix_lm_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
             return (kv_idx < prefix) | (kv_idx <= q_idx)

@@ -7,7 +7,7 @@ import torch
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
 
-from ._blocks import band_block_map, check_int, index_constant
+from ._blocks import band_block_map, check_int
 
 
 @MASKS.register
@@ -54,7 +54,7 @@ class SlidingWindow(MaskSpec):
         return cls(left=width - 1, right=0)
 
     def _make_mask_mod(self) -> MaskMod:
-        left, right = index_constant(self.left), index_constant(self.right)
+        left, right = self.left, self.right
 
         def sliding_window_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

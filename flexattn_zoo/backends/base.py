@@ -46,6 +46,25 @@ def expand_kv_heads(k: torch.Tensor, v: torch.Tensor, p: Problem) -> tuple[torch
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
+#: Why the CPU flash kernel's routes (sdpa_flash, sdpa_split) refuse: on torch 2.13 it returns
+#: NaN rows for causal calls with ``scale <= 0`` (unmasked calls stay exact).
+CPU_FLASH_NONPOSITIVE_SCALE = "torch's CPU flash kernel returns NaN rows for causal calls with scale <= 0"
+
+
+def fused_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it has one of the two layouts the fused SDPA kernels are tested with --
+    contiguous ``[B, H, L, D]``, or the ``[B, L, H, D]`` projection output viewed with
+    ``transpose(1, 2)`` -- else a contiguous copy (O(L*D), small next to attention).
+
+    Other strides are not safe even with ``stride(-1) == 1``: CUDA's memory-efficient kernel has
+    returned wrong results for broadcast (stride-0) k/v (pytorch#191937), cuDNN checks layouts, and
+    torch's CPU flash kernel returned garbage for a ``q`` whose rows overlap (an ``unfold`` view).
+    """
+    if t.is_contiguous() or t.transpose(1, 2).is_contiguous():
+        return t
+    return t.contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """Declarative capabilities shared by every route; subclasses add mask-form checks and ``run``."""

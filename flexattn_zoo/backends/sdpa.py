@@ -21,7 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, cuda_kernel_reasons, expand_kv_heads
+from flexattn_zoo.backends.base import (
+    CPU_FLASH_NONPOSITIVE_SCALE,
+    FLOATS,
+    LOW_PRECISION,
+    Backend,
+    cuda_kernel_reasons,
+    expand_kv_heads,
+    fused_layout,
+)
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
 
@@ -46,11 +54,13 @@ class SdpaBackend(Backend):
         out.extend(cuda_kernel_reasons(p, self.cuda_dtypes, self.cuda_head_dims))
         if p.user_block_mask:
             out.append("takes no BlockMask")
-        elif _sdpa_call(p) is None:
+        elif (call := _sdpa_call(p)) is None:
             out.append(
                 f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask or causal with Lq == Lkv, "
                 "or equal chunks of either)"
             )
+        elif call[0] and p.nonpositive_scale and self.kernel == "FLASH_ATTENTION" and p.device_type == "cpu":
+            out.append(CPU_FLASH_NONPOSITIVE_SCALE)
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
@@ -68,7 +78,7 @@ class SdpaBackend(Backend):
         if chunk:
             q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
         if self.kernel != "MATH" and not view_ok:
-            q, k, v = (_fused_layout(t) for t in (q, k, v))
+            q, k, v = (fused_layout(t) for t in (q, k, v))
         with _SDPA_LOCK, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         return (from_chunks(out, batch) if chunk else out), None
@@ -94,24 +104,8 @@ _SDPA_LOCK = threading.Lock()
 #: Kernels given the chunk view of contiguous ``[B, H, L, D]`` inputs as it is (strides
 #: ``(chunk*D, L*D, D, 1)`` when B == 1), not a copy: cuDNN took it with the same output, in
 #: 1.76 ms instead of 2.41 ms with the copy (H200, chunked 8192 + causal, 1x16x32768x128;
-#: benchmarks/results/nofa4_levers_probe_h200.txt). Other kernels keep ``_fused_layout``.
+#: benchmarks/results/nofa4_levers_probe_h200.txt). Other kernels keep ``fused_layout``.
 CHUNK_VIEW_KERNELS = frozenset({"CUDNN_ATTENTION"})
-
-
-def _fused_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when a fused SDPA kernel takes its layout, else a contiguous copy.
-
-    Every fused kernel needs ``stride(-1) == 1`` (else SDPA raises "No available kernel"). On CUDA
-    we also copy anything but the two layouts the kernels are tested with -- contiguous
-    ``[B, H, L, D]`` and the ``[B, L, H, D]`` projection output viewed with ``transpose(1, 2)`` --
-    because the memory-efficient kernel has returned wrong results for broadcast (stride-0) k/v
-    (pytorch#191937) and cuDNN checks layouts. The copy is O(L*D), small next to attention.
-    """
-    if t.device.type != "cuda":
-        return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-    if t.is_contiguous() or t.transpose(1, 2).is_contiguous():
-        return t
-    return t.contiguous()
 
 
 SDPA_CUDNN = SdpaBackend(

@@ -26,7 +26,15 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from flexattn_zoo.backends.base import FLOATS, LOW_PRECISION, Backend, cuda_kernel_reasons, expand_kv_heads
+from flexattn_zoo.backends.base import (
+    CPU_FLASH_NONPOSITIVE_SCALE,
+    FLOATS,
+    LOW_PRECISION,
+    Backend,
+    cuda_kernel_reasons,
+    expand_kv_heads,
+    fused_layout,
+)
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
@@ -164,6 +172,8 @@ class SplitBackend(Backend):
         elif form is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
             out.append(f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)")
+        elif p.nonpositive_scale and p.device_type == "cpu" and any(part.is_causal for part in form.parts):
+            out.append(CPU_FLASH_NONPOSITIVE_SCALE)
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
@@ -171,7 +181,7 @@ class SplitBackend(Backend):
         assert form is not None  # mask_reasons refused the rest
         if p.gqa:  # neither kernel takes grouped heads
             k, v = expand_kv_heads(k, v, p)
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        q, k, v = (fused_layout(t) for t in (q, k, v))
         return _SplitAttention.apply(q, k, v, form.parts, scale), None
 
 

@@ -142,6 +142,10 @@ def test_show_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         (["show", "causal", "--align", "middle", "--len", "4"], "align"),
         (["plan", "--mask", "nope", "--len", "8", "--arch", "sm90"], "unknown mask 'nope'"),
         (["plan", "--mask", "causal", "--len", "8", "--arch", "h100"], "arch"),
+        # The specs are validated against the problem, as fz.plan does.
+        (["plan", "--score", "alibi", "--num-heads", "3", "--heads", "4", "--len", "8", "--arch", "cpu"], "heads"),
+        (["plan", "--mask", "prefix_lm", "--prefix-len", "1,2,3", "--batch", "2", "--len", "8", "--arch", "cpu"],
+         "batch"),
     ],
 )
 def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

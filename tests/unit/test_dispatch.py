@@ -399,3 +399,50 @@ def test_problems_record_the_index_extent_of_their_inputs() -> None:
     assert fz.plan(q, pool, pool).problem.index_extent == max(q.numel(), pool[0].numel())
     t = torch.randn(2, 8, 4, 16).transpose(1, 2)
     assert fz.plan(t, t, t).problem.index_extent == t.numel()
+
+
+# ---- inputs torch's CPU fused kernels get wrong --------------------------------------------------
+
+
+def _qkv(*shape: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen) for _ in range(3)]
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+@pytest.mark.parametrize(
+    "mask", [None, "causal", masks.PrefixLM(prefix_len=9), masks.Chunked(size=16) & masks.Causal()],
+    ids=["none", "causal", "prefix_lm", "chunked_causal"],
+)
+def test_nonpositive_scale_matches_the_reference_on_cpu(mask: object, scale: float) -> None:
+    # torch's CPU flash kernel returns NaN rows for causal calls with scale <= 0; sdpa_flash and
+    # sdpa_split refuse those, so auto takes another route. A positive-scale call first: its cached
+    # plan must not serve the non-positive one.
+    q, k, v = _qkv(1, 2, 64, 8)
+    fz.attention(q, k, v, mask=mask, scale=0.3)
+    out = fz.attention(q, k, v, mask=mask, scale=scale)
+    assert_matches_reference(out, q, k, v, mask=mask, scale=scale)
+
+
+def test_cpu_flash_routes_refuse_causal_calls_with_nonpositive_scale() -> None:
+    q, k, v = _qkv(1, 2, 64, 8)
+    with pytest.raises(ValueError, match=r"sdpa_flash.*scale <= 0"):
+        fz.attention(q, k, v, mask="causal", scale=0.0, backend="sdpa_flash")
+    with pytest.raises(ValueError, match=r"sdpa_split.*scale <= 0"):
+        fz.attention(q, k, v, mask=masks.PrefixLM(prefix_len=9), scale=-1.0, backend="sdpa_split")
+    out = fz.attention(q, k, v, scale=0.0, backend="sdpa_flash")  # unmasked calls stay exact
+    assert_matches_reference(out, q, k, v, scale=0.0)
+
+
+@pytest.mark.parametrize(
+    ("backend", "mask"),
+    [("sdpa_flash", None), ("sdpa_flash", "causal"), ("sdpa_split", masks.PrefixLM(prefix_len=2))],
+)
+def test_overlapping_query_rows_are_copied_for_fused_cpu_kernels(backend: str, mask: object) -> None:
+    # An unfold view: [2, 3, 5, 8] with strides (36, 12, 1, 1), so rows share memory. torch's CPU
+    # flash kernel returned garbage (errors up to 3e26, or NaN) when given it as it is.
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 12, generator=gen).unfold(-1, 8, 1)
+    k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
+    out = fz.attention(q, k, v, mask=mask, backend=backend)
+    assert_matches_reference(out, q, k, v, mask=mask)

@@ -349,6 +349,12 @@ def test_validation_errors(call: Callable[[], object], exc: type[Exception], mat
         Band(lo=-(2**40), hi=2**40),
         OffsetCausal(offset=2**40),
         OffsetCausal(offset=-(2**40)),
+        # Beyond int64 too (the block maps compute in int64).
+        SlidingWindow(left=2**63, right=2**64),
+        Chunked(size=2**63),
+        PrefixLM(prefix_len=2**64),
+        Band(lo=-(2**64), hi=2**64),
+        OffsetCausal(offset=2**64),
     ],
     ids=repr,
 )
@@ -357,6 +363,13 @@ def test_huge_parameters_do_not_wrap_in_int32_index_arithmetic(spec: MaskSpec) -
     # must stay unbounded, not wrap around to small or negative values.
     for q_len, kv_len in ((4, 4), (40, 47), (47, 40)):
         assert_mask_consistent(spec, q_len, kv_len)
+
+
+def test_position_parameters_beyond_any_index_are_clamped_when_built() -> None:
+    # Every length a kernel can index is below 2**31 - 1, so these are the same masks.
+    assert SlidingWindow(left=2**40) == SlidingWindow(left=2**31 - 1)
+    assert PrefixLM(prefix_len=2**64).prefix_len == 2**31 - 1
+    assert OffsetCausal(offset=-(2**64)).offset == -(2**31 - 1)
 
 
 def test_composites_built_directly_keep_their_parts_tensors() -> None:

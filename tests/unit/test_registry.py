@@ -7,11 +7,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
-from flexattn_zoo.testing import assert_mask_consistent, assert_score_consistent
+from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent
 
 
 @pytest.fixture
@@ -173,3 +174,21 @@ def test_callables_indexing_device_tensors_are_probed_on_that_device() -> None:
         return q_idx >= kv_idx
 
     assert isinstance(as_mask_spec(cpu_only), FunctionMask)
+
+
+def test_bound_method_mask_that_reads_the_head_is_per_head() -> None:
+    # A bound method's code starts with ``self``: reading argument 1 (h) must not be taken for
+    # reading argument 0 (b), or the BlockMask is built for head 0 and reused for every head.
+    class PerHeadWidth:
+        def __init__(self) -> None:
+            self.width = torch.tensor([1000, 0])
+
+        def mask(self, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return (q_idx - kv_idx).abs() <= self.width[h]
+
+    spec = as_mask_spec(PerHeadWidth().mask)
+    assert spec.uses_head() and not spec.uses_batch()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=gen) for _ in range(3))
+    out = fz.attention(q, k, v, mask=PerHeadWidth().mask)
+    assert_matches_reference(out, q, k, v, mask=PerHeadWidth().mask)
