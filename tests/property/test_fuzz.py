@@ -30,7 +30,7 @@ from flexattn_zoo.spec import And, MaskSpec, Not, Or, ScoreSpec
 from flexattn_zoo.strategies import ProblemShape
 from flexattn_zoo.testing import assert_matches_reference, strategies
 
-CPU_TRAINING_ROUTES = {"sdpa_flash", "sdpa_math", "dense"}
+CPU_TRAINING_ROUTES = {"sdpa_flash", "sdpa_split", "sdpa_math", "dense"}
 
 
 def score_chains(shape: ProblemShape) -> st.SearchStrategy[ScoreSpec]:
