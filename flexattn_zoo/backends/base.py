@@ -46,9 +46,13 @@ def expand_kv_heads(k: torch.Tensor, v: torch.Tensor, p: Problem) -> tuple[torch
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-#: Why the CPU flash kernel's routes (sdpa_flash, sdpa_split) refuse: on torch 2.13 it returns
-#: NaN rows for causal calls with ``scale <= 0`` (unmasked calls stay exact).
-CPU_FLASH_NONPOSITIVE_SCALE = "torch's CPU flash kernel returns NaN rows for causal calls with scale <= 0"
+def cpu_flash_reasons(p: Problem, causal: bool) -> list[str]:
+    """Why torch's CPU flash kernel (under sdpa_flash and sdpa_split) cannot run ``p`` exactly, given
+    whether the call it would make is causal: on torch 2.13 it returns NaN rows for causal calls
+    with ``scale <= 0`` (unmasked calls stay exact). Empty off the CPU."""
+    if p.device_type == "cpu" and causal and p.nonpositive_scale:
+        return ["torch's CPU flash kernel returns NaN rows for causal calls with scale <= 0"]
+    return []
 
 
 def fused_layout(t: torch.Tensor) -> torch.Tensor:

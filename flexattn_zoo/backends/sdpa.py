@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import (
-    CPU_FLASH_NONPOSITIVE_SCALE,
     FLOATS,
     LOW_PRECISION,
     Backend,
+    cpu_flash_reasons,
     cuda_kernel_reasons,
     expand_kv_heads,
     fused_layout,
@@ -59,8 +59,8 @@ class SdpaBackend(Backend):
                 f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask or causal with Lq == Lkv, "
                 "or equal chunks of either)"
             )
-        elif call[0] and p.nonpositive_scale and self.kernel == "FLASH_ATTENTION" and p.device_type == "cpu":
-            out.append(CPU_FLASH_NONPOSITIVE_SCALE)
+        elif self.kernel == "FLASH_ATTENTION":
+            out.extend(cpu_flash_reasons(p, causal=call[0]))
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]

@@ -27,10 +27,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flexattn_zoo.backends.base import (
-    CPU_FLASH_NONPOSITIVE_SCALE,
     FLOATS,
     LOW_PRECISION,
     Backend,
+    cpu_flash_reasons,
     cuda_kernel_reasons,
     expand_kv_heads,
     fused_layout,
@@ -172,8 +172,8 @@ class SplitBackend(Backend):
         elif form is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
             out.append(f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)")
-        elif p.nonpositive_scale and p.device_type == "cpu" and any(part.is_causal for part in form.parts):
-            out.append(CPU_FLASH_NONPOSITIVE_SCALE)
+        else:
+            out.extend(cpu_flash_reasons(p, causal=any(part.is_causal for part in form.parts)))
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
