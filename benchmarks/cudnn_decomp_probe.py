@@ -27,8 +27,8 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
-from flexattn_zoo.bench_config import document_lengths
-from flexattn_zoo.bench_timing import measure, visible_pairs
+from flexattn_zoo.bench.config import document_lengths
+from flexattn_zoo.bench.timing import measure, visible_pairs
 
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 aten = torch.ops.aten

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flexattn_zoo import _compat, decode, masks  # noqa: E402
+from flexattn_zoo import _compat, masks  # noqa: E402
+from flexattn_zoo.models import decode  # noqa: E402
 
 BS = 128
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from decode_bench import time_steps  # noqa: E402  (this directory: benchmarks/)
 
-from flexattn_zoo import _compat, decode, masks  # noqa: E402
+from flexattn_zoo import _compat, masks  # noqa: E402
+from flexattn_zoo.models import decode  # noqa: E402
 
 
 def per_call(fn, inner: int, repeats: int) -> float:  # type: ignore[no-untyped-def]

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from flexattn_zoo import bench_routes
-from flexattn_zoo.bench_config import load_config
-from flexattn_zoo.bench_timing import measure
+from flexattn_zoo.bench import routes as bench_routes
+from flexattn_zoo.bench.config import load_config
+from flexattn_zoo.bench.timing import measure
 
 
 def host_times(call, device: torch.device, iters: int) -> list[float]:  # type: ignore[no-untyped-def]

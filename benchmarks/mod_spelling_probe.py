@@ -38,8 +38,8 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.bench_config import document_lengths
-from flexattn_zoo.bench_timing import measure, visible_pairs
+from flexattn_zoo.bench.config import document_lengths
+from flexattn_zoo.bench.timing import measure, visible_pairs
 
 CAP = 30.0
 K2 = 2.0 * math.log2(math.e) / CAP  # tanh(s / cap) from 2^(s * K2)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks
 from flexattn_zoo.arch import flex_triton_options
-from flexattn_zoo.bench_config import document_lengths
-from flexattn_zoo.bench_timing import measure, visible_pairs
+from flexattn_zoo.bench.config import document_lengths
+from flexattn_zoo.bench.timing import measure, visible_pairs
 from flexattn_zoo.segments import as_chunks, from_chunks
 
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

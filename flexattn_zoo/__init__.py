@@ -19,11 +19,13 @@ from typing import Any
 if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
     __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # type: ignore[name-defined]
 
-from flexattn_zoo import layers, masks, presets, score_mods  # noqa: E402
+from flexattn_zoo import masks, score_mods  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402
+from flexattn_zoo.compose import Chain  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
-from flexattn_zoo.layers import Attention  # noqa: E402
-from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec  # noqa: E402
+from flexattn_zoo.models import layers, presets  # noqa: E402
+from flexattn_zoo.models.layers import Attention  # noqa: E402
+from flexattn_zoo.spec import MaskSpec, ScoreSpec  # noqa: E402
 
 __all__ = [
     "Attention",
@@ -48,6 +50,7 @@ def __getattr__(name: str) -> Any:
     # fz.testing is imported on first use: it pulls in test-only helpers users may not need.
     # fz.decode likewise; fz.hf needs the optional 'hf' extra (transformers), so it is never
     # imported implicitly: ``import flexattn_zoo.hf``.
-    if name in ("testing", "decode"):
-        return importlib.import_module(f"flexattn_zoo.{name}")
+    lazy = {"testing": "flexattn_zoo.testing", "decode": "flexattn_zoo.models.decode"}
+    if name in lazy:
+        return importlib.import_module(lazy[name])
     raise AttributeError(f"module 'flexattn_zoo' has no attribute {name!r}")

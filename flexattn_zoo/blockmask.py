@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.custom import as_mask_spec
+from flexattn_zoo.coercion import as_mask_spec
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges
 from flexattn_zoo.validation import SUPPORTED_DEVICES

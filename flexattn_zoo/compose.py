@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from flexattn_zoo.spec import (
+    COMBINATORS,
     BlockMap,
     MaskMod,
     MaskSpec,
@@ -253,3 +254,22 @@ def _chained(fns: list[ScoreMod]) -> ScoreMod:
         return score
 
     return chained
+
+
+def _and(left: MaskSpec, right: object) -> MaskSpec:
+    check_mask(right, "&")
+    return And(parts=(left, right))  # type: ignore[arg-type]
+
+
+def _or(left: MaskSpec, right: object) -> MaskSpec:
+    check_mask(right, "|")
+    return Or(parts=(left, right))  # type: ignore[arg-type]
+
+
+def _chain(left: ScoreSpec, right: ScoreSpec) -> ScoreSpec:
+    mods_left = left.mods if isinstance(left, Chain) else (left,)
+    mods_right = right.mods if isinstance(right, Chain) else (right,)
+    return Chain(mods=(*mods_left, *mods_right))
+
+
+COMBINATORS.update({"&": _and, "|": _or, "~": lambda part: Not(part=part), ">>": _chain})

@@ -17,7 +17,7 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
-from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.plan_cache import PLANS, call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.validation import check_qkv
 
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from flexattn_zoo.custom import FunctionMask, FunctionScore
+from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 
 S = TypeVar("S", bound=Spec)

@@ -104,6 +104,11 @@ _MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
 #: verdict holds for their lifetime.
 _EQ_MEMO: dict[tuple[int, int], bool] = {}
 
+#: The composites behind ``a & b``, ``a | b``, ``~a`` (masks) and ``a >> b`` (score specs), keyed by
+#: operator. They live in :mod:`flexattn_zoo.compose`, which builds on this module and fills this table
+#: when imported (``import flexattn_zoo`` does), so the import arrow points one way.
+COMBINATORS: dict[str, Callable[..., Any]] = {}
+
 
 def _memo_key(a: object, b: object) -> tuple[int, int]:
     return (id(a), id(b)) if id(a) < id(b) else (id(b), id(a))
@@ -351,23 +356,14 @@ class MaskSpec(Spec):
         """
         return None
 
-    # The composites live in flexattn_zoo.compose, which imports this module.
     def __and__(self, other: MaskSpec) -> MaskSpec:
-        from flexattn_zoo.compose import And, check_mask
-
-        check_mask(other, "&")
-        return And(parts=(self, other))
+        return COMBINATORS["&"](self, other)
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
-        from flexattn_zoo.compose import Or, check_mask
-
-        check_mask(other, "|")
-        return Or(parts=(self, other))
+        return COMBINATORS["|"](self, other)
 
     def __invert__(self) -> MaskSpec:
-        from flexattn_zoo.compose import Not
-
-        return Not(part=self)
+        return COMBINATORS["~"](self)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,11 +422,7 @@ class ScoreSpec(Spec):
                 "score >> expects another score spec (e.g. score_mods.SoftCap(cap=30.0)), "
                 f"got {type(other).__name__}"
             )
-        from flexattn_zoo.compose import Chain
-
-        left = self.mods if isinstance(self, Chain) else (self,)
-        right = other.mods if isinstance(other, Chain) else (other,)
-        return Chain(mods=(*left, *right))
+        return COMBINATORS[">>"](self, other)
 
 
 def as_4d(mask: torch.Tensor) -> torch.Tensor:
@@ -442,10 +434,7 @@ def as_4d(mask: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-# Re-exported so ``flexattn_zoo.spec.And`` etc. keep working; compose needs the names above.
-from flexattn_zoo.compose import And, Chain, Not, Or  # noqa: E402
-
 __all__ = [
-    "And", "BlockMap", "Chain", "MaskMod", "MaskSpec", "Not", "Or", "ScoreMod", "ScoreSpec",
+    "COMBINATORS", "BlockMap", "MaskMod", "MaskSpec", "ScoreMod", "ScoreSpec",
     "SdpaForm", "Spec", "SplitForm", "SplitPart", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
 ]  # fmt: skip

@@ -29,7 +29,7 @@ class Band(MaskSpec):
         ...##.
         ....##
 
-    Registered as ``band`` (``flexattn_zoo.hf`` and ``flexattn_zoo.decode`` build it too; most
+    Registered as ``band`` (``flexattn_zoo.hf`` and ``flexattn_zoo.models.decode`` build it too; most
     users write ``Causal``/``SlidingWindow``). Forms offered: varlen window ``(-lo, hi)`` when
     ``Lq == Lkv`` and ``lo <= 0 <= hi``; SDPA causal when ``Lq == Lkv``, ``hi == 0`` and the lower
     end is out of reach; a closed-form block map for any lengths.

@@ -4,8 +4,9 @@ Chain score specs with ``a >> b`` (``a`` first, then ``b``), e.g.
 ``Alibi(num_heads=16) >> SoftCap(cap=30.0)``; ``Chain(mods=(a, b))`` is the same spec.
 """
 
+from flexattn_zoo.compose import Chain
 from flexattn_zoo.registry import SCORES
-from flexattn_zoo.spec import Chain, ScoreSpec
+from flexattn_zoo.spec import ScoreSpec
 
 from .alibi import Alibi
 from .softcap import SoftCap

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexattn_zoo import cli
+from flexattn_zoo.cli import app as cli
 from flexattn_zoo.registry import MASKS, SCORES
 
 
@@ -245,7 +245,7 @@ def test_demo_no_matching_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_demo_presets_cover_the_registry() -> None:
-    from flexattn_zoo import demo
+    from flexattn_zoo.cli import demo
 
     names = [p.name for p in demo.presets(256, 1, 2)]
     for name in MASKS.names():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.cli_params import build_specs, describe_spec, parse_value, split_options
+from flexattn_zoo.cli.params import build_specs, describe_spec, parse_value, split_options
 
 
 @pytest.mark.parametrize(

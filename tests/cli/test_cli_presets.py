@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flexattn_zoo import cli, presets
+from flexattn_zoo.cli import app as cli
+from flexattn_zoo.models import presets
 
 
 def test_list_presets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import _compat, decode, masks, score_mods
+from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.models import decode
 from flexattn_zoo.testing import FLOOR_ULPS, eager_attention, reference_attention
 
 pytestmark = [

@@ -21,8 +21,8 @@ import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
-from flexattn_zoo.strategies import LENGTH_BUCKETS, ProblemShape
 from flexattn_zoo.testing import assert_matches_reference, strategies
+from flexattn_zoo.testing.strategies import LENGTH_BUCKETS, ProblemShape
 
 pytestmark = [
     pytest.mark.gpu,

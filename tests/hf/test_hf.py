@@ -186,7 +186,7 @@ def _hf_dense(fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: i
 
 
 def _ours(fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: int = 0, padding=None):  # type: ignore[no-untyped-def]
-    m = zhf._mask_builder(batch, q_len, kv_len, q_off, kv_off, mask_function=fn, attention_mask=padding)
+    m = zhf.integration._mask_builder(batch, q_len, kv_len, q_off, kv_off, mask_function=fn, attention_mask=padding)
     spec = m.spec()
     if spec is None:
         return spec, torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
@@ -255,15 +255,15 @@ def test_four_d_masks_go_dense_and_biases_are_refused() -> None:
     q = torch.randn(1, 4, 6, 16)
     k = v = torch.randn(1, 2, 6, 16)
     visible = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
-    out, _ = zhf._attention_forward(None, q, k, v, visible)
+    out, _ = zhf.integration._attention_forward(None, q, k, v, visible)
     additive = torch.zeros(1, 1, 6, 6).masked_fill(~visible, torch.finfo(torch.float32).min)
-    out2, _ = zhf._attention_forward(None, q, k, v, additive)
-    ref = zhf._attention_forward(None, q, k, v, zhf._mask_builder(1, 6, 6))[0]
+    out2, _ = zhf.integration._attention_forward(None, q, k, v, additive)
+    ref = zhf.integration._attention_forward(None, q, k, v, zhf.integration._mask_builder(1, 6, 6))[0]
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
     torch.testing.assert_close(out2, ref, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="additive"):
-        zhf._attention_forward(None, q, k, v, additive + 0.5)
+        zhf.integration._attention_forward(None, q, k, v, additive + 0.5)
     with pytest.raises(ValueError, match="dropout"):
-        zhf._attention_forward(None, q, k, v, None, dropout=0.1)
+        zhf.integration._attention_forward(None, q, k, v, None, dropout=0.1)
     with pytest.raises(ValueError, match="position_bias"):
-        zhf._attention_forward(None, q, k, v, None, position_bias=torch.zeros(1))
+        zhf.integration._attention_forward(None, q, k, v, None, position_bias=torch.zeros(1))

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import cli, masks, score_mods
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.cli import app as cli
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.config import load_yaml_spec
 from flexattn_zoo.registry import MASKS

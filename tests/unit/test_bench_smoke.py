@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from flexattn_zoo import bench, cli, masks
-from flexattn_zoo.bench_config import load_config, parse_config
-from flexattn_zoo.bench_report import markdown, summary
-from flexattn_zoo.bench_timing import dense_mask, visible_pairs
+from flexattn_zoo import masks
+from flexattn_zoo.bench import runner as bench
+from flexattn_zoo.bench.config import load_config, parse_config
+from flexattn_zoo.bench.report import markdown, summary
+from flexattn_zoo.bench.timing import dense_mask, visible_pairs
+from flexattn_zoo.cli import app as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "benchmarks" / "configs" / "smoke.yaml"
@@ -184,7 +186,7 @@ def test_cli_bench_delegates(tmp_path: Path) -> None:
 
 
 def test_png_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from flexattn_zoo import bench_report
+    from flexattn_zoo.bench import report as bench_report
 
     monkeypatch.setattr(bench_report, "have_matplotlib", lambda: False)
     with pytest.raises(bench_report.MissingDependency, match="viz"):

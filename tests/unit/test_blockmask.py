@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks
 from flexattn_zoo.blockmask import CACHE, _ordered
-from flexattn_zoo.spec import Not
+from flexattn_zoo.compose import Not
 
 
 def _same_block_mask(ours, theirs) -> None:  # type: ignore[no-untyped-def]

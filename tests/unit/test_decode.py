@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexattn_zoo import _compat, decode, masks, score_mods
+from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.models import decode
 from flexattn_zoo.testing import reference_attention
 
 B, H, HKV, D, CAP, BS = 2, 4, 2, 16, 640, 128

@@ -13,11 +13,12 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexattn_zoo import masks
+from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.masks import Causal, Chunked, Document, Full, PrefixLM, SlidingWindow
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.masks.padding import KeyPadding
-from flexattn_zoo.spec import And, MaskSpec, Not, Or, SdpaForm, SplitForm, SplitPart, VarlenForm
+from flexattn_zoo.spec import MaskSpec, SdpaForm, SplitForm, SplitPart, VarlenForm
 from flexattn_zoo.testing import assert_mask_consistent
 
 FAMILIES: list[type[MaskSpec]] = [Full, Causal, SlidingWindow, Document, PrefixLM, Chunked]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, presets, score_mods
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.models import presets
 from flexattn_zoo.testing import assert_matches_reference
 
 REQUIRED = {"mistral_7b", "gemma2", "gemma3", "llama4", "bloom", "mpt", "grok1", "gpt_oss", "modernbert", "prefix_lm"}

@@ -9,7 +9,8 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent

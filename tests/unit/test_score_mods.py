@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from flexattn_zoo import _compat, score_mods
-from flexattn_zoo.spec import _MODS, Chain
+from flexattn_zoo.compose import Chain
+from flexattn_zoo.spec import _MODS
 from flexattn_zoo.testing import assert_score_consistent
 
 Alibi, SoftCap = score_mods.Alibi, score_mods.SoftCap

@@ -9,7 +9,7 @@ from sink_check import assert_sinks_match
 import flexattn_zoo as fz
 from flexattn_zoo import masks
 from flexattn_zoo.masks.band import Band
-from flexattn_zoo.sinks import apply_sinks
+from flexattn_zoo.models.sinks import apply_sinks
 from flexattn_zoo.testing import reference_attention
 
 

@@ -83,8 +83,8 @@ def test_split_parts_refuse_what_the_kernels_cannot_run() -> None:
     """A non-square causal part is ambiguous for the kernels (top-left vs bottom-right) and an
     empty range has no kernel call: SplitPart refuses both, so no route or mask can offer one;
     the form checker flags a part beyond the lengths."""
-    from flexattn_zoo._checks import split_dense
     from flexattn_zoo.spec import SplitForm, SplitPart
+    from flexattn_zoo.testing.checks import split_dense
 
     with pytest.raises(ValueError, match="not square"):
         SplitPart((8, 32), (8, 24), True)

@@ -1,7 +1,7 @@
-"""Specs that wrap user functions, and coercion of every accepted ``mask=`` / ``score_mod=`` form.
+"""Specs that wrap user functions: a raw flex ``mask_mod`` / ``score_mod`` callable as a spec.
 
-``fz.attention`` accepts a spec object, a registry name, or a raw flex callable. Raw callables are
-wrapped here so the rest of the library only ever sees specs. The dense oracle of a wrapped
+``fz.attention`` accepts a raw flex callable where it takes a spec; :mod:`flexattn_zoo.coercion`
+wraps it here so the rest of the library only ever sees specs. The dense oracle of a wrapped
 function evaluates the function itself on broadcast index grids, so write it with elementwise
 torch ops (which flex requires anyway).
 """
@@ -186,41 +186,3 @@ def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None
         if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
             got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
             raise TypeError(f"{arg} callable must return a floating tensor (the new score), got {got}")
-
-
-def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
-    """Coerce ``None`` / spec / registry name / callable into a :class:`MaskSpec` (or None)."""
-    from flexattn_zoo.registry import MASKS
-
-    if mask is None or isinstance(mask, MaskSpec):
-        return mask
-    if isinstance(mask, str):
-        return MASKS.get(mask)
-    if isinstance(mask, ScoreSpec):
-        raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
-    if callable(mask):
-        check_mask_function(mask, arg)
-        return FunctionMask(fn=mask, label=getattr(mask, "__name__", "mask_mod"))
-    raise TypeError(
-        f"{arg} must be None, a mask spec (e.g. masks.Causal()), a registry name (one of "
-        f"{', '.join(MASKS.names())}), a mask_mod callable or a BlockMask; got {type(mask).__name__}"
-    )
-
-
-def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
-    """Coerce ``None`` / spec / registry name / callable into a :class:`ScoreSpec` (or None)."""
-    from flexattn_zoo.registry import SCORES
-
-    if score is None or isinstance(score, ScoreSpec):
-        return score
-    if isinstance(score, str):
-        return SCORES.get(score)
-    if isinstance(score, MaskSpec):
-        raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
-    if callable(score):
-        check_score_function(score, arg)
-        return FunctionScore(fn=score, label=getattr(score, "__name__", "score_mod"))
-    raise TypeError(
-        f"{arg} must be None, a score spec (e.g. score_mods.SoftCap(cap=30.0)), a registry name "
-        f"(one of {', '.join(SCORES.names())}) or a score_mod callable; got {type(score).__name__}"
-    )

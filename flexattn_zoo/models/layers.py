@@ -4,14 +4,14 @@ Both take ``q, k, v`` in ``[B, H, L, D]`` (projections, RoPE and the KV cache st
 and a configuration given once:
 
 * ``config=``: a preset name (``"gemma2"``, with ``layer=``/``num_heads=``; see ``fz.presets``), a
-  :class:`~flexattn_zoo.presets.LayerAttention`, a YAML path or text (``{mask: ..., score_mod: ...}``,
+  :class:`~flexattn_zoo.models.presets.LayerAttention`, a YAML path or text (``{mask: ..., score_mod: ...}``,
   see :mod:`flexattn_zoo.config`) or an already-parsed mapping;
 * or ``mask=`` / ``score_mod=`` directly (specs, registry names or callables).
 
 What the layer adds over ``fz.attention``: the configuration is resolved **once** into spec
 objects that are reused on every call, so the BlockMask cache (keyed by spec value and shape) and
 the compiled-kernel cache (keyed by ``mask_mod`` identity) hit from the second step on; GQA is
-detected from the shapes; and learned **attention sinks** (see :mod:`flexattn_zoo.sinks`) are
+detected from the shapes; and learned **attention sinks** (see :mod:`flexattn_zoo.models.sinks`) are
 applied through the route's lse, so they run on every route that returns a differentiable lse.
 
 ``Attention(..., sinks=True)`` creates the per-head sink logits as a parameter (zeros); a tensor
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexattn_zoo import presets as _presets
-from flexattn_zoo.custom import as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import attention
-from flexattn_zoo.presets import LayerAttention
-from flexattn_zoo.sinks import apply_sinks, check_sinks
+from flexattn_zoo.models import presets as _presets
+from flexattn_zoo.models.presets import LayerAttention
+from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
 
@@ -118,7 +118,7 @@ def attention_layer(
         scale: overrides the preset's scale (default ``1/sqrt(D)``).
         enable_gqa: None detects grouped-query attention from the head counts.
         return_lse: also return the lse (with sinks: the log-normaliser including the sink).
-        sinks: per-head sink logits ``[H]`` (see :mod:`flexattn_zoo.sinks`), or None.
+        sinks: per-head sink logits ``[H]`` (see :mod:`flexattn_zoo.models.sinks`), or None.
         backend: as for ``fz.attention``; with sinks the route must return an lse.
 
     For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a

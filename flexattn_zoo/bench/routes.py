@@ -27,9 +27,10 @@ import torch.nn.functional as F
 import flexattn_zoo as fz
 from flexattn_zoo import _compat
 from flexattn_zoo import blockmask as fz_blockmask
-from flexattn_zoo.bench_config import Case
-from flexattn_zoo.bench_timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
-from flexattn_zoo.spec import Chain, MaskSpec, ScoreSpec
+from flexattn_zoo.bench.config import Case
+from flexattn_zoo.bench.timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
+from flexattn_zoo.compose import Chain
+from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes that run flex with a BlockMask built by ``fz.block_mask`` (its build time is reported).
 BLOCKMASK_ROUTES = frozenset({"flex", "flex_flash", "flex_cpu"})

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from flexattn_zoo._checks import spec_examples
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
+from flexattn_zoo.testing.checks import spec_examples
 
 __all__ = [
     "BATCH_BUCKETS",

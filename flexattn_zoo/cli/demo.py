@@ -27,7 +27,7 @@ from rich.table import Table
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.cli_params import describe_spec
+from flexattn_zoo.cli.params import describe_spec
 from flexattn_zoo.registry import MASKS, SCORES
 
 CPU_DEFAULTS = {"batch": 1, "heads": 2, "length": 256, "dim": 32, "dtype": "float32", "repeats": 5}

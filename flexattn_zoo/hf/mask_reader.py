@@ -289,7 +289,7 @@ def _generic(m: HFMask) -> MaskSpec:
             out = out & padding[b, kv_idx]
         return out
 
-    from flexattn_zoo.custom import FunctionMask
+    from flexattn_zoo.functions import FunctionMask
 
     return FunctionMask(fn=hf_mask, label="transformers_mask")
 

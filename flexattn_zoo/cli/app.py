@@ -10,7 +10,7 @@ Subcommands (``python -m flexattn_zoo`` is the same program)::
     flexattn-zoo demo [--device cpu|cuda] [--len N] [--only TEXT]
     flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--cases a,b] [--routes x,y] [--modes fwd]
 
-Spec parameters are parsed generically (see :mod:`flexattn_zoo.cli_params`), so masks and score
+Spec parameters are parsed generically (see :mod:`flexattn_zoo.cli.params`), so masks and score
 mods registered by users work here too. Exit codes: 0 success, 1 a demo preset failed or an
 optional dependency is missing, 2 bad input (unknown name, bad parameter: the message is printed,
 no traceback; set ``FLEXATTN_ZOO_DEBUG=1`` to get the traceback).
@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flexattn_zoo import viz
-from flexattn_zoo.cli_info import cmd_env, cmd_show
-from flexattn_zoo.cli_params import CliError, build_specs, describe_params, describe_spec, split_options
+from flexattn_zoo.cli import viz
+from flexattn_zoo.cli.info import cmd_env, cmd_show
+from flexattn_zoo.cli.params import CliError, build_specs, describe_params, describe_spec, split_options
 
 DTYPES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -190,7 +190,7 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
 
 
 def _list_presets(console: Console) -> None:
-    from flexattn_zoo import presets
+    from flexattn_zoo.models import presets
 
     table = Table(title="model presets (fz.presets.get(name, layer=i))", title_justify="left")
     table.add_column("name", style="bold", no_wrap=True)
@@ -281,7 +281,7 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
 
 
 def cmd_demo(args: argparse.Namespace, console: Console) -> int:
-    from flexattn_zoo import demo
+    from flexattn_zoo.cli import demo
 
     results = demo.run_demo(
         device=args.device, length=args.length, batch=args.batch, heads=args.heads, dim=args.dim,
@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept, params = split_options(tokens[1:], _OWN_OPTIONS[tokens[0]])
         tokens = [tokens[0], *kept]
     if tokens and tokens[0] == "bench":
-        from flexattn_zoo import bench
+        from flexattn_zoo.bench import runner as bench
 
         return bench.main(tokens[1:], prog="flexattn-zoo bench")
     # soft_wrap: text lines are never hard-wrapped (pipes and greps see whole lines); tables still fit.

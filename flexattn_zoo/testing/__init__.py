@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo._checks import assert_mask_consistent, assert_score_consistent, spec_examples
 from flexattn_zoo.reference import dense_attention, reference_attention
+from flexattn_zoo.testing.checks import assert_mask_consistent, assert_score_consistent, spec_examples
 
 __all__ = [
     "DEFAULT_RATIO",
@@ -63,7 +63,7 @@ FLOOR_ULPS = 4.0
 def __getattr__(name: str) -> Any:
     # Lazy so that ``import flexattn_zoo`` never needs hypothesis (a dev extra).
     if name == "strategies":
-        import flexattn_zoo.strategies as strategies
+        import flexattn_zoo.testing.strategies as strategies
 
         return strategies
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,14 +49,16 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
-from flexattn_zoo.custom import FunctionMask, FunctionScore, as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.compose import And, Or
 from flexattn_zoo.dispatch import attention, execute_plan, plan
+from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal, Chunked, SlidingWindow
 from flexattn_zoo.masks.band import Band
+from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
-from flexattn_zoo.sinks import apply_sinks, check_sinks
-from flexattn_zoo.spec import And, MaskSpec, Or
+from flexattn_zoo.spec import MaskSpec
 
 __all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from flexattn_zoo._compat import BlockMask, create_block_mask
+from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Registry
-from flexattn_zoo.spec import And, MaskSpec, Not, Or, ScoreSpec, Spec, SplitForm, VarlenForm
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm
 
 #: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
 #: sequences still span many blocks, with trailing incomplete ones.

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo.compose import And, Chain, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Entry, Registry
-from flexattn_zoo.spec import And, Chain, Not, Or, Spec
+from flexattn_zoo.spec import Spec
 
 
 class CliError(Exception):

@@ -4,7 +4,7 @@
     flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--png PREFIX] [--cases a,b] [--routes x,y]
                        [--modes fwd] [--iters N] [--warmup N] [--resume [--rerun]] [--time-budget S] [--no-fa4]
 
-For each case (see :mod:`flexattn_zoo.bench_config` for the YAML schema), mode and route it
+For each case (see :mod:`flexattn_zoo.bench.config` for the YAML schema), mode and route it
 records one row: median time, TFLOP/s on visible work, peak memory, compile time, mask build time
 and a status: ``ok``, ``unsupported`` (with the dispatcher's reasons), ``OOM`` (caught, or skipped by
 the dense-memory estimate) or ``error`` (the exception, never a crash). Rows are written to
@@ -34,13 +34,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from flexattn_zoo import bench_routes
-from flexattn_zoo.bench_config import MODES, Case, all_routes, goals, load_config, parse_names
-from flexattn_zoo.bench_env import block_fa4, collect_env
-from flexattn_zoo.bench_report import markdown, rich_table, write_pngs
-from flexattn_zoo.bench_timing import free_memory, visible_pairs
+from flexattn_zoo.bench import routes as bench_routes
+from flexattn_zoo.bench.config import MODES, Case, all_routes, goals, load_config, parse_names
+from flexattn_zoo.bench.env import block_fa4, collect_env
+from flexattn_zoo.bench.report import markdown, rich_table, write_pngs
+from flexattn_zoo.bench.timing import free_memory, visible_pairs
+from flexattn_zoo.cli.viz import MissingDependency
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
-from flexattn_zoo.viz import MissingDependency
 
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x forward
 COMMAND_ENV = "FLEXATTN_ZOO_BENCH_COMMAND"  # recorded instead of argv (e.g. by run_h200.sh)
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
         if args.no_fa4:
             block_fa4()
         if args.png:
-            from flexattn_zoo.bench_report import have_matplotlib
+            from flexattn_zoo.bench.report import have_matplotlib
 
             if not have_matplotlib():
                 raise MissingDependency("--png needs matplotlib: pip install 'flexattn-zoo[viz]'")

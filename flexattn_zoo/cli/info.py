@@ -12,9 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 import flexattn_zoo
-from flexattn_zoo import viz
-from flexattn_zoo.bench_env import dist_version
-from flexattn_zoo.cli_params import CliError, build_specs, describe_spec
+from flexattn_zoo.bench.env import dist_version
+from flexattn_zoo.cli import viz
+from flexattn_zoo.cli.params import CliError, build_specs, describe_spec
 
 
 def _print_lines(console: Console, lines: list[str]) -> None:
