@@ -13,6 +13,16 @@ from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 
+def _refuse_spec_class(value: Any, arg: str) -> None:
+    """A spec *class* (``mask=masks.Causal``) is callable, so it would be taken for a mask_mod and
+    fail with a confusing signature error; name the mistake instead."""
+    if isinstance(value, type) and issubclass(value, (MaskSpec, ScoreSpec)):
+        raise TypeError(
+            f"{arg} got the class {value.__name__}, not a spec; pass an instance, e.g. "
+            f"{arg}={value.__name__}(...) with its parameters"
+        )
+
+
 def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
     """Coerce ``None`` / spec / registry name / callable into a :class:`MaskSpec` (or None)."""
     if mask is None or isinstance(mask, MaskSpec):
@@ -21,6 +31,7 @@ def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
         return MASKS.get(mask)
     if isinstance(mask, ScoreSpec):
         raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
+    _refuse_spec_class(mask, arg)
     if callable(mask):
         check_mask_function(mask, arg)
         return FunctionMask(fn=mask, label=getattr(mask, "__name__", "mask_mod"))
@@ -38,6 +49,7 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
         return SCORES.get(score)
     if isinstance(score, MaskSpec):
         raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
+    _refuse_spec_class(score, arg)
     if callable(score):
         check_score_function(score, arg)
         return FunctionScore(fn=score, label=getattr(score, "__name__", "score_mod"))

@@ -46,6 +46,8 @@ class Plan:
     candidates: tuple[Candidate, ...]
 
     def explain(self) -> str:
+        """The plan as text: the problem, then every route in this arch's priority order (routes
+        that ``auto`` never picks last) with its verdict, and the reasons of each refusal."""
         p = self.problem
         mask = type(p.mask).__name__ if p.mask is not None else ("BlockMask" if p.user_block_mask else "none")
         score = type(p.score).__name__ if p.score is not None else "none"
@@ -55,14 +57,15 @@ class Plan:
             f"problem: B={p.batch} H={p.heads}/{p.kv_heads} Lq={p.q_len} Lkv={p.kv_len} D={p.head_dim} "
             f"{str(p.dtype).removeprefix('torch.')} on {p.device_type}; mask={mask} score_mod={score}",
         ]
-        for c in self.candidates:
+        ranked = sorted(self.candidates, key=lambda c: (c.rank is None, c.rank or 0))
+        for c in ranked:
             rank = f"#{c.rank + 1}" if c.rank is not None else "--"
             if c.name == self.backend:
-                verdict = "CHOSEN"
+                verdict = "chosen"
             elif c.accepted:
-                verdict = "ok (lower priority)" if c.rank is not None else "ok (only when requested)"
+                verdict = "could run (lower priority)" if c.rank is not None else "could run (only if named)"
             else:
-                verdict = "no: " + "; ".join(c.reasons)
+                verdict = "refused: " + "; ".join(c.reasons)
             lines.append(f"  {rank:>3} {c.name:<15} {verdict}")
         return "\n".join(lines)
 

@@ -25,7 +25,6 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -85,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list registered masks, score mods and model presets", allow_abbrev=False)
     p.add_argument("kind", nargs="?", default="all", choices=["masks", "score_mods", "presets", "all"])
+    p.add_argument("--long", action="store_true", help="full descriptions, spec classes and preset sources")
 
     p = sub.add_parser(
         "show", help="picture of a mask (or a score mod's bias) and its block sparsity", allow_abbrev=False,
@@ -174,40 +174,49 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     registries = {"masks": [MASKS], "score_mods": [SCORES], "presets": [], "all": [MASKS, SCORES]}[args.kind]
     for registry in registries:
         title = "masks (combine with & | ~)" if registry is MASKS else "score mods (chain with >>)"
-        table = Table(title=title, title_justify="left")
-        table.add_column("name", style="bold", no_wrap=True)
-        table.add_column("class", no_wrap=True)
-        table.add_column("parameters", overflow="fold")
-        table.add_column("description", ratio=1)
+        rows = []
         for entry in registry.entries():
             cls = entry.factory.__name__ if isinstance(entry.factory, type) else "(function)"
             summary = entry.summary.replace("``", "")
-            table.add_row(entry.name, cls, escape(describe_params(entry) or "-"), escape(summary))
-        console.print(table)
+            rows.append([entry.name, *([cls] if args.long else []), describe_params(entry) or "-", summary])
+        headers = ["name", *(["class"] if args.long else []), "parameters", "description"]
+        _print_listing(console, title, headers, rows, args.long)
     if args.kind in ("presets", "all"):
-        _list_presets(console)
+        from flexattn_zoo.models import presets
+
+        rows = []
+        for p in presets.presets():
+            params = ", ".join([*p.params, *(["num_heads (required)"] if p.needs_heads else [])])
+            source = [p.source.replace("``", "")] if args.long else []
+            rows.append([p.name, p.model, p.pattern, params or "-", *source])
+        headers = ["name", "model", "layer pattern", "parameters", *(["source"] if args.long else [])]
+        _print_listing(console, "model presets (fz.presets.get(name, layer=i))", headers, rows, args.long)
+    if not args.long:
+        console.print("(one line each, cut to the terminal width; --long shows everything)")
     return 0
 
 
-def _list_presets(console: Console) -> None:
-    from flexattn_zoo.models import presets
+def _print_listing(console: Console, title: str, headers: list[str], rows: list[list[str]], long: bool) -> None:
+    """A table with wrapped cells (``long``), or one line per row cut to the terminal's width."""
+    if long:
+        table = Table(title=title, title_justify="left")
+        for i, header in enumerate(headers):
+            table.add_column(header, style="bold" if i == 0 else None, no_wrap=i == 0, overflow="fold")
+        for row in rows:
+            table.add_row(*(escape(cell) for cell in row))
+        console.print(table)
+        return
+    # Every column but the last is as wide as its widest cell (capped), the last takes what is left.
+    widths = [min(max(len(c) for c in col), 24) for col in zip(headers, *rows, strict=True)][:-1]
+    console.print(title, style="bold", markup=False)
+    for row in [headers, *rows]:
+        cells = [_fit(cell, w).ljust(w) for cell, w in zip(row[:-1], widths, strict=True)]
+        line = "  ".join([*cells, row[-1]])
+        console.print(_fit(line, max(console.width, 40)), markup=False)
 
-    table = Table(title="model presets (fz.presets.get(name, layer=i))", title_justify="left")
-    table.add_column("name", style="bold", no_wrap=True)
-    table.add_column("model")
-    table.add_column("layer pattern", ratio=1)
-    table.add_column("parameters", overflow="fold")
-    table.add_column("source", ratio=2)
-    for p in presets.presets():
-        params = ", ".join([*p.params, *(["num_heads (required)"] if p.needs_heads else [])])
-        table.add_row(
-            p.name,
-            escape(p.model),
-            escape(p.pattern),
-            escape(params or "-"),
-            escape(p.source.replace("``", "")),
-        )
-    console.print(table)
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,35 +253,9 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         requires_grad=args.grad, mask=mask, score=score, return_lse=args.lse,
     )  # fmt: skip
     plan = plan_problem(problem)
-    gqa = f",{kv_heads}" if kv_heads != heads else ""
-    console.print(
-        f"problem: B={args.batch} H={heads}{gqa} Lq={q_len} Lkv={kv_len} D={args.dim} {args.dtype} on {arch}, "
-        f"{'forward + backward' if args.grad else 'forward'}"
-    )
-    console.print(f"mask: {escape(describe_spec(mask))}    score_mod: {escape(describe_spec(score))}")
-    console.print(f"route: [bold green]{escape(str(plan.backend))}[/bold green]")
-    table = Table(title="every route, in this arch's priority order")
-    table.add_column("#", justify="right")
-    table.add_column("route", style="bold")
-    table.add_column("verdict")
-    table.add_column("reasons")
-
-    def order(cand: Any) -> tuple[int, int]:
-        rank = getattr(cand, "rank", None)
-        return (0, rank) if rank is not None else (1, 0)
-
-    for cand in sorted(plan.candidates, key=order):
-        rank = getattr(cand, "rank", None)
-        if cand.name == plan.backend:
-            verdict = "[bold green]chosen[/bold green]"
-        elif cand.accepted:
-            verdict = "[green]could run[/green]" if rank is not None else "[green]only if named[/green]"
-        else:
-            verdict = "[red]refused[/red]"
-        table.add_row(
-            "-" if rank is None else str(rank + 1), cand.name, verdict, escape("; ".join(cand.reasons))
-        )
-    console.print(table)
+    # The same text as fz.plan(...).explain(), plus the specs with their parameters.
+    console.print(plan.explain(), markup=False)
+    console.print(f"mask: {describe_spec(mask)}    score_mod: {describe_spec(score)}", markup=False)
     return 0
 
 
@@ -304,8 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     while len(tokens) >= 2 and tokens[0] == "--import":
         modules.append(tokens[1])
         tokens = tokens[2:]
+    if modules and os.getcwd() not in sys.path and "" not in sys.path:
+        # `python -m flexattn_zoo` finds modules in the current directory; the console script
+        # must too, or `flexattn-zoo --import my_masks` fails where `python -m` works.
+        sys.path.insert(0, os.getcwd())
     for module in modules:
         try:
+            if not module or module.startswith("."):
+                raise ImportError("give an absolute module name such as my_masks or pkg.masks")
             importlib.import_module(module)
         except ImportError as exc:
             Console(stderr=True, soft_wrap=True).print(

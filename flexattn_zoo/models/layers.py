@@ -43,20 +43,27 @@ def resolve_config(
     score_mod: Any = None,
     layer: int = 0,
     num_heads: int | None = None,
+    preset_params: Mapping[str, Any] | None = None,
 ) -> LayerAttention:
     """Turn any accepted configuration into a :class:`LayerAttention` of spec objects.
 
     ``config`` (preset name, ``LayerAttention``, YAML path/text, or mapping) and ``mask``/``score_mod``
-    are exclusive. ``layer``/``num_heads`` are only used by presets.
+    are exclusive. ``layer``, ``num_heads`` and ``preset_params`` (the preset's own parameters, e.g.
+    ``prefix_len`` of ``prefix_lm``) are only used by presets.
     """
     if config is not None and (mask is not None or score_mod is not None):
         raise ValueError("give either config= or mask=/score_mod=, not both")
+    if preset_params and not (isinstance(config, str) and config in _presets.names()):
+        raise TypeError(
+            f"preset parameters ({', '.join(sorted(preset_params))}) need config= to name a preset "
+            f"(one of {', '.join(_presets.names())}); got config={config!r}"
+        )
     if config is None:
         return LayerAttention(mask=as_mask_spec(mask), score_mod=as_score_spec(score_mod))
     if isinstance(config, LayerAttention):
         return config
     if isinstance(config, str) and config in _presets.names():
-        return _presets.get(config, layer=layer, num_heads=num_heads)
+        return _presets.get(config, layer=layer, num_heads=num_heads, **(preset_params or {}))
     from flexattn_zoo.config import load_yaml_spec, spec_from_dict
 
     if isinstance(config, Mapping):
@@ -148,6 +155,8 @@ class Attention(nn.Module):
             also implied by a preset layer with sinks); or a tensor ``[H]`` (a parameter if it
             requires grad, else a buffer).
         backend: as for ``fz.attention``.
+        **preset_params: the preset's own parameters, e.g.
+            ``Attention("prefix_lm", prefix_len=32)``; ``flexattn-zoo presets`` lists them.
 
     The specs are resolved in ``__init__`` and the same objects are passed on every call, so after
     the first step no BlockMask is built and no kernel compiled for an unchanged shape.
@@ -157,9 +166,12 @@ class Attention(nn.Module):
         self, config: Any = None, *, mask: Any = None, score_mod: Any = None, layer: int = 0,
         num_heads: int | None = None, scale: float | None = None, enable_gqa: bool | None = None,
         return_lse: bool = False, sinks: bool | torch.Tensor | None = None, backend: str = "auto",
+        **preset_params: Any,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.spec = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=num_heads)
+        self.spec = resolve_config(
+            config, mask=mask, score_mod=score_mod, layer=layer, num_heads=num_heads, preset_params=preset_params
+        )
         self.scale = scale
         self.enable_gqa = enable_gqa
         self.return_lse = return_lse

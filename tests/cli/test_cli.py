@@ -204,6 +204,7 @@ def test_plan_on_sm90_from_a_cpu_machine(capsys: pytest.CaptureFixture[str]) -> 
     for cand in expected.candidates:
         assert cand.name in out
     assert "chosen" in out and "refused" in out
+    assert expected.explain() in out  # the CLI prints what fz.plan(...).explain() says
 
 
 def test_plan_score_mod_takes_num_heads_from_heads(capsys: pytest.CaptureFixture[str]) -> None:
@@ -291,3 +292,61 @@ def test_import_option_loads_user_specs(
         sys.modules.pop("cli_user_masks", None)
     code, _, err = run(capsys, "--import", "no_such_module_here", "list")
     assert code == 2 and "no_such_module_here" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# what a new user runs into
+
+
+def test_import_finds_modules_in_the_current_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The console script's sys.path[0] is its bin/ folder, not the current directory.
+    (tmp_path / "cwd_masks_plugin.py").write_text(
+        "from flexattn_zoo import masks\n"
+        "masks.register_function('cwd_plugin_mask', lambda b, h, q, kv: q >= kv)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    try:
+        code, out, err = run(capsys, "--import", "cwd_masks_plugin", "list", "masks")
+        assert code == 0, err
+        assert "cwd_plugin_mask" in out
+    finally:
+        MASKS.unregister("cwd_plugin_mask")
+        sys.modules.pop("cwd_masks_plugin", None)
+
+
+@pytest.mark.parametrize("module", ["", ".relative"])
+def test_import_of_an_empty_or_relative_name_is_a_clear_error(capsys: pytest.CaptureFixture[str], module: str) -> None:
+    code, _, err = run(capsys, "--import", module, "list")
+    assert code == 2
+    assert "--import" in err and "absolute module name" in err
+    assert "Traceback" not in err
+
+
+def test_list_fits_an_80_column_terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run(capsys, "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    # One line per entry, plus a title and a header per section and one closing hint.
+    entries = len(MASKS.names()) + len(SCORES.names()) + len(fz_presets_names())
+    assert len(lines) == entries + 3 * 2 + 1
+    for name in (*MASKS.names(), *SCORES.names()):
+        assert any(line.startswith(name + " ") for line in lines), name
+
+
+def test_list_long_shows_full_descriptions(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, _ = run(capsys, "list", "--long")
+    assert code == 0
+    summary = MASKS.entry("causal").summary.replace("``", "")
+    assert " ".join(summary.split()) in " ".join(out.replace("│", " ").split())
+
+
+def fz_presets_names() -> list[str]:
+    from flexattn_zoo.models import presets
+
+    return presets.names()

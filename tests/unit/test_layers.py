@@ -101,3 +101,20 @@ def test_band_and_key_padding_specs_match_their_oracles(q_len: int, kv_len: int)
     # Band generalises the zoo's causal and window masks exactly.
     assert torch.equal(Band(hi=0).dense(9, 12), masks.Causal().dense(9, 12))
     assert torch.equal(Band(lo=-3, hi=0).dense(9, 12), masks.SlidingWindow.from_hf(4).dense(9, 12))
+
+
+def test_attention_module_takes_a_presets_own_parameters() -> None:
+    # The error for a missing preset parameter tells the user to pass prefix_len=; that must work.
+    with pytest.raises(ValueError, match="prefix_len="):
+        fz.Attention("prefix_lm")
+    layer = fz.Attention("prefix_lm", prefix_len=3)
+    assert layer.mask == masks.PrefixLM(prefix_len=3)
+    with pytest.raises(TypeError, match="need config= to name a preset"):
+        fz.Attention(mask="causal", prefix_len=3)
+
+
+@pytest.mark.parametrize(("arg", "cls"), [("mask", masks.Causal), ("score_mod", score_mods.SoftCap)])
+def test_a_spec_class_instead_of_an_instance_is_named(arg: str, cls: type) -> None:
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(TypeError, match=f"{arg} got the class {cls.__name__}, not a spec; pass an instance"):
+        fz.attention(q, q, q, **{arg: cls})
