@@ -2,13 +2,16 @@
 
 Composites keep every cheap form that stays exact: SDPA and varlen forms intersect under ``&``,
 and block maps combine block-wise (``&``: exact "full", safe superset "any"; ``|``: exact "any",
-safe subset "full"; ``~``: swaps them, keeping incomplete edge blocks partial).
+safe subset "full"; ``~``: swaps them, keeping incomplete edge blocks partial). Lowest visible
+keys combine as bounds (``&``: the largest, ``|``: the smallest). A chain keeps its one part's
+soft-cap form, and the summed slopes when every part is a linear bias.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import operator
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -18,11 +21,13 @@ import torch
 from flexattn_zoo.spec import (
     COMBINATORS,
     BlockMap,
+    LinearBiasForm,
     MaskMod,
     MaskSpec,
     ScoreMod,
     ScoreSpec,
     SdpaForm,
+    SoftCapForm,
     VarlenForm,
     block_ranges,
     spec_dataclass,
@@ -123,6 +128,17 @@ class And(_Combined):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return any(p.hides_future_keys(q_len, kv_len) for p in self.parts)
 
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        # A key visible in the intersection is visible in every part, so it is above every part's
+        # bound; parts without one contribute 0. Not exact: the parts' lowest keys may differ.
+        bounds = [p.lowest_visible_key(q_idx) for p in self.parts]
+        known = [b for b in bounds if b is not None]
+        if not known:
+            return None
+        if len(known) < len(bounds):
+            known.append(torch.zeros_like(q_idx))
+        return torch.stack(known).amax(0)
+
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         forms = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
         if any(f is None for f in forms):
@@ -151,6 +167,15 @@ class Or(_Combined):
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return all(p.hides_future_keys(q_len, kv_len) for p in self.parts)
+
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        # A key visible in the union is visible in some part: above the smallest bound. One part
+        # without a bound leaves the union without one.
+        bounds = [p.lowest_visible_key(q_idx) for p in self.parts]
+        known = [b for b in bounds if b is not None]
+        if len(known) < len(bounds):
+            return None
+        return torch.stack(known).amin(0)
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "|")
@@ -233,6 +258,18 @@ class Chain(ScoreSpec):
 
     def has_fast_variant(self) -> bool:
         return any(m.has_fast_variant() for m in self.mods)
+
+    def softcap_form(self) -> SoftCapForm | None:
+        # Only a chain of one: capping twice, or capping a biased score, is not one soft-cap.
+        return self.mods[0].softcap_form() if len(self.mods) == 1 else None
+
+    def linear_bias_form(self) -> LinearBiasForm | None:
+        # Linear biases add up: s - a[h]|i - j| - b[h]|i - j| = s - (a[h] + b[h])|i - j|.
+        forms = [f for f in (m.linear_bias_form() for m in self.mods) if f is not None]
+        if len(forms) < len(self.mods) or len({len(f.slopes) for f in forms}) != 1:
+            return None
+        per_head = zip(*(f.slopes for f in forms), strict=True)
+        return LinearBiasForm(slopes=tuple(math.fsum(s) for s in per_head))
 
     def uses_head(self) -> bool:
         return any(m.uses_head() for m in self.mods)

@@ -169,6 +169,13 @@ class Spec:
         hypothesis strategies draw from them. The default is the no-argument instance."""
         return [cls()]
 
+    @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        """One realistic instance for a problem of this shape: the parameters a model would use
+        at these lengths (e.g. a window of an eighth of the sequence), as demos show it. The
+        default is the first of :meth:`examples`."""
+        return cls.examples(q_len, kv_len, batch, heads)[0]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this spec captures (recursively), e.g. to check devices."""
         found: list[torch.Tensor] = []
@@ -204,7 +211,7 @@ class Spec:
 
 
 # ---------------------------------------------------------------------------------------------
-# Cheap exact forms offered to the dispatcher.
+# Cheap exact forms a spec offers about itself; routes and tools read these, never spec classes.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +274,34 @@ class BlockMap:
 
     any: torch.Tensor
     full: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftCapForm:
+    """The score mod is exactly soft-capping: a scaled score ``s`` becomes ``cap * tanh(s / cap)``.
+
+    ``cap`` is finite and > 0. ``approx`` is True when the spec allows ``tanh`` to be evaluated
+    with a hardware approximation (a few ulps off), as kernels with a native soft-cap argument do
+    (FA4's ``softcap``); False asks for the exact ``tanh``.
+    """
+
+    cap: float
+    approx: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearBiasForm:
+    """The score mod is exactly an additive linear distance penalty per head (ALiBi).
+
+    The scaled score ``s`` of query ``i``, key ``j`` under query head ``h`` becomes
+    ``s - slopes[h] * |i - j|``, with absolute positions as ``score_mod`` sees them. The bias does
+    not depend on ``s``, so the whole score mod is a float bias added to the scores (what SDPA's
+    float ``attn_mask`` takes). ``slopes`` holds one finite float per query head (any sign). Where
+    ``j <= i`` the penalty is ``slopes[h] * (i - j)``, which is what
+    ``score_mod(future_keys_hidden=True)`` computes.
+    """
+
+    slopes: tuple[float, ...]
 
 
 def block_ranges(
@@ -346,6 +381,25 @@ class MaskSpec(Spec):
         so kernels may run ``score.score_mod(future_keys_hidden=True)``. False is always safe."""
         return False
 
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        """A lower bound on the keys each query may see, or None when there is none above 0.
+
+        ``q_idx`` is an int64 tensor of query positions (any shape; indices as the bound spec's
+        ``mask_mod`` sees them). The result ``lo`` has the shape and dtype of ``q_idx`` and
+        promises, for every batch row and head:
+
+        * no key ``j < lo[n]`` is visible to query ``q_idx[n]`` (values may be negative: no key
+          lies below 0, so a negative bound says nothing);
+        * ``lo`` never decreases as the query position grows, so the bound of a block's first
+          query holds for the whole block.
+
+        Single specs give the exact bound: the lowest key a query sees, when it sees any, is
+        ``max(lo, 0)``. ``&`` and ``|`` composites may give a lower bound. None means every key
+        from 0 on may be visible (e.g. causal). KV-cache decoding skips the cache blocks below the
+        bound.
+        """
+        return None
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
@@ -412,6 +466,14 @@ class ScoreSpec(Spec):
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         """Raise ``ValueError`` if the spec cannot serve a problem of this shape."""
 
+    def softcap_form(self) -> SoftCapForm | None:
+        """Exact soft-cap form (see :class:`SoftCapForm`), or None."""
+        return None
+
+    def linear_bias_form(self) -> LinearBiasForm | None:
+        """Exact additive per-head linear-bias form (ALiBi; see :class:`LinearBiasForm`), or None."""
+        return None
+
     def captures_grad_tensors(self) -> bool:
         """True when the score_mod closes over tensors that require grad (learned biases)."""
         return any(t.requires_grad for t in self.tensors())
@@ -435,6 +497,6 @@ def as_4d(mask: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "COMBINATORS", "BlockMap", "MaskMod", "MaskSpec", "ScoreMod", "ScoreSpec",
-    "SdpaForm", "Spec", "SplitForm", "SplitPart", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
+    "COMBINATORS", "BlockMap", "LinearBiasForm", "MaskMod", "MaskSpec", "ScoreMod", "ScoreSpec", "SdpaForm",
+    "SoftCapForm", "Spec", "SplitForm", "SplitPart", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
 ]  # fmt: skip

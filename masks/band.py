@@ -32,7 +32,8 @@ class Band(MaskSpec):
     Registered as ``band`` (``flexattn_zoo.hf`` and ``flexattn_zoo.models.decode`` build it too; most
     users write ``Causal``/``SlidingWindow``). Forms offered: varlen window ``(-lo, hi)`` when
     ``Lq == Lkv`` and ``lo <= 0 <= hi``; SDPA causal when ``Lq == Lkv``, ``hi == 0`` and the lower
-    end is out of reach; a closed-form block map for any lengths.
+    end is out of reach; a closed-form block map for any lengths; lowest visible key ``i + lo``
+    when ``lo`` is given.
 
     Args:
         lo: smallest visible ``j - i`` (``None``: no lower end).
@@ -89,6 +90,10 @@ class Band(MaskSpec):
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.hi is not None and self.hi <= 0
+
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        # Key i + lo is in the band whenever the band is not empty (lo <= hi): exact.
+        return None if self.lo is None else q_idx + self.lo
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

@@ -38,7 +38,8 @@ class Chunked(MaskSpec):
 
     Forms offered: varlen when ``Lq == Lkv`` with segments ``[size, ..., size, rest]`` and window
     ``(-1, -1)``; SDPA ``is_causal=False`` when one chunk covers everything
-    (``size >= max(Lq, Lkv)``); a closed-form block map for any lengths.
+    (``size >= max(Lq, Lkv)``); a closed-form block map for any lengths; lowest visible key
+    ``(i // size) * size``, the start of the query's chunk.
 
     Args:
         size: chunk length in positions (``>= 1``).
@@ -74,6 +75,10 @@ class Chunked(MaskSpec):
         segments = [self.size] * whole + ([rest] if rest else [])
         return VarlenForm(segments=torch.tensor(segments, dtype=torch.int64), window=(-1, -1))
 
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        # The first key of the query's own chunk (visible whenever it exists): exact.
+        return torch.div(q_idx, self.size, rounding_mode="floor") * self.size
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
@@ -85,6 +90,11 @@ class Chunked(MaskSpec):
         return sorted_label_block_map(
             (q_first // s)[None], (q_last // s)[None], (k_first // s)[None], (k_last // s)[None], complete
         )
+
+    @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        # Four chunks per sequence.
+        return cls(size=max(1, max(q_len, kv_len) // 4))
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:

@@ -172,6 +172,13 @@ class Document(MaskSpec):
         return sorted_label_block_map(q_lo, q_hi, k_lo, k_hi, complete)
 
     @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        # Three packed documents of uneven lengths, document boundaries off the 128-block grid.
+        n = max(q_len, kv_len, 1)
+        first, second = max(1, n // 2 - 3), max(1, n // 4 + 5)
+        return cls.from_lengths([first, second, n - first - second] if n > first + second else [n])
+
+    @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
         n = max(q_len, kv_len, 1)
         gen = torch.Generator().manual_seed(7919 * n + batch)

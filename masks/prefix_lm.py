@@ -157,6 +157,11 @@ class PrefixLM(MaskSpec):
         return BlockMap(any=any_.view(rows, 1, *any_.shape[-2:]), full=full.view(rows, 1, *full.shape[-2:]))
 
     @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        # A prompt of a quarter of the keys.
+        return cls(prefix_len=max(1, kv_len // 4))
+
+    @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
         per_row = torch.tensor([(37 * r + kv_len // 2) % (kv_len + 2) for r in range(batch)])
         return [cls(prefix_len=0), cls(prefix_len=max(1, kv_len // 3)), cls(prefix_len=kv_len + 5),

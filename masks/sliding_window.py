@@ -32,7 +32,7 @@ class SlidingWindow(MaskSpec):
     Forms offered: varlen with window ``(left, right)`` when ``Lq == Lkv``; SDPA when ``Lq == Lkv``
     and the window covers the whole sequence on each side it opens (``is_causal=True`` if
     ``right == 0`` and ``left >= L - 1``, ``False`` if both are ``>= L - 1``); a closed-form block
-    map for any lengths.
+    map for any lengths; lowest visible key ``i - left``.
 
     Args:
         left: keys visible before the query (``>= 0``).
@@ -82,10 +82,19 @@ class SlidingWindow(MaskSpec):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.right == 0
 
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        # Key i - left is inside the window whenever it exists (right >= 0): exact.
+        return q_idx - self.left
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
         return band_block_map(q_len, kv_len, q_block, kv_block, device, lo=-self.left, hi=self.right)
+
+    @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        # A local layer's window: an eighth of the sequence, causal.
+        return cls(left=max(1, max(q_len, kv_len) // 8))
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:

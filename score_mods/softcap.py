@@ -9,7 +9,7 @@ from numbers import Real
 import torch
 
 from flexattn_zoo.registry import SCORES
-from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.spec import ScoreMod, ScoreSpec, SoftCapForm, Spec, spec_dataclass
 
 
 @SCORES.register(name="softcap")
@@ -32,6 +32,9 @@ class SoftCap(ScoreSpec):
         approx: Allow a fast hardware ``tanh`` (an approximation, a few ulps off) on kernels that
             have one (``score_mod(fast=True)``); elsewhere and by default the exact ``torch.tanh``.
             The dense oracle is exact either way, so the testing tolerance absorbs the difference.
+
+    Forms offered: ``softcap_form()`` is ``SoftCapForm(cap, approx)``, which kernels with a native
+    soft-cap argument read.
     """
 
     cap: float
@@ -74,6 +77,14 @@ class SoftCap(ScoreSpec):
         x = scores / self.cap
         em1 = torch.expm1(-2.0 * x.abs())
         return self.cap * torch.sign(x) * (-em1) / (2.0 + em1)
+
+    def softcap_form(self) -> SoftCapForm | None:
+        return SoftCapForm(cap=self.cap, approx=self.approx)
+
+    @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        # Grok's cap (Gemma 2 uses 50).
+        return cls(cap=30.0)
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:

@@ -10,8 +10,9 @@ FA4's own kernels know causal and sliding windows (``window_size``), packed docu
   tensors' layout allows the view, else a reshape copy);
 * unequal segments (documents): q/k/v are packed to ``[tokens, H, D]`` with ``cu_seqlens``.
 
-Score mods: only ``SoftCap(approx=True)``. FA4's soft-capping evaluates ``tanh`` with the hardware
-approximation (``tanh.approx.f32``), which is what ``approx=True`` allows and nothing else does.
+Score mods: only a soft-cap form with ``approx=True`` (``SoftCap(approx=True)``). FA4's soft-capping
+evaluates ``tanh`` with the hardware approximation (``tanh.approx.f32``), which is what
+``approx=True`` allows and nothing else does.
 FA4's lse is the natural-log log-sum-exp, ``[B, H, Lq]`` for batched calls (``[H, tokens]`` packed).
 """
 
@@ -39,21 +40,19 @@ def fa4_window(window: tuple[int, int]) -> tuple[int | None, int | None]:
 
 
 def _softcap(p: Problem) -> float:
-    from flexattn_zoo.score_mods.softcap import SoftCap
-
     if p.score is None:
         return 0.0
-    assert isinstance(p.score, SoftCap)
-    return p.score.cap
+    form = p.score.softcap_form()
+    assert form is not None  # mask_reasons refused score mods without one
+    return form.cap
 
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttn4Backend(Backend):
     def mask_reasons(self, p: Problem) -> list[str]:
-        from flexattn_zoo.score_mods.softcap import SoftCap
-
         out = []
-        if p.score is not None and not (isinstance(p.score, SoftCap) and p.score.approx):
+        form = p.score.softcap_form() if p.score is not None else None
+        if p.score is not None and not (form is not None and form.approx):
             out.append(
                 f"score_mod {type(p.score).__name__}: FA4's own kernels only soft-cap, with a hardware "
                 "tanh approximation (SoftCap(cap, approx=True))"

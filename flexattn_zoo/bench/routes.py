@@ -11,8 +11,8 @@
   (e.g. int32 document labels, ALiBi without ``abs`` under a causal mask, as hand-written causal
   ALiBi usually is), so the comparison measures kernels, options and BlockMasks, not spelling.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
-  a float bias when the score mod is additive, like ALiBi); k/v are expanded for GQA so SDPA can
-  use its memory-efficient kernel.
+  a float bias when the score mod is additive: it offers a ``linear_bias_form()``, like ALiBi); k/v
+  are expanded for GQA so SDPA can use its memory-efficient kernel.
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ from flexattn_zoo import _compat
 from flexattn_zoo import blockmask as fz_blockmask
 from flexattn_zoo.bench.config import Case
 from flexattn_zoo.bench.timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
-from flexattn_zoo.compose import Chain
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes that run flex with a BlockMask built by ``fz.block_mask`` (its build time is reported).
 BLOCKMASK_ROUTES = frozenset({"flex", "flex_flash", "flex_cpu"})
-#: Score specs that only add a bias to the score, so SDPA can take them as a float mask.
-ADDITIVE_SCORES = frozenset({"alibi"})
 #: Steady-state BlockMask builds timed (after the first, compiling one).
 BLOCKMASK_REPEATS = 3
 
@@ -171,8 +168,8 @@ def prepare_raw_flex(case: Case, mask: MaskSpec | None, score: ScoreSpec | None,
 
 
 def _additive(score: ScoreSpec) -> bool:
-    mods = score.mods if isinstance(score, Chain) else (score,)
-    return all(getattr(m, "name", "") in ADDITIVE_SCORES for m in mods)
+    """Whether the score mod only adds a bias to the score, so SDPA can take it as a float mask."""
+    return score.linear_bias_form() is not None
 
 
 def dense_estimate_bytes(

@@ -26,9 +26,10 @@ from rich.markup import escape
 from rich.table import Table
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, score_mods
+from flexattn_zoo import masks
 from flexattn_zoo.cli.params import describe_spec
-from flexattn_zoo.registry import MASKS, SCORES
+from flexattn_zoo.registry import MASKS, SCORES, Registry
+from flexattn_zoo.spec import MaskSpec
 
 CPU_DEFAULTS = {"batch": 1, "heads": 2, "length": 256, "dim": 32, "dtype": "float32", "repeats": 5}
 GPU_DEFAULTS = {"batch": 2, "heads": 16, "length": 4096, "dim": 128, "dtype": "bfloat16", "repeats": 10}
@@ -56,56 +57,37 @@ class Result:
     note: str = ""
 
 
-def _mask_preset(name: str, length: int, batch: int, heads: int) -> Any:
-    """A realistic instance of mask ``name`` at ``length``; registry examples for unknown names."""
-    quarter = max(1, length // 4)
-    if name == "full":
-        return masks.get("full")
-    if name == "causal":
-        return masks.get("causal")
-    if name == "sliding_window":
-        return masks.get("sliding_window", left=max(1, length // 8))
-    if name == "document":
-        # Three packed documents of uneven lengths, document boundaries off the 128-block grid.
-        first, second = max(1, length // 2 - 3), max(1, length // 4 + 5)
-        lengths = [first, second, length - first - second] if length > first + second else [length]
-        return masks.Document.from_lengths(lengths)
-    if name == "prefix_lm":
-        return masks.get("prefix_lm", prefix_len=quarter)
-    if name == "chunked":
-        return masks.get("chunked", size=quarter)
-    factory = MASKS.entry(name).factory
-    if hasattr(factory, "examples"):
-        return factory.examples(length, length, batch, heads)[0]
+def _preset(registry: Registry[Any], name: str, length: int, batch: int, heads: int) -> Any:
+    """A realistic instance of registry entry ``name`` at ``length``: a spec class's
+    ``typical_example``, or the spec of a registered plain function."""
+    factory = registry.entry(name).factory
+    if hasattr(factory, "typical_example"):
+        return factory.typical_example(length, length, batch, heads)
     return factory()
 
 
-def _score_preset(name: str, length: int, batch: int, heads: int) -> Any:
-    if name == "alibi":
-        return score_mods.get("alibi", num_heads=heads)
-    if name == "softcap":
-        return score_mods.get("softcap", cap=30.0)
-    factory = SCORES.entry(name).factory
-    if hasattr(factory, "examples"):
-        return factory.examples(length, length, batch, heads)[0]
-    return factory()
+def _segments_only(spec: MaskSpec, length: int, batch: int) -> bool:
+    """Whether ``spec`` is exactly bidirectional segments (documents, chunks), which models
+    combine with a causal mask."""
+    form = spec.varlen_form(length, length, batch)
+    return form is not None and form.segments is not None and form.window == (-1, -1)
 
 
 def presets(length: int, batch: int, heads: int) -> list[Preset]:
     """Every registered mask, the usual causal combinations, and every score mod on causal."""
     out = []
-    built = {}
+    built = []
     for name in MASKS.names():
-        spec = _mask_preset(name, length, batch, heads)
-        built[name] = spec
+        spec = _preset(MASKS, name, length, batch, heads)
+        built.append(spec)
         out.append(Preset(describe_spec(spec), mask=spec))
     causal = masks.get("causal")
-    for name in ("document", "chunked"):
-        if name in built:
-            combo = causal & built[name]
+    for spec in built:
+        if _segments_only(spec, length, batch):
+            combo = causal & spec
             out.append(Preset(describe_spec(combo), mask=combo))
     for name in SCORES.names():
-        spec = _score_preset(name, length, batch, heads)
+        spec = _preset(SCORES, name, length, batch, heads)
         out.append(Preset(f"causal + {describe_spec(spec)}", mask=causal, score=spec))
     return out
 

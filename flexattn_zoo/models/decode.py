@@ -50,12 +50,10 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
-from flexattn_zoo.compose import And, Or
 from flexattn_zoo.dispatch import attention, execute_plan, plan
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
-from flexattn_zoo.masks import Causal, Chunked, SlidingWindow
-from flexattn_zoo.masks.band import Band
+from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
@@ -70,35 +68,22 @@ RUNS_PER_MASK = 16
 
 
 def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
-    """A lower bound on the keys the pattern lets absolute query ``q_abs`` see (0 if unknown).
+    """A lower bound on the keys the pattern lets absolute queries ``q_abs`` (int64) see: the
+    spec's ``lowest_visible_key``, or 0 where it offers none.
 
-    Used only to skip kv blocks, so any lower bound is correct; a tight one saves bandwidth.
+    Used only to skip kv blocks, so any lower bound is correct; a tight one saves bandwidth. It
+    never decreases with the query position, so the bound of a q block's first query holds for
+    the whole block.
     """
-    zero = torch.zeros_like(q_abs)
-    if isinstance(spec, SlidingWindow):
-        return q_abs - spec.left
-    if isinstance(spec, Band) and spec.lo is not None:
-        return q_abs + spec.lo
-    if isinstance(spec, Chunked):
-        return torch.div(q_abs, spec.size, rounding_mode="floor") * spec.size
-    if isinstance(spec, And):
-        return torch.stack([lowest_key(p, q_abs) for p in spec.parts]).amax(0)
-    if isinstance(spec, Or):
-        return torch.stack([lowest_key(p, q_abs) for p in spec.parts]).amin(0)
-    return zero
+    bound = spec.lowest_visible_key(q_abs) if spec is not None else None
+    return torch.zeros_like(q_abs) if bound is None else bound
 
 
-def _bounded_below(spec: MaskSpec | None) -> bool:
-    """Whether :func:`lowest_key` can be above 0 for ``spec`` (else every row's blocks start at 0)."""
-    if isinstance(spec, SlidingWindow | Chunked):
-        return True
-    if isinstance(spec, Band):
-        return spec.lo is not None
-    if isinstance(spec, And):
-        return any(_bounded_below(p) for p in spec.parts)
-    if isinstance(spec, Or):
-        return all(_bounded_below(p) for p in spec.parts)
-    return False
+def _bounded_below(spec: MaskSpec | None, device: torch.device | str = "cpu") -> bool:
+    """Whether :func:`lowest_key` can be above 0 for ``spec`` (else every row's blocks start at 0);
+    ``device``: where the spec's tensors live."""
+    probe = torch.zeros(1, dtype=torch.int64, device=device)
+    return spec is not None and spec.lowest_visible_key(probe) is not None
 
 
 class DecodeMask:
@@ -139,7 +124,7 @@ class DecodeMask:
         self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
         # Blocks 0 .. last for every row when the pattern has no lower bound on a contiguous cache:
         # kv_indices never changes, and update() writes only the counts (5 launches instead of 20).
-        self._indices_fixed = not self.paged and not _bounded_below(self.spec)
+        self._indices_fixed = not self.paged and not _bounded_below(self.spec, device)
         self.logical_mask_mod = self._make_mod(paged=False)
         self.mask_mod = self._make_mod(paged=self.paged)
         # No block is marked "full" (mask_mod runs on every live block: cheap next to reading the

@@ -3,10 +3,14 @@
 Each check evaluates the spec's kernel-facing function (``mask_mod`` / ``score_mod``) the way
 flex would see it -- on int32 index grids that broadcast against each other -- and compares it
 with the independently written ``dense`` oracle. Block maps and the SDPA / varlen forms are
-checked against the same oracle, since a wrong cheap form silently computes the wrong attention.
+checked against the same oracle, since a wrong cheap form silently computes the wrong attention;
+so are the lowest visible keys KV-cache decoding skips by, and the score specs' soft-cap and
+linear-bias forms.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -156,9 +160,11 @@ def assert_mask_consistent(
     heads: int = 1,
     block_sizes: tuple[tuple[int, int], ...] = DEFAULT_BLOCK_SIZES,
     exact_blocks: bool | None = None,
+    exact_lowest_key: bool | None = None,
     check_create_block_mask: bool = True,
 ) -> None:
-    """Check a mask spec's ``mask_mod``, block map and cheap forms against ``spec.dense``.
+    """Check a mask spec's ``mask_mod``, block map, cheap forms and lowest visible keys against
+    ``spec.dense``.
 
     Args:
         spec: The mask spec (must be valid for this shape).
@@ -168,6 +174,9 @@ def assert_mask_consistent(
             (the :class:`~flexattn_zoo.spec.BlockMap` contract). ``None``: exact except for ``&``,
             ``|``, ``~`` composites, whose maps are documented safe approximations; those must
             still have no false negatives in ``any`` and no false positives in ``full``.
+        exact_lowest_key: Require ``lowest_visible_key`` (where offered) to be each row's lowest
+            visible key, not only a lower bound. ``None``: exact except for ``&``, ``|``, ``~``
+            composites, whose bounds may be lower.
         check_create_block_mask: Also compare with ``create_block_mask`` (which evaluates the
             ``mask_mod`` through ``vmap``, as flex does).
     """
@@ -202,8 +211,11 @@ def assert_mask_consistent(
     for q_block, kv_block in block_sizes:
         _check_block_map(spec, bound, dense, q_block, kv_block, exact_blocks, check_create_block_mask)
     _check_forms(spec, dense, batch)
+    if exact_lowest_key is None:
+        exact_lowest_key = not isinstance(spec, (And, Or, Not))
     for s in {spec, bound}:
         _check_future_keys(s, dense)
+        _check_lowest_key(s, dense, exact_lowest_key)
 
 
 def _check_future_keys(spec: MaskSpec, dense: torch.Tensor) -> None:
@@ -218,6 +230,54 @@ def _check_future_keys(spec: MaskSpec, dense: torch.Tensor) -> None:
         raise AssertionError(
             f"{spec!r}: hides_future_keys({q_len}, {kv_len}) is True but query {where[2]} sees the "
             f"later key {where[3]} (batch {where[0]}, head {where[1]})"
+        )
+
+
+def _check_lowest_key(spec: MaskSpec, dense: torch.Tensor, exact: bool) -> None:
+    """``lowest_visible_key``: same shape and dtype as the queries, never decreasing, no visible
+    key below it, and (``exact``) equal to each row's lowest visible key where the row sees one."""
+    _, _, q_len, kv_len = dense.shape
+    q_idx = torch.arange(q_len, dtype=torch.int64)
+    lo = spec.lowest_visible_key(q_idx)
+    if lo is None:
+        return
+    what = f"lowest_visible_key(arange({q_len}))"
+    if not isinstance(lo, torch.Tensor) or lo.shape != q_idx.shape or lo.dtype != q_idx.dtype:
+        got = f"{lo.dtype} {tuple(lo.shape)}" if isinstance(lo, torch.Tensor) else type(lo).__name__
+        raise AssertionError(f"{spec!r}: {what} must be an int64 tensor of shape ({q_len},), got {got}")
+    lo = lo.cpu()
+    # Decoding passes [B, n_q] grids of positions: the bound must not depend on the layout.
+    grid = spec.lowest_visible_key(q_idx.view(1, q_len).expand(2, q_len))
+    if not (isinstance(grid, torch.Tensor) and grid.shape == (2, q_len) and torch.equal(grid.cpu(), lo.expand(2, q_len))):
+        raise AssertionError(
+            f"{spec!r}: lowest_visible_key of a [2, {q_len}] grid of positions differs from {what}, row by row"
+        )
+    drops = lo[1:] < lo[:-1]
+    if bool(drops.any()):
+        i = int(torch.nonzero(drops)[0]) + 1
+        raise AssertionError(
+            f"{spec!r}: {what} decreases from query {i - 1} to {i} ({int(lo[i - 1])} -> {int(lo[i])}); "
+            "the bound of a block's first query must hold for the whole block"
+        )
+    j = torch.arange(kv_len).view(1, kv_len)
+    below = dense & (j < lo.view(q_len, 1))
+    if bool(below.any()):
+        where = _first(below)
+        raise AssertionError(
+            f"{spec!r}: {what} says query {where[2]} sees no key below {int(lo[where[2]])}, but it sees "
+            f"key {where[3]} (batch {where[0]}, head {where[1]})"
+        )
+    if not exact:
+        return
+    seen = dense.any(dim=-1)
+    lowest = torch.where(dense, j, kv_len).amin(dim=-1)  # each row's lowest visible key
+    loose = seen & (lowest != lo.clamp(min=0))
+    if bool(loose.any()):
+        where = _first(loose)
+        raise AssertionError(
+            f"{spec!r}: {what} is {int(lo[where[2]])} for query {where[2]}, whose lowest visible key is "
+            f"{int(lowest[where])} (batch {where[0]}, head {where[1]}); pass exact_lowest_key=False to "
+            "accept a lower bound"
         )
 
 
@@ -307,8 +367,9 @@ def assert_score_consistent(
     rtol: float = 1e-6,
     atol: float = 1e-6,
 ) -> None:
-    """Check a score spec's ``score_mod`` (exact variant) against ``spec.dense`` in float64, and
-    its ``future_keys_hidden=True`` variant on the pairs with ``kv_idx <= q_idx``.
+    """Check a score spec's ``score_mod`` (exact variant) against ``spec.dense`` in float64, its
+    ``future_keys_hidden=True`` variant on the pairs with ``kv_idx <= q_idx``, and the scores its
+    soft-cap and linear-bias forms (where offered) describe.
 
     The default tolerances admit score mods that compute in float32, as kernels do; specs that
     compute in the score's dtype agree to float64 precision.
@@ -333,3 +394,41 @@ def assert_score_consistent(
                 f"{spec!r}: {what} differs from the dense oracle at index {where}: got "
                 f"{got[where].item():.10g}, oracle {want[where].item():.10g} (max abs error {float(err.max()):.3e})"
             )
+    _check_score_forms(spec, scores, want, heads, rtol, atol)
+
+
+def _check_score_forms(
+    spec: ScoreSpec, scores: torch.Tensor, want: torch.Tensor, heads: int, rtol: float, atol: float
+) -> None:
+    """The soft-cap and linear-bias forms against the dense oracle ``want`` of ``scores``."""
+    cap = spec.softcap_form()
+    if cap is not None:
+        if not (math.isfinite(cap.cap) and cap.cap > 0):
+            raise AssertionError(f"{spec!r}: softcap_form() cap must be finite and > 0, got {cap.cap}")
+        if cap.approx and not spec.has_fast_variant():
+            # A kernel reading the form would approximate tanh where the spec asked for exactness.
+            raise AssertionError(f"{spec!r}: softcap_form() allows approx but has_fast_variant() is False")
+        _require_close(f"softcap_form {cap}", cap.cap * torch.tanh(scores / cap.cap), want, spec, rtol, atol)
+    linear = spec.linear_bias_form()
+    if linear is not None:
+        if len(linear.slopes) != heads:
+            raise AssertionError(
+                f"{spec!r}: linear_bias_form() has {len(linear.slopes)} slopes for {heads} query heads"
+            )
+        _, _, q_len, kv_len = scores.shape
+        slopes = torch.tensor(linear.slopes, dtype=torch.float64).view(1, heads, 1, 1)
+        dist = (torch.arange(q_len).view(q_len, 1) - torch.arange(kv_len).view(1, kv_len)).abs()
+        _require_close(f"linear_bias_form {linear}", scores - slopes * dist, want, spec, rtol, atol)
+
+
+def _require_close(
+    what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec, rtol: float, atol: float
+) -> None:
+    err = (got - want).abs()
+    bad = (err > atol + rtol * want.abs()) | ~torch.isfinite(got)
+    if bool(bad.any()):
+        where = _first(bad)
+        raise AssertionError(
+            f"{spec!r}: {what} differs from the dense oracle at index {where}: it gives "
+            f"{got[where].item():.10g}, oracle {want[where].item():.10g} (max abs error {float(err.max()):.3e})"
+        )

@@ -13,12 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from flexattn_zoo import masks
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.bench import routes
 from flexattn_zoo.bench import runner as bench
 from flexattn_zoo.bench.config import load_config, parse_config
 from flexattn_zoo.bench.report import markdown, summary
 from flexattn_zoo.bench.timing import dense_mask, visible_pairs
 from flexattn_zoo.cli import app as cli
+from flexattn_zoo.spec import spec_dataclass
+from flexattn_zoo.testing import reference_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "benchmarks" / "configs" / "smoke.yaml"
@@ -113,6 +116,28 @@ def test_visible_pairs_match_dense_oracle() -> None:
             dense_mask(spec, 100, 2, 3, cpu).expand(2, 3, 100, 100), dense.expand(2, 3, 100, 100)
         )
     assert visible_pairs(None, 10, 2, 3, cpu) == 600
+
+
+@spec_dataclass
+class _UserBias(score_mods.Alibi):
+    """A user's linear-bias spec under its own name: additive by its form, not by a name."""
+
+    name = "user_bias"
+
+
+def test_sdpa_dense_mask_takes_score_mods_with_a_linear_bias_form() -> None:
+    a, cap = score_mods.Alibi(num_heads=2), score_mods.SoftCap(cap=5.0)
+    assert routes._additive(a) and routes._additive(a >> a) and routes._additive(_UserBias(num_heads=2))
+    assert not routes._additive(cap) and not routes._additive(a >> cap)
+    (case,) = parse_config(_config(routes=["sdpa_dense_mask"], modes=["fwd"], seq_len=40))
+    cpu = torch.device("cpu")
+    x = routes.Inputs.make(case, "fwd", cpu)
+    mask, score = masks.Causal(), _UserBias(num_heads=2)
+    out = routes.prepare("sdpa_dense_mask", case, "fwd", mask, score, x, cpu).call()
+    want = reference_attention(x.q, x.k, x.v, mask=mask, score_mod=score)
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-5)
+    with pytest.raises(routes.Unsupported, match="not an additive bias"):
+        routes.prepare("sdpa_dense_mask", case, "fwd", mask, a >> cap, x, cpu)
 
 
 def _config(**case: Any) -> dict[str, Any]:

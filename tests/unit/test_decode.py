@@ -8,7 +8,8 @@ import torch
 from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.models import decode
-from flexattn_zoo.testing import reference_attention
+from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass
+from flexattn_zoo.testing import assert_mask_consistent, reference_attention
 
 B, H, HKV, D, CAP, BS = 2, 4, 2, 16, 640, 128
 
@@ -144,6 +145,47 @@ def test_bounded_below_agrees_with_lowest_key(spec) -> None:  # type: ignore[no-
     q_abs = torch.arange(0, 1000, 7)
     lowest = decode.lowest_key(spec, q_abs)
     assert decode._bounded_below(spec) == bool((lowest > 0).any())
+
+
+@spec_dataclass
+class _Recent(MaskSpec):
+    """A user's pattern: the last ``width`` keys, own included. No catalogue class, only the form."""
+
+    width: int
+
+    def _make_mask_mod(self) -> MaskMod:
+        width = self.width
+
+        def recent(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return (kv_idx <= q_idx) & (kv_idx > q_idx - width)
+
+        return recent
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril().triu(-(self.width - 1))[None, None]
+
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        return q_idx - (self.width - 1)
+
+
+def test_decode_skips_blocks_below_any_specs_lowest_visible_key() -> None:
+    mask = _Recent(width=150)
+    assert_mask_consistent(mask, 40, 47)
+    assert decode._bounded_below(mask) and decode._bounded_below(mask & masks.Causal())
+    assert not decode._bounded_below(mask | masks.Causal())
+    k, v = _cache(9)
+    g = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for lens in (torch.tensor([300, 129]), torch.tensor([640, 7])):
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, lens, mask=mask)
+            _close(out, reference_decode(q, k, v, lens, mask))
+            (dm,) = [d for d in decode.CACHE.values() if d.spec == mask]
+            for b in range(B):
+                n = int(lens[b])
+                first, last = max(0, n - 150) // BS, (n - 1) // BS
+                assert dm.kv_indices[b, 0, 0, : last - first + 1].tolist() == list(range(first, last + 1))
+                assert int(dm.kv_num_blocks[b, 0, 0]) == last - first + 1
 
 
 def test_caches_too_large_for_one_launch_are_decoded_a_slice_of_rows_at_a_time(monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
+from flexattn_zoo.backends import fa4
 from flexattn_zoo.backends.fa4 import FA4, fa4_window
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
+from flexattn_zoo.spec import ScoreSpec, SoftCapForm, spec_dataclass
 
 
 def test_window_conversion() -> None:
@@ -68,3 +73,40 @@ def test_fa4_refuses_on_cpu_with_reasons() -> None:
     q = torch.randn(1, 2, 16, 64)
     with pytest.raises(ValueError, match="backend 'fa4' cannot run"):
         fz.attention(q, q, q, mask="causal", backend="fa4")
+
+
+@spec_dataclass
+class _NativeCap(ScoreSpec):
+    """A user's soft-cap spec: no catalogue class, only the form."""
+
+    cap: float
+    approx: bool = True
+
+    def softcap_form(self) -> SoftCapForm | None:
+        return SoftCapForm(cap=self.cap, approx=self.approx)
+
+
+def test_fa4_reads_the_soft_cap_form() -> None:
+    for score in (_NativeCap(cap=12.0), score_mods.Chain(mods=(score_mods.SoftCap(cap=12.0, approx=True),))):
+        p = _problem(score=score, mask=masks.Causal())
+        assert FA4.mask_reasons(p) == []
+        assert fa4._softcap(p) == 12.0  # what FA4's softcap= argument receives
+    assert "approx=True" in " ".join(FA4.mask_reasons(_problem(score=_NativeCap(cap=12.0, approx=False))))
+    two = score_mods.SoftCap(cap=12.0, approx=True) >> score_mods.SoftCap(cap=3.0, approx=True)
+    assert FA4.mask_reasons(_problem(score=two))  # capping twice is no one soft-cap
+    assert fa4._softcap(_problem()) == 0.0
+
+
+def test_routes_import_no_catalogue_classes() -> None:
+    # Routes read forms; the mask and score catalogues stay out of their imports.
+    for path in sorted(Path(fa4.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("flexattn_zoo.masks", "flexattn_zoo.score_mods")), (path.name, name)
+                assert name.split(".")[0] not in ("masks", "score_mods"), (path.name, name)

@@ -224,6 +224,67 @@ def test_forms_offered_where_promised() -> None:
     assert Document(doc_ids=[0, 1, 0]).block_map(3, 3, 2, 2, "cpu") is None  # unsorted
 
 
+@pytest.mark.parametrize(("spec", "lq", "lkv", "b"), CASES + COMPOSITES)
+def test_lowest_visible_key_matches_dense(spec: MaskSpec, lq: int, lkv: int, b: int) -> None:
+    # Sound and never decreasing for every spec; the exact lowest key for single specs.
+    assert_mask_consistent(spec, lq, lkv, batch=b, heads=HEADS, block_sizes=(), check_create_block_mask=False)
+
+
+def test_lowest_visible_key_offered_where_promised() -> None:
+    q = torch.arange(10)
+    assert SlidingWindow(left=3, right=2).lowest_visible_key(q).tolist() == [i - 3 for i in range(10)]
+    assert Band(lo=-2, hi=5).lowest_visible_key(q).tolist() == [i - 2 for i in range(10)]
+    assert Band(lo=1).lowest_visible_key(q).tolist() == [i + 1 for i in range(10)]
+    assert Chunked(size=4).lowest_visible_key(q).tolist() == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
+    # Every key from 0 on may be visible: no bound (decode keeps its fixed block list).
+    for spec in (Full(), Causal(), Causal(align="bottom_right").bind(4, 9), Band(hi=3), PrefixLM(prefix_len=3),
+                 Document(doc_ids=[0, 0, 1, 1, 1, 2, 2, 2, 2, 2]), ~SlidingWindow(left=2)):  # fmt: skip
+        assert spec.lowest_visible_key(q) is None, spec
+    # &: the largest bound, parts without one count as 0; |: the smallest, none if a part has none.
+    window, chunks = SlidingWindow(left=5), Chunked(size=4)
+    assert (Causal() & window).lowest_visible_key(q).tolist() == [max(0, i - 5) for i in range(10)]
+    assert (window & chunks).lowest_visible_key(q).tolist() == [max(i - 5, i // 4 * 4) for i in range(10)]
+    assert (window | chunks).lowest_visible_key(q).tolist() == [min(i - 5, i // 4 * 4) for i in range(10)]
+    assert (Causal() | chunks).lowest_visible_key(q) is None
+    assert (Causal() & Full()).lowest_visible_key(q) is None
+    grid = torch.tensor([[0, 5, 9], [3, 4, 7]])  # decode asks for [B, n_q] grids of positions
+    assert torch.equal((window & chunks).lowest_visible_key(grid), torch.maximum(grid - 5, grid // 4 * 4))
+
+
+class _TooHigh(SlidingWindow):
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        return q_idx - self.left + 1
+
+
+class _TooLow(SlidingWindow):
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        return q_idx - self.left - 1
+
+
+class _Decreasing(Causal):
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        return -q_idx
+
+
+class _Float(Chunked):
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        return (q_idx // self.size * self.size).double()
+
+
+def test_wrong_lowest_visible_keys_are_caught() -> None:
+    with pytest.raises(AssertionError, match="query 2 sees no key below 1, but it sees key 0"):
+        assert_mask_consistent(_TooHigh(left=2), 9, 9)
+    with pytest.raises(AssertionError, match="is 0 for query 3, whose lowest visible key is 1"):
+        assert_mask_consistent(_TooLow(left=2), 9, 9)
+    # A lower bound is accepted where exactness is not asked for (as for composites).
+    assert_mask_consistent(_TooLow(left=2), 9, 9, exact_lowest_key=False)
+    assert_mask_consistent(_TooLow(left=2) & Causal(), 9, 9)
+    with pytest.raises(AssertionError, match="decreases from query 0 to 1"):
+        assert_mask_consistent(_Decreasing(), 9, 9)
+    with pytest.raises(AssertionError, match="int64 tensor"):
+        assert_mask_consistent(_Float(size=4), 9, 9)
+
+
 @pytest.mark.parametrize("cls", FAMILIES)
 def test_block_map_scales_without_quadratic_memory(cls: type[MaskSpec]) -> None:
     # 1M tokens: an element-wise evaluation would need 2^40 entries; per-block work is 1024^2.

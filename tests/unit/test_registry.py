@@ -193,3 +193,28 @@ def test_bound_method_mask_that_reads_the_head_is_per_head() -> None:
     q, k, v = (torch.randn(1, 2, 256, 16, generator=gen) for _ in range(3))
     out = fz.attention(q, k, v, mask=PerHeadWidth().mask)
     assert_matches_reference(out, q, k, v, mask=PerHeadWidth().mask)
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(256, 256), (7, 7), (40, 65)])
+def test_typical_examples_are_valid_specs(q_len: int, kv_len: int) -> None:
+    # What the demo shows for each registered class: valid at the shape asked for, and consistent.
+    for registry in (MASKS, SCORES):
+        for entry in registry.entries():
+            if not hasattr(entry.factory, "typical_example"):
+                continue  # a registered plain function: the demo shows its one spec
+            spec = entry.factory.typical_example(q_len, kv_len, 2, 4)
+            assert isinstance(spec, entry.factory), entry.name  # type: ignore[arg-type]
+            if isinstance(spec, MaskSpec):
+                assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=4, block_sizes=((16, 32),))
+            else:
+                assert_score_consistent(spec, batch=2, heads=4, q_len=q_len, kv_len=kv_len)
+
+
+def test_typical_examples_by_family() -> None:
+    assert masks.SlidingWindow.typical_example(256, 256, 1, 2) == masks.SlidingWindow(left=32)
+    assert masks.Chunked.typical_example(256, 256, 1, 2) == masks.Chunked(size=64)
+    assert masks.PrefixLM.typical_example(256, 256, 1, 2) == masks.PrefixLM(prefix_len=64)
+    assert masks.Document.typical_example(256, 256, 1, 2) == masks.Document.from_lengths([125, 69, 62])
+    assert masks.Causal.typical_example(256, 256, 1, 2) == masks.Causal()  # the default: examples()[0]
+    assert score_mods.SoftCap.typical_example(256, 256, 1, 2) == score_mods.SoftCap(cap=30.0)
+    assert score_mods.Alibi.typical_example(256, 256, 1, 6) == score_mods.Alibi(num_heads=6)

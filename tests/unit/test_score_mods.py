@@ -9,7 +9,7 @@ import torch
 
 from flexattn_zoo import _compat, score_mods
 from flexattn_zoo.compose import Chain
-from flexattn_zoo.spec import _MODS
+from flexattn_zoo.spec import _MODS, LinearBiasForm, SoftCapForm, spec_dataclass
 from flexattn_zoo.testing import assert_score_consistent
 
 Alibi, SoftCap = score_mods.Alibi, score_mods.SoftCap
@@ -196,3 +196,60 @@ def test_registry_names_build_the_classes() -> None:
     assert {"alibi", "softcap"} <= set(score_mods.names())
     assert score_mods.get("alibi", num_heads=4) == Alibi(num_heads=4)
     assert score_mods.get("softcap", cap=20.0, approx=True) == SoftCap(cap=20.0, approx=True)
+
+
+# ---- forms ---------------------------------------------------------------------------------------
+
+
+def test_forms_offered_where_promised() -> None:
+    assert SoftCap(cap=30).softcap_form() == SoftCapForm(cap=30.0, approx=False)
+    assert SoftCap(cap=2.5, approx=True).softcap_form() == SoftCapForm(cap=2.5, approx=True)
+    assert Alibi(num_heads=8).linear_bias_form() == LinearBiasForm(slopes=tuple(Alibi(num_heads=8).head_slopes()))
+    assert Alibi(num_heads=2, slopes=[1.0, -0.5]).linear_bias_form() == LinearBiasForm(slopes=(1.0, -0.5))
+    assert SoftCap(cap=3.0).linear_bias_form() is None and Alibi(num_heads=2).softcap_form() is None
+    # Chains: one part keeps its form; linear biases add up; anything mixed has neither form.
+    cap, a, b = SoftCap(cap=3.0, approx=True), Alibi(num_heads=2, slopes=[1.0, 0.25]), Alibi(num_heads=2)
+    assert Chain(mods=(cap,)).softcap_form() == cap.softcap_form()
+    assert Chain(mods=(a,)).linear_bias_form() == a.linear_bias_form()
+    assert (a >> b).linear_bias_form() == LinearBiasForm(slopes=(1.0 + 2.0**-4, 0.25 + 2.0**-8))
+    assert (cap >> cap).softcap_form() is None and (a >> cap).softcap_form() is None
+    assert (a >> cap).linear_bias_form() is None and (cap >> a).linear_bias_form() is None
+    assert (a >> Alibi(num_heads=3)).linear_bias_form() is None  # no per-head sum of 2 and 3 slopes
+    for spec in (Chain(mods=(cap,)), a >> b, a >> b >> a):
+        assert_score_consistent(spec, heads=2, magnitude=5.0, rtol=1e-12, atol=1e-12)
+
+
+@spec_dataclass
+class _CapOff(score_mods.SoftCap):
+    def softcap_form(self) -> SoftCapForm | None:
+        return SoftCapForm(cap=self.cap * 1.01, approx=self.approx)
+
+
+@spec_dataclass
+class _ClaimsApprox(score_mods.SoftCap):
+    def softcap_form(self) -> SoftCapForm | None:
+        return SoftCapForm(cap=self.cap, approx=True)
+
+
+@spec_dataclass
+class _SlopesReversed(score_mods.Alibi):
+    def linear_bias_form(self) -> LinearBiasForm | None:
+        return LinearBiasForm(slopes=tuple(reversed(self.head_slopes())))
+
+
+@spec_dataclass
+class _OneSlopeShort(score_mods.Alibi):
+    def linear_bias_form(self) -> LinearBiasForm | None:
+        return LinearBiasForm(slopes=tuple(self.head_slopes()[:-1]))
+
+
+def test_wrong_score_forms_are_caught() -> None:
+    with pytest.raises(AssertionError, match="softcap_form"):
+        assert_score_consistent(_CapOff(cap=2.0))
+    with pytest.raises(AssertionError, match="allows approx but has_fast_variant"):
+        assert_score_consistent(_ClaimsApprox(cap=2.0))
+    assert_score_consistent(_ClaimsApprox(cap=2.0, approx=True))
+    with pytest.raises(AssertionError, match="linear_bias_form"):
+        assert_score_consistent(_SlopesReversed(num_heads=4), heads=4)
+    with pytest.raises(AssertionError, match="3 slopes for 4 query heads"):
+        assert_score_consistent(_OneSlopeShort(num_heads=4), heads=4)
