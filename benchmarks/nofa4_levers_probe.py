@@ -29,9 +29,10 @@ import torch.nn.functional as F
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks
-from flexattn_zoo.arch import flex_triton_options
+from flexattn_zoo.backends.flex import FLEX
 from flexattn_zoo.bench.config import document_lengths
 from flexattn_zoo.bench.timing import measure, visible_pairs
+from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import as_chunks, from_chunks
 
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -147,7 +148,10 @@ class Probe:
         lo, hi = (32, 256) if self.small else (256, 2048)  # the h200.yaml documents
         docs = masks.Document.from_lengths(document_lengths(length, lo, hi, seed=0))
         cases = [("causal", masks.Causal()), ("document_causal", docs & masks.Causal())]
-        fwd_opts = flex_triton_options("sm90", d, self.dtype)
+        fwd_opts = FLEX.tuned_options(Problem(
+            batch=b, heads=h, kv_heads=h, q_len=length, kv_len=length, head_dim=d, dtype=self.dtype,
+            device_type="cuda", arch="sm90", requires_grad=True,
+        ))  # fmt: skip
         for name, spec in cases:
             print(f"flex backward tiles, {name}, {b}x{h}x{length}x{d}", flush=True)
             spec = spec.to(self.device)

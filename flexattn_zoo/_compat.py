@@ -76,6 +76,18 @@ def varlen_attn_fn() -> Any | None:
 
 
 @functools.cache
+def varlen_aux_request(lse: bool) -> dict[str, Any]:
+    """Keyword arguments asking ``varlen_attn`` for the lse ({} when not asked).
+
+    ``torch.nn.attention.varlen.AuxRequest``: used on 2.11 (GPU suite), checked on 2.13 (CI)."""
+    if not lse:
+        return {}
+    from torch.nn.attention.varlen import AuxRequest
+
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+@functools.cache
 def varlen_supports(param: str) -> bool:
     """Whether this torch's ``varlen_attn`` takes ``param`` (2.11 lacks enable_gqa, seqused_k...)."""
     fn = varlen_attn_fn()
@@ -91,6 +103,61 @@ def flash_cute_available() -> bool:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):
         return False
+
+
+# -- SDPA's fused kernels as ATen ops -------------------------------------------------------
+# sdpa_split needs each part's lse and its own backward call (given the merged out and lse);
+# ``F.scaled_dot_product_attention`` offers neither, so these call SDPA's private per-kernel ops.
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float) -> Any:
+    """cuDNN's SDPA forward with its lse, no bias, no dropout: the op's whole result ``(out, lse,
+    cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_attn_mask)``.
+
+    ``aten._scaled_dot_product_cudnn_attention``: used on 2.11 (GPU suite); checked on 2.13 (CI: the
+    op and its schema exist, a CPU build cannot run it)."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, is_causal, False, scale=scale
+    )
+
+
+def cudnn_attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, forward: tuple[Any, ...], *, is_causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of :func:`cudnn_attention`; ``forward`` is what it returned (its first
+    entries may be dropped to None: only the lengths and rng state are read from it).
+
+    ``aten._scaled_dot_product_cudnn_attention_backward``: used on 2.11 (GPU suite); checked on 2.13
+    (CI: the op and its schema exist, a CPU build cannot run it)."""
+    cum_q, cum_k, max_q, max_k, seed, offset = forward[2:8]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(  # type: ignore[no-any-return]
+        grad_out, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, is_causal, scale=scale
+    )
+
+
+def cpu_flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of torch's CPU flash kernel (no mask, no dropout).
+
+    ``aten._scaled_dot_product_flash_attention_for_cpu``: checked on 2.13 (CI runs it); the GPU
+    suite on 2.11 does not reach it."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    return out, lse
+
+
+def cpu_flash_attention_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, *, is_causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of :func:`cpu_flash_attention`, given its ``out`` and ``lse``.
+
+    ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: checked on 2.13 (CI runs it); the
+    GPU suite on 2.11 does not reach it."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
+        grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale
+    )
 
 
 def triton_version() -> str | None:
@@ -113,6 +180,10 @@ def recompile_limit() -> int:
 
 def mark_dynamic(t: torch.Tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+#: The logger Dynamo reports recompile-limit hits on (a private module's name).
+DYNAMO_LOGGER = "torch._dynamo"
 
 
 @functools.cache

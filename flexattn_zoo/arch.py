@@ -62,14 +62,14 @@ def generation(arch: str) -> str:
     return "sm80"
 
 
-# Route order per generation and mode: the first route that accepts a problem wins. sm90 comes
-# from benchmarks/results/h200*.md (measured on an H200); the others follow the same kernels'
-# relative speeds and are marked as not yet measured here. "dense" is never auto-picked on GPUs:
-# it materializes Lq x Lkv and is only taken when asked for. sdpa_split (prefix-LM as two cuDNN
-# parts) is measured only on sm90: 578 / 454 vs Triton flex 436 / 388, below flex_flash (680 / 566);
-# and on the CPU (torch's flash kernel per part; benchmarks/results/cpu_prefix.md): prefix-LM
-# fp32 forward 1.3-1.4x flex_cpu (1x8x2048x64, 1x8x4096x64), training 7.5x dense at 2K and the
-# only route at 4K (dense would materialize 2 GiB of scores).
+# Route order per generation and mode: the first route that accepts a problem wins. Every name is
+# a registered route (``backends.BY_NAME``); what a route can run lives with the route. sm90 is
+# measured on an H200 (benchmarks/results/h200*.md); sm80/sm86/sm100 follow the same kernels'
+# relative speeds, not measured here. A route that could run on a generation but is missing from
+# its list is taken there only when named: "dense" on GPUs (it materializes Lq x Lkv), "sdpa_split"
+# where it is not measured.
+# On the CPU, sdpa_split (torch's flash kernel per part) beats flex_cpu on prefix-LM and is the only
+# training route that does not materialize the scores (benchmarks/results/cpu_prefix.md).
 PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     "sm90": {
         "fwd": ("fa4", "flex_flash", "sdpa_cudnn", "sdpa_split", "flex", "varlen", "sdpa_flash", "sdpa_efficient",
@@ -98,16 +98,11 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
 # Measured exceptions to the table above: (generation, mode, traits, routes moved to the front),
 # applied in order when a problem has every listed trait (``dispatch.problem_traits``: "score_mod",
 # "fast_score_mod" -- one that allows an approximation such as SoftCap(approx=True) --,
-# "packed_segments" -- a mask of unequal segments, i.e. documents).
-# Later entries win. H200 (benchmarks/results/h200.md, bf16 TFLOP/s):
-# - documents, forward: fa4 packs q/k/v into cu_seqlens order, which costs more than its kernel
-#   saves (document_causal: flex_flash 315 vs fa4 188; at D=64 149 vs 139; with GQA 342 vs 268);
-# - score mods: fa4's own soft-capping is slower than flex_flash's score_mod (softcap_causal
-#   334 / 378 vs 303 / 357); Triton's hardware tanh (SoftCap(approx=True), which the CuTe path
-#   cannot emit) makes flex the fastest softcap forward (376 vs 334).
-# (Documents at D=64 or with GQA once went to Triton flex because both FA4 routes looked unsteady
-# there; the cause was a device sync in our spec comparison, fixed in 07f7535. Re-measured, the
-# FA4 routes lead: document_causal_d64 149 / 235 vs flex 126 / 155.)
+# "packed_segments" -- a mask of unequal segments, i.e. documents). Later entries win. On the H200
+# (benchmarks/results/h200.md):
+# - documents, forward: fa4 packs q/k/v into cu_seqlens order, which costs more than its kernel saves;
+# - score mods: fa4's own soft-capping is slower than flex_flash's score_mod, and Triton's hardware
+#   tanh (SoftCap(approx=True), which the CuTe path cannot emit) makes flex the fastest softcap forward.
 OVERRIDES: tuple[tuple[str, str, frozenset[str], tuple[str, ...]], ...] = (
     ("sm90", "fwd", frozenset({"packed_segments"}), ("flex_flash",)),
     ("sm90", "fwd", frozenset({"score_mod"}), ("flex_flash",)),
@@ -129,17 +124,7 @@ def priority(arch: str, mode: str, traits: frozenset[str] = frozenset()) -> tupl
     return order
 
 
-# Triton flex kernel options per generation, applied to 16-bit inputs with the listed head dims.
-# H200, causal B=4 H=16 L=8192 D=128 bf16: these forward tiles took flex from 403 to 431 TFLOP/s
-# (DESIGN.md section 5); the backward keeps torch's autotuned defaults.
-FLEX_TRITON_OPTIONS: dict[str, tuple[tuple[int, ...], dict[str, int | bool]]] = {
-    "sm90": ((128,), {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3}),
-}
-
-
-def flex_triton_options(arch: str, head_dim: int, dtype: torch.dtype) -> dict[str, int | bool]:
-    """Measured Triton kernel options for this generation/head dim, or {} (torch's defaults)."""
-    entry = FLEX_TRITON_OPTIONS.get(generation(arch))
-    if entry is None or dtype not in (torch.float16, torch.bfloat16) or head_dim not in entry[0]:
-        return {}
-    return dict(entry[1])
+def ordered_routes(gen: str) -> frozenset[str]:
+    """Every route that generation ``gen``'s order names in either mode: those ``backend="auto"``
+    may pick there (the others run there only when named)."""
+    return frozenset(name for order in PRIORITY[gen].values() for name in order)

@@ -12,8 +12,8 @@ planning reads from them, so a hit returns exactly the plan the full path would 
 * grad mode and which inputs require grad, ``enable_gqa``, ``return_lse``, the resolved
   ``deterministic`` flag, ``backend``; on the CPU, whether q/k/v hold NaN/inf (a check of the
   data the full path makes too);
-* what routes read from the process: the ``FLEXATTN_ZOO_*`` environment variables and whether
-  flash-attn-4 is importable.
+* what planning reads from the process: ``FLEXATTN_ZOO_ARCH``, and what each registered route
+  declares it reads (``Backend.env_vars``) or needs installed (``Backend.requires``).
 
 Not cached (the full path runs): a ``BlockMask`` as mask, calls traced by ``torch.compile``,
 arguments that fail validation (errors come from the full path), and a score spec whose captured
@@ -30,14 +30,16 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import ARCH_ENV
-from flexattn_zoo.backends.dense import DENSE_LIMIT_ENV
+from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
 #: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
 PLANS: LRUCache[Any] = LRUCache(256)
-#: Environment variables the dispatcher or a route reads.
-ENV_VARS = (ARCH_ENV, DENSE_LIMIT_ENV)
+#: Environment variables the dispatcher or a route reads (routes declare theirs: ``Backend.env_vars``).
+ENV_VARS = (ARCH_ENV, *dict.fromkeys(name for b in BACKENDS for name in b.env_vars))
+#: What the registered routes need installed (``Backend.requires``), each distinct one once.
+REQUIREMENTS = tuple(dict.fromkeys(r for b in BACKENDS for r in b.requires))
 
 
 def call_key(
@@ -77,12 +79,13 @@ def call_key(
 
 def process_state() -> Hashable:
     """What planning reads from the process rather than the call: the registries' versions (a
-    name can be unregistered and registered anew), the ``FLEXATTN_ZOO_*`` environment variables
-    and whether flash-attn-4 is importable. Part of every cached plan's key."""
+    name can be unregistered and registered anew), the environment variables the dispatcher and
+    the routes read, and whether each route's requirements are installed. Part of every cached
+    plan's key. Looked up per call, once per distinct variable or requirement (host time)."""
     from flexattn_zoo.registry import MASKS, SCORES
 
     env = tuple(os.environ.get(name) for name in ENV_VARS)
-    return MASKS.version, SCORES.version, env, _compat.flash_cute_available()
+    return MASKS.version, SCORES.version, env, tuple([r.check() for r in REQUIREMENTS])
 
 
-__all__ = ["ENV_VARS", "PLANS", "call_key", "process_state"]
+__all__ = ["ENV_VARS", "PLANS", "REQUIREMENTS", "call_key", "process_state"]

@@ -1,4 +1,8 @@
-"""All routes, by name. Order here is only for display; dispatch order is ``arch.PRIORITY``."""
+"""All routes, by name. Order here is only for display; dispatch order is ``arch.PRIORITY``.
+
+A route is registered by listing it in ``BACKENDS``; the dispatcher, the plan cache's key,
+``fz.decode``, the benchmark harness and the route tests all read the registered routes' facts.
+"""
 
 from __future__ import annotations
 

@@ -70,8 +70,33 @@ def fused_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class Requirement:
+    """Something a route needs installed on this machine (an optional package, a torch feature).
+
+    ``check`` is called on every plan (cheap: cache what is slow), so tests can fake the package
+    by patching the ``_compat`` function it calls.
+    """
+
+    #: Shown as the refusal reason when ``check()`` is False.
+    missing: str
+    check: Callable[[], bool]
+
+
+#: FlashAttention-4's CuTe DSL kernels (the flash-attn-4 package), for fa4 and flex ``BACKEND="FLASH"``.
+FLASH_CUTE = Requirement(
+    "flash_attn.cute (flash-attn-4) is not installed", lambda: _compat.flash_cute_available()
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
-    """Declarative capabilities shared by every route; subclasses add mask-form checks and ``run``."""
+    """Every fact about one route: capabilities, what it needs installed, what it reads from the
+    process, whether it serves decoding. Subclasses add mask-form checks and ``run``; kernel
+    options of their own (e.g. ``FlexBackend.tuning``) are fields of the subclass.
+
+    The route's place in the dispatch order is the one fact kept elsewhere: ``arch.PRIORITY``
+    (per generation and mode, so routes can be compared in one table).
+    """
 
     name: str
     devices: frozenset[str]
@@ -91,16 +116,24 @@ class Backend:
     #: The kernel's backward is deterministic only under torch's deterministic mode (FA2 and the
     #: memory-efficient kernel on CUDA read that flag when their backward runs).
     needs_torch_deterministic_mode: bool = False
-    #: Runs FlashAttention-4's CuTe kernels: needs ``flash_attn.cute`` (flash-attn-4) importable.
-    needs_flash_cute: bool = False
+    # What the route reads from the process rather than the problem; ``plan_cache.process_state``
+    # looks up both for every registered route, so a cached plan never outlives a change of them.
+    #: What must be installed for this route to run at all (see ``unavailable_reasons``).
+    requires: tuple[Requirement, ...] = ()
+    #: Environment variables its verdicts read.
+    env_vars: tuple[str, ...] = ()
+    #: Serves ``fz.decode.decode_step``, which takes only these route names (and "auto"): the flex
+    #: routes run its in-place-updated BlockMask, dense its mask over the live cache.
+    decode: bool = False
+    #: False for routes that never appear in ``arch.PRIORITY`` (debug or reference routes, run only
+    #: when named); the unit tests hold the table and this flag to each other.
+    auto: bool = True
     doc: str = ""
 
     # -- machine-level ------------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
         """Why this route cannot run on this machine at all (imports, torch version); [] if it can."""
-        if self.needs_flash_cute and not _compat.flash_cute_available():
-            return ["flash_attn.cute (flash-attn-4) is not installed"]
-        return []
+        return [r.missing for r in self.requires if not r.check()]
 
     # -- problem-level ------------------------------------------------------------------------
     def reasons(self, p: Problem) -> list[str]:

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo import _compat
-from flexattn_zoo.arch import flex_triton_options
-from flexattn_zoo.backends.base import LOW_PRECISION, Backend
+from flexattn_zoo import _compat, arch
+from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
 from flexattn_zoo.lru import LRUCache
@@ -28,18 +27,42 @@ MAX_FLEX_ELEMENTS = 2**31
 
 
 @dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Kernel options measured faster than torch's defaults on one GPU generation, for 16-bit
+    inputs with one of ``head_dims`` (other problems keep the defaults)."""
+
+    generation: str  # an ``arch.generation`` key: "sm80", "sm86", "sm90", "sm100"
+    head_dims: tuple[int, ...]
+    options: tuple[tuple[str, int | bool], ...]
+
+    def applies(self, p: Problem) -> bool:
+        return arch.generation(p.arch) == self.generation and p.dtype in LOW_PRECISION and p.head_dim in self.head_dims
+
+
+#: The Triton flex kernel's forward tiles, measured faster than torch's defaults on an H200
+#: (causal, D=128, bf16); the backward keeps torch's autotuned defaults.
+SM90_FORWARD_TILES = Tuning(
+    "sm90", (128,), (("fwd_BLOCK_M", 128), ("fwd_BLOCK_N", 128), ("fwd_num_warps", 8), ("fwd_num_stages", 3))
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class FlexBackend(Backend):
-    """flex_attention compiled with fixed ``kernel_options``."""
+    """flex_attention compiled with fixed ``kernel_options``, plus measured ones per generation."""
 
     kernel_options: tuple[tuple[str, Any], ...] = ()
     fast_score_mods: bool = False  # use score mods' GPU fast variants (e.g. approx tanh)
-    tuned: bool = False  # add the measured per-generation Triton options (arch.flex_triton_options)
+    #: Measured per-generation kernel options (the first that applies to a problem is used).
+    tuning: tuple[Tuning, ...] = ()
+
+    def tuned_options(self, p: Problem) -> dict[str, Any]:
+        """The measured kernel options for ``p``'s generation, head dim and dtype, or {} (defaults)."""
+        return next((dict(t.options) for t in self.tuning if t.applies(p)), {})
 
     def options(self, p: Problem, block_mask: Any = None) -> dict[str, Any] | None:
         """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask)."""
         opts = dict(self.kernel_options)
-        if self.tuned:
-            opts.update(flex_triton_options(p.arch, p.head_dim, p.dtype))
+        opts.update(self.tuned_options(p))
         if "BACKEND" not in opts and _decoding_kernel_chosen(p):
             if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:
                 opts["BACKEND"] = "TRITON"
@@ -177,13 +200,14 @@ class FlexCpuBackend(FlexBackend):
 
 FLEX = FlexBackend(
     name="flex", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    head_dims=(16, 256), min_cc=(8, 0), score_mods=True, lse=True, fast_score_mods=True, tuned=True,
+    head_dims=(16, 256), min_cc=(8, 0), score_mods=True, lse=True, fast_score_mods=True,
+    tuning=(SM90_FORWARD_TILES,), decode=True,
     doc="FlexAttention compiled to Triton with BlockMask sparsity (any mask, any score mod)",
 )  # fmt: skip
 FLEX_FLASH = FlexFlashBackend(
     name="flex_flash", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
     head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
-    kernel_options=(("BACKEND", "FLASH"),), needs_flash_cute=True, deterministic=False,
+    kernel_options=(("BACKEND", "FLASH"),), requires=(FLASH_CUTE,), deterministic=False, decode=True,
     nondeterministic_why=(
         "FA4's backward with a block mask is deterministic only on sm100+ with dQ write-order "
         "metadata (torch >= 2.13), which these BlockMasks do not carry"
@@ -192,6 +216,6 @@ FLEX_FLASH = FlexFlashBackend(
 )  # fmt: skip
 FLEX_CPU = FlexCpuBackend(
     name="flex_cpu", devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-    head_dims=(1, 512), score_mods=True, lse=False, backward=False,
+    head_dims=(1, 512), score_mods=True, lse=False, backward=False, decode=True,
     doc="FlexAttention compiled to C++ on CPU (inference only: torch has no CPU flex backward or lse)",
 )  # fmt: skip

@@ -6,7 +6,7 @@ equal documents: each chunk becomes a batch row, see ``segments.as_chunks``), an
 mod: a dense boolean mask would materialize Lq x Lkv, which this library never does behind the
 user's back.
 
-``sdpa_kernel`` flips process-global flags (``torch._C._set_sdp_use_*``) and restores them on
+``sdpa_kernel`` flips process-global flags (torch's ``_set_sdp_use_*`` setters) and restores them on
 exit; two threads pinning different kernels could run each other's kernel or leave the flags
 wrong for good. ``_SDPA_LOCK`` serializes our pinned calls (on CUDA only the launch, which is
 asynchronous); SDPA calls elsewhere in the process can still observe the pinned flags meanwhile.

@@ -10,7 +10,7 @@ gradient of the whole attention restricted to ``p``'s keys (its softmax probabil
 ``exp(s - lse)`` of the whole row, and its ``rowsum(dO * out)`` is the whole row's), so the parts'
 ``dq`` add up and their ``dk`` / ``dv`` land on disjoint keys -- as in ring attention.
 
-Kernels: cuDNN on CUDA (``aten._scaled_dot_product_cudnn_attention``; H200, prefix-LM 2048 at
+Kernels: cuDNN on CUDA (``_compat.cudnn_attention``; H200, prefix-LM 2048 at
 4x16x8192x128: 2.02 / 9.01 ms forward / forward+backward vs 2.68 / 10.53 on Triton flex,
 benchmarks/results/h200-nofa4.md), torch's flash kernel on CPU. Causal parts must be square:
 the kernels' ``is_causal`` is only unambiguous (top-left = bottom-right) when Lq == Lkv.
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import (
     FLOATS,
     LOW_PRECISION,
@@ -38,29 +39,24 @@ from flexattn_zoo.backends.base import (
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
-aten = torch.ops.aten
-
 
 def _cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Any:
-    res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    res = _compat.cudnn_attention(q, k, v, is_causal=causal, scale=scale)
     # Its backward takes the rest back (lengths, rng state); not the part's own output (memory).
     return res[0], res[1], (None, *res[1:])
 
 
 def _cuda_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float) -> Any:  # type: ignore[no-untyped-def]
-    return aten._scaled_dot_product_cudnn_attention_backward(
-        g, q, k, v, out, lse, saved[6], saved[7], None, saved[2], saved[3], saved[4], saved[5], 0.0, causal,
-        scale=scale,
-    )  # fmt: skip
+    return _compat.cudnn_attention_backward(g, q, k, v, out, lse, saved, is_causal=causal, scale=scale)
 
 
 def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> Any:
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out, lse = _compat.cpu_flash_attention(q, k, v, is_causal=causal, scale=scale)
     return out, lse, (None, lse)  # [1]: the lse as the kernel laid it out, as on CUDA
 
 
 def _cpu_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float) -> Any:  # type: ignore[no-untyped-def]
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _compat.cpu_flash_attention_backward(g, q, k, v, out, lse, is_causal=causal, scale=scale)
 
 
 _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.base import LOW_PRECISION, Backend
+from flexattn_zoo.backends.base import LOW_PRECISION, Backend, Requirement
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, VarlenForm
@@ -50,13 +50,14 @@ def _build_cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: st
     return cu.to(device), int(lengths.max()), form.window
 
 
+#: ``torch.nn.attention.varlen``, which older torch builds lack.
+TORCH_VARLEN = Requirement(
+    "torch.nn.attention.varlen is missing from this torch", lambda: _compat.varlen_attn_fn() is not None
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class VarlenBackend(Backend):
-    def unavailable_reasons(self) -> list[str]:
-        if _compat.varlen_attn_fn() is None:
-            return ["torch.nn.attention.varlen is missing from this torch"]
-        return []
-
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
         if p.gqa and not _compat.varlen_supports("enable_gqa"):
@@ -81,10 +82,7 @@ class VarlenBackend(Backend):
         kwargs: dict[str, object] = {"scale": scale, "window_size": window}
         if p.gqa:
             kwargs["enable_gqa"] = True
-        if p.return_lse:
-            from torch.nn.attention.varlen import AuxRequest
-
-            kwargs["return_aux"] = AuxRequest(lse=True)
+        kwargs.update(_compat.varlen_aux_request(p.return_lse))
         fn = _compat.varlen_attn_fn()
         res = fn(pack(q), pack(k), pack(v), cu, cu, max_len, max_len, **kwargs)
         out, lse = res if p.return_lse else (res, None)
@@ -101,7 +99,7 @@ class VarlenBackend(Backend):
 
 VARLEN = VarlenBackend(
     name="varlen", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(8, 256),
-    head_dim_multiple=8, min_cc=(8, 0), lse=True,
+    head_dim_multiple=8, min_cc=(8, 0), lse=True, requires=(TORCH_VARLEN,),
     needs_torch_deterministic_mode=True,  # FA2 varlen backward, like sdpa_flash
     doc="torch.nn.attention.varlen (FlashAttention varlen): documents/chunks via cu_seqlens, windows",
 )  # fmt: skip

@@ -27,12 +27,14 @@ import torch.nn.functional as F
 import flexattn_zoo as fz
 from flexattn_zoo import _compat
 from flexattn_zoo import blockmask as fz_blockmask
+from flexattn_zoo.backends import BACKENDS
+from flexattn_zoo.backends.flex import FlexBackend
 from flexattn_zoo.bench.config import Case
 from flexattn_zoo.bench.timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes that run flex with a BlockMask built by ``fz.block_mask`` (its build time is reported).
-BLOCKMASK_ROUTES = frozenset({"flex", "flex_flash", "flex_cpu"})
+BLOCKMASK_ROUTES = frozenset(b.name for b in BACKENDS if isinstance(b, FlexBackend))
 #: Steady-state BlockMask builds timed (after the first, compiling one).
 BLOCKMASK_REPEATS = 3
 

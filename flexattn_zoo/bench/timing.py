@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskSpec
 
 #: Mask elements evaluated at once when counting visible pairs or materializing a dense mask.
@@ -228,7 +229,7 @@ def torch_warnings() -> Iterator[list[str]]:
     """Collect Dynamo recompile-limit logs and torch's "unfused" warnings raised inside the block."""
     notes: list[str] = []
     handler = _Collect()
-    logger = logging.getLogger("torch._dynamo")
+    logger = logging.getLogger(_compat.DYNAMO_LOGGER)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logger.addHandler(handler)

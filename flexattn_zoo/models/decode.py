@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import attention, execute_plan, plan
@@ -61,6 +62,8 @@ from flexattn_zoo.spec import MaskSpec
 __all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
 
 DEFAULT_BLOCK_SIZE = 128
+#: What ``decode_step(backend=...)`` takes: "auto" and the routes that declare ``decode``.
+DECODE_ROUTES = ("auto", *(b.name for b in BACKENDS if b.decode))
 #: DecodeMask objects kept by ``decode_step`` (least recently used dropped first).
 DECODE_CACHE_SIZE = 32
 #: Planned call signatures kept per DecodeMask (dtypes, score mods... seen with it).
@@ -297,10 +300,8 @@ def decode_step(
         t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)
     )
     use_flex = backend != "dense" and not grad and (q.is_cuda or not need_lse)
-    if backend not in ("auto", "dense", "flex", "flex_flash", "flex_cpu"):
-        raise ValueError(
-            f"decode_step backend must be auto, dense, flex, flex_flash or flex_cpu; got {backend!r}"
-        )
+    if backend not in DECODE_ROUTES:
+        raise ValueError(f"decode_step backend must be one of {', '.join(DECODE_ROUTES)}; got {backend!r}")
     if not use_flex and backend not in ("auto", "dense"):
         raise ValueError(
             f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)"

@@ -16,7 +16,8 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.arch import PRIORITY, ordered_routes
+from flexattn_zoo.backends import BACKENDS, BY_NAME
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +26,9 @@ pytestmark = [
 
 SUMMARY_ENV = "FLEXATTN_ZOO_DETERMINISM_SUMMARY"
 SUMMARY: dict[str, dict[str, Any]] = {}
-CUDA_ROUTES = [b.name for b in BY_NAME.values() if "cuda" in b.devices and b.name != "dense"]
+#: Every registered route that auto may pick on some GPU generation, in registration order.
+GPU_AUTO = frozenset().union(*(ordered_routes(gen) for gen in PRIORITY if gen != "cpu"))
+CUDA_ROUTES = [b.name for b in BACKENDS if b.name in GPU_AUTO]
 RUNS = 10
 
 

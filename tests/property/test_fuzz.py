@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
+from flexattn_zoo.arch import priority
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
@@ -31,7 +32,7 @@ from flexattn_zoo.testing import assert_matches_reference, strategies
 from flexattn_zoo.testing.checks import block_mask_map, dense_block_map
 from flexattn_zoo.testing.strategies import ProblemShape
 
-CPU_TRAINING_ROUTES = {"sdpa_flash", "sdpa_split", "sdpa_math", "dense"}
+CPU_TRAINING_ROUTES = frozenset(priority("cpu", "fwdbwd"))
 
 
 def score_chains(shape: ProblemShape) -> st.SearchStrategy[ScoreSpec]:

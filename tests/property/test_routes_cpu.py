@@ -12,13 +12,15 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
+from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.testing import assert_matches_reference, spec_examples
 
 B, H, HKV, D = 2, 4, 2, 16
 # Lengths not multiples of the block size, Lq != Lkv, and 96 = 3 x 32: Chunked(96 // 3) runs the
 # SDPA routes' equal-chunks call (chunks as batch rows).
 SHAPES = [(77, 77), (90, 61), (96, 96)]
-GRAD_ROUTES = ("dense", "sdpa_flash", "sdpa_math")
+#: Every registered CPU route with a backward.
+GRAD_ROUTES = tuple(b.name for b in BACKENDS if "cpu" in b.devices and b.backward)
 
 
 def _inputs(lq: int, lkv: int, seed: int, grad: bool):  # type: ignore[no-untyped-def]

@@ -25,7 +25,7 @@ from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
-from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import _DeterministicBackward
 from flexattn_zoo.dispatch import Problem, plan_problem
 
@@ -157,6 +157,10 @@ CASES = {
     "sdpa_flash": (masks.Causal(), None, 2, True),
     "flex_cpu": (masks.Causal(), None, 2, False),  # torch has no CPU flex backward
 }  # fmt: skip
+
+
+def test_every_deterministic_cpu_route_has_a_case() -> None:
+    assert set(CASES) == {b.name for b in BACKENDS if "cpu" in b.devices and b.deterministic}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
