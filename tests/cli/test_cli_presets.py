@@ -10,11 +10,11 @@ from flexattn_zoo.models import presets
 
 def test_list_presets(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    assert cli.main(["list", "presets"]) == 0
+    assert cli.main(["list", "presets", "--long"]) == 0
     out = capsys.readouterr().out
     for name in presets.names():
         assert name in out
-    assert "arXiv:2408.00118" in out  # Gemma 2's citation
+    assert "arXiv:2408.00118" in out  # Gemma 2's citation (sources are in the long listing)
     assert "sliding_window" not in out.split("model presets")[0]  # masks are not listed
 
 
