@@ -131,7 +131,7 @@ def priority(arch: str, mode: str, traits: frozenset[str] = frozenset()) -> tupl
 
 # Triton flex kernel options per generation, applied to 16-bit inputs with the listed head dims.
 # H200, causal B=4 H=16 L=8192 D=128 bf16: these forward tiles took flex from 403 to 431 TFLOP/s
-# (DESIGN.md section 5); the backward keeps torch's autotuned defaults.
+# (benchmarks/README.md); the backward keeps torch's autotuned defaults.
 FLEX_TRITON_OPTIONS: dict[str, tuple[tuple[int, ...], dict[str, int | bool]]] = {
     "sm90": ((128,), {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_warps": 8, "fwd_num_stages": 3}),
 }
