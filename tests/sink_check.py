@@ -1,8 +1,7 @@
 """Tolerance check for attention with sinks (fz.testing's rule, with a sink-aware eager baseline).
 
-``fz.testing.assert_matches_reference`` knows no sinks, so this applies the same rule (DESIGN.md
-section 6) and floor itself: the route's error against the float64 reference with sinks may be at most
-``2 x`` the error of the same math done eagerly in the input precision, plus the floor of
+``fz.testing.assert_matches_reference`` knows no sinks, so this applies the same rule and floor
+itself: the route's error against the float64 reference with sinks may be at most ``2 x`` the error of the same math done eagerly in the input precision, plus the floor of
 ``fz.testing`` (``M * (eps(dtype) + 4 * eps(float32) * (1 + max|lse|))``). The eager baseline
 writes the sink as an extra logit column, like the reference, but in the input dtype.
 """

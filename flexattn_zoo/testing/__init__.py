@@ -3,7 +3,7 @@
 * :func:`reference_attention` -- the float64 oracle (re-exported from :mod:`flexattn_zoo.reference`).
 * :func:`eager_attention` -- the same math done eagerly in the *input* precision: the baseline
   that says how much error a low-precision computation of this problem is expected to have.
-* :func:`assert_matches_reference` -- the tolerance rule of the project (DESIGN.md section 6):
+* :func:`assert_matches_reference` -- the tolerance rule of the project (docs/testing.md):
 
       max|route - ref64|  <=  ratio * max|eager - ref64|  +  floor          (ratio = 2)
 

@@ -1,9 +1,8 @@
 """Decoding, sinks and the layer API on CUDA (``pytest -m gpu``), vs the float64 reference.
 
-The budget is the project's
-rule (DESIGN.md section 6) computed per case: the route's error against float64 may be at most
-twice the error of eager attention in the input dtype (the same problem, the same math), plus the
-floor of ``fz.testing``.
+The budget is fz.testing's tolerance rule computed per case: the route's error against float64
+may be at most twice the error of eager attention in the input dtype (the same problem, the same
+math), plus the floor of ``fz.testing``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """flexattn_zoo.hf: tiny random transformers models give the logits of transformers' own ``eager``.
 
-Error budget (the project's rule, DESIGN.md section 6, applied to whole models): the oracle is the
-same model run with ``eager`` attention in float64. Our float32 logits may be off by at most twice
-what transformers' own float32 ``eager`` run is off, plus a floor of 16 float32 ulps of the largest
-logit (a model is dozens of float32 roundings deep; the floor covers a lucky eager run, as in
-``fz.testing``). A wrong mask, scale, window, softcap or sink is orders of magnitude above that.
+Error budget (fz.testing's tolerance rule -- at most twice eager's error plus a floor -- applied
+to whole models): the oracle is the same model run with ``eager`` attention in float64. Our
+float32 logits may be off by at most twice what transformers' own float32 ``eager`` run is off,
+plus a floor of 16 float32 ulps of the largest logit (a model is dozens of float32 roundings deep;
+the floor covers a lucky eager run, as in ``fz.testing``). A wrong mask, scale, window, softcap or
+sink is orders of magnitude above that.
 
 Padded batches: the oracle runs each row's real tokens alone (no padding, the same position ids),
 which checks the padding mapping against the unpadded computation itself. (Batched float64

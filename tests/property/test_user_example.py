@@ -1,6 +1,7 @@
-"""The README example ("Testing your own mask"): a user property-tests their own mask.
+"""The docs/testing.md example ("Testing it"): a user property-tests their own mask.
 
-Keep this file and the snippet identical in substance: the snippet is what users copy.
+Keep this file and the snippet identical in substance: the snippet is what users copy (it also runs
+as written in tests/unit/test_docs_examples.py).
 """
 
 from __future__ import annotations

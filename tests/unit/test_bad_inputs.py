@@ -2,7 +2,7 @@
 ``ValueError``/``TypeError`` naming the argument (and the valid choices), or works and matches
 the float64 reference. Nothing may crash deep inside torch or return a silently wrong result.
 
-Decisions pinned here (see ``fz.attention``'s docstring and the README):
+Decisions pinned here (see ``fz.attention``'s docstring and docs/routes.md):
 
 * strides never matter: transposed, sliced and expanded (stride-0) inputs work on every route;
 * NaN propagates like SDPA: a NaN in query row ``i`` or in a key/value row ``i`` sees makes output

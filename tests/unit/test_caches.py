@@ -1,4 +1,4 @@
-"""Caches are thread-safe LRUs with documented bounds (README, "Caches"):
+"""Caches are thread-safe LRUs with documented bounds (docs/caches.md):
 
 * ``spec._MODS`` -- one ``mask_mod``/``score_mod`` function object per spec value (``MOD_CACHE_SIZE``);
 * ``blockmask.CACHE`` -- built BlockMasks (``BLOCK_MASK_CACHE_SIZE``);

@@ -1,0 +1,245 @@
+"""Every ```python block of README.md and docs/*.md runs as written, on the CPU.
+
+Convention (also stated in docs/testing.md, "Examples in these documents"):
+
+* The blocks of one file run in order in one fresh namespace (a module of their own), so a later
+  block may use what an earlier block of the same file defined. Each block runs with a temporary
+  directory (one per file) as the working directory.
+* A block that cannot run on a CPU in CI is marked on the line right before its opening fence::
+
+      <!-- docs-test: skip (needs a CUDA GPU) -->
+
+  It is not run; its test is reported as skipped with the reason in parentheses.
+* A block that needs an optional package is marked ``<!-- docs-test: requires MODULE[, MODULE] -->``:
+  it runs when every MODULE imports, and is skipped (naming the module) otherwise.
+* Every other ```python block must run: an unmarked block that raises fails its test. A marker
+  that is misspelled or not followed by a ```python fence fails ``test_markers_are_attached``.
+  ```bash`` and other fences are never executed.
+
+Masks and score mods a file's blocks register, and ``FLEXATTN_ZOO_*`` environment variables they
+set, are undone after the file, so the rest of the test session sees the state it started with.
+
+Blocks are listed at collection time; a block selected alone (``-k``) first runs the earlier
+blocks of its file. Keep examples small (tiny shapes, float32, routes that need no compile on the
+CPU unless the point is flex): CI has 2 cores and a CPU flex compile costs seconds.
+
+The user docs also must not cite files that are not in the repository or commit hashes (those
+belong in benchmarks/README.md, the measurement log): checked by the last two tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flexattn_zoo.registry import MASKS, SCORES
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+_FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)\s*$")
+_MARKER = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
+_SKIP = re.compile(r"^skip\s*\((.+)\)$")
+_REQUIRES = re.compile(r"^requires\s+([\w.]+(?:\s*,\s*[\w.]+)*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    path: Path
+    index: int  # among the file's python blocks
+    line: int  # 1-based line of the first code line
+    code: str
+    marker: str | None  # the text after "docs-test:", if the line before the fence has one
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line - 1}"
+
+
+def parse(path: Path) -> tuple[list[Block], list[str]]:
+    """The python blocks of ``path`` and the problems found with markers (line: message)."""
+    lines = path.read_text().splitlines()
+    blocks: list[Block] = []
+    problems: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        marker_m = _MARKER.match(lines[i])
+        if marker_m:
+            nxt = _FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
+            if nxt is None or nxt.group(2) != "python":
+                problems.append(f"line {i + 1}: docs-test marker not right before a ```python fence")
+            text = marker_m.group(1)
+            if not (_SKIP.match(text) or _REQUIRES.match(text)):
+                problems.append(f"line {i + 1}: unknown docs-test marker {text!r}")
+        if m is None:
+            i += 1
+            continue
+        ticks, lang = m.group(1), m.group(2)
+        end = i + 1
+        while end < len(lines) and lines[end].strip() != ticks:
+            end += 1
+        if lang == "python":
+            prev = _MARKER.match(lines[i - 1]) if i > 0 else None
+            blocks.append(
+                Block(
+                    path,
+                    len(blocks),
+                    i + 2,
+                    "\n".join(lines[i + 1 : end]) + "\n",
+                    prev.group(1) if prev else None,
+                )
+            )
+        i = end + 1
+    return blocks, problems
+
+
+BLOCKS = [b for path in DOC_FILES for b in parse(path)[0]]
+
+
+def _why_not_run(block: Block) -> str | None:
+    """The skip message for a marked block, or None when it must run here."""
+    if block.marker is None:
+        return None
+    skip = _SKIP.match(block.marker)
+    if skip:
+        return f"{block.id}: marked docs-test skip: {skip.group(1)}"
+    requires = _REQUIRES.match(block.marker)
+    if requires:
+        missing = [
+            m.strip() for m in requires.group(1).split(",") if importlib.util.find_spec(m.strip()) is None
+        ]
+        return f"{block.id}: needs {', '.join(missing)} (not installed)" if missing else None
+    return None  # an unknown marker: the block runs (and test_markers_are_attached fails)
+
+
+class FileRun:
+    """One documentation file's namespace, run so far in block order."""
+
+    def __init__(self, path: Path, workdir: Path) -> None:
+        self.path = path
+        self.workdir = workdir
+        self.done = 0  # blocks [0, done) have been run or skipped
+        self.failed: Block | None = None
+        slug = re.sub(r"\W", "_", str(path.relative_to(ROOT)))
+        self.module = types.ModuleType(f"docs_example_{slug}")
+        self.module.__file__ = str(path)
+        sys.modules[self.module.__name__] = self.module
+        self.masks, self.scores = set(MASKS.names()), set(SCORES.names())
+        self.environ = _library_environ()
+
+    def run_through(self, block: Block) -> None:
+        """Run this file's blocks up to and including ``block`` (earlier ones first)."""
+        blocks = [b for b in BLOCKS if b.path == self.path]
+        while self.done <= block.index:
+            current = blocks[self.done]
+            self.done += 1
+            if self.failed is not None:
+                pytest.fail(f"an earlier block of this file ({self.failed.id}) failed", pytrace=False)
+            if _why_not_run(current) is not None:
+                continue
+            # Pad with blank lines so tracebacks point at the Markdown file's own line numbers.
+            code = compile("\n" * (current.line - 1) + current.code, str(current.path), "exec")
+            try:
+                exec(code, self.module.__dict__)
+            except BaseException:
+                self.failed = current
+                raise
+
+    def finish(self) -> None:
+        for name in set(MASKS.names()) - self.masks:
+            MASKS.unregister(name)
+        for name in set(SCORES.names()) - self.scores:
+            SCORES.unregister(name)
+        for name in set(_library_environ()) - set(self.environ):
+            del os.environ[name]
+        os.environ.update(self.environ)
+        sys.modules.pop(self.module.__name__, None)
+
+
+_RUNS: dict[Path, FileRun] = {}
+
+
+def _library_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("FLEXATTN_ZOO_")}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _undo_file_side_effects() -> Any:
+    yield
+    for run in _RUNS.values():
+        run.finish()
+    _RUNS.clear()
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_doc_block_runs(
+    block: Block, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    why = _why_not_run(block)
+    if why is not None and block.marker is not None and _SKIP.match(block.marker):
+        pytest.skip(why)
+    run = _RUNS.get(block.path)
+    if run is None:
+        for other in _RUNS.values():  # files run one after another: undo the previous one now
+            other.finish()
+        _RUNS.clear()
+        run = _RUNS[block.path] = FileRun(block.path, tmp_path_factory.mktemp("docs"))
+    monkeypatch.chdir(run.workdir)
+    run.run_through(block)
+    if why is not None:
+        pytest.skip(why)
+
+
+def test_every_doc_file_has_examples_parsed() -> None:
+    assert (ROOT / "README.md").exists() and len(DOC_FILES) > 1, DOC_FILES
+    assert any(b.path.name == "README.md" for b in BLOCKS), "README.md has no ```python block"
+
+
+def test_markers_are_attached() -> None:
+    problems = [f"{path.relative_to(ROOT)} {p}" for path in DOC_FILES for p in parse(path)[1]]
+    assert not problems, "\n".join(problems)
+
+
+def test_readme_keeps_the_ci_test_command() -> None:
+    # .ci/run runs exactly this command; the README tells users to run the same.
+    assert 'python -m pytest -m "not gpu and not slow" -q' in (ROOT / "README.md").read_text()
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_MD_NAME = re.compile(r"(?<![\w./-])([\w][\w./-]*\.md)\b")
+_COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
+def test_user_docs_link_only_to_files_in_the_repo(path: Path) -> None:
+    text = path.read_text()
+    missing = []
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            missing.append(target)
+    assert not missing, f"{path.name} links to files not in the repository: {missing}"
+    # Markdown files named in the prose (not only linked) must exist too, relative to the repository
+    # or to this file: users cannot read notes that were never committed.
+    # Fenced blocks are left out: their commands name output files (--md report.md).
+    prose = re.sub(r"^(`{3,}).*?^\1\s*$", "", text, flags=re.M | re.S)
+    named = {m for m in _MD_NAME.findall(prose) if not (ROOT / m).exists() and not (path.parent / m).exists()}
+    assert not named, f"{path.name} names Markdown files not in the repository: {sorted(named)}"
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
+def test_user_docs_cite_no_commits(path: Path) -> None:
+    found = _COMMIT.findall(path.read_text())
+    assert not found, (
+        f"{path.name} cites what look like commit hashes {found}; they belong in benchmarks/README.md"
+    )
