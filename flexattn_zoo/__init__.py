@@ -17,7 +17,7 @@ from typing import Any
 # In a source checkout used via PYTHONPATH (no install), masks/ and score_mods/ sit beside this
 # package instead of inside it; let the import system find them there as our subpackages.
 if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
-    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # type: ignore[name-defined]
+    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flexattn_zoo import masks, score_mods  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402

@@ -14,7 +14,7 @@ entries keyed by (spec, lengths, block sizes, device, batch/heads when the spec 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -154,22 +154,23 @@ def block_mask(
     qb, kvb = _block_size(block_size)
     device = _device(device)
     mask_spec = mask_spec.bind(q_len, kv_len)
-    for name, value, needed in (
+    for name, size, needed in (
         ("batch", batch, mask_spec.uses_batch()),
         ("heads", heads, mask_spec.uses_head()),
     ):
-        if value is None and needed:
+        if size is None and needed:
             raise ValueError(f"this mask depends on the {name} index: pass {name}=")
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-    b_eff = batch if mask_spec.uses_batch() else 1
-    h_eff = heads if mask_spec.uses_head() else 1
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size <= 0):
+            raise ValueError(f"{name} must be a positive int or None, got {size!r}")
+    # None only where the spec does not use it (raised above otherwise).
+    b_eff = batch if batch is not None and mask_spec.uses_batch() else 1
+    h_eff = heads if heads is not None and mask_spec.uses_head() else 1
     mask_spec.validate(q_len, kv_len, batch or 1, heads or 1)
     key = (mask_spec, q_len, kv_len, qb, kvb, str(device), b_eff, h_eff)
     cached = CACHE.get(key)
     if cached is not None:
         return cached
-    on_device = mask_spec.to(device)
+    on_device = cast(MaskSpec, mask_spec.to(device))  # Spec.to keeps the type; it is annotated as Spec
     bmap = on_device.block_map(q_len, kv_len, qb, kvb, device)
     if bmap is None:
         bmap = generic_block_map(on_device, q_len, kv_len, (qb, kvb), b_eff, h_eff, device)

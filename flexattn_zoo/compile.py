@@ -42,16 +42,21 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
     # score_mod is an argument, like the mask_mod inside block_mask, never a captured value: calls
     # that share this entry (equal mod_key) may close over *different* tensors (decode offsets, a
     # new Document's ids), and Dynamo reads those from the function it is given on each call.
-    def flexattn_zoo_flex(q, k, v, block_mask, scale, score_mod):  # type: ignore[no-untyped-def]
+    def flexattn_zoo_flex(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: _compat.BlockMask, scale: float,
+        score_mod: Callable[..., Any] | None,
+    ) -> Any:
         if not is_compiling():
             raise UnfusedFallbackError(
                 "torch.compile did not compile flex_attention for this call (recompile limit or a "
                 "graph break), so it would run unfused and materialize Lq x Lkv. flexattn_zoo "
                 "refuses; please report this with the shapes and spec."
             )
+        # arg-type ignored: torch annotates kernel_options as its FlexKernelOptions TypedDict; ours
+        # is the plain dict[str, Any] the backends build, which flex_attention accepts.
         return flex(
             q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            enable_gqa=gqa, kernel_options=kernel_options, **aux,
+            enable_gqa=gqa, kernel_options=kernel_options, **aux,  # type: ignore[arg-type]
         )  # fmt: skip
 
     return flexattn_zoo_flex

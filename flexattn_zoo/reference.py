@@ -15,12 +15,33 @@ Conventions (the same on every route):
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import torch
 
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.spec import MaskSpec, ScoreSpec
 from flexattn_zoo.validation import check_qkv
+
+
+@overload
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[False] = ...,
+    sinks: torch.Tensor | None = ...,
+) -> torch.Tensor: ...
+@overload
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[True],
+    sinks: torch.Tensor | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., return_lse: bool = ...,
+    sinks: torch.Tensor | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def reference_attention(
@@ -81,10 +102,11 @@ def dense_attention(
     scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else float(scale)
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     if score_spec is not None:
-        scores = score_spec.to(scores.device).dense(scores).to(dtype)
+        # (Spec.to keeps the spec's type; it is annotated as returning Spec.)
+        scores = cast(ScoreSpec, score_spec.to(scores.device)).dense(scores).to(dtype)
     if mask_spec is not None:
         visible = (
-            mask_spec.to("cpu")
+            cast(MaskSpec, mask_spec.to("cpu"))
             .dense(shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads)
             .to(scores.device)
         )

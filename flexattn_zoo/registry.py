@@ -12,12 +12,14 @@ import difflib
 import re
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 
 S = TypeVar("S", bound=Spec)
+#: A class being registered (checked at run time to derive from the registry's base).
+C = TypeVar("C", bound=Spec)
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -80,21 +82,28 @@ class Registry(Generic[S]):
             self._entries[entry.name] = entry
             self.version += 1
 
-    def register(self, cls: type[S] | None = None, *, name: str | None = None) -> Any:
+    @overload
+    def register(self, cls: type[C], *, name: str | None = None) -> type[C]: ...
+    @overload
+    def register(self, cls: None = None, *, name: str | None = None) -> Callable[[type[C]], type[C]]: ...
+
+    def register(
+        self, cls: type[C] | None = None, *, name: str | None = None
+    ) -> type[C] | Callable[[type[C]], type[C]]:
         """Class decorator: ``@masks.register`` or ``@masks.register(name="my_mask")``.
 
         The class must be a spec dataclass deriving from the registry's base class; its name
         defaults to the snake_case of the class name.
         """
 
-        def decorate(klass: type[S]) -> type[S]:
+        def decorate(klass: type[C]) -> type[C]:
             if not (isinstance(klass, type) and issubclass(klass, self.base)):
                 raise TypeError(f"register expects a subclass of {self.base.__name__}, got {klass!r}")
             if not dataclasses.is_dataclass(klass):
                 raise TypeError(f"{klass.__name__} must be a dataclass (use @spec_dataclass)")
             reg_name = name or snake_case(klass.__name__)
             self._add(Entry(reg_name, klass, _describe_params(klass), klass.__doc__ or ""))
-            klass.name = reg_name  # type: ignore[misc]
+            klass.name = reg_name
             return klass
 
         return decorate(cls) if cls is not None else decorate
@@ -109,11 +118,11 @@ class Registry(Generic[S]):
         """
         if not callable(fn):
             raise TypeError(f"register_function(fn=...) must be callable, got {type(fn).__name__}")
-        wrapper: type[Spec] = FunctionMask if self.base is MaskSpec else FunctionScore
+        wrapper: type[FunctionMask | FunctionScore] = FunctionMask if self.base is MaskSpec else FunctionScore
         text = doc or fn.__doc__ or f"user function {getattr(fn, '__name__', name)}"
 
         def factory() -> Spec:
-            return wrapper(fn=fn, label=name)  # type: ignore[call-arg]
+            return wrapper(fn=fn, label=name)
 
         self._add(Entry(name, factory, (), text))
         return fn
@@ -153,7 +162,9 @@ class Registry(Generic[S]):
         missing = [p for p, d in entry.params if d == "required" and p not in params]
         if missing:
             raise ValueError(f"{self.kind} {name!r} needs parameter(s): {', '.join(missing)}")
-        return entry.factory(**params)  # type: ignore[return-value]
+        spec = entry.factory(**params)
+        assert isinstance(spec, self.base)  # register / register_function store factories of the base
+        return spec
 
     def names(self) -> list[str]:
         with self._lock:

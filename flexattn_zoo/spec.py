@@ -20,13 +20,19 @@ applied first, then ``b`` (function composition read left to right).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from flexattn_zoo.lru import LRUCache
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # typing_extensions: a dependency of torch, declared for 3.10 in pyproject
+    from typing_extensions import dataclass_transform
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,7 +41,12 @@ ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tor
 MOD_CACHE_SIZE = 1024
 
 
-def spec_dataclass(cls: type) -> type:
+_SpecT = TypeVar("_SpecT")
+
+
+# dataclass_transform tells type checkers the fields are the class's annotated attributes.
+@dataclass_transform(kw_only_default=True, frozen_default=True, eq_default=False)
+def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     """Decorator: a frozen keyword-only dataclass whose equality/hash come from :class:`Spec`."""
     return dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
 

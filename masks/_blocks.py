@@ -99,7 +99,7 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}")
     try:
-        as_int = int(value.__index__())  # type: ignore[attr-defined]
+        as_int = int(value.__index__())
     except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a float or multi-element tensor
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}: {exc}") from exc
     if minimum is not None and as_int < minimum:

@@ -21,7 +21,9 @@ GIT_ENV = "FLEXATTN_ZOO_GIT"  # commit to record when the tree has no .git (e.g.
 
 def block_fa4() -> None:
     """Hide flash_attn.cute (FA4) from this process, to measure what users without it get."""
-    sys.modules["flash_attn.cute"] = None  # type: ignore[assignment]  # import now raises, find_spec is None
+    # None in sys.modules makes the import raise (and find_spec return None); typeshed types the
+    # values as ModuleType only, hence the ignore.
+    sys.modules["flash_attn.cute"] = None  # type: ignore[assignment]
     _compat.flash_cute_available.cache_clear()
 
 

@@ -79,7 +79,7 @@ def summary(
             raw = cells.get("raw_flex")
             raw_t = raw["tflops"] if raw and raw["status"] == "ok" else None
             density = any_row.get("density")
-            vs_best = _ratio_cell(auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best and best["route"])
+            vs_best = _ratio_cell(auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best["route"] if best else None)
             if "below" in vs_best and host_bound(auto):
                 vs_best += " (auto host-bound)"
             ratio_cells = {

@@ -25,6 +25,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -169,9 +170,12 @@ def _version() -> str:
 
 
 def cmd_list(args: argparse.Namespace, console: Console) -> int:
-    from flexattn_zoo.registry import MASKS, SCORES
+    from flexattn_zoo.registry import MASKS, SCORES, Registry
 
-    registries = {"masks": [MASKS], "score_mods": [SCORES], "presets": [], "all": [MASKS, SCORES]}[args.kind]
+    by_kind: dict[str, list[Registry[Any]]] = {
+        "masks": [MASKS], "score_mods": [SCORES], "presets": [], "all": [MASKS, SCORES]
+    }  # fmt: skip
+    registries = by_kind[args.kind]
     for registry in registries:
         title = "masks (combine with & | ~)" if registry is MASKS else "score mods (chain with >>)"
         rows = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -15,6 +15,9 @@ import flexattn_zoo
 from flexattn_zoo.bench.env import dist_version
 from flexattn_zoo.cli import viz
 from flexattn_zoo.cli.params import CliError, build_specs, describe_spec
+
+if TYPE_CHECKING:
+    from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 
 def _print_lines(console: Console, lines: list[str]) -> None:
@@ -35,14 +38,15 @@ def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], con
             f"unknown mask or score_mod {first!r}; masks: {', '.join(MASKS.names())}; "
             f"score mods: {', '.join(SCORES.names())}.{did_you_mean(first, known)}"
         )
+    spec: MaskSpec | ScoreSpec | None
     if is_mask:
         heads = args.heads or 1
-        mask, _ = build_specs(args.name, None, params, {"num_heads": heads})
-        spec = mask
+        spec, _ = build_specs(args.name, None, params, {"num_heads": heads})
     else:
         heads = args.heads or 8
         _, spec = build_specs(None, args.name, params, {"num_heads": heads})
         heads = getattr(spec, "num_heads", heads)
+    assert spec is not None  # args.name names at least one registered spec (checked above)
     per_head = bool(spec.uses_head())
     if not 0 <= args.head < heads:
         raise ValueError(f"--head must be in [0, {heads}), got {args.head}")

@@ -27,7 +27,7 @@ import torch
 
 from flexattn_zoo.compose import And, Chain, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Entry, Registry
-from flexattn_zoo.spec import Spec
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 
 
 class CliError(Exception):
@@ -170,13 +170,13 @@ def _build(part: Part, context: dict[str, Any]) -> Spec:
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
             }  # fmt: skip
             if set(extra) <= accepted and required <= set(params) and set(params) <= accepted:
-                return getattr(part.entry.factory, ctor)(**params)  # type: ignore[no-any-return]
+                return getattr(part.entry.factory, ctor)(**params)
         # No constructor fits: let the registry produce its standard error listing valid names.
     tensors = _tensor_fields(part.entry.factory)
     for key, value in params.items():
         if isinstance(value, list):
             params[key] = torch.tensor(value) if key in tensors else tuple(value)
-    return part.registry.get(part.name, **params)  # type: ignore[no-any-return]
+    return part.registry.get(part.name, **params)
 
 
 def _parts(text: str, registry: Registry[Any]) -> list[Part]:
@@ -193,7 +193,7 @@ def build_specs(
     score: str | None,
     raw_params: list[tuple[str, str | None]],
     context: dict[str, Any] | None = None,
-) -> tuple[Spec | None, Spec | None]:
+) -> tuple[MaskSpec | None, ScoreSpec | None]:
     """Build the mask spec and the score spec named on the command line from their parameters.
 
     Raises:
@@ -225,12 +225,14 @@ def build_specs(
     ctx = context or {}
     mask_specs = [_build(p, ctx) for p in mask_parts]
     score_specs = [_build(p, ctx) for p in score_parts]
-    mask_spec = None
-    for s in mask_specs:
-        mask_spec = s if mask_spec is None else mask_spec & s  # type: ignore[operator]
-    score_spec = None
+    mask_spec: MaskSpec | None = None
+    for m in mask_specs:
+        assert isinstance(m, MaskSpec)  # built from MASKS entries
+        mask_spec = m if mask_spec is None else mask_spec & m
+    score_spec: ScoreSpec | None = None
     for s in score_specs:
-        score_spec = s if score_spec is None else score_spec >> s  # type: ignore[operator]
+        assert isinstance(s, ScoreSpec)  # built from SCORES entries
+        score_spec = s if score_spec is None else score_spec >> s
     return mask_spec, score_spec
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -83,12 +83,13 @@ def _attention_forward(
     gqa = query.shape[1] != key.shape[1]
     common: dict[str, Any] = dict(mask=mask, score_mod=score, scale=scaling, enable_gqa=gqa, backend=route)
     if sinks is None:
-        out = attention(query, key, value, **common)
+        # Without return_lse, attention returns the output alone (it has no overloads saying so).
+        out = cast(torch.Tensor, attention(query, key, value, **common))
     else:
         check_sinks(sinks, query.shape[1], query.device)
-        out, lse = attention(query, key, value, return_lse=True, **common)  # type: ignore[misc]
+        out, lse = attention(query, key, value, return_lse=True, **common)
         out, _ = apply_sinks(out, lse, sinks)
-    return out.transpose(1, 2).contiguous(), None  # type: ignore[union-attr]
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
@@ -105,7 +106,10 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 
-    def flexattn_zoo_attention(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+    def flexattn_zoo_attention(
+        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         return _attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)
 
     tf.AttentionInterface.register(name, flexattn_zoo_attention)

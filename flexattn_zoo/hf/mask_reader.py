@@ -166,10 +166,10 @@ def _combine_labels(labels: list[torch.Tensor]) -> torch.Tensor:
 
 def band_spec(lo: int | None, hi: int | None) -> MaskSpec | None:
     """The canonical zoo spec of ``lo <= j - i <= hi`` (None for no mask at all)."""
-    if lo is None and hi is None:
-        return None
     if lo is None:
-        return Causal() if hi == 0 else OffsetCausal(offset=hi)  # type: ignore[arg-type]
+        if hi is None:
+            return None
+        return Causal() if hi == 0 else OffsetCausal(offset=hi)
     if hi is not None and lo <= 0 <= hi:
         return SlidingWindow(left=-lo, right=hi)
     return Band(lo=lo, hi=hi)
@@ -223,11 +223,12 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
         return _and(specs)
     if kind == "or":
         parts = [_to_spec(c, m) for c in node[1]]
-        if any(p is None for p in parts):
+        present = [p for p in parts if p is not None]
+        if len(present) < len(parts):
             return None  # one part sees everything
-        out = parts[0]
-        for p in parts[1:]:
-            out = out | p  # type: ignore[operator]
+        out = present[0]
+        for p in present[1:]:
+            out = out | p
         return out
     if kind == "chunked":
         size, left_padding = node[1], torch.as_tensor(node[2])
@@ -283,7 +284,7 @@ def _generic(m: HFMask) -> MaskSpec:
     fn, qo, kvo = m.mask_function, m.q_offset, m.kv_offset
     padding = None if m.padding is None else _key_slice(m.padding, m)
 
-    def hf_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def hf_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         out = fn(b, h, q_idx + qo, kv_idx + kvo)
         if padding is not None:
             out = out & padding[b, kv_idx]
@@ -311,7 +312,9 @@ class _DenseMask(MaskSpec):
         t = self.mask
         bmax, hmax = t.shape[0] - 1, t.shape[1] - 1
 
-        def dense_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def dense_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return t[b.clamp(max=bmax), h.clamp(max=hmax), q_idx, kv_idx]
 
         return dense_mask

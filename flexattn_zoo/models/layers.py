@@ -107,7 +107,7 @@ def _run(
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
     check_sinks(sinks, q.shape[1], q.device)
-    out, lse = attention(q, k, v, return_lse=True, **kwargs)  # type: ignore[misc]
+    out, lse = attention(q, k, v, return_lse=True, **kwargs)
     out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 

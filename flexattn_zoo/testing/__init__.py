@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -67,6 +67,23 @@ def __getattr__(name: str) -> Any:
 
         return strategies
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@overload
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
+@overload
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def eager_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., return_lse: bool = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def eager_attention(
@@ -191,8 +208,8 @@ def assert_matches_reference(
     ins64 = [t.detach().double().requires_grad_(want_grads) for t in (q, k, v)]
     ins_low = [t.detach().clone().requires_grad_(want_grads) for t in (q, k, v)]
     with torch.enable_grad():
-        ref, ref_lse = reference_attention(*ins64, **kwargs)  # type: ignore[misc]
-        eager, eager_lse = eager_attention(*ins_low, **kwargs)  # type: ignore[misc]
+        ref, ref_lse = reference_attention(*ins64, **kwargs)
+        eager, eager_lse = eager_attention(*ins_low, **kwargs)
     dtype = q.dtype
     finite_lse = ref_lse.detach()[torch.isfinite(ref_lse.detach())]
     lse_scale = 1.0 + (float(finite_lse.abs().max()) if finite_lse.numel() else 0.0)

@@ -11,12 +11,12 @@ Requires ``hypothesis`` (the ``dev`` extra).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 from hypothesis import strategies as st
 
-from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
+from flexattn_zoo.spec import MaskSpec, ScoreSpec
 from flexattn_zoo.testing.checks import spec_examples
 
 __all__ = [
@@ -38,6 +38,8 @@ HEAD_BUCKETS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (4, 4), (4, 2), (4,
 #: Head dims the flex kernels accept (16..256); small ones keep CPU tests fast.
 HEAD_DIM_BUCKETS: tuple[int, ...] = (16, 32, 64)
 BATCH_BUCKETS: tuple[int, ...] = (1, 2)
+
+_S = TypeVar("_S", MaskSpec, ScoreSpec)
 
 
 class ProblemShape(NamedTuple):
@@ -108,7 +110,7 @@ def mask_specs(
     """Registered mask specs (each class's ``examples()`` for this shape), optionally combined
     with ``&``, ``|`` and ``~`` up to ``depth`` levels deep (``compose=False``: none). ``names``
     restricts the registry entries drawn from."""
-    spec = st.sampled_from(_valid("mask", q_len, kv_len, batch, heads, names))
+    spec = st.sampled_from(_valid("mask", MaskSpec, q_len, kv_len, batch, heads, names))
     for _ in range(depth if compose else 0):
         pairs = st.tuples(spec, spec)
         spec = st.one_of(
@@ -117,7 +119,7 @@ def mask_specs(
             pairs.map(lambda ab: ab[0] | ab[1]),
             spec.map(lambda a: ~a),
         )
-    return spec  # type: ignore[return-value]
+    return spec
 
 
 def score_specs(
@@ -130,15 +132,18 @@ def score_specs(
     chain: bool = True,
 ) -> st.SearchStrategy[ScoreSpec]:
     """Registered score specs (``examples()`` for this shape), optionally chained with ``>>``."""
-    base = st.sampled_from(_valid("score", q_len, kv_len, batch, heads, names))
+    base = st.sampled_from(_valid("score", ScoreSpec, q_len, kv_len, batch, heads, names))
     if not chain:
-        return base  # type: ignore[return-value]
+        return base
     return st.one_of(base, st.tuples(base, base).map(lambda ab: ab[0] >> ab[1]))
 
 
-def _valid(kind: str, q_len: int, kv_len: int, batch: int, heads: int, names: list[str] | None) -> list[Spec]:
-    found: list[Spec] = []
+def _valid(
+    kind: str, base: type[_S], q_len: int, kv_len: int, batch: int, heads: int, names: list[str] | None
+) -> list[_S]:
+    found: list[_S] = []
     for _, spec in spec_examples(kind, q_len, kv_len, batch, heads, names=names):
+        assert isinstance(spec, base)  # the registry of ``kind`` holds only specs of that base
         try:
             spec.validate(q_len, kv_len, batch, heads)
         except ValueError:
