@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -114,7 +114,7 @@ def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
         if not chosen.accepted:
             raise ValueError(f"backend {backend!r} cannot run this call: {'; '.join(chosen.reasons)}")
         return Plan(backend, backend, problem, tuple(cands))
-    ranked = sorted((c for c in cands if c.rank is not None), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
+    ranked = [c for c in sorted(cands, key=lambda c: (c.rank is None, c.rank or 0)) if c.rank is not None]
     for c in ranked:
         if c.accepted:
             return Plan(c.name, "auto", problem, tuple(cands))
@@ -148,9 +148,10 @@ def _resolve_deterministic(deterministic: Any) -> bool:
     return check_flag("deterministic", deterministic)
 
 
-def _problem(  # type: ignore[no-untyped-def]
-    q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale
-) -> tuple[Problem, Any]:
+def _problem(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, score_mod: Any, enable_gqa: bool,
+    return_lse: bool, deterministic: bool | None, scale: float | None,
+) -> tuple[Problem, Any]:  # fmt: skip
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
     det = _resolve_deterministic(deterministic)
@@ -196,12 +197,35 @@ def plan(
     return plan_problem(problem, backend)
 
 
-def _empty_result(q, k, v, p: Problem):  # type: ignore[no-untyped-def]
+def _empty_result(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lq == 0 or Lkv == 0: output zeros (lse -inf), still connected to the inputs' graph."""
     link = (q.narrow(2, 0, 0).sum() + k.narrow(2, 0, 0).sum() + v.narrow(2, 0, 0).sum()) * 0
+    assert p.v_dim is not None  # Problem.__post_init__ fills it in
     out = q.new_zeros(p.batch, p.heads, p.q_len, p.v_dim) + link
     lse = torch.full((p.batch, p.heads, p.q_len), float("-inf"), device=q.device)
     return out, lse
+
+
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., backend: str = ..., return_lse: Literal[False] = ...,
+    deterministic: bool | None = ...,
+) -> torch.Tensor: ...  # fmt: skip
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., backend: str = ..., return_lse: Literal[True],
+    deterministic: bool | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+@overload
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
+    scale: float | None = ..., enable_gqa: bool = ..., backend: str = ..., return_lse: bool = ...,
+    deterministic: bool | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
 
 
 def attention(
@@ -259,13 +283,17 @@ def attention(
         if key is not None:
             PLANS.put(key, chosen)
     log.debug("flexattn_zoo route %s", chosen.backend)
-    out, lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
-    return (out, lse) if return_lse else out
+    out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
+    if not return_lse:
+        return out
+    assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it
+    return out, maybe_lse
 
 
-def execute_plan(  # type: ignore[no-untyped-def]
-    chosen: Plan, q, k, v, *, scale: float | None, block_mask=None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def execute_plan(
+    chosen: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+    block_mask: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Run a plan's route on inputs it was made for: ``(out, lse or None)``.
 
     ``scale`` must already be checked (``validation.check_scale``); None means ``1/sqrt(D)``.
