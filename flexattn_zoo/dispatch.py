@@ -149,9 +149,16 @@ def _resolve_deterministic(deterministic: Any) -> bool:
 
 
 def _problem(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, score_mod: Any, enable_gqa: bool,
-    return_lse: bool, deterministic: bool | None, scale: float | None,
-) -> tuple[Problem, Any]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Any,
+    score_mod: Any,
+    enable_gqa: bool,
+    return_lse: bool,
+    deterministic: bool | None,
+    scale: float | None,
+) -> tuple[Problem, Any]:
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
     det = _resolve_deterministic(deterministic)
@@ -170,13 +177,26 @@ def _problem(
         requires_grad = True
     nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(
-        batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
-        kv_len=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=q.dtype,
-        device_type=q.device.type, arch=detect_arch(q.device), requires_grad=requires_grad,
-        mask=mask_spec, score=score_spec, return_lse=return_lse, user_block_mask=user_bm is not None,
-        deterministic=det, nonfinite=nonfinite, index_extent=max(_extent(t) for t in (q, k, v)),
+        batch=shape.batch,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        q_len=shape.q_len,
+        kv_len=shape.kv_len,
+        head_dim=shape.head_dim,
+        v_dim=shape.v_dim,
+        dtype=q.dtype,
+        device_type=q.device.type,
+        arch=detect_arch(q.device),
+        requires_grad=requires_grad,
+        mask=mask_spec,
+        score=score_spec,
+        return_lse=return_lse,
+        user_block_mask=user_bm is not None,
+        deterministic=det,
+        nonfinite=nonfinite,
+        index_extent=max(_extent(t) for t in (q, k, v)),
         nonpositive_scale=scale is not None and scale <= 0,
-    )  # fmt: skip
+    )
     return problem, user_bm
 
 
@@ -188,10 +208,18 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def plan(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None,
-    scale: float | None = None, enable_gqa: bool = False, backend: str = "auto", return_lse: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: str = "auto",
+    return_lse: bool = False,
     deterministic: bool | None = None,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
     return plan_problem(problem, backend)
@@ -210,29 +238,61 @@ def _empty_result(
 
 @overload
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., backend: str = ..., return_lse: Literal[False] = ...,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    backend: str = ...,
+    return_lse: Literal[False] = ...,
     deterministic: bool | None = ...,
-) -> torch.Tensor: ...  # fmt: skip
+) -> torch.Tensor: ...
 @overload
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., backend: str = ..., return_lse: Literal[True],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    backend: str = ...,
+    return_lse: Literal[True],
     deterministic: bool | None = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., backend: str = ..., return_lse: bool = ...,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    backend: str = ...,
+    return_lse: bool = ...,
     deterministic: bool | None = ...,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None,
-    scale: float | None = None, enable_gqa: bool = False, backend: str = "auto", return_lse: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: str = "auto",
+    return_lse: bool = False,
     deterministic: bool | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
 
     Any strides work (transposed, sliced, expanded): a route copies an input only where its kernel
@@ -265,15 +325,22 @@ def attention(
     """
     scale_checked = check_scale(scale)
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
-    det = _resolve_deterministic(deterministic) if deterministic is None or type(deterministic) is bool else None
+    det = (
+        _resolve_deterministic(deterministic)
+        if deterministic is None or type(deterministic) is bool
+        else None
+    )
     key = (
-        None if det is None
+        None
+        if det is None
         else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked)
-    )  # fmt: skip
+    )
     chosen = PLANS.get(key) if key is not None else None
     user_bm = None
     if chosen is None:
-        problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked)
+        problem, user_bm = _problem(
+            q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked
+        )
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call
@@ -291,9 +358,14 @@ def attention(
 
 
 def execute_plan(
-    chosen: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+    chosen: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
     block_mask: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a plan's route on inputs it was made for: ``(out, lse or None)``.
 
     ``scale`` must already be checked (``validation.check_scale``); None means ``1/sqrt(D)``.

@@ -31,8 +31,22 @@ from flexattn_zoo.cli.params import describe_spec
 from flexattn_zoo.registry import MASKS, SCORES, Registry
 from flexattn_zoo.spec import MaskSpec
 
-CPU_DEFAULTS: dict[str, int | str] = {"batch": 1, "heads": 2, "length": 256, "dim": 32, "dtype": "float32", "repeats": 5}
-GPU_DEFAULTS: dict[str, int | str] = {"batch": 2, "heads": 16, "length": 4096, "dim": 128, "dtype": "bfloat16", "repeats": 10}
+CPU_DEFAULTS: dict[str, int | str] = {
+    "batch": 1,
+    "heads": 2,
+    "length": 256,
+    "dim": 32,
+    "dtype": "float32",
+    "repeats": 5,
+}
+GPU_DEFAULTS: dict[str, int | str] = {
+    "batch": 2,
+    "heads": 16,
+    "length": 4096,
+    "dim": 128,
+    "dtype": "bfloat16",
+    "repeats": 10,
+}
 
 
 @dataclasses.dataclass(frozen=True)
