@@ -324,6 +324,22 @@ def test_unknown_patterns_run_transformers_function_exactly(caplog: pytest.LogCa
     assert torch.equal(got, _hf_dense(fn, 1, 10, 10, padding=PAD[:1]))
 
 
+def test_untested_transformers_releases_take_the_exact_generic_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # transformers' mask closures are private and change between releases (5.23's sliding-window
+    # closures were misread: wrong chunked-prefill logits); other releases must not be read.
+    fn = mu.sliding_window_causal_mask_function(3)
+    spec, _ = _ours(fn, 1, 10, 10)
+    assert spec == masks.SlidingWindow.from_hf(3)
+    monkeypatch.setattr(transformers, "__version__", "5.23.0")
+    with caplog.at_level(logging.WARNING, logger="flexattn_zoo.hf"):
+        spec, ours = _ours(fn, 2, 8, 10, q_off=2, kv_off=0, padding=PAD)
+    assert "not a release this reader was tested with" in caplog.text
+    assert "SlidingWindow" not in repr(spec)  # the generic path: transformers' own function
+    assert torch.equal(ours, _hf_dense(fn, 2, 8, 10, 2, 0, padding=PAD))
+
+
 def test_four_d_masks_go_dense_and_biases_are_refused() -> None:
     q = torch.randn(1, 4, 6, 16)
     k = v = torch.randn(1, 2, 6, 16)
