@@ -207,6 +207,26 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _under_autocast(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as SDPA sees them under ``torch.autocast``: floating inputs (not float64) in the
+    autocast dtype of their device type. SDPA is on autocast's lower-precision list on CPU and
+    CUDA, so every route, and the plan and its cache key, see the dtype the kernel computes in."""
+    device_type = q.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
+
+    return cast(q), cast(k), cast(v)
+
+
 def plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,6 +241,7 @@ def plan(
     deterministic: bool | None = None,
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
+    q, k, v = _under_autocast(q, k, v)
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
     return plan_problem(problem, backend)
 
@@ -313,7 +334,7 @@ def attention(
             ``torch.use_deterministic_algorithms`` (non-warn-only); ``False`` does not ask.
 
     Returns:
-        ``out`` with q's dtype, or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
+        ``out`` with q's dtype (under ``torch.autocast``: the autocast dtype, as SDPA), or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
 
     Non-finite inputs: NaN/inf are not checked on CUDA (that would cost a device sync per call);
     a NaN in query row ``i``, or in a key or value that row ``i`` sees, puts NaN in output row
@@ -324,6 +345,7 @@ def attention(
     NaN silently) refuses non-finite inputs.
     """
     scale_checked = check_scale(scale)
+    q, k, v = _under_autocast(q, k, v)
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
     det = (
         _resolve_deterministic(deterministic)
