@@ -13,7 +13,8 @@ from flexattn_zoo import masks
 
 @pytest.mark.parametrize("backend", ["auto", "dense", "sdpa_math", "flex_cpu"])
 def test_autocast_gives_the_autocast_dtype_on_every_route(backend: str) -> None:
-    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=gen) for _ in range(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fz.attention(q, k, v, mask=masks.Causal(), backend=backend)
         plan = fz.plan(q, k, v, mask=masks.Causal(), backend=backend)
@@ -21,8 +22,8 @@ def test_autocast_gives_the_autocast_dtype_on_every_route(backend: str) -> None:
     assert want.dtype == torch.bfloat16
     assert out.dtype == torch.bfloat16, backend
     assert plan.problem.dtype == torch.bfloat16 and "bfloat16 on cpu" in plan.explain()
-    ref = fz.testing.reference_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=masks.Causal())
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+    # The project's tolerance rule, for the bf16 inputs the kernel saw.
+    fz.testing.assert_matches_reference(out, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask=masks.Causal())
 
 
 def test_the_same_call_outside_autocast_stays_float32() -> None:
