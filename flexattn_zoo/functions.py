@@ -54,7 +54,9 @@ def _positional_arity(fn: Callable[..., Any]) -> int | None:
     params = list(sig.parameters.values())
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+    return sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params
+    )
 
 
 def _required_keyword_only(fn: Callable[..., Any]) -> list[str]:
@@ -66,14 +68,17 @@ def _required_keyword_only(fn: Callable[..., Any]) -> list[str]:
     return [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
 
 
-def _check_signature(fn: Callable[..., Any], arg: str, kind: str, names: str, returns: str, count: int) -> None:
+def _check_signature(
+    fn: Callable[..., Any], arg: str, kind: str, names: str, returns: str, count: int
+) -> None:
     arity = _positional_arity(fn)
     required_kw = _required_keyword_only(fn)
     if (arity is not None and arity != count) or required_kw:
         got = (
-            f"requires keyword-only argument(s) {', '.join(required_kw)}" if required_kw
+            f"requires keyword-only argument(s) {', '.join(required_kw)}"
+            if required_kw
             else f"requires {arity} positional argument(s)"
-        )  # fmt: skip
+        )
         raise TypeError(
             f"{arg} callable must have the flex {kind} signature ({names}) -> {returns}, i.e. exactly "
             f"{count} positional arguments without defaults (extra parameters need defaults); "

@@ -62,7 +62,11 @@ def check_score_factor(name: str, value: object, *, reciprocal: bool = False) ->
         f = math.inf
     low = 1.0 / SCORE_FACTOR_MAX if reciprocal else 0.0
     if not math.isfinite(f) or abs(f) > SCORE_FACTOR_MAX or (f != 0 and abs(f) < low):
-        span = f"{low:.3g} <= |value| <= {SCORE_FACTOR_MAX:.3g}" if reciprocal else f"|value| <= {SCORE_FACTOR_MAX:.3g}"
+        span = (
+            f"{low:.3g} <= |value| <= {SCORE_FACTOR_MAX:.3g}"
+            if reciprocal
+            else f"|value| <= {SCORE_FACTOR_MAX:.3g}"
+        )
         raise ValueError(
             f"{name} must be a finite number with {span} (scores are computed in float32; a larger "
             f"factor overflows it and gives NaN), got {value!r}"

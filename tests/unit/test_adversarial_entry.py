@@ -59,16 +59,27 @@ FACTOR_ERRORS = [
     pytest.param(lambda: fz.plan(Q, K, V, scale=3.5e38), "scale", id="plan_scale_fp32_max"),
     pytest.param(lambda: score_mods.SoftCap(cap=1e39), r"SoftCap\(cap=...\)", id="softcap_1e39"),
     pytest.param(lambda: score_mods.SoftCap(cap=1e20), r"SoftCap\(cap=...\)", id="softcap_above_bound"),
-    pytest.param(lambda: score_mods.SoftCap(cap=1e-25), r"SoftCap\(cap=...\)", id="softcap_reciprocal_overflows"),
-    pytest.param(lambda: score_mods.get("softcap", cap=1e39), r"SoftCap\(cap=...\)", id="softcap_by_name"),
-    pytest.param(lambda: load_yaml_spec("score_mod: {name: softcap, cap: 1.0e+39}\n"), r"SoftCap", id="softcap_yaml"),
-    pytest.param(lambda: score_mods.Alibi(num_heads=2, slopes=[1e39, 1.0]), r"Alibi\(slopes=...\)", id="alibi_1e39"),
-    pytest.param(lambda: score_mods.Alibi(num_heads=2, slopes=[0.5, -1e30]), r"Alibi\(slopes=...\)", id="alibi_neg_huge"),
     pytest.param(
-        lambda: score_mods.Alibi(num_heads=2, slopes=torch.tensor([1e30, 1.0])), r"Alibi\(slopes=...\)",
+        lambda: score_mods.SoftCap(cap=1e-25), r"SoftCap\(cap=...\)", id="softcap_reciprocal_overflows"
+    ),
+    pytest.param(lambda: score_mods.get("softcap", cap=1e39), r"SoftCap\(cap=...\)", id="softcap_by_name"),
+    pytest.param(
+        lambda: load_yaml_spec("score_mod: {name: softcap, cap: 1.0e+39}\n"), r"SoftCap", id="softcap_yaml"
+    ),
+    pytest.param(
+        lambda: score_mods.Alibi(num_heads=2, slopes=[1e39, 1.0]), r"Alibi\(slopes=...\)", id="alibi_1e39"
+    ),
+    pytest.param(
+        lambda: score_mods.Alibi(num_heads=2, slopes=[0.5, -1e30]),
+        r"Alibi\(slopes=...\)",
+        id="alibi_neg_huge",
+    ),
+    pytest.param(
+        lambda: score_mods.Alibi(num_heads=2, slopes=torch.tensor([1e30, 1.0])),
+        r"Alibi\(slopes=...\)",
         id="alibi_tensor_slopes",
-    ),  # fmt: skip
-]  # fmt: skip
+    ),
+]
 
 
 @pytest.mark.parametrize(("call", "name"), FACTOR_ERRORS)
@@ -154,7 +165,9 @@ def test_raw_score_mod_with_learnable_tensor_needs_a_backward(kind: str) -> None
 
 @pytest.mark.parametrize("kind", ["closure", "global"])
 def test_raw_score_mod_with_learnable_tensor_refuses_deterministic(kind: str) -> None:
-    with pytest.raises(ValueError, match=r"not deterministic: gradients of tensors captured by the score_mod"):
+    with pytest.raises(
+        ValueError, match=r"not deterministic: gradients of tensors captured by the score_mod"
+    ):
         fz.attention(Q, K, V, mask="causal", score_mod=_learned_score(kind), deterministic=True)
 
 
@@ -210,7 +223,9 @@ def test_mask_with_defaulted_capture_runs() -> None:
 
 def test_mask_with_two_defaulted_extras_runs() -> None:
     out = fz.attention(Q, K, V, mask=lambda b, h, q, kv, doc=DOC, w=2: (doc[q] == doc[kv]) & (q - kv <= w))
-    assert_matches_reference(out, Q, K, V, mask=masks.Document(doc_ids=DOC) & masks.SlidingWindow(left=2, right=L))
+    assert_matches_reference(
+        out, Q, K, V, mask=masks.Document(doc_ids=DOC) & masks.SlidingWindow(left=2, right=L)
+    )
 
 
 def test_score_with_defaulted_parameter_runs() -> None:
@@ -230,7 +245,9 @@ def test_reference_takes_defaulted_callable() -> None:
 
 def test_mask_whose_default_hides_a_flex_argument_is_refused() -> None:
     # flex counts arguments without defaults: this is a 3-argument function to it.
-    with pytest.raises(TypeError, match=r"mask callable must have the flex mask_mod signature .*requires 3 positional"):
+    with pytest.raises(
+        TypeError, match=r"mask callable must have the flex mask_mod signature .*requires 3 positional"
+    ):
         fz.attention(Q, K, V, mask=lambda b, h, q, kv=None: q >= kv)
 
 
@@ -265,21 +282,58 @@ def test_dense_limit_empty_means_default(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize("raw", ["-5", "nan", "lots", "1GB"])
 def test_dense_limit_garbage_names_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXATTN_ZOO_DENSE_LIMIT_MB", raw)
-    with pytest.raises(ValueError, match=r"FLEXATTN_ZOO_DENSE_LIMIT_MB must be a number >= 0 \(MiB\) or 'inf'"):
+    with pytest.raises(
+        ValueError, match=r"FLEXATTN_ZOO_DENSE_LIMIT_MB must be a number >= 0 \(MiB\) or 'inf'"
+    ):
         fz.plan(Q, K, V, mask=WINDOW)
 
 
 # -- 12: register_function checks what fz.attention checks ----------------------------------------
 
 REGISTER_ERRORS = [
-    pytest.param(masks.register_function, lambda q, kv: q >= kv, r"mask callable must have the flex mask_mod signature", id="mask_arity"),
-    pytest.param(masks.register_function, lambda b, h, q, kv: q - kv, r"mask callable must return a bool tensor", id="mask_not_bool"),
-    pytest.param(masks.register_function, lambda b, h, q, kv: (q >= kv) if q > 2 else (q < kv), r"mask callable failed .*elementwise", id="mask_python_if"),
-    pytest.param(masks.register_function, lambda b, h, q, kv: 1 / 0, r"mask callable failed .*ZeroDivisionError", id="mask_raises"),
-    pytest.param(score_mods.register_function, lambda s: s, r"score_mod callable must have the flex score_mod signature", id="score_arity"),
-    pytest.param(score_mods.register_function, lambda s, b, h, q, kv: q - kv, r"score_mod callable must return a floating tensor", id="score_not_float"),
-    pytest.param(score_mods.register_function, lambda s, b, h, q, kv: s.nope, r"score_mod callable failed", id="score_raises"),
-]  # fmt: skip
+    pytest.param(
+        masks.register_function,
+        lambda q, kv: q >= kv,
+        r"mask callable must have the flex mask_mod signature",
+        id="mask_arity",
+    ),
+    pytest.param(
+        masks.register_function,
+        lambda b, h, q, kv: q - kv,
+        r"mask callable must return a bool tensor",
+        id="mask_not_bool",
+    ),
+    pytest.param(
+        masks.register_function,
+        lambda b, h, q, kv: (q >= kv) if q > 2 else (q < kv),
+        r"mask callable failed .*elementwise",
+        id="mask_python_if",
+    ),
+    pytest.param(
+        masks.register_function,
+        lambda b, h, q, kv: 1 / 0,
+        r"mask callable failed .*ZeroDivisionError",
+        id="mask_raises",
+    ),
+    pytest.param(
+        score_mods.register_function,
+        lambda s: s,
+        r"score_mod callable must have the flex score_mod signature",
+        id="score_arity",
+    ),
+    pytest.param(
+        score_mods.register_function,
+        lambda s, b, h, q, kv: q - kv,
+        r"score_mod callable must return a floating tensor",
+        id="score_not_float",
+    ),
+    pytest.param(
+        score_mods.register_function,
+        lambda s, b, h, q, kv: s.nope,
+        r"score_mod callable failed",
+        id="score_raises",
+    ),
+]
 
 
 @pytest.mark.parametrize(("register", "fn", "match"), REGISTER_ERRORS)
@@ -319,22 +373,40 @@ def _compat_block_mask(bm: Any, mask_mod: Any) -> Any:
     from flexattn_zoo._compat import BlockMask
 
     return BlockMask.from_kv_blocks(
-        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-        BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=tuple(bm.seq_lengths),
-    )  # fmt: skip
+        bm.kv_num_blocks,
+        bm.kv_indices,
+        bm.full_kv_num_blocks,
+        bm.full_kv_indices,
+        BLOCK_SIZE=bm.BLOCK_SIZE,
+        mask_mod=mask_mod,
+        seq_lengths=tuple(bm.seq_lengths),
+    )
 
 
 def test_no_route_error_suggests_nothing_false(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXATTN_ZOO_DENSE_LIMIT_MB", "0")
     q = Q.clone().requires_grad_()
-    with pytest.raises(ValueError, match=r"No other route can run it either; flex_cpu: has no backward") as info:
+    with pytest.raises(
+        ValueError, match=r"No other route can run it either; flex_cpu: has no backward"
+    ) as info:
         fz.attention(q, K, V, mask=fz.block_mask("causal", L, L))
     assert "backend='dense'" not in str(info.value)
 
 
 def test_no_route_error_names_the_route_that_accepts() -> None:
-    p = Problem(batch=1, heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=64, dtype=torch.float64,
-                device_type="cuda", arch="sm90", requires_grad=False, mask=WINDOW)  # fmt: skip
+    p = Problem(
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=64,
+        kv_len=64,
+        head_dim=64,
+        dtype=torch.float64,
+        device_type="cuda",
+        arch="sm90",
+        requires_grad=False,
+        mask=WINDOW,
+    )
     with pytest.raises(ValueError, match=r"Name one that can explicitly \(backend='dense'\)"):
         plan_problem(p)
 
@@ -351,38 +423,133 @@ def _file(tmp: Path, data: bytes) -> str:
 
 
 CLI_ERRORS = [
-    pytest.param(lambda tmp: ["show", "document", "--len", "3", "--doc-ids", "0,0,x"], r"--doc-ids takes comma-separated numbers.*'x'", id="doc_ids_word"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "document", "--doc-ids", "0,0,1,1,x,2,2,2"], r"--doc-ids takes comma-separated numbers", id="plan_doc_ids_word"),
-    pytest.param(lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0,1,99999999999999999999999"], r"--doc-ids takes comma-separated numbers.*int64", id="doc_ids_overflow"),
-    pytest.param(lambda tmp: ["show", "prefix_lm", "--len", "8", "--prefix-len", "1,x"], r"--prefix-len takes comma-separated numbers", id="prefix_len_word"),
-    pytest.param(lambda tmp: [*PLAN, "--config", _file(tmp, b"mask: {name: causal}\n\xff\xfe\n")], r"--config .*is not UTF-8 text \(byte 0xff", id="config_not_utf8"),
-    pytest.param(lambda tmp: [*PLAN, "--config", str(tmp)], r"--config .*is a directory, not a file", id="config_directory"),
-    pytest.param(lambda tmp: [*PLAN, "--config", str(tmp / "attn.txt")], r"--config .*attn.txt' does not exist", id="config_missing_txt"),
+    pytest.param(
+        lambda tmp: ["show", "document", "--len", "3", "--doc-ids", "0,0,x"],
+        r"--doc-ids takes comma-separated numbers.*'x'",
+        id="doc_ids_word",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "document", "--doc-ids", "0,0,1,1,x,2,2,2"],
+        r"--doc-ids takes comma-separated numbers",
+        id="plan_doc_ids_word",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0,1,99999999999999999999999"],
+        r"--doc-ids takes comma-separated numbers.*int64",
+        id="doc_ids_overflow",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "prefix_lm", "--len", "8", "--prefix-len", "1,x"],
+        r"--prefix-len takes comma-separated numbers",
+        id="prefix_len_word",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", _file(tmp, b"mask: {name: causal}\n\xff\xfe\n")],
+        r"--config .*is not UTF-8 text \(byte 0xff",
+        id="config_not_utf8",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", str(tmp)],
+        r"--config .*is a directory, not a file",
+        id="config_directory",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", str(tmp / "attn.txt")],
+        r"--config .*attn.txt' does not exist",
+        id="config_missing_txt",
+    ),
     pytest.param(lambda tmp: [*PLAN, "--mask", ""], r"--mask needs a registry name", id="mask_empty"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--score", " "], r"--score needs a registry name", id="score_empty"),
-    pytest.param(lambda tmp: ["show", "causal", "--len", "8", "--png", str(tmp / "no" / "x.png")], r"--png .*folder .* does not exist", id="png_no_folder"),
-    pytest.param(lambda tmp: ["show", "causal", "--len", str(2**60)], r"--len must be at most 2\*\*52", id="show_len_2_60"),
-    pytest.param(lambda tmp: ["show", "softcap", "--len", "8", "--cap", "1e39"], r"SoftCap\(cap=...\) must be a finite number with", id="show_cap_huge"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--score", "alibi", "--slopes", "1e39,1"], r"Alibi\(slopes=...\) values must be a finite number with", id="plan_slopes_huge"),
-    pytest.param(lambda tmp: ["show", "alibi", "--len", "8", "--heads", "2", "--slopes", "1e20,1"], r"Alibi\(slopes=...\) values must be a finite number", id="show_slopes_above_bound"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--score", "softcap", "--cap", "1e-30"], r"SoftCap\(cap=...\) must be a finite number with 5.42e-20", id="plan_cap_tiny"),
-    pytest.param(lambda tmp: [*PLAN, "--config", _file(tmp, b"score_mod: {name: softcap, cap: 1.0e+39}\n")], r"--config .*SoftCap\(cap=...\) must be a finite number", id="config_cap_huge"),
-    pytest.param(lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0;1"], r"--doc-ids takes comma-separated numbers \(rows of equal length", id="doc_ids_ragged"),
-    pytest.param(lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0,1,true"], r"--doc-ids takes comma-separated numbers.*True", id="doc_ids_bool"),
-    pytest.param(lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0,1,none"], r"--doc-ids takes comma-separated numbers.*None", id="doc_ids_none"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--mask", ""], r"--mask needs a registry name", id="second_mask_empty"),
-    pytest.param(lambda tmp: ["bench", str(tmp)], r"sweep config .* is a directory, not a file", id="bench_config_directory"),
-    pytest.param(lambda tmp: ["bench", _file(tmp, b"cases:\n\xff\n")], r"sweep config .*is not UTF-8 text", id="bench_config_not_utf8"),
-    pytest.param(lambda tmp: ["env-var", "-5", *PLAN, "--mask", "causal"], r"FLEXATTN_ZOO_DENSE_LIMIT_MB must be a number >= 0", id="env_dense_limit_negative"),
-    pytest.param(lambda tmp: ["env-var", "nan", *PLAN, "--mask", "sliding_window", "--left", "2"], r"FLEXATTN_ZOO_DENSE_LIMIT_MB must be a number >= 0 \(MiB\) or 'inf'", id="env_dense_limit_nan"),
-]  # fmt: skip
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--score", " "],
+        r"--score needs a registry name",
+        id="score_empty",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "causal", "--len", "8", "--png", str(tmp / "no" / "x.png")],
+        r"--png .*folder .* does not exist",
+        id="png_no_folder",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "causal", "--len", str(2**60)],
+        r"--len must be at most 2\*\*52",
+        id="show_len_2_60",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "softcap", "--len", "8", "--cap", "1e39"],
+        r"SoftCap\(cap=...\) must be a finite number with",
+        id="show_cap_huge",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--score", "alibi", "--slopes", "1e39,1"],
+        r"Alibi\(slopes=...\) values must be a finite number with",
+        id="plan_slopes_huge",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "alibi", "--len", "8", "--heads", "2", "--slopes", "1e20,1"],
+        r"Alibi\(slopes=...\) values must be a finite number",
+        id="show_slopes_above_bound",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--score", "softcap", "--cap", "1e-30"],
+        r"SoftCap\(cap=...\) must be a finite number with 5.42e-20",
+        id="plan_cap_tiny",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", _file(tmp, b"score_mod: {name: softcap, cap: 1.0e+39}\n")],
+        r"--config .*SoftCap\(cap=...\) must be a finite number",
+        id="config_cap_huge",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0;1"],
+        r"--doc-ids takes comma-separated numbers \(rows of equal length",
+        id="doc_ids_ragged",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0,1,true"],
+        r"--doc-ids takes comma-separated numbers.*True",
+        id="doc_ids_bool",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "document", "--len", "4", "--doc-ids", "0,0,1,none"],
+        r"--doc-ids takes comma-separated numbers.*None",
+        id="doc_ids_none",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--mask", ""],
+        r"--mask needs a registry name",
+        id="second_mask_empty",
+    ),
+    pytest.param(
+        lambda tmp: ["bench", str(tmp)],
+        r"sweep config .* is a directory, not a file",
+        id="bench_config_directory",
+    ),
+    pytest.param(
+        lambda tmp: ["bench", _file(tmp, b"cases:\n\xff\n")],
+        r"sweep config .*is not UTF-8 text",
+        id="bench_config_not_utf8",
+    ),
+    pytest.param(
+        lambda tmp: ["env-var", "-5", *PLAN, "--mask", "causal"],
+        r"FLEXATTN_ZOO_DENSE_LIMIT_MB must be a number >= 0",
+        id="env_dense_limit_negative",
+    ),
+    pytest.param(
+        lambda tmp: ["env-var", "nan", *PLAN, "--mask", "sliding_window", "--left", "2"],
+        r"FLEXATTN_ZOO_DENSE_LIMIT_MB must be a number >= 0 \(MiB\) or 'inf'",
+        id="env_dense_limit_nan",
+    ),
+]
 
 
 @pytest.mark.parametrize(("argv", "match"), CLI_ERRORS)
 def test_cli_bad_input_names_the_option(
-    argv: Callable[[Path], list[str]], match: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    argv: Callable[[Path], list[str]],
+    match: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """A table of bad command lines: exit 2, the option (or parameter, or variable) named, no
     traceback. ``["env-var", VALUE, ...]`` runs the rest with FLEXATTN_ZOO_DENSE_LIMIT_MB=VALUE."""
     args = argv(tmp_path)
@@ -396,7 +563,9 @@ def test_cli_bad_input_names_the_option(
     assert re.search(match, " ".join(err.split())), err
 
 
-def test_cli_plan_with_dense_limit_inf(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_plan_with_dense_limit_inf(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("FLEXATTN_ZOO_DENSE_LIMIT_MB", "inf")
     assert cli.main([*PLAN, "--mask", "sliding_window", "--left", "2", "--grad"]) == 0
     assert "route: dense" in capsys.readouterr().out
