@@ -119,9 +119,18 @@ def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
         if c.accepted:
             return Plan(c.name, "auto", problem, tuple(cands))
     detail = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in ranked)
+    # Suggest only what is true: routes outside the list that accept this very problem, if any.
+    others = [c for c in cands if c.rank is None and BY_NAME[c.name].devices >= {problem.device_type}]
+    can = [c.name for c in others if c.accepted]
+    if can:
+        hint = (
+            f"Name one that can explicitly ({', '.join(f'backend={n!r}' for n in can)}) or change the inputs."
+        )
+    else:
+        rest = "".join(f"; {c.name}: {', '.join(c.reasons)}" for c in others)
+        hint = f"No other route can run it either{rest}. Change the inputs."
     raise ValueError(
-        f"no route in the {generation(problem.arch)} priority list can run this call exactly ({detail}). "
-        "Name a backend explicitly (e.g. backend='dense' for small problems) or change the inputs."
+        f"no route in the {generation(problem.arch)} priority list can run this call exactly ({detail}). {hint}"
     )
 
 
@@ -148,6 +157,17 @@ def _resolve_deterministic(deterministic: Any) -> bool:
     return check_flag("deterministic", deterministic)
 
 
+def needs_grad(inputs: tuple[Any, ...], score: Any) -> bool:
+    """Whether a call records a backward: grad mode is on and an input requires grad, or the score
+    spec captures a learnable tensor (a spec's learned bias, or one a raw ``score_mod`` closes
+    over: ``functions.captured_tensors``) -- its gradient needs a route with a backward."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(t is not None and t.requires_grad for t in inputs):
+        return True
+    return score is not None and score.captures_grad_tensors()
+
+
 def _problem(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -172,9 +192,7 @@ def _problem(
     for spec in (mask_spec, score_spec):
         if spec is not None:
             spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if score_spec is not None and torch.is_grad_enabled() and score_spec.captures_grad_tensors():
-        requires_grad = True
+    requires_grad = needs_grad((q, k, v), score_spec)
     nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(
         batch=shape.batch,

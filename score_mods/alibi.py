@@ -10,6 +10,7 @@ import torch
 
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import LinearBiasForm, ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.validation import check_score_factor
 
 
 def _exponent_pieces(num_heads: int) -> tuple[int, float, float, float, float]:
@@ -47,9 +48,7 @@ def _check_slopes(slopes: object, num_heads: int) -> tuple[float, ...] | None:
     for s in slopes:
         if isinstance(s, bool) or not isinstance(s, Real):
             raise TypeError(f"Alibi(slopes=...) values must be real numbers, got {type(s).__name__}")
-        if not math.isfinite(s):
-            raise ValueError(f"Alibi(slopes=...) values must be finite, got {s}")
-        out.append(float(s))
+        out.append(check_score_factor("Alibi(slopes=...) values", s))
     return tuple(out)
 
 
@@ -75,7 +74,8 @@ class Alibi(ScoreSpec):
         slopes: ``None`` for the slopes of Press et al. -- ``2^(-8(h+1)/H)`` when ``H`` is a power
             of two; otherwise the ``n`` slopes for the largest power of two ``n < H`` followed by
             every other slope (starting with the first) of the ``2n`` sequence -- or ``num_heads``
-            finite floats of your own (stored as a tuple so the spec stays hashable).
+            floats of your own, each finite with ``|slope| <= SCORE_FACTOR_MAX`` (~1.8e19, see
+            ``validation.SCORE_FACTOR_MAX``), stored as a tuple so the spec stays hashable.
 
     Under a mask that hides every later key (``Causal``, a left-only window, ...) flex routes run
     ``score_mod(future_keys_hidden=True)``, which uses ``i - j`` instead of ``|i - j|``.

@@ -51,7 +51,7 @@ from flexattn_zoo import _compat
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
-from flexattn_zoo.dispatch import attention, execute_plan, plan
+from flexattn_zoo.dispatch import attention, execute_plan, needs_grad, plan
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal
@@ -370,9 +370,7 @@ def decode_step(
     if score is not None:
         score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
     need_lse = sinks is not None or return_lse
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)
-    )
+    grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
     use_flex = backend != "dense" and not grad and (q.is_cuda or not need_lse)
     if backend not in DECODE_ROUTES:
         raise ValueError(f"decode_step backend must be one of {', '.join(DECODE_ROUTES)}; got {backend!r}")
@@ -507,7 +505,7 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    grad = needs_grad((q, k, v), score)
     return (
         q.shape,
         q.stride(),
