@@ -30,10 +30,15 @@ __all__ = ["DEFAULT_NAME", "HFMask", "register", "translate"]
 
 def _mask_builder(
     batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
-    mask_function: Callable[..., Any] | None = None, attention_mask: torch.Tensor | None = None, **_: Any,
+    mask_function: Callable[..., Any] | None = None, attention_mask: torch.Tensor | HFMask | None = None, **_: Any,
 ) -> HFMask:  # fmt: skip
     padding = None
-    if attention_mask is not None:
+    if isinstance(attention_mask, HFMask):
+        # Our own mask handed back (static-cache generate builds masks ahead of the forward and
+        # models without layer_types build theirs again from it): keep its padding, take the
+        # pattern, sizes and offsets from this call, which knows the layer being built.
+        padding = attention_mask.padding
+    elif attention_mask is not None:
         padding = attention_mask.to(torch.bool)
         if bool(padding.all()):
             padding = None
