@@ -57,7 +57,9 @@ class Band(CapturedOffsets, MaskSpec):
         lo = None if self.lo is None else self._offset_tensor(self.lo)
         hi = None if self.hi is None else self._offset_tensor(self.hi)
 
-        def band_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def band_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             diff = kv_idx - q_idx
             out = diff == diff  # all True, with the broadcast shape of the indices
             if lo is not None:
