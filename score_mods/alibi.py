@@ -176,7 +176,7 @@ def _distance(q_idx: torch.Tensor, kv_idx: torch.Tensor, past_only: bool) -> tor
 def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
     n, a1, b1, a2, b2 = _exponent_pieces(num_heads)
 
-    def alibi_inline(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def alibi_inline(score, b, h, q_idx, kv_idx):
         dtype = _compute_dtype(score)
         hf = h.to(dtype)
         if n == num_heads:
@@ -189,7 +189,7 @@ def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
 
 
 def _selected_slopes_mod(slopes: tuple[float, ...], *, past_only: bool) -> ScoreMod:
-    def alibi_given(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def alibi_given(score, b, h, q_idx, kv_idx):
         dtype = _compute_dtype(score)
         slope = torch.full_like(h, slopes[0], dtype=dtype)
         for k in range(1, len(slopes)):

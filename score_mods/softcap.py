@@ -58,12 +58,12 @@ class SoftCap(ScoreSpec):
         if tanh is not None:
             fast_tanh = tanh
 
-            def softcap_fast(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            def softcap_fast(score, b, h, q_idx, kv_idx):
                 return cap * fast_tanh(score * inv_cap)
 
             return softcap_fast
 
-        def softcap(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def softcap(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score * inv_cap)
 
         return softcap

@@ -62,7 +62,7 @@ class DenseBackend(Backend):
             ]
         return []
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+    def run(self, q, k, v, p, *, scale, block_mask=None):
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
         if p.gqa:

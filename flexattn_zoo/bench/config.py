@@ -132,8 +132,8 @@ class Case:
             if spec is not None:
                 spec.validate(self.seq_len, self.seq_len, self.batch, self.heads)
         if device is not None:
-            mask = mask.to(device) if mask is not None else None  # type: ignore[assignment]
-            score = score.to(device) if score is not None else None  # type: ignore[assignment]
+            mask = mask.to(device) if mask is not None else None
+            score = score.to(device) if score is not None else None
         return mask, score
 
     def shape(self) -> str:

@@ -299,9 +299,33 @@ def _key_slice(mask: torch.Tensor, m: HFMask) -> torch.Tensor:
 _WARNED: set[str] = set()
 
 
+#: transformers releases (major, minor) whose mask-function closures the structural reader was
+#: tested against (tests/hf runs whole models against ``eager``). The closures are private to
+#: transformers and change between releases (5.23's sliding-window closures read differently
+#: and gave wrong chunked-prefill logits), so any other release takes the exact generic path.
+TESTED_TRANSFORMERS = frozenset({(5, 24)})
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def structural_reader_enabled() -> bool:
+    """Whether the installed transformers is a release the structural mask reader knows."""
+    return _release(str(getattr(transformers_module(), "__version__", ""))) in TESTED_TRANSFORMERS
+
+
 def translate(m: HFMask) -> MaskSpec | None:
     """The zoo spec equal to transformers' mask ``m`` (pattern, offsets and padding)."""
     try:
+        if not structural_reader_enabled():
+            version = getattr(transformers_module(), "__version__", "?")
+            tested = ", ".join(f"{a}.{b}" for a, b in sorted(TESTED_TRANSFORMERS))
+            raise _Unknown(f"transformers {version} is not a release this reader was tested with ({tested})")
         pattern = _to_spec(_read(m.mask_function), m)
     except _Unknown as exc:
         if str(exc) not in _WARNED:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable
-from typing import Any, cast
+from typing import Any, Literal, overload
 
 import torch
 
@@ -121,7 +121,7 @@ class DecodeMask:
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         # On the cache's device: the mask_mod captures the spec's tensors (document ids, offsets).
-        self.spec = cast(MaskSpec, spec.bind(capacity, capacity).to(device)) if spec is not None else None
+        self.spec = spec.bind(capacity, capacity).to(device) if spec is not None else None
         self.batch, self.q_len, self.block_size = batch, q_len, block_size
         self.paged = n_physical is not None
         self.n_logical = -(-capacity // block_size)
@@ -172,7 +172,7 @@ class DecodeMask:
         inner = self.spec.mask_mod() if self.spec is not None else None
         offset, cache_len, logical = self.offset, self.cache_len, self._logical
 
-        def decode_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def decode_mask(b, h, q_idx, kv_idx):
             kv = logical(b, kv_idx) if paged else kv_idx
             out = (kv < cache_len[b]) & (kv >= 0)
             if inner is not None:
@@ -189,7 +189,7 @@ class DecodeMask:
         if key not in self._scores:
             offset, logical = self.offset, self._logical
 
-            def decode_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            def decode_score(score, b, h, q_idx, kv_idx):
                 kv = logical(b, kv_idx) if paged else kv_idx
                 return inner(score, b, h, q_idx + offset[b], kv)
 
@@ -392,6 +392,59 @@ def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs:
     return paged[:, idx].permute(1, 0, 2, 3, 4).reshape(idx.shape[0], h, pages * bs, d)
 
 
+@overload
+def decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    sinks: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+    block_size: int = ...,
+) -> torch.Tensor: ...
+@overload
+def decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    sinks: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+    block_size: int = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    sinks: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+    block_size: int = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def decode_step(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -560,15 +613,21 @@ def decode_step(
         )
     if sinks is not None:
         check_sinks(sinks, heads, q.device)
+        assert lse is not None  # need_lse: sinks asked the route for it
         out, lse = apply_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    assert lse is not None  # need_lse: return_lse asked the route for it
+    return out, lse
 
 
-def _attend(q, k, v, need_lse: bool, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fz.attention`` as ``(out, lse or None)``."""
     if need_lse:
-        return attention(q, k, v, return_lse=True, **kwargs)  # type: ignore[return-value]
-    return attention(q, k, v, **kwargs), None  # type: ignore[return-value]
+        return attention(q, k, v, return_lse=True, **kwargs)
+    return attention(q, k, v, **kwargs), None
 
 
 def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -581,7 +640,7 @@ def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     return -(-batch // -(-batch // fit))
 
 
-def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str) -> Hashable:  # type: ignore[no-untyped-def]
+def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str) -> Hashable:
     """Everything a decode step's plan depends on besides its DecodeMask: shapes, strides, dtypes,
     devices, the score mod, scale, GQA, lse, the requested route, torch's determinism switch,
     whether the step records gradients (routes differ by mode) and the process state the
@@ -615,7 +674,7 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
     )
 
 
-def _run_planned(  # type: ignore[no-untyped-def]
+def _run_planned(
     dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature
