@@ -35,11 +35,16 @@ def _mask_builder(
     q_offset: Any = 0,
     kv_offset: Any = 0,
     mask_function: Callable[..., Any] | None = None,
-    attention_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | HFMask | None = None,
     **_: Any,
 ) -> HFMask:
     padding = None
-    if attention_mask is not None:
+    if isinstance(attention_mask, HFMask):
+        # Our own mask handed back (static-cache generate builds masks ahead of the forward and
+        # models without layer_types build theirs again from it): keep its padding, take the
+        # pattern, sizes and offsets from this call, which knows the layer being built.
+        padding = attention_mask.padding
+    elif attention_mask is not None:
         padding = attention_mask.to(torch.bool)
         if bool(padding.all()):
             padding = None
