@@ -234,13 +234,16 @@ def _under_autocast(
     """q, k, v as SDPA sees them under ``torch.autocast``: floating inputs (not float64) in the
     autocast dtype of their device type. SDPA is on autocast's lower-precision list on CPU and
     CUDA, so every route, and the plan and its cache key, see the dtype the kernel computes in."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v  # validation names the bad argument
     device_type = q.device.type
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.dtype in _AUTOCAST_ELIGIBLE and t.dtype != dtype else t
+        eligible = isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE
+        return t.to(dtype) if eligible and t.dtype != dtype else t
 
     return cast(q), cast(k), cast(v)
 

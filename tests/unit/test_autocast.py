@@ -47,3 +47,9 @@ def test_float64_is_not_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = fz.attention(q, q, q)
     assert out.dtype == torch.float64
+
+
+def test_bad_inputs_under_autocast_still_name_the_argument() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(TypeError, match="k"):
+        fz.attention(q, "not a tensor", q)  # type: ignore[call-overload]
