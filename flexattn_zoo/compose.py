@@ -67,6 +67,9 @@ class _Combined(MaskSpec):
     def uses_batch(self) -> bool:
         return any(p.uses_batch() for p in self.parts)
 
+    def reads_scalar_tensors(self) -> bool:
+        return any(p.reads_scalar_tensors() for p in self.parts)
+
     def uses_head(self) -> bool:
         return any(p.uses_head() for p in self.parts)
 
@@ -201,6 +204,9 @@ class Not(MaskSpec):
 
     def uses_batch(self) -> bool:
         return self.part.uses_batch()
+
+    def reads_scalar_tensors(self) -> bool:
+        return self.part.reads_scalar_tensors()
 
     def uses_head(self) -> bool:
         return self.part.uses_head()

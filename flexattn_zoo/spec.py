@@ -385,6 +385,12 @@ class MaskSpec(Spec):
         """Exact split into unmasked / causal rectangles (see :class:`SplitForm`), or None."""
         return None
 
+    def reads_scalar_tensors(self) -> bool:
+        """True when the ``mask_mod`` loads a captured 0-d tensor (position offsets kept out of the
+        compiled kernel's constants, so one kernel serves every offset). A kernel generator that
+        cannot load one refuses the spec with that reason."""
+        return False
+
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         """True when no pair with ``kv_idx > q_idx`` is visible at these lengths (indices as the
         bound spec's ``mask_mod`` sees them). Then a score_mod's value on those pairs is never used,

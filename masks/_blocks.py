@@ -158,6 +158,9 @@ class CapturedOffsets:
         moved._set_device(dev)
         return moved
 
+    def reads_scalar_tensors(self) -> bool:
+        return True
+
     def _offset_tensor(self, value: int) -> torch.Tensor:
         """``value`` (already clamped to int32 by ``check_int``) as a 0-d int32 tensor on this
         spec's device. int32 like flex's ``q_idx``/``kv_idx``: a 0-d operand does not promote

@@ -192,6 +192,11 @@ class FlexFlashBackend(FlexBackend):
             # GQA, a score_mod that reads h (ALiBi) gets dQ wrong by ~50x; the forward, GQA without
             # such a score, and head-dependent scores without GQA were all right.
             out.append("FLASH backward gives wrong dQ for a head-dependent score_mod under GQA")
+        if p.mask is not None and p.mask.bind(p.q_len, p.kv_len).reads_scalar_tensors():
+            # H200, torch 2.11, flash-attn-4 4.0.0b36: Inductor's CuTe mask_mod loads a captured
+            # 0-d tensor as ssa_to_indexable(0, Int32), which the CuTe DSL rejects (a plain int,
+            # not a TensorSSA); captured tables indexed by q_idx/kv_idx (Document) compile fine.
+            out.append("FLASH cannot load the captured 0-d offset tensors of this mask (OffsetCausal, Band)")
         return out
 
 

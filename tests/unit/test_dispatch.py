@@ -517,3 +517,28 @@ def test_overlapping_query_rows_are_copied_for_fused_cpu_kernels(backend: str, m
     k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
     out = fz.attention(q, k, v, mask=mask, backend=backend)
     assert_matches_reference(out, q, k, v, mask=mask)
+
+
+def test_flex_flash_refuses_masks_that_read_captured_scalar_offsets() -> None:
+    # FA4's CuTe mask codegen (torch 2.11) cannot load a captured 0-d tensor; OffsetCausal and Band
+    # keep their offsets in such tensors (one compiled kernel for every decode step).
+    from flexattn_zoo.backends.flex import FLEX, FLEX_FLASH
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    reason = "cannot load the captured 0-d offset tensors"
+    for mask, lq, lkv in [
+        (OffsetCausal(offset=3), 256, 256),
+        (masks.Causal(align="bottom_right"), 200, 2047),  # binds to OffsetCausal
+        (Band(lo=-4, hi=0) & masks.Document(doc_ids=torch.zeros(256, dtype=torch.long)), 256, 256),
+        (~OffsetCausal(offset=1), 256, 256),
+    ]:
+        p = _problem(mask, lq=lq, lkv=lkv)
+        assert any(reason in r for r in FLEX_FLASH.mask_reasons(p)), mask
+        assert not any(reason in r for r in FLEX.mask_reasons(p))
+    for mask in (
+        masks.Causal(),
+        masks.SlidingWindow(left=64),
+        masks.Document(doc_ids=torch.zeros(256, dtype=torch.long)),
+    ):
+        assert not any(reason in r for r in FLEX_FLASH.mask_reasons(_problem(mask, lq=256, lkv=256)))
