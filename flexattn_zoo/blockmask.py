@@ -153,7 +153,10 @@ def block_mask(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     qb, kvb = _block_size(block_size)
     device = _device(device)
-    mask_spec = mask_spec.bind(q_len, kv_len)
+    # live(): a raw callable's captured tensors are part of the key (see functions.capture_state),
+    # so an in-place write to them rebuilds the BlockMask instead of pairing stale block sparsity
+    # with the live mask_mod.
+    mask_spec = mask_spec.live().bind(q_len, kv_len)
     for name, size, needed in (
         ("batch", batch, mask_spec.uses_batch()),
         ("heads", heads, mask_spec.uses_head()),
