@@ -10,6 +10,8 @@ Two builders, neither ever holds an ``Lq x Lkv`` tensor:
 Both index sides (kv rows and q columns) are derived from the block map with an O(n) ranking
 instead of a sort or ``from_kv_blocks``' dense transpose. Cache: an LRU of ``BLOCK_MASK_CACHE_SIZE``
 entries keyed by (spec, lengths, block sizes, device, batch/heads when the spec depends on them).
+Specs own their tensors, so a key never changes value; a spec wrapping a raw ``mask_mod`` carries
+the versions of the tensors it captures (``Spec.live()``), so an in-place write to them misses.
 """
 
 from __future__ import annotations
