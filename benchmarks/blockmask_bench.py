@@ -57,6 +57,7 @@ def main() -> None:
             "document_causal": _doc(length) & masks.Causal(),
         }
         for name, spec in cases.items():
+
             def ours(spec: fz.MaskSpec = spec, length: int = length) -> None:
                 CACHE.clear()
                 fz.block_mask(spec, length, length, device="cuda")

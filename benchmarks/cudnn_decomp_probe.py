@@ -55,9 +55,18 @@ def cudnn_documents(lengths: list[int], device: torch.device) -> Fn:
         cum = cache[key]
         fold = [t.reshape(b * h * length, 1, d) for t in (q, k, v)]
         out = aten._cudnn_attention_forward(
-            *fold, None, cum, cum, max(lengths), max(lengths), torch.is_grad_enabled(), 0.0, True, False,
+            *fold,
+            None,
+            cum,
+            cum,
+            max(lengths),
+            max(lengths),
+            torch.is_grad_enabled(),
+            0.0,
+            True,
+            False,
             scale=d**-0.5,
-        )[0]  # fmt: skip
+        )[0]
         return out.view(b, h, length, d)
 
     return run
@@ -71,7 +80,9 @@ class Probe:
     def inputs(self, b: int, h: int, hkv: int, length: int, d: int) -> Any:
         g = torch.Generator(device=self.device).manual_seed(0)
         return tuple(
-            torch.randn(b, n, length, d, device=self.device, dtype=torch.bfloat16, generator=g).requires_grad_()
+            torch.randn(
+                b, n, length, d, device=self.device, dtype=torch.bfloat16, generator=g
+            ).requires_grad_()
             for n in (h, hkv, hkv)
         )
 
@@ -88,8 +99,11 @@ class Probe:
             float((a.float() - b.float()).abs().max())
             for a, b in zip((out, *grads), (ref, *ref_grads), strict=True)
         ]
-        print(f"  {what}: max |diff| out {diffs[0]:.2e}, dq {diffs[1]:.2e}, dk {diffs[2]:.2e}, dv {diffs[3]:.2e}"
-              f" (ref max |out| {float(ref.float().abs().max()):.2f})", flush=True)  # fmt: skip
+        print(
+            f"  {what}: max |diff| out {diffs[0]:.2e}, dq {diffs[1]:.2e}, dk {diffs[2]:.2e}, dv {diffs[3]:.2e}"
+            f" (ref max |out| {float(ref.float().abs().max()):.2f})",
+            flush=True,
+        )
 
     def time(self, name: str, fn: Fn, qkv: Any, mode: str, flops_fwd: float) -> None:
         q = qkv[0]
@@ -108,8 +122,11 @@ class Probe:
             return
         flops = flops_fwd * (3.5 if mode == "fwdbwd" else 1.0)
         host = f", host {t.host_ms:.3f} ms" if t.host_ms is not None else ""
-        print(f"  {name:<40} {mode:<6} {t.median_ms:8.3f} ms {flops / t.median_ms / 1e9:7.1f} TFLOP/s"
-              f"  (first call {t.first_s:.1f} s{host})", flush=True)  # fmt: skip
+        print(
+            f"  {name:<40} {mode:<6} {t.median_ms:8.3f} ms {flops / t.median_ms / 1e9:7.1f} TFLOP/s"
+            f"  (first call {t.first_s:.1f} s{host})",
+            flush=True,
+        )
 
     def routes(self, spec: Any, gqa: bool, names: list[str]) -> list[tuple[str, Fn]]:
         def one(name: str) -> Fn:
@@ -123,11 +140,15 @@ class Probe:
         lengths = document_lengths(length, lo, hi, seed=0)
         spec = (masks.Document.from_lengths(lengths) & masks.Causal()).to(self.device)
         for h, hkv, d in ((16, 16, 128), (16, 16, 64), (32, 8, 128)):
-            print(f"documents {lengths[:4]}... ({len(lengths)} per row), {b}x{h}:{hkv}x{length}x{d}", flush=True)
+            print(
+                f"documents {lengths[:4]}... ({len(lengths)} per row), {b}x{h}:{hkv}x{length}x{d}", flush=True
+            )
             qkv = self.inputs(b, h, hkv, length, d)
             flops = 4.0 * visible_pairs(spec, length, b, h, self.device) * d
             ragged = cudnn_documents(lengths, self.device)
-            self.compare("cuDNN ragged vs flex route", ragged, self.routes(spec, hkv != h, ["flex"])[0][1], qkv)
+            self.compare(
+                "cuDNN ragged vs flex route", ragged, self.routes(spec, hkv != h, ["flex"])[0][1], qkv
+            )
             for mode in ("fwd", "fwdbwd"):
                 self.time("cuDNN ragged, folded heads", ragged, qkv, mode, flops)
                 for name, fn in self.routes(spec, hkv != h, ["flex"]):
@@ -153,7 +174,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
     probe = Probe(args.small, args.iters)
-    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    print(
+        f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}"
+    )
     for part in args.only.split(","):
         getattr(probe, part.strip())()
 

@@ -79,8 +79,17 @@ def _graphed(step):  # type: ignore[no-untyped-def]
     return graph.replay
 
 
-def run_case(route: str, batch: int, length: int, heads: int, kv_heads: int, dim: int, window: int | None,
-             warmup: int, repeats: int) -> dict:  # fmt: skip
+def run_case(
+    route: str,
+    batch: int,
+    length: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int | None,
+    warmup: int,
+    repeats: int,
+) -> dict:
     dev, dtype = "cuda", torch.bfloat16
     q = torch.randn(batch, heads, 1, dim, device=dev, dtype=dtype)
     lens = torch.full((batch,), length, device=dev, dtype=torch.int32)
@@ -128,8 +137,16 @@ def run_case(route: str, batch: int, length: int, heads: int, kv_heads: int, dim
         first = time.perf_counter() - t0
         seconds = time_steps(step, warmup, repeats)
     cache_bytes = 2 * batch * kv_heads * live * dim * torch.finfo(dtype).bits // 8
-    return {"route": route, "batch": batch, "length": length, "window": window, "first_call_s": first,
-            "step_us": seconds * 1e6, "bytes": cache_bytes, "tbps": cache_bytes / seconds / 1e12}  # fmt: skip
+    return {
+        "route": route,
+        "batch": batch,
+        "length": length,
+        "window": window,
+        "first_call_s": first,
+        "step_us": seconds * 1e6,
+        "bytes": cache_bytes,
+        "tbps": cache_bytes / seconds / 1e12,
+    }
 
 
 def main() -> int:
@@ -154,20 +171,37 @@ def main() -> int:
     command = shlex.join(["python", "benchmarks/decode_bench.py", *sys.argv[1:]])
 
     def save() -> None:  # after every row: a sweep stopped at a time limit keeps its rows
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": a.heads, "dim": a.dim,
-                "window": a.window, "hbm_tbps": a.hbm_tbps}  # fmt: skip
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "heads": a.heads,
+            "dim": a.dim,
+            "window": a.window,
+            "hbm_tbps": a.hbm_tbps,
+        }
         if a.json:
             Path(a.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         if a.md:
-            lines = [f"# Decode step, {meta['device']}, torch {meta['torch']}, H={a.heads}, D={a.dim}, window={a.window}",
-                     "", f"Command: `{command}`", "", f"Fraction of HBM = live K+V bytes / step time / {a.hbm_tbps} TB/s.", "",
-                     "| length | batch | route | step (us) | TB/s | of HBM | first call (s) | note |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+            lines = [
+                f"# Decode step, {meta['device']}, torch {meta['torch']}, H={a.heads}, D={a.dim}, window={a.window}",
+                "",
+                f"Command: `{command}`",
+                "",
+                f"Fraction of HBM = live K+V bytes / step time / {a.hbm_tbps} TB/s.",
+                "",
+                "| length | batch | route | step (us) | TB/s | of HBM | first call (s) | note |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for r in rows:
                 if "step_us" in r:
-                    lines.append(f"| {r['length']} | {r['batch']} | {r['route']} | {r['step_us']:.1f} | {r['tbps']:.2f} | "
-                                 f"{r['hbm_fraction']:.0%} | {r['first_call_s']:.2f} | |")  # fmt: skip
+                    lines.append(
+                        f"| {r['length']} | {r['batch']} | {r['route']} | {r['step_us']:.1f} | {r['tbps']:.2f} | "
+                        f"{r['hbm_fraction']:.0%} | {r['first_call_s']:.2f} | |"
+                    )
                 else:
-                    lines.append(f"| {r['length']} | {r['batch']} | {r['route']} | | | | | {r.get('skipped', r.get('error', ''))} |")
+                    lines.append(
+                        f"| {r['length']} | {r['batch']} | {r['route']} | | | | | {r.get('skipped', r.get('error', ''))} |"
+                    )
             Path(a.md).write_text("\n".join(lines) + "\n")
 
     rows = []
@@ -176,10 +210,19 @@ def main() -> int:
             gib = 2 * batch * kv_heads * length * a.dim * 2 / 2**30
             for route in a.routes.split(","):
                 if gib > a.max_gib:
-                    rows.append({"route": route, "batch": batch, "length": length, "skipped": f"{gib:.0f} GiB > --max-gib"})
+                    rows.append(
+                        {
+                            "route": route,
+                            "batch": batch,
+                            "length": length,
+                            "skipped": f"{gib:.0f} GiB > --max-gib",
+                        }
+                    )
                     continue
                 try:
-                    row = run_case(route, batch, length, heads, kv_heads, a.dim, a.window, a.warmup, a.repeats)
+                    row = run_case(
+                        route, batch, length, heads, kv_heads, a.dim, a.window, a.warmup, a.repeats
+                    )
                 except Exception as exc:  # noqa: BLE001 - report and go on with the sweep
                     row = {"route": route, "error": repr(exc)[:200]}
                 row.setdefault("batch", batch)

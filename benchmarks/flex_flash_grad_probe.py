@@ -36,8 +36,12 @@ def main() -> None:
     for name, mask, score, lq, lkv, hkv in combos:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(2, 8, lq, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-        k = torch.randn(2, hkv, lkv, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
-        v = torch.randn(2, hkv, lkv, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        k = torch.randn(2, hkv, lkv, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(
+            True
+        )
+        v = torch.randn(2, hkv, lkv, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(
+            True
+        )
         fwd = "fwd FAIL"
         try:
             out = fz.attention(q, k, v, mask=mask, score_mod=score, enable_gqa=True, backend="flex_flash")

@@ -68,12 +68,22 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = {c.name: c for c in load_config(args.config)}
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    print(
+        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+    )
     for name in args.cases.split(","):
         case = cases[name]
         if device.type != "cuda":  # a check that the probe runs: tiny, float32
-            case = dataclasses.replace(case, device="cpu", dtype=torch.float32, batch=1, heads=2,
-                                       kv_heads=2, seq_len=512, document_lengths=None)
+            case = dataclasses.replace(
+                case,
+                device="cpu",
+                dtype=torch.float32,
+                batch=1,
+                heads=2,
+                kv_heads=2,
+                seq_len=512,
+                document_lengths=None,
+            )
         mask, score = case.specs(device)
         for mode in args.modes.split(","):
             x = bench_routes.Inputs.make(case, mode, device)
@@ -100,8 +110,11 @@ def main() -> None:
                 t = measure(step, device, warmup=5, iters=30)
                 host = host_times(step, device, args.iters)
                 chosen = f" ({prep.chosen})" if prep.chosen else ""
-                print(f"  {route + chosen:<24} gpu {t.median_ms:7.3f} ms  host median {statistics.median(host):.3f} ms"
-                      f"  p10 {sorted(host)[len(host) // 10]:.3f}", flush=True)  # fmt: skip
+                print(
+                    f"  {route + chosen:<24} gpu {t.median_ms:7.3f} ms  host median {statistics.median(host):.3f} ms"
+                    f"  p10 {sorted(host)[len(host) // 10]:.3f}",
+                    flush=True,
+                )
                 if route in args.profile_routes.split(","):
                     print(profile(step, args.profile_calls, args.top))
                     if device.type == "cuda":

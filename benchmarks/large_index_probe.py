@@ -34,7 +34,10 @@ def probe(name: str, batch: int, hq: int, hkv: int, lq: int, lkv: int, backend: 
             last = slice(batch - 1, batch)  # the rows at the far end of the index range
             ref = F.scaled_dot_product_attention(q[last], k[last], v[last], enable_gqa=hq != hkv)
             err = (out[last].float() - ref.float()).abs().max().item()
-        print(f"{name}: ok, K elements {k.numel()} (2**31 = {2**31}), max err vs SDPA on the last row {err:.3e}", flush=True)
+        print(
+            f"{name}: ok, K elements {k.numel()} (2**31 = {2**31}), max err vs SDPA on the last row {err:.3e}",
+            flush=True,
+        )
     except Exception as exc:  # noqa: BLE001 - the probe reports what torch does
         print(f"{name}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
     finally:

@@ -79,7 +79,9 @@ def document_variants(length: int, device: torch.device) -> dict[str, Any]:
     lo, hi = (16, 64) if length < 1024 else (256, 2048)
     lengths = document_lengths(length, lo, hi, seed=0)
     library = masks.Document.from_lengths(lengths).to(device) & masks.Causal()
-    ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    ids = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
     ids32 = ids.to(torch.int32)
     starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0).to(torch.int32)
     starts = torch.repeat_interleave(starts, torch.tensor(lengths, device=device))
@@ -117,7 +119,9 @@ def prefix_variants(batch: int, length: int, device: torch.device) -> dict[str, 
 def compare(name: str, run: Callable[[], Any], ref: tuple[torch.Tensor, ...]) -> None:
     got = run()
     errs = [(g.float() - r.float()).abs().max().item() for g, r in zip(got, ref, strict=True)]
-    print(f"    {name:<22} max |diff| vs first: out {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  dv {errs[3]:.2e}")
+    print(
+        f"    {name:<22} max |diff| vs first: out {errs[0]:.2e}  dq {errs[1]:.2e}  dk {errs[2]:.2e}  dv {errs[3]:.2e}"
+    )
 
 
 def main() -> None:
@@ -133,7 +137,9 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     b, h, length, d = (1, 2, 256, 64) if args.small else (4, 16, 8192, args.head_dim)
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(b, h, length, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in "qkv")
+    q, k, v = (
+        torch.randn(b, h, length, d, device=device, dtype=dtype, generator=g).requires_grad_() for _ in "qkv"
+    )
     grad_out = torch.randn(q.shape, device=device, dtype=dtype, generator=g)
     groups: dict[str, dict[str, Any]] = {
         "softcap": {
@@ -145,8 +151,11 @@ def main() -> None:
         "document": document_variants(length, device),
         "prefix": prefix_variants(b, length, device),
     }
-    print(f"{torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
-          f"{b}x{h}x{length}x{d} {dtype}, causal", flush=True)  # fmt: skip
+    print(
+        f"{torch.__version__}, {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}; "
+        f"{b}x{h}x{length}x{d} {dtype}, causal",
+        flush=True,
+    )
     for group in args.only.split(","):
         first_mask = next(iter(groups[group].values()))[0]
         spec = masks.Causal() if first_mask == "causal" else first_mask
@@ -159,6 +168,7 @@ def main() -> None:
 
             ref: tuple[torch.Tensor, ...] | None = None
             for name, mod in groups[group].items():
+
                 def fwdbwd(mod: Any = mod) -> tuple[torch.Tensor, ...]:
                     out = call(mod)
                     return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
@@ -172,6 +182,7 @@ def main() -> None:
                     print(f"    {name:<22} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
                     continue
                 for mode in args.modes.split(","):
+
                     def step(mod: Any = mod, mode: str = mode) -> Any:
                         if mode == "fwd":
                             with torch.no_grad():
@@ -180,8 +191,11 @@ def main() -> None:
 
                     t = measure(step, device, warmup=3, iters=args.iters)
                     f = flops * (3.5 if mode == "fwdbwd" else 1.0)
-                    print(f"  {name:<22} {mode:<6} {t.median_ms:8.3f} ms {f / t.median_ms / 1e9:7.1f} TFLOP/s"
-                          f"  (first call {t.first_s:.1f} s)", flush=True)  # fmt: skip
+                    print(
+                        f"  {name:<22} {mode:<6} {t.median_ms:8.3f} ms {f / t.median_ms / 1e9:7.1f} TFLOP/s"
+                        f"  (first call {t.first_s:.1f} s)",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -38,15 +38,39 @@ from flexattn_zoo.segments import as_chunks, from_chunks
 Fn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BWD_VARIANTS: list[dict[str, int]] = [
     {},  # torch's defaults (what the flex route uses today)
-    {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64, "bwd_num_warps": 8,
-     "bwd_num_stages": 3},
-    {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64, "bwd_num_warps": 8,
-     "bwd_num_stages": 2},
-    {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32, "bwd_num_warps": 4,
-     "bwd_num_stages": 3},
-    {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64, "bwd_num_warps": 4,
-     "bwd_num_stages": 3},
-]  # fmt: skip
+    {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_warps": 8,
+        "bwd_num_stages": 3,
+    },
+    {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_warps": 8,
+        "bwd_num_stages": 2,
+    },
+    {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_warps": 4,
+        "bwd_num_stages": 3,
+    },
+    {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_warps": 4,
+        "bwd_num_stages": 3,
+    },
+]
 
 
 class Probe:
@@ -54,9 +78,15 @@ class Probe:
         self.device, self.small, self.iters = device, small, iters
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         # cuDNN on CUDA; on CPU the same code paths run on torch's CPU flash kernel.
-        self.kernel = _compat.SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else _compat.SDPBackend.FLASH_ATTENTION
+        self.kernel = (
+            _compat.SDPBackend.CUDNN_ATTENTION
+            if device.type == "cuda"
+            else _compat.SDPBackend.FLASH_ATTENTION
+        )
 
-    def inputs(self, b: int, h: int, hkv: int, length: int, d: int, grad: bool, projection: bool = False) -> Any:
+    def inputs(
+        self, b: int, h: int, hkv: int, length: int, d: int, grad: bool, projection: bool = False
+    ) -> Any:
         g = torch.Generator(device=self.device).manual_seed(0)
 
         def one(heads: int) -> torch.Tensor:
@@ -85,8 +115,11 @@ class Probe:
             return
         flops = flops_fwd * (3.5 if mode == "fwdbwd" else 1.0)
         host = f", host {t.host_ms:.3f} ms" if t.host_ms is not None else ""
-        print(f"  {name:<44} {mode:<6} {t.median_ms:8.3f} ms {flops / t.median_ms / 1e9:7.1f} TFLOP/s"
-              f"  (first call {t.first_s:.1f} s{host})", flush=True)  # fmt: skip
+        print(
+            f"  {name:<44} {mode:<6} {t.median_ms:8.3f} ms {flops / t.median_ms / 1e9:7.1f} TFLOP/s"
+            f"  (first call {t.first_s:.1f} s{host})",
+            flush=True,
+        )
 
     def sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
         with _compat.sdpa_kernel([self.kernel]):
@@ -126,7 +159,9 @@ class Probe:
 
         def expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             groups = q.shape[1] // k.shape[1]
-            return self.sdpa(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), causal=True)
+            return self.sdpa(
+                q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1), causal=True
+            )
 
         def route(name: str) -> Fn:
             return lambda q, k, v: fz.attention(q, k, v, mask="causal", enable_gqa=True, backend=name)
@@ -148,10 +183,20 @@ class Probe:
         lo, hi = (32, 256) if self.small else (256, 2048)  # the h200.yaml documents
         docs = masks.Document.from_lengths(document_lengths(length, lo, hi, seed=0))
         cases = [("causal", masks.Causal()), ("document_causal", docs & masks.Causal())]
-        fwd_opts = FLEX.tuned_options(Problem(
-            batch=b, heads=h, kv_heads=h, q_len=length, kv_len=length, head_dim=d, dtype=self.dtype,
-            device_type="cuda", arch="sm90", requires_grad=True,
-        ))  # fmt: skip
+        fwd_opts = FLEX.tuned_options(
+            Problem(
+                batch=b,
+                heads=h,
+                kv_heads=h,
+                q_len=length,
+                kv_len=length,
+                head_dim=d,
+                dtype=self.dtype,
+                device_type="cuda",
+                arch="sm90",
+                requires_grad=True,
+            )
+        )
         for name, spec in cases:
             print(f"flex backward tiles, {name}, {b}x{h}x{length}x{d}", flush=True)
             spec = spec.to(self.device)
@@ -162,7 +207,9 @@ class Probe:
                 torch._dynamo.reset()
                 compiled = torch.compile(_compat.flex_attention, dynamic=False)
                 run = _flex_call(compiled, bm, {**fwd_opts, **variant})
-                label = ", ".join(f"{k.removeprefix('bwd_')}={v}" for k, v in variant.items()) or "torch defaults"
+                label = (
+                    ", ".join(f"{k.removeprefix('bwd_')}={v}" for k, v in variant.items()) or "torch defaults"
+                )
                 self.time(label, run, qkv, "fwdbwd", flops)
 
     def compare(self, what: str, fn: Fn, ref_fn: Fn, qkv: Any) -> None:
@@ -175,8 +222,13 @@ class Probe:
         except Exception as exc:
             print(f"  {what}: failed: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
             return
-        diffs = [float((a.detach().float() - b.detach().float()).abs().max()) for a, b in zip((out, *grads), (ref, *ref_grads), strict=True)]
-        print(f"  {what}: max |diff| out {diffs[0]:.2e}, dq {diffs[1]:.2e}, dk {diffs[2]:.2e}, dv {diffs[3]:.2e}")
+        diffs = [
+            float((a.detach().float() - b.detach().float()).abs().max())
+            for a, b in zip((out, *grads), (ref, *ref_grads), strict=True)
+        ]
+        print(
+            f"  {what}: max |diff| out {diffs[0]:.2e}, dq {diffs[1]:.2e}, dk {diffs[2]:.2e}, dv {diffs[3]:.2e}"
+        )
 
 
 def _flex_call(compiled: Any, block_mask: Any, options: dict[str, Any]) -> Fn:
@@ -191,7 +243,9 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     probe = Probe(device, args.small or device.type != "cuda", args.iters)
-    print(f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}")
+    print(
+        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}"
+    )
     for part in args.only.split(","):
         getattr(probe, part.strip())()
 

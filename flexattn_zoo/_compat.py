@@ -110,7 +110,9 @@ def flash_cute_available() -> bool:
 # ``F.scaled_dot_product_attention`` offers neither, so these call SDPA's private per-kernel ops.
 
 
-def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float) -> Any:
+def cudnn_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float
+) -> Any:
     """cuDNN's SDPA forward with its lse, no bias, no dropout: the op's whole result ``(out, lse,
     cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_attn_mask)``.
 
@@ -122,9 +124,17 @@ def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_cau
 
 
 def cudnn_attention_backward(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, forward: tuple[Any, ...], *, is_causal: bool, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    forward: tuple[Any, ...],
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`cudnn_attention`; ``forward`` is what it returned (its first
     entries may be dropped to None: only the lengths and rng state are read from it).
 
@@ -132,7 +142,22 @@ def cudnn_attention_backward(
     (CI: the op and its schema exist, a CPU build cannot run it)."""
     cum_q, cum_k, max_q, max_k, seed, offset = forward[2:8]
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(  # type: ignore[no-any-return]
-        grad_out, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, is_causal, scale=scale
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        offset,
+        None,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        0.0,
+        is_causal,
+        scale=scale,
     )
 
 
@@ -143,14 +168,23 @@ def cpu_flash_attention(
 
     ``aten._scaled_dot_product_flash_attention_for_cpu``: checked on 2.13 (CI runs it); the GPU
     suite on 2.11 does not reach it."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, scale=scale
+    )
     return out, lse
 
 
 def cpu_flash_attention_backward(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, *, is_causal: bool, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`cpu_flash_attention`, given its ``out`` and ``lse``.
 
     ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: checked on 2.13 (CI runs it); the

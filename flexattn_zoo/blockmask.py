@@ -64,15 +64,29 @@ def from_block_map(
     q_num, q_idx = _ordered(partial.transpose(-1, -2))
     full_q_num, full_q_idx = _ordered(full.transpose(-1, -2))
     return _compat.make_block_mask(
-        (q_len, kv_len), kv_num, kv_idx, full_kv_num, full_kv_idx,
-        q_num, q_idx, full_q_num, full_q_idx, block_size, mask_mod,
-    )  # fmt: skip
+        (q_len, kv_len),
+        kv_num,
+        kv_idx,
+        full_kv_num,
+        full_kv_idx,
+        q_num,
+        q_idx,
+        full_q_num,
+        full_q_idx,
+        block_size,
+        mask_mod,
+    )
 
 
 def generic_block_map(
-    spec: MaskSpec, q_len: int, kv_len: int, block_size: tuple[int, int], batch: int, heads: int,
+    spec: MaskSpec,
+    q_len: int,
+    kv_len: int,
+    block_size: tuple[int, int],
+    batch: int,
+    heads: int,
     device: torch.device,
-) -> BlockMap:  # fmt: skip
+) -> BlockMap:
     """Evaluate ``spec.mask_mod()`` slab by slab and reduce each slab to block visibility."""
     qb, kvb = block_size
     mod = spec.mask_mod()

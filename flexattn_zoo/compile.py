@@ -43,7 +43,11 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
     # that share this entry (equal mod_key) may close over *different* tensors (decode offsets, a
     # new Document's ids), and Dynamo reads those from the function it is given on each call.
     def flexattn_zoo_flex(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: _compat.BlockMask, scale: float,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_mask: _compat.BlockMask,
+        scale: float,
         score_mod: Callable[..., Any] | None,
     ) -> Any:
         if not is_compiling():
@@ -55,9 +59,16 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
         # arg-type ignored: torch annotates kernel_options as its FlexKernelOptions TypedDict; ours
         # is the plain dict[str, Any] the backends build, which flex_attention accepts.
         return flex(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            enable_gqa=gqa, kernel_options=kernel_options, **aux,  # type: ignore[arg-type]
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=gqa,
+            kernel_options=kernel_options,
+            **aux,  # type: ignore[arg-type]
+        )
 
     return flexattn_zoo_flex
 
@@ -80,8 +91,15 @@ class CompiledFlex:
 
         self._fn = torch.compile(unique, backend=counting_backend, fullgraph=True)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float,
-                 score_mod: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_mask: Any,
+        scale: float,
+        score_mod: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
         out = self._fn(q, k, v, block_mask, scale, score_mod)
         return _compat.unpack_flex_output(out, self.lse)
@@ -131,7 +149,12 @@ class CompileCache:
         return self._entries.size
 
     def get(
-        self, mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
+        self,
+        mask_mod: Any,
+        score_mod: Any,
+        kernel_options: dict[str, Any] | None,
+        lse: bool,
+        gqa: bool,
         model_shape: Hashable = None,
     ) -> CompiledFlex:
         """The entry for this kernel; ``model_shape`` (heads, kv heads, head dim, dtype) separates
@@ -143,19 +166,28 @@ class CompileCache:
         (The H200 slowdowns first blamed on this -- document_causal_d64 flex_flash at 74 -- were
         the spec-comparison sync fixed in 07f7535.)
         """
-        return self.get_keyed(self.key(mask_mod, score_mod, kernel_options, lse, gqa, model_shape),
-                              kernel_options, lse, gqa)  # fmt: skip
+        return self.get_keyed(
+            self.key(mask_mod, score_mod, kernel_options, lse, gqa, model_shape), kernel_options, lse, gqa
+        )
 
     @staticmethod
     def key(
-        mask_mod: Any, score_mod: Any, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool,
+        mask_mod: Any,
+        score_mod: Any,
+        kernel_options: dict[str, Any] | None,
+        lse: bool,
+        gqa: bool,
         model_shape: Hashable = None,
-    ) -> Hashable:  # fmt: skip
+    ) -> Hashable:
         """The entry key of :meth:`get`'s arguments (a caller may keep it: see ``get_keyed``)."""
         return (
-            mod_key(mask_mod), mod_key(score_mod), tuple(sorted((kernel_options or {}).items())), lse, gqa,
+            mod_key(mask_mod),
+            mod_key(score_mod),
+            tuple(sorted((kernel_options or {}).items())),
+            lse,
+            gqa,
             model_shape,
-        )  # fmt: skip
+        )
 
     def get_keyed(
         self, key: Hashable, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool

@@ -190,7 +190,9 @@ class Not(MaskSpec):
 
     def __post_init__(self) -> None:
         if not isinstance(self.part, MaskSpec):
-            raise TypeError(f"Not(part=...) takes a mask spec (e.g. masks.Causal()), got {type(self.part).__name__}")
+            raise TypeError(
+                f"Not(part=...) takes a mask spec (e.g. masks.Causal()), got {type(self.part).__name__}"
+            )
 
     def uses_batch(self) -> bool:
         return self.part.uses_batch()

@@ -173,13 +173,26 @@ def _problem(  # type: ignore[no-untyped-def]
         requires_grad = True
     nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(
-        batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, q_len=shape.q_len,
-        kv_len=shape.kv_len, head_dim=shape.head_dim, v_dim=shape.v_dim, dtype=q.dtype,
-        device_type=q.device.type, arch=detect_arch(q.device), requires_grad=requires_grad,
-        mask=mask_spec, score=score_spec, return_lse=return_lse, user_block_mask=user_bm is not None,
-        deterministic=det, nonfinite=nonfinite, index_extent=max(_extent(t) for t in (q, k, v)),
+        batch=shape.batch,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        q_len=shape.q_len,
+        kv_len=shape.kv_len,
+        head_dim=shape.head_dim,
+        v_dim=shape.v_dim,
+        dtype=q.dtype,
+        device_type=q.device.type,
+        arch=detect_arch(q.device),
+        requires_grad=requires_grad,
+        mask=mask_spec,
+        score=score_spec,
+        return_lse=return_lse,
+        user_block_mask=user_bm is not None,
+        deterministic=det,
+        nonfinite=nonfinite,
+        index_extent=max(_extent(t) for t in (q, k, v)),
         nonpositive_scale=scale is not None and scale <= 0,
-    )  # fmt: skip
+    )
     return problem, user_bm
 
 
@@ -191,10 +204,18 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def plan(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None,
-    scale: float | None = None, enable_gqa: bool = False, backend: str = "auto", return_lse: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: str = "auto",
+    return_lse: bool = False,
     deterministic: bool | None = None,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
     return plan_problem(problem, backend)
@@ -209,10 +230,18 @@ def _empty_result(q, k, v, p: Problem):  # type: ignore[no-untyped-def]
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None,
-    scale: float | None = None, enable_gqa: bool = False, backend: str = "auto", return_lse: bool = False,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: str = "auto",
+    return_lse: bool = False,
     deterministic: bool | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
 
     Any strides work (transposed, sliced, expanded): a route copies an input only where its kernel
@@ -251,15 +280,22 @@ def attention(
     if isinstance(score_mod, Spec):
         score_mod = score_mod.live()
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
-    det = _resolve_deterministic(deterministic) if deterministic is None or type(deterministic) is bool else None
+    det = (
+        _resolve_deterministic(deterministic)
+        if deterministic is None or type(deterministic) is bool
+        else None
+    )
     key = (
-        None if det is None
+        None
+        if det is None
         else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked)
-    )  # fmt: skip
+    )
     chosen = PLANS.get(key) if key is not None else None
     user_bm = None
     if chosen is None:
-        problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked)
+        problem, user_bm = _problem(
+            q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked
+        )
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call

@@ -47,9 +47,17 @@ REQUIREMENTS = tuple(dict.fromkeys(r for b in BACKENDS for r in b.requires))
 
 
 def call_key(
-    q: Any, k: Any, v: Any, mask: Any, score_mod: Any, enable_gqa: Any, return_lse: Any,
-    deterministic: bool, backend: Any, scale: float | None = None,
-) -> Hashable | None:  # fmt: skip
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    score_mod: Any,
+    enable_gqa: Any,
+    return_lse: Any,
+    deterministic: bool,
+    backend: Any,
+    scale: float | None = None,
+) -> Hashable | None:
     """The plan-cache key of a call, or None when the call must be planned in full.
 
     ``deterministic`` is the already resolved flag (it follows torch's global switch); ``scale``
@@ -70,10 +78,25 @@ def call_key(
     if score_mod is not None and grad_on and not wants_grad:
         return None
     key = (
-        backend, _arg_key(mask, "mask"), _arg_key(score_mod, "score"), enable_gqa, return_lse, deterministic, grad_on and wants_grad,
-        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, process_state(),
-        q.device.type == "cpu" and inputs_nonfinite(q, k, v), scale is not None and scale <= 0,
-    )  # fmt: skip
+        backend,
+        _arg_key(mask, "mask"),
+        _arg_key(score_mod, "score"),
+        enable_gqa,
+        return_lse,
+        deterministic,
+        grad_on and wants_grad,
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.shape,
+        v.stride(),
+        q.dtype,
+        q.device,
+        process_state(),
+        q.device.type == "cpu" and inputs_nonfinite(q, k, v),
+        scale is not None and scale <= 0,
+    )
     try:
         hash(key)
     except TypeError:  # an unhashable mask/score argument: the full path says what is wrong

@@ -26,20 +26,41 @@ from flexattn_zoo.validation import check_qkv
 
 @overload
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[False] = ...,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: Literal[False] = ...,
     sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[True],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: Literal[True],
     sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., return_lse: bool = ...,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: bool = ...,
     sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -64,9 +85,17 @@ def reference_attention(
     tensor ``[H]`` (one logit per query head) or None.
     """
     return dense_attention(
-        q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
-        return_lse=return_lse, sinks=sinks, dtype=torch.float64,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_lse=return_lse,
+        sinks=sinks,
+        dtype=torch.float64,
+    )
 
 
 def dense_attention(

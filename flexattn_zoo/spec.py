@@ -389,7 +389,9 @@ class SplitPart:
     def __post_init__(self) -> None:
         (q0, q1), (k0, k1) = self.q, self.kv
         if not (0 <= q0 < q1 and 0 <= k0 < k1):
-            raise ValueError(f"SplitPart ranges must be non-empty [start, stop) from 0 up, got q={self.q}, kv={self.kv}")
+            raise ValueError(
+                f"SplitPart ranges must be non-empty [start, stop) from 0 up, got q={self.q}, kv={self.kv}"
+            )
         if self.is_causal and q1 - q0 != k1 - k0:
             # Kernels' is_causal alignment (top-left vs bottom-right) only agrees on squares.
             raise ValueError(f"SplitPart is causal but not square: q={self.q}, kv={self.kv}")
@@ -582,7 +584,9 @@ class ScoreSpec(Spec):
         variant return the same function object either way, so compiled kernels are shared.
         """
         if future_keys_hidden:
-            return _MODS.get_or_create(("score", self, fast, "past"), lambda: self._make_past_score_mod(fast=fast))
+            return _MODS.get_or_create(
+                ("score", self, fast, "past"), lambda: self._make_past_score_mod(fast=fast)
+            )
         return _MODS.get_or_create(("score", self, fast), lambda: self._make_score_mod(fast=fast))
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
@@ -639,6 +643,20 @@ def as_4d(mask: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "COMBINATORS", "BlockMap", "LinearBiasForm", "MaskMod", "MaskSpec", "ScoreMod", "ScoreSpec", "SdpaForm",
-    "SoftCapForm", "Spec", "SplitForm", "SplitPart", "VarlenForm", "as_4d", "block_ranges", "spec_dataclass",
-]  # fmt: skip
+    "COMBINATORS",
+    "BlockMap",
+    "LinearBiasForm",
+    "MaskMod",
+    "MaskSpec",
+    "ScoreMod",
+    "ScoreSpec",
+    "SdpaForm",
+    "SoftCapForm",
+    "Spec",
+    "SplitForm",
+    "SplitPart",
+    "VarlenForm",
+    "as_4d",
+    "block_ranges",
+    "spec_dataclass",
+]

@@ -52,7 +52,9 @@ class Band(MaskSpec):
     def _make_mask_mod(self) -> MaskMod:
         lo, hi = self.lo, self.hi
 
-        def band_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def band_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             diff = kv_idx - q_idx
             out = diff == diff  # all True, with the broadcast shape of the indices
             if lo is not None:

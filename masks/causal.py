@@ -47,7 +47,9 @@ class Causal(MaskSpec):
 
     def __post_init__(self) -> None:
         if self.align not in _ALIGNS:
-            raise ValueError(f"Causal(align=...) must be one of {', '.join(map(repr, _ALIGNS))}, got {self.align!r}")
+            raise ValueError(
+                f"Causal(align=...) must be one of {', '.join(map(repr, _ALIGNS))}, got {self.align!r}"
+            )
 
     def _offset(self, q_len: int, kv_len: int) -> int:
         return 0 if self.align == "top_left" else kv_len - q_len
@@ -65,7 +67,9 @@ class Causal(MaskSpec):
                 "call spec.bind(q_len, kv_len).mask_mod() instead"
             )
 
-        def causal_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def causal_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return kv_idx <= q_idx
 
         return causal_mask
@@ -116,7 +120,9 @@ class OffsetCausal(MaskSpec):
     offset: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "offset", check_int("offset", self.offset, minimum=None, owner="OffsetCausal"))
+        object.__setattr__(
+            self, "offset", check_int("offset", self.offset, minimum=None, owner="OffsetCausal")
+        )
 
     def _make_mask_mod(self) -> MaskMod:
         offset = self.offset

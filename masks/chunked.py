@@ -53,7 +53,9 @@ class Chunked(MaskSpec):
     def _make_mask_mod(self) -> MaskMod:
         size = self.size
 
-        def chunked_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def chunked_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return q_idx // size == kv_idx // size
 
         return chunked_mask

@@ -54,9 +54,13 @@ class Document(MaskSpec):
             try:
                 ids = torch.as_tensor(ids)
             except (TypeError, ValueError, RuntimeError) as exc:
-                raise TypeError(f"Document(doc_ids=...) must be an integer tensor [L] or [B, L]: {exc}") from exc
+                raise TypeError(
+                    f"Document(doc_ids=...) must be an integer tensor [L] or [B, L]: {exc}"
+                ) from exc
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(f"Document(doc_ids=...) must be an integer tensor [L] or [B, L], got dtype {ids.dtype}")
+            raise TypeError(
+                f"Document(doc_ids=...) must be an integer tensor [L] or [B, L], got dtype {ids.dtype}"
+            )
         if ids.dim() not in (1, 2) or ids.numel() == 0:
             raise ValueError(
                 f"Document(doc_ids=...) must have shape [L] or [B, L] with L, B >= 1, got {tuple(ids.shape)}"
@@ -79,12 +83,16 @@ class Document(MaskSpec):
         ``max(total)`` and padding tokens see only each other, never a real document. The ids go to
         ``device`` when given, else to the device of a ``lengths`` tensor (else the CPU).
         """
-        dev = device if device is not None else (lengths.device if isinstance(lengths, torch.Tensor) else None)
+        dev = (
+            device if device is not None else (lengths.device if isinstance(lengths, torch.Tensor) else None)
+        )
         rows, per_batch = _length_rows(lengths)
         totals = [int(r.sum()) for r in rows]
         width = max(totals)
         if width == 0:
-            raise ValueError("Document.from_lengths(lengths=...) needs a positive total length, got all zeros")
+            raise ValueError(
+                "Document.from_lengths(lengths=...) needs a positive total length, got all zeros"
+            )
         built = []
         for row, total in zip(rows, totals, strict=True):
             ids = torch.repeat_interleave(torch.arange(row.numel()), row)
@@ -94,10 +102,16 @@ class Document(MaskSpec):
         return cls(doc_ids=ids.to(dev))
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: Sequence[int] | torch.Tensor, *, device: torch.device | str | None = None) -> Document:
+    def from_cu_seqlens(
+        cls, cu_seqlens: Sequence[int] | torch.Tensor, *, device: torch.device | str | None = None
+    ) -> Document:
         """From cumulative lengths ``[0, l0, l0 + l1, ...]`` (FlashAttention varlen style); ``device``
         as in :meth:`from_lengths`."""
-        dev = device if device is not None else (cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None)
+        dev = (
+            device
+            if device is not None
+            else (cu_seqlens.device if isinstance(cu_seqlens, torch.Tensor) else None)
+        )
         cu = _int_vector(cu_seqlens, "Document.from_cu_seqlens(cu_seqlens=...)")
         if cu.numel() < 2 or int(cu[0]) != 0:
             raise ValueError(
@@ -118,7 +132,9 @@ class Document(MaskSpec):
         ids = _int32_labels(self.doc_ids)
         if ids.dim() == 1:
 
-            def document_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+            def document_mask(
+                b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+            ) -> torch.Tensor:
                 return ids[q_idx] == ids[kv_idx]
 
             return document_mask
@@ -254,7 +270,9 @@ def _int_vector(values: Any, what: str) -> torch.Tensor:
         t = values
     else:
         if not isinstance(values, (list, tuple)):
-            raise TypeError(f"{what} must be a list of ints or an integer tensor, got {type(values).__name__}")
+            raise TypeError(
+                f"{what} must be a list of ints or an integer tensor, got {type(values).__name__}"
+            )
         if any(isinstance(v, bool) for v in values):
             raise TypeError(f"{what} must hold ints, got a bool")
         try:
@@ -276,15 +294,19 @@ def _length_rows(lengths: Any) -> tuple[list[torch.Tensor], bool]:
         rows, per_batch = [_int_vector(r, what) for r in lengths], True
     elif isinstance(lengths, torch.Tensor):
         rows, per_batch = [_int_vector(lengths, what)], False
-    elif isinstance(lengths, (list, tuple)) and lengths and all(
-        isinstance(r, (list, tuple, torch.Tensor)) for r in lengths
+    elif (
+        isinstance(lengths, (list, tuple))
+        and lengths
+        and all(isinstance(r, (list, tuple, torch.Tensor)) for r in lengths)
     ):
         rows, per_batch = [_int_vector(r, what) for r in lengths], True
     elif isinstance(lengths, (list, tuple)):
         rows, per_batch = [_int_vector(lengths, what)], False
     else:
-        raise TypeError(f"{what} must be a list of ints, a list of per-row lists, or an integer tensor, "
-                        f"got {type(lengths).__name__}")
+        raise TypeError(
+            f"{what} must be a list of ints, a list of per-row lists, or an integer tensor, "
+            f"got {type(lengths).__name__}"
+        )
     if not rows or any(r.numel() == 0 for r in rows):
         raise ValueError(f"{what} needs at least one length per row")
     if any(bool((r < 0).any()) for r in rows):

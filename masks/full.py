@@ -30,7 +30,9 @@ class Full(MaskSpec):
     """
 
     def _make_mask_mod(self) -> MaskMod:
-        def full_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def full_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             # Indices are never negative; comparing both keeps the broadcast shape of (q, kv).
             return (q_idx >= 0) & (kv_idx >= 0)
 

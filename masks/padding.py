@@ -40,10 +40,14 @@ class KeyPadding(MaskSpec):
         if not isinstance(valid, torch.Tensor):
             raise TypeError(f"KeyPadding(valid=...) must be a bool tensor [B, L], got {type(valid).__name__}")
         if valid.dim() != 2 or valid.numel() == 0:
-            raise ValueError(f"KeyPadding(valid=...) must have shape [B, L] with B, L >= 1, got {tuple(valid.shape)}")
+            raise ValueError(
+                f"KeyPadding(valid=...) must have shape [B, L] with B, L >= 1, got {tuple(valid.shape)}"
+            )
         if valid.dtype != torch.bool:
             if valid.is_floating_point() or valid.is_complex():
-                raise TypeError(f"KeyPadding(valid=...) must be bool or 0/1 integers, got dtype {valid.dtype}")
+                raise TypeError(
+                    f"KeyPadding(valid=...) must be bool or 0/1 integers, got dtype {valid.dtype}"
+                )
             valid = valid != 0
         object.__setattr__(self, "valid", valid)
 
@@ -57,7 +61,9 @@ class KeyPadding(MaskSpec):
     def _make_mask_mod(self) -> MaskMod:
         valid = self.valid
 
-        def key_padding_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def key_padding_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return valid[b, kv_idx] & (q_idx >= 0)
 
         return key_padding_mask

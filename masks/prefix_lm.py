@@ -58,10 +58,14 @@ class PrefixLM(MaskSpec):
     def __post_init__(self) -> None:
         value: Any = self.prefix_len
         if not isinstance(value, torch.Tensor):
-            object.__setattr__(self, "prefix_len", check_int("prefix_len", value, minimum=0, owner="PrefixLM"))
+            object.__setattr__(
+                self, "prefix_len", check_int("prefix_len", value, minimum=0, owner="PrefixLM")
+            )
             return
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
-            raise TypeError(f"PrefixLM(prefix_len=...) must be an int or an integer tensor [B], got dtype {value.dtype}")
+            raise TypeError(
+                f"PrefixLM(prefix_len=...) must be an int or an integer tensor [B], got dtype {value.dtype}"
+            )
         if value.dim() != 1 or value.numel() == 0:
             raise ValueError(
                 f"PrefixLM(prefix_len=...) tensor must have shape [B] with B >= 1 (use an int to share "
@@ -85,7 +89,9 @@ class PrefixLM(MaskSpec):
 
             return batched_prefix_lm_mask
 
-        def prefix_lm_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        def prefix_lm_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
             return (kv_idx < prefix) | (kv_idx <= q_idx)
 
         return prefix_lm_mask
@@ -128,10 +134,12 @@ class PrefixLM(MaskSpec):
             return None
         # Rows i < p see exactly keys [0, p) (j <= i adds nothing there); rows i >= p see [0, p)
         # and, causally, [p, i]: two parts with disjoint keys, the first covering every row.
-        return SplitForm(parts=(
-            SplitPart(q=(0, q_len), kv=(0, p), is_causal=False),
-            SplitPart(q=(p, q_len), kv=(p, kv_len), is_causal=True),
-        ))  # fmt: skip
+        return SplitForm(
+            parts=(
+                SplitPart(q=(0, q_len), kv=(0, p), is_causal=False),
+                SplitPart(q=(p, q_len), kv=(p, kv_len), is_causal=True),
+            )
+        )
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
@@ -164,5 +172,9 @@ class PrefixLM(MaskSpec):
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
         per_row = torch.tensor([(37 * r + kv_len // 2) % (kv_len + 2) for r in range(batch)])
-        return [cls(prefix_len=0), cls(prefix_len=max(1, kv_len // 3)), cls(prefix_len=kv_len + 5),
-                cls(prefix_len=per_row)]
+        return [
+            cls(prefix_len=0),
+            cls(prefix_len=max(1, kv_len // 3)),
+            cls(prefix_len=kv_len + 5),
+            cls(prefix_len=per_row),
+        ]

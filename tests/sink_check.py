@@ -14,7 +14,9 @@ from flexattn_zoo.reference import dense_attention
 from flexattn_zoo.testing import DEFAULT_RATIO, FLOOR_ULPS, _floor, reference_attention
 
 
-def _check(what: str, got: torch.Tensor, ref: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype, lse_scale: float) -> None:
+def _check(
+    what: str, got: torch.Tensor, ref: torch.Tensor, eager: torch.Tensor, dtype: torch.dtype, lse_scale: float
+) -> None:
     got, ref, eager = got.detach(), ref.detach(), eager.detach()
     assert torch.isfinite(got).all(), f"{what}: non-finite values"
     err = float((got.double() - ref.double()).abs().max())
@@ -22,7 +24,9 @@ def _check(what: str, got: torch.Tensor, ref: torch.Tensor, eager: torch.Tensor,
     magnitude = 1.0 if what == "lse" else float(ref.abs().max())
     floor = _floor(dtype, magnitude, lse_scale, FLOOR_ULPS)
     budget = DEFAULT_RATIO * eager_err + floor
-    assert err <= budget, f"{what}: error {err:.3e} > budget {budget:.3e} (eager {eager_err:.3e}, floor {floor:.3e})"
+    assert err <= budget, (
+        f"{what}: error {err:.3e} > budget {budget:.3e} (eager {eager_err:.3e}, floor {floor:.3e})"
+    )
 
 
 def assert_sinks_match(
@@ -31,7 +35,9 @@ def assert_sinks_match(
     """``out`` (and optional ``lse``, ``grads = (dq, dk, dv, dsinks)``) within the sink budget."""
     want = grads is not None
     ins64 = [t.detach().double().requires_grad_(want) for t in (q, k, v, sinks)]
-    low = [t.detach().clone().requires_grad_(want) for t in (q, k, v)] + [sinks.detach().to(q.dtype).requires_grad_(want)]
+    low = [t.detach().clone().requires_grad_(want) for t in (q, k, v)] + [
+        sinks.detach().to(q.dtype).requires_grad_(want)
+    ]
     kwargs = dict(mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
     with torch.enable_grad():
         ref, ref_lse = reference_attention(*ins64[:3], sinks=ins64[3], **kwargs)

@@ -50,11 +50,15 @@ def build_tree() -> Path:
 def main(argv: list[str]) -> int:
     tree = build_tree()
     cmd = [
-        sys.executable, "-m", "mypy",
-        "--config-file", str(ROOT / "pyproject.toml"),
-        "--cache-dir", str(ROOT / ".mypy_cache"),
+        sys.executable,
+        "-m",
+        "mypy",
+        "--config-file",
+        str(ROOT / "pyproject.toml"),
+        "--cache-dir",
+        str(ROOT / ".mypy_cache"),
         *argv,
-    ]  # fmt: skip
+    ]
     # mypy puts its working directory first on the search path: run it in the tree, so that
     # flexattn_zoo resolves there and not to the repository's own flexattn_zoo/ (which lacks masks).
     proc = subprocess.run(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

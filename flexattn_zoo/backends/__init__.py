@@ -15,8 +15,18 @@ from flexattn_zoo.backends.split import SDPA_SPLIT
 from flexattn_zoo.backends.varlen import VARLEN
 
 BACKENDS: tuple[Backend, ...] = (
-    SDPA_CUDNN, SDPA_FLASH, SDPA_EFFICIENT, SDPA_MATH, SDPA_SPLIT, VARLEN, FLEX, FLEX_FLASH, FA4, FLEX_CPU, DENSE,
-)  # fmt: skip
+    SDPA_CUDNN,
+    SDPA_FLASH,
+    SDPA_EFFICIENT,
+    SDPA_MATH,
+    SDPA_SPLIT,
+    VARLEN,
+    FLEX,
+    FLEX_FLASH,
+    FA4,
+    FLEX_CPU,
+    DENSE,
+)
 BY_NAME: dict[str, Backend] = {b.name: b for b in BACKENDS}
 
 __all__ = ["BACKENDS", "BY_NAME", "Backend"]

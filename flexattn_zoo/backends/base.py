@@ -35,7 +35,9 @@ def cuda_kernel_reasons(
         out.append(f"CUDA kernel needs dtype in {{{_dtype_names(dtypes)}}}")
     lo, hi = head_dims
     if not lo <= p.head_dim <= hi or p.head_dim % multiple:
-        out.append(f"CUDA kernel needs head dim {lo}..{hi}" + (f", multiple of {multiple}" if multiple > 1 else ""))
+        out.append(
+            f"CUDA kernel needs head dim {lo}..{hi}" + (f", multiple of {multiple}" if multiple > 1 else "")
+        )
     return out
 
 
@@ -179,9 +181,15 @@ class Backend:
         return []
 
     def execute(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: Problem,
+        *,
+        scale: float,
         block_mask: object = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``run``, with the backward under torch's deterministic mode when ``p`` asks for it."""
         wrap = self.needs_torch_deterministic_mode and p.device_type == "cuda"
         if p.deterministic and p.requires_grad and wrap:
@@ -235,8 +243,13 @@ class _DeterministicBackward(torch.autograd.Function):
         if not pairs or not wants:
             return None, None, None, None
         with _compat.deterministic_algorithms():
-            got = iter(torch.autograd.grad(
-                [t for t, _ in pairs], wants, [g for _, g in pairs], allow_unused=True,
-                create_graph=torch.is_grad_enabled(),
-            ))  # fmt: skip
+            got = iter(
+                torch.autograd.grad(
+                    [t for t, _ in pairs],
+                    wants,
+                    [g for _, g in pairs],
+                    allow_unused=True,
+                    create_graph=torch.is_grad_enabled(),
+                )
+            )
         return (None, *(next(got) if t.requires_grad else None for t in inner))

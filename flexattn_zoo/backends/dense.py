@@ -84,7 +84,12 @@ class DenseBackend(Backend):
 
 
 DENSE = DenseBackend(
-    name="dense", devices=frozenset({"cpu", "cuda"}), dtypes=FLOATS, score_mods=True, lse=True,
-    env_vars=(DENSE_LIMIT_ENV,), decode=True,
+    name="dense",
+    devices=frozenset({"cpu", "cuda"}),
+    dtypes=FLOATS,
+    score_mods=True,
+    lse=True,
+    env_vars=(DENSE_LIMIT_ENV,),
+    decode=True,
     doc="eager dense attention with autograd (materializes Lq x Lkv; memory-guarded)",
-)  # fmt: skip
+)

@@ -113,9 +113,17 @@ def _split(res: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 FA4 = FlashAttn4Backend(
-    name="fa4", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
-    head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
-    requires=(FLASH_CUTE,), deterministic=False,
+    name="fa4",
+    devices=frozenset({"cuda"}),
+    dtypes=LOW_PRECISION,
+    head_dims=(64, 128),
+    head_dim_multiple=32,
+    min_cc=(9, 0),
+    max_cc=(10, 9),
+    score_mods=True,
+    lse=True,
+    requires=(FLASH_CUTE,),
+    deterministic=False,
     nondeterministic_why="FA4's backward accumulates dQ with atomics (its deterministic mode is not validated here)",
     doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks, SoftCap(approx=True)",
-)  # fmt: skip
+)

@@ -36,7 +36,11 @@ class Tuning:
     options: tuple[tuple[str, int | bool], ...]
 
     def applies(self, p: Problem) -> bool:
-        return arch.generation(p.arch) == self.generation and p.dtype in LOW_PRECISION and p.head_dim in self.head_dims
+        return (
+            arch.generation(p.arch) == self.generation
+            and p.dtype in LOW_PRECISION
+            and p.head_dim in self.head_dims
+        )
 
 
 #: The Triton flex kernel's forward tiles, measured faster than torch's defaults on an H200
@@ -98,9 +102,13 @@ class FlexBackend(Backend):
             score_mod = p.score.to(device).score_mod(fast=self.fast_score_mods, future_keys_hidden=past)
         options = self.options(p, block_mask)
         key = CACHE.key(
-            block_mask.mask_mod if block_mask is not None else None, score_mod, options, p.return_lse, p.gqa,
+            block_mask.mask_mod if block_mask is not None else None,
+            score_mod,
+            options,
+            p.return_lse,
+            p.gqa,
             (p.heads, p.kv_heads, p.head_dim, p.dtype),
-        )  # fmt: skip
+        )
         return _FlexCall(block_mask, score_mod, options, key)
 
 
@@ -199,23 +207,46 @@ class FlexCpuBackend(FlexBackend):
 
 
 FLEX = FlexBackend(
-    name="flex", devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-    head_dims=(16, 256), min_cc=(8, 0), score_mods=True, lse=True, fast_score_mods=True,
-    tuning=(SM90_FORWARD_TILES,), decode=True,
+    name="flex",
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    head_dims=(16, 256),
+    min_cc=(8, 0),
+    score_mods=True,
+    lse=True,
+    fast_score_mods=True,
+    tuning=(SM90_FORWARD_TILES,),
+    decode=True,
     doc="FlexAttention compiled to Triton with BlockMask sparsity (any mask, any score mod)",
-)  # fmt: skip
+)
 FLEX_FLASH = FlexFlashBackend(
-    name="flex_flash", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(64, 128),
-    head_dim_multiple=32, min_cc=(9, 0), max_cc=(10, 9), score_mods=True, lse=True,
-    kernel_options=(("BACKEND", "FLASH"),), requires=(FLASH_CUTE,), deterministic=False, decode=True,
+    name="flex_flash",
+    devices=frozenset({"cuda"}),
+    dtypes=LOW_PRECISION,
+    head_dims=(64, 128),
+    head_dim_multiple=32,
+    min_cc=(9, 0),
+    max_cc=(10, 9),
+    score_mods=True,
+    lse=True,
+    kernel_options=(("BACKEND", "FLASH"),),
+    requires=(FLASH_CUTE,),
+    deterministic=False,
+    decode=True,
     nondeterministic_why=(
         "FA4's backward with a block mask is deterministic only on sm100+ with dQ write-order "
         "metadata (torch >= 2.13), which these BlockMasks do not carry"
     ),
     doc="FlexAttention on the FlashAttention-4 CuTe backend (flash-attn-4; sm90/sm100)",
-)  # fmt: skip
+)
 FLEX_CPU = FlexCpuBackend(
-    name="flex_cpu", devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-    head_dims=(1, 512), score_mods=True, lse=False, backward=False, decode=True,
+    name="flex_cpu",
+    devices=frozenset({"cpu"}),
+    dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
+    head_dims=(1, 512),
+    score_mods=True,
+    lse=False,
+    backward=False,
+    decode=True,
     doc="FlexAttention compiled to C++ on CPU (inference only: torch has no CPU flex backward or lse)",
-)  # fmt: skip
+)

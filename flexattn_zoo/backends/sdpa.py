@@ -109,24 +109,45 @@ CHUNK_VIEW_KERNELS = frozenset({"CUDNN_ATTENTION"})
 
 
 SDPA_CUDNN = SdpaBackend(
-    name="sdpa_cudnn", kernel="CUDNN_ATTENTION", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION,
-    head_dims=(8, 128), head_dim_multiple=8, min_cc=(8, 0), expand_gqa=True, deterministic=False,
+    name="sdpa_cudnn",
+    kernel="CUDNN_ATTENTION",
+    devices=frozenset({"cuda"}),
+    dtypes=LOW_PRECISION,
+    head_dims=(8, 128),
+    head_dim_multiple=8,
+    min_cc=(8, 0),
+    expand_gqa=True,
+    deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
     doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks; GQA with k/v expanded)",
-)  # fmt: skip
+)
 SDPA_FLASH = SdpaBackend(
-    name="sdpa_flash", kernel="FLASH_ATTENTION", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS,
-    cuda_dtypes=LOW_PRECISION, cuda_head_dims=(8, 256), head_dim_multiple=1, min_cc=(8, 0),
+    name="sdpa_flash",
+    kernel="FLASH_ATTENTION",
+    devices=frozenset({"cuda", "cpu"}),
+    dtypes=FLOATS,
+    cuda_dtypes=LOW_PRECISION,
+    cuda_head_dims=(8, 256),
+    head_dim_multiple=1,
+    min_cc=(8, 0),
     needs_torch_deterministic_mode=True,  # FA2's backward: deterministic dQ accumulation only then
     doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal chunks)",
-)  # fmt: skip
+)
 SDPA_EFFICIENT = SdpaBackend(
-    name="sdpa_efficient", kernel="EFFICIENT_ATTENTION", devices=frozenset({"cuda"}),
-    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}), head_dims=(1, 256), min_cc=(5, 0), gqa=False,
+    name="sdpa_efficient",
+    kernel="EFFICIENT_ATTENTION",
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    head_dims=(1, 256),
+    min_cc=(5, 0),
+    gqa=False,
     needs_torch_deterministic_mode=True,  # forces num_splits_key=1 in its backward
     doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks)",
-)  # fmt: skip
+)
 SDPA_MATH = SdpaBackend(
-    name="sdpa_math", kernel="MATH", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS,
+    name="sdpa_math",
+    kernel="MATH",
+    devices=frozenset({"cuda", "cpu"}),
+    dtypes=FLOATS,
     doc="SDPA's reference math kernel (no mask, causal, equal chunks); materializes scores internally",
-)  # fmt: skip
+)

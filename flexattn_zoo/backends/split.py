@@ -95,7 +95,12 @@ class _SplitAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: tuple[SplitPart, ...], scale: float
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        parts: tuple[SplitPart, ...],
+        scale: float,
     ) -> torch.Tensor:
         forward, _ = _KERNELS[q.device.type]
         merge = _compiled_merge() if q.device.type == "cuda" else _merge
@@ -103,7 +108,9 @@ class _SplitAttention(torch.autograd.Function):
         out = lse = None
         saved = []
         for part in parts:
-            o, part_lse, state = forward(_rows(q, part.q), _rows(k, part.kv), _rows(v, part.kv), part.is_causal, scale)
+            o, part_lse, state = forward(
+                _rows(q, part.q), _rows(k, part.kv), _rows(v, part.kv), part.is_causal, scale
+            )
             saved.append(state)
             part_lse = part_lse.reshape(b, h, -1).to(torch.promote_types(part_lse.dtype, torch.float32))
             if out is None:  # parts[0] covers every row (SplitForm's contract)
@@ -129,9 +136,16 @@ class _SplitAttention(torch.autograd.Function):
             # The kernels take the merged out / lse / dO of their rows, laid out as they wrote them.
             part_lse = _kernel_lse(_rows(lse, rows), state[1])
             d = backward(
-                _rows(g, rows).contiguous(), _rows(q, rows), _rows(k, keys), _rows(v, keys),
-                _rows(out, rows).contiguous(), part_lse, state, part.is_causal, ctx.scale,
-            )  # fmt: skip
+                _rows(g, rows).contiguous(),
+                _rows(q, rows),
+                _rows(k, keys),
+                _rows(v, keys),
+                _rows(out, rows).contiguous(),
+                part_lse,
+                state,
+                part.is_causal,
+                ctx.scale,
+            )
             for i, (full, span, piece) in enumerate(zip((q, k, v), (rows, keys, keys), d, strict=True)):
                 grads[i] = _accumulate(grads[i], piece, full, span)
         return grads[0], grads[1], grads[2], None, None
@@ -167,7 +181,9 @@ class SplitBackend(Backend):
             out.append("takes no BlockMask")
         elif form is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
-            out.append(f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)")
+            out.append(
+                f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)"
+            )
         else:
             out.extend(cpu_flash_reasons(p, causal=any(part.is_causal for part in form.parts)))
         return out
@@ -182,9 +198,13 @@ class SplitBackend(Backend):
 
 
 SDPA_SPLIT = SplitBackend(
-    name="sdpa_split", devices=frozenset({"cuda", "cpu"}), dtypes=FLOATS, min_cc=(8, 0), deterministic=False,
+    name="sdpa_split",
+    devices=frozenset({"cuda", "cpu"}),
+    dtypes=FLOATS,
+    min_cc=(8, 0),
+    deterministic=False,
     nondeterministic_why="its CUDA kernel is cuDNN's, whose backward is not reproducible",
     doc="split masks (PrefixLM): one fused SDPA call per unmasked/causal part (cuDNN; flash on CPU), merged by lse",
-)  # fmt: skip
+)
 
 __all__ = ["SDPA_SPLIT", "SplitBackend"]

@@ -98,8 +98,14 @@ class VarlenBackend(Backend):
 
 
 VARLEN = VarlenBackend(
-    name="varlen", devices=frozenset({"cuda"}), dtypes=LOW_PRECISION, head_dims=(8, 256),
-    head_dim_multiple=8, min_cc=(8, 0), lse=True, requires=(TORCH_VARLEN,),
+    name="varlen",
+    devices=frozenset({"cuda"}),
+    dtypes=LOW_PRECISION,
+    head_dims=(8, 256),
+    head_dim_multiple=8,
+    min_cc=(8, 0),
+    lse=True,
+    requires=(TORCH_VARLEN,),
     needs_torch_deterministic_mode=True,  # FA2 varlen backward, like sdpa_flash
     doc="torch.nn.attention.varlen (FlashAttention varlen): documents/chunks via cu_seqlens, windows",
-)  # fmt: skip
+)

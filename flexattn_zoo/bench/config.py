@@ -49,13 +49,25 @@ from flexattn_zoo.spec import MaskSpec, ScoreSpec
 EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask")
 MODES = ("fwd", "fwdbwd")
 DTYPES = {
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-    "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64,
-}  # fmt: skip
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
 DEFAULTS: dict[str, Any] = {
-    "dtype": "bf16", "device": "auto", "warmup": 5, "iters": 20, "modes": list(MODES),
-    "routes": ["auto"], "max_dense_gib": 60.0, "seed": 0,
-}  # fmt: skip
+    "dtype": "bf16",
+    "device": "auto",
+    "warmup": 5,
+    "iters": 20,
+    "modes": list(MODES),
+    "routes": ["auto"],
+    "max_dense_gib": 60.0,
+    "seed": 0,
+}
 CASE_KEYS = (
     "name",
     "batch",
@@ -104,8 +116,12 @@ class Case:
 
     def specs(self, device: torch.device | str | None = None) -> tuple[MaskSpec | None, ScoreSpec | None]:
         """The case's (mask, score) specs, with captured tensors on ``device``."""
-        mask, score = spec_from_dict({"mask": _with_heads(self.mask, MASKS, self.heads),
-                                      "score_mod": _with_heads(self.score_mod, SCORES, self.heads)})  # fmt: skip
+        mask, score = spec_from_dict(
+            {
+                "mask": _with_heads(self.mask, MASKS, self.heads),
+                "score_mod": _with_heads(self.score_mod, SCORES, self.heads),
+            }
+        )
         if self.document_lengths is not None:
             from flexattn_zoo.masks import Document
 
@@ -233,13 +249,25 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         _int(f"{where}.document_lengths.seed", docs.get("seed", 0), 0)
     goal = _goal(where, raw.get("goal"))
     case = Case(
-        name=name, batch=_int(f"{where}.batch", raw["batch"]), heads=heads, kv_heads=kv_heads,
-        seq_len=_int(f"{where}.seq_len", raw["seq_len"]), head_dim=_int(f"{where}.head_dim", raw["head_dim"]),
-        dtype=DTYPES[str(s["dtype"]).lower()], device=s["device"], warmup=s["warmup"], iters=s["iters"],
-        modes=tuple(s["modes"]), routes=tuple(s["routes"]), max_dense_gib=float(s["max_dense_gib"]),
-        seed=s["seed"], mask=raw.get("mask"), score_mod=raw.get("score_mod"), document_lengths=docs,
+        name=name,
+        batch=_int(f"{where}.batch", raw["batch"]),
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_len=_int(f"{where}.seq_len", raw["seq_len"]),
+        head_dim=_int(f"{where}.head_dim", raw["head_dim"]),
+        dtype=DTYPES[str(s["dtype"]).lower()],
+        device=s["device"],
+        warmup=s["warmup"],
+        iters=s["iters"],
+        modes=tuple(s["modes"]),
+        routes=tuple(s["routes"]),
+        max_dense_gib=float(s["max_dense_gib"]),
+        seed=s["seed"],
+        mask=raw.get("mask"),
+        score_mod=raw.get("score_mod"),
+        document_lengths=docs,
         goal=goal,
-    )  # fmt: skip
+    )
     try:
         case.specs()  # fail at load time, not half-way through a sweep
     except (TypeError, ValueError) as exc:

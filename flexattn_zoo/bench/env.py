@@ -60,15 +60,25 @@ def collect_env(device: torch.device, command: str) -> dict[str, Any]:
 
     git, dirty = _git()
     env: dict[str, Any] = {
-        "command": command, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
-        "triton": _compat.triton_version(), "cuda": torch.version.cuda,
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": _compat.triton_version(),
+        "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "device": str(device), "gpu": None, "cc": None, "arch": detect_arch(device),
-        "flash_attn_cute": _compat.flash_cute_available(), "flash_attn_4": dist_version("flash-attn-4", "flash_attn_4"),
-        "flexattn_zoo": dist_version("flexattn-zoo") or flexattn_zoo.__version__, "git": git, "git_dirty": dirty,
+        "device": str(device),
+        "gpu": None,
+        "cc": None,
+        "arch": detect_arch(device),
+        "flash_attn_cute": _compat.flash_cute_available(),
+        "flash_attn_4": dist_version("flash-attn-4", "flash_attn_4"),
+        "flexattn_zoo": dist_version("flexattn-zoo") or flexattn_zoo.__version__,
+        "git": git,
+        "git_dirty": dirty,
         "cpu_count": os.cpu_count(),
-    }  # fmt: skip
+    }
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         env["gpu"], env["cc"] = torch.cuda.get_device_name(device), f"{major}.{minor}"

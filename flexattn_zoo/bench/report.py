@@ -79,7 +79,9 @@ def summary(
             raw = cells.get("raw_flex")
             raw_t = raw["tflops"] if raw and raw["status"] == "ok" else None
             density = any_row.get("density")
-            vs_best = _ratio_cell(auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best["route"] if best else None)
+            vs_best = _ratio_cell(
+                auto_t, best["tflops"] if best else None, AUTO_VS_BEST, best["route"] if best else None
+            )
             if "below" in vs_best and host_bound(auto):
                 vs_best += " (auto host-bound)"
             ratio_cells = {
@@ -87,11 +89,17 @@ def summary(
                 "auto/raw_flex": _ratio_cell(auto_t, raw_t, AUTO_VS_RAW_FLEX),
                 "goal (auto)": _goal_cell(goals.get(f"{case}/{mode}"), auto_t),
             }
-            lines.append([
-                case, mode, _shape(any_row), f"{100 * density:.1f}%" if density is not None else "",
-                (auto or {}).get("chosen") or "", *(cell(cells[rt]) for rt in routes),
-                *(ratio_cells[name] for name in ratios),
-            ])  # fmt: skip
+            lines.append(
+                [
+                    case,
+                    mode,
+                    _shape(any_row),
+                    f"{100 * density:.1f}%" if density is not None else "",
+                    (auto or {}).get("chosen") or "",
+                    *(cell(cells[rt]) for rt in routes),
+                    *(ratio_cells[name] for name in ratios),
+                ]
+            )
     return header, lines
 
 
@@ -167,20 +175,28 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
     fa4 = env.get("flash_attn_cute")
     history = [c for c in env.get("previous_commands") or [] if c]
     earlier = (
-        ["Rows kept from earlier runs of the sweep (`--resume`), oldest first: "
-         + "; ".join(f"`{c}`" for c in history), ""]
-        if history else []
-    )  # fmt: skip
+        [
+            "Rows kept from earlier runs of the sweep (`--resume`), oldest first: "
+            + "; ".join(f"`{c}`" for c in history),
+            "",
+        ]
+        if history
+        else []
+    )
     parts = [
-        f"# {title}", "",
-        f"Command: `{env.get('command', '?')}`", "",
+        f"# {title}",
+        "",
+        f"Command: `{env.get('command', '?')}`",
+        "",
         *earlier,
         f"torch {env.get('torch')}, triton {env.get('triton') or '-'}, CUDA {env.get('cuda') or '-'}, "
         f"cuDNN {env.get('cudnn') or '-'}; device {env.get('device')}; GPU {gpu}; "
         f"flash_attn.cute (FA4) {'available' if fa4 else 'not available'}"
         + (f" ({env['flash_attn_4']})" if env.get("flash_attn_4") else "")
-        + f"; flexattn_zoo {env.get('flexattn_zoo')}" + (f" @ {env['git'][:12]}{env['git'][40:]}" if env.get("git") else "")
-        + f"; {env.get('date', '')}", "",
+        + f"; flexattn_zoo {env.get('flexattn_zoo')}"
+        + (f" @ {env['git'][:12]}{env['git'][40:]}" if env.get("git") else "")
+        + f"; {env.get('date', '')}",
+        "",
         "TFLOP/s on visible work only: forward 4·B·H·visible_pairs·D, forward+backward 3.5x that "
         "(backward counted as 2.5x forward). Median of the timed runs after warm-up "
         "(CUDA events on GPU). `n/a`: the route cannot run the case exactly (reasons below); "
@@ -188,8 +204,9 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
         f"say `below` where auto misses the rules ({AUTO_VS_BEST:g} and {AUTO_VS_RAW_FLEX:g}x); "
         f"`auto host-bound`: auto's host time per call was at least {HOST_BOUND:g} of its time, so that "
         "row measured the host (see `host ms` below)."
-        + (" `goal (auto)`: the config's target TFLOP/s for auto, met or not." if data.get("goals") else ""), "",
-    ]  # fmt: skip
+        + (" `goal (auto)`: the config's target TFLOP/s for auto, met or not." if data.get("goals") else ""),
+        "",
+    ]
     header, lines = summary(rows, data.get("goals"))
     parts += _md_table(header, lines)
     problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
@@ -211,23 +228,50 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
     if notes:
         parts += ["", "## Notes", ""]
         parts += [f"- {r['case']} / {r['mode']} / {r['route']}: {'; '.join(r['notes'])}" for r in notes]
-    detail_header = ["case", "mode", "route", "status", "ms", "host ms", "TFLOP/s", "peak MiB", "compile s",
-                     "mask build ms", "max err"]  # fmt: skip
+    detail_header = [
+        "case",
+        "mode",
+        "route",
+        "status",
+        "ms",
+        "host ms",
+        "TFLOP/s",
+        "peak MiB",
+        "compile s",
+        "mask build ms",
+        "max err",
+    ]
     detail = [
-        [r["case"], r["mode"], r["route"] + (f" -> {r['chosen']}" if r.get("chosen") else ""), r["status"],
-         _num(r.get("ms"), ".3f"), _num(r.get("host_ms"), ".3f"), fmt_tflops(r.get("tflops")) if r["status"] == "ok" else "",
-         _num(r.get("peak_mib"), ".0f"), _num(r.get("compile_s"), ".2f"),
-         _num(r["blockmask_s"] * 1e3 if r.get("blockmask_s") is not None else None, ".2f"),
-         _num(r.get("max_err"), ".2e")]
-        for r in rows if r["status"] == "ok"
-    ]  # fmt: skip
+        [
+            r["case"],
+            r["mode"],
+            r["route"] + (f" -> {r['chosen']}" if r.get("chosen") else ""),
+            r["status"],
+            _num(r.get("ms"), ".3f"),
+            _num(r.get("host_ms"), ".3f"),
+            fmt_tflops(r.get("tflops")) if r["status"] == "ok" else "",
+            _num(r.get("peak_mib"), ".0f"),
+            _num(r.get("compile_s"), ".2f"),
+            _num(r["blockmask_s"] * 1e3 if r.get("blockmask_s") is not None else None, ".2f"),
+            _num(r.get("max_err"), ".2e"),
+        ]
+        for r in rows
+        if r["status"] == "ok"
+    ]
     if detail:
-        parts += ["", "## Every timed row", "",
-                  "`compile s` = first call minus a steady call (a kernel another route already compiled "
-                  "in this process shows ~0); `mask build ms` = fz.block_mask (flex routes), compiled "
-                  "create_block_mask (raw_flex) or the dense mask (sdpa_dense_mask); `max err` = max |out - "
-                  "out of the first route run| (fwd only); `host ms` = the host's time to issue one call (CUDA): "
-                  "when it reaches `ms`, the call is host-bound and `ms` measures the host.", "", "<details><summary>table</summary>", ""]  # fmt: skip
+        parts += [
+            "",
+            "## Every timed row",
+            "",
+            "`compile s` = first call minus a steady call (a kernel another route already compiled "
+            "in this process shows ~0); `mask build ms` = fz.block_mask (flex routes), compiled "
+            "create_block_mask (raw_flex) or the dense mask (sdpa_dense_mask); `max err` = max |out - "
+            "out of the first route run| (fwd only); `host ms` = the host's time to issue one call (CUDA): "
+            "when it reaches `ms`, the call is host-bound and `ms` measures the host.",
+            "",
+            "<details><summary>table</summary>",
+            "",
+        ]
         parts += _md_table(detail_header, detail)
         parts += ["", "</details>"]
     return "\n".join(parts) + "\n"

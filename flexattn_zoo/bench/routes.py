@@ -105,14 +105,19 @@ def _time_fz_block_mask(case: Case, mask: MaskSpec, device: torch.device) -> flo
     times = []
     for _ in range(BLOCKMASK_REPEATS):
         fz_blockmask.CACHE.clear()
-        _, seconds = timed(lambda: fz.block_mask(mask, case.seq_len, case.seq_len, batch=case.batch,
-                                                 heads=case.heads, device=device), device)  # fmt: skip
+        _, seconds = timed(
+            lambda: fz.block_mask(
+                mask, case.seq_len, case.seq_len, batch=case.batch, heads=case.heads, device=device
+            ),
+            device,
+        )
         times.append(seconds)
     return sorted(times)[len(times) // 2]
 
 
-def prepare_fz(route: str, chosen: str, case: Case, mask: Any, score: Any, x: Inputs,
-               device: torch.device) -> Prepared:  # fmt: skip
+def prepare_fz(
+    route: str, chosen: str, case: Case, mask: Any, score: Any, x: Inputs, device: torch.device
+) -> Prepared:
     def call() -> torch.Tensor:
         return fz.attention(x.q, x.k, x.v, mask=mask, score_mod=score, enable_gqa=case.gqa, backend=route)
 
@@ -134,8 +139,9 @@ def _raw_compiled() -> tuple[Any, Any]:
     return torch.compile(_compat.flex_attention), torch.compile(_compat.create_block_mask)
 
 
-def prepare_raw_flex(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs,
-                     device: torch.device) -> Prepared:  # fmt: skip
+def prepare_raw_flex(
+    case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs, device: torch.device
+) -> Prepared:
     flex, cbm = _raw_compiled()
     block_mask = build_s = build_compile_s = None
     if mask is not None:
@@ -194,12 +200,14 @@ def dense_estimate_bytes(
     return 0
 
 
-def prepare_dense_mask(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs,
-                       device: torch.device) -> Prepared:  # fmt: skip
+def prepare_dense_mask(
+    case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs, device: torch.device
+) -> Prepared:
     if score is not None:
         mod = score.score_mod()
-        attn_mask, seconds = timed(lambda: dense_bias(mod, mask, case.seq_len, case.batch, case.heads,
-                                                      case.dtype, device), device)  # fmt: skip
+        attn_mask, seconds = timed(
+            lambda: dense_bias(mod, mask, case.seq_len, case.batch, case.heads, case.dtype, device), device
+        )
     elif mask is not None:
         attn_mask, seconds = timed(
             lambda: dense_mask(mask, case.seq_len, case.batch, case.heads, device), device
@@ -232,8 +240,10 @@ def prepare(
             )
     elif route != "raw_flex":
         chosen = _plan(route, case, mask, score, x)
-    need = max(dense_estimate_bytes(route, case, mode, mask, score),
-               dense_estimate_bytes(chosen, case, mode, mask, score))  # fmt: skip
+    need = max(
+        dense_estimate_bytes(route, case, mode, mask, score),
+        dense_estimate_bytes(chosen, case, mode, mask, score),
+    )
     if need > case.max_dense_gib * GIB:
         raise SkippedOOM(f"skipped: estimated {need / GIB:.1f} GiB > max_dense_gib {case.max_dense_gib:g}")
     if route == "raw_flex":
@@ -268,5 +278,13 @@ def run(route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, dev
                 pass
 
         t = measure(step, device, case.warmup, case.iters, on_first=keep)
-    return Outcome(prep, t.median_ms, t.compile_s, t.peak_mib, t.base_mib, first[0] if first else None,
-                   [*prep.notes, *notes], t.host_ms)  # fmt: skip
+    return Outcome(
+        prep,
+        t.median_ms,
+        t.compile_s,
+        t.peak_mib,
+        t.base_mib,
+        first[0] if first else None,
+        [*prep.notes, *notes],
+        t.host_ms,
+    )

@@ -64,19 +64,49 @@ def _row(case: Case, route: str, mode: str, device: torch.device, visible: int |
     L = case.seq_len
     flops = 4 * case.head_dim * visible * FLOP_FACTOR[mode] if visible is not None else None
     return {
-        "case": case.name, "route": route, "mode": mode, "status": "error", "reason": None, "chosen": None,
-        "ms": None, "host_ms": None, "tflops": None, "peak_mib": None, "base_mib": None, "compile_s": None,
-        "blockmask_s": None, "blockmask_compile_s": None, "max_err": None, "err_vs": None,
-        "batch": case.batch, "heads": case.heads, "kv_heads": case.kv_heads, "seq_len": L,
-        "head_dim": case.head_dim, "dtype": str(case.dtype).removeprefix("torch."), "device": str(device),
-        "visible_pairs": visible, "density": visible / (case.batch * case.heads * L * L) if visible else None,
-        "flops": flops, "warmup": case.warmup, "iters": case.iters, "compiled_graphs": None,
-        "notes": [], "wall_s": None,
-    }  # fmt: skip
+        "case": case.name,
+        "route": route,
+        "mode": mode,
+        "status": "error",
+        "reason": None,
+        "chosen": None,
+        "ms": None,
+        "host_ms": None,
+        "tflops": None,
+        "peak_mib": None,
+        "base_mib": None,
+        "compile_s": None,
+        "blockmask_s": None,
+        "blockmask_compile_s": None,
+        "max_err": None,
+        "err_vs": None,
+        "batch": case.batch,
+        "heads": case.heads,
+        "kv_heads": case.kv_heads,
+        "seq_len": L,
+        "head_dim": case.head_dim,
+        "dtype": str(case.dtype).removeprefix("torch."),
+        "device": str(device),
+        "visible_pairs": visible,
+        "density": visible / (case.batch * case.heads * L * L) if visible else None,
+        "flops": flops,
+        "warmup": case.warmup,
+        "iters": case.iters,
+        "compiled_graphs": None,
+        "notes": [],
+        "wall_s": None,
+    }
 
 
-def run_one(row: dict[str, Any], case: Case, mask: Any, score: Any, x: bench_routes.Inputs | None,
-            device: torch.device, ref: list[Any]) -> None:  # fmt: skip
+def run_one(
+    row: dict[str, Any],
+    case: Case,
+    mask: Any,
+    score: Any,
+    x: bench_routes.Inputs | None,
+    device: torch.device,
+    ref: list[Any],
+) -> None:
     """Fill ``row`` by running its route; ``ref`` holds ``[route, out]`` of the first fwd output."""
     start, graphs = time.perf_counter(), COMPILE_CACHE.total_compiles()
     outcome = None
@@ -94,9 +124,18 @@ def run_one(row: dict[str, Any], case: Case, mask: Any, score: Any, x: bench_rou
         oom = "out of memory" in str(exc).lower() or "can't allocate memory" in str(exc).lower()
         row["status"], row["reason"] = ("OOM" if oom else "error"), _message(exc)
     if outcome is not None:
-        row.update(status="ok", chosen=outcome.prepared.chosen, ms=outcome.ms, host_ms=outcome.host_ms,
-                   compile_s=outcome.compile_s, peak_mib=outcome.peak_mib, base_mib=outcome.base_mib, blockmask_s=outcome.prepared.blockmask_s,
-                   blockmask_compile_s=outcome.prepared.blockmask_compile_s, notes=outcome.notes)  # fmt: skip
+        row.update(
+            status="ok",
+            chosen=outcome.prepared.chosen,
+            ms=outcome.ms,
+            host_ms=outcome.host_ms,
+            compile_s=outcome.compile_s,
+            peak_mib=outcome.peak_mib,
+            base_mib=outcome.base_mib,
+            blockmask_s=outcome.prepared.blockmask_s,
+            blockmask_compile_s=outcome.prepared.blockmask_compile_s,
+            notes=outcome.notes,
+        )
         if row["flops"] is not None and outcome.ms > 0:
             row["tflops"] = row["flops"] / (outcome.ms * 1e-3) / 1e12
         if outcome.out is not None:
@@ -136,9 +175,14 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def run_sweep(
-    cases: Sequence[Case], data: dict[str, Any], *, out: Path | None = None, time_budget: float | None = None,
-    console: Console | None = None, quiet: bool = False,
-) -> bool:  # fmt: skip
+    cases: Sequence[Case],
+    data: dict[str, Any],
+    *,
+    out: Path | None = None,
+    time_budget: float | None = None,
+    console: Console | None = None,
+    quiet: bool = False,
+) -> bool:
     """Run every missing row of ``cases`` into ``data["rows"]``; False if the time budget stopped it."""
     console = console or Console(stderr=True, highlight=False)
     rows: list[dict[str, Any]] = data.setdefault("rows", [])
@@ -192,8 +236,12 @@ def run_sweep(
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="YAML sweep config (benchmarks/configs/*.yaml)")
     p.add_argument("--out", type=Path, help="JSON results file (written after every row)")
     p.add_argument("--md", type=Path, help="Markdown report file")
@@ -211,9 +259,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--resume", action="store_true", help="keep the rows already in --out and run only the others"
     )
     p.add_argument(
-        "--rerun", action="store_true",
+        "--rerun",
+        action="store_true",
         help="with --resume: measure the selected cases/routes/modes again, replacing their rows",
-    )  # fmt: skip
+    )
     p.add_argument("--time-budget", type=float, metavar="S", help="start no new row after S seconds (exit 3)")
     p.add_argument("--no-fa4", action="store_true", help="hide flash_attn.cute (FA4) from this process")
     p.add_argument("--report-only", action="store_true", help="only rewrite --md/--png from the --out JSON")
@@ -301,8 +350,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
         if args.png:
             write_pngs(data["rows"], args.png, title=Path(args.config).stem)
         if not complete:
-            errors.print(f"stopped by --time-budget {args.time_budget:g} s; run again with --resume to finish",
-                         markup=False)  # fmt: skip
+            errors.print(
+                f"stopped by --time-budget {args.time_budget:g} s; run again with --resume to finish",
+                markup=False,
+            )
             return 3
         return 0
     except MissingDependency as exc:

@@ -63,9 +63,12 @@ class Timing:
 
 
 def measure(
-    step: Callable[[], Any], device: torch.device, warmup: int, iters: int,
+    step: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    iters: int,
     on_first: Callable[[Any], None] | None = None,
-) -> Timing:  # fmt: skip
+) -> Timing:
     """Time ``step`` (see the module docstring). ``on_first`` sees the first call's result."""
     sync(device)
     start = time.perf_counter()
@@ -182,9 +185,14 @@ def dense_mask(spec: MaskSpec, length: int, batch: int, heads: int, device: torc
 
 
 def dense_bias(
-    score_mod: Callable[..., torch.Tensor], mask: MaskSpec | None, length: int, batch: int, heads: int,
-    dtype: torch.dtype, device: torch.device,
-) -> torch.Tensor:  # fmt: skip
+    score_mod: Callable[..., torch.Tensor],
+    mask: MaskSpec | None,
+    length: int,
+    batch: int,
+    heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """Additive float bias ``[B|1, H, L, L]``: ``score_mod`` of a zero score, ``-inf`` where masked."""
     nb = batch if (mask is not None and mask.uses_batch()) else 1
     b = torch.arange(nb, device=device).view(nb, 1, 1, 1)

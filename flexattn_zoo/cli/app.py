@@ -36,11 +36,21 @@ from flexattn_zoo.cli.info import cmd_env, cmd_show
 from flexattn_zoo.cli.params import CliError, build_specs, describe_params, describe_spec, split_options
 
 DTYPES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "f16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32",
-    "fp64": "float64", "f64": "float64", "double": "float64", "float64": "float64",
-}  # fmt: skip
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "float32": "float32",
+    "fp64": "float64",
+    "f64": "float64",
+    "double": "float64",
+    "float64": "float64",
+}
 
 
 def _positive(text: str) -> int:
@@ -77,9 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument(
-        "--import", dest="imports", action="append", metavar="MODULE",
+        "--import",
+        dest="imports",
+        action="append",
+        metavar="MODULE",
         help="import MODULE first, so the masks and score mods it registers can be used (repeatable)",
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -88,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--long", action="store_true", help="full descriptions, spec classes and preset sources")
 
     p = sub.add_parser(
-        "show", help="picture of a mask (or a score mod's bias) and its block sparsity", allow_abbrev=False,
+        "show",
+        help="picture of a mask (or a score mod's bias) and its block sparsity",
+        allow_abbrev=False,
         epilog="Any other --name value is a spec parameter (--left 3, --doc-ids 0,0,1, --lengths 3,2,1). "
         "Combine with '+': causal+chunked --size 16; target one part with --chunked.size 16.",
-    )  # fmt: skip
+    )
     p.add_argument("name", help="registry name, or names joined by '+'")
     p.add_argument("--len", dest="length", metavar="N", type=_positive, required=True, help="query length")
     p.add_argument("--kv-len", metavar="M", type=_positive, help="key/value length (default: --len)")
@@ -150,12 +165,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Options that ``show``/``plan`` define themselves; every other --option is a spec parameter.
 _OWN_OPTIONS = {
-    "show": {"--len": True, "--kv-len": True, "--batch": True, "--heads": True, "--head": True, "--png": True,
-             "-h": False, "--help": False},
-    "plan": {"--mask": True, "--score": True, "--config": True, "--len": True, "--kv-len": True, "--heads": True,
-             "--dim": True, "--dtype": True, "--batch": True, "--arch": True, "--grad": False, "--lse": False,
-             "-h": False, "--help": False},
-}  # fmt: skip
+    "show": {
+        "--len": True,
+        "--kv-len": True,
+        "--batch": True,
+        "--heads": True,
+        "--head": True,
+        "--png": True,
+        "-h": False,
+        "--help": False,
+    },
+    "plan": {
+        "--mask": True,
+        "--score": True,
+        "--config": True,
+        "--len": True,
+        "--kv-len": True,
+        "--heads": True,
+        "--dim": True,
+        "--dtype": True,
+        "--batch": True,
+        "--arch": True,
+        "--grad": False,
+        "--lse": False,
+        "-h": False,
+        "--help": False,
+    },
+}
 
 
 def _version() -> str:
@@ -173,8 +209,11 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     from flexattn_zoo.registry import MASKS, SCORES, Registry
 
     by_kind: dict[str, list[Registry[Any]]] = {
-        "masks": [MASKS], "score_mods": [SCORES], "presets": [], "all": [MASKS, SCORES]
-    }  # fmt: skip
+        "masks": [MASKS],
+        "score_mods": [SCORES],
+        "presets": [],
+        "all": [MASKS, SCORES],
+    }
     registries = by_kind[args.kind]
     for registry in registries:
         title = "masks (combine with & | ~)" if registry is MASKS else "score mods (chain with >>)"
@@ -200,7 +239,9 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _print_listing(console: Console, title: str, headers: list[str], rows: list[list[str]], long: bool) -> None:
+def _print_listing(
+    console: Console, title: str, headers: list[str], rows: list[list[str]], long: bool
+) -> None:
     """A table with wrapped cells (``long``), or one line per row cut to the terminal's width."""
     if long:
         table = Table(title=title, title_justify="left")
@@ -252,10 +293,20 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         if spec is not None:
             spec.validate(q_len, kv_len, args.batch, heads)
     problem = Problem(
-        batch=args.batch, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, head_dim=args.dim,
-        dtype=getattr(torch, args.dtype), device_type="cpu" if arch == "cpu" else "cuda", arch=arch,
-        requires_grad=args.grad, mask=mask, score=score, return_lse=args.lse,
-    )  # fmt: skip
+        batch=args.batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        q_len=q_len,
+        kv_len=kv_len,
+        head_dim=args.dim,
+        dtype=getattr(torch, args.dtype),
+        device_type="cpu" if arch == "cpu" else "cuda",
+        arch=arch,
+        requires_grad=args.grad,
+        mask=mask,
+        score=score,
+        return_lse=args.lse,
+    )
     plan = plan_problem(problem)
     # The same text as fz.plan(...).explain(), plus the specs with their parameters.
     console.print(plan.explain(), markup=False)
@@ -271,9 +322,16 @@ def cmd_demo(args: argparse.Namespace, console: Console) -> int:
     from flexattn_zoo.cli import demo
 
     results = demo.run_demo(
-        device=args.device, length=args.length, batch=args.batch, heads=args.heads, dim=args.dim,
-        dtype=args.dtype, repeats=args.repeats, only=args.only, console=console,
-    )  # fmt: skip
+        device=args.device,
+        length=args.length,
+        batch=args.batch,
+        heads=args.heads,
+        dim=args.dim,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        only=args.only,
+        console=console,
+    )
     if not results:
         raise CliError(f"no preset matches --only {' '.join(args.only or [])}", code=2)
     return 0 if all(r.passed for r in results) else 1

@@ -53,8 +53,11 @@ def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], con
     if args.png and not viz.have_matplotlib():
         raise CliError("--png needs matplotlib, which is not installed: pip install 'flexattn-zoo[viz]'")
     console.print(f"[bold]{escape(describe_spec(spec))}[/bold]")
-    console.print(f"q_len={q_len} kv_len={kv_len}" + (f" batch={args.batch}" if args.batch > 1 else "")
-                  + (f" head {args.head} of {heads}" if per_head else ""))  # fmt: skip
+    console.print(
+        f"q_len={q_len} kv_len={kv_len}"
+        + (f" batch={args.batch}" if args.batch > 1 else "")
+        + (f" head {args.head} of {heads}" if per_head else "")
+    )
     if is_mask:
         return _show_mask(args, spec, q_len, kv_len, heads, console)
     return _show_score(args, spec, q_len, kv_len, heads, console)
@@ -96,8 +99,14 @@ def _show_mask(
         big = viz.mask_cells(
             spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512
         )
-        viz.write_png(args.png, f"{args.name} (Lq={q_len}, Lkv={kv_len})", big.frac, blocks=codes,
-                      cell_label="visible fraction", lengths=(q_len, kv_len))  # fmt: skip
+        viz.write_png(
+            args.png,
+            f"{args.name} (Lq={q_len}, Lkv={kv_len})",
+            big.frac,
+            blocks=codes,
+            cell_label="visible fraction",
+            lengths=(q_len, kv_len),
+        )
         console.print(f"wrote {args.png}")
     return 0
 
@@ -184,9 +193,11 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
         if devices and not present & set(devices):
             reasons.append(f"needs a {'/'.join(d.upper() if d == 'cuda' else d for d in devices)} device")
         routes.add_row(
-            backend.name, "/".join(devices) or "?", "[red]no[/red]" if reasons else "[green]yes[/green]",
+            backend.name,
+            "/".join(devices) or "?",
+            "[red]no[/red]" if reasons else "[green]yes[/green]",
             escape("; ".join(reasons)),
-        )  # fmt: skip
+        )
     console.print(routes)
     return 0
 

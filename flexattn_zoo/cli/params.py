@@ -166,9 +166,10 @@ def _build(part: Part, context: dict[str, Any]) -> Spec:
         for ctor, sig in part.constructors().items():
             accepted = set(sig.parameters)
             required = {
-                n for n, p in sig.parameters.items()
+                n
+                for n, p in sig.parameters.items()
                 if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-            }  # fmt: skip
+            }
             if set(extra) <= accepted and required <= set(params) and set(params) <= accepted:
                 return getattr(part.entry.factory, ctor)(**params)
         # No constructor fits: let the registry produce its standard error listing valid names.

@@ -287,9 +287,14 @@ def write_png(
         ax = axes[0][1]
         n_q, n_kv = blocks.shape
         img = ax.imshow(
-            blocks.float().numpy(), cmap="Greens", vmin=0, vmax=2, interpolation="nearest", aspect="auto",
+            blocks.float().numpy(),
+            cmap="Greens",
+            vmin=0,
+            vmax=2,
+            interpolation="nearest",
+            aspect="auto",
             extent=(0, n_kv, n_q, 0),
-        )  # fmt: skip
+        )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title("blocks (0 empty, 1 partial, 2 full)")

@@ -29,9 +29,15 @@ __all__ = ["DEFAULT_NAME", "HFMask", "register", "translate"]
 
 
 def _mask_builder(
-    batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
-    mask_function: Callable[..., Any] | None = None, attention_mask: torch.Tensor | None = None, **_: Any,
-) -> HFMask:  # fmt: skip
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: Any = 0,
+    mask_function: Callable[..., Any] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **_: Any,
+) -> HFMask:
     padding = None
     if attention_mask is not None:
         padding = attention_mask.to(torch.bool)
@@ -49,9 +55,17 @@ def _mask_builder(
 
 
 def _attention_forward(
-    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
-    scaling: float | None = None, dropout: float = 0.0, *, backend: str = "auto", **kwargs: Any,
-) -> tuple[torch.Tensor, None]:  # fmt: skip
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    backend: str = "auto",
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     if dropout and float(dropout) > 0:
         raise ValueError(
             f"flexattn_zoo attention has no dropout (got dropout={dropout}); use model.eval() or set "
@@ -107,7 +121,11 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     def flexattn_zoo_attention(
-        module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         return _attention_forward(module, query, key, value, attention_mask, backend=backend, **kwargs)

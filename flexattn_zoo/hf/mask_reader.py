@@ -271,8 +271,9 @@ def translate(m: HFMask) -> MaskSpec | None:
             _WARNED.add(str(exc))
             log.warning(
                 "flexattn_zoo.hf: transformers mask pattern not recognised (%s); running it exactly as a "
-                "mask_mod (no cheap forms, a new BlockMask per forward)", exc,
-            )  # fmt: skip
+                "mask_mod (no cheap forms, a new BlockMask per forward)",
+                exc,
+            )
         return _generic(m)
     if m.padding is None:
         return pattern

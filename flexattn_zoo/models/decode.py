@@ -103,9 +103,16 @@ class DecodeMask:
     """
 
     def __init__(
-        self, spec: MaskSpec | None, batch: int, q_len: int, capacity: int, *, n_physical: int | None = None,
-        device: torch.device | str = "cpu", block_size: int = DEFAULT_BLOCK_SIZE,
-    ) -> None:  # fmt: skip
+        self,
+        spec: MaskSpec | None,
+        batch: int,
+        q_len: int,
+        capacity: int,
+        *,
+        n_physical: int | None = None,
+        device: torch.device | str = "cpu",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
         self.spec = spec.bind(capacity, capacity) if spec is not None else None
         self.batch, self.q_len, self.block_size = batch, q_len, block_size
         self.paged = n_physical is not None
@@ -136,10 +143,14 @@ class DecodeMask:
         # passed: torch 2.13's CPU flex template fails to compile some masks without them.
         on_cpu = device.type == "cpu"
         self.block_mask = _compat.BlockMask.from_kv_blocks(
-            self.kv_num_blocks, self.kv_indices,
-            torch.zeros_like(self.kv_num_blocks) if on_cpu else None, self.kv_indices.clone() if on_cpu else None,
-            BLOCK_SIZE=(block_size, block_size), mask_mod=self.mask_mod, seq_lengths=(q_len, self.kv_len),
-        )  # fmt: skip
+            self.kv_num_blocks,
+            self.kv_indices,
+            torch.zeros_like(self.kv_num_blocks) if on_cpu else None,
+            self.kv_indices.clone() if on_cpu else None,
+            BLOCK_SIZE=(block_size, block_size),
+            mask_mod=self.mask_mod,
+            seq_lengths=(q_len, self.kv_len),
+        )
         self._scores: dict[Hashable, Any] = {}
         #: decode_step's plans (fz.plan results) per call signature, so later steps
         #: skip validation and route choice (host time that dominated short steps on the H200).
@@ -256,11 +267,21 @@ def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs:
 
 
 def decode_step(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_len: int | torch.Tensor, *,
-    mask: Any = None, score_mod: Any = None, scale: float | None = None, enable_gqa: bool | None = None,
-    sinks: torch.Tensor | None = None, block_table: torch.Tensor | None = None, return_lse: bool = False,
-    backend: str = "auto", block_size: int = DEFAULT_BLOCK_SIZE,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = None,
+    score_mod: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool | None = None,
+    sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of the newest ``Lq`` tokens to a KV cache (see the module docstring).
 
     Args:
@@ -324,9 +345,20 @@ def decode_step(
         rows = _rows_per_launch(k_cache, v_cache)
         if rows < batch:  # a cache too large for one flex launch: decode it a slice of rows at a time
             parts = [
-                decode_step(q[i : i + rows], k_cache[i : i + rows], v_cache[i : i + rows], lens[i : i + rows],
-                            mask=spec, score_mod=score, scale=scale, enable_gqa=gqa, sinks=sinks,
-                            return_lse=True, backend=backend, block_size=block_size)  # fmt: skip
+                decode_step(
+                    q[i : i + rows],
+                    k_cache[i : i + rows],
+                    v_cache[i : i + rows],
+                    lens[i : i + rows],
+                    mask=spec,
+                    score_mod=score,
+                    scale=scale,
+                    enable_gqa=gqa,
+                    sinks=sinks,
+                    return_lse=True,
+                    backend=backend,
+                    block_size=block_size,
+                )
                 for i in range(0, batch, rows)
             ]
             out = torch.cat([o for o, _ in parts])
@@ -347,8 +379,17 @@ def decode_step(
         if q.is_cuda and q_len > 0:
             out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
         else:  # the CPU keeps fz.attention's per-call checks (its NaN check guards flex_cpu)
-            out, lse = _attend(q, k_run, v_run, need_lse, mask=bm, score_mod=run_score, scale=scale,
-                               enable_gqa=gqa, backend=backend)  # fmt: skip
+            out, lse = _attend(
+                q,
+                k_run,
+                v_run,
+                need_lse,
+                mask=bm,
+                score_mod=run_score,
+                scale=scale,
+                enable_gqa=gqa,
+                backend=backend,
+            )
     else:
         dm.update(lens, block_table if paged else None)
         live = int(lens.max()) if lens.numel() else 0
@@ -369,8 +410,17 @@ def decode_step(
             if inner_score is not None
             else None
         )
-        out, lse = _attend(q, k_run, v_run, need_lse, mask=run_mask, score_mod=dense_score, scale=scale,
-                           enable_gqa=gqa, backend="dense")  # fmt: skip
+        out, lse = _attend(
+            q,
+            k_run,
+            v_run,
+            need_lse,
+            mask=run_mask,
+            score_mod=dense_score,
+            scale=scale,
+            enable_gqa=gqa,
+            backend="dense",
+        )
     if sinks is not None:
         check_sinks(sinks, heads, q.device)
         out, lse = apply_sinks(out, lse, sinks)
@@ -405,9 +455,27 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
     )
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return (
-        q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
-        q.device, k.device, v.device, score, scale, gqa, need_lse, backend, det, grad, process_state(),
-    )  # fmt: skip
+        q.shape,
+        q.stride(),
+        q.dtype,
+        k.shape,
+        k.stride(),
+        k.dtype,
+        v.shape,
+        v.stride(),
+        v.dtype,
+        q.device,
+        k.device,
+        v.device,
+        score,
+        scale,
+        gqa,
+        need_lse,
+        backend,
+        det,
+        grad,
+        process_state(),
+    )
 
 
 def _run_planned(  # type: ignore[no-untyped-def]
@@ -418,16 +486,31 @@ def _run_planned(  # type: ignore[no-untyped-def]
     sig = run_signature(q, k, v, score, scale, gqa, need_lse, backend)
     chosen = dm.runs.get(sig)
     if chosen is None:
-        chosen = plan(q, k, v, mask=bm, score_mod=score, scale=scale, enable_gqa=gqa, backend=backend,
-                      return_lse=need_lse)  # fmt: skip
+        chosen = plan(
+            q,
+            k,
+            v,
+            mask=bm,
+            score_mod=score,
+            scale=scale,
+            enable_gqa=gqa,
+            backend=backend,
+            return_lse=need_lse,
+        )
         chosen = dm.runs.put(sig, chosen)
     return execute_plan(chosen, q, k, v, scale=None if scale is None else float(scale), block_mask=bm)
 
 
 def decode_step_varlen(
-    q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, cache_len: torch.Tensor,
-    block_table: torch.Tensor, *, window: int | None = None, scale: float | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    cache_len: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Paged causal (or sliding-window) decode on FlashAttention varlen (CUDA, torch >= 2.13).
 
     ``q [B, H, Lq, D]``; ``k_pages``/``v_pages`` ``[n_pages, page_size, Hkv, D]`` (varlen's paged
@@ -448,7 +531,17 @@ def decode_step_varlen(
     max_k = block_table.shape[1] * k_pages.shape[1]
     left = -1 if window is None else window - 1
     out = fn(
-        flat_q, k_pages, v_pages, cu_q, None, q_len, max_k, scale=scale, window_size=(left, 0),
-        enable_gqa=heads != k_pages.shape[2], seqused_k=seqused, block_table=block_table.to(torch.int32),
-    )  # fmt: skip
+        flat_q,
+        k_pages,
+        v_pages,
+        cu_q,
+        None,
+        q_len,
+        max_k,
+        scale=scale,
+        window_size=(left, 0),
+        enable_gqa=heads != k_pages.shape[2],
+        seqused_k=seqused,
+        block_table=block_table.to(torch.int32),
+    )
     return out.view(batch, q_len, heads, -1).transpose(1, 2)

@@ -92,9 +92,17 @@ def _gqa(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool | None) -> bool:
 
 
 def _run(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la: LayerAttention, *, scale: float | None,
-    enable_gqa: bool | None, return_lse: bool, sinks: torch.Tensor | None, backend: str,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    la: LayerAttention,
+    *,
+    scale: float | None,
+    enable_gqa: bool | None,
+    return_lse: bool,
+    sinks: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if la.uses_sinks and sinks is None:
         raise ValueError(
             f"this layer ({la.kind or 'preset'} attention) has learned attention sinks: pass sinks= "
@@ -114,10 +122,20 @@ def _run(
 
 
 def attention_layer(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, config: Any = None, mask: Any = None,
-    score_mod: Any = None, layer: int = 0, scale: float | None = None, enable_gqa: bool | None = None,
-    return_lse: bool = False, sinks: torch.Tensor | None = None, backend: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    config: Any = None,
+    mask: Any = None,
+    score_mod: Any = None,
+    layer: int = 0,
+    scale: float | None = None,
+    enable_gqa: bool | None = None,
+    return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
 
     Args:
@@ -174,14 +192,28 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, config: Any = None, *, mask: Any = None, score_mod: Any = None, layer: int = 0,
-        num_heads: int | None = None, scale: float | None = None, enable_gqa: bool | None = None,
-        return_lse: bool = False, sinks: bool | torch.Tensor | None = None, backend: str = "auto",
+        self,
+        config: Any = None,
+        *,
+        mask: Any = None,
+        score_mod: Any = None,
+        layer: int = 0,
+        num_heads: int | None = None,
+        scale: float | None = None,
+        enable_gqa: bool | None = None,
+        return_lse: bool = False,
+        sinks: bool | torch.Tensor | None = None,
+        backend: str = "auto",
         **preset_params: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         self.spec = resolve_config(
-            config, mask=mask, score_mod=score_mod, layer=layer, num_heads=num_heads, preset_params=preset_params
+            config,
+            mask=mask,
+            score_mod=score_mod,
+            layer=layer,
+            num_heads=num_heads,
+            preset_params=preset_params,
         )
         self.scale = scale
         self.enable_gqa = enable_gqa
@@ -245,9 +277,16 @@ class Attention(nn.Module):
                 score_mod=la.score_mod if score_mod is None else score_mod,
             )
         return _run(
-            q, k, v, la, scale=self.scale, enable_gqa=self.enable_gqa,
-            return_lse=self.return_lse, sinks=self.sinks, backend=self.backend,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            la,
+            scale=self.scale,
+            enable_gqa=self.enable_gqa,
+            return_lse=self.return_lse,
+            sinks=self.sinks,
+            backend=self.backend,
+        )
 
     def extra_repr(self) -> str:
         parts = [f"mask={self.spec.mask!r}", f"score_mod={self.spec.score_mod!r}"]

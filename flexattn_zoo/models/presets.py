@@ -143,8 +143,12 @@ def _mistral(layer: int, num_heads: int | None, window: int = 4096) -> LayerAtte
     return LayerAttention(mask=m.SlidingWindow.from_hf(window), kind="local")
 
 
-@preset("gemma2", model="Gemma 2", pattern="layers 0,2,4..: sliding 4096; 1,3,5..: global; softcap 50 everywhere",
-        params=("window", "cap", "query_pre_attn_scalar"))  # fmt: skip
+@preset(
+    "gemma2",
+    model="Gemma 2",
+    pattern="layers 0,2,4..: sliding 4096; 1,3,5..: global; softcap 50 everywhere",
+    params=("window", "cap", "query_pre_attn_scalar"),
+)
 def _gemma2(
     layer: int,
     num_heads: int | None,
@@ -160,12 +164,20 @@ def _gemma2(
     m, s = _masks(), _scores()
     local = layer % 2 == 0
     mask = m.SlidingWindow.from_hf(window) if local else m.Causal()
-    return LayerAttention(mask=mask, score_mod=s.SoftCap(cap=cap), scale=float(query_pre_attn_scalar) ** -0.5,
-                          kind="local" if local else "global")  # fmt: skip
+    return LayerAttention(
+        mask=mask,
+        score_mod=s.SoftCap(cap=cap),
+        scale=float(query_pre_attn_scalar) ** -0.5,
+        kind="local" if local else "global",
+    )
 
 
-@preset("gemma3", model="Gemma 3", pattern="5 local (sliding 1024) : 1 global; layers 5, 11, 17.. global",
-        params=("window", "every", "query_pre_attn_scalar"))  # fmt: skip
+@preset(
+    "gemma3",
+    model="Gemma 3",
+    pattern="5 local (sliding 1024) : 1 global; layers 5, 11, 17.. global",
+    params=("window", "every", "query_pre_attn_scalar"),
+)
 def _gemma3(
     layer: int, num_heads: int | None, window: int = 1024, every: int = 6, query_pre_attn_scalar: float = 256
 ) -> LayerAttention:
@@ -182,8 +194,12 @@ def _gemma3(
     )
 
 
-@preset("llama4", model="Llama 4 (Scout / Maverick)", pattern="3 chunked (8192) : 1 global; layers 3, 7, 11.. global",
-        params=("chunk", "every"))  # fmt: skip
+@preset(
+    "llama4",
+    model="Llama 4 (Scout / Maverick)",
+    pattern="3 chunked (8192) : 1 global; layers 3, 7, 11.. global",
+    params=("chunk", "every"),
+)
 def _llama4(layer: int, num_heads: int | None, chunk: int = 8192, every: int = 4) -> LayerAttention:
     """Llama 4 model card (Meta, 2025: interleaved attention layers without positional
     embeddings, "iRoPE"); Hugging Face Llama4TextConfig: ``attention_chunk_size=8192``,
@@ -226,8 +242,12 @@ def _grok1(layer: int, num_heads: int | None, cap: float = 30.0) -> LayerAttenti
     return LayerAttention(mask=m.Causal(), score_mod=s.SoftCap(cap=cap), kind="global")
 
 
-@preset("gpt_oss", model="gpt-oss-20b / gpt-oss-120b", pattern="layers 0,2,4..: sliding 128; 1,3,5..: global; learned sinks",
-        params=("window",))  # fmt: skip
+@preset(
+    "gpt_oss",
+    model="gpt-oss-20b / gpt-oss-120b",
+    pattern="layers 0,2,4..: sliding 128; 1,3,5..: global; learned sinks",
+    params=("window",),
+)
 def _gpt_oss(layer: int, num_heads: int | None, window: int = 128) -> LayerAttention:
     """OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (August 2025, architecture): attention alternates
     between banded windows of 128 tokens and fully dense layers; every head has a learned bias in
@@ -240,8 +260,12 @@ def _gpt_oss(layer: int, num_heads: int | None, window: int = 128) -> LayerAtten
     return LayerAttention(mask=mask, uses_sinks=True, kind="local" if local else "global")
 
 
-@preset("modernbert", model="ModernBERT", pattern="bidirectional; layers 0,3,6..: global; others: local +-64 (128 window)",
-        params=("window", "every"))  # fmt: skip
+@preset(
+    "modernbert",
+    model="ModernBERT",
+    pattern="bidirectional; layers 0,3,6..: global; others: local +-64 (128 window)",
+    params=("window", "every"),
+)
 def _modernbert(layer: int, num_heads: int | None, window: int = 128, every: int = 3) -> LayerAttention:
     """ModernBERT paper (Warner et al., 2024, arXiv:2412.13663, section 2.1.2): global attention
     every third layer, otherwise local sliding-window attention over 128 tokens; an encoder, so
@@ -253,8 +277,12 @@ def _modernbert(layer: int, num_heads: int | None, window: int = 128, every: int
     return LayerAttention(mask=mask, kind="local" if local else "global")
 
 
-@preset("prefix_lm", model="T5 prefix LM / PaliGemma", pattern="every layer: prefix bidirectional, then causal",
-        params=("prefix_len",))  # fmt: skip
+@preset(
+    "prefix_lm",
+    model="T5 prefix LM / PaliGemma",
+    pattern="every layer: prefix bidirectional, then causal",
+    params=("prefix_len",),
+)
 def _prefix_lm(layer: int, num_heads: int | None, prefix_len: Any = None) -> LayerAttention:
     """T5 paper (Raffel et al., 2020, arXiv:1910.10683, section 3.2.1, "prefix LM" mask: fully
     visible over the prefix, causal after it); PaliGemma (Beyer et al., 2024, arXiv:2407.07726,

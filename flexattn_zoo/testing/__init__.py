@@ -71,18 +71,39 @@ def __getattr__(name: str) -> Any:
 
 @overload
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[False] = ...,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: Literal[False] = ...,
 ) -> torch.Tensor: ...
 @overload
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., return_lse: Literal[True],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: Literal[True],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def eager_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = ..., score_mod: Any = ...,
-    scale: float | None = ..., enable_gqa: bool = ..., return_lse: bool = ...,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    return_lse: bool = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -103,9 +124,16 @@ def eager_attention(
     -inf); only the precision differs, which makes its error the yardstick for low-precision routes.
     """
     return dense_attention(
-        q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
-        return_lse=return_lse, dtype=q.dtype,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        mask=mask,
+        score_mod=score_mod,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_lse=return_lse,
+        dtype=q.dtype,
+    )
 
 
 def _floor(dtype: torch.dtype, magnitude: float, lse_scale: float, floor_ulps: float) -> float:

@@ -248,7 +248,11 @@ def _check_lowest_key(spec: MaskSpec, dense: torch.Tensor, exact: bool) -> None:
     lo = lo.cpu()
     # Decoding passes [B, n_q] grids of positions: the bound must not depend on the layout.
     grid = spec.lowest_visible_key(q_idx.view(1, q_len).expand(2, q_len))
-    if not (isinstance(grid, torch.Tensor) and grid.shape == (2, q_len) and torch.equal(grid.cpu(), lo.expand(2, q_len))):
+    if not (
+        isinstance(grid, torch.Tensor)
+        and grid.shape == (2, q_len)
+        and torch.equal(grid.cpu(), lo.expand(2, q_len))
+    ):
         raise AssertionError(
             f"{spec!r}: lowest_visible_key of a [2, {q_len}] grid of positions differs from {what}, row by row"
         )

@@ -143,9 +143,26 @@ def test_show_png(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         (["plan", "--mask", "nope", "--len", "8", "--arch", "sm90"], "unknown mask 'nope'"),
         (["plan", "--mask", "causal", "--len", "8", "--arch", "h100"], "arch"),
         # The specs are validated against the problem, as fz.plan does.
-        (["plan", "--score", "alibi", "--num-heads", "3", "--heads", "4", "--len", "8", "--arch", "cpu"], "heads"),
-        (["plan", "--mask", "prefix_lm", "--prefix-len", "1,2,3", "--batch", "2", "--len", "8", "--arch", "cpu"],
-         "batch"),
+        (
+            ["plan", "--score", "alibi", "--num-heads", "3", "--heads", "4", "--len", "8", "--arch", "cpu"],
+            "heads",
+        ),
+        (
+            [
+                "plan",
+                "--mask",
+                "prefix_lm",
+                "--prefix-len",
+                "1,2,3",
+                "--batch",
+                "2",
+                "--len",
+                "8",
+                "--arch",
+                "cpu",
+            ],
+            "batch",
+        ),
     ],
 )
 def test_bad_input_exits_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -166,8 +183,11 @@ def test_module_entry_point_exit_code() -> None:
     env = {**os.environ, "COLUMNS": "120"}
     proc = subprocess.run(
         [sys.executable, "-m", "flexattn_zoo", "show", "no_such_mask", "--len", "4"],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "unknown mask or score_mod 'no_such_mask'" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -192,14 +212,42 @@ def test_plan_on_sm90_from_a_cpu_machine(capsys: pytest.CaptureFixture[str]) -> 
     from flexattn_zoo import masks
     from flexattn_zoo.dispatch import Problem, plan_problem
 
-    argv = ["plan", "--mask", "sliding_window", "--left", "1023", "--len", "32768", "--heads", "16,4",
-            "--dim", "128", "--dtype", "bf16", "--arch", "sm90", "--grad"]  # fmt: skip
+    argv = [
+        "plan",
+        "--mask",
+        "sliding_window",
+        "--left",
+        "1023",
+        "--len",
+        "32768",
+        "--heads",
+        "16,4",
+        "--dim",
+        "128",
+        "--dtype",
+        "bf16",
+        "--arch",
+        "sm90",
+        "--grad",
+    ]
     code, out, _ = run(capsys, *argv)
     assert code == 0
     expected = plan_problem(
-        Problem(batch=1, heads=16, kv_heads=4, q_len=32768, kv_len=32768, head_dim=128, dtype=torch.bfloat16,
-                device_type="cuda", arch="sm90", requires_grad=True, mask=masks.SlidingWindow(left=1023), score=None)
-    )  # fmt: skip
+        Problem(
+            batch=1,
+            heads=16,
+            kv_heads=4,
+            q_len=32768,
+            kv_len=32768,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            device_type="cuda",
+            arch="sm90",
+            requires_grad=True,
+            mask=masks.SlidingWindow(left=1023),
+            score=None,
+        )
+    )
     assert f"route: {expected.backend}" in out
     for cand in expected.candidates:
         assert cand.name in out
@@ -209,9 +257,27 @@ def test_plan_on_sm90_from_a_cpu_machine(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_plan_score_mod_takes_num_heads_from_heads(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(
-        capsys, "plan", "--mask", "causal", "--score", "alibi", "--score", "softcap", "--cap", "30",
-        "--len", "1000", "--heads", "12", "--dim", "64", "--dtype", "fp32", "--arch", "cpu",
-    )  # fmt: skip
+        capsys,
+        "plan",
+        "--mask",
+        "causal",
+        "--score",
+        "alibi",
+        "--score",
+        "softcap",
+        "--cap",
+        "30",
+        "--len",
+        "1000",
+        "--heads",
+        "12",
+        "--dim",
+        "64",
+        "--dtype",
+        "fp32",
+        "--arch",
+        "cpu",
+    )
     assert code == 0
     assert "alibi(num_heads=12) >> softcap(cap=30.0)" in " ".join(out.split())
 
@@ -232,8 +298,19 @@ def test_plan_from_yaml_config(capsys: pytest.CaptureFixture[str], tmp_path: Pat
 def test_demo_tiny_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     # Two presets (one SDPA route, one compiled flex route) at L=64 keep this well under a minute.
     code, out, _ = run(
-        capsys, "demo", "--device", "cpu", "--len", "64", "--repeats", "1", "--only", "full", "--only", "sliding_window"
-    )  # fmt: skip
+        capsys,
+        "demo",
+        "--device",
+        "cpu",
+        "--len",
+        "64",
+        "--repeats",
+        "1",
+        "--only",
+        "full",
+        "--only",
+        "sliding_window",
+    )
     assert code == 0, out
     assert "full" in out and "sliding_window(left=8)" in out
     assert out.count("PASS") == 2 and "FAIL" not in out
@@ -318,14 +395,18 @@ def test_import_finds_modules_in_the_current_directory(
 
 
 @pytest.mark.parametrize("module", ["", ".relative"])
-def test_import_of_an_empty_or_relative_name_is_a_clear_error(capsys: pytest.CaptureFixture[str], module: str) -> None:
+def test_import_of_an_empty_or_relative_name_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], module: str
+) -> None:
     code, _, err = run(capsys, "--import", module, "list")
     assert code == 2
     assert "--import" in err and "absolute module name" in err
     assert "Traceback" not in err
 
 
-def test_list_fits_an_80_column_terminal(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_list_fits_an_80_column_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run(capsys, "list")
     assert code == 0
@@ -338,7 +419,9 @@ def test_list_fits_an_80_column_terminal(capsys: pytest.CaptureFixture[str], mon
         assert any(line.startswith(name + " ") for line in lines), name
 
 
-def test_list_long_shows_full_descriptions(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_list_long_shows_full_descriptions(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("COLUMNS", "200")
     code, out, _ = run(capsys, "list", "--long")
     assert code == 0

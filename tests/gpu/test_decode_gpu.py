@@ -40,18 +40,30 @@ def assert_decode_matches(out, q, k, v, lens, mask, score=None, sinks=None) -> N
     lq = q.shape[2]
     for b in range(q.shape[0]):
         fq, fk, fv = _full_problem(q, k, v, lens, b)
-        ref, ref_lse = reference_attention(fq.double(), fk.double(), fv.double(), mask=mask, score_mod=score,
-                                           enable_gqa=True, sinks=None if sinks is None else sinks.double(), return_lse=True)  # fmt: skip
+        ref, ref_lse = reference_attention(
+            fq.double(),
+            fk.double(),
+            fv.double(),
+            mask=mask,
+            score_mod=score,
+            enable_gqa=True,
+            sinks=None if sinks is None else sinks.double(),
+            return_lse=True,
+        )
         eager = eager_attention(fq, fk, fv, mask=mask, score_mod=score, enable_gqa=True)
         if sinks is not None:  # eager with sinks through the same identity, in the input dtype
             _, lse = eager_attention(fq, fk, fv, mask=mask, score_mod=score, enable_gqa=True, return_lse=True)
-            eager = eager * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1)).unsqueeze(-1).to(eager.dtype)
+            eager = eager * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1)).unsqueeze(-1).to(
+                eager.dtype
+            )
         ref, eager, ref_lse = ref[0, :, -lq:], eager[0, :, -lq:], ref_lse[0, :, -lq:]
         err = float((out[b].double() - ref).abs().max())
         eager_err = float((eager.double() - ref).abs().max())
         finite = ref_lse[torch.isfinite(ref_lse)]
         lse_scale = 1 + (float(finite.abs().max()) if finite.numel() else 0.0)
-        floor = float(ref.abs().max()) * (torch.finfo(q.dtype).eps + FLOOR_ULPS * torch.finfo(torch.float32).eps * lse_scale)
+        floor = float(ref.abs().max()) * (
+            torch.finfo(q.dtype).eps + FLOOR_ULPS * torch.finfo(torch.float32).eps * lse_scale
+        )
         assert err <= 2 * eager_err + floor, f"row {b}: error {err:.3e} > 2 x {eager_err:.3e} + {floor:.3e}"
 
 
@@ -65,7 +77,10 @@ def _cache(dtype=torch.bfloat16, seed=0):  # type: ignore[no-untyped-def]
 CASES = {
     "causal": (lambda: masks.Causal(), lambda: None),
     "sliding_alibi": (lambda: masks.SlidingWindow.from_hf(300), lambda: score_mods.Alibi(num_heads=H)),
-    "chunked_softcap": (lambda: masks.Chunked(size=512) & masks.Causal(), lambda: score_mods.SoftCap(cap=30.0)),
+    "chunked_softcap": (
+        lambda: masks.Chunked(size=512) & masks.Causal(),
+        lambda: score_mods.SoftCap(cap=30.0),
+    ),
 }
 
 
@@ -171,15 +186,36 @@ def test_hf_models_on_the_auto_route() -> None:
     import flexattn_zoo.hf as zhf
 
     name = zhf.register("flexattn_zoo_gpu")
-    common = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)  # fmt: skip
-    configs = [transformers.Gemma2Config(**common, sliding_window=64),
-               transformers.GptOssConfig(**common, sliding_window=64, num_local_experts=4, num_experts_per_tok=2,
-                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})]  # fmt: skip
+    common = dict(
+        vocab_size=100,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
+    configs = [
+        transformers.Gemma2Config(**common, sliding_window=64),
+        transformers.GptOssConfig(
+            **common,
+            sliding_window=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    ]
     ids = torch.randint(0, 100, (2, 300), device=DEV)
     for cfg in configs:
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", experts_implementation="eager").to(DEV).eval()
+        model = (
+            transformers.AutoModelForCausalLM.from_config(
+                cfg, attn_implementation="eager", experts_implementation="eager"
+            )
+            .to(DEV)
+            .eval()
+        )
         if hasattr(model.model.layers[0].self_attn, "sinks"):
             for layer in model.model.layers:
                 torch.nn.init.normal_(layer.self_attn.sinks)
@@ -247,8 +283,14 @@ def test_caches_too_large_for_one_flex_launch_are_split_by_rows() -> None:
         for b in (0, batch // 2 - 1, batch // 2, batch - 1):  # both sides of the split
             # The newest query sees every live key: plain attention over the first n keys.
             n, one = int(lens[b]), slice(b, b + 1)
-            ref = reference_attention(q[one].double(), k[one, :, :n].double(), v[one, :, :n].double(), enable_gqa=True)
-            eager = torch.nn.functional.scaled_dot_product_attention(q[one], k[one, :, :n], v[one, :, :n], enable_gqa=True)
+            ref = reference_attention(
+                q[one].double(), k[one, :, :n].double(), v[one, :, :n].double(), enable_gqa=True
+            )
+            eager = torch.nn.functional.scaled_dot_product_attention(
+                q[one], k[one, :, :n], v[one, :, :n], enable_gqa=True
+            )
             err, eager_err = (float((t.double() - ref).abs().max()) for t in (out[one], eager))
             floor = float(ref.abs().max()) * torch.finfo(torch.bfloat16).eps
-            assert err <= 2 * eager_err + floor, f"row {b}: error {err:.3e} > 2 x {eager_err:.3e} + {floor:.3e}"
+            assert err <= 2 * eager_err + floor, (
+                f"row {b}: error {err:.3e} > 2 x {eager_err:.3e} + {floor:.3e}"
+            )

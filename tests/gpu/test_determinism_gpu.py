@@ -51,23 +51,39 @@ def _write_summary() -> Iterator[None]:
     path = os.environ.get(SUMMARY_ENV)
     if path:
         with open(path, "w") as f:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "routes": SUMMARY}, f, indent=2)
+            json.dump(
+                {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "routes": SUMMARY},
+                f,
+                indent=2,
+            )
 
 
 def _inputs(hkv: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    return [torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, hkv, hkv)]
+    return [
+        torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g) for h in (8, hkv, hkv)
+    ]
 
 
 def _runs(route: str, mask: Any, score: Any, hkv: int, deterministic: bool) -> bool:
     """Whether RUNS repeated fwd+bwd are bitwise identical (the route's backward when it has one)."""
     base = _inputs(hkv)
     grad = BY_NAME[route].backward
-    grad_out = torch.randn(2, 8, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(1))
+    grad_out = torch.randn(
+        2,
+        8,
+        2048,
+        128,
+        device="cuda",
+        dtype=torch.bfloat16,
+        generator=torch.Generator(device="cuda").manual_seed(1),
+    )
     first: tuple[torch.Tensor, ...] | None = None
     for _ in range(RUNS):
         ins = [t.clone().requires_grad_(grad) for t in base]
-        out = fz.attention(*ins, mask=mask, score_mod=score, enable_gqa=hkv != 8, backend=route, deterministic=deterministic)
+        out = fz.attention(
+            *ins, mask=mask, score_mod=score, enable_gqa=hkv != 8, backend=route, deterministic=deterministic
+        )
         got = (out, *(torch.autograd.grad(out, ins, grad_out) if grad else ()))
         if first is None:
             first = got
@@ -83,7 +99,16 @@ def test_route_is_bitwise_reproducible_or_refuses(route: str) -> None:
     for name, (mask, score, hkv) in CASES.items():
         q, k, v = _inputs(hkv)
         try:
-            fz.plan(q.requires_grad_(), k, v, mask=mask, score_mod=score, enable_gqa=hkv != 8, backend=route, deterministic=True)
+            fz.plan(
+                q.requires_grad_(),
+                k,
+                v,
+                mask=mask,
+                score_mod=score,
+                enable_gqa=hkv != 8,
+                backend=route,
+                deterministic=True,
+            )
         except ValueError as exc:
             entry["reasons"][name] = str(exc)
             continue

@@ -41,7 +41,12 @@ NAN_ROUTES = [b.name for b in BACKENDS if b.name in GPU_AUTO - NAN_UNCHECKED]
 
 def _pool() -> list[tuple[MaskSpec, ScoreSpec | None]]:
     """Length-independent composites up to 3 deep, each with a score chain (or none)."""
-    c, w, p, k = masks.Causal(), masks.SlidingWindow(left=300, right=17), masks.PrefixLM(prefix_len=129), masks.Chunked(size=256)
+    c, w, p, k = (
+        masks.Causal(),
+        masks.SlidingWindow(left=300, right=17),
+        masks.PrefixLM(prefix_len=129),
+        masks.Chunked(size=256),
+    )
     cap, alibi = score_mods.SoftCap(cap=20.0), score_mods.Alibi(num_heads=HEADS)
     return [
         (c & w, None),
@@ -59,8 +64,12 @@ POOL = _pool()
 # No shrinking: each shrink step is new shapes, i.e. new compiles (minutes); the first failing
 # example is reported as found. Generation is slow next to the health check's threshold (tensors
 # built on the host, copied to the GPU), which says nothing about the code under test.
-@settings(max_examples=30, phases=[Phase.explicit, Phase.reuse, Phase.generate], report_multiple_bugs=False,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@settings(
+    max_examples=30,
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    report_multiple_bugs=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(
     index=st.integers(0, len(POOL) - 1),
     route=st.sampled_from(["flex", "auto"]),
@@ -81,7 +90,9 @@ def test_gpu_fuzz_matches_reference(index, route, q_len, kv_len, kv_heads, grad,
     if grad:
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, grads=grads, grad_out=grad_out)
+        assert_matches_reference(
+            out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, grads=grads, grad_out=grad_out
+        )
     else:
         assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True)
 
@@ -101,7 +112,9 @@ def test_short_gqa_queries_on_flex(index: int, q_len: int) -> None:
 
 def test_gpu_fuzz_compiles_stay_bounded() -> None:
     # Per compiled entry: grad modes x (static, dynamic) x GQA on/off is far below Dynamo's 8.
-    assert all(e.compiles <= 6 for e in COMPILE_CACHE.entries()), [e.compiles for e in COMPILE_CACHE.entries()]
+    assert all(e.compiles <= 6 for e in COMPILE_CACHE.entries()), [
+        e.compiles for e in COMPILE_CACHE.entries()
+    ]
 
 
 @pytest.mark.parametrize("route", [*NAN_ROUTES, "auto"])

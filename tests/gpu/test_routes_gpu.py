@@ -185,8 +185,10 @@ def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore
     expanded for cuDNN first), lse-free, forward and backward vs float64."""
     g = torch.Generator(device=DEV).manual_seed(3)
     q = torch.randn(1, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    k, v = (torch.randn(1, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            for _ in range(2))  # fmt: skip
+    k, v = (
+        torch.randn(1, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        for _ in range(2)
+    )
     _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
 
 
@@ -200,7 +202,9 @@ def test_sdpa_split_prefix(hkv: int, layout: str) -> None:
 
     def make(heads: int) -> torch.Tensor:
         if layout == "projection":
-            return torch.randn(B, 700, heads, 128, device=DEV, dtype=torch.bfloat16, generator=g).transpose(1, 2)
+            return torch.randn(B, 700, heads, 128, device=DEV, dtype=torch.bfloat16, generator=g).transpose(
+                1, 2
+            )
         return torch.randn(B, heads, 700, 128, device=DEV, dtype=torch.bfloat16, generator=g)
 
     q, k, v = (t.requires_grad_(True) for t in (make(H), make(hkv), make(hkv)))
@@ -257,9 +261,14 @@ def test_unfused_fallback_guard_on_gpu() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    [masks.Causal(), masks.SlidingWindow(left=300, right=7), masks.Chunked(size=200) & masks.Causal(),
-     masks.PrefixLM(prefix_len=700) , masks.Document.from_lengths([257, 600, 1000, 143])],
-)  # fmt: skip
+    [
+        masks.Causal(),
+        masks.SlidingWindow(left=300, right=7),
+        masks.Chunked(size=200) & masks.Causal(),
+        masks.PrefixLM(prefix_len=700),
+        masks.Document.from_lengths([257, 600, 1000, 143]),
+    ],
+)
 @pytest.mark.parametrize("lens", [(2000, 2000), (1500, 2000), (2000, 1300)])
 def test_closed_form_block_mask_equals_create_block_mask(spec, lens) -> None:  # type: ignore[no-untyped-def]
     lq, lkv = lens
@@ -315,11 +324,15 @@ def test_fa4_takes_projection_layout_and_scale() -> None:
     """[B, L, H, D] projections viewed as [B, H, L, D] (no copy needed) and a non-default scale."""
     g = torch.Generator(device=DEV).manual_seed(2)
     q, k, v = (
-        torch.randn(2, 300, 4, 64, device=DEV, dtype=torch.bfloat16, generator=g).transpose(1, 2).requires_grad_(True)
+        torch.randn(2, 300, 4, 64, device=DEV, dtype=torch.bfloat16, generator=g)
+        .transpose(1, 2)
+        .requires_grad_(True)
         for _ in range(3)
     )
     spec = score_mods.SoftCap(cap=20.0, approx=True)
     out = fz.attention(q, k, v, mask="causal", score_mod=spec, scale=0.3, backend="fa4")
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert_matches_reference(out, q, k, v, mask="causal", score_mod=spec, scale=0.3, grads=grads, grad_out=grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask="causal", score_mod=spec, scale=0.3, grads=grads, grad_out=grad_out
+    )

@@ -33,22 +33,37 @@ from flexattn_zoo.masks.padding import KeyPadding  # noqa: E402
 
 mu = pytest.importorskip("transformers.masking_utils")
 
-COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)  # fmt: skip
+COMMON = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=7),
     "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=7, query_pre_attn_scalar=16),
     "llama": lambda: transformers.LlamaConfig(**COMMON),
     # 4 layers: three chunked (chunk 8) and one global, as Llama 4 interleaves them.
     "llama4": lambda: transformers.Llama4TextConfig(
-        **{**COMMON, "num_hidden_layers": 4}, attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1,
-        intermediate_size_mlp=96, interleave_moe_layer_step=2,
+        **{**COMMON, "num_hidden_layers": 4},
+        attention_chunk_size=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        intermediate_size_mlp=96,
+        interleave_moe_layer_step=2,
     ),
     "gpt_oss": lambda: transformers.GptOssConfig(
-        **COMMON, sliding_window=7, num_local_experts=4, num_experts_per_tok=2,
+        **COMMON,
+        sliding_window=7,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
-}  # fmt: skip
+}
 L = 24
 # Two packed documents of 9 and 15 tokens in row 0; row 1 is one sequence.
 PACKED_POSITIONS = torch.tensor([list(range(9)) + list(range(15)), list(range(L))])
@@ -80,7 +95,9 @@ def _logits(model, impl: str, dtype: torch.dtype, **inputs) -> torch.Tensor:  # 
         return model(**inputs).logits.double()
 
 
-def _assert_close(ours: torch.Tensor, eager32: torch.Tensor, eager64: torch.Tensor, keep: torch.Tensor) -> None:
+def _assert_close(
+    ours: torch.Tensor, eager32: torch.Tensor, eager64: torch.Tensor, keep: torch.Tensor
+) -> None:
     err = (ours - eager64).abs()[keep].max().item()
     eager_err = (eager32 - eager64).abs()[keep].max().item()
     floor = 16 * torch.finfo(torch.float32).eps * eager64[keep].abs().max().item()
@@ -91,9 +108,11 @@ INPUTS = {
     "plain": lambda ids: (dict(input_ids=ids), torch.ones(ids.shape, dtype=torch.bool)),
     "left_padding": lambda ids: _padded(ids, left=True),
     "right_padding": lambda ids: _padded(ids, left=False),
-    "packed": lambda ids: (dict(input_ids=ids, position_ids=PACKED_POSITIONS, use_cache=False),
-                           torch.ones(ids.shape, dtype=torch.bool)),
-}  # fmt: skip
+    "packed": lambda ids: (
+        dict(input_ids=ids, position_ids=PACKED_POSITIONS, use_cache=False),
+        torch.ones(ids.shape, dtype=torch.bool),
+    ),
+}
 
 
 def _padded(ids: torch.Tensor, *, left: bool):  # type: ignore[no-untyped-def]
@@ -114,7 +133,14 @@ def _rowwise(model, impl: str, dtype: torch.dtype, kwargs: dict, keep: torch.Ten
     for b in range(ids.shape[0]):
         real = keep[b]
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
-        logits = _logits(model, impl, dtype, input_ids=ids[b : b + 1, real], position_ids=positions[b : b + 1, real], **rest)
+        logits = _logits(
+            model,
+            impl,
+            dtype,
+            input_ids=ids[b : b + 1, real],
+            position_ids=positions[b : b + 1, real],
+            **rest,
+        )
         if out is None:
             out = torch.zeros(ids.shape[0], ids.shape[1], logits.shape[-1], dtype=torch.float64)
         out[b, real] = logits[0]
@@ -132,7 +158,9 @@ def test_logits_match_eager(kind: str, inputs: str, name: str, caplog: pytest.Lo
         ours = _logits(model, name, torch.float32, **kwargs)
     assert "not recognised" not in caplog.text  # every mask was read into zoo specs
     if "padding" in inputs:
-        eager32, eager64 = (_rowwise(model, "eager", dt, kwargs, keep) for dt in (torch.float32, torch.float64))
+        eager32, eager64 = (
+            _rowwise(model, "eager", dt, kwargs, keep) for dt in (torch.float32, torch.float64)
+        )
     else:
         eager32, eager64 = (_logits(model, "eager", dt, **kwargs) for dt in (torch.float32, torch.float64))
     _assert_close(ours, eager32, eager64, keep)
@@ -160,20 +188,34 @@ def test_cached_decoding_matches_eager(kind: str, name: str) -> None:
         sel = torch.ones(12, dtype=torch.bool) if batched else real[0, :12]
         steps = []
         with torch.no_grad():
-            out = model(input_ids=ids[rows, :12][:, sel], position_ids=positions[rows, :12][:, sel],
-                        use_cache=True, **{cache_kw: cache}, **extra)  # fmt: skip
+            out = model(
+                input_ids=ids[rows, :12][:, sel],
+                position_ids=positions[rows, :12][:, sel],
+                use_cache=True,
+                **{cache_kw: cache},
+                **extra,
+            )
             steps.append(out.logits[:, -1])
             for t in range(12, 16):
                 extra = {"attention_mask": pad[rows, : t + 1]} if batched else {}
-                out = model(input_ids=ids[rows, t : t + 1], position_ids=positions[rows, t : t + 1],
-                            use_cache=True, **{cache_kw: cache}, **extra)  # fmt: skip
+                out = model(
+                    input_ids=ids[rows, t : t + 1],
+                    position_ids=positions[rows, t : t + 1],
+                    use_cache=True,
+                    **{cache_kw: cache},
+                    **extra,
+                )
                 steps.append(out.logits[:, -1])
         return torch.stack(steps).double()
 
     everything = torch.ones(1, 16, dtype=torch.bool)
     ours = run(name, torch.float32, slice(0, 2), pad.bool())
-    eager = {dt: torch.cat([run("eager", dt, slice(b, b + 1), pad[b : b + 1].bool() & everything) for b in (0, 1)], dim=1)
-             for dt in (torch.float32, torch.float64)}  # fmt: skip
+    eager = {
+        dt: torch.cat(
+            [run("eager", dt, slice(b, b + 1), pad[b : b + 1].bool() & everything) for b in (0, 1)], dim=1
+        )
+        for dt in (torch.float32, torch.float64)
+    }
     _assert_close(ours, eager[torch.float32], eager[torch.float64], torch.ones(ours.shape, dtype=torch.bool))
 
 
@@ -181,13 +223,25 @@ def test_cached_decoding_matches_eager(kind: str, name: str) -> None:
 # The mask reader, against transformers' own boolean masks
 
 
-def _hf_dense(fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: int = 0, padding=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    return mu.sdpa_mask(batch_size=batch, q_length=q_len, kv_length=kv_len, q_offset=q_off, kv_offset=kv_off,
-                        mask_function=fn, attention_mask=padding, allow_is_causal_skip=False)  # fmt: skip
+def _hf_dense(
+    fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: int = 0, padding=None
+) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    return mu.sdpa_mask(
+        batch_size=batch,
+        q_length=q_len,
+        kv_length=kv_len,
+        q_offset=q_off,
+        kv_offset=kv_off,
+        mask_function=fn,
+        attention_mask=padding,
+        allow_is_causal_skip=False,
+    )
 
 
 def _ours(fn, batch: int, q_len: int, kv_len: int, q_off: int = 0, kv_off: int = 0, padding=None):  # type: ignore[no-untyped-def]
-    m = zhf.integration._mask_builder(batch, q_len, kv_len, q_off, kv_off, mask_function=fn, attention_mask=padding)
+    m = zhf.integration._mask_builder(
+        batch, q_len, kv_len, q_off, kv_off, mask_function=fn, attention_mask=padding
+    )
     spec = m.spec()
     if spec is None:
         return spec, torch.ones(batch, 1, q_len, kv_len, dtype=torch.bool)
@@ -203,14 +257,25 @@ PAD = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0, 
         (lambda: mu.causal_mask_function, (10, 10, 0, 0), masks.Causal()),
         (lambda: mu.bidirectional_mask_function, (10, 10, 0, 0), None),
         (lambda: mu.sliding_window_causal_mask_function(4), (10, 10, 0, 0), masks.SlidingWindow.from_hf(4)),
-        (lambda: mu.sliding_window_causal_mask_function(4), (1, 4, 9, 6), masks.SlidingWindow(left=0, right=3)),
+        (
+            lambda: mu.sliding_window_causal_mask_function(4),
+            (1, 4, 9, 6),
+            masks.SlidingWindow(left=0, right=3),
+        ),
         (lambda: mu.sliding_window_causal_mask_function(4), (2, 10, 8, 0), Band(lo=5, hi=8)),
         (lambda: mu.causal_mask_function, (3, 10, 7, 0), OffsetCausal(offset=7)),
-        (lambda: mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)), (10, 10, 0, 0),
-         masks.Chunked(size=4) & masks.Causal()),
-        (lambda: mu.sliding_window_bidirectional_mask_function(2), (10, 10, 0, 0), masks.SlidingWindow(left=2, right=2)),
+        (
+            lambda: mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)),
+            (10, 10, 0, 0),
+            masks.Chunked(size=4) & masks.Causal(),
+        ),
+        (
+            lambda: mu.sliding_window_bidirectional_mask_function(2),
+            (10, 10, 0, 0),
+            masks.SlidingWindow(left=2, right=2),
+        ),
     ],
-)  # fmt: skip
+)
 def test_mask_reader_matches_transformers(fn, shape, expected) -> None:  # type: ignore[no-untyped-def]
     q_len, kv_len, q_off, kv_off = shape
     spec, ours = _ours(fn(), 2, q_len, kv_len, q_off, kv_off)
@@ -220,15 +285,19 @@ def test_mask_reader_matches_transformers(fn, shape, expected) -> None:  # type:
     padding = PAD[:, : kv_off + kv_len] if kv_off + kv_len <= PAD.shape[1] else None
     if padding is not None:
         spec, ours = _ours(fn(), 2, q_len, kv_len, q_off, kv_off, padding)
-        assert isinstance(spec, KeyPadding) or any(isinstance(p, KeyPadding) for p in getattr(spec, "parts", ()))
+        assert isinstance(spec, KeyPadding) or any(
+            isinstance(p, KeyPadding) for p in getattr(spec, "parts", ())
+        )
         assert torch.equal(ours, _hf_dense(fn(), 2, q_len, kv_len, q_off, kv_off, padding))
 
 
 def test_packed_sequences_become_documents() -> None:
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]])
     seq = mu.find_packed_sequence_indices(pos)
-    fn = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(3), pos),
-                      mu.packed_sequence_mask_function(seq))  # fmt: skip
+    fn = mu.and_masks(
+        mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(3), pos),
+        mu.packed_sequence_mask_function(seq),
+    )
     spec, ours = _ours(fn, 1, 10, 10)
     assert spec == masks.Document(doc_ids=seq) & masks.SlidingWindow.from_hf(3)
     assert torch.equal(ours, _hf_dense(fn, 1, 10, 10))
@@ -247,7 +316,10 @@ def test_unknown_patterns_run_transformers_function_exactly(caplog: pytest.LogCa
     with caplog.at_level(logging.WARNING, logger="flexattn_zoo.hf"):
         spec, _ = _ours(fn, 1, 10, 10, padding=PAD[:1])
     assert "not recognised" in caplog.text
-    b, h, q, kv = (torch.arange(n).view(*s) for n, s in ((1, (1, 1, 1, 1)), (1, (1, 1, 1, 1)), (10, (1, 1, 10, 1)), (10, (1, 1, 1, 10))))
+    b, h, q, kv = (
+        torch.arange(n).view(*s)
+        for n, s in ((1, (1, 1, 1, 1)), (1, (1, 1, 1, 1)), (10, (1, 1, 10, 1)), (10, (1, 1, 1, 10)))
+    )
     got = torch.broadcast_to(spec.mask_mod()(b, h, q, kv), (1, 1, 10, 10))
     assert torch.equal(got, _hf_dense(fn, 1, 10, 10, padding=PAD[:1]))
 

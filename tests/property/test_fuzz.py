@@ -54,7 +54,9 @@ def _depth(spec: MaskSpec | None) -> int:
 @st.composite
 def problems(draw: st.DrawFn, max_len: int = 300) -> tuple[ProblemShape, MaskSpec | None, ScoreSpec | None]:
     shape = draw(strategies.shapes(max_len=max_len))
-    mask = draw(st.none() | strategies.mask_specs(shape.q_len, shape.kv_len, shape.batch, shape.heads, depth=3))
+    mask = draw(
+        st.none() | strategies.mask_specs(shape.q_len, shape.kv_len, shape.batch, shape.heads, depth=3)
+    )
     score = draw(st.none() | score_chains(shape))
     return shape, mask, score
 
@@ -82,7 +84,9 @@ def test_block_mask_of_composites_covers_every_visible_element(case, block: tupl
     shape, mask, _ = case
     if mask is None:
         return
-    bm = fz.block_mask(mask, shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads, block_size=block)
+    bm = fz.block_mask(
+        mask, shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads, block_size=block
+    )
     dense = mask.dense(shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads)
     dense = dense.expand(shape.batch, shape.heads, shape.q_len, shape.kv_len)
     want_any, want_full = dense_block_map(dense, *block)
@@ -95,7 +99,9 @@ def test_block_mask_of_composites_covers_every_visible_element(case, block: tupl
 
 
 # One fixed composite (3 deep) and a 2-long score chain, so flex_cpu compiles one kernel.
-FLEX_MASK = (masks.SlidingWindow(left=20) | masks.PrefixLM(prefix_len=7)) & ~(masks.Chunked(size=50) & ~masks.Causal())
+FLEX_MASK = (masks.SlidingWindow(left=20) | masks.PrefixLM(prefix_len=7)) & ~(
+    masks.Chunked(size=50) & ~masks.Causal()
+)
 FLEX_SCORE = score_mods.Alibi(num_heads=4) >> score_mods.SoftCap(cap=5.0)
 
 
@@ -119,7 +125,11 @@ def test_flex_cpu_length_sweep_compiles_at_most_twice(lengths: tuple[tuple[int, 
     before = COMPILE_CACHE.total_compiles()
     for i, (lq, lkv) in enumerate(lengths):
         g = torch.Generator().manual_seed(i)
-        q, k, v = torch.randn(2, 4, lq, 32, generator=g), torch.randn(2, 2, lkv, 32, generator=g), torch.randn(2, 2, lkv, 32, generator=g)
+        q, k, v = (
+            torch.randn(2, 4, lq, 32, generator=g),
+            torch.randn(2, 2, lkv, 32, generator=g),
+            torch.randn(2, 2, lkv, 32, generator=g),
+        )
         out = fz.attention(q, k, v, mask=FLEX_MASK, score_mod=FLEX_SCORE, enable_gqa=True, backend="flex_cpu")
         assert_matches_reference(out, q, k, v, mask=FLEX_MASK, score_mod=FLEX_SCORE, enable_gqa=True)
     assert COMPILE_CACHE.total_compiles() - before <= 2

@@ -57,7 +57,9 @@ def test_score_spec_matches_oracle(name: str, shape: strategies.ProblemShape) ->
 @given(shape=strategies.shapes(max_len=200), data=st.data())
 def test_chained_score_spec_matches_oracle(shape: strategies.ProblemShape, data: st.DataObject) -> None:
     spec = data.draw(strategies.score_specs(shape.q_len, shape.kv_len, shape.batch, shape.heads))
-    assert_score_consistent(spec, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len)
+    assert_score_consistent(
+        spec, batch=shape.batch, heads=shape.heads, q_len=shape.q_len, kv_len=shape.kv_len
+    )
 
 
 def straightforward_attention(q, k, v, visible, score_fn, scale):  # type: ignore[no-untyped-def]
@@ -93,7 +95,11 @@ def test_reference_agrees_with_straightforward_computation(
     q, k, v = (t.requires_grad_() for t in data.draw(strategies.qkv(shape, torch.float64)))
     out, lse = reference_attention(q, k, v, mask=mask, score_mod=score, enable_gqa=True, return_lse=True)  # type: ignore[misc]
 
-    visible = torch.ones(1, 1, lq, lkv, dtype=torch.bool) if mask is None else mask.dense(lq, lkv, batch=b, heads=hq)
+    visible = (
+        torch.ones(1, 1, lq, lkv, dtype=torch.bool)
+        if mask is None
+        else mask.dense(lq, lkv, batch=b, heads=hq)
+    )
 
     def score_fn(s: torch.Tensor, h: int) -> torch.Tensor:
         if score is None:
@@ -102,7 +108,9 @@ def test_reference_agrees_with_straightforward_computation(
         full[:, h] = s
         return score.dense(full)[:, h]
 
-    want, want_lse = straightforward_attention(q.detach(), k.detach(), v.detach(), visible, score_fn, shape.head_dim**-0.5)
+    want, want_lse = straightforward_attention(
+        q.detach(), k.detach(), v.detach(), visible, score_fn, shape.head_dim**-0.5
+    )
     torch.testing.assert_close(out.detach(), want, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(lse.detach(), want_lse, rtol=1e-9, atol=1e-10)
     empty = ~visible.expand(b, hq, lq, lkv).any(dim=-1)

@@ -40,7 +40,9 @@ def _run(route, q, k, v, mask, score, grad):  # type: ignore[no-untyped-def]
     if grad:
         grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, grads=grads, grad_out=grad_out)
+        assert_matches_reference(
+            out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, grads=grads, grad_out=grad_out
+        )
     else:
         assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, enable_gqa=True)
     return True

@@ -164,7 +164,11 @@ def _worker(tid: int, cfg: SoakConfig, round_no: int, stats: SoakStats, lock: th
                 snapshot = buf.clone()
                 causal = rng.random() < 0.5
                 mask = masks.Document(doc_ids=buf) & masks.Causal() if causal else masks.Document(doc_ids=buf)
-                truth = masks.Document(doc_ids=snapshot) & masks.Causal() if causal else masks.Document(doc_ids=snapshot)
+                truth = (
+                    masks.Document(doc_ids=snapshot) & masks.Causal()
+                    if causal
+                    else masks.Document(doc_ids=snapshot)
+                )
                 buf.copy_(_random_ids(rng, n))  # after construction: must not reach the spec
             else:
                 mask, truth = same_doc, masks.Document(doc_ids=buf.clone())
@@ -239,9 +243,16 @@ def _report(name: str, cfg: SoakConfig, stats: SoakStats) -> float:
 
 def test_soak_short(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = SoakConfig(
-        threads=4, rounds=7, warmup_rounds=2, calls_per_round=12, lengths=(16, 48, 128, 200),
-        flex_length=256, batches=(1, 2), attention_route="dense", seed=1,
-    )  # fmt: skip
+        threads=4,
+        rounds=7,
+        warmup_rounds=2,
+        calls_per_round=12,
+        lengths=(16, 48, 128, 200),
+        flex_length=256,
+        batches=(1, 2),
+        attention_route="dense",
+        seed=1,
+    )
     stats = run_soak(cfg, monkeypatch)
     growth = _report("soak (short)", cfg, stats)
     assert sum(stats.calls.values()) == cfg.threads * cfg.rounds * cfg.calls_per_round
@@ -251,9 +262,16 @@ def test_soak_short(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_soak_long(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = SoakConfig(
-        threads=8, rounds=30, warmup_rounds=3, calls_per_round=60, lengths=(16, 48, 64, 128, 200, 256),
-        flex_length=256, batches=(1, 2), attention_route="dense", seed=2,
-    )  # fmt: skip
+        threads=8,
+        rounds=30,
+        warmup_rounds=3,
+        calls_per_round=60,
+        lengths=(16, 48, 64, 128, 200, 256),
+        flex_length=256,
+        batches=(1, 2),
+        attention_route="dense",
+        seed=2,
+    )
     stats = run_soak(cfg, monkeypatch)
     growth = _report("soak (long)", cfg, stats)
     assert growth < RSS_GROWTH_BOUND_MB

@@ -58,7 +58,9 @@ def test_mask_mod_matches_oracle(shape: strategies.ProblemShape, stride: int) ->
 
 @settings(max_examples=10)
 @given(shape=strategies.shapes(max_len=200), stride=st.integers(min_value=1, max_value=4), data=st.data())
-def test_attention_matches_reference(shape: strategies.ProblemShape, stride: int, data: st.DataObject) -> None:
+def test_attention_matches_reference(
+    shape: strategies.ProblemShape, stride: int, data: st.DataObject
+) -> None:
     mask = DilatedCausal(stride=stride)
     q, k, v = data.draw(strategies.qkv(shape, torch.float32, requires_grad=True))
     out = fz.attention(q, k, v, mask=mask, enable_gqa=True)

@@ -36,7 +36,9 @@ B, H, L, D = 2, 2, 8, 16
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).to(device=device, dtype=dtype)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).to(
+        device=device, dtype=dtype
+    )
 
 
 Q = _t(B, H, L, D)
@@ -66,166 +68,524 @@ ERRORS = [
     pytest.param(attn(q=Q[0]), ValueError, r"q must have 4 dims \[B, H, L, D\]", id="rank3_q"),
     pytest.param(attn(k=Q[None]), ValueError, r"k must have 4 dims", id="rank5_k"),
     pytest.param(attn(q=[[1.0]]), TypeError, r"q must be a torch.Tensor", id="q_not_tensor"),
-    pytest.param(attn(k=_t(3, H, L, D)), ValueError, r"batch size \(dim 0\) differs: q=2, k=3", id="batch_mismatch"),
-    pytest.param(attn(v=_t(B, 1, L, D)), ValueError, r"k and v must have the same number of heads", id="kv_heads_mismatch"),
-    pytest.param(attn(k=_t(B, 1, L, D), v=_t(B, 1, L, D)), ValueError, r"pass enable_gqa=True", id="heads_mismatch_no_gqa"),
     pytest.param(
-        attn(q=_t(B, 3, L, D), enable_gqa=True), ValueError, r"q heads \(3\) to be a multiple of k/v heads \(2\)",
-        id="gqa_ratio_not_dividing",
-    ),  # fmt: skip
-    pytest.param(attn(k=_t(B, H, L, 32)), ValueError, r"q and k head dims \(dim 3\) differ", id="head_dim_mismatch"),
-    pytest.param(attn(v=_t(B, H, 5, D)), ValueError, r"k and v must have the same length", id="kv_length_mismatch"),
-    pytest.param(
-        attn(v=_t(B, H, L, 32)), ValueError, r"value head dim 32 differs from q/k head dim 16", id="value_dim_mismatch"
+        attn(k=_t(3, H, L, D)), ValueError, r"batch size \(dim 0\) differs: q=2, k=3", id="batch_mismatch"
     ),
-    pytest.param(attn(q=Q[:, :0], k=Q[:, :0], v=Q[:, :0]), ValueError, r"heads and head dim must be positive", id="zero_heads"),
-    pytest.param(attn(q=Q.int(), k=Q.int(), v=Q.int()), TypeError, r"dtype torch.int32; supported: float16", id="int_dtype"),
     pytest.param(
-        attn(q=Q.to(torch.complex64), k=Q.to(torch.complex64), v=Q.to(torch.complex64)), TypeError,
-        r"dtype torch.complex64; supported", id="complex_dtype",
-    ),  # fmt: skip
+        attn(v=_t(B, 1, L, D)),
+        ValueError,
+        r"k and v must have the same number of heads",
+        id="kv_heads_mismatch",
+    ),
     pytest.param(
-        attn(q=Q.to(torch.float8_e4m3fn), k=Q.to(torch.float8_e4m3fn), v=Q.to(torch.float8_e4m3fn)), TypeError,
-        r"dtype torch.float8_e4m3fn; supported", id="float8_dtype",
-    ),  # fmt: skip
-    pytest.param(attn(k=Q.double()), TypeError, r"share one dtype, got q=torch.float32, k=torch.float64", id="mixed_dtypes"),
-    pytest.param(attn(k=Q.to("meta")), ValueError, r"must be on one device, got q=cpu, k=meta", id="mixed_devices"),
+        attn(k=_t(B, 1, L, D), v=_t(B, 1, L, D)),
+        ValueError,
+        r"pass enable_gqa=True",
+        id="heads_mismatch_no_gqa",
+    ),
     pytest.param(
-        attn(q=Q.to("meta"), k=Q.to("meta"), v=Q.to("meta")), ValueError, r"device 'meta'; flexattn_zoo runs on: cpu, cuda",
+        attn(q=_t(B, 3, L, D), enable_gqa=True),
+        ValueError,
+        r"q heads \(3\) to be a multiple of k/v heads \(2\)",
+        id="gqa_ratio_not_dividing",
+    ),
+    pytest.param(
+        attn(k=_t(B, H, L, 32)), ValueError, r"q and k head dims \(dim 3\) differ", id="head_dim_mismatch"
+    ),
+    pytest.param(
+        attn(v=_t(B, H, 5, D)), ValueError, r"k and v must have the same length", id="kv_length_mismatch"
+    ),
+    pytest.param(
+        attn(v=_t(B, H, L, 32)),
+        ValueError,
+        r"value head dim 32 differs from q/k head dim 16",
+        id="value_dim_mismatch",
+    ),
+    pytest.param(
+        attn(q=Q[:, :0], k=Q[:, :0], v=Q[:, :0]),
+        ValueError,
+        r"heads and head dim must be positive",
+        id="zero_heads",
+    ),
+    pytest.param(
+        attn(q=Q.int(), k=Q.int(), v=Q.int()),
+        TypeError,
+        r"dtype torch.int32; supported: float16",
+        id="int_dtype",
+    ),
+    pytest.param(
+        attn(q=Q.to(torch.complex64), k=Q.to(torch.complex64), v=Q.to(torch.complex64)),
+        TypeError,
+        r"dtype torch.complex64; supported",
+        id="complex_dtype",
+    ),
+    pytest.param(
+        attn(q=Q.to(torch.float8_e4m3fn), k=Q.to(torch.float8_e4m3fn), v=Q.to(torch.float8_e4m3fn)),
+        TypeError,
+        r"dtype torch.float8_e4m3fn; supported",
+        id="float8_dtype",
+    ),
+    pytest.param(
+        attn(k=Q.double()),
+        TypeError,
+        r"share one dtype, got q=torch.float32, k=torch.float64",
+        id="mixed_dtypes",
+    ),
+    pytest.param(
+        attn(k=Q.to("meta")), ValueError, r"must be on one device, got q=cpu, k=meta", id="mixed_devices"
+    ),
+    pytest.param(
+        attn(q=Q.to("meta"), k=Q.to("meta"), v=Q.to("meta")),
+        ValueError,
+        r"device 'meta'; flexattn_zoo runs on: cpu, cuda",
         id="unsupported_device",
-    ),  # fmt: skip
+    ),
     # -- scalar arguments ---------------------------------------------------------------------
-    pytest.param(attn(scale=float("nan")), ValueError, r"scale must be None or a finite number, got nan", id="scale_nan"),
-    pytest.param(attn(scale=float("inf")), ValueError, r"scale must be None or a finite number", id="scale_inf"),
-    pytest.param(attn(scale="0.5"), TypeError, r"scale must be None or a finite real number .* got str", id="scale_str"),
+    pytest.param(
+        attn(scale=float("nan")),
+        ValueError,
+        r"scale must be None or a finite number, got nan",
+        id="scale_nan",
+    ),
+    pytest.param(
+        attn(scale=float("inf")), ValueError, r"scale must be None or a finite number", id="scale_inf"
+    ),
+    pytest.param(
+        attn(scale="0.5"), TypeError, r"scale must be None or a finite real number .* got str", id="scale_str"
+    ),
     pytest.param(attn(scale=True), TypeError, r"scale must be .* got bool", id="scale_bool"),
     pytest.param(attn(backend=1), TypeError, r"backend must be a str, got int", id="backend_int"),
-    pytest.param(attn(backend="flax"), ValueError, r"unknown backend 'flax'; valid: auto, sdpa_cudnn", id="backend_unknown"),
+    pytest.param(
+        attn(backend="flax"),
+        ValueError,
+        r"unknown backend 'flax'; valid: auto, sdpa_cudnn",
+        id="backend_unknown",
+    ),
     pytest.param(attn(return_lse=1), TypeError, r"return_lse must be a bool", id="return_lse_int"),
     pytest.param(attn(enable_gqa="yes"), TypeError, r"enable_gqa must be a bool", id="enable_gqa_str"),
-    pytest.param(attn(deterministic="yes"), TypeError, r"deterministic must be a bool", id="deterministic_str"),
+    pytest.param(
+        attn(deterministic="yes"), TypeError, r"deterministic must be a bool", id="deterministic_str"
+    ),
     # -- mask= / score_mod= forms -------------------------------------------------------------
     pytest.param(attn(mask=3), TypeError, r"mask must be None, a mask spec .*got int", id="mask_wrong_type"),
-    pytest.param(attn(mask=score_mods.SoftCap(cap=2.0)), TypeError, r"pass it as score_mod=", id="mask_is_score_spec"),
+    pytest.param(
+        attn(mask=score_mods.SoftCap(cap=2.0)), TypeError, r"pass it as score_mod=", id="mask_is_score_spec"
+    ),
     pytest.param(attn(score_mod=masks.Causal()), TypeError, r"pass it as mask=", id="score_is_mask_spec"),
-    pytest.param(attn(mask="casual"), ValueError, r"unknown mask 'casual'; valid names: .*Did you mean 'causal'", id="mask_unknown_name"),
-    pytest.param(attn(score_mod="softcapp"), ValueError, r"unknown score_mod 'softcapp'.*softcap", id="score_unknown_name"),
-    pytest.param(attn(mask="sliding_window"), ValueError, r"mask 'sliding_window' needs parameter\(s\): left", id="mask_name_needs_params"),
     pytest.param(
-        attn(mask=lambda q_idx, kv_idx: q_idx >= kv_idx), TypeError, r"mask_mod signature \(b, h, q_idx, kv_idx\)",
+        attn(mask="casual"),
+        ValueError,
+        r"unknown mask 'casual'; valid names: .*Did you mean 'causal'",
+        id="mask_unknown_name",
+    ),
+    pytest.param(
+        attn(score_mod="softcapp"),
+        ValueError,
+        r"unknown score_mod 'softcapp'.*softcap",
+        id="score_unknown_name",
+    ),
+    pytest.param(
+        attn(mask="sliding_window"),
+        ValueError,
+        r"mask 'sliding_window' needs parameter\(s\): left",
+        id="mask_name_needs_params",
+    ),
+    pytest.param(
+        attn(mask=lambda q_idx, kv_idx: q_idx >= kv_idx),
+        TypeError,
+        r"mask_mod signature \(b, h, q_idx, kv_idx\)",
         id="mask_fn_wrong_signature",
-    ),  # fmt: skip
-    pytest.param(attn(mask=lambda b, h, q, kv: q - kv), TypeError, r"must return a bool tensor .* got torch.int32", id="mask_fn_not_bool"),
+    ),
     pytest.param(
-        attn(mask=lambda b, h, q, kv: (q >= kv) if q > 2 else (q < kv)), TypeError, r"use elementwise ops",
+        attn(mask=lambda b, h, q, kv: q - kv),
+        TypeError,
+        r"must return a bool tensor .* got torch.int32",
+        id="mask_fn_not_bool",
+    ),
+    pytest.param(
+        attn(mask=lambda b, h, q, kv: (q >= kv) if q > 2 else (q < kv)),
+        TypeError,
+        r"use elementwise ops",
         id="mask_fn_python_if",
-    ),  # fmt: skip
-    pytest.param(attn(mask=lambda b, h, q, kv: 1 / 0), TypeError, r"mask callable failed .*ZeroDivisionError", id="mask_fn_raises"),
-    pytest.param(attn(score_mod=lambda s: s), TypeError, r"score_mod signature \(score, b, h, q_idx, kv_idx\)", id="score_fn_wrong_signature"),
-    pytest.param(attn(score_mod=lambda s, b, h, q, kv: q - kv), TypeError, r"floating tensor .* got torch.int32", id="score_fn_not_float"),
+    ),
+    pytest.param(
+        attn(mask=lambda b, h, q, kv: 1 / 0),
+        TypeError,
+        r"mask callable failed .*ZeroDivisionError",
+        id="mask_fn_raises",
+    ),
+    pytest.param(
+        attn(score_mod=lambda s: s),
+        TypeError,
+        r"score_mod signature \(score, b, h, q_idx, kv_idx\)",
+        id="score_fn_wrong_signature",
+    ),
+    pytest.param(
+        attn(score_mod=lambda s, b, h, q, kv: q - kv),
+        TypeError,
+        r"floating tensor .* got torch.int32",
+        id="score_fn_not_float",
+    ),
     # -- spec parameters that do not fit the problem ------------------------------------------
     pytest.param(
-        attn(mask=masks.Document(doc_ids=DOC8[:4])), ValueError, r"has length 4 but .* max\(Lq, Lkv\) = 8",
+        attn(mask=masks.Document(doc_ids=DOC8[:4])),
+        ValueError,
+        r"has length 4 but .* max\(Lq, Lkv\) = 8",
         id="doc_ids_too_short",
-    ),  # fmt: skip
+    ),
     pytest.param(
-        attn(mask=masks.Document(doc_ids=torch.zeros(3, 8, dtype=torch.int64))), ValueError,
-        r"has 3 rows but the batch size is 2", id="doc_ids_rows_vs_batch",
-    ),  # fmt: skip
+        attn(mask=masks.Document(doc_ids=torch.zeros(3, 8, dtype=torch.int64))),
+        ValueError,
+        r"has 3 rows but the batch size is 2",
+        id="doc_ids_rows_vs_batch",
+    ),
     pytest.param(
-        attn(mask=masks.PrefixLM(prefix_len=torch.tensor([1, 2, 3]))), ValueError,
-        r"tensor has 3 entries but the batch size is 2", id="prefix_len_tensor_vs_batch",
-    ),  # fmt: skip
+        attn(mask=masks.PrefixLM(prefix_len=torch.tensor([1, 2, 3]))),
+        ValueError,
+        r"tensor has 3 entries but the batch size is 2",
+        id="prefix_len_tensor_vs_batch",
+    ),
     pytest.param(
-        attn(score_mod=score_mods.Alibi(num_heads=4)), ValueError, r"Alibi\(num_heads=4\) used on a problem with 2 query heads",
+        attn(score_mod=score_mods.Alibi(num_heads=4)),
+        ValueError,
+        r"Alibi\(num_heads=4\) used on a problem with 2 query heads",
         id="alibi_heads_mismatch",
-    ),  # fmt: skip
-    pytest.param(attn(mask=fz.block_mask("causal", 16, 16)), ValueError, r"BlockMask was built for lengths \(16, 16\)", id="block_mask_lengths"),
+    ),
+    pytest.param(
+        attn(mask=fz.block_mask("causal", 16, 16)),
+        ValueError,
+        r"BlockMask was built for lengths \(16, 16\)",
+        id="block_mask_lengths",
+    ),
     pytest.param(
         attn(mask=fz.block_mask(masks.Document(doc_ids=torch.zeros(3, 8, dtype=torch.int64)), 8, 8, batch=3)),
-        ValueError, r"BlockMask has batch/heads 3/1; need 1 or 2", id="block_mask_batch",
-    ),  # fmt: skip
+        ValueError,
+        r"BlockMask has batch/heads 3/1; need 1 or 2",
+        id="block_mask_batch",
+    ),
     # -- explicit backends that cannot serve the call -----------------------------------------
     pytest.param(
-        attn(mask=masks.SlidingWindow(left=2), backend="sdpa_math"), ValueError,
-        r"backend 'sdpa_math' cannot run this call: mask SlidingWindow has no exact SDPA form", id="sdpa_math_window",
-    ),  # fmt: skip
-    pytest.param(attn(score_mod=score_mods.SoftCap(cap=2.0), backend="sdpa_flash"), ValueError, r"cannot apply a score_mod", id="sdpa_flash_score"),
-    pytest.param(attn(backend="flex"), ValueError, r"backend 'flex' cannot run this call: runs on cuda, not cpu", id="flex_on_cpu"),
-    pytest.param(attn(backend="varlen"), ValueError, r"backend 'varlen' cannot run.*runs on cuda, not cpu", id="varlen_on_cpu"),
-    pytest.param(attn(backend="flex_flash"), ValueError, r"backend 'flex_flash' cannot run", id="flex_flash_on_cpu"),
-    pytest.param(attn(q=Q.clone().requires_grad_(), backend="flex_cpu"), ValueError, r"has no backward", id="flex_cpu_grad"),
-    pytest.param(attn(backend="flex_cpu", return_lse=True), ValueError, r"cannot return lse", id="flex_cpu_lse"),
-    pytest.param(attn(mask=fz.block_mask("causal", 8, 8), backend="dense"), ValueError, r"takes a mask spec, not a BlockMask", id="dense_block_mask"),
+        attn(mask=masks.SlidingWindow(left=2), backend="sdpa_math"),
+        ValueError,
+        r"backend 'sdpa_math' cannot run this call: mask SlidingWindow has no exact SDPA form",
+        id="sdpa_math_window",
+    ),
     pytest.param(
-        attn(q=Q.clone().index_fill_(2, torch.tensor([3]), float("nan")), backend="flex_cpu"), ValueError,
-        r"q/k/v hold NaN or inf", id="flex_cpu_nan",
-    ),  # fmt: skip
+        attn(score_mod=score_mods.SoftCap(cap=2.0), backend="sdpa_flash"),
+        ValueError,
+        r"cannot apply a score_mod",
+        id="sdpa_flash_score",
+    ),
     pytest.param(
-        attn(k=Q[:, :, :0], v=Q[:, :, :0], backend="flex"), ValueError, r"runs on cuda, not cpu", id="zero_length_named_route"
+        attn(backend="flex"),
+        ValueError,
+        r"backend 'flex' cannot run this call: runs on cuda, not cpu",
+        id="flex_on_cpu",
+    ),
+    pytest.param(
+        attn(backend="varlen"),
+        ValueError,
+        r"backend 'varlen' cannot run.*runs on cuda, not cpu",
+        id="varlen_on_cpu",
+    ),
+    pytest.param(
+        attn(backend="flex_flash"), ValueError, r"backend 'flex_flash' cannot run", id="flex_flash_on_cpu"
+    ),
+    pytest.param(
+        attn(q=Q.clone().requires_grad_(), backend="flex_cpu"),
+        ValueError,
+        r"has no backward",
+        id="flex_cpu_grad",
+    ),
+    pytest.param(
+        attn(backend="flex_cpu", return_lse=True), ValueError, r"cannot return lse", id="flex_cpu_lse"
+    ),
+    pytest.param(
+        attn(mask=fz.block_mask("causal", 8, 8), backend="dense"),
+        ValueError,
+        r"takes a mask spec, not a BlockMask",
+        id="dense_block_mask",
+    ),
+    pytest.param(
+        attn(q=Q.clone().index_fill_(2, torch.tensor([3]), float("nan")), backend="flex_cpu"),
+        ValueError,
+        r"q/k/v hold NaN or inf",
+        id="flex_cpu_nan",
+    ),
+    pytest.param(
+        attn(k=Q[:, :, :0], v=Q[:, :, :0], backend="flex"),
+        ValueError,
+        r"runs on cuda, not cpu",
+        id="zero_length_named_route",
     ),
     # -- spec constructors --------------------------------------------------------------------
-    pytest.param(lambda: masks.SlidingWindow(left=-1), ValueError, r"SlidingWindow\(left=...\) must be an int >= 0", id="window_left_negative"),
-    pytest.param(lambda: masks.SlidingWindow(left=1, right=-5), ValueError, r"SlidingWindow\(right=...\) must be an int >= 0", id="window_right_negative"),
-    pytest.param(lambda: masks.SlidingWindow(left=2.5), TypeError, r"SlidingWindow\(left=...\) must be an int", id="window_float"),
-    pytest.param(lambda: masks.SlidingWindow.from_hf(0), ValueError, r"from_hf\(sliding_window=...\) must be an int >= 1", id="window_hf_zero"),
-    pytest.param(lambda: masks.Chunked(size=0), ValueError, r"Chunked\(size=...\) must be an int >= 1", id="chunk_zero"),
-    pytest.param(lambda: masks.Chunked(size=-4), ValueError, r"Chunked\(size=...\) must be an int >= 1", id="chunk_negative"),
-    pytest.param(lambda: score_mods.SoftCap(cap=0), ValueError, r"SoftCap\(cap=...\) must be finite and > 0", id="cap_zero"),
-    pytest.param(lambda: score_mods.SoftCap(cap=-3.0), ValueError, r"SoftCap\(cap=...\) must be finite and > 0", id="cap_negative"),
-    pytest.param(lambda: score_mods.SoftCap(cap=float("nan")), ValueError, r"must be finite", id="cap_nan"),
-    pytest.param(lambda: score_mods.SoftCap(cap="30"), TypeError, r"SoftCap\(cap=...\) must be a real number", id="cap_str"),
-    pytest.param(lambda: masks.PrefixLM(prefix_len=-1), ValueError, r"PrefixLM\(prefix_len=...\) must be an int >= 0", id="prefix_negative"),
-    pytest.param(lambda: masks.PrefixLM(prefix_len=1.5), TypeError, r"PrefixLM\(prefix_len=...\)", id="prefix_float"),
-    pytest.param(lambda: masks.Causal(align="middle"), ValueError, r"one of 'top_left', 'bottom_right'", id="causal_bad_align"),
-    pytest.param(lambda: masks.Document(doc_ids=torch.zeros(8)), TypeError, r"integer tensor .* got dtype torch.float32", id="doc_ids_float"),
-    pytest.param(lambda: masks.Document(doc_ids=torch.zeros(1, 2, 3, dtype=torch.int64)), ValueError, r"shape \[L\] or \[B, L\]", id="doc_ids_3d"),
-    pytest.param(lambda: masks.Document.from_lengths([3, -1]), ValueError, r"from_lengths\(lengths=...\) must be >= 0", id="doc_lengths_negative"),
-    pytest.param(lambda: score_mods.Alibi(num_heads=0), ValueError, r"Alibi\(num_heads=...\) must be >= 1", id="alibi_zero_heads"),
-    pytest.param(lambda: score_mods.Alibi(num_heads=2, slopes=[1.0]), ValueError, r"needs num_heads=2 values, got 1", id="alibi_slopes_len"),
-    pytest.param(lambda: fz.Chain(mods=()), ValueError, r"Chain\(mods=...\) needs at least one", id="chain_empty"),
-    pytest.param(lambda: masks.Causal() & score_mods.SoftCap(cap=1.0), TypeError, r"mask & expects another mask spec", id="mask_and_score"),
-    pytest.param(lambda: score_mods.SoftCap(cap=1.0) >> masks.Causal(), TypeError, r"score >> expects another score spec", id="score_chain_mask"),
-    # -- registry -----------------------------------------------------------------------------
-    pytest.param(lambda: masks.get("casual"), ValueError, r"unknown mask 'casual'; valid names: .*causal", id="registry_unknown"),
-    pytest.param(lambda: masks.get(3), TypeError, r"mask name must be a str, got int", id="registry_name_not_str"),
-    pytest.param(lambda: masks.get("sliding_window", lefft=3), ValueError, r"unknown parameter\(s\) 'lefft'; valid parameters: left, right", id="registry_unknown_param"),
-    pytest.param(lambda: masks.register_function("causal", lambda b, h, q, kv: q >= kv), ValueError, r"'causal' is already registered", id="registry_duplicate_function"),
-    pytest.param(_register_dup_class, ValueError, r"'causal' is already registered", id="registry_duplicate_class"),
-    pytest.param(lambda: masks.register_function("BadName", lambda b, h, q, kv: q >= kv), ValueError, r"snake_case", id="registry_bad_name"),
-    pytest.param(lambda: masks.register(int), TypeError, r"register expects a subclass of MaskSpec", id="registry_not_a_spec"),
-    pytest.param(lambda: masks.register_function("not_callable", 3), TypeError, r"must be callable, got int", id="registry_not_callable"),
-    # -- fz.block_mask ------------------------------------------------------------------------
-    pytest.param(lambda: fz.block_mask(None, 8, 8), ValueError, r"spec must be a mask spec", id="block_mask_none"),
-    pytest.param(lambda: fz.block_mask("causal", -1, 8), ValueError, r"q_len must be a positive int, got -1", id="block_mask_negative_len"),
-    pytest.param(lambda: fz.block_mask("causal", 8.0, 8), ValueError, r"q_len must be a positive int", id="block_mask_float_len"),
-    pytest.param(lambda: fz.block_mask("causal", 8, 8, block_size=17), ValueError, r"block_size must be a positive multiple of 16", id="block_mask_block_size"),
     pytest.param(
-        lambda: fz.block_mask(masks.Document(doc_ids=torch.zeros(2, 8, dtype=torch.int64)), 8, 8), ValueError,
-        r"depends on the batch index: pass batch=", id="block_mask_needs_batch",
-    ),  # fmt: skip
-    pytest.param(lambda: fz.block_mask("causal", 8, 8, device="nope"), ValueError, r"device must be a torch.device or a string", id="block_mask_bad_device"),
-    pytest.param(lambda: fz.block_mask("causal", 8, 8, device="meta"), ValueError, r"device 'meta' has no attention route", id="block_mask_meta"),
-    pytest.param(lambda: fz.block_mask(score_mods.SoftCap(cap=1.0), 8, 8), TypeError, r"pass it as score_mod=", id="block_mask_score_spec"),
+        lambda: masks.SlidingWindow(left=-1),
+        ValueError,
+        r"SlidingWindow\(left=...\) must be an int >= 0",
+        id="window_left_negative",
+    ),
+    pytest.param(
+        lambda: masks.SlidingWindow(left=1, right=-5),
+        ValueError,
+        r"SlidingWindow\(right=...\) must be an int >= 0",
+        id="window_right_negative",
+    ),
+    pytest.param(
+        lambda: masks.SlidingWindow(left=2.5),
+        TypeError,
+        r"SlidingWindow\(left=...\) must be an int",
+        id="window_float",
+    ),
+    pytest.param(
+        lambda: masks.SlidingWindow.from_hf(0),
+        ValueError,
+        r"from_hf\(sliding_window=...\) must be an int >= 1",
+        id="window_hf_zero",
+    ),
+    pytest.param(
+        lambda: masks.Chunked(size=0), ValueError, r"Chunked\(size=...\) must be an int >= 1", id="chunk_zero"
+    ),
+    pytest.param(
+        lambda: masks.Chunked(size=-4),
+        ValueError,
+        r"Chunked\(size=...\) must be an int >= 1",
+        id="chunk_negative",
+    ),
+    pytest.param(
+        lambda: score_mods.SoftCap(cap=0),
+        ValueError,
+        r"SoftCap\(cap=...\) must be finite and > 0",
+        id="cap_zero",
+    ),
+    pytest.param(
+        lambda: score_mods.SoftCap(cap=-3.0),
+        ValueError,
+        r"SoftCap\(cap=...\) must be finite and > 0",
+        id="cap_negative",
+    ),
+    pytest.param(lambda: score_mods.SoftCap(cap=float("nan")), ValueError, r"must be finite", id="cap_nan"),
+    pytest.param(
+        lambda: score_mods.SoftCap(cap="30"),
+        TypeError,
+        r"SoftCap\(cap=...\) must be a real number",
+        id="cap_str",
+    ),
+    pytest.param(
+        lambda: masks.PrefixLM(prefix_len=-1),
+        ValueError,
+        r"PrefixLM\(prefix_len=...\) must be an int >= 0",
+        id="prefix_negative",
+    ),
+    pytest.param(
+        lambda: masks.PrefixLM(prefix_len=1.5), TypeError, r"PrefixLM\(prefix_len=...\)", id="prefix_float"
+    ),
+    pytest.param(
+        lambda: masks.Causal(align="middle"),
+        ValueError,
+        r"one of 'top_left', 'bottom_right'",
+        id="causal_bad_align",
+    ),
+    pytest.param(
+        lambda: masks.Document(doc_ids=torch.zeros(8)),
+        TypeError,
+        r"integer tensor .* got dtype torch.float32",
+        id="doc_ids_float",
+    ),
+    pytest.param(
+        lambda: masks.Document(doc_ids=torch.zeros(1, 2, 3, dtype=torch.int64)),
+        ValueError,
+        r"shape \[L\] or \[B, L\]",
+        id="doc_ids_3d",
+    ),
+    pytest.param(
+        lambda: masks.Document.from_lengths([3, -1]),
+        ValueError,
+        r"from_lengths\(lengths=...\) must be >= 0",
+        id="doc_lengths_negative",
+    ),
+    pytest.param(
+        lambda: score_mods.Alibi(num_heads=0),
+        ValueError,
+        r"Alibi\(num_heads=...\) must be >= 1",
+        id="alibi_zero_heads",
+    ),
+    pytest.param(
+        lambda: score_mods.Alibi(num_heads=2, slopes=[1.0]),
+        ValueError,
+        r"needs num_heads=2 values, got 1",
+        id="alibi_slopes_len",
+    ),
+    pytest.param(
+        lambda: fz.Chain(mods=()), ValueError, r"Chain\(mods=...\) needs at least one", id="chain_empty"
+    ),
+    pytest.param(
+        lambda: masks.Causal() & score_mods.SoftCap(cap=1.0),
+        TypeError,
+        r"mask & expects another mask spec",
+        id="mask_and_score",
+    ),
+    pytest.param(
+        lambda: score_mods.SoftCap(cap=1.0) >> masks.Causal(),
+        TypeError,
+        r"score >> expects another score spec",
+        id="score_chain_mask",
+    ),
+    # -- registry -----------------------------------------------------------------------------
+    pytest.param(
+        lambda: masks.get("casual"),
+        ValueError,
+        r"unknown mask 'casual'; valid names: .*causal",
+        id="registry_unknown",
+    ),
+    pytest.param(
+        lambda: masks.get(3), TypeError, r"mask name must be a str, got int", id="registry_name_not_str"
+    ),
+    pytest.param(
+        lambda: masks.get("sliding_window", lefft=3),
+        ValueError,
+        r"unknown parameter\(s\) 'lefft'; valid parameters: left, right",
+        id="registry_unknown_param",
+    ),
+    pytest.param(
+        lambda: masks.register_function("causal", lambda b, h, q, kv: q >= kv),
+        ValueError,
+        r"'causal' is already registered",
+        id="registry_duplicate_function",
+    ),
+    pytest.param(
+        _register_dup_class, ValueError, r"'causal' is already registered", id="registry_duplicate_class"
+    ),
+    pytest.param(
+        lambda: masks.register_function("BadName", lambda b, h, q, kv: q >= kv),
+        ValueError,
+        r"snake_case",
+        id="registry_bad_name",
+    ),
+    pytest.param(
+        lambda: masks.register(int),
+        TypeError,
+        r"register expects a subclass of MaskSpec",
+        id="registry_not_a_spec",
+    ),
+    pytest.param(
+        lambda: masks.register_function("not_callable", 3),
+        TypeError,
+        r"must be callable, got int",
+        id="registry_not_callable",
+    ),
+    # -- fz.block_mask ------------------------------------------------------------------------
+    pytest.param(
+        lambda: fz.block_mask(None, 8, 8), ValueError, r"spec must be a mask spec", id="block_mask_none"
+    ),
+    pytest.param(
+        lambda: fz.block_mask("causal", -1, 8),
+        ValueError,
+        r"q_len must be a positive int, got -1",
+        id="block_mask_negative_len",
+    ),
+    pytest.param(
+        lambda: fz.block_mask("causal", 8.0, 8),
+        ValueError,
+        r"q_len must be a positive int",
+        id="block_mask_float_len",
+    ),
+    pytest.param(
+        lambda: fz.block_mask("causal", 8, 8, block_size=17),
+        ValueError,
+        r"block_size must be a positive multiple of 16",
+        id="block_mask_block_size",
+    ),
+    pytest.param(
+        lambda: fz.block_mask(masks.Document(doc_ids=torch.zeros(2, 8, dtype=torch.int64)), 8, 8),
+        ValueError,
+        r"depends on the batch index: pass batch=",
+        id="block_mask_needs_batch",
+    ),
+    pytest.param(
+        lambda: fz.block_mask("causal", 8, 8, device="nope"),
+        ValueError,
+        r"device must be a torch.device or a string",
+        id="block_mask_bad_device",
+    ),
+    pytest.param(
+        lambda: fz.block_mask("causal", 8, 8, device="meta"),
+        ValueError,
+        r"device 'meta' has no attention route",
+        id="block_mask_meta",
+    ),
+    pytest.param(
+        lambda: fz.block_mask(score_mods.SoftCap(cap=1.0), 8, 8),
+        TypeError,
+        r"pass it as score_mod=",
+        id="block_mask_score_spec",
+    ),
     # -- the reference ------------------------------------------------------------------------
-    pytest.param(lambda: reference_attention(Q[0], Q, Q), ValueError, r"q must have 4 dims", id="reference_rank"),
-    pytest.param(lambda: reference_attention(Q.long(), Q.long(), Q.long()), TypeError, r"supported: float16", id="reference_dtype"),
-    pytest.param(lambda: reference_attention(_t(B, 3, L, D), Q, Q, enable_gqa=True), ValueError, r"multiple of k/v heads", id="reference_gqa"),
-    pytest.param(lambda: reference_attention(Q, Q, Q, enable_gqa=1), TypeError, r"enable_gqa must be a bool", id="reference_gqa_type"),
-    pytest.param(lambda: reference_attention(Q, Q, Q, mask="casual"), ValueError, r"unknown mask 'casual'", id="reference_unknown_mask"),
-    pytest.param(lambda: reference_attention(Q, Q.to("meta"), Q), ValueError, r"must be on one device", id="reference_devices"),
+    pytest.param(
+        lambda: reference_attention(Q[0], Q, Q), ValueError, r"q must have 4 dims", id="reference_rank"
+    ),
+    pytest.param(
+        lambda: reference_attention(Q.long(), Q.long(), Q.long()),
+        TypeError,
+        r"supported: float16",
+        id="reference_dtype",
+    ),
+    pytest.param(
+        lambda: reference_attention(_t(B, 3, L, D), Q, Q, enable_gqa=True),
+        ValueError,
+        r"multiple of k/v heads",
+        id="reference_gqa",
+    ),
+    pytest.param(
+        lambda: reference_attention(Q, Q, Q, enable_gqa=1),
+        TypeError,
+        r"enable_gqa must be a bool",
+        id="reference_gqa_type",
+    ),
+    pytest.param(
+        lambda: reference_attention(Q, Q, Q, mask="casual"),
+        ValueError,
+        r"unknown mask 'casual'",
+        id="reference_unknown_mask",
+    ),
+    pytest.param(
+        lambda: reference_attention(Q, Q.to("meta"), Q),
+        ValueError,
+        r"must be on one device",
+        id="reference_devices",
+    ),
     # -- YAML ---------------------------------------------------------------------------------
     pytest.param(_yaml("mask: {name: causal\n"), ValueError, r"malformed YAML config", id="yaml_malformed"),
-    pytest.param(_yaml("masks: {name: causal}\n"), ValueError, r"unknown YAML key\(s\) \['masks'\]; valid keys: mask, score_mod", id="yaml_unknown_key"),
-    pytest.param(_yaml("mask: {name: causal, foo: 1}\n"), ValueError, r"got unknown parameter\(s\) 'foo'; valid parameters: align", id="yaml_unknown_param"),
-    pytest.param(_yaml("mask: {name: sliding_window, left: -3}\n"), ValueError, r"mask: SlidingWindow\(left=...\) must be an int >= 0", id="yaml_bad_value"),
+    pytest.param(
+        _yaml("masks: {name: causal}\n"),
+        ValueError,
+        r"unknown YAML key\(s\) \['masks'\]; valid keys: mask, score_mod",
+        id="yaml_unknown_key",
+    ),
+    pytest.param(
+        _yaml("mask: {name: causal, foo: 1}\n"),
+        ValueError,
+        r"got unknown parameter\(s\) 'foo'; valid parameters: align",
+        id="yaml_unknown_param",
+    ),
+    pytest.param(
+        _yaml("mask: {name: sliding_window, left: -3}\n"),
+        ValueError,
+        r"mask: SlidingWindow\(left=...\) must be an int >= 0",
+        id="yaml_bad_value",
+    ),
     pytest.param(_yaml("mask: {left: 3}\n"), ValueError, r"needs a 'name' key", id="yaml_missing_name"),
     pytest.param(_yaml("- causal\n"), ValueError, r"must be a mapping with keys", id="yaml_not_mapping"),
     pytest.param(_yaml("mask: 3\n"), ValueError, r"mask must be a mapping like", id="yaml_entry_not_mapping"),
     pytest.param(_yaml("mask: []\n"), ValueError, r"mask: an empty list", id="yaml_empty_list"),
-    pytest.param(_yaml("score_mod: {name: softcapp}\n"), ValueError, r"unknown score_mod 'softcapp'", id="yaml_unknown_name"),
+    pytest.param(
+        _yaml("score_mod: {name: softcapp}\n"),
+        ValueError,
+        r"unknown score_mod 'softcapp'",
+        id="yaml_unknown_name",
+    ),
     pytest.param(_yaml("/nonexistent/attn.yaml"), ValueError, r"does not exist", id="yaml_missing_file"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("call", "exc", "match"), ERRORS)
@@ -255,19 +615,65 @@ def _config(tmp_path: Path, text: str) -> str:
 
 
 CLI_CASES = [
-    pytest.param(lambda tmp: [*PLAN, "--mask", "casual"], r"unknown mask 'casual'.*Did you mean 'causal'", id="cli_unknown_mask"),
-    pytest.param(lambda tmp: ["show", "casual", "--len", "8"], r"unknown mask or score_mod 'casual'", id="cli_show_unknown"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--dtype", "int8"], r"unknown dtype 'int8'; choose from bf16, fp16", id="cli_bad_dtype"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--arch", "h100"], r"arch must look like 'sm80'", id="cli_bad_arch"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--len", "-8"], r"--len: expected a positive integer, got -8", id="cli_negative_len"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--dim", "0"], r"--dim: expected a positive integer", id="cli_zero_dim"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "causal", "--heads", "5,2"], r"q heads \(5\) must be a multiple of k/v heads \(2\)", id="cli_gqa_ratio"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "sliding_window", "--left", "-2"], r"SlidingWindow\(left=...\) must be an int >= 0", id="cli_bad_value"),
-    pytest.param(lambda tmp: [*PLAN, "--mask", "sliding_window", "--lefft", "3"], r"unknown parameter --lefft .*Did you mean --left", id="cli_unknown_param"),
-    pytest.param(lambda tmp: [*PLAN, "--config", _config(tmp, "mask: {name: causal\n")], r"malformed YAML config", id="cli_config_malformed"),
-    pytest.param(lambda tmp: [*PLAN, "--config", _config(tmp, "mask: {name: causal}\nscore: 1\n")], r"unknown YAML key\(s\) \['score'\]", id="cli_config_unknown_key"),
-    pytest.param(lambda tmp: [*PLAN, "--config", "/nonexistent/attn.yaml"], r"does not exist", id="cli_config_missing"),
-]  # fmt: skip
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "casual"],
+        r"unknown mask 'casual'.*Did you mean 'causal'",
+        id="cli_unknown_mask",
+    ),
+    pytest.param(
+        lambda tmp: ["show", "casual", "--len", "8"],
+        r"unknown mask or score_mod 'casual'",
+        id="cli_show_unknown",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--dtype", "int8"],
+        r"unknown dtype 'int8'; choose from bf16, fp16",
+        id="cli_bad_dtype",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--arch", "h100"],
+        r"arch must look like 'sm80'",
+        id="cli_bad_arch",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--len", "-8"],
+        r"--len: expected a positive integer, got -8",
+        id="cli_negative_len",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--dim", "0"],
+        r"--dim: expected a positive integer",
+        id="cli_zero_dim",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--heads", "5,2"],
+        r"q heads \(5\) must be a multiple of k/v heads \(2\)",
+        id="cli_gqa_ratio",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "sliding_window", "--left", "-2"],
+        r"SlidingWindow\(left=...\) must be an int >= 0",
+        id="cli_bad_value",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "sliding_window", "--lefft", "3"],
+        r"unknown parameter --lefft .*Did you mean --left",
+        id="cli_unknown_param",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", _config(tmp, "mask: {name: causal\n")],
+        r"malformed YAML config",
+        id="cli_config_malformed",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", _config(tmp, "mask: {name: causal}\nscore: 1\n")],
+        r"unknown YAML key\(s\) \['score'\]",
+        id="cli_config_unknown_key",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--config", "/nonexistent/attn.yaml"], r"does not exist", id="cli_config_missing"
+    ),
+]
 
 
 @pytest.mark.parametrize(("argv", "match"), CLI_CASES)

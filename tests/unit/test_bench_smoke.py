@@ -27,9 +27,25 @@ ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ROOT / "benchmarks" / "configs" / "smoke.yaml"
 H200 = ROOT / "benchmarks" / "configs" / "h200.yaml"
 ROW_KEYS = {
-    "case", "route", "mode", "ms", "host_ms", "tflops", "peak_mib", "compile_s", "blockmask_s", "status", "reason",
-    "chosen", "max_err", "err_vs", "visible_pairs", "density", "flops", "notes",
-}  # fmt: skip
+    "case",
+    "route",
+    "mode",
+    "ms",
+    "host_ms",
+    "tflops",
+    "peak_mib",
+    "compile_s",
+    "blockmask_s",
+    "status",
+    "reason",
+    "chosen",
+    "max_err",
+    "err_vs",
+    "visible_pairs",
+    "density",
+    "flops",
+    "notes",
+}
 ENV_KEYS = {"torch", "triton", "cuda", "cudnn", "gpu", "cc", "flash_attn_cute", "command"}
 STATUSES = {"ok", "unsupported", "OOM", "error"}
 
@@ -104,10 +120,11 @@ def test_smoke_markdown(smoke: tuple[int, dict[str, Any], str]) -> None:
 def test_visible_pairs_match_dense_oracle() -> None:
     cpu = torch.device("cpu")
     specs = [
-        masks.Causal(), masks.SlidingWindow(left=7),
+        masks.Causal(),
+        masks.SlidingWindow(left=7),
         masks.Document.from_lengths([10, 30, 60]) & masks.Causal(),
         masks.PrefixLM(prefix_len=torch.tensor([5, 40])),  # depends on the batch index
-    ]  # fmt: skip
+    ]
     for spec in specs:
         dense = spec.dense(100, 100, batch=2, heads=3)
         expected = int(dense.expand(2, 3, 100, 100).sum())
@@ -164,9 +181,18 @@ def test_config_errors_name_the_valid_choices() -> None:
     assert parse_config(_config(goal={"fwdbwd": 5, "fwd": 7}))[0].goal == (("fwd", 7.0), ("fwdbwd", 5.0))
     h200 = load_config(H200)
     assert [c.name for c in h200] == [
-        "causal", "alibi_causal", "softcap_causal", "document_causal", "prefix_lm", "causal_d64",
-        "document_causal_d64", "causal_gqa", "document_causal_gqa", "sliding_32k", "chunked_32k",
-    ]  # fmt: skip
+        "causal",
+        "alibi_causal",
+        "softcap_causal",
+        "document_causal",
+        "prefix_lm",
+        "causal_d64",
+        "document_causal_d64",
+        "causal_gqa",
+        "document_causal_gqa",
+        "sliding_32k",
+        "chunked_32k",
+    ]
 
 
 def test_memory_guard_and_resume(tmp_path: Path) -> None:
@@ -198,8 +224,22 @@ def test_cli_bench_delegates(tmp_path: Path) -> None:
     first["env"].update(command="bench first", git="abc1234", previous_commands=["bench zeroth @ 0000000"])
     out.write_text(json.dumps(first))
     # --rerun replaces only the selected rows; the others are kept as they are.
-    assert cli.main([*args[:4], "--modes", "fwd", "--routes", "sdpa_math,sdpa_flash", "--quiet", "--out", str(out),
-                     "--resume"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                *args[:4],
+                "--modes",
+                "fwd",
+                "--routes",
+                "sdpa_math,sdpa_flash",
+                "--quiet",
+                "--out",
+                str(out),
+                "--resume",
+            ]
+        )
+        == 0
+    )
     resumed = json.loads(out.read_text())
     assert resumed["env"]["previous_commands"] == ["bench zeroth @ 0000000", "bench first @ abc1234"]
     before = {r["route"]: r for r in resumed["rows"]}
@@ -221,9 +261,22 @@ def test_png_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
 
 def test_summary_marks_host_bound_auto_below_the_best_route() -> None:
     def row(route: str, tflops: float, ms: float, host_ms: float | None) -> dict[str, Any]:
-        return {"case": "c", "mode": "fwd", "route": route, "status": "ok", "tflops": tflops, "ms": ms,
-                "host_ms": host_ms, "batch": 1, "heads": 1, "kv_heads": 1, "seq_len": 8, "head_dim": 8,
-                "density": 1.0, "chosen": "flex" if route == "auto" else None}  # fmt: skip
+        return {
+            "case": "c",
+            "mode": "fwd",
+            "route": route,
+            "status": "ok",
+            "tflops": tflops,
+            "ms": ms,
+            "host_ms": host_ms,
+            "batch": 1,
+            "heads": 1,
+            "kv_heads": 1,
+            "seq_len": 8,
+            "head_dim": 8,
+            "density": 1.0,
+            "chosen": "flex" if route == "auto" else None,
+        }
 
     def auto_vs_best(auto: dict[str, Any]) -> str:
         header, lines = summary([auto, row("flex", 314.0, 0.57, 0.39)])
@@ -231,5 +284,9 @@ def test_summary_marks_host_bound_auto_below_the_best_route() -> None:
 
     assert auto_vs_best(row("auto", 287.0, 0.63, 0.58)) == "0.91 (flex) -- below 0.97 (auto host-bound)"
     assert auto_vs_best(row("auto", 287.0, 0.63, 0.30)) == "0.91 (flex) -- below 0.97"
-    assert auto_vs_best(row("auto", 287.0, 0.63, None)) == "0.91 (flex) -- below 0.97"  # CPU rows: no host time
-    assert auto_vs_best(row("auto", 310.0, 0.58, 0.58)) == "0.99 (flex)"  # within the rule: nothing to explain
+    assert (
+        auto_vs_best(row("auto", 287.0, 0.63, None)) == "0.91 (flex) -- below 0.97"
+    )  # CPU rows: no host time
+    assert (
+        auto_vs_best(row("auto", 310.0, 0.58, 0.58)) == "0.99 (flex)"
+    )  # within the rule: nothing to explain

@@ -17,8 +17,12 @@ def _same_block_mask(ours, theirs) -> None:  # type: ignore[no-untyped-def]
     for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
     # Indices: the live prefix of every row must list the same blocks in the same order.
-    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
-                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):  # fmt: skip
+    for num, idx in (
+        ("kv_num_blocks", "kv_indices"),
+        ("full_kv_num_blocks", "full_kv_indices"),
+        ("q_num_blocks", "q_indices"),
+        ("full_q_num_blocks", "full_q_indices"),
+    ):
         n, a, b = getattr(ours, num), getattr(ours, idx), getattr(theirs, idx)
         live = torch.arange(a.shape[-1]) < n.unsqueeze(-1)
         assert torch.equal(a[live], b[live]), idx
@@ -50,7 +54,9 @@ SPECS = [
 def test_block_mask_equals_create_block_mask(spec_i: int, lq: int, lkv: int, blocks: tuple[int, int]) -> None:
     spec = SPECS[spec_i]
     ours = fz.block_mask(spec, lq, lkv, block_size=blocks)
-    theirs = _compat.create_block_mask(spec.bind(lq, lkv).mask_mod(), None, None, lq, lkv, device="cpu", BLOCK_SIZE=blocks)
+    theirs = _compat.create_block_mask(
+        spec.bind(lq, lkv).mask_mod(), None, None, lq, lkv, device="cpu", BLOCK_SIZE=blocks
+    )
     if isinstance(spec, Not):
         # ~ keeps incomplete edge blocks partial (a safe superset); compare visibility only.
         assert torch.equal(ours.to_dense() | theirs.to_dense(), ours.to_dense())
@@ -76,7 +82,9 @@ def test_cache_hits_for_equal_specs() -> None:
     b = fz.block_mask(masks.SlidingWindow(left=77), 300, 300)
     assert a is b
     ids = torch.arange(300) // 100
-    assert fz.block_mask(masks.Document(doc_ids=ids), 300, 300) is fz.block_mask(masks.Document(doc_ids=ids.clone()), 300, 300)
+    assert fz.block_mask(masks.Document(doc_ids=ids), 300, 300) is fz.block_mask(
+        masks.Document(doc_ids=ids.clone()), 300, 300
+    )
     assert len(CACHE) <= CACHE.size
 
 

@@ -82,7 +82,9 @@ def test_two_threads_with_different_specs_match_the_reference() -> None:
         for _ in range(3):  # repeat so the threads overlap inside the same routes
             for route, mask, score in WORKLOADS[name]:
                 q, k, v = (torch.randn(2, 4, 48, 16, generator=g) for _ in range(3))
-                done.append((fz.attention(q, k, v, mask=mask, score_mod=score, backend=route), q, k, v, mask, score))
+                done.append(
+                    (fz.attention(q, k, v, mask=mask, score_mod=score, backend=route), q, k, v, mask, score)
+                )
         return done
 
     for results in _in_threads([lambda: worker("a"), lambda: worker("b")]):

@@ -9,7 +9,9 @@ from flexattn_zoo.config import load_yaml_spec
 
 
 def test_mapping_and_list_forms() -> None:
-    mask, score = load_yaml_spec("mask: {name: sliding_window, left: 1023}\nscore_mod: {name: softcap, cap: 30}\n")
+    mask, score = load_yaml_spec(
+        "mask: {name: sliding_window, left: 1023}\nscore_mod: {name: softcap, cap: 30}\n"
+    )
     assert mask == masks.SlidingWindow(left=1023)
     assert score == score_mods.SoftCap(cap=30.0)
     mask, score = load_yaml_spec(
@@ -33,9 +35,18 @@ def test_from_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize(
     ("text", "match"),
     [
-        ("mask: {name: sliding_window, left: 3}\nmasks: {}\n", r"unknown YAML key\(s\) \['masks'\]; valid keys: mask, score_mod. Did you mean 'mask'"),
-        ("mask: {name: sliding_windw, left: 3}\n", "unknown mask 'sliding_windw'.*Did you mean 'sliding_window'"),
-        ("mask: {name: sliding_window, lft: 3}\n", r"unknown parameter\(s\) 'lft'; valid parameters: left, right"),
+        (
+            "mask: {name: sliding_window, left: 3}\nmasks: {}\n",
+            r"unknown YAML key\(s\) \['masks'\]; valid keys: mask, score_mod. Did you mean 'mask'",
+        ),
+        (
+            "mask: {name: sliding_windw, left: 3}\n",
+            "unknown mask 'sliding_windw'.*Did you mean 'sliding_window'",
+        ),
+        (
+            "mask: {name: sliding_window, lft: 3}\n",
+            r"unknown parameter\(s\) 'lft'; valid parameters: left, right",
+        ),
         ("mask: {left: 3}\n", "mask needs a 'name' key"),
         ("mask: causal\n", "mask must be a mapping"),
         ("mask: []\n", "empty list"),

@@ -21,8 +21,15 @@ def reference_decode(q, k, v, lens, mask, score=None, sinks=None):  # type: igno
         n, lq = int(lens[b]), q.shape[2]
         full_q = torch.zeros(1, q.shape[1], n, q.shape[3], dtype=torch.float64)
         full_q[:, :, n - lq :] = q[b : b + 1].double()
-        out = reference_attention(full_q, k[b : b + 1, :, :n].double(), v[b : b + 1, :, :n].double(), mask=mask, score_mod=score,
-                                  enable_gqa=True, sinks=sinks)  # fmt: skip
+        out = reference_attention(
+            full_q,
+            k[b : b + 1, :, :n].double(),
+            v[b : b + 1, :, :n].double(),
+            mask=mask,
+            score_mod=score,
+            enable_gqa=True,
+            sinks=sinks,
+        )
         rows.append(out[0, :, n - lq :])
     return torch.stack(rows)
 
@@ -40,7 +47,12 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
 def test_steps_reuse_one_mask_and_kernel_and_read_only_live_blocks() -> None:
     mask, score = masks.SlidingWindow.from_hf(150), score_mods.Alibi(num_heads=H)
     k, v = _cache()
-    lengths = [torch.tensor([300, 129]), torch.tensor([301, 130]), torch.tensor([520, 7]), torch.tensor([640, 256])]
+    lengths = [
+        torch.tensor([300, 129]),
+        torch.tensor([301, 130]),
+        torch.tensor([520, 7]),
+        torch.tensor([640, 256]),
+    ]
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for step, lens in enumerate(lengths):
@@ -73,7 +85,10 @@ def test_several_new_tokens_and_int_length() -> None:
 def test_paged_cache_matches_contiguous() -> None:
     n_pages = 8
     g = torch.Generator().manual_seed(7)
-    kp, vp = torch.randn(1, HKV, n_pages * BS, D, generator=g), torch.randn(1, HKV, n_pages * BS, D, generator=g)
+    kp, vp = (
+        torch.randn(1, HKV, n_pages * BS, D, generator=g),
+        torch.randn(1, HKV, n_pages * BS, D, generator=g),
+    )
     table = torch.tensor([[5, 2, 7, -1], [1, 0, 3, 6]])
     lens = torch.tensor([300, 450])
     k = decode._gather_pages(kp, table, 4, BS)
@@ -91,7 +106,9 @@ def test_paged_cache_matches_contiguous() -> None:
 
 def test_grads_take_the_dense_route() -> None:
     k, v = _cache(2)
-    q = torch.randn(B, H, 2, D, generator=torch.Generator().manual_seed(8), dtype=torch.float64).requires_grad_()
+    q = torch.randn(
+        B, H, 2, D, generator=torch.Generator().manual_seed(8), dtype=torch.float64
+    ).requires_grad_()
     k, v = k.double().requires_grad_(), v.double().requires_grad_()
     lens = torch.tensor([100, 250])
     out = decode.decode_step(q, k, v, lens, mask=masks.SlidingWindow.from_hf(64))
@@ -120,7 +137,9 @@ def test_patterns_without_a_lower_bound_keep_their_block_list_and_update_only_co
     indices = dm.kv_indices.clone()
     for lens in (torch.tensor([1, 640]), torch.tensor([129, 0]), torch.tensor([5000, 300])):
         dm.update(lens)
-        want = [min(-(-int(n) // BS), CAP // BS) for n in lens]  # past the capacity: clamped, never out of range
+        want = [
+            min(-(-int(n) // BS), CAP // BS) for n in lens
+        ]  # past the capacity: clamped, never out of range
         assert dm.kv_num_blocks[:, 0, 0].tolist() == want
         assert dm.offset.tolist() == [int(n) - 1 for n in lens]
     assert torch.equal(dm.kv_indices, indices)
@@ -135,12 +154,17 @@ def test_patterns_without_a_lower_bound_keep_their_block_list_and_update_only_co
 @pytest.mark.parametrize(
     "spec",
     [
-        masks.Causal(), masks.SlidingWindow.from_hf(100), masks.Chunked(size=64), masks.Full(),
-        masks.Causal() & masks.SlidingWindow.from_hf(50), masks.Causal() | masks.Chunked(size=64),
-        masks.SlidingWindow.from_hf(30) | masks.Chunked(size=64), None,
+        masks.Causal(),
+        masks.SlidingWindow.from_hf(100),
+        masks.Chunked(size=64),
+        masks.Full(),
+        masks.Causal() & masks.SlidingWindow.from_hf(50),
+        masks.Causal() | masks.Chunked(size=64),
+        masks.SlidingWindow.from_hf(30) | masks.Chunked(size=64),
+        None,
     ],
     ids=repr,
-)  # fmt: skip
+)
 def test_bounded_below_agrees_with_lowest_key(spec) -> None:  # type: ignore[no-untyped-def]
     q_abs = torch.arange(0, 1000, 7)
     lowest = decode.lowest_key(spec, q_abs)

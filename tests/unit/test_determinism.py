@@ -32,14 +32,33 @@ from flexattn_zoo.dispatch import Problem, plan_problem
 CAUSAL = masks.Causal()
 
 
-def _problem(mask: Any = CAUSAL, score: Any = None, *, det: bool = True, grad: bool = True,
-             arch: str = "sm90", d: int = 128, heads: tuple[int, int] = (16, 16),
-             dtype: torch.dtype = torch.bfloat16) -> Problem:  # fmt: skip
+def _problem(
+    mask: Any = CAUSAL,
+    score: Any = None,
+    *,
+    det: bool = True,
+    grad: bool = True,
+    arch: str = "sm90",
+    d: int = 128,
+    heads: tuple[int, int] = (16, 16),
+    dtype: torch.dtype = torch.bfloat16,
+) -> Problem:
     device = "cpu" if arch == "cpu" else "cuda"
     return Problem(
-        batch=2, heads=heads[0], kv_heads=heads[1], q_len=1024, kv_len=1024, head_dim=d, dtype=dtype,
-        device_type=device, arch=arch, requires_grad=grad, mask=mask, score=score, deterministic=det,
-    )  # fmt: skip
+        batch=2,
+        heads=heads[0],
+        kv_heads=heads[1],
+        q_len=1024,
+        kv_len=1024,
+        head_dim=d,
+        dtype=dtype,
+        device_type=device,
+        arch=arch,
+        requires_grad=grad,
+        mask=mask,
+        score=score,
+        deterministic=det,
+    )
 
 
 @pytest.mark.parametrize(
@@ -55,7 +74,7 @@ def _problem(mask: Any = CAUSAL, score: Any = None, *, det: bool = True, grad: b
         (_problem(masks.SlidingWindow(left=3), arch="cpu", dtype=torch.float32, grad=False), "flex_cpu"),
         (_problem(masks.Causal(), arch="cpu", dtype=torch.float32), "sdpa_flash"),
     ],
-)  # fmt: skip
+)
 def test_deterministic_route_choice(problem: Problem, route: str) -> None:
     assert plan_problem(problem).backend == route
 
@@ -89,7 +108,10 @@ def test_learned_score_tensors_are_refused_everywhere() -> None:
 
 def test_default_follows_torch_deterministic_mode() -> None:
     q = torch.randn(1, 2, 16, 16)
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     try:
         torch.use_deterministic_algorithms(True)
         assert fz.plan(q, q, q).problem.deterministic
@@ -127,8 +149,20 @@ def test_backward_runs_under_torch_deterministic_mode_and_restores_it() -> None:
 def test_execute_wraps_only_routes_that_need_torch_mode() -> None:
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 32, 16, generator=g, requires_grad=True) for _ in range(3))
-    p = Problem(batch=1, heads=2, kv_heads=2, q_len=32, kv_len=32, head_dim=16, dtype=torch.float32,
-                device_type="cuda", arch="sm90", requires_grad=True, mask=CAUSAL, deterministic=True)  # fmt: skip
+    p = Problem(
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=32,
+        kv_len=32,
+        head_dim=16,
+        dtype=torch.float32,
+        device_type="cuda",
+        arch="sm90",
+        requires_grad=True,
+        mask=CAUSAL,
+        deterministic=True,
+    )
     for route, wrapped in (("sdpa_flash", True), ("sdpa_math", False)):
         # The Problem says CUDA but the tensors are on the CPU: the same kernels run, and only the
         # wrapping (decided from the Problem) differs.
@@ -136,7 +170,9 @@ def test_execute_wraps_only_routes_that_need_torch_mode() -> None:
         assert ("DeterministicBackward" in type(out.grad_fn).__name__) == wrapped
         grad_out = torch.randn(out.shape, generator=g)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        fz.testing.assert_matches_reference(out, q, k, v, mask="causal", scale=0.25, grads=grads, grad_out=grad_out)
+        fz.testing.assert_matches_reference(
+            out, q, k, v, mask="causal", scale=0.25, grads=grads, grad_out=grad_out
+        )
 
 
 def test_deterministic_mode_context_is_reference_counted() -> None:
@@ -152,11 +188,16 @@ def test_deterministic_mode_context_is_reference_counted() -> None:
 
 CASES = {
     # route: (mask, score_mod, kv heads, requires grad)
-    "dense": (masks.SlidingWindow(left=40) & masks.Causal(), score_mods.Alibi(num_heads=4) >> score_mods.SoftCap(cap=5.0), 2, True),
+    "dense": (
+        masks.SlidingWindow(left=40) & masks.Causal(),
+        score_mods.Alibi(num_heads=4) >> score_mods.SoftCap(cap=5.0),
+        2,
+        True,
+    ),
     "sdpa_math": (masks.Causal(), None, 2, True),
     "sdpa_flash": (masks.Causal(), None, 2, True),
     "flex_cpu": (masks.Causal(), None, 2, False),  # torch has no CPU flex backward
-}  # fmt: skip
+}
 
 
 def test_every_deterministic_cpu_route_has_a_case() -> None:

@@ -19,12 +19,35 @@ from flexattn_zoo.dispatch import Problem, plan_problem
 from flexattn_zoo.testing import assert_matches_reference
 
 
-def _problem(mask=None, score=None, *, arch="sm90", dtype=torch.bfloat16, d=128, lq=1024, lkv=None,
-             grad=False, heads=(16, 16), lse=False, device="cuda"):  # fmt: skip
+def _problem(
+    mask=None,
+    score=None,
+    *,
+    arch="sm90",
+    dtype=torch.bfloat16,
+    d=128,
+    lq=1024,
+    lkv=None,
+    grad=False,
+    heads=(16, 16),
+    lse=False,
+    device="cuda",
+):
     return Problem(
-        batch=2, heads=heads[0], kv_heads=heads[1], q_len=lq, kv_len=lkv or lq, head_dim=d, dtype=dtype,
-        device_type=device, arch=arch, requires_grad=grad, mask=mask, score=score, return_lse=lse,
-    )  # fmt: skip
+        batch=2,
+        heads=heads[0],
+        kv_heads=heads[1],
+        q_len=lq,
+        kv_len=lkv or lq,
+        head_dim=d,
+        dtype=dtype,
+        device_type=device,
+        arch=arch,
+        requires_grad=grad,
+        mask=mask,
+        score=score,
+        return_lse=lse,
+    )
 
 
 DOC = masks.Document.from_lengths([300, 500, 224])
@@ -59,13 +82,34 @@ DOC = masks.Document.from_lengths([300, 500, 224])
         (_problem(masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32), "sdpa_flash"),
         (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32), "flex_cpu"),
         # prefix-LM: torch's CPU flash kernel per part (benchmarks/results/cpu_prefix.md)
-        (_problem(masks.PrefixLM(prefix_len=300), device="cpu", arch="cpu", dtype=torch.float32), "sdpa_split"),
-        (_problem(masks.PrefixLM(prefix_len=300), device="cpu", arch="cpu", dtype=torch.float32, grad=True),
-         "sdpa_split"),  # fmt: skip
-        (_problem(masks.Chunked(size=64) & masks.Causal(), device="cpu", arch="cpu", dtype=torch.float32,
-                  grad=True), "sdpa_flash"),  # fmt: skip
-        (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True), "dense"),
-        (_problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, lse=True), "dense"),
+        (
+            _problem(masks.PrefixLM(prefix_len=300), device="cpu", arch="cpu", dtype=torch.float32),
+            "sdpa_split",
+        ),
+        (
+            _problem(
+                masks.PrefixLM(prefix_len=300), device="cpu", arch="cpu", dtype=torch.float32, grad=True
+            ),
+            "sdpa_split",
+        ),
+        (
+            _problem(
+                masks.Chunked(size=64) & masks.Causal(),
+                device="cpu",
+                arch="cpu",
+                dtype=torch.float32,
+                grad=True,
+            ),
+            "sdpa_flash",
+        ),
+        (
+            _problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True),
+            "dense",
+        ),
+        (
+            _problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, lse=True),
+            "dense",
+        ),
     ],
 )
 def test_auto_route_table(problem: Problem, route: str) -> None:
@@ -89,9 +133,19 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(DOC & masks.Causal(), heads=(32, 8), grad=True), "fa4"),
         # flex_flash's backward gets dQ wrong for head-dependent scores under GQA: flex instead
         (_problem(masks.Causal(), score_mods.Alibi(num_heads=16), heads=(16, 4), grad=True), "flex"),
-        (_problem(masks.Causal(), score_mods.Alibi(num_heads=16) >> score_mods.SoftCap(cap=5.0), heads=(16, 4),
-                  grad=True), "flex"),  # fmt: skip
-        (_problem(masks.Causal(), score_mods.Alibi(num_heads=16), heads=(16, 4)), "flex_flash"),  # fwd is right
+        (
+            _problem(
+                masks.Causal(),
+                score_mods.Alibi(num_heads=16) >> score_mods.SoftCap(cap=5.0),
+                heads=(16, 4),
+                grad=True,
+            ),
+            "flex",
+        ),
+        (
+            _problem(masks.Causal(), score_mods.Alibi(num_heads=16), heads=(16, 4)),
+            "flex_flash",
+        ),  # fwd is right
         (_problem(masks.Causal(), score_mods.SoftCap(cap=5.0), heads=(16, 4), grad=True), "flex_flash"),
         (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "flex_flash"),
         (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0, approx=True)), "flex"),  # Triton's fast tanh
@@ -165,9 +219,15 @@ def test_named_backend_never_falls_back() -> None:
 
 @pytest.mark.parametrize(
     "mask",
-    [None, masks.Causal(), masks.Causal(align="bottom_right"), masks.SlidingWindow(left=5, right=2),
-     DOC & masks.Causal(), masks.PrefixLM(prefix_len=17) | masks.Chunked(size=32)],
-)  # fmt: skip
+    [
+        None,
+        masks.Causal(),
+        masks.Causal(align="bottom_right"),
+        masks.SlidingWindow(left=5, right=2),
+        DOC & masks.Causal(),
+        masks.PrefixLM(prefix_len=17) | masks.Chunked(size=32),
+    ],
+)
 @pytest.mark.parametrize("lq_lkv", [(70, 70), (90, 61)])
 def test_dense_route_forward_backward(mask, lq_lkv) -> None:  # type: ignore[no-untyped-def]
     lq, lkv = lq_lkv
@@ -178,7 +238,9 @@ def test_dense_route_forward_backward(mask, lq_lkv) -> None:  # type: ignore[no-
     out, lse = fz.attention(q, k, v, mask=mask, enable_gqa=True, return_lse=True, backend="dense")
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask=mask, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out
+    )
 
 
 def test_auto_cpu_training_uses_exact_route_with_grads() -> None:
@@ -203,7 +265,11 @@ def test_dense_memory_guard(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sdpa_cpu_routes_match_reference() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 96, 32, generator=g) for _ in range(3))
-    chunks = (masks.Chunked(size=32), masks.Chunked(size=24) & masks.Causal(), masks.Document.from_lengths([48, 48]))
+    chunks = (
+        masks.Chunked(size=32),
+        masks.Chunked(size=24) & masks.Causal(),
+        masks.Document.from_lengths([48, 48]),
+    )
     for backend in ("sdpa_flash", "sdpa_math"):
         for mask in (None, "causal", masks.Causal(align="bottom_right"), *chunks):
             out = fz.attention(q, k, v, mask=mask, backend=backend, scale=0.3)
@@ -324,7 +390,9 @@ def test_score_mods_sharing_a_kernel_each_use_their_own_captured_tensors() -> No
         score = head_bias(bias)
         out = fz.attention(q, q, q, mask="causal", score_mod=score, backend="flex_cpu")
         assert_matches_reference(out, q, q, q, mask="causal", score_mod=score)
-        entries.add(id(COMPILE_CACHE.get(masks.Causal().bind(128, 128).mask_mod(), score, None, False, False)))
+        entries.add(
+            id(COMPILE_CACHE.get(masks.Causal().bind(128, 128).mask_mod(), score, None, False, False))
+        )
     assert len(entries) == 1  # the point of the test: one shared compiled entry
 
 
@@ -389,7 +457,9 @@ def test_flex_kernel_options_for_the_decoding_kernel() -> None:
     huge = dataclasses.replace(decode, index_extent=MAX_FLEX_ELEMENTS)
     assert FLEX.options(huge, bm)["BACKEND"] == "TRITON"
     assert "BACKEND" not in FLEX.options(dataclasses.replace(decode, index_extent=MAX_FLEX_ELEMENTS - 1), bm)
-    prefill = _problem(masks.Causal(), lq=4096, lkv=4096, heads=(32, 8), arch="sm90", dtype=torch.bfloat16, d=128)
+    prefill = _problem(
+        masks.Causal(), lq=4096, lkv=4096, heads=(32, 8), arch="sm90", dtype=torch.bfloat16, d=128
+    )
     assert FLEX.options(prefill, bm)["fwd_BLOCK_M"] == 128
 
 
@@ -411,7 +481,8 @@ def _qkv(*shape: int, seed: int = 0) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("scale", [0.0, -0.5])
 @pytest.mark.parametrize(
-    "mask", [None, "causal", masks.PrefixLM(prefix_len=9), masks.Chunked(size=16) & masks.Causal()],
+    "mask",
+    [None, "causal", masks.PrefixLM(prefix_len=9), masks.Chunked(size=16) & masks.Causal()],
     ids=["none", "causal", "prefix_lm", "chunked_causal"],
 )
 def test_nonpositive_scale_matches_the_reference_on_cpu(mask: object, scale: float) -> None:

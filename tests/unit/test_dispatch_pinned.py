@@ -74,10 +74,19 @@ VARIATIONS: dict[str, dict[str, Any]] = {
 def _problem(arch: str, grad: bool, mask: Any, score: Any, **fields: Any) -> Problem:
     cpu = arch == "cpu"
     base: dict[str, Any] = dict(
-        batch=2, heads=16, kv_heads=16, q_len=1024, kv_len=1024, head_dim=128,
-        dtype=torch.float32 if cpu else torch.bfloat16, device_type="cpu" if cpu else "cuda", arch=arch,
-        requires_grad=grad, mask=mask, score=score,
-    )  # fmt: skip
+        batch=2,
+        heads=16,
+        kv_heads=16,
+        q_len=1024,
+        kv_len=1024,
+        head_dim=128,
+        dtype=torch.float32 if cpu else torch.bfloat16,
+        device_type="cpu" if cpu else "cuda",
+        arch=arch,
+        requires_grad=grad,
+        mask=mask,
+        score=score,
+    )
     base.update(fields)
     return Problem(**base)
 
@@ -91,7 +100,10 @@ def cases() -> Iterator[tuple[str, Problem]]:
     for arch, grad, mn, (vn, fields) in itertools.product(ARCHS, (False, True), few, VARIATIONS.items()):
         m = _masks(max(fields.get("q_len", 1024), fields.get("kv_len", 1024)))[mn]
         for sn in ("none", "softcap"):
-            yield f"{arch}/{'fwdbwd' if grad else 'fwd'}/{mn}/{sn}/{vn}", _problem(arch, grad, m, ss[sn], **fields)
+            yield (
+                f"{arch}/{'fwdbwd' if grad else 'fwd'}/{mn}/{sn}/{vn}",
+                _problem(arch, grad, m, ss[sn], **fields),
+            )
 
 
 def verdict(p: Problem) -> str:
@@ -109,7 +121,7 @@ def record() -> dict[str, str]:
     saved = _compat.flash_cute_available
     try:
         for fa4 in (False, True):
-            _compat.flash_cute_available = (lambda v=fa4: v)  # type: ignore[misc]
+            _compat.flash_cute_available = lambda v=fa4: v  # type: ignore[misc]
             for name, p in cases():
                 out[f"{'fa4' if fa4 else 'nofa4'}/{name}"] = verdict(p)
     finally:

@@ -53,8 +53,18 @@ def test_chunks_are_views_of_projection_layouts() -> None:
 
 
 def _problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
-    base = dict(batch=2, heads=8, kv_heads=8, q_len=256, kv_len=256, head_dim=128, dtype=torch.bfloat16,
-                device_type="cuda", arch="sm90", requires_grad=True)  # fmt: skip
+    base = dict(
+        batch=2,
+        heads=8,
+        kv_heads=8,
+        q_len=256,
+        kv_len=256,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device_type="cuda",
+        arch="sm90",
+        requires_grad=True,
+    )
     base.update(kw)
     return Problem(**base)  # type: ignore[arg-type]
 
@@ -62,7 +72,9 @@ def _problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
 def test_reasons_name_what_fa4_cannot_do() -> None:
     r = " ".join(FA4.mask_reasons(_problem(score=score_mods.SoftCap(cap=30.0))))
     assert "approx=True" in r  # exact tanh is not what FA4's soft-capping computes
-    assert FA4.mask_reasons(_problem(score=score_mods.SoftCap(cap=30.0, approx=True), mask=masks.Causal())) == []
+    assert (
+        FA4.mask_reasons(_problem(score=score_mods.SoftCap(cap=30.0, approx=True), mask=masks.Causal())) == []
+    )
     assert "Alibi" in " ".join(FA4.mask_reasons(_problem(score=score_mods.Alibi(num_heads=8))))
     assert "no exact FA4 form" in " ".join(FA4.mask_reasons(_problem(mask=masks.PrefixLM(prefix_len=10))))
     assert "Lq == Lkv" in " ".join(FA4.mask_reasons(_problem(mask=masks.Causal(), q_len=100)))
@@ -108,5 +120,8 @@ def test_routes_import_no_catalogue_classes() -> None:
             else:
                 continue
             for name in names:
-                assert not name.startswith(("flexattn_zoo.masks", "flexattn_zoo.score_mods")), (path.name, name)
+                assert not name.startswith(("flexattn_zoo.masks", "flexattn_zoo.score_mods")), (
+                    path.name,
+                    name,
+                )
                 assert name.split(".")[0] not in ("masks", "score_mods"), (path.name, name)

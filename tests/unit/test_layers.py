@@ -19,7 +19,11 @@ YAML = "mask: {name: sliding_window, left: 5}\nscore_mod: {name: softcap, cap: 2
 
 def _qkv(hkv: int = 2, lq: int = 40, lkv: int = 40):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(3)
-    return torch.randn(2, 4, lq, 16, generator=g), torch.randn(2, hkv, lkv, 16, generator=g), torch.randn(2, hkv, lkv, 16, generator=g)
+    return (
+        torch.randn(2, 4, lq, 16, generator=g),
+        torch.randn(2, hkv, lkv, 16, generator=g),
+        torch.randn(2, hkv, lkv, 16, generator=g),
+    )
 
 
 def test_config_forms_agree(tmp_path: Path) -> None:
@@ -30,7 +34,10 @@ def test_config_forms_agree(tmp_path: Path) -> None:
         fz.Attention(YAML, backend="dense"),
         fz.Attention(str(path), backend="dense"),
         fz.Attention(path, backend="dense"),
-        fz.Attention({"mask": {"name": "sliding_window", "left": 5}, "score_mod": {"name": "softcap", "cap": 2.0}}, backend="dense"),
+        fz.Attention(
+            {"mask": {"name": "sliding_window", "left": 5}, "score_mod": {"name": "softcap", "cap": 2.0}},
+            backend="dense",
+        ),
         fz.Attention(mask=mask, score_mod=score, backend="dense"),
     ]
     q, k, v = _qkv()
@@ -46,7 +53,9 @@ def test_preset_layer_and_lse() -> None:
     q, k, v = _qkv(hkv=4)
     layer = fz.Attention("gemma2", layer=0, return_lse=True, backend="dense")
     out, lse = layer(q, k, v)
-    assert_matches_reference(out, q, k, v, mask=layer.mask, score_mod=layer.score_mod, scale=256**-0.5, lse=lse)
+    assert_matches_reference(
+        out, q, k, v, mask=layer.mask, score_mod=layer.score_mod, scale=256**-0.5, lse=lse
+    )
 
 
 def test_grads_through_the_layer() -> None:
@@ -54,7 +63,9 @@ def test_grads_through_the_layer() -> None:
     out = fz.Attention(mask=masks.Causal())(q, k, v)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert_matches_reference(out, q, k, v, mask=masks.Causal(), enable_gqa=True, grads=grads, grad_out=grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask=masks.Causal(), enable_gqa=True, grads=grads, grad_out=grad_out
+    )
 
 
 def test_second_step_builds_and_compiles_nothing() -> None:

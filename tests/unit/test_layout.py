@@ -34,7 +34,11 @@ def test_public_paths_import() -> None:
     assert callable(fz.layers.Attention) and fz.Attention is fz.layers.Attention
     assert callable(importlib.import_module("flexattn_zoo.hf").register)
     out = subprocess.run(
-        [sys.executable, "-m", "flexattn_zoo.bench", "--help"], capture_output=True, text=True, cwd=ROOT, check=True
+        [sys.executable, "-m", "flexattn_zoo.bench", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
     )
     assert "usage: python -m flexattn_zoo.bench" in out.stdout
 

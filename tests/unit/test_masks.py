@@ -79,7 +79,9 @@ def oracle(spec: MaskSpec, lq: int, lkv: int, b: int, h: int = HEADS) -> torch.T
     return torch.broadcast_to(out, (b, h, lq, lkv))
 
 
-def torch_blocks(spec: MaskSpec, lq: int, lkv: int, b: int, qb: int, kvb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_blocks(
+    spec: MaskSpec, lq: int, lkv: int, b: int, qb: int, kvb: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(any, full) per block pair as create_block_mask classifies them, shape [B, 1, nq, nkv]."""
     bm = create_block_mask(spec.bind(lq, lkv).mask_mod(), b, 1, lq, lkv, device="cpu", BLOCK_SIZE=(qb, kvb))
     nq, nkv = -(-lq // qb), -(-lkv // kvb)
@@ -109,7 +111,9 @@ def varlen_dense(form: VarlenForm, length: int, b: int) -> torch.Tensor:
     return torch.stack(out)[:, None]
 
 
-def blocks_from_dense(mask: torch.Tensor, lq: int, lkv: int, qb: int, kvb: int) -> tuple[torch.Tensor, torch.Tensor]:
+def blocks_from_dense(
+    mask: torch.Tensor, lq: int, lkv: int, qb: int, kvb: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     nq, nkv = -(-lq // qb), -(-lkv // kvb)
     padded = torch.zeros(*mask.shape[:2], nq * qb, nkv * kvb, dtype=torch.int64)
     padded[..., :lq, :lkv] = mask.long()
@@ -127,8 +131,12 @@ def test_registry_lists_every_family() -> None:
 
 
 def _required(cls: type[MaskSpec]) -> dict[str, object]:
-    return {SlidingWindow: {"left": 3}, Document: {"doc_ids": [0, 0, 1]}, PrefixLM: {"prefix_len": 2},
-            Chunked: {"size": 4}}[cls]
+    return {
+        SlidingWindow: {"left": 3},
+        Document: {"doc_ids": [0, 0, 1]},
+        PrefixLM: {"prefix_len": 2},
+        Chunked: {"size": 4},
+    }[cls]
 
 
 @pytest.mark.parametrize(("spec", "lq", "lkv", "b"), CASES + COMPOSITES)
@@ -139,7 +147,9 @@ def test_mask_mod_matches_dense(spec: MaskSpec, lq: int, lkv: int, b: int) -> No
 
 @pytest.mark.parametrize(("qb", "kvb"), BLOCKS)
 @pytest.mark.parametrize(("spec", "lq", "lkv", "b"), CASES)
-def test_block_map_matches_create_block_mask(spec: MaskSpec, lq: int, lkv: int, b: int, qb: int, kvb: int) -> None:
+def test_block_map_matches_create_block_mask(
+    spec: MaskSpec, lq: int, lkv: int, b: int, qb: int, kvb: int
+) -> None:
     bmap = spec.block_map(lq, lkv, qb, kvb, "cpu")
     if bmap is None:
         # Only Document with unsorted labels may decline.
@@ -237,8 +247,15 @@ def test_lowest_visible_key_offered_where_promised() -> None:
     assert Band(lo=1).lowest_visible_key(q).tolist() == [i + 1 for i in range(10)]
     assert Chunked(size=4).lowest_visible_key(q).tolist() == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8]
     # Every key from 0 on may be visible: no bound (decode keeps its fixed block list).
-    for spec in (Full(), Causal(), Causal(align="bottom_right").bind(4, 9), Band(hi=3), PrefixLM(prefix_len=3),
-                 Document(doc_ids=[0, 0, 1, 1, 1, 2, 2, 2, 2, 2]), ~SlidingWindow(left=2)):  # fmt: skip
+    for spec in (
+        Full(),
+        Causal(),
+        Causal(align="bottom_right").bind(4, 9),
+        Band(hi=3),
+        PrefixLM(prefix_len=3),
+        Document(doc_ids=[0, 0, 1, 1, 1, 2, 2, 2, 2, 2]),
+        ~SlidingWindow(left=2),
+    ):
         assert spec.lowest_visible_key(q) is None, spec
     # &: the largest bound, parts without one count as 0; |: the smallest, none if a part has none.
     window, chunks = SlidingWindow(left=5), Chunked(size=4)
@@ -380,8 +397,16 @@ def test_document_constructor_errors(call: Callable[[], object], exc: type[Excep
         (lambda: Document(doc_ids=torch.zeros(4, dtype=torch.bool)), TypeError, "doc_ids"),
         (lambda: Document(doc_ids=torch.zeros(1, 2, 4, dtype=torch.long)), ValueError, "doc_ids"),
         (lambda: Document(doc_ids=torch.zeros(0, dtype=torch.long)), ValueError, "doc_ids"),
-        (lambda: Document(doc_ids=torch.zeros(4, dtype=torch.long)).validate(5, 3, 1, 1), ValueError, "doc_ids"),
-        (lambda: Document(doc_ids=torch.zeros(2, 8, dtype=torch.long)).validate(8, 8, 3, 1), ValueError, "batch"),
+        (
+            lambda: Document(doc_ids=torch.zeros(4, dtype=torch.long)).validate(5, 3, 1, 1),
+            ValueError,
+            "doc_ids",
+        ),
+        (
+            lambda: Document(doc_ids=torch.zeros(2, 8, dtype=torch.long)).validate(8, 8, 3, 1),
+            ValueError,
+            "batch",
+        ),
         (lambda: PrefixLM(prefix_len=torch.tensor([1, 2])).validate(8, 8, 3, 1), ValueError, "batch"),
         (lambda: Causal(align="bottom_right").mask_mod(), ValueError, "bind"),
         (lambda: masks.get("sliding_window", left=-3), ValueError, "left"),
@@ -464,7 +489,10 @@ def test_equal_specs_are_equal_hash_equal_and_share_mask_mod() -> None:
         (SlidingWindow(left=3), SlidingWindow(left=3, right=0)),
         (Chunked(size=8), masks.get("chunked", size=8)),
         (Document(doc_ids=[0, 0, 1]), Document(doc_ids=torch.tensor([0, 0, 1], dtype=torch.int32))),
-        (PrefixLM(prefix_len=torch.tensor([1, 2])), PrefixLM(prefix_len=torch.tensor([1, 2], dtype=torch.int32))),
+        (
+            PrefixLM(prefix_len=torch.tensor([1, 2])),
+            PrefixLM(prefix_len=torch.tensor([1, 2], dtype=torch.int32)),
+        ),
         (Document(doc_ids=[0, 1]) & Causal(), Document(doc_ids=[0, 1]) & Causal()),
     ]
     for a, b in pairs:
@@ -500,7 +528,13 @@ def test_bind() -> None:
 def test_mask_mod_works_under_vmap() -> None:
     # flex evaluates mask_mod under vmap with 0-d int32 indices; check the captured tensors index.
     idx = torch.arange(6, dtype=torch.int32)
-    for spec in (Document(doc_ids=[[0, 0, 1, 1, 2, 2]]), PrefixLM(prefix_len=torch.tensor([2])), Chunked(size=4)):
+    for spec in (
+        Document(doc_ids=[[0, 0, 1, 1, 2, 2]]),
+        PrefixLM(prefix_len=torch.tensor([2])),
+        Chunked(size=4),
+    ):
         mod = spec.mask_mod()
-        fn = torch.vmap(torch.vmap(lambda q, k, m=mod: m(torch.tensor(0), torch.tensor(0), q, k), (None, 0)), (0, None))
+        fn = torch.vmap(
+            torch.vmap(lambda q, k, m=mod: m(torch.tensor(0), torch.tensor(0), q, k), (None, 0)), (0, None)
+        )
         assert torch.equal(fn(idx, idx), oracle(spec, 6, 6, 1, 1)[0, 0])

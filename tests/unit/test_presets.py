@@ -10,14 +10,27 @@ from flexattn_zoo import masks, score_mods
 from flexattn_zoo.models import presets
 from flexattn_zoo.testing import assert_matches_reference
 
-REQUIRED = {"mistral_7b", "gemma2", "gemma3", "llama4", "bloom", "mpt", "grok1", "gpt_oss", "modernbert", "prefix_lm"}
+REQUIRED = {
+    "mistral_7b",
+    "gemma2",
+    "gemma3",
+    "llama4",
+    "bloom",
+    "mpt",
+    "grok1",
+    "gpt_oss",
+    "modernbert",
+    "prefix_lm",
+}
 
 
 def test_catalogue_and_sources() -> None:
     assert REQUIRED <= set(presets.names())
     for p in presets.presets():
         # Every preset cites where its numbers come from.
-        assert len(p.source) > 80 and any(w in p.source for w in ("arXiv", "model card", "Config", "model.py")), p.name
+        assert len(p.source) > 80 and any(
+            w in p.source for w in ("arXiv", "model card", "Config", "model.py")
+        ), p.name
         assert p.model and p.pattern
 
 
@@ -73,9 +86,15 @@ def test_errors(call, match: str) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_every_layer_kind_matches_reference(name: str) -> None:
     # Short windows so a 70-token problem exercises the local pattern; two layers cover both kinds.
-    small = {"mistral_7b": {"window": 9}, "gemma2": {"window": 9}, "gemma3": {"window": 9, "every": 2},
-             "llama4": {"chunk": 16, "every": 2}, "gpt_oss": {"window": 9}, "modernbert": {"window": 8, "every": 2},
-             "prefix_lm": {"prefix_len": 20}}.get(name, {})  # fmt: skip
+    small = {
+        "mistral_7b": {"window": 9},
+        "gemma2": {"window": 9},
+        "gemma3": {"window": 9, "every": 2},
+        "llama4": {"chunk": 16, "every": 2},
+        "gpt_oss": {"window": 9},
+        "modernbert": {"window": 8, "every": 2},
+        "prefix_lm": {"prefix_len": 20},
+    }.get(name, {})
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 70, 16, generator=g) for _ in range(3))
     sinks = torch.linspace(-1, 1, 4)

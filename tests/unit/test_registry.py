@@ -34,7 +34,9 @@ def test_names_and_get() -> None:
 
 
 def test_unknown_name_lists_names_and_suggests() -> None:
-    with pytest.raises(ValueError, match=r"unknown score_mod 'sofcap'.*alibi.*softcap.*Did you mean 'softcap'"):
+    with pytest.raises(
+        ValueError, match=r"unknown score_mod 'sofcap'.*alibi.*softcap.*Did you mean 'softcap'"
+    ):
         score_mods.get("sofcap")
     with pytest.raises(ValueError, match="unknown mask 'zzz_nothing_like_it'; valid names"):
         masks.get("zzz_nothing_like_it")
@@ -43,7 +45,9 @@ def test_unknown_name_lists_names_and_suggests() -> None:
 
 
 def test_unknown_and_missing_params() -> None:
-    with pytest.raises(ValueError, match=r"unknown parameter\(s\) 'num_head'.*num_heads, slopes.*Did you mean 'num_heads'"):
+    with pytest.raises(
+        ValueError, match=r"unknown parameter\(s\) 'num_head'.*num_heads, slopes.*Did you mean 'num_heads'"
+    ):
         score_mods.get("alibi", num_head=4)
     with pytest.raises(ValueError, match=r"needs parameter\(s\): num_heads"):
         score_mods.get("alibi")

@@ -41,7 +41,9 @@ def test_route_declares_its_facts(route: Backend) -> None:
     assert isinstance(route.decode, bool) and isinstance(route.auto, bool)
     # what it needs installed and what it reads from the process (both reach the plan cache's key)
     assert isinstance(route.requires, tuple) and isinstance(route.env_vars, tuple)
-    assert all(isinstance(r, Requirement) and r.missing and isinstance(r.check(), bool) for r in route.requires)
+    assert all(
+        isinstance(r, Requirement) and r.missing and isinstance(r.check(), bool) for r in route.requires
+    )
     assert route.unavailable_reasons() == [r.missing for r in route.requires if not r.check()]
     assert set(route.requires) <= set(REQUIREMENTS)
     assert all(name.startswith("FLEXATTN_ZOO_") and name in ENV_VARS for name in route.env_vars)
@@ -57,7 +59,9 @@ def test_order_table_names_only_registered_routes() -> None:
 def test_every_auto_route_is_in_the_order_table() -> None:
     """A route is picked by "auto" somewhere, or says it never is (``auto=False``: debug routes)."""
     for b in BACKENDS:
-        assert (b.name in ORDERED) == b.auto, f"{b.name}: auto={b.auto}, in the order table: {b.name in ORDERED}"
+        assert (b.name in ORDERED) == b.auto, (
+            f"{b.name}: auto={b.auto}, in the order table: {b.name in ORDERED}"
+        )
 
 
 @pytest.mark.parametrize("gen", list(PRIORITY))
@@ -100,14 +104,26 @@ def test_bench_route_lists_follow_the_registry() -> None:
     from flexattn_zoo.bench.routes import BLOCKMASK_ROUTES
 
     assert all_routes() == ["auto", *BY_NAME, *EXTRA_ROUTES]
-    assert BLOCKMASK_ROUTES == {b.name for b in BACKENDS if isinstance(b, FlexBackend)} == {
-        "flex", "flex_flash", "flex_cpu"
-    }  # fmt: skip
+    assert (
+        BLOCKMASK_ROUTES
+        == {b.name for b in BACKENDS if isinstance(b, FlexBackend)}
+        == {"flex", "flex_flash", "flex_cpu"}
+    )
 
 
 def _p(arch: str, d: int = 128, dtype: torch.dtype = torch.bfloat16) -> Problem:
-    return Problem(batch=1, heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=d, dtype=dtype,
-                   device_type="cuda", arch=arch, requires_grad=False)  # fmt: skip
+    return Problem(
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=256,
+        kv_len=256,
+        head_dim=d,
+        dtype=dtype,
+        device_type="cuda",
+        arch=arch,
+        requires_grad=False,
+    )
 
 
 def test_flex_kernel_options_live_with_the_route() -> None:

@@ -166,7 +166,11 @@ def test_past_only_variants() -> None:
     kv = torch.arange(6, dtype=torch.int32).view(1, 1, 1, 6)
     past = (kv <= q).expand(1, 2, 5, 6)
     scores = torch.randn(1, 2, 5, 6, dtype=torch.float64)
-    for spec in (Alibi(num_heads=2), Alibi(num_heads=2, slopes=[1.0, 0.5]), SoftCap(cap=2.0) >> Alibi(num_heads=2)):
+    for spec in (
+        Alibi(num_heads=2),
+        Alibi(num_heads=2, slopes=[1.0, 0.5]),
+        SoftCap(cap=2.0) >> Alibi(num_heads=2),
+    ):
         plain, cheap = spec.score_mod(), spec.score_mod(future_keys_hidden=True)
         assert cheap is not plain and cheap is spec.score_mod(future_keys_hidden=True)
         want, got = spec.dense(scores.clone()), cheap(scores.clone(), Z, h, q, kv)
@@ -188,7 +192,9 @@ def test_equality_hash_and_mod_identity() -> None:
     assert SoftCap(cap=30) == SoftCap(cap=30.0) and hash(SoftCap(cap=30)) == hash(SoftCap(cap=30.0))
     assert SoftCap(cap=30).score_mod() is SoftCap(cap=30.0).score_mod()
     assert SoftCap(cap=30.0) != SoftCap(cap=30.0, approx=True)
-    assert (SoftCap(cap=3.0) >> Alibi(num_heads=2)).score_mod() is (SoftCap(cap=3.0) >> Alibi(num_heads=2)).score_mod()
+    assert (SoftCap(cap=3.0) >> Alibi(num_heads=2)).score_mod() is (
+        SoftCap(cap=3.0) >> Alibi(num_heads=2)
+    ).score_mod()
     assert len({SoftCap(cap=1.0), SoftCap(cap=1), Alibi(num_heads=3), Alibi(num_heads=3)}) == 2
 
 
@@ -204,7 +210,9 @@ def test_registry_names_build_the_classes() -> None:
 def test_forms_offered_where_promised() -> None:
     assert SoftCap(cap=30).softcap_form() == SoftCapForm(cap=30.0, approx=False)
     assert SoftCap(cap=2.5, approx=True).softcap_form() == SoftCapForm(cap=2.5, approx=True)
-    assert Alibi(num_heads=8).linear_bias_form() == LinearBiasForm(slopes=tuple(Alibi(num_heads=8).head_slopes()))
+    assert Alibi(num_heads=8).linear_bias_form() == LinearBiasForm(
+        slopes=tuple(Alibi(num_heads=8).head_slopes())
+    )
     assert Alibi(num_heads=2, slopes=[1.0, -0.5]).linear_bias_form() == LinearBiasForm(slopes=(1.0, -0.5))
     assert SoftCap(cap=3.0).linear_bias_form() is None and Alibi(num_heads=2).softcap_form() is None
     # Chains: one part keeps its form; linear biases add up; anything mixed has neither form.

@@ -13,7 +13,16 @@ from flexattn_zoo.models.sinks import apply_sinks
 from flexattn_zoo.testing import reference_attention
 
 
-def _qkv(dtype: torch.dtype, b: int = 2, h: int = 4, hkv: int = 2, lq: int = 45, lkv: int = 45, d: int = 16, grad: bool = False):  # type: ignore[no-untyped-def]
+def _qkv(
+    dtype: torch.dtype,
+    b: int = 2,
+    h: int = 4,
+    hkv: int = 2,
+    lq: int = 45,
+    lkv: int = 45,
+    d: int = 16,
+    grad: bool = False,
+):  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(1)
     # Scaled up so the softmax is peaked and sinks of either sign matter.
     q = (2 * torch.randn(b, h, lq, d, generator=g)).to(dtype).requires_grad_(grad)
@@ -38,7 +47,9 @@ def test_sigmoid_identity_matches_reference_in_float64() -> None:
     sinks = sinks.double()
     out, lse = reference_attention(q, k, v, mask=masks.Causal(), enable_gqa=True, return_lse=True)
     got, got_lse = apply_sinks(out, lse, sinks)
-    want, want_lse = reference_attention(q, k, v, mask=masks.Causal(), enable_gqa=True, return_lse=True, sinks=sinks)
+    want, want_lse = reference_attention(
+        q, k, v, mask=masks.Causal(), enable_gqa=True, return_lse=True, sinks=sinks
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
     torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-13)
 

@@ -29,7 +29,7 @@ def test_prefix_matches_reference(dtype: torch.dtype, length: int, prefix: int, 
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     assert_matches_reference(
         out, q, k, v, mask=mask, enable_gqa=hkv != 4, scale=0.3, grads=grads, grad_out=grad_out
-    )  # fmt: skip
+    )
     with torch.no_grad():
         again = fz.attention(q, k, v, mask=mask, enable_gqa=hkv != 4, backend="sdpa_split", scale=0.3)
     assert torch.equal(again, out.detach())

@@ -378,8 +378,21 @@ def _capture_forms() -> dict[str, Any]:
         _GLOBAL_IDS.copy_(torch.tensor(TWO_DOCS))
         return _global_mask, _GLOBAL_IDS
 
-    return {f.__name__: f for f in (closure, default_arg, nested_helper, in_a_list, in_a_dict, partial,
-                                     bound_method, callable_object, captured_module, module_global)}  # fmt: skip
+    return {
+        f.__name__: f
+        for f in (
+            closure,
+            default_arg,
+            nested_helper,
+            in_a_list,
+            in_a_dict,
+            partial,
+            bound_method,
+            callable_object,
+            captured_module,
+            module_global,
+        )
+    }
 
 
 @pytest.mark.parametrize("form", list(_capture_forms()))
@@ -525,8 +538,9 @@ def test_cpu_decode_with_a_callable_mask_stays_exact_across_steps() -> None:
         out = fz.decode.decode_step(q, k_cache, v_cache, length, mask=pattern, return_lse=True)[0]
         keys = torch.arange(length)
         visible = (keys <= length - 1) & (length - 1 - keys <= int(window))
-        ref = reference_attention(q, k_cache[:, :, :length], v_cache[:, :, :length],
-                                  mask=masks.KeyPadding(valid=visible[None]))  # fmt: skip
+        ref = reference_attention(
+            q, k_cache[:, :, :length], v_cache[:, :, :length], mask=masks.KeyPadding(valid=visible[None])
+        )
         assert torch.allclose(out.double(), ref, atol=1e-5)
         window.add_(-10)
 
@@ -579,7 +593,10 @@ def test_attention_layer_document_spec_is_a_snapshot_of_the_buffer() -> None:
 
 
 def test_spec_live_is_identity_for_plain_specs() -> None:
-    for s in (masks.Causal(), masks.Document(doc_ids=torch.tensor(TWO_DOCS)) & masks.Causal(),
-              score_mods.SoftCap(cap=3.0) >> score_mods.Alibi(num_heads=2)):  # fmt: skip
+    for s in (
+        masks.Causal(),
+        masks.Document(doc_ids=torch.tensor(TWO_DOCS)) & masks.Causal(),
+        score_mods.SoftCap(cap=3.0) >> score_mods.Alibi(num_heads=2),
+    ):
         assert s.live() is s
     assert isinstance(masks.Causal(), Spec)

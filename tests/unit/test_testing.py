@@ -24,7 +24,9 @@ def late_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
     return (kv_idx <= q_idx) & (q_idx >= 5)
 
 
-def make_qkv(dtype: torch.dtype, b: int = 2, hq: int = 4, hkv: int = 4, lq: int = 37, lkv: int = 37, d: int = 16):
+def make_qkv(
+    dtype: torch.dtype, b: int = 2, hq: int = 4, hkv: int = 4, lq: int = 37, lkv: int = 37, d: int = 16
+):
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(b, hq, lq, d, generator=gen).to(dtype)
     k = torch.randn(b, hkv, lkv, d, generator=gen).to(dtype)
@@ -116,7 +118,9 @@ def test_gradients(dtype: torch.dtype) -> None:
     assert_matches_reference(out, q, k, v, mask=late_causal, enable_gqa=True, grads=grads, grad_out=grad_out)
     bad = (grads[0] * 1.1, grads[1], grads[2])
     with pytest.raises(AssertionError, match="dq: max abs error"):
-        assert_matches_reference(out, q, k, v, mask=late_causal, enable_gqa=True, grads=bad, grad_out=grad_out)
+        assert_matches_reference(
+            out, q, k, v, mask=late_causal, enable_gqa=True, grads=bad, grad_out=grad_out
+        )
     assert_matches_reference(  # None entries are skipped
         out, q, k, v, mask=late_causal, enable_gqa=True, grads=(None, None, grads[2]), grad_out=grad_out
     )
