@@ -25,7 +25,8 @@ __all__ = [
     "sdpa_kernel",
 ]
 
-TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[assignment]
+_MAJOR, _MINOR = (int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+TORCH_VERSION: tuple[int, int] = (_MAJOR, _MINOR)
 
 #: torch 2.11's FLASH flex backend returns lse scaled by ln 2 (fixed in 2.13): never expose it there.
 FLASH_LSE_TRUSTWORTHY = TORCH_VERSION >= (2, 13)
@@ -141,7 +142,7 @@ def cudnn_attention_backward(
     ``aten._scaled_dot_product_cudnn_attention_backward``: used on 2.11 (GPU suite); checked on 2.13
     (CI: the op and its schema exist, a CPU build cannot run it)."""
     cum_q, cum_k, max_q, max_k, seed, offset = forward[2:8]
-    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(  # type: ignore[no-any-return]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad_out,
         q,
         k,
@@ -189,14 +190,14 @@ def cpu_flash_attention_backward(
 
     ``aten._scaled_dot_product_flash_attention_for_cpu_backward``: checked on 2.13 (CI runs it); the
     GPU suite on 2.11 does not reach it."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(  # type: ignore[no-any-return]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale
     )
 
 
 def triton_version() -> str | None:
     try:
-        import triton  # type: ignore[import-not-found]
+        import triton
     except ImportError:
         return None
     return str(triton.__version__)

@@ -16,7 +16,7 @@ the versions of the tensors it captures (``Spec.live()``), so an in-place write 
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -189,7 +189,7 @@ def block_mask(
     cached = CACHE.get(key)
     if cached is not None:
         return cached
-    on_device = cast(MaskSpec, mask_spec.to(device))  # Spec.to keeps the type; it is annotated as Spec
+    on_device = mask_spec.to(device)
     bmap = on_device.block_map(q_len, kv_len, qb, kvb, device)
     if bmap is None:
         bmap = generic_block_map(on_device, q_len, kv_len, (qb, kvb), b_eff, h_eff, device)

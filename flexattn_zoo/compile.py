@@ -66,8 +66,8 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
             block_mask=block_mask,
             scale=scale,
             enable_gqa=gqa,
-            kernel_options=kernel_options,
-            **aux,  # type: ignore[arg-type]
+            kernel_options=kernel_options,  # type: ignore[arg-type]
+            **aux,
         )
 
     return flexattn_zoo_flex

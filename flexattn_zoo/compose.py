@@ -34,11 +34,13 @@ from flexattn_zoo.spec import (
 )
 
 
-def check_mask(other: object, op: str) -> None:
+def check_mask(other: object, op: str) -> MaskSpec:
+    """``other``, if it is a mask spec; else ``TypeError`` naming the operator ``op``."""
     if not isinstance(other, MaskSpec):
         raise TypeError(
             f"mask {op} expects another mask spec (e.g. masks.Causal()), got {type(other).__name__}"
         )
+    return other
 
 
 class _Combined(MaskSpec):
@@ -73,13 +75,13 @@ class _Combined(MaskSpec):
         # Keep ``self`` when nothing changed so mask_mod identity (and compiled kernels) survive.
         if all(a is b for a, b in zip(parts, self.parts, strict=True)):
             return self
-        return dataclasses.replace(self, parts=parts)  # type: ignore[type-var]
+        return dataclasses.replace(self, parts=parts)  # type: ignore[type-var]  # mixin: And/Or are dataclasses
 
     def _make_mask_mod(self) -> MaskMod:
         mods = [p.mask_mod() for p in self.parts]
         op = type(self).op
 
-        def combined_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def combined_mask(b, h, q_idx, kv_idx):
             out = mods[0](b, h, q_idx, kv_idx)
             for mod in mods[1:]:
                 out = op(out, mod(b, h, q_idx, kv_idx))
@@ -102,13 +104,14 @@ class _Combined(MaskSpec):
         # &: "full" exact, "any" a superset (two partial blocks may not overlap); |: "any" exact,
         # "full" a subset (two partial blocks may cover each other). Both are safe: the kernel
         # still applies mask_mod inside partial blocks.
-        maps = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
-        if any(m is None for m in maps):
+        maybe = [p.block_map(q_len, kv_len, q_block, kv_block, device) for p in self.parts]
+        maps = [m for m in maybe if m is not None]
+        if len(maps) < len(maybe):
             return None
         op = type(self).op
         return BlockMap(
-            any=functools.reduce(op, (m.any for m in maps)),  # type: ignore[union-attr]
-            full=functools.reduce(op, (m.full for m in maps)),  # type: ignore[union-attr]
+            any=functools.reduce(op, (m.any for m in maps)),
+            full=functools.reduce(op, (m.full for m in maps)),
         )
 
 
@@ -120,10 +123,11 @@ class And(_Combined):
     op = operator.and_
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        forms = [p.sdpa_form(q_len, kv_len) for p in self.parts]
-        if any(f is None for f in forms):
+        maybe = [p.sdpa_form(q_len, kv_len) for p in self.parts]
+        forms = [f for f in maybe if f is not None]
+        if len(forms) < len(maybe):
             return None
-        return SdpaForm(is_causal=any(f.is_causal for f in forms))  # type: ignore[union-attr]
+        return SdpaForm(is_causal=any(f.is_causal for f in forms))
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return any(p.hides_future_keys(q_len, kv_len) for p in self.parts)
@@ -140,15 +144,16 @@ class And(_Combined):
         return torch.stack(known).amax(0)
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
-        forms = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
-        if any(f is None for f in forms):
+        maybe = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
+        forms = [f for f in maybe if f is not None]
+        if len(forms) < len(maybe):
             return None
-        segmented = [f for f in forms if f.segments is not None]  # type: ignore[union-attr]
+        segmented = [f for f in forms if f.segments is not None]
         if len(segmented) > 1:
             return None  # intersecting two segmentations has no cheap exact form here
         left, right = -1, -1
         for f in forms:
-            fl, fr = f.window  # type: ignore[union-attr]
+            fl, fr = f.window
             left = fl if left < 0 else (left if fl < 0 else min(left, fl))
             right = fr if right < 0 else (right if fr < 0 else min(right, fr))
         return VarlenForm(segments=segmented[0].segments if segmented else None, window=(left, right))
@@ -207,7 +212,7 @@ class Not(MaskSpec):
     def _make_mask_mod(self) -> MaskMod:
         mod = self.part.mask_mod()
 
-        def not_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def not_mask(b, h, q_idx, kv_idx):
             return ~mod(b, h, q_idx, kv_idx)
 
         return not_mask
@@ -287,7 +292,7 @@ class Chain(ScoreSpec):
 
 
 def _chained(fns: list[ScoreMod]) -> ScoreMod:
-    def chained(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def chained(score, b, h, q_idx, kv_idx):
         for fn in fns:
             score = fn(score, b, h, q_idx, kv_idx)
         return score
@@ -296,13 +301,11 @@ def _chained(fns: list[ScoreMod]) -> ScoreMod:
 
 
 def _and(left: MaskSpec, right: object) -> MaskSpec:
-    check_mask(right, "&")
-    return And(parts=(left, right))  # type: ignore[arg-type]
+    return And(parts=(left, check_mask(right, "&")))
 
 
 def _or(left: MaskSpec, right: object) -> MaskSpec:
-    check_mask(right, "|")
-    return Or(parts=(left, right))  # type: ignore[arg-type]
+    return Or(parts=(left, check_mask(right, "|")))
 
 
 def _chain(left: ScoreSpec, right: ScoreSpec) -> ScoreSpec:

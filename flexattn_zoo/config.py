@@ -69,14 +69,33 @@ def _combined(reg: Registry[Any], value: Any, key: str, combine: Any) -> Any:
     return functools.reduce(combine, [_entry(reg, item, where(i)) for i, item in enumerate(items)])
 
 
+def read_text_file(path: str | os.PathLike[str], what: str) -> str:
+    """The UTF-8 text of the file ``path`` (``what`` names it in errors: "YAML config file").
+
+    ValueError, never a bare OSError/UnicodeDecodeError, for a missing path, a directory, an
+    unreadable file or bytes that are not UTF-8.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {str(p)!r} is a directory, not a file")
+    if not p.is_file():
+        raise ValueError(f"{what} {str(p)!r} does not exist")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{what} {str(p)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+
+
 def load_yaml_spec(source: str | os.PathLike[str]) -> tuple[MaskSpec | None, ScoreSpec | None]:
     """Parse YAML text, or a path to a YAML file, into ``(mask, score_mod)`` specs."""
     text = str(source)
     if isinstance(source, os.PathLike) or (("\n" not in text) and text.endswith((".yaml", ".yml"))):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"YAML config file {str(path)!r} does not exist")
-        text = path.read_text()
+        text = read_text_file(source, "YAML config file")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -115,14 +115,23 @@ def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
         if not chosen.accepted:
             raise ValueError(f"backend {backend!r} cannot run this call: {'; '.join(chosen.reasons)}")
         return Plan(backend, backend, problem, tuple(cands))
-    ranked = sorted((c for c in cands if c.rank is not None), key=lambda c: c.rank)  # type: ignore[arg-type, return-value]
+    ranked = [c for c in sorted(cands, key=lambda c: (c.rank is None, c.rank or 0)) if c.rank is not None]
     for c in ranked:
         if c.accepted:
             return Plan(c.name, "auto", problem, tuple(cands))
     detail = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in ranked)
+    # Suggest only what is true: routes outside the list that accept this very problem, if any.
+    others = [c for c in cands if c.rank is None and BY_NAME[c.name].devices >= {problem.device_type}]
+    can = [c.name for c in others if c.accepted]
+    if can:
+        hint = (
+            f"Name one that can explicitly ({', '.join(f'backend={n!r}' for n in can)}) or change the inputs."
+        )
+    else:
+        rest = "".join(f"; {c.name}: {', '.join(c.reasons)}" for c in others)
+        hint = f"No other route can run it either{rest}. Change the inputs."
     raise ValueError(
-        f"no route in the {generation(problem.arch)} priority list can run this call exactly ({detail}). "
-        "Name a backend explicitly (e.g. backend='dense' for small problems) or change the inputs."
+        f"no route in the {generation(problem.arch)} priority list can run this call exactly ({detail}). {hint}"
     )
 
 
@@ -149,8 +158,27 @@ def _resolve_deterministic(deterministic: Any) -> bool:
     return check_flag("deterministic", deterministic)
 
 
-def _problem(  # type: ignore[no-untyped-def]
-    q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale
+def needs_grad(inputs: tuple[Any, ...], score: Any) -> bool:
+    """Whether a call records a backward: grad mode is on and an input requires grad, or the score
+    spec captures a learnable tensor (a spec's learned bias, or one a raw ``score_mod`` closes
+    over: ``functions.captured_tensors``) -- its gradient needs a route with a backward."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(t is not None and t.requires_grad for t in inputs):
+        return True
+    return score is not None and score.captures_grad_tensors()
+
+
+def _problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Any,
+    score_mod: Any,
+    enable_gqa: bool,
+    return_lse: bool,
+    deterministic: bool | None,
+    scale: float | None,
 ) -> tuple[Problem, Any]:
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
@@ -168,9 +196,7 @@ def _problem(  # type: ignore[no-untyped-def]
     for spec in (mask_spec, score_spec):
         if spec is not None:
             spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if score_spec is not None and torch.is_grad_enabled() and score_spec.captures_grad_tensors():
-        requires_grad = True
+    requires_grad = needs_grad((q, k, v), score_spec)
     nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(
         batch=shape.batch,
@@ -203,6 +229,29 @@ def _extent(t: torch.Tensor) -> int:
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
 
 
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _under_autocast(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as SDPA sees them under ``torch.autocast``: floating inputs (not float64) in the
+    autocast dtype of their device type. SDPA is on autocast's lower-precision list on CPU and
+    CUDA, so every route, and the plan and its cache key, see the dtype the kernel computes in."""
+    if not isinstance(q, torch.Tensor):
+        return q, k, v  # validation names the bad argument
+    device_type = q.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        eligible = isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_ELIGIBLE
+        return t.to(dtype) if eligible and t.dtype != dtype else t
+
+    return cast(q), cast(k), cast(v)
+
+
 def plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,16 +266,64 @@ def plan(
     deterministic: bool | None = None,
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
+    q, k, v = _under_autocast(q, k, v)
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
     return plan_problem(problem, backend)
 
 
-def _empty_result(q, k, v, p: Problem):  # type: ignore[no-untyped-def]
+def _empty_result(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Lq == 0 or Lkv == 0: output zeros (lse -inf), still connected to the inputs' graph."""
     link = (q.narrow(2, 0, 0).sum() + k.narrow(2, 0, 0).sum() + v.narrow(2, 0, 0).sum()) * 0
+    assert p.v_dim is not None  # Problem.__post_init__ fills it in
     out = q.new_zeros(p.batch, p.heads, p.q_len, p.v_dim) + link
     lse = torch.full((p.batch, p.heads, p.q_len), float("-inf"), device=q.device)
     return out, lse
+
+
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    backend: str = ...,
+    return_lse: Literal[False] = ...,
+    deterministic: bool | None = ...,
+) -> torch.Tensor: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    backend: str = ...,
+    return_lse: Literal[True],
+    deterministic: bool | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    backend: str = ...,
+    return_lse: bool = ...,
+    deterministic: bool | None = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(
@@ -262,7 +359,7 @@ def attention(
             ``torch.use_deterministic_algorithms`` (non-warn-only); ``False`` does not ask.
 
     Returns:
-        ``out`` with q's dtype, or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
+        ``out`` with q's dtype (under ``torch.autocast``: the autocast dtype, as SDPA), or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
 
     Non-finite inputs: NaN/inf are not checked on CUDA (that would cost a device sync per call);
     a NaN in query row ``i``, or in a key or value that row ``i`` sees, puts NaN in output row
@@ -273,6 +370,7 @@ def attention(
     NaN silently) refuses non-finite inputs.
     """
     scale_checked = check_scale(scale)
+    q, k, v = _under_autocast(q, k, v)
     # A spec wrapping a raw callable (e.g. fz.Attention(mask=fn)) keys every cache by the versions
     # of the tensors the callable captures when the spec was built: bring them up to date.
     if isinstance(mask, Spec):
@@ -305,12 +403,21 @@ def attention(
         if key is not None:
             PLANS.put(key, chosen)
     log.debug("flexattn_zoo route %s", chosen.backend)
-    out, lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
-    return (out, lse) if return_lse else out
+    out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
+    if not return_lse:
+        return out
+    assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it
+    return out, maybe_lse
 
 
-def execute_plan(  # type: ignore[no-untyped-def]
-    chosen: Plan, q, k, v, *, scale: float | None, block_mask=None
+def execute_plan(
+    chosen: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    block_mask: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a plan's route on inputs it was made for: ``(out, lse or None)``.
 

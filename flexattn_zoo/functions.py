@@ -59,6 +59,10 @@ def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
 
 
 def _positional_arity(fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments ``fn`` *requires* (those without a default), as flex counts
+    them to tell a ``mask_mod`` (4) from a ``score_mod`` (5); extra parameters with defaults
+    (``lambda b, h, q, kv, doc=doc: ...``) do not count. None when the signature is unknown or
+    takes ``*args`` (the probe call decides then)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -66,7 +70,36 @@ def _positional_arity(fn: Callable[..., Any]) -> int | None:
     params = list(sig.parameters.values())
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return None
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+    return sum(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params
+    )
+
+
+def _required_keyword_only(fn: Callable[..., Any]) -> list[str]:
+    """Keyword-only parameters of ``fn`` without a default (flex never passes them)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+
+
+def _check_signature(
+    fn: Callable[..., Any], arg: str, kind: str, names: str, returns: str, count: int
+) -> None:
+    arity = _positional_arity(fn)
+    required_kw = _required_keyword_only(fn)
+    if (arity is not None and arity != count) or required_kw:
+        got = (
+            f"requires keyword-only argument(s) {', '.join(required_kw)}"
+            if required_kw
+            else f"requires {arity} positional argument(s)"
+        )
+        raise TypeError(
+            f"{arg} callable must have the flex {kind} signature ({names}) -> {returns}, i.e. exactly "
+            f"{count} positional arguments without defaults (extra parameters need defaults); "
+            f"{getattr(fn, '__name__', fn)!r} {got}"
+        )
 
 
 def _grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
@@ -311,6 +344,9 @@ class FunctionMask(_TracksCallable, MaskSpec):
     def _make_mask_mod(self) -> MaskMod:
         return self.fn
 
+    def tensors(self) -> list[torch.Tensor]:
+        return captured_tensors(self.fn)
+
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
         # Evaluated where the tensors the function indexes live (e.g. CUDA document ids), returned
         # on the CPU like the other specs' oracles (composites combine them).
@@ -336,8 +372,9 @@ class FunctionScore(_TracksCallable, ScoreSpec):
     def uses_head(self) -> bool:
         return True  # unknown: a user function may read h
 
-    def captures_grad_tensors(self) -> bool:
-        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in _reachable(self.fn))
+    def tensors(self) -> list[torch.Tensor]:
+        # What the function closes over: a learnable bias there makes the call need a backward.
+        return captured_tensors(self.fn)
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
@@ -362,24 +399,26 @@ def _probe_grids(device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
     return (z, z, z, z), grids
 
 
+def captured_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor a user callable can read besides its arguments (the walk of
+    :func:`capture_state`): where its tables live (:func:`_captured_device`) and whether it
+    captures learnable tensors (``ScoreSpec.captures_grad_tensors``: the call needs a backward)."""
+    return [v for v in _reachable(obj) if isinstance(v, torch.Tensor)]
+
+
 def _captured_device(fn: Callable[..., Any]) -> torch.device:
-    """Where ``fn``'s captured tensors live: the device of the first non-CPU tensor it reaches
-    (see :func:`_reachable`), else the CPU. The probe indexes those tensors (``doc_ids[q_idx]``),
-    and a CUDA table cannot be indexed with CPU indices."""
-    for value in _reachable(fn):
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            return value.device
+    """Where ``fn``'s captured tensors live (:func:`captured_tensors`): the device of the first
+    non-CPU one, else the CPU. The probe indexes those tensors (``doc_ids[q_idx]``), and a CUDA
+    table cannot be indexed with CPU indices."""
+    for t in captured_tensors(fn):
+        if t.device.type != "cpu":
+            return t.device
     return torch.device("cpu")
 
 
 def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
     """Reject a callable that is not a valid ``mask_mod`` with a TypeError naming ``arg``."""
-    arity = _positional_arity(fn)
-    if arity is not None and arity != 4:
-        raise TypeError(
-            f"{arg} callable must have the flex mask_mod signature (b, h, q_idx, kv_idx) -> bool; "
-            f"{getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
-        )
+    _check_signature(fn, arg, "mask_mod", "b, h, q_idx, kv_idx", "bool", 4)
     for grids in _probe_grids(_captured_device(fn)):
         try:
             out = fn(*grids)
@@ -392,12 +431,7 @@ def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
 
 def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None:
     """Reject a callable that is not a valid ``score_mod`` with a TypeError naming ``arg``."""
-    arity = _positional_arity(fn)
-    if arity is not None and arity != 5:
-        raise TypeError(
-            f"{arg} callable must have the flex score_mod signature (score, b, h, q_idx, kv_idx) -> "
-            f"score; {getattr(fn, '__name__', fn)!r} takes {arity} positional argument(s)"
-        )
+    _check_signature(fn, arg, "score_mod", "score, b, h, q_idx, kv_idx", "score", 5)
     device = _captured_device(fn)
     for grids in _probe_grids(device):
         score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=device)

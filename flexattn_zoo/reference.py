@@ -15,12 +15,11 @@ Conventions (the same on every route):
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
 import torch
 
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
-from flexattn_zoo.spec import MaskSpec, ScoreSpec
 from flexattn_zoo.validation import check_qkv
 
 
@@ -132,10 +131,10 @@ def dense_attention(
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     if score_spec is not None:
         # (Spec.to keeps the spec's type; it is annotated as returning Spec.)
-        scores = cast(ScoreSpec, score_spec.to(scores.device)).dense(scores).to(dtype)
+        scores = score_spec.to(scores.device).dense(scores).to(dtype)
     if mask_spec is not None:
         visible = (
-            cast(MaskSpec, mask_spec.to("cpu"))
+            mask_spec.to("cpu")
             .dense(shape.q_len, shape.kv_len, batch=shape.batch, heads=shape.heads)
             .to(scores.device)
         )

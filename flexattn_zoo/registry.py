@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from flexattn_zoo.functions import FunctionMask, FunctionScore
+from flexattn_zoo.functions import FunctionMask, FunctionScore, check_mask_function, check_score_function
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 
 S = TypeVar("S", bound=Spec)
@@ -113,11 +113,19 @@ class Registry(Generic[S]):
     ) -> Callable[..., Any]:
         """Register a plain ``mask_mod`` / ``score_mod`` function (no parameters) under ``name``.
 
+        ``fn`` is checked as ``fz.attention`` checks a raw callable (flex signature, a bool /
+        floating result on index tensors): TypeError naming ``mask`` / ``score_mod`` otherwise.
+
         ``get(name)`` then returns a spec wrapping ``fn``; its dense oracle evaluates ``fn`` on
         broadcast index grids. Returns ``fn`` so this also works as ``@register_function`` helper.
         """
         if not callable(fn):
             raise TypeError(f"register_function(fn=...) must be callable, got {type(fn).__name__}")
+        # The checks fz.attention makes on a raw callable, now rather than at the first call.
+        if self.base is MaskSpec:
+            check_mask_function(fn, f"register_function({name!r}) mask")
+        else:
+            check_score_function(fn, f"register_function({name!r}) score_mod")
         wrapper: type[FunctionMask | FunctionScore] = FunctionMask if self.base is MaskSpec else FunctionScore
         text = doc or fn.__doc__ or f"user function {getattr(fn, '__name__', name)}"
 

@@ -38,9 +38,9 @@ import torch
 from flexattn_zoo.lru import LRUCache
 
 if sys.version_info >= (3, 11):
-    from typing import dataclass_transform
+    from typing import Self, dataclass_transform
 else:  # typing_extensions: a dependency of torch, declared for 3.10 in pyproject
-    from typing_extensions import dataclass_transform
+    from typing_extensions import Self, dataclass_transform
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -232,7 +232,7 @@ class Spec:
     name: ClassVar[str] = ""
 
     def _fields(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses
 
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
@@ -242,10 +242,7 @@ class Spec:
         known = _EQ_MEMO.get(_memo_key(self, other))
         if known is not None:
             return known
-        verdict = all(
-            _values_equal(a, b)
-            for a, b in zip(self._fields(), other._fields(), strict=True)  # type: ignore[attr-defined]
-        )
+        verdict = all(_values_equal(a, b) for a, b in zip(self._fields(), other._fields(), strict=True))
         if self.tensors():  # comparing read tensor contents: don't do it again for this pair
             _remember_equal(self, other, verdict)
         return verdict
@@ -332,10 +329,10 @@ class Spec:
                         found.append(v)
         return found
 
-    def to(self, device: torch.device | str) -> Spec:
+    def to(self, device: torch.device | str) -> Self:
         """A copy with every captured tensor on ``device`` (``self`` if nothing moves)."""
         changes: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.device != torch.device(device):
                 # A fresh tensor (or the learned tensor's non-leaf copy): the new spec owns it as is.
@@ -349,7 +346,7 @@ class Spec:
                 moved_t = tuple(v.to(device) if isinstance(v, Spec) else v for v in value)
                 if any(a is not b for a, b in zip(moved_t, value, strict=True)):
                     changes[f.name] = moved_t
-        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
+        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]  # as above
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from numbers import Real
 
 import torch
@@ -17,6 +18,15 @@ from flexattn_zoo import _compat
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: Devices some route runs on; anything else (meta, mps, xpu...) is refused before planning.
 SUPPORTED_DEVICES = ("cpu", "cuda")
+
+#: Largest magnitude of a number that kernels multiply scores by (``scale``, ``SoftCap``'s ``cap``
+#: and ``1 / cap``, ``Alibi`` slopes). Every route computes scores in float32 (bfloat16 has the same
+#: exponent range; float16 inputs are upcast), so such a factor must be a finite float32 -- and
+#: the product of the factor with a score must be too. Splitting float32's range evenly between
+#: the two, ``sqrt(finfo(float32).max)`` ~ 1.8e19, guarantees that for every score up to the same
+#: bound; its reciprocal (~5.4e-20) is still a normal float32, so ``1 / cap`` is not flushed to
+#: zero on GPUs either. One rule for every such factor.
+SCORE_FACTOR_MAX = math.sqrt(torch.finfo(torch.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +49,34 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_score_factor(name: str, value: object, *, reciprocal: bool = False) -> float:
+    """``value`` as a float if it is a real number a kernel may multiply scores by: finite and at
+    most :data:`SCORE_FACTOR_MAX` in magnitude (with ``reciprocal``, ``1 / value`` is used as a
+    factor too, so ``value`` must also be 0 or at least ``1 / SCORE_FACTOR_MAX`` in magnitude).
+    TypeError for non-numbers, ValueError naming ``name`` and the valid range otherwise."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    try:
+        f = float(value)
+    except OverflowError:  # an int beyond float's range, e.g. 10**400
+        f = math.inf
+    low = 1.0 / SCORE_FACTOR_MAX if reciprocal else 0.0
+    if not math.isfinite(f) or abs(f) > SCORE_FACTOR_MAX or (f != 0 and abs(f) < low):
+        span = (
+            f"{low:.3g} <= |value| <= {SCORE_FACTOR_MAX:.3g}"
+            if reciprocal
+            else f"|value| <= {SCORE_FACTOR_MAX:.3g}"
+        )
+        raise ValueError(
+            f"{name} must be a finite number with {span} (scores are computed in float32; a larger "
+            f"factor overflows it and gives NaN), got {value!r}"
+        )
+    return f
+
+
 def check_scale(scale: object) -> float | None:
-    """``None`` or a finite real number (as float); TypeError for other types, ValueError for nan/inf."""
+    """``None`` or a finite real number (as float) with ``|scale| <= SCORE_FACTOR_MAX``; TypeError
+    for other types, ValueError for nan/inf and scales that overflow float32 scores."""
     if scale is None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, Real):
@@ -52,6 +88,26 @@ def check_scale(scale: object) -> float | None:
         value = math.inf
     if not math.isfinite(value):
         raise ValueError(f"scale must be None or a finite number, got {scale!r}")
+    return check_score_factor("scale", value)
+
+
+def env_number(name: str, default: float, *, unit: str = "") -> float:
+    """The non-negative number in environment variable ``name`` (``default`` when unset or empty).
+
+    The one parser of every numeric ``FLEXATTN_ZOO_*`` variable: ``inf`` (or ``infinity``, any
+    case) means no limit; anything else that is not a number >= 0 (garbage, nan, negatives)
+    raises a ValueError naming the variable and what it accepts.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    what = f"a number >= 0{f' ({unit})' if unit else ''} or 'inf' for no limit"
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be {what}, got {raw!r}")
     return value
 
 

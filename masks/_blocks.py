@@ -11,6 +11,9 @@ is visible, *full* when both blocks are complete and every ``(i, j)`` is visible
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 
 from flexattn_zoo.spec import BlockMap, block_ranges
@@ -105,3 +108,58 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
     if minimum is not None and as_int < minimum:
         raise ValueError(f"{owner}({name}=...) must be {wanted}, got {as_int}")
     return max(-INDEX_LIMIT, min(INDEX_LIMIT, as_int))
+
+
+def _canonical_device(device: torch.device | str | None) -> torch.device:
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must be one key
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+class CapturedOffsets:
+    """Mixin for masks whose position parameters move with the cache (``OffsetCausal``, ``Band``):
+    their ``mask_mod`` reads those values from captured 0-d int32 tensors, never Python constants.
+
+    Why: a Python int captured by a ``mask_mod`` is baked into the compiled kernel (and into the
+    compile cache's key, :func:`flexattn_zoo.compile.mod_key`), so a decode step's
+    ``OffsetCausal(Lkv - Lq)`` compiled one kernel per generated token. A captured tensor is a
+    kernel *input* (keyed by shape, dtype and device only): every offset shares one kernel.
+
+    Why one immutable tensor per spec value rather than one shared tensor written per call: a
+    shared tensor is read when the kernel *runs*, which on CUDA is after the launch returns; two
+    calls with different offsets (two threads, two streams) could overwrite each other's value
+    before their kernels read it. Here each spec value gets its own tensor when its ``mask_mod``
+    is made (``spec.mask_mod()`` is cached per value) and never written again: nothing to order
+    between calls, nothing to lock. It is filled on its device by a kernel queued on the current
+    stream, like the BlockMask tensors built from the same spec at the same moment (and shared by
+    later calls through the BlockMask cache in the same way). The cost is one 4-byte tensor per
+    distinct value and device.
+
+    A tensor lives on one device, so such a spec knows where its ``mask_mod`` will run:
+    ``spec.to(device)`` returns a copy for that device (what the BlockMask builder and the dense
+    route already call), and the device takes part in equality and hashing, so the ``mask_mod``
+    cache never hands a CPU tensor to a CUDA kernel. Specs are built for the CPU.
+    """
+
+    __slots__ = ()
+
+    def _set_device(self, device: torch.device | str | None = None) -> None:
+        object.__setattr__(self, "_device", _canonical_device(device))
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (*super()._fields(), self.__dict__.get("_device"))  # type: ignore[misc]
+
+    def to(self, device: torch.device | str) -> Any:
+        dev = _canonical_device(device)
+        if dev == self.__dict__.get("_device"):
+            return self
+        moved = dataclasses.replace(self)  # type: ignore[type-var]
+        moved._set_device(dev)
+        return moved
+
+    def _offset_tensor(self, value: int) -> torch.Tensor:
+        """``value`` (already clamped to int32 by ``check_int``) as a 0-d int32 tensor on this
+        spec's device. int32 like flex's ``q_idx``/``kv_idx``: a 0-d operand does not promote
+        them, and ``kv_idx - q_idx`` never leaves int32 for indices below ``2**31``."""
+        return torch.full((), value, dtype=torch.int32, device=self.__dict__.get("_device"))

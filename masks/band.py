@@ -7,12 +7,12 @@ import torch
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
 
-from ._blocks import band_block_map, check_int
+from ._blocks import CapturedOffsets, band_block_map, check_int
 
 
 @MASKS.register
 @spec_dataclass
-class Band(MaskSpec):
+class Band(CapturedOffsets, MaskSpec):
     """Key ``j`` is visible to query ``i`` iff ``lo <= j - i <= hi`` (``None``: unbounded that side).
 
     The general form behind the causal and sliding-window masks, with the diagonal allowed to sit
@@ -33,7 +33,8 @@ class Band(MaskSpec):
     users write ``Causal``/``SlidingWindow``). Forms offered: varlen window ``(-lo, hi)`` when
     ``Lq == Lkv`` and ``lo <= 0 <= hi``; SDPA causal when ``Lq == Lkv``, ``hi == 0`` and the lower
     end is out of reach; a closed-form block map for any lengths; lowest visible key ``i + lo``
-    when ``lo`` is given.
+    when ``lo`` is given. The ``mask_mod`` reads ``lo``/``hi`` from captured 0-d tensors (not
+    Python constants), so bands moving with a decode step share one compiled kernel.
 
     Args:
         lo: smallest visible ``j - i`` (``None``: no lower end).
@@ -48,9 +49,13 @@ class Band(MaskSpec):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, check_int(name, value, minimum=None, owner="Band"))
+        self._set_device()
 
     def _make_mask_mod(self) -> MaskMod:
-        lo, hi = self.lo, self.hi
+        # lo and hi move with a decode step's offset: captured tensors, so every band of one
+        # shape (which ends are None) shares one compiled kernel (see CapturedOffsets).
+        lo = None if self.lo is None else self._offset_tensor(self.lo)
+        hi = None if self.hi is None else self._offset_tensor(self.hi)
 
         def band_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

@@ -9,7 +9,7 @@ import torch
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
 
-from ._blocks import band_block_map, check_int
+from ._blocks import CapturedOffsets, band_block_map, check_int
 
 _ALIGNS = ("top_left", "bottom_right")
 
@@ -98,7 +98,7 @@ class Causal(MaskSpec):
 
 
 @spec_dataclass
-class OffsetCausal(MaskSpec):
+class OffsetCausal(CapturedOffsets, MaskSpec):
     """``j <= i + offset``: a causal diagonal shifted by ``offset`` keys (may be negative).
 
     What ``Causal(align="bottom_right").bind(Lq, Lkv)`` returns when ``Lq != Lkv``
@@ -115,6 +115,11 @@ class OffsetCausal(MaskSpec):
 
     Forms offered: SDPA ``is_causal=True`` / varlen ``(-1, 0)`` only when ``offset == 0`` and
     ``Lq == Lkv``; a closed-form block map for any lengths.
+
+    The ``mask_mod`` reads ``offset`` from a captured 0-d tensor, not a Python constant: a decode
+    loop (``Lq = 1``, ``Lkv = 8, 9, 10, ...``: a new offset every step) reuses one compiled kernel
+    instead of compiling one per step (see ``CapturedOffsets``; ``spec.to(device)`` puts that
+    tensor where the kernel runs).
     """
 
     offset: int
@@ -123,9 +128,10 @@ class OffsetCausal(MaskSpec):
         object.__setattr__(
             self, "offset", check_int("offset", self.offset, minimum=None, owner="OffsetCausal")
         )
+        self._set_device()
 
     def _make_mask_mod(self) -> MaskMod:
-        offset = self.offset
+        offset = self._offset_tensor(self.offset)
 
         def offset_causal_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

@@ -10,6 +10,7 @@ import torch
 
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import LinearBiasForm, ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.validation import check_score_factor
 
 
 def _exponent_pieces(num_heads: int) -> tuple[int, float, float, float, float]:
@@ -47,9 +48,7 @@ def _check_slopes(slopes: object, num_heads: int) -> tuple[float, ...] | None:
     for s in slopes:
         if isinstance(s, bool) or not isinstance(s, Real):
             raise TypeError(f"Alibi(slopes=...) values must be real numbers, got {type(s).__name__}")
-        if not math.isfinite(s):
-            raise ValueError(f"Alibi(slopes=...) values must be finite, got {s}")
-        out.append(float(s))
+        out.append(check_score_factor("Alibi(slopes=...) values", s))
     return tuple(out)
 
 
@@ -75,7 +74,8 @@ class Alibi(ScoreSpec):
         slopes: ``None`` for the slopes of Press et al. -- ``2^(-8(h+1)/H)`` when ``H`` is a power
             of two; otherwise the ``n`` slopes for the largest power of two ``n < H`` followed by
             every other slope (starting with the first) of the ``2n`` sequence -- or ``num_heads``
-            finite floats of your own (stored as a tuple so the spec stays hashable).
+            floats of your own, each finite with ``|slope| <= SCORE_FACTOR_MAX`` (~1.8e19, see
+            ``validation.SCORE_FACTOR_MAX``), stored as a tuple so the spec stays hashable.
 
     Under a mask that hides every later key (``Causal``, a left-only window, ...) flex routes run
     ``score_mod(future_keys_hidden=True)``, which uses ``i - j`` instead of ``|i - j|``.
@@ -176,7 +176,7 @@ def _distance(q_idx: torch.Tensor, kv_idx: torch.Tensor, past_only: bool) -> tor
 def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
     n, a1, b1, a2, b2 = _exponent_pieces(num_heads)
 
-    def alibi_inline(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def alibi_inline(score, b, h, q_idx, kv_idx):
         dtype = _compute_dtype(score)
         hf = h.to(dtype)
         if n == num_heads:
@@ -189,7 +189,7 @@ def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
 
 
 def _selected_slopes_mod(slopes: tuple[float, ...], *, past_only: bool) -> ScoreMod:
-    def alibi_given(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    def alibi_given(score, b, h, q_idx, kv_idx):
         dtype = _compute_dtype(score)
         slope = torch.full_like(h, slopes[0], dtype=dtype)
         for k in range(1, len(slopes)):

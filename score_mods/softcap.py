@@ -10,6 +10,7 @@ import torch
 
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, SoftCapForm, Spec, spec_dataclass
+from flexattn_zoo.validation import check_score_factor
 
 
 @SCORES.register(name="softcap")
@@ -28,7 +29,8 @@ class SoftCap(ScoreSpec):
            -6              0              6
 
     Args:
-        cap: Finite positive number; scores far beyond it are clipped to about ``+-cap``.
+        cap: Positive number in ``[1 / SCORE_FACTOR_MAX, SCORE_FACTOR_MAX]`` (~5.4e-20 .. 1.8e19,
+            see ``validation.SCORE_FACTOR_MAX``); scores far beyond it are clipped to about ``+-cap``.
         approx: Allow a fast hardware ``tanh`` (an approximation, a few ulps off) on kernels that
             have one (``score_mod(fast=True)``); elsewhere and by default the exact ``torch.tanh``.
             The dense oracle is exact either way, so the testing tolerance absorbs the difference.
@@ -46,6 +48,8 @@ class SoftCap(ScoreSpec):
             raise TypeError(f"SoftCap(cap=...) must be a real number, got {type(cap).__name__}")
         if not (math.isfinite(cap) and cap > 0):
             raise ValueError(f"SoftCap(cap=...) must be finite and > 0, got {cap}")
+        # The kernels multiply scores by 1/cap and tanh by cap: both must be score factors.
+        cap = check_score_factor("SoftCap(cap=...)", cap, reciprocal=True)
         if not isinstance(self.approx, bool):
             raise TypeError(f"SoftCap(approx=...) must be a bool, got {type(self.approx).__name__}")
         # SoftCap(cap=30) and SoftCap(cap=30.0) must be the same spec (same hash, same score_mod).
@@ -58,12 +62,12 @@ class SoftCap(ScoreSpec):
         if tanh is not None:
             fast_tanh = tanh
 
-            def softcap_fast(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            def softcap_fast(score, b, h, q_idx, kv_idx):
                 return cap * fast_tanh(score * inv_cap)
 
             return softcap_fast
 
-        def softcap(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def softcap(score, b, h, q_idx, kv_idx):
             return cap * torch.tanh(score * inv_cap)
 
         return softcap

@@ -1,6 +1,7 @@
 """``dense``: eager attention over a materialized Lq x Lkv score matrix, with autograd.
 
-The only exact training route where flex has no backward (CPU). It evaluates the spec's
+The only exact training route where flex has no backward (CPU), also for a user ``BlockMask``
+(``block_mask_visible``: its full blocks, and its ``mask_mod`` in its partial blocks). It evaluates the spec's
 ``mask_mod``/``score_mod`` on broadcast index grids (not the test oracle ``.dense``, so tests stay
 independent) and computes in float32 (float64 for float64 inputs). A memory guard refuses problems
 whose scores would exceed ``FLEXATTN_ZOO_DENSE_LIMIT_MB`` (default 1024 MiB).
@@ -9,23 +10,21 @@ whose scores would exceed ``FLEXATTN_ZOO_DENSE_LIMIT_MB`` (default 1024 MiB).
 from __future__ import annotations
 
 import dataclasses
-import os
+from typing import Any
 
 import torch
 
 from flexattn_zoo.backends.base import FLOATS, Backend
 from flexattn_zoo.problem import Problem
+from flexattn_zoo.validation import env_number
 
 DENSE_LIMIT_ENV = "FLEXATTN_ZOO_DENSE_LIMIT_MB"
 DEFAULT_DENSE_LIMIT_MB = 1024
 
 
-def dense_limit_bytes() -> int:
-    raw = os.environ.get(DENSE_LIMIT_ENV, str(DEFAULT_DENSE_LIMIT_MB))
-    try:
-        return int(float(raw) * 2**20)
-    except ValueError as exc:
-        raise ValueError(f"{DENSE_LIMIT_ENV} must be a number of MiB, got {raw!r}") from exc
+def dense_limit_bytes() -> float:
+    """The memory guard in bytes (``math.inf`` for ``FLEXATTN_ZOO_DENSE_LIMIT_MB=inf``: no limit)."""
+    return env_number(DENSE_LIMIT_ENV, DEFAULT_DENSE_LIMIT_MB, unit="MiB") * 2**20
 
 
 def dense_bytes(p: Problem) -> int:
@@ -43,6 +42,43 @@ def _grids(p: Problem, device: torch.device) -> tuple[torch.Tensor, ...]:
     return b, h, qi, kj
 
 
+def _listed_blocks(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """``[B|1, H|1, n_q, n_kv]`` bool: the kv blocks listed in ``idx[..., :num]`` per query block."""
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    cols = torch.where(listed, idx.long().clamp(0, n_kv - 1), torch.full_like(idx, n_kv, dtype=torch.long))
+    out = torch.zeros(*idx.shape[:-1], n_kv + 1, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, cols, True)[..., :n_kv]
+
+
+def block_mask_visible(bm: Any, p: Problem, device: torch.device) -> torch.Tensor:
+    """``[B|1, H|1, Lq, Lkv]`` bool: what flex sees through a user BlockMask ``bm`` -- every position
+    of its full blocks, and the positions of its partial blocks where ``bm.mask_mod`` is True
+    (flex never calls ``mask_mod`` in full blocks nor looks at unlisted ones)."""
+    qb, kvb = bm.BLOCK_SIZE
+    n_kv = -(-p.kv_len // kvb)
+
+    def positions(num: torch.Tensor | None, idx: torch.Tensor | None) -> torch.Tensor | None:
+        if num is None or idx is None:
+            return None
+        blocks = _listed_blocks(num.to(device), idx.to(device), max(n_kv, idx.shape[-1]))[..., :n_kv]
+        blocks = blocks.repeat_interleave(qb, dim=-2)[..., : p.q_len, :]
+        return blocks.repeat_interleave(kvb, dim=-1)[..., : p.kv_len]
+
+    partial = positions(bm.kv_num_blocks, bm.kv_indices)
+    full = positions(bm.full_kv_num_blocks, bm.full_kv_indices)
+    assert partial is not None
+    b, h, qi, kj = _grids(p, device)
+    try:
+        mod = torch.as_tensor(bm.mask_mod(b, h, qi, kj), device=device)
+    except Exception as exc:  # noqa: BLE001 - the user's mask_mod failed: say so, with the cause
+        raise ValueError(
+            f"the BlockMask's mask_mod failed on broadcast index tensors (the dense route evaluates "
+            f"it on [B, H, Lq, Lkv] grids; use elementwise ops): {exc!r}"
+        ) from exc
+    visible = partial & mod.bool()
+    return visible if full is None else visible | full
+
+
 def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """kv head ``g`` serves q heads ``g * group .. (g + 1) * group - 1`` (SDPA's grouping)."""
     b, hkv, length, d = t.shape
@@ -52,8 +88,7 @@ def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class DenseBackend(Backend):
     def mask_reasons(self, p: Problem) -> list[str]:
-        if p.user_block_mask:
-            return ["takes a mask spec, not a BlockMask"]
+        # A user BlockMask is served exactly too (``block_mask_visible``), within the same guard.
         need, limit = dense_bytes(p), dense_limit_bytes()
         if need > limit:
             return [
@@ -62,7 +97,7 @@ class DenseBackend(Backend):
             ]
         return []
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+    def run(self, q, k, v, p, *, scale, block_mask=None):
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
         if p.gqa:
@@ -75,6 +110,9 @@ class DenseBackend(Backend):
             scores = torch.broadcast_to(p.score.to(q.device).score_mod()(scores, b, h, qi, kj), scores.shape)
         if p.mask is not None:
             visible = torch.broadcast_to(p.mask.to(q.device).mask_mod()(b, h, qi, kj), scores.shape)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        elif block_mask is not None:
+            visible = torch.broadcast_to(block_mask_visible(block_mask, p, q.device), scores.shape)
             scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         empty = torch.isneginf(lse)

@@ -65,8 +65,8 @@ class FlashAttn4Backend(Backend):
             out.append(f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window)")
         return out
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
-        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func  # type: ignore[import-not-found]
+    def run(self, q, k, v, p, *, scale, block_mask=None):
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
         b, h, lq, d = q.shape
         layout = segment_layout(p.mask, b, lq)

@@ -79,7 +79,7 @@ class FlexBackend(Backend):
                 opts.pop("fwd_BLOCK_M", None)
         return opts or None
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+    def run(self, q, k, v, p, *, scale, block_mask=None):
         q, k, v = _canonical_layout(q, k, v)
         user_mask = block_mask is not None
         call = None if user_mask else CALLS.get((self.name, p, q.device))

@@ -63,7 +63,7 @@ class SdpaBackend(Backend):
             out.extend(cpu_flash_reasons(p, causal=call[0]))
         return out
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+    def run(self, q, k, v, p, *, scale, block_mask=None):
         call = _sdpa_call(p)
         assert call is not None  # mask_reasons refused the rest
         is_causal, chunk = call

@@ -46,7 +46,7 @@ def _cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return res[0], res[1], (None, *res[1:])
 
 
-def _cuda_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float) -> Any:  # type: ignore[no-untyped-def]
+def _cuda_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float) -> Any:
     return _compat.cudnn_attention_backward(g, q, k, v, out, lse, saved, is_causal=causal, scale=scale)
 
 
@@ -55,7 +55,7 @@ def _cpu_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     return out, lse, (None, lse)  # [1]: the lse as the kernel laid it out, as on CUDA
 
 
-def _cpu_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float) -> Any:  # type: ignore[no-untyped-def]
+def _cpu_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float) -> Any:
     return _compat.cpu_flash_attention_backward(g, q, k, v, out, lse, is_causal=causal, scale=scale)
 
 
@@ -83,7 +83,7 @@ def _compiled_merge() -> Callable[..., Any]:
     # kernel (H200, prefix-LM 2048 at 4x16x8192x128: the forward went from 2.71 ms with the eager
     # merge, cudnn_decomp_probe_h200.txt, to 2.02 ms, h200-nofa4.md). Default (automatic) dynamic
     # shapes: a second prefix length or batch compiles one shape-generic kernel, not one per shape.
-    return torch.compile(_merge, fullgraph=True)  # type: ignore[no-any-return]
+    return torch.compile(_merge, fullgraph=True)
 
 
 def _rows(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
@@ -94,7 +94,7 @@ class _SplitAttention(torch.autograd.Function):
     """``out`` of attention over the union of ``parts`` (see the module docstring)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -113,7 +113,7 @@ class _SplitAttention(torch.autograd.Function):
             )
             saved.append(state)
             part_lse = part_lse.reshape(b, h, -1).to(torch.promote_types(part_lse.dtype, torch.float32))
-            if out is None:  # parts[0] covers every row (SplitForm's contract)
+            if out is None or lse is None:  # parts[0] covers every row (SplitForm's contract)
                 out, lse = o, part_lse.clone()
                 continue
             merged_out, merged_lse = merge(_rows(out, part.q), _rows(lse, part.q), o, part_lse)
@@ -126,7 +126,7 @@ class _SplitAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # the kernels' backwards have no derivative: say so instead of a wrong one
-    def backward(ctx: Any, g: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
         _, backward = _KERNELS[q.device.type]
         g = g.contiguous()
@@ -188,7 +188,7 @@ class SplitBackend(Backend):
             out.extend(cpu_flash_reasons(p, causal=any(part.is_causal for part in form.parts)))
         return out
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):  # type: ignore[no-untyped-def]
+    def run(self, q, k, v, p, *, scale, block_mask=None):
         form: SplitForm | None = p.mask.split_form(p.q_len, p.kv_len)
         assert form is not None  # mask_reasons refused the rest
         if p.gqa:  # neither kernel takes grouped heads

@@ -41,7 +41,7 @@ import torch
 import yaml
 
 from flexattn_zoo.backends import BY_NAME
-from flexattn_zoo.config import spec_from_dict
+from flexattn_zoo.config import read_text_file, spec_from_dict
 from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
@@ -132,8 +132,8 @@ class Case:
             if spec is not None:
                 spec.validate(self.seq_len, self.seq_len, self.batch, self.heads)
         if device is not None:
-            mask = mask.to(device) if mask is not None else None  # type: ignore[assignment]
-            score = score.to(device) if score is not None else None  # type: ignore[assignment]
+            mask = mask.to(device) if mask is not None else None
+            score = score.to(device) if score is not None else None
         return mask, score
 
     def shape(self) -> str:
@@ -322,10 +322,9 @@ def parse_config(data: Any) -> list[Case]:
 def load_config(path: str | Path) -> list[Case]:
     """Read and validate a YAML sweep config file."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"sweep config {str(p)!r} does not exist")
+    text = read_text_file(p, "sweep config")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"malformed YAML in {str(p)!r}: {exc}") from exc
     return parse_config(data)

@@ -278,10 +278,20 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
     if args.config:
         if args.mask or args.score or params:
             raise ValueError("--config replaces --mask/--score and their parameters; give one or the other")
+        from pathlib import Path
+
         from flexattn_zoo.config import load_yaml_spec
 
-        mask, score = load_yaml_spec(args.config)
+        try:  # always a file here (load_yaml_spec also takes YAML text)
+            mask, score = load_yaml_spec(Path(args.config))
+        except ValueError as exc:
+            raise ValueError(f"--config {args.config}: {exc}") from exc
     else:
+        for option, names in (("--mask", args.mask), ("--score", args.score)):
+            if names is not None and not all(n.strip() for n in names):
+                raise ValueError(
+                    f"{option} needs a registry name (see `flexattn-zoo list`), got an empty one"
+                )
         mask_names = "+".join(args.mask) if args.mask else None
         score_names = "+".join(args.score) if args.score else None
         mask, score = build_specs(mask_names, score_names, params, {"num_heads": heads})
@@ -392,11 +402,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except viz.MissingDependency as exc:
         errors.print(f"error: {exc}", style="bold red", markup=False)
         return 1
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ArithmeticError) as exc:  # bad input (OverflowError included)
         if os.environ.get("FLEXATTN_ZOO_DEBUG"):
             raise
         errors.print(f"error: {exc}", style="bold red", markup=False)
         return 2
+    except OSError as exc:  # e.g. writing --png failed: not bad input, but no traceback either
+        if os.environ.get("FLEXATTN_ZOO_DEBUG"):
+            raise
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -31,12 +31,26 @@ from flexattn_zoo.cli.params import describe_spec
 from flexattn_zoo.registry import MASKS, SCORES, Registry
 from flexattn_zoo.spec import MaskSpec
 
-CPU_DEFAULTS = {"batch": 1, "heads": 2, "length": 256, "dim": 32, "dtype": "float32", "repeats": 5}
-GPU_DEFAULTS = {"batch": 2, "heads": 16, "length": 4096, "dim": 128, "dtype": "bfloat16", "repeats": 10}
+CPU_DEFAULTS: dict[str, int | str] = {
+    "batch": 1,
+    "heads": 2,
+    "length": 256,
+    "dim": 32,
+    "dtype": "float32",
+    "repeats": 5,
+}
+GPU_DEFAULTS: dict[str, int | str] = {
+    "batch": 2,
+    "heads": 16,
+    "length": 4096,
+    "dim": 128,
+    "dtype": "bfloat16",
+    "repeats": 10,
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset:
+class DemoCase:
     """One demo case: a display name, a mask spec and a score spec (either may be None)."""
 
     name: str
@@ -73,22 +87,22 @@ def _segments_only(spec: MaskSpec, length: int, batch: int) -> bool:
     return form is not None and form.segments is not None and form.window == (-1, -1)
 
 
-def presets(length: int, batch: int, heads: int) -> list[Preset]:
+def demo_cases(length: int, batch: int, heads: int) -> list[DemoCase]:
     """Every registered mask, the usual causal combinations, and every score mod on causal."""
     out = []
     built = []
     for name in MASKS.names():
         spec = _preset(MASKS, name, length, batch, heads)
         built.append(spec)
-        out.append(Preset(describe_spec(spec), mask=spec))
+        out.append(DemoCase(describe_spec(spec), mask=spec))
     causal = masks.get("causal")
     for spec in built:
         if _segments_only(spec, length, batch):
             combo = causal & spec
-            out.append(Preset(describe_spec(combo), mask=combo))
+            out.append(DemoCase(describe_spec(combo), mask=combo))
     for name in SCORES.names():
         spec = _preset(SCORES, name, length, batch, heads)
-        out.append(Preset(f"causal + {describe_spec(spec)}", mask=causal, score=spec))
+        out.append(DemoCase(f"causal + {describe_spec(spec)}", mask=causal, score=spec))
     return out
 
 
@@ -115,25 +129,25 @@ def _timed(
     return out, first, statistics.median(times)
 
 
-def run_preset(preset: Preset, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeats: int) -> Result:
-    """Run, time and check one preset; any exception becomes a FAIL with its message."""
+def run_case(case: DemoCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, repeats: int) -> Result:
+    """Run, time and check one case; any exception becomes a FAIL with its message."""
     route = "?"
     try:
-        route = fz.plan(q, k, v, mask=preset.mask, score_mod=preset.score).backend
+        route = fz.plan(q, k, v, mask=case.mask, score_mod=case.score).backend
         out, first, median = _timed(
-            lambda: fz.attention(q, k, v, mask=preset.mask, score_mod=preset.score), q.device, repeats
+            lambda: fz.attention(q, k, v, mask=case.mask, score_mod=case.score), q.device, repeats
         )
-        ref = fz.testing.reference_attention(q, k, v, mask=preset.mask, score_mod=preset.score)
+        ref = fz.testing.reference_attention(q, k, v, mask=case.mask, score_mod=case.score)
         err = float((out.double() - ref).abs().max())
     except Exception as exc:  # the demo reports every failure and goes on with the next preset
-        return Result(preset.name, route, None, None, None, False, f"{type(exc).__name__}: {exc}")
+        return Result(case.name, route, None, None, None, False, f"{type(exc).__name__}: {exc}")
     try:
-        fz.testing.assert_matches_reference(out, q, k, v, mask=preset.mask, score_mod=preset.score)
+        fz.testing.assert_matches_reference(out, q, k, v, mask=case.mask, score_mod=case.score)
     except AssertionError as exc:
-        return Result(preset.name, route, first, median, err, False, str(exc).splitlines()[0])
+        return Result(case.name, route, first, median, err, False, str(exc).splitlines()[0])
     if not math.isfinite(err):
-        return Result(preset.name, route, first, median, err, False, "non-finite output")
-    return Result(preset.name, route, first, median, err, True)
+        return Result(case.name, route, first, median, err, False, "non-finite output")
+    return Result(case.name, route, first, median, err, True)
 
 
 def run_demo(
@@ -168,7 +182,7 @@ def run_demo(
     given = {"length": length, "batch": batch, "heads": heads, "dim": dim, "dtype": dtype, "repeats": repeats}
     d.update({key: value for key, value in given.items() if value is not None})
     torch_dtype = getattr(torch, str(d["dtype"]))
-    cases = presets(int(d["length"]), int(d["batch"]), int(d["heads"]))
+    cases = demo_cases(int(d["length"]), int(d["batch"]), int(d["heads"]))
     if only:
         cases = [c for c in cases if any(text in c.name for text in only)]
     if not cases:
@@ -187,9 +201,9 @@ def run_demo(
     for case in cases:
         if console is not None and console.is_terminal:
             with console.status(f"running {escape(case.name)} ..."):
-                results.append(run_preset(case, q, k, v, int(d["repeats"])))
+                results.append(run_case(case, q, k, v, int(d["repeats"])))
         else:
-            results.append(run_preset(case, q, k, v, int(d["repeats"])))
+            results.append(run_case(case, q, k, v, int(d["repeats"])))
     if console is not None:
         console.print(results_table(results))
         failed = [r for r in results if not r.passed]

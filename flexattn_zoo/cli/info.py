@@ -50,6 +50,10 @@ def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], con
     per_head = bool(spec.uses_head())
     if not 0 <= args.head < heads:
         raise ValueError(f"--head must be in [0, {heads}), got {args.head}")
+    if args.png:
+        folder = os.path.dirname(os.path.abspath(args.png))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--png {args.png}: folder {folder!r} does not exist")
     if args.png and not viz.have_matplotlib():
         raise CliError("--png needs matplotlib, which is not installed: pip install 'flexattn-zoo[viz]'")
     console.print(f"[bold]{escape(describe_spec(spec))}[/bold]")
@@ -79,12 +83,34 @@ def _show_mask(
     else:
         console.print("rows are queries, columns keys ('#' visible, '.' masked)")
     _print_lines(console, viz.render_cells(cells.frac))
-    bm = fz.block_mask(spec, q_len, kv_len, batch=args.batch, heads=heads, device="cpu")
-    counts = viz.block_counts(bm, q_len, kv_len)
-    qb, kvb = bm.BLOCK_SIZE
     if cells.visible is not None:
         total = q_len * kv_len * (args.batch if spec.uses_batch() else 1)
         console.print(f"visible: {cells.visible} of {total} positions ({100 * cells.visible / total:.1f}%)")
+    qb = kvb = viz.BLOCK_SIZE
+    n_blocks = -(-q_len // qb) * -(-kv_len // kvb)
+    n_blocks *= (args.batch if spec.uses_batch() else 1) * (heads if spec.uses_head() else 1)
+    if n_blocks > viz.BLOCK_LIMIT:
+        # The BlockMask holds index tensors of n_q x n_kv blocks (and building it a block map of
+        # that size): at --len 10M that is 6e9 blocks. The picture above is sampled instead.
+        console.print(
+            f"BlockMask {qb}x{kvb}: not built at this length ({n_blocks} blocks > {viz.BLOCK_LIMIT}); "
+            "block sparsity is shown for shorter lengths"
+        )
+        if args.png:
+            big = viz.mask_cells(
+                spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512
+            )
+            viz.write_png(
+                args.png,
+                f"{args.name} (Lq={q_len}, Lkv={kv_len})",
+                big.frac,
+                cell_label="visible fraction",
+                lengths=(q_len, kv_len),
+            )
+            console.print(f"wrote {args.png}")
+        return 0
+    bm = fz.block_mask(spec, q_len, kv_len, batch=args.batch, heads=heads, device="cpu", block_size=qb)
+    counts = viz.block_counts(bm, q_len, kv_len)
     console.print(
         f"BlockMask {qb}x{kvb}: block sparsity {100 * counts['empty'] / counts['total']:.1f}% (blocks skipped); "
         f"{counts['total']} block{'s' if counts['total'] != 1 else ''}: {counts['full']} full, {counts['partial']} partial, {counts['empty']} empty"

@@ -176,8 +176,27 @@ def _build(part: Part, context: dict[str, Any]) -> Spec:
     tensors = _tensor_fields(part.entry.factory)
     for key, value in params.items():
         if isinstance(value, list):
-            params[key] = torch.tensor(value) if key in tensors else tuple(value)
+            params[key] = _as_tensor(key, value) if key in tensors else tuple(value)
     return part.registry.get(part.name, **params)
+
+
+def _as_tensor(key: str, value: list[Any]) -> torch.Tensor:
+    """A list parsed from ``--key`` as a tensor; ValueError naming the option when it is not one."""
+    option = "--" + key.replace("_", "-")
+    flat = [x for row in value for x in (row if isinstance(row, list) else [row])]
+    bad = [x for x in flat if isinstance(x, bool) or not isinstance(x, (int, float))]
+    if bad:
+        raise ValueError(
+            f"{option} takes comma-separated numbers (rows separated by ';', e.g. 0,0,1;0,1,1), "
+            f"got the non-number {bad[0]!r}"
+        )
+    try:
+        return torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise ValueError(
+            f"{option} takes comma-separated numbers (rows of equal length separated by ';', each "
+            f"within int64): {exc}"
+        ) from None
 
 
 def _parts(text: str, registry: Registry[Any]) -> list[Part]:

@@ -24,6 +24,13 @@ MAX_CELLS = 64
 DENSE_LIMIT = 1 << 24
 #: Sample points per cell side in sampled mode.
 SAMPLES_PER_CELL = 8
+#: Block size of the BlockMask ``show`` describes (fz.block_mask's default).
+BLOCK_SIZE = 128
+#: Above this many blocks ``show`` builds no BlockMask (its index tensors and the block map behind
+#: them grow as n_q x n_kv blocks: 4M blocks took ~3 s and ~0.5 GB; --len 10M would be 6e9).
+BLOCK_LIMIT = 1 << 22
+#: Longest sequence ``show`` samples: positions are int64 (and sample offsets exact in float64).
+MAX_LENGTH = 1 << 52
 
 FULL, PARTIAL, EMPTY = "#", "+", "."
 _SHADES = " .:-=+*#%@"
@@ -81,6 +88,9 @@ def mask_cells(
     max_cells: int = MAX_CELLS,
 ) -> CellGrid:
     """The visible fraction of each cell of a picture at most ``max_cells`` wide and tall."""
+    for name, length in (("--len", q_len), ("--kv-len", kv_len)):
+        if length > MAX_LENGTH:
+            raise ValueError(f"{name} must be at most 2**52 ({MAX_LENGTH}) to draw a mask, got {length}")
     row_step, col_step = _step(q_len, max_cells), _step(kv_len, max_cells)
     if q_len * kv_len <= DENSE_LIMIT:
         dense = spec.dense(q_len, kv_len, batch=batch, heads=heads)
@@ -95,10 +105,12 @@ def mask_cells(
 
     def sample_points(length: int, step: int) -> torch.Tensor:
         n = -(-length // step)
-        starts = torch.arange(n) * step
+        starts = torch.arange(n, dtype=torch.int64) * step
         last = torch.clamp(starts + step - 1, max=length - 1)
-        t = torch.linspace(0.0, 1.0, SAMPLES_PER_CELL)
-        return (starts[:, None] + (t[None, :] * (last - starts)[:, None]).round().long()).reshape(-1)
+        # float64 offsets (float32 would round them past the cell's end at lengths beyond 2^24).
+        t = torch.linspace(0.0, 1.0, SAMPLES_PER_CELL, dtype=torch.float64)
+        offsets = (t[None, :] * (last - starts)[:, None].double()).round().long()
+        return torch.minimum(starts[:, None] + offsets, last[:, None]).reshape(-1)
 
     qs, ks = sample_points(q_len, row_step), sample_points(kv_len, col_step)
     b = torch.tensor(batch_index)

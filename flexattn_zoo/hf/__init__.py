@@ -26,7 +26,8 @@ descriptor is shared by every layer of one type) into specs:
   ``W`` -> ``SlidingWindow.from_hf(W)``, chunk ``C`` -> ``Chunked(C) & Causal()``, bidirectional ->
   no mask, ModernBERT-style bidirectional window -> ``SlidingWindow(left=W, right=W)``;
 * cache offsets shift the band: with ``d = q_offset - kv_offset`` a causal band becomes
-  ``OffsetCausal(d)`` and a window ``Band(lo + d, hi + d)`` (the decode step);
+  ``OffsetCausal(d)`` and a window ``Band(lo + d, hi + d)`` (the decode step); both read their
+  offsets from captured tensors, so every step of a ``generate`` reuses one compiled kernel;
 * **padding**: the 2-D ``attention_mask`` (True = real token) becomes
   ``KeyPadding(valid=attention_mask[:, kv_offset : kv_offset + Lkv])``: padded keys are invisible, as in
   transformers. A query row that sees only padding outputs 0 here, while ``eager`` outputs the mean
@@ -52,6 +53,11 @@ bypasses the builder. A boolean one (or a float one holding only 0 and the dtype
 ``eager`` convention) is accepted **only through the ``dense`` route**: the caller has already
 materialised ``Lq x Lkv``, the dense route reads it exactly, and deriving a BlockMask from it would
 scan the whole tensor on every call. Any other float (a learned bias) raises ``ValueError``.
+
+``generate`` with a static cache builds masks ahead of the forward and hands them back to the
+model, which may pass them into transformers' mask creation again: :class:`HFMask` answers the
+few tensor attributes transformers reads there, and the builder rebuilds a handed-back HFMask for
+the new call with its padding.
 
 Dropout is not implemented: a call with ``dropout > 0`` raises instead of silently not dropping.
 """

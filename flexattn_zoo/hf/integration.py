@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -35,11 +35,16 @@ def _mask_builder(
     q_offset: Any = 0,
     kv_offset: Any = 0,
     mask_function: Callable[..., Any] | None = None,
-    attention_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | HFMask | None = None,
     **_: Any,
 ) -> HFMask:
     padding = None
-    if attention_mask is not None:
+    if isinstance(attention_mask, HFMask):
+        # Our own mask handed back (static-cache generate builds masks ahead of the forward and
+        # models without layer_types build theirs again from it): keep its padding, take the
+        # pattern, sizes and offsets from this call, which knows the layer being built.
+        padding = attention_mask.padding
+    elif attention_mask is not None:
         padding = attention_mask.to(torch.bool)
         if bool(padding.all()):
             padding = None
@@ -95,13 +100,23 @@ def _attention_forward(
     score = SoftCap(cap=float(softcap)) if softcap else None
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     gqa = query.shape[1] != key.shape[1]
-    common: dict[str, Any] = dict(mask=mask, score_mod=score, scale=scaling, enable_gqa=gqa, backend=route)
     if sinks is None:
-        # Without return_lse, attention returns the output alone (it has no overloads saying so).
-        out = cast(torch.Tensor, attention(query, key, value, **common))
+        out = attention(
+            query, key, value, mask=mask, score_mod=score, scale=scaling, enable_gqa=gqa, backend=route
+        )
     else:
         check_sinks(sinks, query.shape[1], query.device)
-        out, lse = attention(query, key, value, return_lse=True, **common)
+        out, lse = attention(
+            query,
+            key,
+            value,
+            mask=mask,
+            score_mod=score,
+            scale=scaling,
+            enable_gqa=gqa,
+            backend=route,
+            return_lse=True,
+        )
         out, _ = apply_sinks(out, lse, sinks)
     return out.transpose(1, 2).contiguous(), None
 

@@ -61,6 +61,30 @@ class HFMask:
             self._spec, self._done = translate(self), True
         return self._spec
 
+    # The little of the tensor interface transformers reads from a *prepared* mask. With a
+    # compilable (static) cache, ``generate`` builds the masks ahead of the forward
+    # (``create_masks_for_generate``, which calls our mask builder) and hands them to the model
+    # as ``attention_mask``; transformers then calls ``.contiguous()`` on them (5.23: on every
+    # value of the per-layer-type dict), and models without ``layer_types`` (Llama, Phi-3) pass
+    # the mask into ``create_causal_mask`` again, which reads ``.ndim`` (2 = a padding mask to
+    # convert) and, without a cache, ``.shape[-1]``. We describe a ``[B, 1, Lq, Lkv]`` mask; the
+    # builder recognises an HFMask handed back and rebuilds from the new call's sizes with this
+    # mask's padding (see ``integration._mask_builder``).
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, 1, self.q_length, self.kv_length)
+
+    @property
+    def ndim(self) -> int:
+        return 4
+
+    def dim(self) -> int:
+        return 4
+
+    def contiguous(self, *args: Any, **kwargs: Any) -> HFMask:
+        return self
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading transformers' mask functions
@@ -164,11 +188,24 @@ def _combine_labels(labels: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def band_spec(lo: int | None, hi: int | None) -> MaskSpec | None:
-    """The canonical zoo spec of ``lo <= j - i <= hi`` (None for no mask at all)."""
+def band_spec(lo: int | None, hi: int | None, offset: int = 0) -> MaskSpec | None:
+    """The zoo spec of ``lo + offset <= j - i <= hi + offset`` (None for no mask at all).
+
+    ``offset`` is the cache offset ``q_offset - kv_offset``. Without one the spec is canonical
+    (``Causal``, ``SlidingWindow``: the forms prefill routes need). With one (decode steps, whose
+    offset moves every step) it is ``OffsetCausal`` / ``Band``, whose ``mask_mod`` reads the
+    offsets from captured tensors: every step shares one compiled kernel, where a
+    ``SlidingWindow(left=W - 1 - d, right=d)`` per step would compile one per step.
+    """
+    if lo is None and hi is None:
+        return None
+    if offset:
+        if lo is None:
+            assert hi is not None
+            return OffsetCausal(offset=hi + offset)
+        return Band(lo=lo + offset, hi=None if hi is None else hi + offset)
     if lo is None:
-        if hi is None:
-            return None
+        assert hi is not None
         return Causal() if hi == 0 else OffsetCausal(offset=hi)
     if hi is not None and lo <= 0 <= hi:
         return SlidingWindow(left=-lo, right=hi)
@@ -188,7 +225,7 @@ def _and(specs: list[MaskSpec | None]) -> MaskSpec | None:
 def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
     d = m.q_offset - m.kv_offset
     if isinstance(node, _BandNode):
-        return band_spec(None if node.lo is None else node.lo + d, None if node.hi is None else node.hi + d)
+        return band_spec(node.lo, node.hi, offset=d)
     kind = node[0]
     if kind == "and":
         children = _flatten_and(node[1])
@@ -262,9 +299,33 @@ def _key_slice(mask: torch.Tensor, m: HFMask) -> torch.Tensor:
 _WARNED: set[str] = set()
 
 
+#: transformers releases (major, minor) whose mask-function closures the structural reader was
+#: tested against (tests/hf runs whole models against ``eager``). The closures are private to
+#: transformers and change between releases (5.23's sliding-window closures read differently
+#: and gave wrong chunked-prefill logits), so any other release takes the exact generic path.
+TESTED_TRANSFORMERS = frozenset({(5, 24)})
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def structural_reader_enabled() -> bool:
+    """Whether the installed transformers is a release the structural mask reader knows."""
+    return _release(str(getattr(transformers_module(), "__version__", ""))) in TESTED_TRANSFORMERS
+
+
 def translate(m: HFMask) -> MaskSpec | None:
     """The zoo spec equal to transformers' mask ``m`` (pattern, offsets and padding)."""
     try:
+        if not structural_reader_enabled():
+            version = getattr(transformers_module(), "__version__", "?")
+            tested = ", ".join(f"{a}.{b}" for a, b in sorted(TESTED_TRANSFORMERS))
+            raise _Unknown(f"transformers {version} is not a release this reader was tested with ({tested})")
         pattern = _to_spec(_read(m.mask_function), m)
     except _Unknown as exc:
         if str(exc) not in _WARNED:

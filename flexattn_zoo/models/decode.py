@@ -5,16 +5,19 @@ into the cache at positions ``cache_len - Lq .. cache_len - 1``) to the first ``
 keys, under a pattern given over *absolute* positions (``mask=``, default ``Causal()``; e.g.
 ``SlidingWindow.from_hf(4096)`` or ``Chunked(8192) & Causal()``), with score mods and sinks.
 
-Design: one BlockMask per (pattern, batch, Lq, cache capacity), built once and **updated in
-place** each step. Its ``mask_mod`` and the score mods read the current position from a captured
-int32 tensor ``offset[b] = cache_len[b] - Lq``; the per-step update writes that tensor and the kv
-block list (``kv_num_blocks``/``kv_indices``: the blocks from the pattern's lowest visible key to
-``cache_len - 1``) with a few device ops, no host sync and no new objects. So the compiled kernel
+Design: one BlockMask per (pattern, batch, Lq, cache capacity) and calling thread, built once
+and **updated in place** each step. Its ``mask_mod`` and the score mods read the current position
+from a captured int32 tensor ``offset[b] = cache_len[b] - Lq``; the per-step update writes that
+tensor and the kv block list (``kv_num_blocks``/``kv_indices``: the blocks from the pattern's
+lowest visible key to ``cache_len - 1``) with a few device ops, no host sync and no new objects.
+So the compiled kernel
 (keyed by the ``mask_mod`` object), the BlockMask and all tensor shapes stay the same from step to
 step: no rebuild, no recompile, and the kernel reads only the live blocks of the cache, not its
-capacity. Why not the alternatives: a fresh ``Causal(align="bottom_right")`` per step has a new
-offset in its ``mask_mod`` every step (a new kernel each time); bucketing lengths bounds the
-recompiles but still rebuilds masks and slices the cache to bucket shapes, which recompiles too.
+capacity. Why not the alternatives: ``fz.attention`` with a ``Causal(align="bottom_right")`` per
+step shares one kernel too (its offset is a captured tensor) but builds a new BlockMask every
+step and needs the cache sliced to each length (a dynamic-shape kernel); bucketing lengths
+bounds the shapes but still rebuilds masks. Per thread because the mask is state: shared, one
+thread's update could land between another's update and its kernel (see :func:`_caller`).
 The q-side block indices are not maintained (they only serve the backward): decoding with
 inputs that require grad takes the exact ``dense`` route instead.
 
@@ -30,10 +33,12 @@ Serving: on CUDA a step is planned (validated and routed) once per call signatur
 capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
 tensor) and the new tokens in place and replay; nothing syncs with the host or reallocates.
 Eager steps cost ~0.3 ms of host time on an H200 host, graphed ones run at the kernel's speed
-(benchmarks/results/decode_h200.md). ``cache_len`` values are not checked against the capacity
-on CUDA (that would be a sync); block counts are clamped to it, so a bad length can never make
-the kernel read outside the cache. A contiguous cache of >= 2**31 elements is decoded a slice
-of rows at a time (see ``backends.flex.MAX_FLEX_ELEMENTS``).
+(benchmarks/results/decode_h200.md). A graph-captured mask is kept alive whatever the cache
+drops (:data:`CAPTURED`). Values held in CUDA tensors (``cache_len``, ``block_table``) are not
+checked (that would be a sync); block counts and page numbers are clamped instead, so bad values
+can never make the kernel read outside the cache. Ints and CPU tensors are checked. A contiguous
+cache of >= 2**31 elements is decoded a slice of rows at a time (see
+``backends.flex.MAX_FLEX_ELEMENTS``).
 
 Routes: CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
 no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
@@ -42,8 +47,9 @@ the cache (the pages gathered for paged caches): exact, but it materialises ``Lq
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -51,7 +57,7 @@ from flexattn_zoo import _compat
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
-from flexattn_zoo.dispatch import attention, execute_plan, plan
+from flexattn_zoo.dispatch import attention, execute_plan, needs_grad, plan
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal
@@ -64,8 +70,9 @@ __all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
 DEFAULT_BLOCK_SIZE = 128
 #: What ``decode_step(backend=...)`` takes: "auto" and the routes that declare ``decode``.
 DECODE_ROUTES = ("auto", *(b.name for b in BACKENDS if b.decode))
-#: DecodeMask objects kept by ``decode_step`` (least recently used dropped first).
-DECODE_CACHE_SIZE = 32
+#: DecodeMask objects kept by ``decode_step`` (least recently used dropped first); one per
+#: (pattern, shape, calling thread), so a few threads with a few shapes each fit.
+DECODE_CACHE_SIZE = 64
 #: Planned call signatures kept per DecodeMask (dtypes, score mods... seen with it).
 RUNS_PER_MASK = 16
 
@@ -113,7 +120,8 @@ class DecodeMask:
         device: torch.device | str = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        self.spec = spec.bind(capacity, capacity) if spec is not None else None
+        # On the cache's device: the mask_mod captures the spec's tensors (document ids, offsets).
+        self.spec = spec.bind(capacity, capacity).to(device) if spec is not None else None
         self.batch, self.q_len, self.block_size = batch, q_len, block_size
         self.paged = n_physical is not None
         self.n_logical = -(-capacity // block_size)
@@ -164,7 +172,7 @@ class DecodeMask:
         inner = self.spec.mask_mod() if self.spec is not None else None
         offset, cache_len, logical = self.offset, self.cache_len, self._logical
 
-        def decode_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        def decode_mask(b, h, q_idx, kv_idx):
             kv = logical(b, kv_idx) if paged else kv_idx
             out = (kv < cache_len[b]) & (kv >= 0)
             if inner is not None:
@@ -181,7 +189,7 @@ class DecodeMask:
         if key not in self._scores:
             offset, logical = self.offset, self._logical
 
-            def decode_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            def decode_score(score, b, h, q_idx, kv_idx):
                 kv = logical(b, kv_idx) if paged else kv_idx
                 return inner(score, b, h, q_idx + offset[b], kv)
 
@@ -225,14 +233,17 @@ class DecodeMask:
             assert block_table is not None
             table = block_table.to(self.cache_len.device, torch.int64)
             flat = logical_blocks.reshape(logical_blocks.shape[0], -1)
-            indices = table.gather(1, flat).view_as(logical_blocks).clamp(min=0)
+            n_phys = self.page_start.shape[1] - 1
+            # Clamped into the pool: decode_step checks page numbers only in a CPU table (a CUDA
+            # one would cost a sync), and a bad one must not make the kernel read outside the pool.
+            indices = table.gather(1, flat).view_as(logical_blocks).clamp(0, n_phys - 1)
             # page_start[b, physical page] = first logical position stored there; -block_size
             # (so every key of the page maps below 0, i.e. invisible) for pages row b does not own.
-            # Unowned table entries (-1) scatter into a spare last column that is never read.
-            n_phys = self.page_start.shape[1] - 1
+            # Unowned table entries (-1, or past the pool) scatter into a spare last column that
+            # is never read.
             starts = torch.full_like(self.page_start, -bs, dtype=torch.int64)
             pages = torch.arange(table.shape[1], device=table.device).expand_as(table) * bs
-            starts.scatter_(1, torch.where(table >= 0, table, n_phys), pages)
+            starts.scatter_(1, torch.where((table >= 0) & (table < n_phys), table, n_phys), pages)
             self.page_start.copy_(starts)
         else:
             indices = logical_blocks
@@ -241,21 +252,138 @@ class DecodeMask:
         return self.block_mask
 
 
+#: decode_step's DecodeMasks, keyed by pattern, shape, device *and calling thread* (see
+#: :func:`_caller`).
 CACHE: LRUCache[DecodeMask] = LRUCache(DECODE_CACHE_SIZE)
+#: DecodeMasks that a CUDA graph captured: kept alive for the life of the process, whatever the
+#: LRU drops, because a replay reads (and writes) their tensors without asking Python.
+CAPTURED: set[DecodeMask] = set()
+
+_THREAD = threading.local()
 
 
-def _lengths(cache_len: Any, batch: int, device: torch.device) -> torch.Tensor:
+class _Caller:
+    """One thread's share of :data:`CACHE` (stored in the cache keys, so never reused by a later
+    thread the way a thread id can be)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.current_thread().name
+
+    def __repr__(self) -> str:
+        return f"<decode caller {self.thread}>"
+
+
+def _caller() -> _Caller:
+    """The calling thread's key into :data:`CACHE`.
+
+    Why per thread: a DecodeMask is *state*, written by each step's ``update`` and read by the
+    kernel that step launches. Shared between threads, thread A's update could land between
+    thread B's update and B's kernel, and B would attend with A's lengths (8 CPU threads with
+    different cache lengths all got wrong outputs). Within one thread the steps are ordered:
+    on the CPU every call finishes before the next starts; on CUDA the update and the kernel of a
+    step are queued on the current stream, after the previous step's kernel. So each thread owns
+    its masks, and no lock is held while a kernel runs. (One thread alternating streams for
+    steps of one shape must order those streams itself, as for any tensor two streams share.)
+    """
+    caller = getattr(_THREAD, "caller", None)
+    if caller is None:
+        caller = _THREAD.caller = _Caller()
+    return caller
+
+
+def _lengths(cache_len: Any, batch: int, q_len: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """``cache_len`` as int64 ``[B]`` on ``device``, its values checked where they are on the host."""
     if isinstance(cache_len, torch.Tensor):
+        if cache_len.dtype == torch.bool or cache_len.is_floating_point() or cache_len.is_complex():
+            raise TypeError(
+                f"cache_len must be an int or an integer tensor [B], got a {cache_len.dtype} tensor "
+                "(lengths are counts of tokens; a float would be truncated)"
+            )
         lens = cache_len.to(device=device, dtype=torch.int64).reshape(-1)
         if lens.numel() == 1:
             lens = lens.expand(batch)
+        # Values are checked only when they are on the host: reading a CUDA tensor would sync with
+        # the device every step (and break graph capture). On CUDA the block counts are clamped to
+        # the capacity instead, so a bad device-side length cannot make the kernel read past the cache.
+        on_host = cache_len.device.type == "cpu" and cache_len.numel() > 0
+        bounds = (int(cache_len.min()), int(cache_len.max())) if on_host else None
     elif isinstance(cache_len, int) and not isinstance(cache_len, bool):
         lens = torch.full((batch,), cache_len, dtype=torch.int64, device=device)
+        bounds = (cache_len, cache_len)
     else:
-        raise TypeError(f"cache_len must be an int or an int tensor [B], got {type(cache_len).__name__}")
+        raise TypeError(f"cache_len must be an int or an integer tensor [B], got {type(cache_len).__name__}")
     if lens.numel() != batch:
         raise ValueError(f"cache_len must hold one length per batch row ({batch}), got {lens.numel()}")
+    if bounds is not None:
+        lo, hi = bounds
+        if lo < q_len or hi > capacity:
+            bad = lo if lo < q_len else hi
+            raise ValueError(
+                f"cache_len {bad} is out of range: each row's cache_len must be >= Lq = {q_len} (the new "
+                f"tokens are already in the cache) and <= the cache capacity {capacity}"
+            )
     return lens
+
+
+def _check_block_table(block_table: Any, batch: int) -> None:
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.dtype == torch.bool
+        or (block_table.is_floating_point() or block_table.is_complex())
+    ):
+        what = (
+            f"a {block_table.dtype} tensor"
+            if isinstance(block_table, torch.Tensor)
+            else type(block_table).__name__
+        )
+        raise TypeError(f"block_table must be an integer tensor [B, max_pages], got {what}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
+
+
+def _check_pages(block_table: torch.Tensor, n_pages: int, block_size: int) -> None:
+    """Page numbers in ``-1 .. n_pages - 1``, only for a CPU table (reading a CUDA one would
+    sync with the device every step; there the gathered page numbers are clamped instead).
+    -1 entries may sit anywhere, also below a row's length: those keys are invisible (a
+    sliding-window cache may free the pages its window left)."""
+    if block_table.device.type != "cpu" or block_table.numel() == 0:
+        return
+    lo, hi = int(block_table.min()), int(block_table.max())
+    if lo < -1 or hi >= n_pages:
+        bad = lo if lo < -1 else hi
+        raise ValueError(
+            f"block_table holds page {bad}, outside the pool: valid pages are 0 .. {n_pages - 1} "
+            f"(k_cache holds {n_pages} pages of {block_size} tokens), or -1 for none"
+        )
+
+
+def _check_inputs(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bool) -> None:
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"decode_step {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            layout = (
+                "[B, H, Lq, D]"
+                if name == "q"
+                else (
+                    "[1, Hkv, n_pages * block_size, D] (a paged pool)" if paged else "[B, Hkv, capacity, D]"
+                )
+            )
+            raise ValueError(f"decode_step {name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"decode_step block_size must be a positive int, got {type(block_size).__name__}")
+    if block_size <= 0:
+        raise ValueError(f"decode_step block_size must be a positive int, got {block_size}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(
+            f"k_cache and v_cache must agree in batch, heads and length (dims 0-2), got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if not paged and k_cache.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"k_cache/v_cache hold {k_cache.shape[0]} rows but q has batch {q.shape[0]}: a contiguous cache "
+            "is [B, Hkv, capacity, D] with q's B (a shared page pool [1, ...] needs block_table=)"
+        )
 
 
 def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs: int) -> torch.Tensor:
@@ -264,6 +392,59 @@ def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs:
     paged = pool[0].view(h, -1, bs, d)  # [H, n_pages, bs, D]
     idx = block_table[:, :pages].clamp(min=0).to(pool.device, torch.int64)
     return paged[:, idx].permute(1, 0, 2, 3, 4).reshape(idx.shape[0], h, pages * bs, d)
+
+
+@overload
+def decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    sinks: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+    block_size: int = ...,
+) -> torch.Tensor: ...
+@overload
+def decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    sinks: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+    block_size: int = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def decode_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_len: int | torch.Tensor,
+    *,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    sinks: torch.Tensor | None = ...,
+    block_table: torch.Tensor | None = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+    block_size: int = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def decode_step(
@@ -289,11 +470,13 @@ def decode_step(
         k_cache, v_cache: ``[B, Hkv, capacity, D]`` caches whose first ``cache_len`` entries are
             valid (the new tokens included); with ``block_table``, page pools
             ``[1, Hkv, n_pages * block_size, D]``.
-        cache_len: valid length, an int or an int tensor ``[B]`` (rows may differ).
+        cache_len: valid length, an int or an integer tensor ``[B]`` (rows may differ), each in
+            ``Lq .. capacity`` (checked when an int or a CPU tensor: a CUDA one is not read).
         mask: the pattern over absolute positions (spec, name or callable); default ``Causal()``.
         score_mod: a score spec / name / callable over absolute positions.
         scale, enable_gqa (None: from head counts), sinks ``[H]``, return_lse: as for the layers.
-        block_table: ``[B, max_pages]`` int, physical page of each logical page (-1: none).
+        block_table: ``[B, max_pages]`` int, physical page of each logical page (-1: none); page
+            numbers are checked when it is a CPU tensor.
         backend: ``"auto"``, a flex route, or ``"dense"``. On CUDA ``"auto"`` is ``"flex"`` (torch's
             flex-decoding kernel for short ``Lq``); ``"flex_flash"`` is refused there.
         block_size: kv block size, and the page size of paged caches.
@@ -302,28 +485,34 @@ def decode_step(
     spec = spec.live() if spec is not None else None  # a raw callable's captured tensors now
     score = as_score_spec(score_mod)
     score = score.live() if score is not None else None
+    paged = block_table is not None
+    _check_inputs(q, k_cache, v_cache, block_size, paged)
     batch, heads, q_len, _ = q.shape
     gqa = heads != k_cache.shape[1] if enable_gqa is None else enable_gqa
-    lens = _lengths(cache_len, batch, q.device)
-    paged = block_table is not None
     if paged:
         assert block_table is not None
         if k_cache.shape[0] != 1 or k_cache.shape[2] % block_size:
             raise ValueError(
                 f"paged caches are pools [1, Hkv, n_pages * {block_size}, D]; got {tuple(k_cache.shape)}"
             )
-        if block_table.dim() != 2 or block_table.shape[0] != batch:
-            raise ValueError(f"block_table must be [B={batch}, max_pages], got {tuple(block_table.shape)}")
+        _check_block_table(block_table, batch)
         capacity = block_table.shape[1] * block_size
         n_physical: int | None = k_cache.shape[2] // block_size
     else:
         capacity, n_physical = k_cache.shape[2], None
+    lens = _lengths(cache_len, batch, q_len, capacity, q.device)
+    if paged:
+        assert block_table is not None and n_physical is not None
+        _check_pages(block_table, n_physical, block_size)
+    if spec is not None:
+        try:  # positions are absolute: the pattern must describe all of 0 .. capacity - 1
+            spec.validate(capacity, capacity, batch, heads)
+        except ValueError as exc:
+            raise ValueError(f"decode_step mask does not fit a cache of capacity {capacity}: {exc}") from exc
     if score is not None:
         score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
     need_lse = sinks is not None or return_lse
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k_cache, v_cache, sinks)
-    )
+    grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
     use_flex = backend != "dense" and not grad and (q.is_cuda or not need_lse)
     if backend not in DECODE_ROUTES:
         raise ValueError(f"decode_step backend must be one of {', '.join(DECODE_ROUTES)}; got {backend!r}")
@@ -363,13 +552,17 @@ def decode_step(
             ]
             out = torch.cat([o for o, _ in parts])
             return (out, torch.cat([lse for _, lse in parts])) if return_lse else out
-    key = (spec, batch, q_len, capacity, n_physical, block_size, str(q.device))
+    # Per calling thread (see _caller): the mask's tensors are written by this step's update and
+    # read by this step's kernel, so no two threads may share them.
+    key = (spec, batch, q_len, capacity, n_physical, block_size, str(q.device), _caller())
     dm = CACHE.get_or_create(
         key,
         lambda: DecodeMask(
             spec, batch, q_len, capacity, n_physical=n_physical, device=q.device, block_size=block_size
         ),
     )
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        CAPTURED.add(dm)  # a graph now reads its tensors: never let the LRU free them
     fast = q.is_cuda
     inner_score = score.score_mod(fast=fast) if score is not None else None
     if use_flex:
@@ -423,15 +616,21 @@ def decode_step(
         )
     if sinks is not None:
         check_sinks(sinks, heads, q.device)
+        assert lse is not None  # need_lse: sinks asked the route for it
         out, lse = apply_sinks(out, lse, sinks)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    assert lse is not None  # need_lse: return_lse asked the route for it
+    return out, lse
 
 
-def _attend(q, k, v, need_lse: bool, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # type: ignore[no-untyped-def]
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, need_lse: bool, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fz.attention`` as ``(out, lse or None)``."""
     if need_lse:
-        return attention(q, k, v, return_lse=True, **kwargs)  # type: ignore[return-value]
-    return attention(q, k, v, **kwargs), None  # type: ignore[return-value]
+        return attention(q, k, v, return_lse=True, **kwargs)
+    return attention(q, k, v, **kwargs), None
 
 
 def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
@@ -444,7 +643,7 @@ def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     return -(-batch // -(-batch // fit))
 
 
-def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str) -> Hashable:  # type: ignore[no-untyped-def]
+def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str) -> Hashable:
     """Everything a decode step's plan depends on besides its DecodeMask: shapes, strides, dtypes,
     devices, the score mod, scale, GQA, lse, the requested route, torch's determinism switch,
     whether the step records gradients (routes differ by mode) and the process state the
@@ -453,7 +652,7 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    grad = needs_grad((q, k, v), score)
     return (
         q.shape,
         q.stride(),
@@ -478,7 +677,7 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
     )
 
 
-def _run_planned(  # type: ignore[no-untyped-def]
+def _run_planned(
     dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -119,6 +119,56 @@ def _run(
     out, lse = attention(q, k, v, return_lse=True, **kwargs)
     out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+@overload
+def attention_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    config: Any = ...,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    layer: int = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    return_lse: Literal[False] = ...,
+    sinks: torch.Tensor | None = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+@overload
+def attention_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    config: Any = ...,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    layer: int = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    return_lse: Literal[True],
+    sinks: torch.Tensor | None = ...,
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def attention_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    config: Any = ...,
+    mask: Any = ...,
+    score_mod: Any = ...,
+    layer: int = ...,
+    scale: float | None = ...,
+    enable_gqa: bool | None = ...,
+    return_lse: bool = ...,
+    sinks: torch.Tensor | None = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_layer(

@@ -325,7 +325,7 @@ def test_demo_no_matching_preset_exits_2(capsys: pytest.CaptureFixture[str]) -> 
 def test_demo_presets_cover_the_registry() -> None:
     from flexattn_zoo.cli import demo
 
-    names = [p.name for p in demo.presets(256, 1, 2)]
+    names = [p.name for p in demo.demo_cases(256, 1, 2)]
     for name in MASKS.names():
         assert any(n == name or n.startswith(f"{name}(") for n in names), name
     for name in SCORES.names():

@@ -300,12 +300,7 @@ ERRORS = [
     pytest.param(
         attn(backend="flex_cpu", return_lse=True), ValueError, r"cannot return lse", id="flex_cpu_lse"
     ),
-    pytest.param(
-        attn(mask=fz.block_mask("causal", 8, 8), backend="dense"),
-        ValueError,
-        r"takes a mask spec, not a BlockMask",
-        id="dense_block_mask",
-    ),
+    # (backend="dense" with a BlockMask now runs it exactly: tests/unit/test_adversarial_entry.py)
     pytest.param(
         attn(q=Q.clone().index_fill_(2, torch.tensor([3]), float("nan")), backend="flex_cpu"),
         ValueError,

@@ -260,3 +260,202 @@ def test_run_signature_follows_grad_mode_and_process_state(monkeypatch: pytest.M
     monkeypatch.delenv("FLEXATTN_ZOO_ARCH")
     monkeypatch.setattr(_compat, "flash_cute_available", lambda: True)
     assert decode.run_signature(q, k, v, None, None, True, False, "auto") != base
+
+
+# ---- concurrency ---------------------------------------------------------------------------------
+
+
+def test_threads_decoding_equal_shapes_do_not_share_state() -> None:
+    """Eight threads decode one shape with different lengths at once. A DecodeMask shared by
+    equal shapes (updated in place, then read by the kernel) gave every thread wrong outputs:
+    another thread's update landed between its update and its kernel. Each thread now has its
+    own masks (and no new kernel: they share the compiled one)."""
+    import threading
+
+    k, v = _cache(11)
+    mask = masks.SlidingWindow.from_hf(200)
+    g = torch.Generator().manual_seed(12)
+    n_threads, rounds = 8, 6
+    qs = [torch.randn(B, H, 1, D, generator=g) for _ in range(n_threads)]
+    lens = [torch.tensor([60 + 70 * i, 580 - 65 * i]) for i in range(n_threads)]
+    refs = [reference_decode(qs[i], k, v, lens[i], mask) for i in range(n_threads)]
+    with torch.no_grad():
+        decode.decode_step(qs[0], k, v, lens[0], mask=mask)  # compile outside the race
+    compiles = COMPILE_CACHE.total_compiles()
+    errors: list[float] = [0.0] * n_threads
+    failures: list[BaseException] = []
+    start = threading.Barrier(n_threads)
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                for _ in range(rounds):
+                    out = decode.decode_step(qs[i], k, v, lens[i], mask=mask)
+                    errors[i] = max(errors[i], float((out.double() - refs[i]).abs().max()))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert max(errors) <= 2e-6, errors
+    assert COMPILE_CACHE.total_compiles() == compiles
+
+
+# ---- argument checks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"sinks": torch.zeros(H)}, {"mask": masks.SlidingWindow.from_hf(64)}],
+    ids=["flex_cpu", "dense", "flex_cpu_window"],
+)
+@pytest.mark.parametrize("length", [CAP + 1, torch.tensor([10, CAP + 5])], ids=["int", "tensor"])
+def test_cache_len_past_the_capacity_raises_on_every_cpu_route(kwargs, length) -> None:  # type: ignore[no-untyped-def]
+    # The dense route raised; the flex_cpu route returned an answer for a cache it never saw.
+    k, v = _cache()
+    q = torch.randn(B, H, 1, D)
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            ValueError, match=rf"cache_len {CAP + 1 if isinstance(length, int) else CAP + 5}.*capacity {CAP}"
+        ),
+    ):
+        decode.decode_step(q, k, v, length, **kwargs)
+
+
+def test_paged_cache_len_past_the_table_raises() -> None:
+    kp = vp = torch.randn(1, HKV, 4 * BS, D)
+    q = torch.randn(B, H, 1, D)
+    table = torch.tensor([[0, 1], [2, 3]])
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"cache_len {2 * BS + 1}.*capacity {2 * BS}"):
+        decode.decode_step(q, kp, vp, torch.tensor([5, 2 * BS + 1]), block_table=table)
+
+
+def _bad_call(case: str):  # type: ignore[no-untyped-def]
+    k, v = _cache()
+    q = torch.randn(B, H, 2, D)
+    pool = torch.randn(1, HKV, 4 * BS, D)
+    table = torch.tensor([[0, 1], [2, 3]])
+    calls = {
+        "shorter_than_q": lambda: decode.decode_step(q, k, v, 1),
+        "negative": lambda: decode.decode_step(q, k, v, torch.tensor([-3, 10])),
+        "zero": lambda: decode.decode_step(q, k, v, 0),
+        "float_tensor": lambda: decode.decode_step(q, k, v, torch.tensor([10.7, 20.2])),
+        "float": lambda: decode.decode_step(q, k, v, 10.0),
+        "cache_batch": lambda: decode.decode_step(q, k[:1], v[:1], 10),
+        "k_v_shapes": lambda: decode.decode_step(q, k, v[:, :, :100], 10),
+        "page_past_pool": lambda: decode.decode_step(
+            q, pool, pool, 10, block_table=torch.tensor([[0, 7], [1, 2]])
+        ),
+        "page_below_minus_one": lambda: decode.decode_step(
+            q, pool, pool, 10, block_table=torch.tensor([[0, -2], [1, 2]])
+        ),
+        "float_table": lambda: decode.decode_step(q, pool, pool, 10, block_table=table.float()),
+        "short_doc_ids": lambda: decode.decode_step(
+            q, k, v, 10, mask=masks.Document(doc_ids=torch.zeros(100, dtype=torch.long))
+        ),
+        "block_size_zero": lambda: decode.decode_step(q, k, v, 10, block_size=0),
+        "block_size_float": lambda: decode.decode_step(q, k, v, 10, block_size=64.0),
+        "q_rank_3": lambda: decode.decode_step(q[0], k, v, 10),
+        "cache_rank_3": lambda: decode.decode_step(q, k[0], v[0], 10),
+    }
+    return calls[case]
+
+
+@pytest.mark.parametrize(
+    ("case", "exc", "match"),
+    [
+        ("shorter_than_q", ValueError, r"cache_len 1 is out of range.*>= Lq = 2"),
+        ("negative", ValueError, r"cache_len -3 is out of range.*>= Lq = 2"),
+        ("zero", ValueError, r"cache_len 0 is out of range"),
+        ("float_tensor", TypeError, r"cache_len must be an int or an integer tensor.*float32"),
+        ("float", TypeError, r"cache_len must be an int or an integer tensor.*float"),
+        ("cache_batch", ValueError, r"k_cache/v_cache hold 1 rows but q has batch 2"),
+        ("k_v_shapes", ValueError, r"k_cache and v_cache must agree"),
+        ("page_past_pool", ValueError, r"block_table holds page 7.*valid pages are 0 \.\. 3"),
+        ("page_below_minus_one", ValueError, r"block_table holds page -2.*or -1 for none"),
+        ("float_table", TypeError, r"block_table must be an integer tensor"),
+        ("short_doc_ids", ValueError, r"mask does not fit a cache of capacity 640.*doc_ids.*length 100"),
+        ("block_size_zero", ValueError, r"block_size must be a positive int, got 0"),
+        ("block_size_float", TypeError, r"block_size must be a positive int, got float"),
+        ("q_rank_3", ValueError, r"q must have 4 dims \[B, H, Lq, D\]"),
+        ("cache_rank_3", ValueError, r"k_cache must have 4 dims \[B, Hkv, capacity, D\]"),
+    ],
+)
+def test_bad_decode_arguments_are_named(case: str, exc: type[Exception], match: str) -> None:
+    # Before: silent zeros (lengths below Lq), truncated floats, raw RuntimeErrors from the
+    # kernel (batch, pages, document ids), ZeroDivisionError, and a tuple-unpacking error.
+    call = _bad_call(case)
+    with torch.no_grad(), pytest.raises(exc, match=match):
+        call()
+
+
+def test_bad_pages_in_a_device_table_stay_inside_the_pool() -> None:
+    """A CUDA block_table is not read on the host (a sync), so update() must keep whatever it holds
+    inside the pool: page numbers gathered for the kernel are clamped, and pages past the pool
+    are treated as unowned (their keys invisible). Exercised here by calling update() directly."""
+    dm = decode.DecodeMask(masks.Causal(), B, 1, 2 * BS, n_physical=4)
+    dm.update(torch.tensor([BS + 5, 2 * BS]), torch.tensor([[0, 9], [2, 3]]))
+    assert int(dm.kv_indices.max()) <= 3 and int(dm.kv_indices.min()) >= 0
+    assert dm.page_start[0, :4].tolist() == [0, -BS, -BS, -BS]  # row 0 owns page 0 only
+
+
+# ---- one kernel for every decode step ----------------------------------------------------------------
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_bottom_right_causal_over_a_growing_cache_compiles_at_most_two_kernels() -> None:
+    """``Causal(align="bottom_right")`` with Lq = 1 over Lkv = 8, 9, 10, ... binds to
+    ``OffsetCausal(Lkv - 1)``: its offset was a Python constant in the mask_mod, so a new kernel per
+    step. Now it is a captured tensor: one static and one dynamic-shape compile in all, and every
+    ``OffsetCausal(d)`` of that shape reuses them."""
+    from flexattn_zoo.dispatch import attention
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    heads, dim = 3, 24  # a head shape no other test compiles
+    g = torch.Generator().manual_seed(13)
+    graphs, compiles = _graphs(), COMPILE_CACHE.total_compiles()
+    with torch.no_grad():
+        for kv_len, spec in [(8, None), (9, None), (10, None), (11, None), (12, 5), (13, -2)]:
+            mask = masks.Causal(align="bottom_right") if spec is None else OffsetCausal(offset=spec)
+            q = torch.randn(1, heads, 1, dim, generator=g)
+            k, v = torch.randn(2, 1, heads, kv_len, dim, generator=g)
+            out = attention(q, k, v, mask=mask, backend="flex_cpu")
+            ref = reference_attention(q.double(), k.double(), v.double(), mask=mask)
+            torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6)
+    assert _graphs() - graphs <= 2 and COMPILE_CACHE.total_compiles() - compiles <= 2
+
+
+def test_masks_whose_offsets_move_each_step_share_one_compile_key() -> None:
+    from flexattn_zoo.compile import mod_key
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    assert mod_key(OffsetCausal(offset=3).mask_mod()) == mod_key(OffsetCausal(offset=4000).mask_mod())
+    assert mod_key(Band(lo=1, hi=3).mask_mod()) == mod_key(Band(lo=-70, hi=9).mask_mod())
+    assert mod_key(Band(lo=1).mask_mod()) == mod_key(Band(lo=2).mask_mod())
+
+
+def test_captured_offsets_live_on_the_device_the_spec_is_moved_to() -> None:
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    for spec in (OffsetCausal(offset=3), Band(lo=-2, hi=3)):
+        assert spec.to("cpu") is spec
+        moved = spec.to("meta")
+        # Equal values on other devices are other specs: the mask_mod cache (keyed by spec) must
+        # never hand a kernel an offset tensor from another device.
+        assert moved != spec and moved.to("meta") == moved and hash(moved) != hash(spec)
+        cells = [c.cell_contents for c in moved.mask_mod().__closure__ or ()]
+        tensors = [c for c in cells if isinstance(c, torch.Tensor)]
+        assert tensors and all(t.device.type == "meta" and t.dim() == 0 for t in tensors)

@@ -1,0 +1,82 @@
+"""Static types of the public API: ``out = fz.attention(q, k, v)`` is a Tensor, ``return_lse=True``
+gives an ``(out, lse)`` pair (the ``@overload``s on ``return_lse``), ``Spec.to`` keeps the spec's
+class.
+
+``tools/typecheck.py`` type-checks this file: ``assert_type`` wants the exact static type, so mypy
+fails if an overload is removed or wrong. Run by pytest, the same lines check the runtime values.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.models.decode import decode_step
+from flexattn_zoo.models.layers import attention_layer
+from flexattn_zoo.testing import reference_attention
+
+if sys.version_info >= (3, 11):
+    from typing import assert_type
+else:  # typing_extensions: a dependency of torch
+    from typing_extensions import assert_type
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    return q, k, v
+
+
+def _is_pair(x: object) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)
+
+
+def test_attention_return_lse_overloads(flag: bool = True) -> None:
+    q, k, v = _qkv()
+    out = fz.attention(q, k, v, mask="causal", backend="dense")
+    assert_type(out, torch.Tensor)
+    assert isinstance(out, torch.Tensor)
+    out_f = fz.attention(q, k, v, backend="dense", return_lse=False)
+    assert_type(out_f, torch.Tensor)
+    assert isinstance(out_f, torch.Tensor)
+    pair = fz.attention(q, k, v, backend="dense", return_lse=True)
+    assert_type(pair, Pair)
+    assert _is_pair(pair)
+    either = fz.attention(q, k, v, backend="dense", return_lse=flag)
+    assert_type(either, torch.Tensor | Pair)
+    assert _is_pair(either)
+
+
+def test_layer_decode_reference_overloads() -> None:
+    q, k, v = _qkv()
+    out = attention_layer(q, k, v, mask="causal", backend="dense")
+    assert_type(out, torch.Tensor)
+    assert isinstance(out, torch.Tensor)
+    pair = attention_layer(q, k, v, mask="causal", backend="dense", return_lse=True)
+    assert_type(pair, Pair)
+    assert _is_pair(pair)
+    step = decode_step(q[:, :, -1:], k, v, 8, backend="dense")
+    assert_type(step, torch.Tensor)
+    assert isinstance(step, torch.Tensor)
+    step_pair = decode_step(q[:, :, -1:], k, v, 8, backend="dense", return_lse=True)
+    assert_type(step_pair, Pair)
+    assert _is_pair(step_pair)
+    ref = reference_attention(q, k, v)
+    assert_type(ref, torch.Tensor)
+    ref_pair = reference_attention(q, k, v, return_lse=True)
+    assert_type(ref_pair, Pair)
+    assert isinstance(ref, torch.Tensor) and _is_pair(ref_pair)
+
+
+def test_spec_to_keeps_the_class() -> None:
+    window = masks.SlidingWindow(left=3).to("cpu")
+    assert_type(window, masks.SlidingWindow)
+    assert isinstance(window, masks.SlidingWindow)
+    cap = score_mods.SoftCap(cap=2.0).to(torch.device("cpu"))
+    assert_type(cap, score_mods.SoftCap)
+    assert isinstance(cap, score_mods.SoftCap)
