@@ -23,6 +23,7 @@ from flexattn_zoo import masks, score_mods  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402
 from flexattn_zoo.compose import Chain  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
+from flexattn_zoo.functions import invalidate  # noqa: E402
 from flexattn_zoo.models import layers, presets  # noqa: E402
 from flexattn_zoo.models.layers import Attention  # noqa: E402
 from flexattn_zoo.spec import MaskSpec, ScoreSpec  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "attention",
     "block_mask",
     "decode",
+    "invalidate",
     "layers",
     "masks",
     "plan",

@@ -217,6 +217,25 @@ def mark_dynamic(t: torch.Tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t``'s in-place version counter (``Tensor._version``, private but stable since torch 1.x).
+
+    torch bumps it on every in-place write to ``t`` or to any view or ``.detach()`` alias sharing
+    its storage (``t[:] = ...``, ``t.copy_(...)``, ``t.add_(...)``, also under ``no_grad`` and
+    ``inference_mode``), which is what :mod:`flexattn_zoo.functions` needs to see that a raw
+    ``mask_mod`` / ``score_mod`` closure's captured tensor changed. Reading it is a host-side field
+    access: no device sync. Writes through ``t.data`` or through a NumPy / DLPack view of the
+    memory do not bump it (measured, torch 2.13); ``fz.invalidate`` covers those.
+
+    Returns None for tensors without a version counter (inference tensors, created under
+    ``torch.inference_mode``): callers must then treat the tensor as changed on every use.
+    """
+    try:
+        return int(t._version)
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        return None
+
+
 #: The logger Dynamo reports recompile-limit hits on (a private module's name).
 DYNAMO_LOGGER = "torch._dynamo"
 

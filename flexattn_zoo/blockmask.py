@@ -10,6 +10,8 @@ Two builders, neither ever holds an ``Lq x Lkv`` tensor:
 Both index sides (kv rows and q columns) are derived from the block map with an O(n) ranking
 instead of a sort or ``from_kv_blocks``' dense transpose. Cache: an LRU of ``BLOCK_MASK_CACHE_SIZE``
 entries keyed by (spec, lengths, block sizes, device, batch/heads when the spec depends on them).
+Specs own their tensors, so a key never changes value; a spec wrapping a raw ``mask_mod`` carries
+the versions of the tensors it captures (``Spec.live()``), so an in-place write to them misses.
 """
 
 from __future__ import annotations
@@ -167,7 +169,10 @@ def block_mask(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     qb, kvb = _block_size(block_size)
     device = _device(device)
-    mask_spec = mask_spec.bind(q_len, kv_len)
+    # live(): a raw callable's captured tensors are part of the key (see functions.capture_state),
+    # so an in-place write to them rebuilds the BlockMask instead of pairing stale block sparsity
+    # with the live mask_mod.
+    mask_spec = mask_spec.live().bind(q_len, kv_len)
     for name, size, needed in (
         ("batch", batch, mask_spec.uses_batch()),
         ("heads", heads, mask_spec.uses_head()),

@@ -21,6 +21,7 @@ from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.plan_cache import PLANS, call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
+from flexattn_zoo.spec import Spec
 from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale, inputs_nonfinite
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,9 @@ def _problem(
     user_bm = mask if isinstance(mask, _compat.BlockMask) else None
     mask_spec = None if user_bm is not None else as_mask_spec(mask)
     score_spec = as_score_spec(score_mod)
+    # Raw callables inside specs (fz.Attention(mask=fn), composites): their captured tensors now.
+    mask_spec = mask_spec.live() if mask_spec is not None else None
+    score_spec = score_spec.live() if score_spec is not None else None
     if user_bm is not None:
         _check_user_block_mask(user_bm, shape.batch, shape.heads, shape.q_len, shape.kv_len, q.device)
     for spec in (mask_spec, score_spec):
@@ -367,6 +371,12 @@ def attention(
     """
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
+    # A spec wrapping a raw callable (e.g. fz.Attention(mask=fn)) keys every cache by the versions
+    # of the tensors the callable captures when the spec was built: bring them up to date.
+    if isinstance(mask, Spec):
+        mask = mask.live()
+    if isinstance(score_mod, Spec):
+        score_mod = score_mod.live()
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
     det = (
         _resolve_deterministic(deterministic)

@@ -4,18 +4,34 @@
 wraps it here so the rest of the library only ever sees specs. The dense oracle of a wrapped
 function evaluates the function itself on broadcast index grids, so write it with elementwise
 torch ops (which flex requires anyway).
+
+Captured state: a spec cannot own what a callable captures, so a wrapped callable's identity is
+not enough of a cache key (a BlockMask built for ``ids`` would survive ``ids[:] = ...`` and pair
+its stale block sparsity with the live ``mask_mod``). :func:`capture_state` records the identity
+and in-place version counter of every tensor the callable reaches (closure cells, defaults,
+globals it names, ``functools.partial`` arguments, recursively through the functions and
+containers among them, and one level of attributes of the objects found there: a bound method's
+``self``, a captured module's own buffers) and the invalidation epochs of :func:`invalidate`;
+``FunctionMask`` / ``FunctionScore`` hold it as a field, so it takes part in equality and hashing,
+and :meth:`Spec.live` re-reads it on every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import functools
 import inspect
-from collections.abc import Callable
-from typing import Any
+import itertools
+import threading
+import types
+import weakref
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, spec_dataclass
 
 
@@ -94,12 +110,230 @@ def _grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tenso
     return b, h, q, kv
 
 
+# ---------------------------------------------------------------------------------------------
+# What a callable captures, and its version.
+
+#: Values visited per callable at most (a captured container of thousands of entries is not
+#: walked whole; what lies past the limit is not tracked: ``invalidate`` covers it).
+WALK_LIMIT = 4096
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` (and the functions defined inside it) may load from globals."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.extend(_global_names(const))
+    return tuple(dict.fromkeys(names))
+
+
+def _children(value: Any, expand: bool) -> tuple[list[Any], bool]:
+    """What ``value`` holds that a call of it may read, and whether objects among those may be
+    expanded in turn. Functions, partials, methods and containers pass ``expand`` on; an object's
+    attributes are walked only when ``expand`` holds (the callable itself, a bound method's object,
+    an object a closure captures: ``self.ids`` of a captured module), and objects found among them
+    are not expanded again (a captured model is not walked whole on every call)."""
+    if isinstance(value, types.FunctionType):
+        out: list[Any] = []
+        for cell in value.__closure__ or ():
+            try:
+                out.append(cell.cell_contents)
+            except ValueError:  # an empty cell (a name bound later in the enclosing function)
+                continue
+        out += list(value.__defaults__ or ())
+        out += list((value.__kwdefaults__ or {}).values())
+        names = value.__globals__
+        out += [names[n] for n in _global_names(value.__code__) if n in names]
+        return out, expand
+    if isinstance(value, types.MethodType):
+        return [value.__func__, value.__self__], expand
+    if isinstance(value, functools.partial):
+        return [value.func, *value.args, *value.keywords.values()], expand
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return list(value), expand
+    if isinstance(value, dict):
+        return list(value.values()), expand
+    if expand and not isinstance(value, (type, types.ModuleType)) and hasattr(value, "__dict__"):
+        call = getattr(type(value), "__call__", None)  # noqa: B004 - the method itself, to walk it
+        return [*([call] if isinstance(call, types.FunctionType) else []), *vars(value).values()], False
+    return [], False
+
+
+def _reachable(fn: Any) -> Iterator[Any]:
+    """Every tensor and every Python callable ``fn`` reaches (see the module docstring), each once."""
+    visited: set[tuple[int, bool]] = set()
+    found: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(fn, True)]
+    while stack and len(visited) < WALK_LIMIT:
+        value, expand = stack.pop()
+        if (id(value), expand) in visited or isinstance(value, (str, bytes, int, float, complex, type(None))):
+            continue
+        visited.add((id(value), expand))
+        if isinstance(value, Spec):
+            continue  # owns its tensors (specs are immutable)
+        if isinstance(value, torch.Tensor) or (
+            callable(value) and not isinstance(value, (type, types.BuiltinFunctionType))
+        ):
+            if id(value) not in found:
+                found.add(id(value))
+                yield value
+            if isinstance(value, torch.Tensor):
+                continue
+        children, expand_children = _children(value, expand)
+        stack.extend((child, expand_children) for child in reversed(children))
+
+
+class _Ref:
+    """An identity key for a captured object: equal only to a reference to the same live object.
+
+    Holds it weakly where possible, so a cache key never keeps a tensor alive, and a key whose
+    object was collected never equals a key of a new object that reuses its address.
+    """
+
+    __slots__ = ("_id", "_ref")
+
+    def __init__(self, obj: Any) -> None:
+        self._id = id(obj)
+        try:
+            self._ref: Callable[[], Any] = weakref.ref(obj)
+        except TypeError:  # not weakly referenceable: hold it
+            self._ref = lambda: obj
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Ref):
+            return NotImplemented
+        if self._id != other._id:
+            return False
+        obj = self._ref()
+        return obj is not None and obj is other._ref()
+
+    def __hash__(self) -> int:
+        return self._id
+
+    def __repr__(self) -> str:
+        obj = self._ref()
+        return f"<{type(obj).__name__ if obj is not None else 'collected'} at {self._id:#x}>"
+
+
+_EPOCH_LOCK = threading.Lock()
+#: ``invalidate(fn)`` counts, by id of the callable (with a reference to check it is the same one).
+_EPOCHS: dict[int, tuple[_Ref, int]] = {}
+#: ``invalidate()`` without an argument: every callable's state changes.
+_GLOBAL_EPOCH = [0]
+#: A fresh number per read of an untrackable tensor (no version counter): never equal twice.
+_UNTRACKED = itertools.count()
+
+
+def _epoch(obj: Any) -> int:
+    entry = _EPOCHS.get(id(obj))
+    return entry[1] if entry is not None and entry[0] == _Ref(obj) else 0
+
+
+def invalidate(fn: Any = None) -> None:
+    """Declare that what ``fn`` (a ``mask_mod`` / ``score_mod`` callable) reads has changed.
+
+    In-place writes to tensors a callable captures are seen without this (their version counters
+    are part of every cache key derived from the callable). Call it after changing anything else
+    it reads: a captured Python list or dict, an attribute of a captured object other than its own
+    tensors, a tensor written through ``.data`` or NumPy. Every BlockMask, plan and call entry
+    built for ``fn`` (also inside composites, ``fz.Attention`` layers and other callables that
+    capture it) is rebuilt on next use. Passing a new function object does the same.
+    ``invalidate()`` with no argument does it for every callable.
+    """
+    with _EPOCH_LOCK:
+        if fn is None:
+            _GLOBAL_EPOCH[0] += 1
+            return
+        target = fn.__func__ if isinstance(fn, types.MethodType) else fn
+        key = id(target)
+        entry = _EPOCHS.get(key)
+        if entry is not None and entry[0] == _Ref(target):
+            _EPOCHS[key] = (entry[0], entry[1] + 1)
+            return
+        ref = _Ref(target)
+        _EPOCHS[key] = (ref, 1)
+        try:  # leave with the callable (one finalizer per callable, however often invalidated)
+            weakref.finalize(target, _forget_epoch, key, ref)
+        except TypeError:
+            pass
+
+
+def _forget_epoch(key: int, ref: _Ref) -> None:
+    with _EPOCH_LOCK:
+        entry = _EPOCHS.get(key)
+        if entry is not None and entry[0] is ref:
+            _EPOCHS.pop(key, None)
+
+
+def capture_state(fn: Any) -> Hashable:
+    """A hashable snapshot of what ``fn`` reads besides its arguments: the identity and in-place
+    version of every tensor it reaches (identity only for tensors that require grad: learned
+    values are read live by the kernels and nothing cached derives from them), and the
+    :func:`invalidate` epochs. Equal snapshots mean nothing a cache derived from ``fn`` has changed.
+    Host-only (no device sync); microseconds for a typical closure."""
+    tensors: list[tuple[_Ref, int | None]] = []
+    epochs: list[tuple[_Ref, int]] = []
+    for value in _reachable(fn):
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                tensors.append((_Ref(value), None))
+            else:
+                version = _compat.tensor_version(value)
+                tensors.append((_Ref(value), next(_UNTRACKED) if version is None else version))
+        else:
+            count = _epoch(value.__func__ if isinstance(value, types.MethodType) else value)
+            if count:
+                epochs.append((_Ref(value), count))
+    return (_GLOBAL_EPOCH[0], tuple(epochs), tuple(tensors))
+
+
+_TrackedT = TypeVar("_TrackedT", bound="_TracksCallable")
+
+
+class _TracksCallable(Spec):
+    """Shared by :class:`FunctionMask` and :class:`FunctionScore`: ``state`` is the callable's
+    :func:`capture_state` when the spec was built (``()`` when ``tracked`` is False); ``live()``
+    returns a new spec when it changed."""
+
+    fn: Callable[..., Any]
+    tracked: bool
+    state: Hashable
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", capture_state(self.fn) if self.tracked else ())
+
+    def _holds_callables(self) -> bool:
+        return self.tracked
+
+    def live(self: _TrackedT) -> _TrackedT:
+        if not self.tracked or capture_state(self.fn) == self.state:
+            return self
+        return dataclasses.replace(self)  # type: ignore[type-var]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.pop("state", None)  # identities and versions of this process's objects
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "state", capture_state(self.fn) if self.tracked else ())
+
+
 @spec_dataclass
-class FunctionMask(MaskSpec):
-    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool`` as a spec (identity = the function object)."""
+class FunctionMask(_TracksCallable, MaskSpec):
+    """A user ``mask_mod(b, h, q_idx, kv_idx) -> bool`` as a spec: equal when it wraps the same
+    function object *and* the tensors it captures are unchanged (see :func:`capture_state`).
+
+    ``tracked=False`` is for the library's own closures over tensors it rewrites in place on
+    purpose (decode offsets), which only kernels read: nothing cached derives from their values.
+    """
 
     fn: Callable[..., Any]
     label: str = ""
+    tracked: bool = dataclasses.field(default=True, repr=False)
+    state: Hashable = dataclasses.field(default=(), init=False, repr=False)
 
     def uses_batch(self) -> bool:
         return _reads_argument(self.fn, 0)
@@ -123,21 +357,24 @@ class FunctionMask(MaskSpec):
 
 
 @spec_dataclass
-class FunctionScore(ScoreSpec):
-    """A user ``score_mod(score, b, h, q_idx, kv_idx) -> score`` as a spec."""
+class FunctionScore(_TracksCallable, ScoreSpec):
+    """A user ``score_mod(score, b, h, q_idx, kv_idx) -> score`` as a spec (equality as for
+    :class:`FunctionMask`)."""
 
     fn: Callable[..., Any]
     label: str = ""
+    tracked: bool = dataclasses.field(default=True, repr=False)
+    state: Hashable = dataclasses.field(default=(), init=False, repr=False)
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         return self.fn
 
+    def uses_head(self) -> bool:
+        return True  # unknown: a user function may read h
+
     def tensors(self) -> list[torch.Tensor]:
         # What the function closes over: a learnable bias there makes the call need a backward.
         return captured_tensors(self.fn)
-
-    def uses_head(self) -> bool:
-        return True  # unknown: a user function may read h
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
@@ -162,71 +399,11 @@ def _probe_grids(device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
     return (z, z, z, z), grids
 
 
-#: Objects :func:`captured_tensors` visits at most (a function naming a huge global object graph).
-WALK_LIMIT = 10_000
-
-
 def captured_tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor a user callable can read besides its arguments: its closure cells, defaults
-    (positional and keyword-only) and the globals it names, recursively through the functions,
-    bound methods (``self``), ``functools.partial`` objects, callable objects, ``nn.Module``
-    parameters/buffers, specs and containers found there. The one walk behind both where a
-    function's tables live (:func:`_captured_device`) and whether it captures learnable tensors
-    (``ScoreSpec.captures_grad_tensors``, hence the problem's need for a backward)."""
-    found: list[torch.Tensor] = []
-    seen: set[int] = set()
-    stack: list[Any] = [obj]
-    while stack and len(seen) < WALK_LIMIT:
-        value = stack.pop()
-        if id(value) in seen or value is None or isinstance(value, (str, bytes, int, float, bool, type)):
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, Spec):
-            found.extend(value.tensors())
-        elif isinstance(value, torch.nn.Module):
-            found.extend(value.parameters())
-            found.extend(value.buffers())
-        elif isinstance(value, (tuple, list, set, frozenset)):
-            stack.extend(reversed(list(value)))
-        elif isinstance(value, dict):
-            stack.extend(reversed(list(value.values())))
-        elif inspect.ismethod(value):
-            stack.extend([*_attributes_read(value.__self__, value.__func__), value.__func__])
-        elif isinstance(value, functools.partial):
-            stack.extend([*value.keywords.values(), *value.args, value.func])
-        elif inspect.isfunction(value):
-            stack.extend(reversed(_function_values(value)))
-        elif callable(value) and not inspect.isbuiltin(value) and not inspect.ismodule(value):
-            # A callable object (a class with __call__): the attributes its __call__ reads.
-            call = next((vars(c)["__call__"] for c in type(value).__mro__ if "__call__" in vars(c)), None)
-            if inspect.isfunction(call):
-                stack.extend([*_attributes_read(value, call), call])
-    return found
-
-
-def _attributes_read(obj: Any, fn: Any) -> list[Any]:
-    """The attributes of ``obj`` (a method's ``self``) that ``fn``'s code names (``self.bias``)."""
-    if isinstance(obj, torch.nn.Module):
-        return [obj]  # parameters and buffers
-    attrs = getattr(obj, "__dict__", None) or {}
-    code = getattr(fn, "__code__", None)
-    return [attrs[n] for n in (code.co_names if code is not None else ()) if n in attrs]
-
-
-def _function_values(fn: Any) -> list[Any]:
-    values: list[Any] = []
-    for cell in fn.__closure__ or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell (a name bound later in the enclosing function)
-            continue
-    values += list(fn.__defaults__ or ())
-    values += list((fn.__kwdefaults__ or {}).values())
-    names = fn.__globals__ or {}
-    values += [names[n] for n in fn.__code__.co_names if n in names and not inspect.ismodule(names[n])]
-    return values
+    """Every tensor a user callable can read besides its arguments (the walk of
+    :func:`capture_state`): where its tables live (:func:`_captured_device`) and whether it
+    captures learnable tensors (``ScoreSpec.captures_grad_tensors``: the call needs a backward)."""
+    return [v for v in _reachable(obj) if isinstance(v, torch.Tensor)]
 
 
 def _captured_device(fn: Callable[..., Any]) -> torch.device:

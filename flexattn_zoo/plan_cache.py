@@ -8,7 +8,9 @@ planning reads from them, so a hit returns exactly the plan the full path would 
 
 * q/k/v shapes, strides, dtype and device (``Problem`` sizes, ``index_extent``, arch);
 * the ``mask`` / ``score_mod`` objects themselves (specs compare by value, their learned tensors,
-  names and callables by identity), the registries' versions (a name can be unregistered and registered anew);
+  names and callables by identity; a callable, or a name of a registered function, also by the
+  version counters of the tensors it captures), the registries' versions (a name can be
+  unregistered and registered anew);
 * grad mode and which inputs require grad, ``enable_gqa``, ``return_lse``, the resolved
   ``deterministic`` flag, ``backend``; on the CPU, whether q/k/v hold NaN/inf (a check of the
   data the full path makes too);
@@ -31,7 +33,9 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import ARCH_ENV
 from flexattn_zoo.backends import BACKENDS
+from flexattn_zoo.functions import capture_state
 from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.spec import Spec
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
 #: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
@@ -75,8 +79,8 @@ def call_key(
         return None
     key = (
         backend,
-        mask,
-        score_mod,
+        _arg_key(mask, "mask"),
+        _arg_key(score_mod, "score"),
         enable_gqa,
         return_lse,
         deterministic,
@@ -98,6 +102,31 @@ def call_key(
     except TypeError:  # an unhashable mask/score argument: the full path says what is wrong
         return None
     return key
+
+
+def _arg_key(value: Any, kind: str) -> Hashable:
+    """A ``mask=`` / ``score_mod=`` argument as it takes part in the key.
+
+    Specs are themselves (by value; ``fz.attention`` passes them through ``Spec.live()`` first).
+    A raw callable is its identity *and* :func:`~flexattn_zoo.functions.capture_state` (the
+    versions of the tensors it captures): its plan holds a ``FunctionMask`` whose BlockMask was
+    built from those tensors, so an in-place write must miss here. A registry name of a
+    registered plain function likewise carries that function's state (through the factory's
+    closure); a class entry has none.
+    """
+    if value is None or isinstance(value, Spec):
+        return value
+    if isinstance(value, str):
+        from flexattn_zoo.registry import MASKS, SCORES
+
+        registry = MASKS if kind == "mask" else SCORES
+        if value not in registry:
+            return value  # the full path names the error
+        factory = registry.entry(value).factory
+        return ("name", value, capture_state(factory) if not isinstance(factory, type) else None)
+    if callable(value) and not isinstance(value, type):
+        return ("callable", value, capture_state(value))
+    return value
 
 
 def process_state() -> Hashable:

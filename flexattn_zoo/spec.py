@@ -5,8 +5,15 @@ Conventions shared by every spec:
 * Positions are absolute: query ``i`` in ``[0, Lq)`` and key ``j`` in ``[0, Lkv)``.
 * A spec is a frozen, hashable, keyword-only dataclass. Equal parameters give equal specs and the
   *same* ``mask_mod`` / ``score_mod`` function object, so compiled kernels and BlockMasks are reused.
-  Tensor parameters (document ids, per-batch prefix lengths) compare by value and hash by
-  shape/dtype; treat them as immutable once they are inside a spec.
+  Tensor parameters (document ids, per-batch prefix lengths) compare by value and hash by shape,
+  dtype and a content fingerprint. The spec *owns* them: each is copied (``detach().clone()``, on
+  its device, asynchronously) when the spec is built, so writing in place to the tensor you passed
+  never changes a spec, nor anything cached for it. Tensors that require grad (learned biases) are
+  the exception: kept as given, compared by identity. The tensors a spec holds (``spec.tensors()``,
+  ``Document.doc_ids``) are its own: read them, never write to them.
+* Specs wrapping raw callables (:mod:`flexattn_zoo.functions`) cannot own what the callable
+  captures; they record its identity and the version counters of the tensors it captures, and
+  :meth:`Spec.live` re-reads them (``fz.attention`` and ``fz.block_mask`` do on every call).
 * ``MaskSpec.dense(q_len, kv_len)`` is the independent oracle: a boolean ``[B|1, H|1, Lq, Lkv]``
   tensor written without calling ``mask_mod``. It materializes ``Lq x Lkv``: it is for tests and
   the reference only.
@@ -20,6 +27,7 @@ applied first, then ``b`` (function composition read left to right).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Hashable
@@ -47,8 +55,88 @@ _SpecT = TypeVar("_SpecT")
 # dataclass_transform tells type checkers the fields are the class's annotated attributes.
 @dataclass_transform(kw_only_default=True, frozen_default=True, eq_default=False)
 def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
-    """Decorator: a frozen keyword-only dataclass whose equality/hash come from :class:`Spec`."""
-    return dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
+    """Decorator: a frozen keyword-only dataclass whose equality/hash come from :class:`Spec`.
+
+    Its ``__init__`` ends by taking ownership of the spec's tensor parameters (see
+    :func:`_take_ownership`): after construction, nothing the caller does to the tensors it passed
+    can change the spec.
+    """
+    klass = dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
+    init = klass.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
+        _take_ownership(self)
+
+    klass.__init__ = __init__  # type: ignore[method-assign]
+    return klass
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor ownership.
+#
+# Every cache of the library is keyed by spec *value*: the mod cache, BlockMasks, plans, flex
+# calls, varlen offsets and layouts, and the spec's own hash (cached) and per-instance caches. A
+# spec that kept the caller's tensor changed value whenever the caller wrote to that tensor in
+# place, behind the back of every one of them: stale BlockMasks next to a live mask_mod, and, with
+# a buffer refilled in place and a new spec built each step, an earlier step's mask whenever the
+# two layouts' content hashes collided (equality short-circuits on ``a is b``, and both specs held
+# the same buffer). So a spec owns its tensors: each is copied when the spec is built.
+
+
+#: Tensors owned by some spec, by id (weakly): wrapping one in another spec (``dataclasses.replace``,
+#: ``Spec.to``, ``bind``) needs no second copy, since no spec's tensor is ever written to.
+_OWNED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _mark_owned(t: torch.Tensor) -> torch.Tensor:
+    key = id(t)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        if _OWNED.get(key) is ref:
+            _OWNED.pop(key, None)
+
+    _OWNED[key] = weakref.ref(t, forget)
+    return t
+
+
+def _is_owned(t: torch.Tensor) -> bool:
+    ref = _OWNED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _owned(value: Any) -> Any:
+    """``value`` with every tensor in it (also inside tuples and lists) replaced by a private copy.
+
+    A copy is a ``detach().clone()`` on the same device, contiguous: asynchronous on CUDA (no host
+    sync). Not copied: tensors that require grad (learned parameters must stay the caller's
+    tensor, which the optimizer updates; specs compare them by identity, see ``_values_equal``)
+    and tensors some spec already owns.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad or _is_owned(value):
+            return value
+        return _mark_owned(value.detach().clone(memory_format=torch.contiguous_format))
+    if isinstance(value, (tuple, list)) and any(isinstance(v, (torch.Tensor, tuple, list)) for v in value):
+        items = [_owned(v) for v in value]
+        if any(a is not b for a, b in zip(items, value, strict=True)):
+            return type(value)(items)
+    return value
+
+
+def _take_ownership(spec: Any) -> None:
+    """Replace every tensor field of a freshly built spec by a copy the spec owns (see ``_owned``).
+
+    Runs after the class's ``__post_init__``, so tensors it derived from the arguments (a dtype
+    conversion, a view, ``torch.as_tensor`` of a NumPy array, which shares its memory) are covered
+    as well as the arguments themselves. Nested specs own their tensors already.
+    """
+    for f in dataclasses.fields(spec):
+        value = spec.__dict__.get(f.name)
+        owned = _owned(value)
+        if owned is not value:
+            object.__setattr__(spec, f.name, owned)
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -92,7 +180,7 @@ def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
-        if a is b:
+        if a is b:  # sound: a spec's tensor is its own copy (or a learned tensor: itself)
             return True
         if a.requires_grad or b.requires_grad:
             # Learned tensors (biases a score mod trains) compare by identity: two layers' equal
@@ -111,8 +199,9 @@ _MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
 #: leaves when either spec is collected. Cache lookups compare a call's spec with the stored key
 #: whenever their hashes match: a value-equal spec built anew (the same document layout again, a
 #: second model with the same masks) compared tensor contents -- a device sync -- on every call
-#: (H200: 2.2 ms per call instead of 0.7 on document_causal_d64). Specs are immutable, so the
-#: verdict holds for their lifetime.
+#: (H200: 2.2 ms per call instead of 0.7 on document_causal_d64). Specs are immutable (they own
+#: their tensors: no caller can write to them), so the verdict holds for their lifetime, and an id
+#: is only reused after the entry left with its spec.
 _EQ_MEMO: dict[tuple[int, int], bool] = {}
 
 #: The composites behind ``a & b``, ``a | b``, ``~a`` (masks) and ``a >> b`` (score specs), keyed by
@@ -131,6 +220,9 @@ def _remember_equal(a: object, b: object, verdict: bool) -> None:
         _EQ_MEMO[key] = verdict
         for obj in (a, b):
             weakref.finalize(obj, _EQ_MEMO.pop, key, None)
+
+
+_LiveT = TypeVar("_LiveT", bound="Spec")
 
 
 class Spec:
@@ -156,13 +248,50 @@ class Spec:
         return verdict
 
     def __hash__(self) -> int:
-        # Cached: specs are immutable (tensor parameters included, by contract) and hashing a
-        # tensor parameter reads it.
+        # Cached: specs are immutable (their tensors are private copies, see _take_ownership) and
+        # hashing a tensor parameter reads it.
         cached = self.__dict__.get("_hash_value")
         if cached is None:
             cached = hash((type(self).__qualname__, _freeze(self._fields())))
             object.__setattr__(self, "_hash_value", cached)
         return cached
+
+    def live(self: _LiveT) -> _LiveT:
+        """This spec with the current state of any raw callable in it (``self`` when unchanged).
+
+        A spec holding a user ``mask_mod`` / ``score_mod`` (:class:`~flexattn_zoo.functions.FunctionMask`,
+        possibly inside a composite) records the versions of the tensors the callable captures when
+        it is built. After an in-place write to one of them, ``live()`` returns an equal-but-for-that
+        spec with the new versions, so every cache keyed by the spec misses and rebuilds (the
+        BlockMask above all). Specs without callables return ``self`` at the cost of one lookup.
+        """
+        if not self._holds_callables():
+            return self
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, Spec):
+                fresh = value.live()
+                if fresh is not value:
+                    changes[f.name] = fresh
+            elif isinstance(value, tuple) and any(isinstance(v, Spec) for v in value):
+                fresh_t = tuple(v.live() if isinstance(v, Spec) else v for v in value)
+                if any(a is not b for a, b in zip(fresh_t, value, strict=True)):
+                    changes[f.name] = fresh_t
+        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
+
+    def _holds_callables(self) -> bool:
+        """Whether this spec or a part of it wraps a raw callable whose captured state is tracked."""
+        cached = self.__dict__.get("_holds_callables_value")
+        if cached is None:
+            cached = False
+            for value in self._fields():
+                parts = value if isinstance(value, tuple) else (value,)
+                if any(isinstance(v, Spec) and v._holds_callables() for v in parts):
+                    cached = True
+                    break
+            object.__setattr__(self, "_holds_callables_value", cached)
+        return bool(cached)
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached hash hashes a str (the class name), which differs between processes
@@ -206,7 +335,9 @@ class Spec:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.device != torch.device(device):
-                changes[f.name] = value.to(device)
+                # A fresh tensor (or the learned tensor's non-leaf copy): the new spec owns it as is.
+                moved_tensor = value.to(device)
+                changes[f.name] = moved_tensor if moved_tensor.requires_grad else _mark_owned(moved_tensor)
             elif isinstance(value, Spec):
                 moved = value.to(device)
                 if moved is not value:

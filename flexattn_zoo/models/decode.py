@@ -200,7 +200,9 @@ class DecodeMask:
         """:meth:`score_mod` of ``inner`` as a spec, one object per ``inner`` (a stable plan key)."""
         key = ("spec", inner)
         if key not in self._scores:
-            self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode")
+            # Untracked: its closure reads the offsets update() rewrites in place every step, and
+            # only kernels read them (nothing cached derives from their values).
+            self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode", tracked=False)
         return self._scores[key]
 
     def update(self, cache_len: torch.Tensor, block_table: torch.Tensor | None = None) -> _compat.BlockMask:
@@ -480,7 +482,9 @@ def decode_step(
         block_size: kv block size, and the page size of paged caches.
     """
     spec = as_mask_spec(mask) if mask is not None else Causal()
+    spec = spec.live() if spec is not None else None  # a raw callable's captured tensors now
     score = as_score_spec(score_mod)
+    score = score.live() if score is not None else None
     paged = block_table is not None
     _check_inputs(q, k_cache, v_cache, block_size, paged)
     batch, heads, q_len, _ = q.shape
@@ -592,9 +596,10 @@ def decode_step(
         else:
             stop = min(capacity, pages * block_size)
             k_run, v_run = k_cache[:, :, :stop], v_cache[:, :, :stop]
-        run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode")
+        # Untracked (as in DecodeMask.score_spec): the dense route evaluates them live each call.
+        run_mask = FunctionMask(fn=dm.logical_mask_mod, label="decode", tracked=False)
         dense_score = (
-            FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode")
+            FunctionScore(fn=dm.score_mod(inner_score, paged=False), label="decode", tracked=False)
             if inner_score is not None
             else None
         )

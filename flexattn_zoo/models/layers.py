@@ -20,6 +20,7 @@ is used as given (a parameter if it requires grad).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Literal, overload
@@ -207,6 +208,10 @@ def attention_layer(
     )
 
 
+#: ``Attention.set_mask``'s "not given" (None means "no mask").
+_KEEP: Any = object()
+
+
 class Attention(nn.Module):
     """Attention over given ``q, k, v`` as a module: ``forward(q, k, v) -> out`` (or ``(out, lse)``).
 
@@ -228,6 +233,12 @@ class Attention(nn.Module):
 
     The specs are resolved in ``__init__`` and the same objects are passed on every call, so after
     the first step no BlockMask is built and no kernel compiled for an unchanged shape.
+
+    Changing the mask: specs own their tensors, so writing in place to the ids a ``Document`` was
+    built from changes nothing. Pass the new layout per call, ``forward(q, k, v, mask=...)`` (and
+    ``score_mod=``), or replace the layer's own with :meth:`set_mask`. A raw callable given as
+    ``mask=`` is tracked instead: in-place writes to the tensors it captures are seen on the next
+    call (see ``fz.invalidate`` for other captured state).
     """
 
     def __init__(
@@ -283,12 +294,43 @@ class Attention(nn.Module):
     def score_mod(self) -> Any:
         return self.spec.score_mod
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+    def set_mask(self, mask: Any = _KEEP, *, score_mod: Any = _KEEP) -> None:
+        """Replace the layer's mask and/or score mod (spec, registry name or callable; ``None``
+        removes it); what is not given is kept. The rest of the configuration (scale, sinks) stays.
+
+        For a mask that changes every step (packed documents), passing ``mask=`` to
+        :meth:`forward` is the same without touching the layer.
+        """
+        changes: dict[str, Any] = {}
+        if mask is not _KEEP:
+            changes["mask"] = as_mask_spec(mask)
+        if score_mod is not _KEEP:
+            changes["score_mod"] = as_score_spec(score_mod)
+        if changes:
+            self.spec = dataclasses.replace(self.spec, **changes)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None
+    ) -> Any:
+        """Attention of ``q, k, v`` under the layer's configuration.
+
+        ``mask`` / ``score_mod`` (spec, registry name, callable; ``mask`` also a ``BlockMask``)
+        replace the layer's own for this call only, e.g. a ``masks.Document`` of this batch's
+        packing (``& masks.Causal()`` for a causal layer: the override is the whole mask). None
+        keeps the layer's.
+        """
+        la = self.spec
+        if mask is not None or score_mod is not None:
+            la = dataclasses.replace(
+                la,
+                mask=la.mask if mask is None else mask,
+                score_mod=la.score_mod if score_mod is None else score_mod,
+            )
         return _run(
             q,
             k,
             v,
-            self.spec,
+            la,
             scale=self.scale,
             enable_gqa=self.enable_gqa,
             return_lse=self.return_lse,
