@@ -137,7 +137,10 @@ def test_route_coverage() -> None:
     chunks = {"chunked_causal", "chunked_equal_causal", "chunked_equal"}
     assert {"full", "causal", "sliding", "document_causal"} | chunks <= accepted["varlen"], accepted["varlen"]
     if _compat.flash_cute_available():
-        assert set(PRESETS) == accepted["flex_flash"], accepted["flex_flash"]
+        # Every preset but those whose mask reads captured 0-d offsets (bottom-right causal with
+        # Lq != Lkv binds to OffsetCausal): FA4's CuTe mask codegen cannot load them on torch 2.11.
+        offsets = {"causal_br_lq_lt_lkv", "fully_masked_rows"}
+        assert set(PRESETS) - offsets == accepted["flex_flash"], accepted["flex_flash"]
         fa4 = {"full", "causal", "sliding", "document_causal", "softcap_approx_causal"} | chunks
         assert fa4 == accepted["fa4"], accepted["fa4"]
 
