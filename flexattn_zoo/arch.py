@@ -13,15 +13,20 @@ import torch
 
 ARCH_ENV = "FLEXATTN_ZOO_ARCH"
 _ARCH = re.compile(r"^sm(\d+)$")
+#: The arch name of AMD GPUs under a ROCm (HIP) build of torch. Their devices are "cuda" devices to
+#: torch and report a compute capability such as (9, 4) on MI300, which is no NVIDIA generation:
+#: read as "sm94" they would be taken for Hopper and sent to cuDNN and FA4, which ROCm lacks.
+ROCM = "rocm"
 
 
 def parse_arch(arch: str) -> tuple[int, int] | None:
-    """``"sm90"`` -> ``(9, 0)``, ``"sm86"`` -> ``(8, 6)``, ``"sm100"`` -> ``(10, 0)``; ``"cpu"`` -> None."""
-    if arch == "cpu":
+    """``"sm90"`` -> ``(9, 0)``, ``"sm86"`` -> ``(8, 6)``, ``"sm100"`` -> ``(10, 0)``; ``"cpu"`` and
+    ``"rocm"`` (no NVIDIA compute capability) -> None."""
+    if arch in ("cpu", ROCM):
         return None
     m = _ARCH.match(arch)
     if not m:
-        raise ValueError(f"arch must look like 'sm80', 'sm90', 'sm100' or be 'cpu', got {arch!r}")
+        raise ValueError(f"arch must look like 'sm80', 'sm90', 'sm100' or be 'cpu' or 'rocm', got {arch!r}")
     digits = m.group(1)
     return int(digits[:-1]), int(digits[-1])
 
@@ -44,12 +49,16 @@ def detect_arch(device: torch.device | str | None = None) -> str:
         dev = torch.device("cuda")
     if dev.type != "cuda":
         return dev.type
+    if torch.version.hip is not None:
+        return ROCM
     major, minor = torch.cuda.get_device_capability(dev)
     return f"sm{major}{minor}"
 
 
 def generation(arch: str) -> str:
-    """Priority-table key of an arch: ``cpu``, ``sm80``, ``sm86`` (sm86/sm89), ``sm90``, ``sm100``."""
+    """Priority-table key of an arch: ``cpu``, ``rocm``, ``sm80``, ``sm86`` (sm86/sm89), ``sm90``, ``sm100``."""
+    if arch == ROCM:
+        return ROCM
     cc = parse_arch(arch)
     if cc is None:
         return "cpu"
@@ -124,6 +133,12 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     "sm80": {
         "fwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
         "fwdbwd": ("sdpa_flash", "sdpa_cudnn", "flex", "varlen", "sdpa_efficient", "sdpa_math"),
+    },
+    # ROCm: only the routes built for it (``Backend.rocm``); not measured here -- SDPA's fused
+    # kernels where the mask has an SDPA form, then Triton flex for everything else.
+    ROCM: {
+        "fwd": ("sdpa_flash", "sdpa_efficient", "flex", "sdpa_math"),
+        "fwdbwd": ("sdpa_flash", "sdpa_efficient", "flex", "sdpa_math"),
     },
     "cpu": {
         "fwd": ("sdpa_flash", "sdpa_split", "flex_cpu", "sdpa_math", "dense"),

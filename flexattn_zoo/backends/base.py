@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.arch import parse_arch
+from flexattn_zoo.arch import ROCM, parse_arch
 from flexattn_zoo.problem import Problem
 
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
@@ -130,6 +130,10 @@ class Backend:
     #: False for routes that never appear in ``arch.PRIORITY`` (debug or reference routes, run only
     #: when named); the unit tests hold the table and this flag to each other.
     auto: bool = True
+    #: Whether the route runs on ROCm (HIP) builds of torch, whose GPUs are "cuda" devices too:
+    #: torch's SDPA flash/efficient/math kernels and Triton do; cuDNN, FlashAttention-4 and the
+    #: varlen kernel are CUDA-only.
+    rocm: bool = False
     doc: str = ""
 
     # -- machine-level ------------------------------------------------------------------------
@@ -151,6 +155,8 @@ class Backend:
             out.append(f"head dim {p.head_dim} outside {lo}..{hi}{extra}")
         if p.v_dim != p.head_dim:
             out.append(f"value head dim {p.v_dim} differs from q/k head dim {p.head_dim}")
+        if p.device_type == "cuda" and "cuda" in self.devices and p.arch == ROCM and not self.rocm:
+            out.append("CUDA-only: not available on ROCm (HIP) builds of torch")
         cc = parse_arch(p.arch) if p.device_type == "cuda" else None
         if cc is not None:
             if self.min_cc and cc < self.min_cc:

@@ -129,5 +129,6 @@ DENSE = DenseBackend(
     lse=True,
     env_vars=(DENSE_LIMIT_ENV,),
     decode=True,
+    rocm=True,
     doc="eager dense attention with autograd (materializes Lq x Lkv; memory-guarded)",
 )

@@ -222,6 +222,7 @@ FLEX = FlexBackend(
     fast_score_mods=True,
     tuning=(SM90_FORWARD_TILES,),
     decode=True,
+    rocm=True,
     doc="FlexAttention compiled to Triton with BlockMask sparsity (any mask, any score mod)",
 )
 FLEX_FLASH = FlexFlashBackend(

@@ -131,6 +131,7 @@ SDPA_FLASH = SdpaBackend(
     head_dim_multiple=1,
     min_cc=(8, 0),
     needs_torch_deterministic_mode=True,  # FA2's backward: deterministic dQ accumulation only then
+    rocm=True,
     doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal chunks)",
 )
 SDPA_EFFICIENT = SdpaBackend(
@@ -142,6 +143,7 @@ SDPA_EFFICIENT = SdpaBackend(
     min_cc=(5, 0),
     gqa=False,
     needs_torch_deterministic_mode=True,  # forces num_splits_key=1 in its backward
+    rocm=True,
     doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks)",
 )
 SDPA_MATH = SdpaBackend(
@@ -149,5 +151,6 @@ SDPA_MATH = SdpaBackend(
     kernel="MATH",
     devices=frozenset({"cuda", "cpu"}),
     dtypes=FLOATS,
+    rocm=True,
     doc="SDPA's reference math kernel (no mask, causal, equal chunks); materializes scores internally",
 )

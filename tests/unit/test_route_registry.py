@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.arch import OVERRIDES, PRIORITY, ordered_routes, parse_arch
+from flexattn_zoo.arch import OVERRIDES, PRIORITY, ROCM, ordered_routes, parse_arch
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import FLOATS, Backend, Requirement
 from flexattn_zoo.backends.dense import DENSE_LIMIT_ENV
@@ -77,6 +77,7 @@ def test_order_lists_routes_that_can_run_there(gen: str) -> None:
             assert cc is None or b.min_cc is None or cc >= b.min_cc, (gen, name)
             assert cc is None or b.max_cc is None or cc <= b.max_cc, (gen, name)
             assert mode == "fwd" or b.backward, (gen, mode, name)
+            assert gen != ROCM or b.rocm, (gen, name)
 
 
 def test_plan_cache_asks_every_route(monkeypatch: pytest.MonkeyPatch) -> None:
