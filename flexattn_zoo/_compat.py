@@ -213,10 +213,6 @@ def recompile_limit() -> int:
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
 
-def mark_dynamic(t: torch.Tensor, dim: int) -> None:
-    torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
 def tensor_version(t: torch.Tensor) -> int | None:
     """``t``'s in-place version counter (``Tensor._version``, private but stable since torch 1.x).
 

@@ -188,9 +188,6 @@ def _problem(
     user_bm = mask if isinstance(mask, _compat.BlockMask) else None
     mask_spec = None if user_bm is not None else as_mask_spec(mask)
     score_spec = as_score_spec(score_mod)
-    # Raw callables inside specs (fz.Attention(mask=fn), composites): their captured tensors now.
-    mask_spec = mask_spec.live() if mask_spec is not None else None
-    score_spec = score_spec.live() if score_spec is not None else None
     if user_bm is not None:
         _check_user_block_mask(user_bm, shape.batch, shape.heads, shape.q_len, shape.kv_len, q.device)
     for spec in (mask_spec, score_spec):
@@ -252,6 +249,13 @@ def _under_autocast(
     return cast(q), cast(k), cast(v)
 
 
+def _live(arg: Any) -> Any:
+    """A spec argument with the current state of any raw callable in it (``Spec.live``): a spec
+    wrapping a callable (e.g. ``fz.Attention(mask=fn)``) keys every cache by the versions of the
+    tensors the callable captured when the spec was built. A raw callable is wrapped fresh later."""
+    return arg.live() if isinstance(arg, Spec) else arg
+
+
 def plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -267,6 +271,7 @@ def plan(
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
     q, k, v = _under_autocast(q, k, v)
+    mask, score_mod = _live(mask), _live(score_mod)
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
     return plan_problem(problem, backend)
 
@@ -371,12 +376,7 @@ def attention(
     """
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
-    # A spec wrapping a raw callable (e.g. fz.Attention(mask=fn)) keys every cache by the versions
-    # of the tensors the callable captures when the spec was built: bring them up to date.
-    if isinstance(mask, Spec):
-        mask = mask.live()
-    if isinstance(score_mod, Spec):
-        score_mod = score_mod.live()
+    mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
     det = (
         _resolve_deterministic(deterministic)

@@ -307,9 +307,14 @@ class _TracksCallable(Spec):
         return self.tracked
 
     def live(self: _TrackedT) -> _TrackedT:
-        if not self.tracked or capture_state(self.fn) == self.state:
+        if not self.tracked:
             return self
-        return dataclasses.replace(self)  # type: ignore[type-var]
+        state = capture_state(self.fn)
+        if state == self.state:
+            return self
+        fresh = dataclasses.replace(self)  # type: ignore[type-var]
+        object.__setattr__(fresh, "state", state)  # what __post_init__ just walked for again
+        return fresh
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -125,7 +125,8 @@ class Backend:
     #: Environment variables its verdicts read.
     env_vars: tuple[str, ...] = ()
     #: Serves ``fz.decode.decode_step``, which takes only these route names (and "auto"): the flex
-    #: routes run its in-place-updated BlockMask, dense its mask over the live cache.
+    #: routes run its in-place-updated BlockMask, dense its mask over the live cache. Not flex_flash:
+    #: decode BlockMasks carry no full-block tensors, which torch's FA4 lowering needs.
     decode: bool = False
     #: False for routes that never appear in ``arch.PRIORITY`` (debug or reference routes, run only
     #: when named); the unit tests hold the table and this flag to each other.

@@ -238,7 +238,6 @@ FLEX_FLASH = FlexFlashBackend(
     kernel_options=(("BACKEND", "FLASH"),),
     requires=(FLASH_CUTE,),
     deterministic=False,
-    decode=True,
     nondeterministic_why=(
         "FA4's backward with a block mask is deterministic only on sm100+ with dQ write-order "
         "metadata (torch >= 2.13), which these BlockMasks do not carry"

@@ -477,8 +477,9 @@ def decode_step(
         scale, enable_gqa (None: from head counts), sinks ``[H]``, return_lse: as for the layers.
         block_table: ``[B, max_pages]`` int, physical page of each logical page (-1: none); page
             numbers are checked when it is a CPU tensor.
-        backend: ``"auto"``, a flex route, or ``"dense"``. On CUDA ``"auto"`` is ``"flex"`` (torch's
-            flex-decoding kernel for short ``Lq``); ``"flex_flash"`` is refused there.
+        backend: ``"auto"``, ``"flex"``, ``"flex_cpu"`` or ``"dense"`` (the routes with
+            ``decode=True``). On CUDA ``"auto"`` is ``"flex"`` (torch's flex-decoding kernel for short
+            ``Lq``).
         block_size: kv block size, and the page size of paged caches.
     """
     spec = as_mask_spec(mask) if mask is not None else Causal()
@@ -521,14 +522,6 @@ def decode_step(
             f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)"
         )
     if use_flex and q.is_cuda:
-        # Decode BlockMasks carry no full-block tensors on CUDA (see DecodeMask), and torch's FA4
-        # lowering (flex_flash) refuses such masks: the Triton flex route is the decode route there.
-        if backend == "flex_flash":
-            raise ValueError(
-                "decode_step cannot use backend 'flex_flash' on CUDA: torch's FlashAttention-4 "
-                "lowering needs BlockMask full-block tensors, which decode masks leave out on CUDA; "
-                "use backend='flex' or 'auto'"
-            )
         backend = "flex" if backend == "auto" else backend
     if use_flex and not paged and batch > 1:
         rows = _rows_per_launch(k_cache, v_cache)

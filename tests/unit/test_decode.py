@@ -459,3 +459,12 @@ def test_captured_offsets_live_on_the_device_the_spec_is_moved_to() -> None:
         cells = [c.cell_contents for c in moved.mask_mod().__closure__ or ()]
         tensors = [c for c in cells if isinstance(c, torch.Tensor)]
         assert tensors and all(t.device.type == "meta" and t.dim() == 0 for t in tensors)
+
+
+def test_flex_flash_is_not_a_decode_route() -> None:
+    # Decode BlockMasks carry no full-block tensors, which torch's FA4 lowering needs: the route
+    # says so through its decode flag and decode_step refuses it by name.
+    q = torch.randn(1, 2, 1, 16)
+    cache = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="decode_step backend must be one of auto, flex, flex_cpu, dense"):
+        decode.decode_step(q, cache, cache, 8, backend="flex_flash")
