@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import inspect
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -201,6 +202,58 @@ def triton_version() -> str | None:
     except ImportError:
         return None
     return str(triton.__version__)
+
+
+#: torch's own capability check per SDPA kernel (``torch.backends.cuda.can_use_*_attention``).
+_SDPA_CAN_USE = {
+    "FLASH_ATTENTION": "can_use_flash_attention",
+    "EFFICIENT_ATTENTION": "can_use_efficient_attention",
+    "CUDNN_ATTENTION": "can_use_cudnn_attention",
+}
+
+
+@functools.lru_cache(maxsize=512)
+def sdpa_torch_refusal(
+    kernel: str,
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    arch: str,
+    is_causal: bool,
+    enable_gqa: bool,
+    requires_grad: bool,
+) -> str | None:
+    """Why torch's own check refuses SDPA ``kernel`` for a CUDA call of these contiguous shapes
+    (torch's debug text), or None when it accepts, has no check for that kernel, or cannot
+    answer (no CUDA here, or ``arch`` is not the current device's).
+
+    The check runs on fake tensors (no memory) inside ``sdpa_kernel([kernel])``, so only the
+    kernel's own constraints count, not the process's enable flags. Results depend only on the
+    arguments and the GPU's capability (``arch``, part of the cache key: torch checks the
+    current device), hence the cache.
+    """
+    name = _SDPA_CAN_USE.get(kernel)
+    check = getattr(torch.backends.cuda, name, None) if name else None
+    if check is None or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if arch != f"sm{major}{minor}":
+        return None  # a problem described for another GPU (FLEXATTN_ZOO_ARCH, a hand-built plan)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = torch.device("cuda")
+    with FakeTensorMode():
+        q = torch.empty(q_shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        k = torch.empty(kv_shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        v = torch.empty(kv_shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, enable_gqa)
+    with warnings.catch_warnings(record=True) as caught, sdpa_kernel([getattr(SDPBackend, kernel)]):
+        warnings.simplefilter("always")
+        ok = check(params, True)
+    if ok:
+        return None
+    why = "; ".join(str(w.message).strip() for w in caught) or "no reason given"
+    return f"torch's {name} refuses it: {why}"
 
 
 def is_compiling() -> bool:

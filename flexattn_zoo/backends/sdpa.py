@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from flexattn_zoo import _compat
+from flexattn_zoo.arch import ROCM
 from flexattn_zoo.backends.base import (
     FLOATS,
     LOW_PRECISION,
@@ -59,9 +60,36 @@ class SdpaBackend(Backend):
                 f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask or causal with Lq == Lkv, "
                 "or equal chunks of either)"
             )
-        elif self.kernel == "FLASH_ATTENTION":
-            out.extend(cpu_flash_reasons(p, causal=call[0]))
+        else:
+            if self.kernel == "FLASH_ATTENTION":
+                out.extend(cpu_flash_reasons(p, causal=call[0]))
+            if not out:
+                out.extend(self.torch_reasons(p, call))
         return out
+
+    def torch_reasons(self, p: Problem, call: tuple[bool, int]) -> list[str]:
+        """torch's own ``can_use_*_attention`` verdict for the exact call ``run`` would make (CUDA
+        only; the rules above are ours, this catches what torch checks that they do not). Not
+        asked while ``torch.compile`` traces: the check builds fake tensors of its own."""
+        if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling():
+            return []
+        is_causal, chunk = call
+        batch, q_len, kv_len = p.batch, p.q_len, p.kv_len
+        if chunk:
+            batch, q_len, kv_len = batch * (q_len // chunk), chunk, chunk
+        kv_heads = p.heads if (p.gqa and self.expand_gqa) else p.kv_heads
+        with _SDPA_LOCK:  # the check pins the kernel through torch's global flags
+            why = _compat.sdpa_torch_refusal(
+                self.kernel,
+                (batch, p.heads, q_len, p.head_dim),
+                (batch, kv_heads, kv_len, p.head_dim),
+                p.dtype,
+                p.arch,
+                is_causal,
+                p.gqa and not self.expand_gqa,
+                p.requires_grad,
+            )
+        return [why] if why else []
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
         call = _sdpa_call(p)

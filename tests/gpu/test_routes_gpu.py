@@ -225,6 +225,34 @@ def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:
         fz.plan(q, kv, kv, enable_gqa=True, backend="sdpa_cudnn")
 
 
+SDPA_ROUTES = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+
+
+@pytest.mark.parametrize("route", SDPA_ROUTES)
+@pytest.mark.parametrize("d", [20, 72, 96, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("grad", [False, True])
+def test_sdpa_routes_run_whatever_their_plan_accepts(
+    route: str, d: int, dtype: torch.dtype, grad: bool
+) -> None:
+    """Our rules ANDed with torch's ``can_use_*_attention``: an accepted SDPA route must run (no
+    "no available kernel" error) and be exact, forward and backward; a refusal names its reason."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    q, k, v = (
+        torch.randn(2, 4, 257, d, device=DEV, dtype=dtype, generator=g).requires_grad_(grad) for _ in range(3)
+    )
+    try:
+        fz.plan(q, k, v, mask="causal", backend=route)
+    except ValueError as err:
+        assert route in str(err) and "cannot run" in str(err)
+        pytest.skip(f"refused: {err}")
+    out = fz.attention(q, k, v, mask="causal", backend=route)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    if grad:
+        out.float().square().sum().backward()
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
 def test_auto_follows_requires_grad() -> None:
     """Mode matters: inference and training may pick different routes, both exact."""
     q, k, v = _inputs(L, L, torch.bfloat16)
