@@ -256,6 +256,16 @@ def sdpa_torch_refusal(
     return f"torch's {name} refuses it: {why}"
 
 
+@torch.compiler.assume_constant_result
+def strict_deterministic_mode() -> bool:
+    """``torch.use_deterministic_algorithms(True)`` is on, and not warn-only.
+
+    A constant to Dynamo: both flags are part of the global state every compiled graph is guarded
+    on, so a graph traced under one setting never runs under another."""
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    return torch.are_deterministic_algorithms_enabled() and not warn_only
+
+
 def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling())
 
@@ -289,11 +299,14 @@ def tensor_version(t: torch.Tensor) -> int | None:
 DYNAMO_LOGGER = "torch._dynamo"
 
 
-@functools.cache
+#: Whether this torch's flex_attention asks for the lse through ``return_aux`` (2.9+) rather than
+#: ``return_lse``; read once, so a traced call does not inspect signatures.
+_FLEX_RETURN_AUX = "return_aux" in inspect.signature(flex_attention).parameters
+
+
 def flex_aux_request(lse: bool) -> dict[str, Any]:
     """Keyword arguments asking flex_attention for the lse in this torch's spelling."""
-    params = inspect.signature(flex_attention).parameters
-    if "return_aux" in params:
+    if _FLEX_RETURN_AUX:
         from torch.nn.attention.flex_attention import AuxRequest
 
         return {"return_aux": AuxRequest(lse=True)} if lse else {}

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from flexattn_zoo import _compat
 from flexattn_zoo.functions import FunctionMask, FunctionScore, check_mask_function, check_score_function
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
+
+# _check_callables_eagerly: a raw callable's checks (its signature, a probe call on small index
+# grids) run only eagerly. While torch.compile traces, Dynamo cannot inspect signatures, and the
+# callable is traced into the graph anyway, so a bad one fails there with Dynamo's own error;
+# run the model once eagerly (or call fz.attention with the callable) for the named TypeError.
 
 
 def _refuse_spec_class(value: Any, arg: str) -> None:
@@ -33,7 +39,8 @@ def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
         raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
     _refuse_spec_class(mask, arg)
     if callable(mask):
-        check_mask_function(mask, arg)
+        if not _compat.is_compiling():  # see _check_callables_eagerly
+            check_mask_function(mask, arg)
         return FunctionMask(fn=mask, label=getattr(mask, "__name__", "mask_mod"))
     raise TypeError(
         f"{arg} must be None, a mask spec (e.g. masks.Causal()), a registry name (one of "
@@ -51,7 +58,8 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
         raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
     _refuse_spec_class(score, arg)
     if callable(score):
-        check_score_function(score, arg)
+        if not _compat.is_compiling():  # see _check_callables_eagerly
+            check_score_function(score, arg)
         return FunctionScore(fn=score, label=getattr(score, "__name__", "score_mod"))
     raise TypeError(
         f"{arg} must be None, a score spec (e.g. score_mods.SoftCap(cap=30.0)), a registry name "

@@ -153,8 +153,7 @@ def _resolve_deterministic(deterministic: Any) -> bool:
     if deterministic is None:
         # Follow torch's own switch: under torch.use_deterministic_algorithms(True) torch itself
         # refuses cuDNN SDPA and FA4's block-sparse backward, so those routes must not be chosen.
-        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        return torch.are_deterministic_algorithms_enabled() and not warn_only
+        return _compat.strict_deterministic_mode()
     return check_flag("deterministic", deterministic)
 
 
@@ -376,6 +375,10 @@ def attention(
     """
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
+    if _compat.is_compiling():
+        return _traced_attention(
+            q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic
+        )
     mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error.
     det = (
@@ -407,6 +410,37 @@ def attention(
     if not return_lse:
         return out
     assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it
+    return out, maybe_lse
+
+
+def _traced_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Any,
+    score_mod: Any,
+    scale: float | None,
+    enable_gqa: bool,
+    backend: str,
+    return_lse: bool,
+    deterministic: bool | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` while ``torch.compile`` traces the caller: the same route choice, made as
+    plain Python that Dynamo guards like any other decision (on shapes, dtypes, grad mode, the
+    spec objects), with no cache, lock or log on the way, and the route's op put into the
+    caller's graph. Nothing here reads tensor data (see ``Problem``: data-derived facts are
+    unknown while tracing, and routes that need them refuse)."""
+    problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale)
+    if problem.q_len == 0 or problem.kv_len == 0:
+        if backend != "auto":
+            plan_problem(problem, backend)
+        out, lse = _empty_result(q, k, v, problem)
+        return (out, lse) if return_lse else out
+    chosen = plan_problem(problem, backend)
+    out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale, block_mask=user_bm)
+    if not return_lse:
+        return out
+    assert maybe_lse is not None
     return out, maybe_lse
 
 

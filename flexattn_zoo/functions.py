@@ -35,8 +35,10 @@ from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, spec_dataclass
 
 
+@torch.compiler.assume_constant_result
 def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
-    """Whether ``fn`` can depend on its ``index``-th positional argument.
+    """Whether ``fn`` can depend on its ``index``-th positional argument (a constant to
+    ``torch.compile``: it reads only the code object, which Dynamo guards the callable on).
 
     Exact for plain Python functions: an argument whose name is never loaded (nor captured by an
     inner function) cannot influence the result. Anything else is assumed to read it. A bound

@@ -4,6 +4,10 @@ Used for mod identity (``spec``), BlockMasks (``blockmask``), compiled flex entr
 varlen offsets (``backends.varlen``) and decode masks (``decode``); each module documents its
 size. When two threads build the same key at once, the first value stored wins and both get it,
 so identity-based reuse (mask_mod objects, compiled kernels) stays stable.
+
+While ``torch.compile`` traces a call, every cache is transparent: ``get`` misses and ``put``
+stores nothing. Dynamo cannot enter a lock, and a traced call needs no cache: what it builds
+(BlockMasks, mods) becomes part of the compiled graph, which Dynamo itself caches and guards.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
+
+from flexattn_zoo import _compat
 
 V = TypeVar("V")
 
@@ -29,6 +35,8 @@ class LRUCache(Generic[V]):
         self._lock = threading.RLock()
 
     def get(self, key: Hashable) -> V | None:
+        if _compat.is_compiling():
+            return None  # see the module docstring: a traced call neither reads nor stores
         with self._lock:
             if key not in self._data:
                 return None
@@ -37,6 +45,8 @@ class LRUCache(Generic[V]):
 
     def put(self, key: Hashable, value: V) -> V:
         """Store ``value`` unless another thread stored one first; return the stored value."""
+        if _compat.is_compiling():
+            return value
         with self._lock:
             if key not in self._data:
                 self._data[key] = value
@@ -48,6 +58,8 @@ class LRUCache(Generic[V]):
 
     def replace(self, key: Hashable, value: V) -> V:
         """Store ``value`` under ``key`` even if one is cached (counts as an insert)."""
+        if _compat.is_compiling():
+            return value
         with self._lock:
             self._data.pop(key, None)
         return self.put(key, value)

@@ -151,8 +151,8 @@ class Registry(Generic[S]):
     def entry(self, name: str) -> Entry:
         if not isinstance(name, str):
             raise TypeError(f"{self.kind} name must be a str, got {type(name).__name__}")
-        with self._lock:
-            found = self._entries.get(name)
+        # One dict read is atomic; no lock, so torch.compile can trace a lookup by name.
+        found = self._entries.get(name)
         if found is None:
             raise ValueError(self._unknown(name))
         return found

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flexattn_zoo.lru import LRUCache
-from flexattn_zoo.spec import MaskSpec, VarlenForm
+from flexattn_zoo.spec import MaskSpec, VarlenForm, tracing
 
 #: ``(kind, chunk, window)``; ``chunk`` is the segment length for rows/chunks, 0 when packed.
 SegmentLayout = tuple[str, int, tuple[int, int]]
@@ -41,6 +41,8 @@ def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLay
 def _layout(form: VarlenForm, length: int) -> SegmentLayout:
     if form.segments is None:
         return "rows", length, form.window
+    if tracing():
+        return "packed", 0, form.window  # equal segments are only known from their data
     seg = form.segments.detach().to("cpu", torch.int64)
     lengths = seg[seg > 0]
     chunk = int(lengths[0]) if lengths.numel() else 0

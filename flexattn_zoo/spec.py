@@ -35,6 +35,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.lru import LRUCache
 
 if sys.version_info >= (3, 11):
@@ -443,6 +444,14 @@ class LinearBiasForm:
     """
 
     slopes: tuple[float, ...]
+
+
+def tracing() -> bool:
+    """Whether ``torch.compile`` is tracing the current call. Spec methods that would read the
+    *data* of a tensor they hold (a form derived from document ids) return None then: Dynamo can
+    only branch on data by breaking the graph, and the answer would be baked into the compiled
+    graph although the data changes every step. Routes that need such a form refuse."""
+    return _compat.is_compiling()
 
 
 def block_ranges(

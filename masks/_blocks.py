@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo.spec import BlockMap, block_ranges
+from flexattn_zoo.spec import BlockMap, block_ranges, tracing
 
 
 def band_block_map(
@@ -161,8 +161,14 @@ class CapturedOffsets:
     def reads_scalar_tensors(self) -> bool:
         return True
 
-    def _offset_tensor(self, value: int) -> torch.Tensor:
+    def _offset_tensor(self, value: int) -> torch.Tensor | int:
         """``value`` (already clamped to int32 by ``check_int``) as a 0-d int32 tensor on this
         spec's device. int32 like flex's ``q_idx``/``kv_idx``: a 0-d operand does not promote
-        them, and ``kv_idx - q_idx`` never leaves int32 for indices below ``2**31``."""
+        them, and ``kv_idx - q_idx`` never leaves int32 for indices below ``2**31``.
+
+        While ``torch.compile`` traces a caller, the int itself: the caller's graph is compiled
+        for this spec value anyway (Dynamo guards on it), and Inductor's CPU flex kernel refuses
+        a 0-d tensor made inside the graph (NoValidChoicesError, torch 2.13)."""
+        if tracing():
+            return value
         return torch.full((), value, dtype=torch.int32, device=self.__dict__.get("_device"))

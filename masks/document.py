@@ -8,7 +8,16 @@ from typing import Any
 import torch
 
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, Spec, VarlenForm, block_ranges, spec_dataclass
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    Spec,
+    VarlenForm,
+    block_ranges,
+    spec_dataclass,
+    tracing,
+)
 
 from ._blocks import sorted_label_block_map
 
@@ -66,6 +75,9 @@ class Document(MaskSpec):
                 f"Document(doc_ids=...) must have shape [L] or [B, L] with L, B >= 1, got {tuple(ids.shape)}"
             )
         object.__setattr__(self, "doc_ids", ids.to(torch.int64))
+        # The labels the mask_mod compares, made here (one device sync) rather than when the
+        # mask_mod is built, which may happen while torch.compile traces (no data reads there).
+        object.__setattr__(self, "_labels", _int32_labels(self.doc_ids))
         # Per-instance caches of data-dependent checks (each costs a device sync); not fields, so
         # they take no part in equality or hashing.
         object.__setattr__(self, "_cache", {})
@@ -129,7 +141,7 @@ class Document(MaskSpec):
         return self.doc_ids.dim() == 2
 
     def _make_mask_mod(self) -> MaskMod:
-        ids = _int32_labels(self.doc_ids)
+        ids: torch.Tensor = self.__dict__["_labels"]
         if ids.dim() == 1:
 
             def document_mask(
@@ -165,8 +177,8 @@ class Document(MaskSpec):
             )
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
-        if q_len != kv_len:
-            return None
+        if q_len != kv_len or tracing():
+            return None  # the runs are read from the ids (see spec.tracing)
         self._check_length(q_len)
         runs = self._cached(("runs", q_len), lambda: _contiguous_runs(self.doc_ids, q_len))
         return None if runs is None else VarlenForm(segments=runs, window=(-1, -1))
@@ -176,6 +188,8 @@ class Document(MaskSpec):
     ) -> BlockMap | None:
         n = max(q_len, kv_len)
         self._check_length(n)
+        if tracing():
+            return None  # sortedness is read from the ids (see spec.tracing)
         rows = self.doc_ids.view(-1, self.doc_ids.shape[-1])[:, :n]
         if not self._cached(("sorted", n), lambda: bool((rows[:, 1:] >= rows[:, :-1]).all())):
             return None
@@ -241,6 +255,8 @@ def _int32_labels(ids: torch.Tensor) -> torch.Tensor:
     which could make two documents equal. Costs one device sync per spec, like the other
     data-dependent checks here.
     """
+    if ids.device.type == "meta":
+        return ids  # no data to range-check; int64 is exact
     lo, hi = torch.aminmax(ids)
     info = torch.iinfo(torch.int32)
     if info.min <= int(lo) and int(hi) <= info.max:

@@ -84,6 +84,13 @@ class Requirement:
     check: Callable[[], bool]
 
 
+@torch.compiler.assume_constant_result
+def requirement_met(requirement: Requirement) -> bool:
+    """``requirement.check()``; a trace-time constant to ``torch.compile`` (what is installed
+    cannot change within a process, so a compiled caller need not re-ask)."""
+    return bool(requirement.check())
+
+
 #: FlashAttention-4's CuTe DSL kernels (the flash-attn-4 package), for fa4 and flex ``BACKEND="FLASH"``.
 FLASH_CUTE = Requirement(
     "flash_attn.cute (flash-attn-4) is not installed", lambda: _compat.flash_cute_available()
@@ -140,7 +147,7 @@ class Backend:
     # -- machine-level ------------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
         """Why this route cannot run on this machine at all (imports, torch version); [] if it can."""
-        return [r.missing for r in self.requires if not r.check()]
+        return [r.missing for r in self.requires if not requirement_met(r)]
 
     # -- problem-level ------------------------------------------------------------------------
     def reasons(self, p: Problem) -> list[str]:

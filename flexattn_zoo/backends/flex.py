@@ -80,6 +80,8 @@ class FlexBackend(Backend):
         return opts or None
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
+        if _compat.is_compiling():
+            return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
         q, k, v = _canonical_layout(q, k, v)
         user_mask = block_mask is not None
         call = None if user_mask else CALLS.get((self.name, p, q.device))
@@ -89,6 +91,35 @@ class FlexBackend(Backend):
                 CALLS.put((self.name, p, q.device), call)
         entry = CACHE.get_keyed(call.key, call.options, p.return_lse, p.gqa)
         return entry(q, k, v, call.block_mask, scale, call.score_mod)
+
+    def _run_traced(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float, block_mask: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The call inside a caller's ``torch.compile``: flex_attention itself (its higher-order
+        op lands in the caller's graph, compiled with it) and, for a spec, its BlockMask built
+        in the graph by the same closed-form or block-by-block builders as eagerly (a spec's
+        tensors, e.g. document ids, are graph inputs, so new values each step reuse the
+        compiled graph)."""
+        if block_mask is None and p.mask is not None:
+            block_mask = build_block_mask(
+                p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
+            )
+        score_mod = None
+        if p.score is not None:
+            past = p.mask is not None and p.mask.hides_future_keys(p.q_len, p.kv_len)
+            score_mod = p.score.to(q.device).score_mod(fast=self.fast_score_mods, future_keys_hidden=past)
+        out = _compat.flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=p.gqa,
+            kernel_options=self.options(p, block_mask),  # type: ignore[arg-type]  # see compile._template
+            **_compat.flex_aux_request(p.return_lse),
+        )
+        return _compat.unpack_flex_output(out, p.return_lse)
 
     def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> _FlexCall:
         if block_mask is None and p.mask is not None:

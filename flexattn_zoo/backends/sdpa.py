@@ -14,6 +14,7 @@ asynchronous); SDPA calls elsewhere in the process can still observe the pinned 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 
@@ -107,7 +108,10 @@ class SdpaBackend(Backend):
             q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
         if self.kernel != "MATH" and not view_ok:
             q, k, v = (fused_layout(t) for t in (q, k, v))
-        with _SDPA_LOCK, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
+        # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
+        # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
+        lock = contextlib.nullcontext() if _compat.is_compiling() else _SDPA_LOCK
+        with lock, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
         return (from_chunks(out, batch) if chunk else out), None
 

@@ -1,0 +1,136 @@
+"""``fz.attention`` inside a caller's ``torch.compile(fullgraph=True)``: no graph break, the same
+result as eagerly, no library cache touched while tracing (CPU routes; the CUDA routes run in
+``tests/gpu/test_compile_gpu.py``).
+
+Every registered spec's first example is compiled with Inductor once, forward (no grad: the
+CPU flex kernel has no backward) and forward + backward (what auto picks with grad on the CPU),
+and counted with ``torch._dynamo.explain``. Shapes are small and fixed, so each case is one
+compile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.plan_cache import PLANS
+from flexattn_zoo.testing import spec_examples
+
+B, H, L, D = 2, 4, 48, 16
+W_IN = torch.randn(H * D, 3 * H * D, generator=torch.Generator().manual_seed(1)) / (H * D) ** 0.5
+W_OUT = torch.randn(H * D, 8, generator=torch.Generator().manual_seed(2))
+
+
+def _first_examples(kind: str) -> list[tuple[str, Any]]:
+    seen: dict[str, Any] = {}
+    for name, spec in spec_examples(kind, L, L, B, H):
+        seen.setdefault(name, spec)
+    return list(seen.items())
+
+
+CASES: list[tuple[str, dict[str, Any]]] = [
+    *((f"mask:{n}", {"mask": s}) for n, s in _first_examples("mask")),
+    *((f"score:{n}", {"score_mod": s}) for n, s in _first_examples("score")),
+    ("causal_by_name", {"mask": "causal"}),
+    (
+        "document_and_causal",
+        {"mask": masks.Document.from_lengths([[20, 28], [48]]) & masks.Causal()},
+    ),
+    (
+        "sliding_causal_softcap",
+        {"mask": masks.SlidingWindow(left=8) & masks.Causal(), "score_mod": score_mods.SoftCap(cap=20.0)},
+    ),
+    ("alibi_causal", {"mask": masks.Causal(), "score_mod": score_mods.Alibi(num_heads=H)}),
+    ("raw_callable", {"mask": lambda b, h, q, kv: (q - kv).abs() <= 5}),
+]
+
+
+def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, L, D, generator=g).requires_grad_(grad) for _ in range(3))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("name", "kw"), CASES, ids=[c[0] for c in CASES])
+def test_no_graph_break_and_same_result_as_eager(name: str, kw: dict[str, Any]) -> None:
+    # Linear -> attention -> Linear, as in a model. (Inductor's CPU flex template, torch 2.13,
+    # fails on a pointwise op fused after it and on q/k/v reinterpreted from a 2-D matmul
+    # output; a model's [B, L, 3, H, D] projection, as here, compiles.)
+    def block(x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (x @ W_IN).view(B, L, 3, H, D).unbind(2))
+        out = fz.attention(q, k, v, **kw)
+        return out.transpose(1, 2).reshape(B, L, H * D) @ W_OUT
+
+    x = torch.randn(B, L, H * D, generator=torch.Generator().manual_seed(3))
+    explained = torch._dynamo.explain(block)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(block, fullgraph=True)(x)
+        eager = block(x)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "kw"), [c for c in CASES if c[0] in ("mask:causal", "mask:document", "alibi_causal")]
+)
+def test_backward_through_the_compiled_call(name: str, kw: dict[str, Any]) -> None:
+    q, k, v = _inputs(grad=True)
+    out = torch.compile(lambda a, b, c: fz.attention(a, b, c, **kw), fullgraph=True)(q, k, v)
+    out.square().sum().backward()
+    got = [t.grad.clone() for t in (q, k, v)]  # type: ignore[union-attr]
+    for t in (q, k, v):
+        t.grad = None
+    ref = fz.attention(q, k, v, **kw)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, t in zip(got, (q, k, v), strict=True):
+        torch.testing.assert_close(a, t.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_tracing_reads_and_stores_no_cache() -> None:
+    q, k, v = _inputs(grad=False)
+    PLANS.clear()
+    with torch.no_grad():
+        torch.compile(lambda a, b, c: fz.attention(a, b, c, mask="causal"), fullgraph=True)(q, k, v)
+    assert len(PLANS) == 0
+
+
+def test_the_module_compiles_whole() -> None:
+    layer = fz.Attention(
+        mask=masks.SlidingWindow(left=8) & masks.Causal(), score_mod=score_mods.SoftCap(cap=30.0)
+    )
+    q, k, v = _inputs(grad=False)
+    explained = torch._dynamo.explain(layer)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(layer, fullgraph=True)(q, k, v), layer(q, k, v))
+
+
+def test_a_new_document_each_step_reuses_the_graph() -> None:
+    """Packed batches change every step: a new ``Document`` of the same shape must neither break
+    the graph nor recompile (its ids are graph inputs)."""
+    q, k, v = _inputs(grad=False)
+    counts = {"frames": 0}
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        counts["frames"] += 1
+        return gm.forward
+
+    step = torch.compile(lambda a, b, c, m: fz.attention(a, b, c, mask=m), backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for lengths in ([[20, 28], [48]], [[10, 38], [24, 24]], [[48], [1, 47]]):
+            doc = masks.Document.from_lengths(lengths) & masks.Causal()
+            torch.testing.assert_close(step(q, k, v, doc), fz.attention(q, k, v, mask=doc))
+    assert counts["frames"] == 1
