@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Run the GPU test suite (`pytest -m gpu tests/gpu`) on a CUDA machine as two parallel pytest
+# Run the GPU test suite (`pytest -m gpu tests/gpu`) on a CUDA machine as three parallel pytest
 # processes (correctness only, nothing is timed, so sharing the GPU is harmless), and write
-#   $OUT/NAME.txt                   both pytest outputs in full (-rfEs: failures, every skip with
-#                                   its reason; --durations: the slowest tests)
+#   $OUT/NAME.txt                   the pytest outputs in full (-rfEs: failures, every skip with
+#                                   its reason; --durations: the slowest tests; part c with -s:
+#                                   the soak's numbers)
 #   $OUT/NAME-determinism.json      per route: accepted / refused with reasons, bitwise over 10 runs
+#   $OUT/NAME-soak.json             the GPU soak's numbers: calls by kind and route, seconds and
+#                                   compiles per round, RSS and device memory per round
 #
 #   benchmarks/gpu_tests.sh gpu_tests_nofa4                                  # FA4 not importable
 #   PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD benchmarks/gpu_tests.sh gpu_tests_fa4
 #
 # Environment: OUT (default benchmarks/results), PYTHON (default python3), TEST_TIMEOUT seconds per
-# process (default 540), PARTS (default "a b": a = routes + determinism, b = fuzz + decode).
-# Exit code: non-zero if either process failed or timed out.
+# process (default 540), PARTS (default "a b c": a = routes + determinism, b = fuzz + decode,
+# c = the soak, tests/gpu/test_soak_gpu.py, whose knobs FLEXATTN_ZOO_SOAK_CALLS / _STREAMS pass through).
+# Exit code: non-zero if any process failed or timed out.
 set -uo pipefail
 name="${1:?usage: $0 NAME}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +25,7 @@ limit="${TEST_TIMEOUT:-540}"
 mkdir -p "$out"
 export PYTHONPATH="${PYTHONPATH:-$root}" PYTHONUNBUFFERED=1
 export FLEXATTN_ZOO_DETERMINISM_SUMMARY="$out/$name-determinism.json"
+export FLEXATTN_ZOO_SOAK_SUMMARY="$out/$name-soak.json"
 # find_spec('flash_attn.cute') raises when the flash_attn package itself is missing.
 fa4=$("$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('flash_attn') is None or u.find_spec('flash_attn.cute') is None)" 2>/dev/null \
   && echo "FA4 importable" || echo "FA4 not importable")
@@ -31,12 +36,13 @@ run() {  # part, pytest args...
   echo $? >"$logs/$part.rc"
 }
 logs="$(mktemp -d)"
-parts="${PARTS:-a b}"
+parts="${PARTS:-a b c}"
 start=$(date +%s)
 for part in $parts; do
   case $part in
     a) run a tests/gpu/test_routes_gpu.py tests/gpu/test_determinism_gpu.py & ;;
     b) run b tests/gpu/test_fuzz_gpu.py tests/gpu/test_decode_gpu.py & ;;
+    c) run c -s tests/gpu/test_soak_gpu.py & ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
@@ -44,7 +50,7 @@ wait
 rc=0
 {
   echo "# pytest -m gpu tests/gpu on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $fa4"
-  echo "# command: benchmarks/gpu_tests.sh $name (two processes in parallel, $(( $(date +%s) - start )) s wall)"
+  echo "# command: benchmarks/gpu_tests.sh $name ($(wc -w <<<"$parts") processes in parallel, $(( $(date +%s) - start )) s wall)"
   "$py" -c "import torch, triton; print('# torch', torch.__version__, 'triton', triton.__version__, 'cuDNN', torch.backends.cudnn.version())" 2>/dev/null
   for part in $parts; do
     echo; echo "## part $part: exit code $(cat "$logs/$part.rc") (124: stopped at TEST_TIMEOUT)"

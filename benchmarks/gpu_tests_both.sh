@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole GPU suite twice at once on one CUDA machine: without FA4 (flash_attn not on the path) and
 # with it (FA4 installed under /tmp/fa4 by ../shared/device/fa4_wheels.sh's install line), each as
-# benchmarks/gpu_tests.sh's two parallel pytest processes. Correctness only: nothing is timed.
+# benchmarks/gpu_tests.sh's three parallel pytest processes (the third is the soak). Correctness only:
+# nothing is timed.
 #
 #   OUT=$OUT TEST_TIMEOUT=520 benchmarks/gpu_tests_both.sh NAME
-#   -> $OUT/NAME_nofa4.txt, $OUT/NAME_fa4.txt and their -determinism.json files
+#   -> $OUT/NAME_nofa4.txt, $OUT/NAME_fa4.txt and their -determinism.json and -soak.json files
 #
 # Exit code: non-zero if either suite failed or timed out.
 set -uo pipefail
