@@ -5,6 +5,21 @@ and block maps combine block-wise (``&``: exact "full", safe superset "any"; ``|
 safe subset "full"; ``~``: swaps them, keeping incomplete edge blocks partial). Lowest visible
 keys combine as bounds (``&``: the largest, ``|``: the smallest). A chain keeps its one part's
 soft-cap form, and the summed slopes when every part is a linear bias.
+
+Shards (:func:`on_shard`, :class:`MaskOnShard`, :class:`ScoreOnShard`): a spec as one shard of a
+larger call sees it. A call split by batch rows or heads (a DTensor's local shard, see
+:mod:`flexattn_zoo.sharding`) runs on local tensors whose batch index ``b`` and head index ``h``
+start at 0, while specs are written for the whole call: ALiBi's slope of head ``h``, ``Document``
+ids of row ``b``. The wrappers hold the part of the whole call a shard covers -- batch rows
+``[b0, b1)`` and query heads ``[h0, h1)`` of a call with ``total = (B, H)`` -- and give the inner
+spec global indices: ``mask_mod(b, h, ...)`` is the inner ``mask_mod(b + b0, h + h0, ...)``. Nothing
+is sliced to build them, so specs holding ``[B, ...]`` tensors and raw callables work alike. Forms
+stay exact: those that cannot depend on ``b`` or ``h`` (SDPA, split, soft-cap, future keys hidden,
+lowest visible key: each holds for every row and head of the whole call, so for every row and head
+of a shard) pass through; those that can are sliced to the shard (varlen segments ``[B, S]``, block
+maps ``[B|1, H|1, ...]``, per-head linear-bias slopes). ``validate`` checks the inner spec against
+the whole call and the local sizes against the shard; the dense oracles evaluate the inner oracle
+on the whole call and slice it.
 """
 
 from __future__ import annotations
@@ -14,7 +29,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
@@ -28,7 +43,9 @@ from flexattn_zoo.spec import (
     ScoreSpec,
     SdpaForm,
     SoftCapForm,
+    SplitForm,
     VarlenForm,
+    as_4d,
     block_ranges,
     spec_dataclass,
 )
@@ -321,3 +338,220 @@ def _chain(left: ScoreSpec, right: ScoreSpec) -> ScoreSpec:
 
 
 COMBINATORS.update({"&": _and, "|": _or, "~": lambda part: Not(part=part), ">>": _chain})
+
+
+# ---------------------------------------------------------------------------------------------
+# Shards (see the module docstring)
+
+Range = tuple[int, int]
+
+
+def _check_ranges(owner: str, batch: Range, heads: Range, total: tuple[int, int]) -> None:
+    for name, value in (("batch", batch), ("heads", heads), ("total", total)):
+        if (
+            not isinstance(value, tuple)
+            or len(value) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) for x in value)
+        ):
+            raise TypeError(f"{owner}({name}=...) must be a tuple of two ints, got {value!r}")
+    for name, (start, stop), size in (("batch", batch, total[0]), ("heads", heads, total[1])):
+        if not 0 <= start < stop <= size:
+            raise ValueError(
+                f"{owner}({name}={(start, stop)}) must be a non-empty [start, stop) range inside "
+                f"[0, {size}) (total={total})"
+            )
+
+
+def _shifted(b: Any, h: Any, b0: int, h0: int) -> tuple[Any, Any]:
+    # Skip the add where the offset is 0: the kernel's index arithmetic stays what it was.
+    return (b + b0 if b0 else b), (h + h0 if h0 else h)
+
+
+def _slice_rows_heads(t: torch.Tensor, batch: Range, heads: Range) -> torch.Tensor:
+    """``t`` (``[B|1, H|1, ...]``) restricted to the shard; size-1 (broadcast) dims stay."""
+    if t.shape[0] != 1:
+        t = t[batch[0] : batch[1]]
+    if t.shape[1] != 1:
+        t = t[:, heads[0] : heads[1]]
+    return t
+
+
+@spec_dataclass
+class MaskOnShard(MaskSpec):
+    """``part`` on the shard of batch rows ``batch = (b0, b1)`` and query heads ``heads = (h0, h1)``
+    of a call with ``total = (B, H)`` rows and query heads: local ``(b, h)`` is ``(b + b0, h + h0)``
+    of the whole call. Built by :func:`on_shard`; see the module docstring for the forms."""
+
+    part: MaskSpec
+    batch: Range
+    heads: Range
+    total: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.part, MaskSpec):
+            raise TypeError(f"MaskOnShard(part=...) takes a mask spec, got {type(self.part).__name__}")
+        _check_ranges("MaskOnShard", self.batch, self.heads, self.total)
+
+    def uses_batch(self) -> bool:
+        return self.part.uses_batch()
+
+    def uses_head(self) -> bool:
+        return self.part.uses_head()
+
+    def reads_scalar_tensors(self) -> bool:
+        return self.part.reads_scalar_tensors()
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        part = self.part.bind(q_len, kv_len)
+        return self if part is self.part else dataclasses.replace(self, part=part)
+
+    def _make_mask_mod(self) -> MaskMod:
+        mod = self.part.mask_mod()
+        b0, h0 = self.batch[0], self.heads[0]
+
+        def mask_on_shard(b, h, q_idx, kv_idx):
+            gb, gh = _shifted(b, h, b0, h0)
+            return mod(gb, gh, q_idx, kv_idx)
+
+        return mask_on_shard
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        whole = self.part.dense(q_len, kv_len, batch=self.total[0], heads=self.total[1])
+        return _slice_rows_heads(as_4d(whole), self.batch, self.heads)
+
+    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
+        self.part.validate(q_len, kv_len, *self.total)
+        # Callers pass 1 for a dim the spec does not use (``fz.block_mask`` without batch=).
+        for name, size, (start, stop), used in (
+            ("batch", batch, self.batch, self.part.uses_batch()),
+            ("heads", heads, self.heads, self.part.uses_head()),
+        ):
+            if used and size != stop - start:
+                raise ValueError(
+                    f"MaskOnShard covers {name} [{start}, {stop}) ({stop - start}) but the call has {size}"
+                )
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        return self.part.sdpa_form(q_len, kv_len)
+
+    def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
+        return self.part.split_form(q_len, kv_len)
+
+    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
+        form = self.part.varlen_form(q_len, kv_len, self.total[0])
+        if form is None or form.segments is None or form.segments.dim() == 1:
+            return form  # the same segments for every row
+        return VarlenForm(segments=form.segments[self.batch[0] : self.batch[1]], window=form.window)
+
+    def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
+        return self.part.hides_future_keys(q_len, kv_len)
+
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+        return self.part.lowest_visible_key(q_idx)
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap | None:
+        whole = self.part.block_map(q_len, kv_len, q_block, kv_block, device)
+        if whole is None:
+            return None
+        return BlockMap(
+            any=_slice_rows_heads(as_4d(whole.any), self.batch, self.heads),
+            full=_slice_rows_heads(as_4d(whole.full), self.batch, self.heads),
+        )
+
+
+@spec_dataclass
+class ScoreOnShard(ScoreSpec):
+    """``part`` on a shard of a larger call; fields and index convention as :class:`MaskOnShard`."""
+
+    part: ScoreSpec
+    batch: Range
+    heads: Range
+    total: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.part, ScoreSpec):
+            raise TypeError(f"ScoreOnShard(part=...) takes a score spec, got {type(self.part).__name__}")
+        _check_ranges("ScoreOnShard", self.batch, self.heads, self.total)
+
+    def _wrap(self, mod: ScoreMod) -> ScoreMod:
+        b0, h0 = self.batch[0], self.heads[0]
+
+        def score_on_shard(score, b, h, q_idx, kv_idx):
+            gb, gh = _shifted(b, h, b0, h0)
+            return mod(score, gb, gh, q_idx, kv_idx)
+
+        return score_on_shard
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        return self._wrap(self.part.score_mod(fast=fast))
+
+    def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
+        past = self.part.score_mod(fast=fast, future_keys_hidden=True)
+        if past is self.part.score_mod(fast=fast):
+            return self.score_mod(fast=fast)  # no cheaper variant: share the kernel
+        return self._wrap(past)
+
+    def has_fast_variant(self) -> bool:
+        return self.part.has_fast_variant()
+
+    def uses_head(self) -> bool:
+        return self.part.uses_head()
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        # The inner oracle sees the whole call (e.g. Alibi checks its head count): place the shard's
+        # scores at their global rows and heads, apply, and cut the shard out again.
+        (b0, b1), (h0, h1) = self.batch, self.heads
+        whole = scores.new_zeros(self.total[0], self.total[1], *scores.shape[2:])
+        whole[b0:b1, h0:h1] = scores
+        return self.part.dense(whole)[b0:b1, h0:h1]
+
+    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
+        self.part.validate(q_len, kv_len, *self.total)
+        for name, size, (start, stop) in (("batch", batch, self.batch), ("heads", heads, self.heads)):
+            if size != stop - start:
+                raise ValueError(
+                    f"ScoreOnShard covers {name} [{start}, {stop}) ({stop - start}) but the call has {size}"
+                )
+
+    def softcap_form(self) -> SoftCapForm | None:
+        return self.part.softcap_form()
+
+    def linear_bias_form(self) -> LinearBiasForm | None:
+        form = self.part.linear_bias_form()
+        if form is None:
+            return None
+        return LinearBiasForm(slopes=form.slopes[self.heads[0] : self.heads[1]])
+
+
+@overload
+def on_shard(spec: None, *, batch: Range, heads: Range, total: tuple[int, int]) -> None: ...
+@overload
+def on_shard(spec: MaskSpec, *, batch: Range, heads: Range, total: tuple[int, int]) -> MaskSpec: ...
+@overload
+def on_shard(spec: ScoreSpec, *, batch: Range, heads: Range, total: tuple[int, int]) -> ScoreSpec: ...
+
+
+def on_shard(
+    spec: MaskSpec | ScoreSpec | None, *, batch: Range, heads: Range, total: tuple[int, int]
+) -> MaskSpec | ScoreSpec | None:
+    """``spec`` as the shard of batch rows ``batch`` and query heads ``heads`` of a ``total =
+    (B, H)`` call sees it (see the module docstring); ``spec`` itself where the shard changes
+    nothing for it.
+
+    A mask is kept as is when the shard covers every row and head it depends on
+    (``uses_batch()`` / ``uses_head()``). A score spec is wrapped whenever the shard is not the
+    whole call: score specs do not declare batch dependence, and a subclass may read ``h``
+    without setting ``depends_on_head``, so nothing proves the wrapper unnecessary.
+    """
+    if spec is None:
+        return None
+    whole_batch, whole_heads = batch == (0, total[0]), heads == (0, total[1])
+    if isinstance(spec, MaskSpec):
+        if (whole_batch or not spec.uses_batch()) and (whole_heads or not spec.uses_head()):
+            return spec
+        return MaskOnShard(part=spec, batch=batch, heads=heads, total=total)
+    if whole_batch and whole_heads:
+        return spec
+    return ScoreOnShard(part=spec, batch=batch, heads=heads, total=total)

@@ -3,6 +3,9 @@
 Every backend is asked for its reasons to refuse the problem; ``backend="auto"`` takes the first
 route of the measured per-generation priority (``arch.priority``) that has none. A named backend
 never falls back: it runs, or raises ``ValueError`` with its reasons.
+
+DTensor inputs run shard by shard, and calls under torch's ``context_parallel`` only on the SDPA
+routes it reroutes (:mod:`flexattn_zoo.sharding`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flexattn_zoo import _compat
+from flexattn_zoo import _compat, sharding
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
@@ -133,6 +136,15 @@ def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
     raise ValueError(
         f"no route in the {generation(problem.arch)} priority list can run this call exactly ({detail}). {hint}"
     )
+
+
+def _under_context_parallel(chosen: Plan) -> Plan:
+    """``chosen``, or another accepted route of ``auto``'s order, that torch's context_parallel
+    reroutes to ring attention (``sharding.context_parallel_route``; ValueError if none)."""
+    ranked = sorted((c for c in chosen.candidates if c.rank is not None), key=lambda c: c.rank or 0)
+    accepted = [c.name for c in ranked if c.accepted]
+    name = sharding.context_parallel_route(chosen.problem, chosen.backend, chosen.requested, accepted)
+    return chosen if name == chosen.backend else dataclasses.replace(chosen, backend=name)
 
 
 def _check_user_block_mask(
@@ -268,11 +280,19 @@ def plan(
     return_lse: bool = False,
     deterministic: bool | None = None,
 ) -> Plan:
-    """Which route ``attention`` would take with these arguments, and why. Runs nothing."""
+    """Which route ``attention`` would take with these arguments, and why. Runs nothing.
+
+    For DTensor inputs: the plan of this rank's local call (see :mod:`flexattn_zoo.sharding`).
+    """
+    if sharding.holds_dtensor(q, k, v):
+        local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
+        mask, score_mod = sharding.rebase(local, mask, score_mod)
+        q, k, v = local.q, local.k, local.v
     q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
-    return plan_problem(problem, backend)
+    chosen = plan_problem(problem, backend)
+    return _under_context_parallel(chosen) if sharding.context_parallel_active() else chosen
 
 
 def _empty_result(
@@ -372,7 +392,28 @@ def attention(
     the values: 0 * NaN = NaN), so never rely on them. ``+inf`` scores give NaN rows; ``-inf``
     scores just hide that key. On the CPU the check is free, and ``flex_cpu`` (whose kernel drops
     NaN silently) refuses non-finite inputs.
+
+    Distributed: DTensors sharded by batch (``Shard(0)``) or heads (``Shard(1)``) run on each
+    rank's local shard, with specs seeing global indices, and give DTensors; sequence sharding is
+    refused, and under torch's ``context_parallel`` only the SDPA routes it reroutes run
+    (:mod:`flexattn_zoo.sharding`, docs/distributed.md).
     """
+    if sharding.holds_dtensor(q, k, v):
+        local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
+        mask, score_mod = sharding.rebase(local, mask, score_mod)
+        result = attention(
+            local.q,
+            local.k,
+            local.v,
+            mask=mask,
+            score_mod=score_mod,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            backend=backend,
+            return_lse=return_lse,
+            deterministic=deterministic,
+        )
+        return local.to_global(result)
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
     if _compat.is_compiling():
@@ -380,15 +421,17 @@ def attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic
         )
     mask, score_mod = _live(mask), _live(score_mod)
-    # A non-bool ``deterministic`` skips the cache: the full path names the error.
+    # A non-bool ``deterministic`` skips the cache: the full path names the error. So does a call
+    # under context_parallel, whose route choice is narrower (and must not be cached for others).
     det = (
         _resolve_deterministic(deterministic)
         if deterministic is None or type(deterministic) is bool
         else None
     )
+    context_parallel = sharding.context_parallel_active()
     key = (
         None
-        if det is None
+        if det is None or context_parallel
         else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked)
     )
     chosen = PLANS.get(key) if key is not None else None
@@ -403,6 +446,8 @@ def attention(
             out, lse = _empty_result(q, k, v, problem)
             return (out, lse) if return_lse else out
         chosen = plan_problem(problem, backend)
+        if context_parallel:
+            chosen = _under_context_parallel(chosen)
         if key is not None:
             PLANS.put(key, chosen)
     log.debug("flexattn_zoo route %s", chosen.backend)
