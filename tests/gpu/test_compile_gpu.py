@@ -1,0 +1,124 @@
+"""``fz.attention`` inside a caller's ``torch.compile(fullgraph=True)`` on CUDA: every preset on the
+route auto picks and on each route that accepts it, forward and backward, no graph break, results
+against the float64 reference; plus ``mode="reduce-overhead"`` (CUDA graphs) and ``torch.export``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.backends import BACKENDS
+from flexattn_zoo.testing import assert_matches_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+B, H, L, D = 2, 4, 384, 64
+
+
+def _doc() -> masks.Document:
+    return masks.Document.from_lengths([[100, 150, 134], [20, 364]], device=DEV)
+
+
+CASES: dict[str, Any] = {
+    "full": lambda: {},
+    "causal": lambda: {"mask": masks.Causal()},
+    "sliding_causal": lambda: {"mask": masks.SlidingWindow(left=64) & masks.Causal()},
+    "document_causal": lambda: {"mask": _doc() & masks.Causal()},
+    "prefix_lm_tensor": lambda: {"mask": masks.PrefixLM(prefix_len=torch.tensor([40, 300]))},
+    "chunked_causal": lambda: {"mask": masks.Chunked(size=128) & masks.Causal()},
+    "alibi_causal": lambda: {"mask": masks.Causal(), "score_mod": score_mods.Alibi(num_heads=H)},
+    "softcap_sliding": lambda: {
+        "mask": masks.SlidingWindow(left=64) & masks.Causal(),
+        "score_mod": score_mods.SoftCap(cap=30.0),
+    },
+}
+CUDA_ROUTES = ["auto", *(b.name for b in BACKENDS if "cuda" in b.devices)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=DEV).manual_seed(0)
+    return tuple(
+        torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(grad)
+        for _ in range(3)
+    )
+
+
+#: Forward on every CUDA route; forward + backward on the route auto picks (compiles are slow).
+PARAMS = [(c, r, False) for c in CASES for r in CUDA_ROUTES] + [(c, "auto", True) for c in CASES]
+
+
+@pytest.mark.parametrize(
+    ("case", "route", "grad"), PARAMS, ids=[f"{c}-{r}-{'fwdbwd' if g else 'fwd'}" for c, r, g in PARAMS]
+)
+def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
+    kw = CASES[case]()
+    q, k, v = _inputs(grad)
+    try:
+        plan = fz.plan(q, k, v, backend=route, **kw)
+    except ValueError as err:
+        pytest.skip(f"{route} refuses {case}: {err}")
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, backend=route, **kw)
+
+    explained = torch._dynamo.explain(call)(q, k, v)
+    assert explained.graph_break_count == 0, (plan.backend, explained.break_reasons)
+    torch._dynamo.reset()
+    out = torch.compile(call, fullgraph=True)(q, k, v)
+    assert_matches_reference(out, q, k, v, **kw)
+    if grad:
+        out.float().square().sum().backward()
+        got = [t.grad.clone() for t in (q, k, v)]  # type: ignore[union-attr]
+        for t in (q, k, v):
+            t.grad = None
+        fz.attention(q, k, v, backend=plan.backend, **kw).float().square().sum().backward()
+        for a, t in zip(got, (q, k, v), strict=True):
+            assert t.grad is not None
+            torch.testing.assert_close(a, t.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal"])
+def test_reduce_overhead_replays(case: str) -> None:
+    """CUDA graphs through torch.compile: three replays give the eager result."""
+    kw = CASES[case]()
+    q, k, v = _inputs(False)
+    step = torch.compile(lambda a, b, c: fz.attention(a, b, c, **kw), mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            out = step(q, k, v).clone()
+        assert_matches_reference(out, q, k, v, **kw)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fz.attention(q, k, v, **self.kw)
+
+
+@pytest.mark.parametrize("case", ["causal", "sliding_causal"])
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+def test_export(case: str, strict: bool) -> None:
+    kw = CASES[case]()
+    q, k, v = _inputs(False)
+    exported = torch.export.export(_Block(**kw), (q, k, v), strict=strict)
+    out = exported.module()(q, k, v)
+    assert_matches_reference(out, q, k, v, **kw)
