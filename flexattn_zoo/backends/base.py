@@ -6,7 +6,9 @@ attention the problem describes (same mask, score mod, scale, GQA grouping, lse 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -83,12 +85,35 @@ class Requirement:
     missing: str
     check: Callable[[], bool]
 
+    def __post_init__(self) -> None:
+        _ALL_REQUIREMENTS.append(self)
+
+
+#: Every Requirement made (each registers itself), so their verdicts can be read all at once.
+_ALL_REQUIREMENTS: list[Requirement] = []
+
 
 @torch.compiler.assume_constant_result
-def requirement_met(requirement: Requirement) -> bool:
-    """``requirement.check()``; a trace-time constant to ``torch.compile`` (what is installed
-    cannot change within a process, so a compiled caller need not re-ask)."""
-    return bool(requirement.check())
+def unmet_requirements() -> tuple[str, ...]:
+    """``missing`` of every requirement whose ``check()`` fails now. A trace-time constant to
+    ``torch.compile`` (what is installed cannot change within a process; no arguments, since
+    Dynamo cannot pass objects such as a Requirement to a constant function on torch 2.11)."""
+    return tuple(r.missing for r in _ALL_REQUIREMENTS if not r.check())
+
+
+_CUTE_LOCK = threading.Lock()
+
+
+def flash_cute_lock() -> contextlib.AbstractContextManager[Any]:
+    """Held around every call into FA4's CuTe DSL kernels (routes ``fa4`` and ``flex_flash``).
+
+    The DSL compiles a kernel on its first call with new parameters, and that compile is not
+    thread-safe: two threads compiling at once aborted the process (H200 GPU soak, 8 threads,
+    flash-attn-4 4.0.0b36: "An MLIR function requires a Location" in a second thread). Later
+    calls only launch, asynchronously, so holding the lock costs host time only. While
+    ``torch.compile`` traces there is nothing to hold (Dynamo cannot enter a lock).
+    """
+    return contextlib.nullcontext() if _compat.is_compiling() else _CUTE_LOCK
 
 
 #: FlashAttention-4's CuTe DSL kernels (the flash-attn-4 package), for fa4 and flex ``BACKEND="FLASH"``.
@@ -147,7 +172,8 @@ class Backend:
     # -- machine-level ------------------------------------------------------------------------
     def unavailable_reasons(self) -> list[str]:
         """Why this route cannot run on this machine at all (imports, torch version); [] if it can."""
-        return [r.missing for r in self.requires if not requirement_met(r)]
+        unmet = unmet_requirements()
+        return [r.missing for r in self.requires if r.missing in unmet]
 
     # -- problem-level ------------------------------------------------------------------------
     def reasons(self, p: Problem) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend
+from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, flash_cute_lock
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
@@ -66,6 +66,12 @@ class FlashAttn4Backend(Backend):
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
+        with flash_cute_lock():
+            return self._run(q, k, v, p, scale=scale)
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
         b, h, lq, d = q.shape

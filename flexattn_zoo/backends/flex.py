@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat, arch
-from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend
+from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, flash_cute_lock
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
 from flexattn_zoo.lru import LRUCache
@@ -211,6 +211,10 @@ def _batch_broadcast(t: torch.Tensor) -> bool:
 @dataclasses.dataclass(frozen=True)
 class FlexFlashBackend(FlexBackend):
     """flex with ``BACKEND="FLASH"``: the FlashAttention-4 CuTe kernels (sm90/sm100)."""
+
+    def run(self, q, k, v, p, *, scale, block_mask=None):
+        with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
+            return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
 
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
