@@ -41,6 +41,9 @@ def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLay
 def _layout(form: VarlenForm, length: int) -> SegmentLayout:
     if form.segments is None:
         return "rows", length, form.window
+    if form.uniform is not None and length % form.uniform == 0:
+        chunk = form.uniform
+        return ("rows" if chunk == length else "chunks"), chunk, form.window
     if tracing():
         return "packed", 0, form.window  # equal segments are only known from their data
     seg = form.segments.detach().to("cpu", torch.int64)

@@ -92,6 +92,8 @@ _OWNED: dict[int, weakref.ref[torch.Tensor]] = {}
 
 
 def _mark_owned(t: torch.Tensor) -> torch.Tensor:
+    if _compat.is_compiling():
+        return t  # a spec built in a traced graph: its tensors are graph values, nobody else's
     key = id(t)
 
     def forget(ref: weakref.ref[torch.Tensor]) -> None:
@@ -103,6 +105,8 @@ def _mark_owned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _is_owned(t: torch.Tensor) -> bool:
+    if _compat.is_compiling():
+        return False
     ref = _OWNED.get(id(t))
     return ref is not None and ref() is t
 
@@ -372,6 +376,9 @@ class VarlenForm:
 
     segments: torch.Tensor | None  # int64 [B, S] padded with 0, or [S] shared by every row
     window: tuple[int, int] = (-1, -1)
+    #: The length of every segment, when the spec knows it without reading ``segments`` (the
+    #: last one may be shorter); lets a traced call see equal chunks (see ``tracing``).
+    uniform: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

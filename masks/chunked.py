@@ -75,7 +75,9 @@ class Chunked(MaskSpec):
             return None
         whole, rest = divmod(q_len, self.size)
         segments = [self.size] * whole + ([rest] if rest else [])
-        return VarlenForm(segments=torch.tensor(segments, dtype=torch.int64), window=(-1, -1))
+        return VarlenForm(
+            segments=torch.tensor(segments, dtype=torch.int64), window=(-1, -1), uniform=self.size
+        )
 
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         # The first key of the query's own chunk (visible whenever it exists): exact.

@@ -77,7 +77,8 @@ class Document(MaskSpec):
         object.__setattr__(self, "doc_ids", ids.to(torch.int64))
         # The labels the mask_mod compares, made here (one device sync) rather than when the
         # mask_mod is built, which may happen while torch.compile traces (no data reads there).
-        object.__setattr__(self, "_labels", _int32_labels(self.doc_ids))
+        labels = self.doc_ids if tracing() else _int32_labels(self.doc_ids)  # int64 is exact too
+        object.__setattr__(self, "_labels", labels)
         # Per-instance caches of data-dependent checks (each costs a device sync); not fields, so
         # they take no part in equality or hashing.
         object.__setattr__(self, "_cache", {})

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, flash_cute_lock
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
@@ -51,6 +52,10 @@ def _softcap(p: Problem) -> float:
 class FlashAttn4Backend(Backend):
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
+        if _compat.is_compiling():
+            out.append(
+                "FA4's kernels are not a torch op Dynamo can trace: not inside a torch.compile'd graph"
+            )
         form = p.score.softcap_form() if p.score is not None else None
         if p.score is not None and not (form is not None and form.approx):
             out.append(

@@ -60,6 +60,9 @@ TORCH_VARLEN = Requirement(
 class VarlenBackend(Backend):
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
+        if _compat.is_compiling():
+            # cu_seqlens and max_seqlen are read from the segments (data-dependent shapes).
+            out.append("builds cu_seqlens from the mask's data: not inside a torch.compile'd graph")
         if p.gqa and not _compat.varlen_supports("enable_gqa"):
             out.append("this torch's varlen_attn has no enable_gqa (added after 2.11)")
         if p.user_block_mask:
