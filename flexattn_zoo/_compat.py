@@ -266,8 +266,23 @@ def strict_deterministic_mode() -> bool:
     return torch.are_deterministic_algorithms_enabled() and not warn_only
 
 
+@torch.compiler.assume_constant_result
+def _tracing_in_this_thread() -> bool:
+    """Whether this thread is being traced: Dynamo's tracing context, or the fake / proxy modes
+    of a non-strict export, all thread-local. Called by Dynamo at trace time (a constant)."""
+    if torch._guards.TracingContext.try_get() is not None:
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
+
+
 def is_compiling() -> bool:
-    return bool(torch.compiler.is_compiling())
+    """Whether torch.compile or torch.export is tracing *this* call.
+
+    ``torch.compiler.is_compiling()`` alone reads a process-wide flag that a compile running in
+    another thread sets: an eager call made meanwhile would take the traced path (no locks, no
+    caches, spec tensors not owned). So a True flag is confirmed with thread-local state."""
+    return bool(torch.compiler.is_compiling()) and _tracing_in_this_thread()
 
 
 def recompile_limit() -> int:

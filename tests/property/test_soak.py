@@ -97,6 +97,7 @@ def test_soak_gpu_form_rehearsed_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_pat
         routes=routes,
         threads=4,
         rounds=3,
+        warmup_rounds=2,
         pool_size=3,
         dtypes=(torch.float32, torch.bfloat16),
         lengths=(16, 48, 128, 200),

@@ -134,3 +134,24 @@ def test_a_new_document_each_step_reuses_the_graph() -> None:
             doc = masks.Document.from_lengths(lengths) & masks.Causal()
             torch.testing.assert_close(step(q, k, v, doc), fz.attention(q, k, v, mask=doc))
     assert counts["frames"] == 1
+
+
+def test_a_compile_in_another_thread_does_not_change_eager_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.compiler.is_compiling() reads a process-wide flag that a compile in *another* thread
+    sets (found by the GPU soak: Documents built meanwhile shared the caller's ids). An eager
+    call must keep its eager path: owned spec tensors, caches, locks."""
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # as another thread's compile
+    assert torch.compiler.is_compiling()
+    from flexattn_zoo import _compat
+
+    assert not _compat.is_compiling()
+    ids = torch.tensor([0] * 20 + [1] * 28)
+    doc = masks.Document(doc_ids=ids) & masks.Causal()
+    ids.fill_(0)  # the caller reuses its buffer: the spec owns a copy
+    q, k, v = _inputs(grad=False)
+    PLANS.clear()
+    out = fz.attention(q, k, v, mask=doc)
+    assert len(PLANS) == 1  # the eager path's plan cache was used
+    expected = masks.Document(doc_ids=torch.tensor([0] * 20 + [1] * 28)) & masks.Causal()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+    torch.testing.assert_close(out, fz.attention(q, k, v, mask=expected, backend="dense"))
