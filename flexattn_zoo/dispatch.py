@@ -417,6 +417,14 @@ def attention(
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
     if _compat.is_compiling():
+        if q.device.type == "cuda" and _holds_data(mask):
+            # Traced on CUDA, a mask reading captured tensors (document & causal) gave wrong rows
+            # on the H200 (benchmarks/README.md, gpu_tests_r11c): until that is understood, such
+            # calls leave the graph and run eagerly, exact as before (one graph break).
+            return _EAGER_ATTENTION(
+                q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
+                backend=backend, return_lse=return_lse, deterministic=deterministic,
+            )  # fmt: skip
         return _traced_attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic
         )
@@ -456,6 +464,13 @@ def attention(
         return out
     assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it
     return out, maybe_lse
+
+
+def _holds_data(mask: Any) -> bool:
+    """A mask whose rule reads tensors: a spec holding some, a BlockMask, or a raw callable."""
+    if isinstance(mask, Spec):
+        return bool(mask.tensors()) or mask._holds_callables()
+    return mask is not None and not isinstance(mask, str)
 
 
 def _traced_attention(
@@ -504,3 +519,7 @@ def execute_plan(
     """
     scale_f = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else scale
     return BY_NAME[chosen.backend].execute(q, k, v, chosen.problem, scale=scale_f, block_mask=block_mask)
+
+
+#: ``attention`` run outside any graph (see its CUDA branch for traced calls).
+_EAGER_ATTENTION = torch.compiler.disable(attention)
