@@ -63,12 +63,24 @@ def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
 PARAMS = [(c, r, False) for c in CASES for r in CUDA_ROUTES] + [(c, "auto", True) for c in CASES]
 
 
+#: Masks that read tensors (document ids, [B] prefix lengths). Traced on CUDA they leave the graph
+#: (one break, exact): torch 2.11 fails to build their BlockMask inside a CUDA graph
+#: (benchmarks/results/compile_docmask_probe_h200.txt). The 0-break pattern is a BlockMask built
+#: outside the compiled region and passed in, checked here on the routes that take one.
+DATA_CASES = {"document_causal", "prefix_lm_tensor"}
+#: Refusals that apply only inside a compiled graph (the route runs the same call eagerly).
+TRACED_ONLY = "inside a torch.compile'd graph"
+
+
 @pytest.mark.parametrize(
     ("case", "route", "grad"), PARAMS, ids=[f"{c}-{r}-{'fwdbwd' if g else 'fwd'}" for c, r, g in PARAMS]
 )
 def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
     kw = CASES[case]()
     q, k, v = _inputs(grad)
+    spec = kw.get("mask")
+    if case in DATA_CASES:
+        kw = dict(kw, mask=fz.block_mask(spec, L, L, batch=B, heads=H, device=DEV))
     try:
         plan = fz.plan(q, k, v, backend=route, **kw)
     except ValueError as err:
@@ -77,11 +89,17 @@ def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
     def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return fz.attention(a, b, c, backend=route, **kw)
 
-    explained = torch._dynamo.explain(call)(q, k, v)
+    try:
+        explained = torch._dynamo.explain(call)(q, k, v)
+    except ValueError as err:
+        if TRACED_ONLY not in str(err):
+            raise
+        pytest.skip(f"{route} refuses {case} while traced: {err}")
     assert explained.graph_break_count == 0, (plan.backend, explained.break_reasons)
     torch._dynamo.reset()
     out = torch.compile(call, fullgraph=True)(q, k, v)
-    assert_matches_reference(out, q, k, v, **kw)
+    ref_kw = dict(kw, mask=spec) if case in DATA_CASES else kw
+    assert_matches_reference(out, q, k, v, **ref_kw)
     if grad:
         out.float().square().sum().backward()
         got = [t.grad.clone() for t in (q, k, v)]  # type: ignore[union-attr]
@@ -93,16 +111,31 @@ def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
             torch.testing.assert_close(a, t.grad, atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_data_masks_leave_the_graph_exactly(case: str) -> None:
+    """A data-reading spec traced on CUDA: one graph break around the call, exact result."""
+    kw = CASES[case]()
+    q, k, v = _inputs(False)
+    call = lambda a, b, c: fz.attention(a, b, c, **kw)  # noqa: E731
+    explained = torch._dynamo.explain(call)(q, k, v)
+    assert explained.graph_break_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    assert_matches_reference(torch.compile(call)(q, k, v), q, k, v, **kw)
+
+
 @pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal"])
 def test_reduce_overhead_replays(case: str) -> None:
     """CUDA graphs through torch.compile: three replays give the eager result."""
     kw = CASES[case]()
     q, k, v = _inputs(False)
+    spec = kw.get("mask")
+    if case in DATA_CASES:
+        kw = dict(kw, mask=fz.block_mask(spec, L, L, batch=B, heads=H, device=DEV))
     step = torch.compile(lambda a, b, c: fz.attention(a, b, c, **kw), mode="reduce-overhead", fullgraph=True)
     with torch.no_grad():
         for _ in range(3):
             out = step(q, k, v).clone()
-        assert_matches_reference(out, q, k, v, **kw)
+        assert_matches_reference(out, q, k, v, **dict(kw, mask=spec))
 
 
 class _Block(torch.nn.Module):

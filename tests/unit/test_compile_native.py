@@ -155,3 +155,34 @@ def test_a_compile_in_another_thread_does_not_change_eager_calls(monkeypatch: py
     expected = masks.Document(doc_ids=torch.tensor([0] * 20 + [1] * 28)) & masks.Causal()
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
     torch.testing.assert_close(out, fz.attention(q, k, v, mask=expected, backend="dense"))
+
+
+def _graph_ops(fn: Any, *args: Any) -> set[str]:
+    """The call targets in the one graph Dynamo captures for ``fn(*args)``, as strings."""
+    graphs: list[Any] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return {str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize(
+    ("mask", "op"),
+    [
+        (masks.Causal(), "scaled_dot_product_attention"),
+        (masks.Chunked(size=16) & masks.Causal(), "scaled_dot_product_attention"),  # as equal chunks
+        (masks.SlidingWindow(left=8), "flex_attention"),
+    ],
+    ids=["causal", "chunked_causal", "sliding"],
+)
+def test_the_route_op_lands_in_the_callers_graph(mask: Any, op: str) -> None:
+    """SDPA routes put the SDPA call in the caller's graph, flex routes the flex_attention
+    higher-order op (no nested compiled function): the caller's compile owns the kernel."""
+    q, k, v = _inputs(grad=False)
+    ops = _graph_ops(lambda a, b, c: fz.attention(a, b, c, mask=mask), q, k, v)
+    assert any(op in t for t in ops), ops
