@@ -35,10 +35,18 @@ from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, spec_dataclass
 
 
-@torch.compiler.assume_constant_result
 def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
-    """Whether ``fn`` can depend on its ``index``-th positional argument (a constant to
-    ``torch.compile``: it reads only the code object, which Dynamo guards the callable on).
+    """Whether ``fn`` can depend on its ``index``-th positional argument. While ``torch.compile``
+    traces: True (assumed), since Dynamo cannot hand a closure made inside the graph to the
+    bytecode reader; a BlockMask with batch/head dims is exact either way.
+    """
+    if _compat.is_compiling():
+        return True
+    return _reads_argument_eagerly(fn, index)
+
+
+def _reads_argument_eagerly(fn: Callable[..., Any], index: int) -> bool:
+    """:func:`_reads_argument` read from the bytecode.
 
     Exact for plain Python functions: an argument whose name is never loaded (nor captured by an
     inner function) cannot influence the result. Anything else is assumed to read it. A bound
@@ -273,7 +281,11 @@ def capture_state(fn: Any) -> Hashable:
     version of every tensor it reaches (identity only for tensors that require grad: learned
     values are read live by the kernels and nothing cached derives from them), and the
     :func:`invalidate` epochs. Equal snapshots mean nothing a cache derived from ``fn`` has changed.
-    Host-only (no device sync); microseconds for a typical closure."""
+    Host-only (no device sync); microseconds for a typical closure. While ``torch.compile``
+    traces, ``()``: Dynamo guards the callable itself, and cannot read the cells of a closure made
+    inside the graph (transformers builds its mask functions in the model's forward)."""
+    if _compat.is_compiling():
+        return ()
     tensors: list[tuple[_Ref, int | None]] = []
     epochs: list[tuple[_Ref, int]] = []
     for value in _reachable(fn):

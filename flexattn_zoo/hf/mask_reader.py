@@ -18,7 +18,7 @@ from flexattn_zoo.masks import Causal, Chunked, Document, SlidingWindow
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.masks.padding import KeyPadding
-from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass
+from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass, tracing
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +321,15 @@ def structural_reader_enabled() -> bool:
 
 def translate(m: HFMask) -> MaskSpec | None:
     """The zoo spec equal to transformers' mask ``m`` (pattern, offsets and padding)."""
+    mu = transformers_module().masking_utils
+    plain = m.mask_function in (
+        getattr(mu, "causal_mask_function", None),
+        getattr(mu, "bidirectional_mask_function", None),
+    )
+    if tracing() and not plain:
+        # Reading a closure's cells is not traceable (Dynamo raises on a closure made in the
+        # graph), so a compiled model runs transformers' own mask function: exact, flex route.
+        return _generic(m)
     try:
         if not structural_reader_enabled():
             version = getattr(transformers_module(), "__version__", "?")
