@@ -176,7 +176,9 @@ class And(_Combined):
             fl, fr = f.window
             left = fl if left < 0 else (left if fl < 0 else min(left, fl))
             right = fr if right < 0 else (right if fr < 0 else min(right, fr))
-        return VarlenForm(segments=segmented[0].segments if segmented else None, window=(left, right))
+        if not segmented:
+            return VarlenForm(segments=None, window=(left, right))
+        return VarlenForm(segments=segmented[0].segments, window=(left, right), uniform=segmented[0].uniform)
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "&")
@@ -441,7 +443,9 @@ class MaskOnShard(MaskSpec):
         form = self.part.varlen_form(q_len, kv_len, self.total[0])
         if form is None or form.segments is None or form.segments.dim() == 1:
             return form  # the same segments for every row
-        return VarlenForm(segments=form.segments[self.batch[0] : self.batch[1]], window=form.window)
+        return VarlenForm(
+            segments=form.segments[self.batch[0] : self.batch[1]], window=form.window, uniform=form.uniform
+        )
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.part.hides_future_keys(q_len, kv_len)
