@@ -1,6 +1,8 @@
 """``fz.attention`` inside a caller's ``torch.compile(fullgraph=True)`` on CUDA: every preset on the
 route auto picks and on each route that accepts it, forward and backward, no graph break, results
-against the float64 reference; plus ``mode="reduce-overhead"`` (CUDA graphs) and ``torch.export``.
+against the float64 reference; plus ``mode="reduce-overhead"`` (CUDA graphs) and ``torch.export``;
+and the fa4 route's torch ops (``flexattn_zoo::fa4_fwd`` / ``fa4_bwd``) compiled whole, with
+gradients through both the output and the lse.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, score_mods
+from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.backends import BACKENDS
-from flexattn_zoo.testing import assert_matches_reference
+from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -155,3 +157,109 @@ def test_export(case: str, strict: bool) -> None:
     exported = torch.export.export(_Block(**kw), (q, k, v), strict=strict)
     out = exported.module()(q, k, v)
     assert_matches_reference(out, q, k, v, **kw)
+
+
+FA4_CASES: dict[str, Any] = {
+    "causal": lambda: {"mask": masks.Causal()},
+    "sliding_causal": lambda: {"mask": masks.SlidingWindow(left=64) & masks.Causal()},
+    "sliding_two_sided": lambda: {"mask": masks.SlidingWindow(left=50, right=7)},
+    # cap 5 with these inputs bends the scores enough that a backward ignoring it would fail
+    "softcap_approx_causal": lambda: {
+        "mask": masks.Causal(),
+        "score_mod": score_mods.SoftCap(cap=5.0, approx=True),
+    },
+    "chunked_causal": lambda: {"mask": masks.Chunked(size=128) & masks.Causal()},
+    "full": lambda: {},
+}
+needs_fa4 = pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4")
+
+
+def _assert_grads(
+    grads: tuple[torch.Tensor, ...],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g_out: torch.Tensor,
+    g_lse: torch.Tensor,
+    **kw: Any,
+) -> None:
+    """Gradients of ``sum(out * g_out) + sum(lse * g_lse)`` against float64, allowed 3x the error
+    of the same math done eagerly in q's dtype (plus a small floor)."""
+
+    def grads_of(dtype: torch.dtype | None) -> tuple[torch.Tensor, ...]:
+        ins = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (q, k, v)]
+        run = reference_attention if dtype == torch.float64 else eager_attention
+        out, lse = run(*ins, return_lse=True, **kw)
+        loss = (out.double() * g_out.double()).sum() + (lse.double() * g_lse.double()).sum()
+        return torch.autograd.grad(loss, ins)
+
+    for name, got, ref, eager in zip("qkv", grads, grads_of(torch.float64), grads_of(None), strict=True):
+        err = float((got.double() - ref).abs().max())
+        budget = 3 * float((eager.double() - ref).abs().max()) + 1e-3 * float(ref.abs().max())
+        assert err <= budget, f"d{name}: max error {err:.3e} > budget {budget:.3e}"
+
+
+@needs_fa4
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("case", list(FA4_CASES))
+def test_fa4_op_fullgraph_fwd_bwd_through_lse(case: str, gqa: bool) -> None:
+    kw = FA4_CASES[case]()
+    g = torch.Generator(device=DEV).manual_seed(4)
+    hkv = 2 if gqa else H
+    q = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k, v = (
+        torch.randn(B, hkv, L, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        for _ in range(2)
+    )
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fz.attention(a, b, c, backend="fa4", enable_gqa=gqa, return_lse=True, **kw)
+
+    explained = torch._dynamo.explain(call)(q, k, v)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    graph = "\n".join(str(gm.graph) for gm in explained.graphs)
+    assert "flexattn_zoo.fa4_fwd" in graph, graph
+    torch._dynamo.reset()
+    out, lse = torch.compile(call, fullgraph=True)(q, k, v)
+    assert_matches_reference(out, q, k, v, enable_gqa=gqa, lse=lse, **kw)
+    g_out, g_lse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), (q, k, v))
+    _assert_grads(grads, q, k, v, g_out, g_lse, enable_gqa=gqa, **kw)
+    # the same call eagerly: the op's eager path (out-only gradients, no lse-gradient call)
+    out_e = fz.attention(q, k, v, backend="fa4", enable_gqa=gqa, **kw)
+    assert_matches_reference(
+        out_e,
+        q,
+        k,
+        v,
+        enable_gqa=gqa,
+        grads=torch.autograd.grad(out_e, (q, k, v), g_out),
+        grad_out=g_out,
+        **kw,
+    )
+
+
+@needs_fa4
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+def test_fa4_export(strict: bool) -> None:
+    kw = {"mask": masks.SlidingWindow(left=64) & masks.Causal(), "backend": "fa4"}
+    q, k, v = _inputs(False)
+    exported = torch.export.export(_Block(**kw), (q, k, v), strict=strict)
+    assert "flexattn_zoo.fa4_fwd" in str(exported.graph)
+    out = exported.module()(q, k, v)
+    assert_matches_reference(out, q, k, v, mask=kw["mask"])
+
+
+@needs_fa4
+def test_fa4_reduce_overhead_replays() -> None:
+    """CUDA graphs around the fa4 op: three replays give the eager result."""
+    step = torch.compile(
+        lambda a, b, c: fz.attention(a, b, c, mask="causal", backend="fa4"),
+        mode="reduce-overhead",
+        fullgraph=True,
+    )
+    q, k, v = _inputs(False)
+    with torch.no_grad():
+        for _ in range(3):
+            out = step(q, k, v).clone()
+    assert_matches_reference(out, q, k, v, mask="causal")
