@@ -467,10 +467,11 @@ def attention(
 
 
 def _holds_data(mask: Any) -> bool:
-    """A mask whose rule reads tensors: a spec holding some, a BlockMask, or a raw callable."""
+    """A mask whose BlockMask would be built from tensors: a spec holding some, or a raw callable
+    (which may capture some). A BlockMask passed in is built already (it runs in the graph)."""
     if isinstance(mask, Spec):
         return bool(mask.tensors()) or mask._holds_callables()
-    return mask is not None and not isinstance(mask, str)
+    return mask is not None and not isinstance(mask, (str, _compat.BlockMask))
 
 
 def _traced_attention(
