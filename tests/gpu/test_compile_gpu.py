@@ -263,3 +263,28 @@ def test_fa4_reduce_overhead_replays() -> None:
         for _ in range(3):
             out = step(q, k, v).clone()
     assert_matches_reference(out, q, k, v, mask="causal")
+
+
+@pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal", "alibi_causal"])
+def test_eager_call_replays_in_a_cuda_graph(case: str) -> None:
+    """Eager ``fz.attention`` captured by ``torch.cuda.graph`` after a warm-up (which plans,
+    builds the BlockMask and compiles): the captured call makes no sync and no allocation that
+    breaks replay, and replays follow new values written into the static inputs."""
+    kw = CASES[case]()
+    q, k, v = _inputs(False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(3):
+            fz.attention(q, k, v, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        out = fz.attention(q, k, v, **kw)
+    for seed in (1, 2):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device=DEV, dtype=t.dtype, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(out, q, k, v, **kw)
