@@ -49,6 +49,10 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+#: Cases compiled with Inductor in test_no_graph_break_and_same_result_as_eager.
+INDUCTOR_CASES = {"mask:causal", "document_and_causal", "sliding_causal_softcap", "raw_callable", "mask:band"}
+
+
 def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(B, H, L, D, generator=g).requires_grad_(grad) for _ in range(3))
@@ -76,7 +80,10 @@ def test_no_graph_break_and_same_result_as_eager(name: str, kw: dict[str, Any]) 
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch._dynamo.reset()
     with torch.no_grad():
-        compiled = torch.compile(block, fullgraph=True)(x)
+        # Inductor for a few cases (a CPU flex compile costs seconds on CI's 2 cores); the rest
+        # through aot_eager, which still runs the traced route's ops and the flex HOP.
+        backend = "inductor" if name in INDUCTOR_CASES else "aot_eager"
+        compiled = torch.compile(block, fullgraph=True, backend=backend)(x)
         eager = block(x)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
