@@ -212,6 +212,68 @@ _SDPA_CAN_USE = {
 }
 
 
+def _sdpa_switches() -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]] | None:
+    """torch's per-kernel SDPA enable flags as ``(getters, setters, SDPBackend names)``: what
+    ``sdpa_kernel`` reads and writes (``torch.nn.attention._backend_names``, torch 2.5+), or None
+    when this torch lays them out otherwise (``pin_sdpa_kernel`` then enters ``sdpa_kernel``)."""
+    import torch.nn.attention as attn
+
+    names = getattr(attn, "_backend_names", None)
+    if not isinstance(names, dict):
+        return None
+    try:
+        getters = tuple(getattr(torch._C, f"_get_{n}_sdp_enabled") for n in names)
+        setters = tuple(getattr(torch._C, f"_set_sdp_use_{n}") for n in names)
+        kernels = tuple(str(getattr(SDPBackend, v).name) for v in names.values())
+    except AttributeError:
+        return None
+    return getters, setters, kernels
+
+
+_SDPA_SWITCHES = _sdpa_switches()
+#: Per SDPBackend name: the enable flags ``sdpa_kernel([that backend])`` sets.
+_SDPA_PINNED: dict[str, tuple[bool, ...]] = (
+    {k: tuple(k == other for other in _SDPA_SWITCHES[2]) for k in _SDPA_SWITCHES[2]}
+    if _SDPA_SWITCHES is not None
+    else {}
+)
+
+
+def pin_sdpa_kernel(kernel: str) -> Any:
+    """Enable SDPA kernel ``kernel`` (an ``SDPBackend`` name) alone, as ``sdpa_kernel([kernel])``
+    does on entry; returns what :func:`restore_sdpa_kernels` needs to undo it. Eager calls only
+    (while tracing use ``sdpa_kernel``, which Dynamo understands); the flags are process-global, so
+    callers serialize pinned calls with a lock.
+
+    Why not ``sdpa_kernel`` itself: it is a generator context manager that lists, dedups and
+    sorts backends and reads and writes every flag by name on entry and exit -- 10-15 us of host
+    time per call on a CPU, more than the whole SDPA call on a short problem. This reads the
+    flags once and writes only those that differ, with the same effect."""
+    want = _SDPA_PINNED.get(kernel)
+    if want is None or _SDPA_SWITCHES is None:
+        ctx = sdpa_kernel([getattr(SDPBackend, kernel)])
+        ctx.__enter__()
+        return ctx
+    getters, setters, _ = _SDPA_SWITCHES
+    saved = tuple([get() for get in getters])
+    for set_flag, was, flag in zip(setters, saved, want, strict=True):
+        if was is not flag:
+            set_flag(flag)
+    return kernel, saved
+
+
+def restore_sdpa_kernels(token: Any) -> None:
+    """Undo :func:`pin_sdpa_kernel` (``token`` is what it returned)."""
+    if not isinstance(token, tuple):
+        token.__exit__(None, None, None)
+        return
+    assert _SDPA_SWITCHES is not None
+    kernel, saved = token
+    for set_flag, was, flag in zip(_SDPA_SWITCHES[1], saved, _SDPA_PINNED[kernel], strict=True):
+        if was is not flag:
+            set_flag(was)
+
+
 @functools.lru_cache(maxsize=512)
 def sdpa_torch_refusal(
     kernel: str,
@@ -288,7 +350,10 @@ def is_compiling() -> bool:
 def recompile_limit() -> int:
     """Dynamo's per-code-object recompile limit (read only; the library never sets it)."""
     cfg = torch._dynamo.config
-    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+    # The fallback only when needed: reading a config entry takes microseconds, and older names
+    # go through torch's alias and deprecation handling.
+    limit = getattr(cfg, "recompile_limit", None)
+    return int(limit if limit is not None else getattr(cfg, "cache_size_limit", 8))
 
 
 def tensor_version(t: torch.Tensor) -> int | None:

@@ -194,15 +194,14 @@ class CompileCache:
     ) -> CompiledFlex:
         """:meth:`get` for a key from :meth:`key` with the same options, lse and gqa."""
 
-        def make() -> CompiledFlex:
-            return CompiledFlex(next(self._serial), kernel_options, lse, gqa)
-
-        entry = self._entries.get_or_create(key, make)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries.put(key, CompiledFlex(next(self._serial), kernel_options, lse, gqa))
         # One call adds at most one graph. An entry one graph short of Dynamo's recompile limit is
         # retired for a fresh code object (one more compile) so the limit, and with it torch's
         # unfused fallback, is never reached.
         if entry.compiles >= _compat.recompile_limit() - 1:
-            entry = self._entries.replace(key, make())
+            entry = self._entries.replace(key, CompiledFlex(next(self._serial), kernel_options, lse, gqa))
         return entry
 
     def entries(self) -> list[CompiledFlex]:

@@ -17,11 +17,11 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flexattn_zoo import _compat, sharding
+from flexattn_zoo import _compat, plan_cache, sharding
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
-from flexattn_zoo.plan_cache import PLANS, call_key
+from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
 from flexattn_zoo.spec import Spec
@@ -442,7 +442,7 @@ def attention(
         if det is None or context_parallel
         else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked)
     )
-    chosen = PLANS.get(key) if key is not None else None
+    chosen = plan_cache.lookup(key, q, k, v) if key is not None else None
     user_bm = None
     if chosen is None:
         problem, user_bm = _problem(
@@ -457,13 +457,27 @@ def attention(
         if context_parallel:
             chosen = _under_context_parallel(chosen)
         if key is not None:
-            PLANS.put(key, chosen)
+            plan_cache.store(key, chosen, _finiteness_matters(chosen))
     log.debug("flexattn_zoo route %s", chosen.backend)
     out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
     if not return_lse:
         return out
     assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it
     return out, maybe_lse
+
+
+def _finiteness_matters(chosen: Plan) -> bool:
+    """Whether a call like ``chosen``'s, but whose q/k/v are (or are not) finite where these were
+    not (were), could take another route or fail: planned again with ``Problem.nonfinite``
+    flipped (CPU only: elsewhere the inputs are never scanned)."""
+    p = chosen.problem
+    if p.device_type != "cpu":
+        return False
+    try:
+        other = plan_problem(dataclasses.replace(p, nonfinite=not p.nonfinite), chosen.requested)
+    except ValueError:
+        return True
+    return other.backend != chosen.backend
 
 
 def _holds_data(mask: Any) -> bool:

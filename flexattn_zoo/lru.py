@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 from flexattn_zoo import _compat
 
 V = TypeVar("V")
+_MISSING = object()
 
 
 class LRUCache(Generic[V]):
@@ -38,10 +39,15 @@ class LRUCache(Generic[V]):
         if _compat.is_compiling():
             return None  # see the module docstring: a traced call neither reads nor stores
         with self._lock:
-            if key not in self._data:
+            # Taken out and put back at the end under the caller's key (equal to the stored one):
+            # one comparison of a new key with the stored one instead of two (``get`` then
+            # ``move_to_end``; a spec in a key compares in Python), and a caller that passes the
+            # same objects again (a spec it holds) finds them by identity next time.
+            value = self._data.pop(key, _MISSING)
+            if value is _MISSING:
                 return None
-            self._data.move_to_end(key)
-            return self._data[key]
+            self._data[key] = value  # type: ignore[assignment]
+            return value  # type: ignore[return-value]
 
     def put(self, key: Hashable, value: V) -> V:
         """Store ``value`` unless another thread stored one first; return the stored value."""

@@ -11,15 +11,24 @@ planning reads from them, so a hit returns exactly the plan the full path would 
   names and callables by identity; a callable, or a name of a registered function, also by the
   version counters of the tensors it captures), the registries' versions (a name can be
   unregistered and registered anew);
-* grad mode and which inputs require grad, ``enable_gqa``, ``return_lse``, the resolved
-  ``deterministic`` flag, ``backend``; on the CPU, whether q/k/v hold NaN/inf (a check of the
-  data the full path makes too);
+* grad mode, which inputs require grad and whether the score spec captures tensors that do
+  (the mode of a call whose inputs do not; ``flex_flash`` refuses such specs in any mode),
+  ``enable_gqa``, ``return_lse``, the resolved ``deterministic`` flag, ``backend``;
 * what planning reads from the process: ``FLEXATTN_ZOO_ARCH``, and what each registered route
   declares it reads (``Backend.env_vars``) or needs installed (``Backend.requires``).
 
+On the CPU planning also reads whether q/k/v hold NaN/inf (``Problem.nonfinite``: ``flex_cpu``
+refuses them), a scan of the data. Where that verdict cannot change the route (planned again
+with it flipped, the call takes the same route: SDPA routes, named routes other than
+``flex_cpu``), the plan is stored under the key alone and a hit skips the scan: the plan's
+``problem.nonfinite`` then reflects the call that made it, which nothing that runs the route
+reads. Where it can, a :class:`ByFiniteness` is stored instead, holding the plan of each verdict,
+and every hit scans the inputs as the full path would (``lookup``, ``store``).
+
 Not cached (the full path runs): a ``BlockMask`` as mask, calls traced by ``torch.compile``,
-arguments that fail validation (errors come from the full path), and a score spec whose captured
-tensors require grad while q/k/v do not (its mode depends on those tensors).
+arguments that fail validation (errors come from the full path), and a score_mod given by
+registry name while grad mode is on and q/k/v do not require grad (the mode then depends on the
+tensors of a spec only the full path builds).
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from flexattn_zoo.arch import ARCH_ENV
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.functions import capture_state
 from flexattn_zoo.lru import LRUCache
-from flexattn_zoo.spec import Spec
+from flexattn_zoo.registry import MASKS, SCORES
+from flexattn_zoo.spec import ScoreSpec, Spec
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
 #: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
@@ -69,14 +79,29 @@ def call_key(
         return None  # 1 == True as a key: let the full path refuse non-bool flags
     if isinstance(mask, _compat.BlockMask) or _compat.is_compiling():
         return None
-    if q.dtype not in SUPPORTED_DTYPES or not (
-        k.dtype == v.dtype == q.dtype and k.device == v.device == q.device
+    device = q.device
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES or not (
+        k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
     ):
         return None  # let the full path name what is wrong (before reading the data below)
     grad_on = torch.is_grad_enabled()
     wants_grad = q.requires_grad or k.requires_grad or v.requires_grad
-    if score_mod is not None and grad_on and not wants_grad:
+    # Whether the score spec captures tensors that require grad: the call's mode when q/k/v do not
+    # (``dispatch.needs_grad``), and a verdict of routes in any mode (``FlexFlashBackend``). A
+    # spec's learned tensors are compared by identity, so their flag is read here, per call; a raw
+    # callable's is in its captured state (a tensor that requires grad is recorded without a
+    # version); a registry name's score spec is built only by the full path.
+    if score_mod is None:
+        score_grad: Any = False
+    elif isinstance(score_mod, ScoreSpec):
+        score_grad = score_mod.captures_grad_tensors()
+    elif isinstance(score_mod, Spec):
+        return None  # a mask spec as score_mod: the full path names the mistake
+    elif grad_on and not wants_grad and (isinstance(score_mod, str) or not callable(score_mod)):
         return None
+    else:
+        score_grad = "captured"
     key = (
         backend,
         _arg_key(mask, "mask"),
@@ -84,17 +109,18 @@ def call_key(
         enable_gqa,
         return_lse,
         deterministic,
-        grad_on and wants_grad,
+        grad_on,
+        wants_grad,
+        score_grad,
         q.shape,
         q.stride(),
         k.shape,
         k.stride(),
         v.shape,
         v.stride(),
-        q.dtype,
-        q.device,
+        dtype,
+        device,
         process_state(),
-        q.device.type == "cpu" and inputs_nonfinite(q, k, v),
         scale is not None and scale <= 0,
     )
     try:
@@ -102,6 +128,37 @@ def call_key(
     except TypeError:  # an unhashable mask/score argument: the full path says what is wrong
         return None
     return key
+
+
+class ByFiniteness:
+    """What :data:`PLANS` holds for a call whose route depends on whether q/k/v hold NaN/inf:
+    the plan made for each verdict (``plans[nonfinite]``), filled as calls of each kind come."""
+
+    __slots__ = ("plans",)
+
+    def __init__(self) -> None:
+        self.plans: dict[bool, Any] = {}
+
+
+def lookup(key: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+    """The cached plan of a call with ``key`` (from :func:`call_key`), or None: the plan itself,
+    or for a :class:`ByFiniteness` entry the plan of these inputs' NaN/inf verdict."""
+    found = PLANS.get(key)
+    if type(found) is ByFiniteness:
+        return found.plans.get(inputs_nonfinite(q, k, v))
+    return found
+
+
+def store(key: Hashable, plan: Any, finiteness_matters: bool) -> None:
+    """Keep ``plan`` (made for a call with ``key``); ``finiteness_matters``: whether a call with
+    the same key but the other NaN/inf verdict could be routed otherwise."""
+    if not finiteness_matters:
+        PLANS.put(key, plan)
+        return
+    entry = PLANS.get(key)
+    if type(entry) is not ByFiniteness:
+        entry = PLANS.put(key, ByFiniteness())
+    entry.plans.setdefault(plan.problem.nonfinite, plan)
 
 
 def _arg_key(value: Any, kind: str) -> Hashable:
@@ -117,16 +174,43 @@ def _arg_key(value: Any, kind: str) -> Hashable:
     if value is None or isinstance(value, Spec):
         return value
     if isinstance(value, str):
-        from flexattn_zoo.registry import MASKS, SCORES
-
         registry = MASKS if kind == "mask" else SCORES
-        if value not in registry:
+        entry = registry.find(value)
+        if entry is None:
             return value  # the full path names the error
-        factory = registry.entry(value).factory
+        factory = entry.factory
         return ("name", value, capture_state(factory) if not isinstance(factory, type) else None)
     if callable(value) and not isinstance(value, type):
         return ("callable", value, capture_state(value))
     return value
+
+
+def _environ_reader() -> Any:
+    """A function returning the values of :data:`ENV_VARS` in ``os.environ`` as a tuple.
+
+    ``os.environ.get`` encodes the name and decodes the value on every read (about 1 us each);
+    CPython's ``os.environ`` keeps its variables in a dict of encoded names and values
+    (``_data``), which every write through ``os.environ`` (and ``monkeypatch.setenv``) updates, so
+    reading that dict by pre-encoded names sees exactly the same variables. The values stay
+    encoded: they are only compared. Falls back to ``os.environ.get`` on a Python without it, or
+    when ``os.environ`` was replaced by another mapping.
+    """
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    encode = getattr(environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        return lambda: tuple([os.environ.get(name) for name in ENV_VARS])
+    keys = tuple(encode(name) for name in ENV_VARS)
+
+    def read() -> tuple[Any, ...]:
+        if os.environ is not environ:
+            return tuple([os.environ.get(name) for name in ENV_VARS])
+        return tuple(map(data.get, keys))
+
+    return read
+
+
+_read_environ = _environ_reader()
 
 
 def process_state() -> Hashable:
@@ -134,10 +218,16 @@ def process_state() -> Hashable:
     name can be unregistered and registered anew), the environment variables the dispatcher and
     the routes read, and whether each route's requirements are installed. Part of every cached
     plan's key. Looked up per call, once per distinct variable or requirement (host time)."""
-    from flexattn_zoo.registry import MASKS, SCORES
-
-    env = tuple(os.environ.get(name) for name in ENV_VARS)
-    return MASKS.version, SCORES.version, env, tuple([r.check() for r in REQUIREMENTS])
+    return MASKS.version, SCORES.version, _read_environ(), tuple([r.check() for r in REQUIREMENTS])
 
 
-__all__ = ["ENV_VARS", "PLANS", "REQUIREMENTS", "call_key", "process_state"]
+__all__ = [
+    "ENV_VARS",
+    "PLANS",
+    "REQUIREMENTS",
+    "ByFiniteness",
+    "call_key",
+    "lookup",
+    "process_state",
+    "store",
+]

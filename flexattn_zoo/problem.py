@@ -61,6 +61,20 @@ class Problem:
         if self.mask is not None:
             object.__setattr__(self, "mask", self.mask.bind(self.q_len, self.kv_len))
 
+    def __hash__(self) -> int:
+        # Cached: a flex route looks its prepared call up by problem on every call (the fields
+        # are frozen; the specs among them cache their own hashes too).
+        cached = self.__dict__.get("_hash_value")
+        if cached is None:
+            cached = hash(tuple([getattr(self, name) for name in _FIELD_NAMES]))
+            object.__setattr__(self, "_hash_value", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        state = dict(self.__dict__)
+        state.pop("_hash_value", None)  # specs hash their class names, which differ by process
+        return state
+
     @property
     def mode(self) -> str:
         return "fwdbwd" if self.requires_grad else "fwd"
@@ -68,3 +82,6 @@ class Problem:
     @property
     def gqa(self) -> bool:
         return self.heads != self.kv_heads
+
+
+_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(Problem))

@@ -157,6 +157,10 @@ class Registry(Generic[S]):
             raise ValueError(self._unknown(name))
         return found
 
+    def find(self, name: str) -> Entry | None:
+        """The entry registered as ``name``, or None (one dict read: the plan cache's lookup)."""
+        return self._entries.get(name)
+
     def get(self, name: str, **params: Any) -> S:
         """Build the spec registered as ``name`` with ``params``; bad parameters raise ValueError."""
         entry = self.entry(name)

@@ -67,7 +67,12 @@ def _dtensor_class() -> type | None:
 def holds_dtensor(*tensors: object) -> bool:
     """Whether any argument is a DTensor (one dict lookup when DTensor was never imported)."""
     cls = _dtensor_class()
-    return cls is not None and any(isinstance(t, cls) for t in tensors)
+    if cls is None:
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor and isinstance(t, cls):  # a plain Tensor is none
+            return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,11 +137,14 @@ def _take_ownership(spec: Any) -> None:
     conversion, a view, ``torch.as_tensor`` of a NumPy array, which shares its memory) are covered
     as well as the arguments themselves. Nested specs own their tensors already.
     """
-    for f in dataclasses.fields(spec):
-        value = spec.__dict__.get(f.name)
+    values = spec.__dict__
+    for name in _field_names(type(spec)):
+        value = values.get(name)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            continue  # the common parameters: nothing to own
         owned = _owned(value)
         if owned is not value:
-            object.__setattr__(spec, f.name, owned)
+            object.__setattr__(spec, name, owned)
 
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -200,6 +203,22 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 _MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
 
+#: Field names per spec class (``_field_names``).
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+#: Field values that may hold tensors (``Spec.__eq__``).
+_NESTED = (torch.Tensor, tuple, list)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The dataclass field names of spec class ``cls``, looked up once per class
+    (``dataclasses.fields`` filters every attribute of the class on each call)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        _FIELD_NAMES[cls] = names
+    return names
+
+
 #: Verdicts of ``==`` between two distinct live specs that hold tensors, by ``(id, id)``; an entry
 #: leaves when either spec is collected. Cache lookups compare a call's spec with the stored key
 #: whenever their hashes match: a value-equal spec built anew (the same document layout again, a
@@ -237,17 +256,22 @@ class Spec:
     name: ClassVar[str] = ""
 
     def _fields(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses
+        return tuple([getattr(self, name) for name in _field_names(type(self))])
 
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
             return NotImplemented
         if self is other:
             return True
+        mine, theirs = self._fields(), other._fields()
+        if not any(isinstance(value, _NESTED) for value in mine):
+            # Plain parameters (a new ``Causal()`` or ``SlidingWindow(left=...)`` per call):
+            # comparing them reads no tensor, so there is nothing to remember.
+            return all(_values_equal(a, b) for a, b in zip(mine, theirs, strict=True))
         known = _EQ_MEMO.get(_memo_key(self, other))
         if known is not None:
             return known
-        verdict = all(_values_equal(a, b) for a, b in zip(self._fields(), other._fields(), strict=True))
+        verdict = all(_values_equal(a, b) for a, b in zip(mine, theirs, strict=True))
         if self.tensors():  # comparing read tensor contents: don't do it again for this pair
             _remember_equal(self, other, verdict)
         return verdict
@@ -303,6 +327,7 @@ class Spec:
         # (PYTHONHASHSEED): unpickled elsewhere it would not match equal specs built there.
         state = dict(self.__dict__)
         state.pop("_hash_value", None)
+        state.pop("_tensors_value", None)  # rebuilt on use (from the unpickled fields)
         return state
 
     @classmethod
@@ -320,6 +345,18 @@ class Spec:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this spec captures (recursively), e.g. to check devices."""
+        # Cached per spec (equality and the plan cache's key ask on every call): its fields never
+        # change. Not for specs wrapping raw callables, whose captured tensors are read live, nor
+        # while torch.compile traces (what it would store are the trace's values).
+        cached = self.__dict__.get("_tensors_value")
+        if cached is not None:
+            return list(cached)
+        found = self._collect_tensors()
+        if not self._holds_callables() and not _compat.is_compiling():
+            object.__setattr__(self, "_tensors_value", tuple(found))
+        return found
+
+    def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
         for value in self._fields():
             if isinstance(value, torch.Tensor):

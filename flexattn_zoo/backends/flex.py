@@ -15,6 +15,7 @@ from flexattn_zoo import _compat, arch
 from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, flash_cute_lock
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
+from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 
@@ -83,14 +84,22 @@ class FlexBackend(Backend):
         if _compat.is_compiling():
             return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
         q, k, v = _canonical_layout(q, k, v)
-        user_mask = block_mask is not None
-        call = None if user_mask else CALLS.get((self.name, p, q.device))
+        device = q.device
+        if block_mask is None:
+            key: tuple[Any, ...] = (self.name, p, device)
+        else:
+            # A caller's BlockMask (decode_step's, updated in place each step): what _prepare
+            # reads from it is its mask_mod (by identity, held weakly) and block size; the entry
+            # keeps none of its tensors, the call runs the mask it is given.
+            key = (self.name, p, device, _Ref(block_mask.mask_mod), tuple(block_mask.BLOCK_SIZE))
+        call = CALLS.get(key)
         if call is None:
-            call = self._prepare(p, q.device, block_mask)
-            if not user_mask:
-                CALLS.put((self.name, p, q.device), call)
+            call = self._prepare(p, device, block_mask)
+            if block_mask is not None:
+                call = dataclasses.replace(call, block_mask=None)
+            call = CALLS.put(key, call)
         entry = CACHE.get_keyed(call.key, call.options, p.return_lse, p.gqa)
-        return entry(q, k, v, call.block_mask, scale, call.score_mod)
+        return entry(q, k, v, call.block_mask if block_mask is None else block_mask, scale, call.score_mod)
 
     def _run_traced(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float, block_mask: Any
@@ -169,10 +178,11 @@ class _FlexCall:
     key: Any
 
 
-#: Per (route, problem, device): a model's repeated call skips the BlockMask / score_mod / key
-#: lookups (tens of microseconds of host time per call, which short kernels wait for). Problems
-#: compare by value, so this is exactly what ``_prepare`` would build again; it holds at most
-#: this many BlockMasks alive beyond ``blockmask.CACHE``.
+#: Per (route, problem, device), and for a caller's BlockMask also its mask_mod and block size: a
+#: model's repeated call skips the BlockMask / score_mod / key lookups (tens of microseconds of
+#: host time per call, which short kernels wait for). Problems compare by value, so this is
+#: exactly what ``_prepare`` would build again; it holds at most this many BlockMasks alive beyond
+#: ``blockmask.CACHE`` (none of callers' BlockMasks).
 CALLS: LRUCache[_FlexCall] = LRUCache(64)
 
 
@@ -208,7 +218,9 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
     eight slots. Two canonical layouts bound that; the copy is O(L*D), small next to attention.
     """
     ts = (q, k, v)
-    if all(t.is_contiguous() for t in ts) or all(t.transpose(1, 2).is_contiguous() for t in ts):
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+        return ts
+    if all(t.transpose(1, 2).is_contiguous() for t in ts):
         return ts
     if q.is_contiguous() and all(_batch_broadcast(t) for t in (k, v)):
         # A third layout: one k/v pool shared by every batch row (decode_step's paged cache,

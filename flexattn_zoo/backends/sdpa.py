@@ -10,11 +10,13 @@ user's back.
 exit; two threads pinning different kernels could run each other's kernel or leave the flags
 wrong for good. ``_SDPA_LOCK`` serializes our pinned calls (on CUDA only the launch, which is
 asynchronous); SDPA calls elsewhere in the process can still observe the pinned flags meanwhile.
+Eager calls set the same flags through ``_compat.pin_sdpa_kernel`` (a fraction of
+``sdpa_kernel``'s host time); traced calls use ``sdpa_kernel``, which Dynamo turns into a setting
+of the graph's SDPA node.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 
@@ -108,11 +110,22 @@ class SdpaBackend(Backend):
             q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
         if self.kernel != "MATH" and not view_ok:
             q, k, v = (fused_layout(t) for t in (q, k, v))
-        # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
-        # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
-        lock = contextlib.nullcontext() if _compat.is_compiling() else _SDPA_LOCK
-        with lock, _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        if _compat.is_compiling():
+            # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
+            # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
+            with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                )
+        else:
+            with _SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
+                pinned = _compat.pin_sdpa_kernel(self.kernel)
+                try:
+                    out = F.scaled_dot_product_attention(
+                        q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                    )
+                finally:
+                    _compat.restore_sdpa_kernels(pinned)
         return (from_chunks(out, batch) if chunk else out), None
 
 

@@ -29,8 +29,9 @@ page-to-position table (updated in place like the offsets). On CUDA with torch >
 :func:`decode_step_varlen` runs the same paged decode on FlashAttention's varlen kernel
 (``block_table`` + ``seqused_k``) for causal or sliding-window patterns.
 
-Serving: on CUDA a step is planned (validated and routed) once per call signature and is
-capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
+Serving: a step is planned (validated and routed) once per call signature (:func:`run_signature`;
+on the CPU it includes whether q and the cache hold NaN/inf, which the inputs are scanned for
+every step, as ``fz.attention`` does). On CUDA a step is capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
 tensor) and the new tokens in place and replay; nothing syncs with the host or reallocates.
 Eager steps cost ~0.3 ms of host time on an H200 host, graphed ones run at the kernel's speed
 (benchmarks/results/decode_h200.md). A graph-captured mask is kept alive whatever the cache
@@ -53,21 +54,25 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flexattn_zoo import _compat
+from flexattn_zoo import _compat, sharding
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
-from flexattn_zoo.dispatch import attention, execute_plan, needs_grad, plan
+from flexattn_zoo.dispatch import _under_autocast, attention, execute_plan, needs_grad, plan
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
+from flexattn_zoo.validation import inputs_nonfinite
 
 __all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
 
 DEFAULT_BLOCK_SIZE = 128
+#: The default pattern, one object (a spec is immutable): the DecodeMask cache key then hashes
+#: and compares it by identity instead of a new spec's fields every step.
+_CAUSAL = Causal()
 #: What ``decode_step(backend=...)`` takes: "auto" and the routes that declare ``decode``.
 DECODE_ROUTES = ("auto", *(b.name for b in BACKENDS if b.decode))
 #: DecodeMask objects kept by ``decode_step`` (least recently used dropped first); one per
@@ -205,12 +210,25 @@ class DecodeMask:
             self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode", tracked=False)
         return self._scores[key]
 
-    def update(self, cache_len: torch.Tensor, block_table: torch.Tensor | None = None) -> _compat.BlockMask:
+    def update(
+        self, cache_len: torch.Tensor | int, block_table: torch.Tensor | None = None
+    ) -> _compat.BlockMask:
         """Point the mask at the current lengths (and pages); returns the same BlockMask object.
 
-        Only device ops on preallocated tensors, no host sync: a CUDA graph can capture it.
+        ``cache_len``: ``[B]`` lengths, or one int for every row. Only device ops on preallocated
+        tensors, no host sync: a CUDA graph can capture it (with a tensor ``cache_len``; an int is
+        a constant of the captured graph).
         """
         bs = self.block_size
+        if isinstance(cache_len, int):
+            if self._indices_fixed:
+                # Known on the host: three fills, instead of a lengths tensor and the six ops below
+                # (each op a kernel launch, microseconds of host time, on CUDA). Same values.
+                self.cache_len.fill_(cache_len)
+                self.offset.fill_(cache_len - self.q_len)
+                self.kv_num_blocks.fill_(min(max((cache_len + bs - 1) // bs, 0), self.kv_indices.shape[-1]))
+                return self.block_mask
+            cache_len = torch.full((self.batch,), cache_len, dtype=torch.int64, device=self.cache_len.device)
         if self._indices_fixed:
             self.cache_len.copy_(cache_len)
             torch.sub(self.cache_len, self.q_len, out=self.offset)
@@ -291,8 +309,11 @@ def _caller() -> _Caller:
     return caller
 
 
-def _lengths(cache_len: Any, batch: int, q_len: int, capacity: int, device: torch.device) -> torch.Tensor:
-    """``cache_len`` as int64 ``[B]`` on ``device``, its values checked where they are on the host."""
+def _lengths(
+    cache_len: Any, batch: int, q_len: int, capacity: int, device: torch.device
+) -> torch.Tensor | int:
+    """``cache_len`` as int64 ``[B]`` on ``device``, its values checked where they are on the host;
+    an int stays an int (checked), one length for every row (``DecodeMask.update`` takes both)."""
     if isinstance(cache_len, torch.Tensor):
         if cache_len.dtype == torch.bool or cache_len.is_floating_point() or cache_len.is_complex():
             raise TypeError(
@@ -308,8 +329,12 @@ def _lengths(cache_len: Any, batch: int, q_len: int, capacity: int, device: torc
         on_host = cache_len.device.type == "cpu" and cache_len.numel() > 0
         bounds = (int(cache_len.min()), int(cache_len.max())) if on_host else None
     elif isinstance(cache_len, int) and not isinstance(cache_len, bool):
-        lens = torch.full((batch,), cache_len, dtype=torch.int64, device=device)
-        bounds = (cache_len, cache_len)
+        if cache_len < q_len or cache_len > capacity:
+            raise ValueError(
+                f"cache_len {cache_len} is out of range: each row's cache_len must be >= Lq = {q_len} (the "
+                f"new tokens are already in the cache) and <= the cache capacity {capacity}"
+            )
+        return int(cache_len)  # an int subclass (e.g. numpy's) as a plain int
     else:
         raise TypeError(f"cache_len must be an int or an integer tensor [B], got {type(cache_len).__name__}")
     if lens.numel() != batch:
@@ -482,7 +507,7 @@ def decode_step(
             ``Lq``).
         block_size: kv block size, and the page size of paged caches.
     """
-    spec = as_mask_spec(mask) if mask is not None else Causal()
+    spec = as_mask_spec(mask) if mask is not None else _CAUSAL
     spec = spec.live() if spec is not None else None  # a raw callable's captured tensors now
     score = as_score_spec(score_mod)
     score = score.live() if score is not None else None
@@ -531,7 +556,7 @@ def decode_step(
                     q[i : i + rows],
                     k_cache[i : i + rows],
                     v_cache[i : i + rows],
-                    lens[i : i + rows],
+                    lens if isinstance(lens, int) else lens[i : i + rows],
                     mask=spec,
                     score_mod=score,
                     scale=scale,
@@ -562,9 +587,9 @@ def decode_step(
         bm = dm.update(lens, block_table)
         k_run, v_run = k_cache.expand(batch, -1, -1, -1), v_cache.expand(batch, -1, -1, -1)
         run_score = dm.score_spec(inner_score) if inner_score is not None else None
-        if q.is_cuda and q_len > 0:
+        if q_len > 0:
             out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
-        else:  # the CPU keeps fz.attention's per-call checks (its NaN check guards flex_cpu)
+        else:  # no queries: fz.attention's empty result
             out, lse = _attend(
                 q,
                 k_run,
@@ -578,7 +603,7 @@ def decode_step(
             )
     else:
         dm.update(lens, block_table if paged else None)
-        live = int(lens.max()) if lens.numel() else 0
+        live = lens if isinstance(lens, int) else (int(lens.max()) if lens.numel() else 0)
         if live > capacity:
             raise ValueError(f"cache_len {live} exceeds the cache capacity {capacity}")
         pages = max(1, -(-live // block_size))
@@ -639,8 +664,10 @@ def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
 def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str) -> Hashable:
     """Everything a decode step's plan depends on besides its DecodeMask: shapes, strides, dtypes,
     devices, the score mod, scale, GQA, lse, the requested route, torch's determinism switch,
-    whether the step records gradients (routes differ by mode) and the process state the
-    dispatcher reads (``plan_cache.process_state``)."""
+    whether the step records gradients (routes differ by mode), whether torch's context_parallel
+    is active (it narrows the routes), the process state the dispatcher reads
+    (``plan_cache.process_state``) and, on the CPU, whether q/k/v hold NaN/inf (``flex_cpu``
+    refuses them: the scan the full path makes)."""
     det = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
@@ -667,6 +694,8 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
         det,
         grad,
         process_state(),
+        sharding.context_parallel_active(),
+        q.device.type == "cpu" and inputs_nonfinite(q, k, v),
     )
 
 
@@ -674,7 +703,9 @@ def _run_planned(
     dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature
-    (:func:`run_signature`)."""
+    (:func:`run_signature`). q/k/v are first cast as ``fz.attention`` casts them under
+    ``torch.autocast``, so the plan, its signature and the kernel all see the dtype computed in."""
+    q, k, v = _under_autocast(q, k, v)
     sig = run_signature(q, k, v, score, scale, gqa, need_lse, backend)
     chosen = dm.runs.get(sig)
     if chosen is None:

@@ -468,3 +468,66 @@ def test_flex_flash_is_not_a_decode_route() -> None:
     cache = torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="decode_step backend must be one of auto, flex, flex_cpu, dense"):
         decode.decode_step(q, cache, cache, 8, backend="flex_flash")
+
+
+# ---- host-cost shortcuts ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [masks.Causal(), None, masks.SlidingWindow.from_hf(150)])
+def test_int_lengths_update_like_tensor_lengths(spec: MaskSpec | None) -> None:
+    """``DecodeMask.update`` with one int (three fills when the block list is fixed) leaves
+    exactly the state a lengths tensor leaves."""
+    by_int, by_tensor = (decode.DecodeMask(spec, B, 1, CAP) for _ in range(2))
+    for n in (1, BS - 1, BS, BS + 1, 300, CAP):
+        by_int.update(n)
+        by_tensor.update(torch.tensor([n] * B))
+        for name in ("cache_len", "offset", "kv_num_blocks", "kv_indices"):
+            assert torch.equal(getattr(by_int, name), getattr(by_tensor, name)), (n, name)
+
+
+def test_int_cache_len_steps_match_tensor_steps() -> None:
+    k, v = _cache(3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for n in (5, 128, 129, 640):
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, n)
+            assert torch.equal(out, decode.decode_step(q, k, v, torch.tensor([n] * B)))
+            _close(out, reference_decode(q, k, v, torch.tensor([n] * B), masks.Causal()))
+        with pytest.raises(ValueError, match="out of range"):
+            decode.decode_step(q, k, v, CAP + 1)
+
+
+def test_cpu_steps_are_planned_once_and_still_route_by_nan() -> None:
+    """CPU steps reuse their plan like CUDA ones; the signature holds the NaN scan, so a cache
+    holding NaN is served by the dense route (flex_cpu would drop it silently), then flex again."""
+    k, v = _cache(6)
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(7))
+    lens = torch.tensor([200, 300])
+    with torch.no_grad():
+        first = decode.decode_step(q, k, v, lens)
+        bad = k.clone()
+        bad[0, 0, 5, 0] = float("nan")
+        out = decode.decode_step(q, bad, v, lens)
+        again = decode.decode_step(q, k, v, lens)
+    # Key 5 of row 0, kv head 0: NaN in that row's two query heads of the group, nowhere else.
+    assert torch.isnan(out[0, :2]).all() and not torch.isnan(out[0, 2:]).any()
+    assert not torch.isnan(out[1]).any()
+    assert torch.equal(again, first)
+    routes = [{p.backend for p in dm.runs.values()} for dm in decode.CACHE.values()]
+    assert {"flex_cpu", "dense"} in routes
+
+
+def test_decode_step_under_autocast_computes_in_the_autocast_dtype() -> None:
+    """As fz.attention: under torch.autocast the step computes in (and returns) the autocast
+    dtype; the plan made outside autocast is not reused inside it."""
+    k, v = _cache(8)
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(9))
+    lens = torch.tensor([100, 250])
+    with torch.no_grad():
+        plain = decode.decode_step(q, k, v, lens)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = decode.decode_step(q, k, v, lens)
+        direct = decode.decode_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), lens)
+    assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
+    assert torch.equal(cast, direct)

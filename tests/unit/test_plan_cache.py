@@ -10,7 +10,7 @@ import torch
 from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, plan_cache
+from flexattn_zoo import masks, plan_cache, score_mods
 from flexattn_zoo.backends import flex as flex_backend
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.registry import MASKS
@@ -21,8 +21,15 @@ from flexattn_zoo.testing import assert_matches_reference
 def plans(monkeypatch: pytest.MonkeyPatch) -> LRUCache:
     fresh: LRUCache = LRUCache(16)
     monkeypatch.setattr(plan_cache, "PLANS", fresh)
-    monkeypatch.setattr("flexattn_zoo.dispatch.PLANS", fresh)
     return fresh
+
+
+def _stored(cache: LRUCache) -> list:
+    """Every plan in ``cache`` (those kept per NaN/inf verdict included)."""
+    out = []
+    for entry in cache.values():
+        out += list(entry.plans.values()) if isinstance(entry, plan_cache.ByFiniteness) else [entry]
+    return out
 
 
 def _qkv(length: int = 64, seed: int = 0, grad: bool = False) -> tuple[torch.Tensor, ...]:
@@ -54,7 +61,7 @@ def test_key_changes_replan(plans: LRUCache) -> None:
     fz.attention(q.detach().transpose(2, 3).contiguous().transpose(2, 3), k, v, mask="causal")  # strides
     fz.attention(*_qkv(length=96), mask="causal")  # shape
     assert plans.inserts == 5
-    assert {p.problem.mode for p in plans.values()} == {"fwd", "fwdbwd"}
+    assert {p.problem.mode for p in _stored(plans)} == {"fwd", "fwdbwd"}
 
 
 def test_registry_change_is_seen(plans: LRUCache) -> None:
@@ -133,3 +140,133 @@ def test_equal_learned_tensors_keep_their_own_gradients(plans: LRUCache) -> None
         out.square().sum().backward()
     assert first.grad is not None and second.grad is not None
     assert torch.allclose(first.grad, second.grad) and first.grad.abs().sum() > 0
+
+
+# ---- host-cost shortcuts of the hit path: each must still see what it stands for ----------------
+
+
+def test_environment_reads_follow_every_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``process_state`` reads the environment through CPython's dict behind ``os.environ``
+    (cheaper than ``os.environ.get``): direct writes and deletions, ``monkeypatch``, and an
+    ``os.environ`` replaced by another mapping are all seen."""
+    import os
+
+    name = plan_cache.ENV_VARS[-1]
+    monkeypatch.delenv(name, raising=False)
+    before = plan_cache.process_state()
+    os.environ[name] = "7"
+    try:
+        seven = plan_cache.process_state()
+        assert seven != before
+        os.environ[name] = "8"
+        assert plan_cache.process_state() not in (before, seven)
+    finally:
+        del os.environ[name]
+    assert plan_cache.process_state() == before
+    monkeypatch.setenv(name, "7")
+    assert plan_cache.process_state() == seven
+    monkeypatch.setattr(os, "environ", {**os.environ, name: "9"})
+    assert plan_cache.process_state() not in (before, seven)
+
+
+def test_score_spec_in_grad_mode_hits(plans: LRUCache) -> None:
+    """Grad mode on, inputs without grad (inference without no_grad): a score spec's call is
+    cached too (its mode is read from the spec's tensors per call)."""
+    q, k, v = _qkv()
+    outs = [fz.attention(q, k, v, mask="causal", score_mod=score_mods.SoftCap(cap=20.0)) for _ in range(3)]
+    assert plans.inserts == 1
+    for out in outs:
+        assert_matches_reference(out, q, k, v, mask="causal", score_mod=score_mods.SoftCap(cap=20.0))
+
+
+def test_learned_tensor_requires_grad_is_seen(plans: LRUCache) -> None:
+    """A score spec's learned tensor decides the mode of a call whose inputs need no grad; turning
+    its requires_grad off (the spec keeps the tensor itself) must replan, not reuse fwdbwd."""
+    q, k, v = _qkv()
+    bias = torch.zeros(2, requires_grad=True)
+    spec = LearnedHeadBias(bias=bias)
+    assert fz.attention(q, k, v, mask="causal", score_mod=spec).requires_grad
+    assert fz.attention(q, k, v, mask="causal", score_mod=spec).requires_grad
+    assert plans.inserts == 1
+    bias.requires_grad_(False)
+    assert not fz.attention(q, k, v, mask="causal", score_mod=spec).requires_grad
+    assert plans.inserts == 2
+    assert {p.problem.mode for p in _stored(plans)} == {"fwd", "fwdbwd"}
+
+
+def test_raw_score_callable_capturing_a_learned_tensor_is_seen(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    bias = torch.zeros(2, requires_grad=True)
+
+    def head_bias(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return score + bias[h]
+
+    assert fz.attention(q, k, v, mask="causal", score_mod=head_bias).requires_grad
+    bias.requires_grad_(False)
+    assert not fz.attention(q, k, v, mask="causal", score_mod=head_bias).requires_grad
+    assert plans.inserts == 2
+
+
+def test_route_blind_to_nan_skips_the_scan(plans: LRUCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only flex_cpu reads whether q/k/v hold NaN/inf: a call routed where that cannot matter
+    (SDPA, causal) is served without scanning the inputs, and NaN still propagates as documented."""
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal")
+    scans: list[int] = []
+    monkeypatch.setattr(plan_cache, "inputs_nonfinite", lambda *a: scans.append(1) or False)
+    bad = q.clone()
+    bad[0, 0, 3, 0] = float("nan")
+    out = fz.attention(bad, k, v, mask="causal")
+    assert scans == [] and plans.inserts == 1
+    assert torch.isnan(out[0, 0, 3]).all() and not torch.isnan(out[0, 1]).any()
+
+
+def test_route_reading_nan_scans_every_hit(plans: LRUCache) -> None:
+    """Sliding windows go to flex_cpu, which refuses NaN inputs: both verdicts keep their own plan
+    under one key, and every call is routed by its own inputs."""
+    q, k, v = _qkv()
+    spec = masks.SlidingWindow(left=8)
+    bad = q.clone()
+    bad[0, 0, 3, 0] = float("nan")
+    first = fz.attention(q, k, v, mask=spec)
+    for _ in range(2):
+        out = fz.attention(bad, k, v, mask=spec)
+        assert torch.isnan(out[0, 0, 3]).all() and not torch.isnan(out[0, 1]).any()
+        assert torch.equal(fz.attention(q, k, v, mask=spec), first)
+    assert plans.inserts == 1
+    (entry,) = plans.values()
+    assert isinstance(entry, plan_cache.ByFiniteness)
+    assert {nonfinite: p.backend for nonfinite, p in entry.plans.items()} == {
+        False: "flex_cpu",
+        True: "dense",
+    }
+
+
+def test_user_block_masks_share_prepared_calls_by_mask_mod(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flex route keeps what it prepares for a caller's BlockMask by its mask_mod and block size
+    (the BlockMask itself is passed per call): two masks of one problem never share."""
+    calls: LRUCache = LRUCache(8)
+    monkeypatch.setattr(flex_backend, "CALLS", calls)
+    q, k, v = _qkv()
+    sliding = masks.SlidingWindow(left=4)
+    pairs = ((fz.block_mask("causal", 64, 64), "causal"), (fz.block_mask(sliding, 64, 64), sliding))
+    with torch.no_grad():
+        for _ in range(2):
+            for bm, spec in pairs:
+                assert_matches_reference(
+                    fz.attention(q, k, v, mask=bm, backend="flex_cpu"), q, k, v, mask=spec
+                )
+    assert calls.inserts == 2
+    assert all(call.block_mask is None for call in calls.values())
+
+
+def test_spec_tensor_list_is_cached_but_not_shared() -> None:
+    doc = masks.Document.from_lengths([20, 44]) & masks.Causal()
+    found = doc.tensors()
+    found.clear()
+    assert len(doc.tensors()) == 1 and doc.tensors()[0] is doc.tensors()[0]
+    import pickle
+
+    assert "_tensors_value" not in pickle.loads(pickle.dumps(doc)).__dict__

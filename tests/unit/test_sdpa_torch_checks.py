@@ -67,3 +67,104 @@ def test_the_check_answers_only_for_the_current_gpu() -> None:
         pytest.skip("checked on the GPU by tests/gpu/test_routes_gpu.py")
     args = ((1, 2, 128, 64), (1, 2, 128, 64), torch.bfloat16, "sm90", True, False, False)
     assert _compat.sdpa_torch_refusal("FLASH_ATTENTION", *args) is None
+
+
+# ---- the eager pin (``_compat.pin_sdpa_kernel``), sdpa_kernel's effect for less host time ----------
+
+_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+
+
+_CUDA_BACKENDS = torch.backends.cuda
+_GETTERS = (
+    _CUDA_BACKENDS.flash_sdp_enabled,
+    _CUDA_BACKENDS.mem_efficient_sdp_enabled,
+    _CUDA_BACKENDS.cudnn_sdp_enabled,
+    _CUDA_BACKENDS.math_sdp_enabled,
+)
+_SETTERS = (
+    _CUDA_BACKENDS.enable_flash_sdp,
+    _CUDA_BACKENDS.enable_mem_efficient_sdp,
+    _CUDA_BACKENDS.enable_cudnn_sdp,
+    _CUDA_BACKENDS.enable_math_sdp,
+)
+
+
+def _flags() -> tuple[bool, ...]:
+    """torch's SDPA enable flags, read through its public functions (any torch version)."""
+    return tuple(bool(get()) for get in _GETTERS)
+
+
+def _set_flags(flags: tuple[bool, ...]) -> None:
+    for set_flag, flag in zip(_SETTERS, flags, strict=True):
+        set_flag(flag)
+
+
+@pytest.mark.parametrize("kernel", _KERNELS)
+def test_pin_has_sdpa_kernels_effect_and_restores_any_prior_state(kernel: str) -> None:
+    original = _flags()
+    n = len(original)
+    try:
+        for prior in (
+            (True,) * n,
+            (False,) * n,
+            tuple(i % 2 == 0 for i in range(n)),
+            tuple(i == 3 for i in range(n)),
+        ):
+            _set_flags(prior)
+            with _compat.sdpa_kernel([getattr(_compat.SDPBackend, kernel)]):
+                expected = _flags()
+            assert _flags() == prior
+            token = _compat.pin_sdpa_kernel(kernel)
+            assert _flags() == expected
+            _compat.restore_sdpa_kernels(token)
+            assert _flags() == prior
+    finally:
+        _set_flags(original)
+
+
+def test_sdpa_route_restores_the_flags_when_the_kernel_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.functional as F
+
+    from flexattn_zoo.backends.sdpa import SDPA_MATH
+
+    q = torch.randn(1, 2, 8, 4)
+    p = plan_problem(
+        Problem(
+            batch=1,
+            heads=2,
+            kv_heads=2,
+            q_len=8,
+            kv_len=8,
+            head_dim=4,
+            dtype=torch.float32,
+            device_type="cpu",
+            arch="cpu",
+            requires_grad=False,
+            mask=masks.Causal(),
+        ),  # fmt: skip
+        "sdpa_math",
+    ).problem
+    before = _flags()
+
+    def boom(*args: object, **kwargs: object) -> None:
+        assert _flags() != before  # pinned to MATH
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", boom)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        SDPA_MATH.run(q, q, q, p, scale=0.5)
+    assert _flags() == before
+
+
+def test_this_torch_takes_the_fast_pin() -> None:
+    """torch 2.13 names its flags in ``torch.nn.attention._backend_names``: the pin reads and sets
+    them directly (a torch without it falls back to entering ``sdpa_kernel``)."""
+    if _compat.TORCH_VERSION < (2, 13):
+        pytest.skip("checked on torch 2.13; other versions may take the sdpa_kernel fallback")
+    before = _flags()
+    token = _compat.pin_sdpa_kernel("MATH")
+    try:
+        assert isinstance(token, tuple)  # not sdpa_kernel's context manager
+    finally:
+        _compat.restore_sdpa_kernels(token)
+    assert _flags() == before

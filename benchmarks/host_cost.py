@@ -1,0 +1,281 @@
+"""Eager host cost of ``fz.attention`` and ``fz.decode.decode_step`` on a plan-cache hit, side by
+side with what a user would write without the library, in one process.
+
+Host time of a call: ``time.perf_counter()`` around the call, with no device synchronization (on
+CUDA the call returns once its kernels are queued; the queue is drained between chunks of calls,
+outside the timed region, so it never fills). Each case is warmed up (compiles, plan and BlockMask
+caches filled), then timed in rounds that visit every case in turn, so slow drift on a shared
+machine hits all cases alike. Reported: median, p10 and p90 of the per-call times in us, the
+difference to the case's baseline (median - median) and the ratio.
+
+Groups, each against its own baseline:
+
+* ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` vs ``fz.attention(mask="causal")``
+  and ``mask=masks.Causal()`` (the SDPA routes). Target: baseline + 15 us.
+* ``sliding``, ``sliding+softcap``, ``causal+softcap``: ``torch.compile(flex_attention)`` with a
+  prebuilt BlockMask (``create_block_mask``, the same mask_mod and score_mod) vs ``fz.attention``
+  with the same specs, on the flex route by name (CPU: ``flex_cpu``; CUDA: ``flex``) and on
+  ``auto`` (its route is printed). Target for the named flex route: baseline + 15 us.
+* ``decode``: ``fz.decode.decode_step`` with one new token per row (int ``cache_len``, a new length
+  every step, as a generation loop passes it) next to SDPA over the live prefix of the cache.
+  Target: 40 us per step.
+
+On the CPU a call runs its kernel before returning, so the times include the kernel; the tiny
+problem (``--shapes`` default adds ``1x2x64x16``) is the one where the kernel is negligible and
+the difference is the library's own host time.
+
+    PYTHONPATH=. python benchmarks/host_cost.py --device cpu --threads 1 --out benchmarks/results/host_cost_cpu.md
+    PYTHONPATH=. python benchmarks/host_cost.py --device cuda --out benchmarks/results/host_cost_h200.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import flexattn_zoo as fz  # noqa: E402
+from flexattn_zoo import masks, score_mods  # noqa: E402
+from flexattn_zoo.bench.env import collect_env  # noqa: E402
+
+SDPA_SLACK_US = 15.0
+FLEX_SLACK_US = 15.0
+DECODE_TARGET_US = 40.0
+CAP = 30.0
+
+
+@dataclass
+class Case:
+    group: str
+    name: str
+    call: Callable[[], Any]
+    baseline: bool = False
+    route: str = ""
+    samples: list[float] = field(default_factory=list)
+
+
+def _stats(samples: list[float]) -> tuple[float, float, float]:
+    deciles = statistics.quantiles(samples, n=10)
+    return statistics.median(samples), deciles[0], deciles[-1]
+
+
+def _parse_shape(text: str) -> tuple[int, int, int, int]:
+    b, h, length, d = (int(x) for x in text.lower().split("x"))
+    return b, h, length, d
+
+
+def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> list[Case]:
+    b, h, length, d = shape
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
+    window = max(1, length // 4)  # keys per query, own included
+    flex_route = "flex" if device.type == "cuda" else "flex_cpu"
+
+    def sliding_mod(b_, h_, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (kv_idx >= q_idx - (window - 1)) & (kv_idx <= q_idx)
+
+    def causal_mod(b_, h_, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return q_idx >= kv_idx
+
+    def softcap_mod(score, b_, h_, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return CAP * torch.tanh(score / CAP)
+
+    sliding_bm = create_block_mask(sliding_mod, None, None, length, length, device=device)
+    causal_bm = create_block_mask(causal_mod, None, None, length, length, device=device)
+    sliding = masks.SlidingWindow.from_hf(window)
+    softcap = score_mods.SoftCap(cap=CAP)
+    cases = [
+        Case(
+            "sdpa",
+            "F.scaled_dot_product_attention(is_causal=True)",
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            baseline=True,
+        ),
+        Case(
+            "sdpa",
+            'fz.attention(mask="causal")',
+            lambda: fz.attention(q, k, v, mask="causal"),
+            route=fz.plan(q, k, v, mask="causal").backend,
+        ),
+        Case(
+            "sdpa",
+            "fz.attention(mask=Causal()), a new spec per call",
+            lambda: fz.attention(q, k, v, mask=masks.Causal()),
+            route=fz.plan(q, k, v, mask=masks.Causal()).backend,
+        ),
+    ]
+    flex_groups: list[tuple[str, Any, Any, Any, Any]] = [
+        ("sliding", sliding_bm, None, sliding, None),
+        ("sliding+softcap", sliding_bm, softcap_mod, sliding, softcap),
+        ("causal+softcap", causal_bm, softcap_mod, masks.Causal(), softcap),
+    ]
+    for group, bm, score_mod, mask_spec, score_spec in flex_groups:
+        compiled = torch.compile(flex_attention, dynamic=False)
+        cases.append(
+            Case(
+                group,
+                "torch.compile(flex_attention), prebuilt BlockMask",
+                lambda c=compiled, bm=bm, sm=score_mod: c(q, k, v, block_mask=bm, score_mod=sm),
+                baseline=True,
+            )
+        )
+        for backend in (flex_route, "auto"):
+            cases.append(
+                Case(
+                    group,
+                    f'fz.attention(backend="{backend}")',
+                    lambda m=mask_spec, s=score_spec, be=backend: fz.attention(
+                        q, k, v, mask=m, score_mod=s, backend=be
+                    ),
+                    route=fz.plan(q, k, v, mask=mask_spec, score_mod=score_spec, backend=backend).backend,
+                )
+            )
+    # Decode: one new token per row against a cache of 4x the length, lengths cycling over a window
+    # of 64 so each step sees a new length (as generation does).
+    capacity = 4 * length
+    k_cache, v_cache = (torch.randn(b, h, capacity, d, generator=gen).to(device, dtype) for _ in range(2))
+    q1 = torch.randn(b, h, 1, d, generator=gen).to(device, dtype)
+    step = [0]
+
+    def next_len() -> int:
+        step[0] += 1
+        return 2 * length + step[0] % 64
+
+    cases += [
+        Case(
+            "decode",
+            "F.scaled_dot_product_attention(cache[:, :, :n])",
+            lambda: F.scaled_dot_product_attention(q1, k_cache[:, :, : (n := next_len())], v_cache[:, :, :n]),
+            baseline=True,
+        ),
+        Case(
+            "decode",
+            "fz.decode.decode_step(cache_len=n)",
+            lambda: fz.decode.decode_step(q1, k_cache, v_cache, next_len()),
+            route=flex_route,
+        ),
+    ]
+    return cases
+
+
+def measure(cases: list[Case], device: torch.device, warmup: int, rounds: int, chunk: int) -> None:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for case in cases:
+        for _ in range(warmup):
+            case.call()
+        sync()
+    clock = time.perf_counter
+    for _ in range(rounds):
+        for case in cases:
+            samples = case.samples
+            call = case.call
+            for _ in range(chunk):
+                t0 = clock()
+                call()
+                samples.append((clock() - t0) * 1e6)
+            sync()
+
+
+def report(
+    cases: list[Case], shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
+) -> list[str]:
+    b, h, length, d = shape
+    lines = [
+        f"### B={b} H={h} L={length} D={d} {str(dtype).removeprefix('torch.')} on {device.type}"
+        + (" (times include the kernel)" if device.type == "cpu" else ""),
+        "",
+        "| group | call | route | median us | p10 | p90 | - baseline us | / baseline | target |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    base: dict[str, float] = {}
+    for case in cases:
+        med, p10, p90 = _stats(case.samples)
+        if case.baseline:
+            base[case.group] = med
+            diff = ratio = target = ""
+        else:
+            ref = base[case.group]
+            diff, ratio = f"{med - ref:+.1f}", f"{med / ref:.2f}x"
+            if case.group == "decode":
+                target = f"<= {DECODE_TARGET_US:.0f}: {'met' if med <= DECODE_TARGET_US else 'missed'}"
+            elif case.group == "sdpa" or "auto" not in case.name:
+                slack = SDPA_SLACK_US if case.group == "sdpa" else FLEX_SLACK_US
+                target = f"<= +{slack:.0f}: {'met' if med - ref <= slack else 'missed'}"
+            else:
+                target = ""
+        lines.append(
+            f"| {case.group} | `{case.name}` | {case.route} | {med:.1f} | {p10:.1f} | {p90:.1f} | {diff} | {ratio} | {target} |"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    p.add_argument(
+        "--shapes", default=None, help="BxHxLxD,... (default: cuda 1x8x512x64; cpu that and 1x2x64x16)"
+    )
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--chunk", type=int, default=50, help="calls per case per round")
+    p.add_argument("--out", default=None, help="write the markdown report here")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = (
+        getattr(torch, args.dtype)
+        if args.dtype
+        else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
+    shapes = args.shapes or ("1x8x512x64" if device.type == "cuda" else "1x8x512x64,1x2x64x16")
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    env = collect_env(device, command)
+    dirty = " (uncommitted changes)" if env.get("git_dirty") else ""
+    out = [
+        "# Eager host cost on a plan-cache hit",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"torch {env['torch']}, {env['gpu'] or 'CPU'}, {torch.get_num_threads()} threads, "
+        f"flexattn_zoo {(env['git'] or '?')[:12]}{dirty}, {env['date']}; "
+        f"{args.rounds} rounds x {args.chunk} calls per case after {args.warmup} warm-up calls.",
+        "",
+    ]
+    if device.type == "cpu":
+        out += [
+            "CPU: every call runs its kernel before it returns, so these times include the kernel;",
+            "the tiny shape is where the kernel is negligible and the difference is host overhead.",
+            "",
+        ]
+    for text in shapes.split(","):
+        shape = _parse_shape(text)
+        cases = build_cases(device, dtype, shape)
+        measure(cases, device, args.warmup, args.rounds, args.chunk)
+        out += report(cases, shape, dtype, device) + [""]
+        print("\n".join(report(cases, shape, dtype, device)), flush=True)
+        print()
+    text = "\n".join(out).rstrip() + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
