@@ -138,7 +138,7 @@ def _take_ownership(spec: Any) -> None:
     as well as the arguments themselves. Nested specs own their tensors already.
     """
     values = spec.__dict__
-    for name in _field_names(type(spec)):
+    for name in _field_names(spec):
         value = values.get(name)
         if value is None or isinstance(value, (bool, int, float, str)):
             continue  # the common parameters: nothing to own
@@ -209,12 +209,16 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 _NESTED = (torch.Tensor, tuple, list)
 
 
-def _field_names(cls: type) -> tuple[str, ...]:
-    """The dataclass field names of spec class ``cls``, looked up once per class
-    (``dataclasses.fields`` filters every attribute of the class on each call)."""
+def _field_names(spec: Any) -> tuple[str, ...]:
+    """The dataclass field names of ``spec``, looked up once per class (``dataclasses.fields``
+    filters every attribute of the class on each call). Not while torch.compile traces: Dynamo
+    takes ``fields`` of an instance, and would guard on a global cache it read."""
+    if _compat.is_compiling():
+        return tuple(f.name for f in dataclasses.fields(spec))
+    cls = type(spec)
     names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))
+        names = tuple(f.name for f in dataclasses.fields(spec))
         _FIELD_NAMES[cls] = names
     return names
 
@@ -256,7 +260,7 @@ class Spec:
     name: ClassVar[str] = ""
 
     def _fields(self) -> tuple[Any, ...]:
-        return tuple([getattr(self, name) for name in _field_names(type(self))])
+        return tuple([getattr(self, name) for name in _field_names(self)])
 
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
@@ -348,11 +352,13 @@ class Spec:
         # Cached per spec (equality and the plan cache's key ask on every call): its fields never
         # change. Not for specs wrapping raw callables, whose captured tensors are read live, nor
         # while torch.compile traces (what it would store are the trace's values).
+        if _compat.is_compiling():
+            return self._collect_tensors()  # read from the fields, as Dynamo tracks them
         cached = self.__dict__.get("_tensors_value")
         if cached is not None:
             return list(cached)
         found = self._collect_tensors()
-        if not self._holds_callables() and not _compat.is_compiling():
+        if not self._holds_callables():
             object.__setattr__(self, "_tensors_value", tuple(found))
         return found
 
