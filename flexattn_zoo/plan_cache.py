@@ -77,7 +77,7 @@ def call_key(
         return None  # subclasses and non-tensors: the full path validates them
     if not (type(enable_gqa) is bool and type(return_lse) is bool and type(backend) is str):
         return None  # 1 == True as a key: let the full path refuse non-bool flags
-    if isinstance(mask, _compat.BlockMask) or _compat.is_compiling():
+    if isinstance(mask, _compat.BlockMask):
         return None
     device = q.device
     dtype = q.dtype

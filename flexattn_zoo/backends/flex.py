@@ -109,21 +109,11 @@ class FlexBackend(Backend):
         in the graph by the same closed-form or block-by-block builders as eagerly (a spec's
         tensors, e.g. document ids, are graph inputs, so new values each step reuse the
         compiled graph)."""
-        if block_mask is None and p.mask is not None and q.device.type == "cuda":
-            # torch's own builder on CUDA: ours, compiled into the caller's graph by Inductor,
-            # gave a wrong document & causal result on the H200 (tests/gpu/test_compile_gpu.py).
-            mask = p.mask.to(q.device)
-            block_mask = _compat.create_block_mask(
-                mask.mask_mod(),
-                p.batch if mask.uses_batch() else None,
-                p.heads if mask.uses_head() else None,
-                p.q_len,
-                p.kv_len,
-                device=q.device,
-            )
-        elif block_mask is None and p.mask is not None:
-            # Ours on the CPU: torch's create_block_mask hit an Inductor C++ codegen error there
-            # (a captured [B] tensor, torch 2.13).
+        if block_mask is None and p.mask is not None:
+            # The eager builders, traced into the graph. On CUDA only masks that read no tensors
+            # get here (dispatch sends the others out of the graph: torch 2.11 fails to build a
+            # BlockMask over a captured [B, L] tensor inside a compiled CUDA graph); on the CPU,
+            # torch's create_block_mask hit an Inductor C++ codegen error where these do not.
             block_mask = build_block_mask(
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
             )

@@ -101,16 +101,13 @@ def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
     torch._dynamo.reset()
     out = torch.compile(call, fullgraph=True)(q, k, v)
     ref_kw = dict(kw, mask=spec) if case in DATA_CASES else kw
-    assert_matches_reference(out, q, k, v, **ref_kw)
-    if grad:
-        out.float().square().sum().backward()
-        got = [t.grad.clone() for t in (q, k, v)]  # type: ignore[union-attr]
-        for t in (q, k, v):
-            t.grad = None
-        fz.attention(q, k, v, backend=plan.backend, **kw).float().square().sum().backward()
-        for a, t in zip(got, (q, k, v), strict=True):
-            assert t.grad is not None
-            torch.testing.assert_close(a, t.grad, atol=5e-2, rtol=5e-2)
+    if not grad:
+        assert_matches_reference(out, q, k, v, **ref_kw)
+        return
+    # Gradients through the compiled graph against float64, by fz.testing's budget rule.
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, **ref_kw, grads=grads, grad_out=grad_out)
 
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
