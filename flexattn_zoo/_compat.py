@@ -9,6 +9,7 @@ import contextlib
 import functools
 import importlib.util
 import inspect
+import operator
 import threading
 import warnings
 from collections.abc import Iterator
@@ -345,6 +346,20 @@ def is_compiling() -> bool:
     another thread sets: an eager call made meanwhile would take the traced path (no locks, no
     caches, spec tensors not owned). So a True flag is confirmed with thread-local state."""
     return bool(torch.compiler.is_compiling()) and _tracing_in_this_thread()
+
+
+def static_int(value: Any) -> int:
+    """``value`` as a plain int while ``torch.compile`` traces with dynamic shapes: a ``SymInt``
+    (a tensor size, or an int Dynamo chose to make symbolic) is specialized to the value it
+    has now, and Dynamo guards on it (a new value recompiles). For what never varies within a
+    model (heads, head dims, a spec's window or chunk size); a length only where a kernel cannot
+    take it symbolic, as a deliberate choice (``CapturedOffsets._offset_tensor``).
+
+    ``operator.index`` is how Dynamo is asked for that (CPython's ``PyNumber_Index`` forces a
+    concrete int, and Dynamo specializes the SymInt to match); ``int()`` keeps it symbolic.
+    Eagerly it returns a plain int as it is. (No ``type(value) is int`` shortcut: Dynamo
+    answers ``int`` for the type of a SymInt.)"""
+    return operator.index(value)
 
 
 def recompile_limit() -> int:

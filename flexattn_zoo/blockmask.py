@@ -23,7 +23,7 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.coercion import as_mask_spec
 from flexattn_zoo.lru import LRUCache
-from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges
+from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges, tracing
 from flexattn_zoo.validation import SUPPORTED_DEVICES
 
 DEFAULT_BLOCK_SIZE = 128
@@ -96,10 +96,17 @@ def generic_block_map(
     h = torch.arange(heads, device=device).view(1, heads, 1, 1)
     kv = torch.arange(kv_pad, device=device).view(1, 1, 1, kv_pad)
     kv_valid = kv < kv_len
-    rows_per_slab = max(1, GENERIC_CHUNK_ELEMENTS // max(1, batch * heads * qb * kv_pad))
+    if tracing():
+        # One slab: a Python loop over a symbolic number of blocks would specialize the length
+        # (torch.compile with dynamic shapes: a recompile per 128 positions). The compiled graph
+        # computes the block reductions from the mask_mod's values without the eager path's
+        # memory bound.
+        slabs = [(0, n_q)]
+    else:
+        rows_per_slab = max(1, GENERIC_CHUNK_ELEMENTS // max(1, batch * heads * qb * kv_pad))
+        slabs = [(start, min(n_q, start + rows_per_slab)) for start in range(0, n_q, rows_per_slab)]
     any_parts, full_parts = [], []
-    for start in range(0, n_q, rows_per_slab):
-        stop = min(n_q, start + rows_per_slab)
+    for start, stop in slabs:
         q = torch.arange(start * qb, stop * qb, device=device).view(1, 1, -1, 1)
         # Padding positions are clamped for evaluation (so captured tensors index in range),
         # then counted as masked, exactly as create_block_mask pads with False.

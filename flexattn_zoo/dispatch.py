@@ -25,7 +25,15 @@ from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
 from flexattn_zoo.spec import Spec
-from flexattn_zoo.validation import check_device, check_flag, check_qkv, check_scale, inputs_nonfinite
+from flexattn_zoo.validation import (
+    Shape,
+    check_device,
+    check_flag,
+    check_qkv,
+    check_scale,
+    check_traced_scale,
+    inputs_nonfinite,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +198,14 @@ def _problem(
     return_lse: bool,
     deterministic: bool | None,
     scale: float | None,
+    traced: bool = False,
 ) -> tuple[Problem, Any]:
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
     det = _resolve_deterministic(deterministic)
     shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
+    if traced:
+        shape = _model_sizes_static(shape)
     check_device(q)
     user_bm = mask if isinstance(mask, _compat.BlockMask) else None
     mask_spec = None if user_bm is not None else as_mask_spec(mask)
@@ -228,6 +239,24 @@ def _problem(
         nonpositive_scale=scale is not None and scale <= 0,
     )
     return problem, user_bm
+
+
+def _model_sizes_static(shape: Shape) -> Shape:
+    """``shape`` with the sizes that are constants of a model -- heads, kv heads, head dims --
+    specialized while ``torch.compile`` traces (``_compat.static_int``: Dynamo guards on them).
+    Batch and lengths stay as traced, symbolic under dynamic shapes: routes read them only
+    through comparisons (guards) and tensor ops. Kernels take head counts and dims as Python
+    values (``enable_gqa``, the default scale ``1/sqrt(D)``), and a model never varies them.
+    (Dynamo gives sizes equal at the first trace one symbol: a batch equal to a head count is
+    specialized with it, and a later batch recompiles once.)"""
+    s = _compat.static_int
+    return dataclasses.replace(
+        shape,
+        heads=s(shape.heads),
+        kv_heads=s(shape.kv_heads),
+        head_dim=s(shape.head_dim),
+        v_dim=s(shape.v_dim),
+    )
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -414,9 +443,9 @@ def attention(
             deterministic=deterministic,
         )
         return local.to_global(result)
-    scale_checked = check_scale(scale)
-    q, k, v = _under_autocast(q, k, v)
     if _compat.is_compiling():
+        scale_checked = check_traced_scale(scale)  # a float Dynamo made symbolic is checked too
+        q, k, v = _under_autocast(q, k, v)
         if q.device.type == "cuda" and _holds_data(mask):
             # Traced on CUDA, a mask reading captured tensors (document & causal) gave wrong rows
             # on the H200 (benchmarks/README.md, gpu_tests_r11c): until that is understood, such
@@ -428,6 +457,8 @@ def attention(
         return _traced_attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic
         )
+    scale_checked = check_scale(scale)
+    q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error. So does a call
     # under context_parallel, whose route choice is narrower (and must not be cached for others).
@@ -504,8 +535,12 @@ def _traced_attention(
     plain Python that Dynamo guards like any other decision (on shapes, dtypes, grad mode, the
     spec objects), with no cache, lock or log on the way, and the route's op put into the
     caller's graph. Nothing here reads tensor data (see ``Problem``: data-derived facts are
-    unknown while tracing, and routes that need them refuse)."""
-    problem, user_bm = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale)
+    unknown while tracing, and routes that need them refuse). Under dynamic shapes batch and
+    lengths stay symbolic (a route decision on them is a guard), while model constants are
+    specialized (``_model_sizes_static``; spec parameters: ``spec.static_int``)."""
+    problem, user_bm = _problem(
+        q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale, traced=True
+    )
     if problem.q_len == 0 or problem.kv_len == 0:
         if backend != "auto":
             plan_problem(problem, backend)

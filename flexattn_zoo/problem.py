@@ -20,6 +20,10 @@ class Problem:
     the CPU, where the check costs no device synchronization.
     ``index_extent`` is the largest element offset + 1 that a kernel reads in any of q/k/v (from
     their sizes and strides: an expanded tensor counts once); 0 when unknown.
+
+    While ``torch.compile`` traces with dynamic shapes, ``batch``, ``q_len``, ``kv_len`` and
+    ``index_extent`` may be ``torch.SymInt``: routes compare them (Dynamo guards on the outcome)
+    and pass them to tensor ops, never convert them to Python ints.
     """
 
     batch: int
@@ -51,7 +55,7 @@ class Problem:
         for name in ("batch", "heads", "kv_heads", "head_dim", "v_dim", "q_len", "kv_len"):
             value = getattr(self, name)
             low = 0 if name in ("q_len", "kv_len") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < low:
                 raise ValueError(f"Problem {name} must be an int >= {low}, got {value!r}")
         if self.heads % self.kv_heads:
             raise ValueError(

@@ -258,6 +258,12 @@ class Spec:
 
     #: Registry name (snake_case); set by the registry decorator.
     name: ClassVar[str] = ""
+    #: Fields that only ever hold Python numbers (the spec's ``__post_init__`` makes them so), which
+    #: ``tensors()`` skips. While ``torch.compile`` traces with dynamic shapes, reading a float field
+    #: makes it a symbolic graph input, and an unused one costs a second trace of the whole call
+    #: (Dynamo restarts to specialize it). Kernels read such floats through a constant path
+    #: (``SoftCap.static_cap``).
+    scalar_fields: ClassVar[frozenset[str]] = frozenset()
 
     def _fields(self) -> tuple[Any, ...]:
         return tuple([getattr(self, name) for name in _field_names(self)])
@@ -364,7 +370,11 @@ class Spec:
 
     def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
-        for value in self._fields():
+        skip = type(self).scalar_fields
+        for name in _field_names(self):
+            if name in skip:
+                continue
+            value = getattr(self, name)
             if isinstance(value, torch.Tensor):
                 found.append(value)
             elif isinstance(value, Spec):
@@ -380,7 +390,10 @@ class Spec:
     def to(self, device: torch.device | str) -> Self:
         """A copy with every captured tensor on ``device`` (``self`` if nothing moves)."""
         changes: dict[str, Any] = {}
+        skip = type(self).scalar_fields  # nothing to move there (see scalar_fields)
         for f in dataclasses.fields(self):  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses
+            if f.name in skip:
+                continue
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor) and value.device != torch.device(device):
                 # A fresh tensor (or the learned tensor's non-leaf copy): the new spec owns it as is.
@@ -504,6 +517,14 @@ def tracing() -> bool:
     return _compat.is_compiling()
 
 
+#: A spec parameter as a plain int while ``torch.compile`` traces (see ``_compat.static_int``).
+#: Mods apply it to the ints they capture: a spec passed to a compiled function as an argument
+#: has its int fields made symbolic under dynamic shapes, and Inductor's CPU flex kernel fails
+#: to compile a ``mask_mod`` closing over one (C++ errors, torch 2.13). A spec's parameters never
+#: vary within a model, so specializing them costs nothing but a guard.
+static_int = _compat.static_int
+
+
 def block_ranges(
     length: int, block: int, device: torch.device | str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -547,7 +568,10 @@ class MaskSpec(Spec):
         return self
 
     def mask_mod(self) -> MaskMod:
-        """The flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``; one function object per value."""
+        """The flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``; one function object per value.
+
+        ``_make_mask_mod`` passes the int parameters its function captures through
+        :func:`static_int` (a constant to ``torch.compile``, whatever the spec's source)."""
         return _MODS.get_or_create(("mask", self), self._make_mask_mod)
 
     def _make_mask_mod(self) -> MaskMod:
@@ -721,4 +745,5 @@ __all__ = [
     "as_4d",
     "block_ranges",
     "spec_dataclass",
+    "static_int",
 ]

@@ -91,6 +91,24 @@ def check_scale(scale: object) -> float | None:
     return check_score_factor("scale", value)
 
 
+def check_traced_scale(scale: object) -> float | None:
+    """``check_scale`` while ``torch.compile`` traces, by comparisons alone: under dynamic shapes
+    Dynamo makes a float read from an object (a module's ``scale``) symbolic, and cannot trace
+    ``math.isfinite`` on it. The rule is the same (NaN and inf fail ``abs(x) <= max`` too);
+    Dynamo guards on the comparison."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, Real):
+        got = f"{type(scale).__name__} {scale!r}"
+        raise TypeError(f"scale must be None or a finite real number (e.g. 0.125), got {got}")
+    value = float(scale)
+    if not abs(value) <= SCORE_FACTOR_MAX:
+        raise ValueError(
+            f"scale must be None or a finite number with |value| <= {SCORE_FACTOR_MAX:.3g}, got {scale!r}"
+        )
+    return value
+
+
 def env_number(name: str, default: float, *, unit: str = "") -> float:
     """The non-negative number in environment variable ``name`` (``default`` when unset or empty).
 

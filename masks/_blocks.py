@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo.spec import BlockMap, block_ranges, tracing
+from flexattn_zoo.spec import BlockMap, block_ranges, static_int, tracing
 
 
 def band_block_map(
@@ -99,10 +99,13 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
     while mask_mods (int32) and block maps (int64) no longer overflow on ``2**40``-style
     "unbounded" values."""
     wanted = "an int" if minimum is None else f"an int >= {minimum}"
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    if isinstance(value, bool) or not (isinstance(value, int) or hasattr(value, "__index__")):
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}")
     try:
-        as_int = int(value.__index__())
+        # int() keeps a SymInt symbolic while torch.compile traces with dynamic shapes (Causal
+        # binds Lkv - Lq into an OffsetCausal); Dynamo can trace neither hasattr nor __index__ on
+        # one. Other integer types (NumPy, 0-d tensors) go through __index__.
+        as_int = int(value) if isinstance(value, int) else int(value.__index__())
     except (TypeError, ValueError, RuntimeError) as exc:  # e.g. a float or multi-element tensor
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}: {exc}") from exc
     if minimum is not None and as_int < minimum:
@@ -168,7 +171,14 @@ class CapturedOffsets:
 
         While ``torch.compile`` traces a caller, the int itself: the caller's graph is compiled
         for this spec value anyway (Dynamo guards on it), and Inductor's CPU flex kernel refuses
-        a 0-d tensor made inside the graph (NoValidChoicesError, torch 2.13)."""
+        a 0-d tensor made inside the graph (NoValidChoicesError, torch 2.13).
+
+        Specialized (``static_int``) under dynamic shapes too: ``Causal(align="bottom_right")``
+        binds ``Lkv - Lq``, symbolic there, and Inductor's CPU flex kernel lowers neither a
+        symbolic closure (LoweringException: 'Add' object has no attribute 'get_name') nor a 0-d or
+        1-element tensor made from one (NoValidChoicesError; torch 2.13, plain flex_attention
+        too). A deliberate choice: one compile per distinct offset for such calls (Lq != Lkv);
+        Lq == Lkv binds to plain ``Causal()``, and a Band's offsets are its parameters."""
         if tracing():
-            return value
+            return static_int(value)
         return torch.full((), value, dtype=torch.int32, device=self.__dict__.get("_device"))

@@ -14,6 +14,7 @@ from flexattn_zoo.spec import (
     VarlenForm,
     block_ranges,
     spec_dataclass,
+    static_int,
 )
 
 from ._blocks import check_int, sorted_label_block_map
@@ -51,7 +52,7 @@ class Chunked(MaskSpec):
         object.__setattr__(self, "size", check_int("size", self.size, minimum=1, owner="Chunked"))
 
     def _make_mask_mod(self) -> MaskMod:
-        size = self.size
+        size = static_int(self.size)  # see spec.MaskSpec.mask_mod
 
         def chunked_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -73,11 +74,12 @@ class Chunked(MaskSpec):
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         if q_len != kv_len:
             return None
-        whole, rest = divmod(q_len, self.size)
-        segments = [self.size] * whole + ([rest] if rest else [])
-        return VarlenForm(
-            segments=torch.tensor(segments, dtype=torch.int64), window=(-1, -1), uniform=self.size
-        )
+        # [size, ..., size, rest] by tensor ops, not a Python list: under torch.compile with
+        # dynamic shapes the length is symbolic, and routes that lay the call out as equal chunks
+        # read ``uniform`` alone (a guard on length % size), never these values.
+        starts = torch.arange(-(-q_len // self.size), dtype=torch.int64) * self.size
+        segments = (q_len - starts).clamp(max=self.size)
+        return VarlenForm(segments=segments, window=(-1, -1), uniform=self.size)
 
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         # The first key of the query's own chunk (visible whenever it exists): exact.

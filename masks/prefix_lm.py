@@ -17,6 +17,7 @@ from flexattn_zoo.spec import (
     SplitPart,
     block_ranges,
     spec_dataclass,
+    static_int,
 )
 
 from ._blocks import check_int, complete_pairs
@@ -89,10 +90,12 @@ class PrefixLM(MaskSpec):
 
             return batched_prefix_lm_mask
 
+        shared = static_int(prefix)  # see spec.MaskSpec.mask_mod
+
         def prefix_lm_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            return (kv_idx < prefix) | (kv_idx <= q_idx)
+            return (kv_idx < shared) | (kv_idx <= q_idx)
 
         return prefix_lm_mask
 

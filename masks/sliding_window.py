@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    SdpaForm,
+    Spec,
+    VarlenForm,
+    spec_dataclass,
+    static_int,
+)
 
 from ._blocks import band_block_map, check_int
 
@@ -54,7 +63,7 @@ class SlidingWindow(MaskSpec):
         return cls(left=width - 1, right=0)
 
     def _make_mask_mod(self) -> MaskMod:
-        left, right = self.left, self.right
+        left, right = static_int(self.left), static_int(self.right)  # see spec.MaskSpec.mask_mod
 
         def sliding_window_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

@@ -9,7 +9,7 @@ from numbers import Real
 import torch
 
 from flexattn_zoo.registry import SCORES
-from flexattn_zoo.spec import LinearBiasForm, ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.spec import LinearBiasForm, ScoreMod, ScoreSpec, Spec, spec_dataclass, static_int
 from flexattn_zoo.validation import check_score_factor
 
 
@@ -97,10 +97,15 @@ class Alibi(ScoreSpec):
     num_heads: int
     slopes: tuple[float, ...] | None = None
 
+    scalar_fields = frozenset({"num_heads", "slopes"})  # an int and floats (__post_init__)
+
     def __post_init__(self) -> None:
         num_heads = _check_num_heads(self.num_heads)
         # Frozen dataclass: normalise in place so equal parameters give equal (hashable) specs.
-        object.__setattr__(self, "slopes", _check_slopes(self.slopes, num_heads))
+        slopes = _check_slopes(self.slopes, num_heads)
+        object.__setattr__(self, "slopes", slopes)
+        # See static_slopes.
+        object.__setattr__(self, "_slopes_text", None if slopes is None else tuple(map(repr, slopes)))
 
     def head_slopes(self) -> list[float]:
         """The ``num_heads`` slopes as Python floats (given ones, or Press et al.'s)."""
@@ -118,18 +123,28 @@ class Alibi(ScoreSpec):
                 f"build it with num_heads={heads}"
             )
 
+    def static_slopes(self) -> tuple[float, ...] | None:
+        """``slopes``, read so that ``torch.compile`` sees constants (as ``SoftCap.static_cap``:
+        Dynamo makes floats read from an object symbolic under dynamic shapes, never a str)."""
+        if "_slopes_text" not in self.__dict__:  # pickled before it was kept
+            return self.slopes
+        text = self.__dict__["_slopes_text"]
+        return None if text is None else tuple(float(t) for t in text)
+
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        if self.slopes is None:
-            return _inline_press_mod(self.num_heads, past_only=False)
-        return _selected_slopes_mod(self.slopes, past_only=False)
+        slopes = self.static_slopes()
+        if slopes is None:
+            return _inline_press_mod(static_int(self.num_heads), past_only=False)
+        return _selected_slopes_mod(slopes, past_only=False)
 
     def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
         # Where kv_idx <= q_idx, |q_idx - kv_idx| is q_idx - kv_idx. Dropping the abs measured on
         # the H200 (benchmarks/results/mod_spelling_probe_h200_v1.txt, causal B=4 H=16 L=8K D=128):
         # flex_flash 528 -> 567 / 535 -> 546 TFLOP/s, Triton flex 375 -> 401 / 365 -> 379.
-        if self.slopes is None:
-            return _inline_press_mod(self.num_heads, past_only=True)
-        return _selected_slopes_mod(self.slopes, past_only=True)
+        slopes = self.static_slopes()
+        if slopes is None:
+            return _inline_press_mod(static_int(self.num_heads), past_only=True)
+        return _selected_slopes_mod(slopes, past_only=True)
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         # Independent of the score_mod: slopes from math.pow in a Python list, not from exp2 of h.

@@ -42,6 +42,8 @@ class SoftCap(ScoreSpec):
     cap: float
     approx: bool = False
 
+    scalar_fields = frozenset({"cap", "approx"})  # a float and a bool (__post_init__)
+
     def __post_init__(self) -> None:
         cap = self.cap
         if isinstance(cap, bool) or not isinstance(cap, Real):
@@ -54,9 +56,19 @@ class SoftCap(ScoreSpec):
             raise TypeError(f"SoftCap(approx=...) must be a bool, got {type(self.approx).__name__}")
         # SoftCap(cap=30) and SoftCap(cap=30.0) must be the same spec (same hash, same score_mod).
         object.__setattr__(self, "cap", float(cap))
+        object.__setattr__(self, "_cap_text", repr(float(cap)))
+
+    def static_cap(self) -> float:
+        """``cap``, read so that ``torch.compile`` sees a constant: under dynamic shapes Dynamo
+        makes every float it reads from an object symbolic, which a flex ``score_mod`` cannot
+        capture (nor Inductor's CPU flex kernel load as a tensor); a str it never does, and it
+        guards on its value. ``repr`` of a float round-trips exactly. (No text: a spec pickled
+        before it was kept.)"""
+        text = self.__dict__.get("_cap_text")
+        return self.cap if text is None else float(text)
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        cap = self.cap
+        cap = self.static_cap()
         inv_cap = 1.0 / cap
         tanh = _fast_tanh() if (fast and self.approx) else None
         if tanh is not None:
@@ -83,7 +95,7 @@ class SoftCap(ScoreSpec):
         return self.cap * torch.sign(x) * (-em1) / (2.0 + em1)
 
     def softcap_form(self) -> SoftCapForm | None:
-        return SoftCapForm(cap=self.cap, approx=self.approx)
+        return SoftCapForm(cap=self.static_cap(), approx=self.approx)  # read while tracing too
 
     @classmethod
     def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:

@@ -193,7 +193,12 @@ def _decode_kernel_has_no_config(p: Problem, block_mask: Any) -> bool:
     """
     if not _decoding_kernel_chosen(p):
         return False
-    rows = max(16, 1 << (p.q_len * (p.heads // p.kv_heads) - 1).bit_length())
+    # next_pow2(Lq * group), at least 16, by doubling: under torch.compile with dynamic shapes Lq
+    # is symbolic, and comparisons (range guards) need no concrete value where bit_length would.
+    packed = p.q_len * (p.heads // p.kv_heads)
+    rows = 16
+    while rows < packed:
+        rows *= 2
     q_block = block_mask.BLOCK_SIZE[0] if block_mask is not None else 128  # torch's default mask
     return int(q_block) % rows != 0
 
