@@ -14,7 +14,8 @@
 # Environment: OUT (default benchmarks/results), PYTHON (default python3), TEST_TIMEOUT seconds per
 # process (default 540), PARTS (default "a b c d": a = routes + determinism, b = fuzz + decode,
 # c = the soak, tests/gpu/test_soak_gpu.py, whose knobs FLEXATTN_ZOO_SOAK_CALLS / _STREAMS pass through,
-# d = fz.attention under torch.compile / CUDA graphs / export, tests/gpu/test_compile_gpu.py).
+# d = fz.attention under torch.compile / CUDA graphs / export, tests/gpu/test_compile_gpu.py, in
+# D_WORKERS pytest-xdist processes when set: its compiles are CPU-bound).
 # Exit code: non-zero if any process failed or timed out.
 set -uo pipefail
 name="${1:?usage: $0 NAME}"
@@ -44,7 +45,7 @@ for part in $parts; do
     a) run a tests/gpu/test_routes_gpu.py tests/gpu/test_determinism_gpu.py & ;;
     b) run b tests/gpu/test_fuzz_gpu.py tests/gpu/test_decode_gpu.py & ;;
     c) run c -s tests/gpu/test_soak_gpu.py & ;;
-    d) run d tests/gpu/test_compile_gpu.py & ;;
+    d) run d ${D_WORKERS:+-n "$D_WORKERS"} tests/gpu/test_compile_gpu.py & ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
@@ -120,6 +121,41 @@ def test_data_masks_leave_the_graph_exactly(case: str) -> None:
     assert explained.graph_break_count == 1, explained.break_reasons
     torch._dynamo.reset()
     assert_matches_reference(torch.compile(call)(q, k, v), q, k, v, **kw)
+
+
+#: Routes compiled with dynamic shapes: auto and the kernels it picks among on CUDA.
+DYNAMIC_ROUTES = ["auto", "flex", "sdpa_cudnn", "sdpa_flash"]
+
+
+@pytest.mark.parametrize("route", DYNAMIC_ROUTES)
+@pytest.mark.parametrize("case", sorted(set(CASES) - DATA_CASES))
+def test_dynamic_shapes_one_graph_for_every_length(case: str, route: str) -> None:
+    """``torch.compile(dynamic=True, fullgraph=True)``: three (batch, length) pairs, each against
+    float64, compiled at most twice (a length that changes a route decision is a guard)."""
+    counter = CompileCounterWithBackend("inductor")
+    kw = CASES[case]()
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, backend=route, **kw)
+
+    step = torch.compile(call, backend=counter, dynamic=True, fullgraph=True)
+    for batch, length in ((2, 384), (3, 512), (2, 640)):
+        g = torch.Generator(device=DEV).manual_seed(length)
+        q, k, v = (
+            torch.randn(batch, H, length, D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3)
+        )
+        try:
+            fz.plan(q, k, v, backend=route, **kw)
+        except ValueError as err:
+            pytest.skip(f"{route} refuses {case}: {err}")
+        try:
+            out = step(q, k, v)
+        except ValueError as err:
+            if TRACED_ONLY not in str(err):
+                raise
+            pytest.skip(f"{route} refuses {case} while traced: {err}")
+        assert_matches_reference(out, q, k, v, **kw)
+    assert counter.frame_count <= 2, counter.frame_count
 
 
 @pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal"])
