@@ -177,8 +177,13 @@ class CapturedOffsets:
         binds ``Lkv - Lq``, symbolic there, and Inductor's CPU flex kernel lowers neither a
         symbolic closure (LoweringException: 'Add' object has no attribute 'get_name') nor a 0-d or
         1-element tensor made from one (NoValidChoicesError; torch 2.13, plain flex_attention
-        too). A deliberate choice: one compile per distinct offset for such calls (Lq != Lkv);
-        Lq == Lkv binds to plain ``Causal()``, and a Band's offsets are its parameters."""
-        if tracing():
+        too). A deliberate choice there: one compile per distinct offset for such calls
+        (Lq != Lkv); Lq == Lkv binds to plain ``Causal()``, and a Band's offsets are its parameters.
+
+        On CUDA a traced call gets a 0-d tensor made in the graph from the (possibly symbolic)
+        value: a compiled decode step over a static KV cache, whose offset is the cache position,
+        then serves every step with one graph instead of recompiling per token."""
+        device = self.__dict__.get("_device")
+        if tracing() and device.type != "cuda":
             return static_int(value)
-        return torch.full((), value, dtype=torch.int32, device=self.__dict__.get("_device"))
+        return torch.full((), value, dtype=torch.int32, device=device)
