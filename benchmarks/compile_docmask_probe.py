@@ -1,125 +1,147 @@
-"""Which part of a compiled document & causal flex call goes wrong on CUDA.
+"""Which in-graph BlockMask builds of a document mask work on CUDA under torch.compile.
 
-The GPU compile tests found fz.attention traced inside torch.compile(fullgraph=True) giving wrong
-rows for Document & Causal on the H200 (batch row 1 query 0 came out 0). This probe compares, for
-the same inputs, the max abs error against float64 of: plain torch flex (mask_mod over a [B, L]
-ids tensor, eager BlockMask passed in / BlockMask built in the graph / ids as an input / ids
-captured), int32 vs int64 ids, with and without the causal part, and fz.attention traced.
+fz.attention traced inside ``torch.compile(fullgraph=True)`` gave wrong rows for Document & Causal
+on the H200, and torch's ``create_block_mask`` compiled in the graph raised "CUDA error: operation
+not supported on global/shared address space" for int32 ids. A CUDA error poisons the process, so
+every variant here runs in its own process (``--variant NAME``; without it, the parent runs them
+all and prints one line each): the max abs error of the output against float64, or the failure.
+
+Variants: torch flex with the BlockMask built eagerly and passed in (the control); built in the
+graph from ids captured / passed as an input / computed in the graph from position ids (what
+transformers does for packed sequences), each with int32 and int64 ids; fz.attention traced with
+its own builders in the graph (the data-mask escape switched off), with the spec built outside
+(int32 labels) or inside the graph (the ids' own dtype).
 
     python benchmarks/compile_docmask_probe.py            # CUDA
 """
 
 from __future__ import annotations
 
+import argparse
+import subprocess
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-import flexattn_zoo as fz
-from flexattn_zoo import masks
-from flexattn_zoo.reference import reference_attention
-
-DEV = sys.argv[1] if len(sys.argv) > 1 else "cuda"
-FLEX = "flex" if DEV == "cuda" else "flex_cpu"
 B, H, L, D = 2, 4, 384, 64
-g = torch.Generator(device=DEV).manual_seed(0)
-q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
-lengths = [[100, 150, 134], [20, 364]]
-ids64 = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], device=DEV)
+LENGTHS = [[100, 150, 134], [20, 364]]
 
 
-def err(out: torch.Tensor, spec: object) -> str:
-    ref = reference_attention(q, k, v, mask=spec)
-    e = (out.double() - ref).abs()
-    worst = (e == e.max()).nonzero()[0].tolist()
-    return f"max err {e.max().item():.3g} at {worst}"
+def _setup(dev: str) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    ids = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in LENGTHS], device=dev)
+    pos = torch.tensor([sum((list(range(n)) for n in row), []) for row in LENGTHS], device=dev)
+    return q, k, v, ids, pos
 
 
-def run(name: str, fn, spec) -> None:  # type: ignore[no-untyped-def]
-    torch._dynamo.reset()
-    try:
-        print(f"{name:58s} {err(fn(), spec)}", flush=True)
-    except Exception as exc:  # noqa: BLE001 - report and go on
-        print(f"{name:58s} FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:150]}", flush=True)
+def _doc_causal(ids: torch.Tensor) -> Callable[..., torch.Tensor]:
+    def mod(b: Any, h: Any, qi: Any, ki: Any) -> Any:
+        return (ids[b, qi] == ids[b, ki]) & (qi >= ki)
+
+    return mod
 
 
-for dtype in (torch.int32, torch.int64):
-    ids = ids64.to(dtype)
-    for causal in (True, False):
-        spec = masks.Document(doc_ids=ids64) & masks.Causal() if causal else masks.Document(doc_ids=ids64)
+def _variants(dev: str) -> dict[str, Callable[[], tuple[torch.Tensor, Any]]]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        def mod(b, h, qi, ki, ids=ids, causal=causal):  # type: ignore[no-untyped-def]
-            same = ids[b, qi] == ids[b, ki]
-            return same & (qi >= ki) if causal else same
+    import flexattn_zoo as fz
+    from flexattn_zoo import masks
 
-        tag = f"{str(dtype)[6:]} {'doc&causal' if causal else 'doc'}"
-        bm = create_block_mask(mod, B, None, L, L, device=DEV)
-        run(f"{tag}: eager flex (unfused)", lambda bm=bm: flex_attention(q, k, v, block_mask=bm), spec)
-        cf = torch.compile(flex_attention, fullgraph=True)
-        run(
-            f"{tag}: compiled flex, BlockMask passed in",
-            lambda bm=bm, cf=cf: cf(q, k, v, block_mask=bm),
+    q, k, v, ids64, pos = _setup(dev)
+    spec = masks.Document(doc_ids=ids64) & masks.Causal()
+    out: dict[str, Callable[[], tuple[torch.Tensor, Any]]] = {}
+    for dtype in (torch.int32, torch.int64):
+        ids = ids64.to(dtype)
+        tag = str(dtype)[6:]
+        bm = create_block_mask(_doc_causal(ids), B, None, L, L, device=dev)
+        out[f"{tag} control: compiled flex, BlockMask passed in"] = lambda bm=bm: (
+            torch.compile(flex_attention, fullgraph=True)(q, k, v, block_mask=bm),
             spec,
         )
 
-        def inside(a, b_, c, mod=mod):  # type: ignore[no-untyped-def]
-            m = create_block_mask(mod, B, None, L, L, device=DEV)
-            return flex_attention(a, b_, c, block_mask=m)
+        def captured(a: Any, b: Any, c: Any, ids: torch.Tensor = ids) -> Any:
+            m = create_block_mask(_doc_causal(ids), B, None, L, L, device=dev)
+            return flex_attention(a, b, c, block_mask=m)
 
-        run(
-            f"{tag}: compiled, BlockMask built in graph (captured ids)",
-            lambda f=inside: torch.compile(f, fullgraph=True)(q, k, v),
+        out[f"{tag} create_block_mask in graph, ids captured"] = lambda f=captured: (
+            torch.compile(f, fullgraph=True)(q, k, v),
             spec,
         )
 
-        def inside_arg(a, b_, c, ids_in, causal=causal):  # type: ignore[no-untyped-def]
-            def m2(b, h, qi, ki):  # type: ignore[no-untyped-def]
-                same = ids_in[b, qi] == ids_in[b, ki]
-                return same & (qi >= ki) if causal else same
+        def as_input(a: Any, b: Any, c: Any, ids_in: torch.Tensor) -> Any:
+            m = create_block_mask(_doc_causal(ids_in), B, None, L, L, device=dev)
+            return flex_attention(a, b, c, block_mask=m)
 
-            m = create_block_mask(m2, B, None, L, L, device=DEV)
-            return flex_attention(a, b_, c, block_mask=m)
-
-        run(
-            f"{tag}: compiled, BlockMask in graph, ids an input",
-            lambda f=inside_arg, ids=ids: torch.compile(f, fullgraph=True)(q, k, v, ids),
+        out[f"{tag} create_block_mask in graph, ids an input"] = lambda ids=ids: (
+            torch.compile(as_input, fullgraph=True)(q, k, v, ids),
             spec,
         )
 
-spec = masks.Document(doc_ids=ids64) & masks.Causal()
-run("fz eager auto", lambda: fz.attention(q, k, v, mask=spec), spec)
-run("fz eager flex", lambda: fz.attention(q, k, v, mask=spec, backend=FLEX), spec)
-run(
-    "fz traced flex",
-    lambda: torch.compile(lambda a, b, c: fz.attention(a, b, c, mask=spec, backend=FLEX), fullgraph=True)(
-        q, k, v
-    ),
-    spec,
-)
-fz.dispatch._holds_data = lambda mask: False  # type: ignore[attr-defined]  # the in-graph path, as before the escape
-run(
-    "fz traced flex (in graph)",
-    lambda: torch.compile(lambda a, b, c: fz.attention(a, b, c, mask=spec, backend=FLEX), fullgraph=True)(
-        q, k, v
-    ),
-    spec,
-)
-ids32 = ids64.to(torch.int32)
-spec2 = masks.Document(doc_ids=ids32) & masks.Causal()
-run(
-    "fz traced flex (in graph), int32 ids",
-    lambda: torch.compile(lambda a, b, c: fz.attention(a, b, c, mask=spec2, backend=FLEX), fullgraph=True)(
-        q, k, v
-    ),
-    spec2,
-)
-spec3 = masks.Document(doc_ids=ids64)
-run(
-    "fz traced flex (in graph), document only",
-    lambda: torch.compile(lambda a, b, c: fz.attention(a, b, c, mask=spec3, backend=FLEX), fullgraph=True)(
-        q, k, v
-    ),
-    spec3,
-)
-print("plan (eager):", fz.plan(q, k, v, mask=spec).backend)
+        def from_positions(a: Any, b: Any, c: Any, p: torch.Tensor, dtype: torch.dtype = dtype) -> Any:
+            # transformers' packed-sequence ids: a new sequence wherever positions do not step by one
+            step = torch.diff(p, prepend=p[:, :1] - 1, dim=-1)
+            doc = (step != 1).cumsum(-1).to(dtype)
+            m = create_block_mask(_doc_causal(doc), B, None, L, L, device=dev)
+            return flex_attention(a, b, c, block_mask=m)
+
+        out[f"{tag} create_block_mask in graph, ids from positions"] = lambda f=from_positions: (
+            torch.compile(f, fullgraph=True)(q, k, v, pos),
+            spec,
+        )
+
+    def fz_in_graph(outside: bool) -> tuple[torch.Tensor, Any]:
+        fz.dispatch._holds_data = lambda mask: False  # type: ignore[attr-defined]  # stay in the graph
+
+        def call(a: Any, b: Any, c: Any, ids: torch.Tensor) -> Any:
+            m = spec if outside else masks.Document(doc_ids=ids) & masks.Causal()
+            return fz.attention(a, b, c, mask=m, backend="flex" if dev == "cuda" else "flex_cpu")
+
+        return torch.compile(call, fullgraph=True)(q, k, v, ids64), spec
+
+    out["fz traced flex in graph, spec built outside (int32 labels)"] = lambda: fz_in_graph(True)
+    out["fz traced flex in graph, spec built inside (int64 ids)"] = lambda: fz_in_graph(False)
+    return out
+
+
+def _one(name: str, dev: str) -> None:
+    from flexattn_zoo.reference import reference_attention
+
+    q, k, v, *_ = _setup(dev)
+    got, spec = _variants(dev)[name]()
+    err = (got.double() - reference_attention(q, k, v, mask=spec)).abs()
+    worst = (err == err.max()).nonzero()[0].tolist()
+    print(f"max err {err.max().item():.3g} at {worst}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--variant", help="run one variant in this process")
+    args = parser.parse_args()
+    if args.variant:
+        _one(args.variant, args.device)
+        return
+    print(f"# torch {torch.__version__}; {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}")
+    for name in _variants(args.device):
+        run = subprocess.run(
+            [sys.executable, __file__, "--device", args.device, "--variant", name],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = (run.stdout + run.stderr).strip().splitlines()
+        result = next((x for x in reversed(lines) if x.startswith("max err")), None)
+        if result is None:
+            errors = [x for x in lines if "Error" in x]
+            result = (
+                "FAILED "
+                + (errors[-1] if errors else (lines[-1] if lines else f"exit {run.returncode}"))[:160]
+            )
+        print(f"{name:62s} {result}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
