@@ -11,7 +11,7 @@ import importlib.util
 import inspect
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -345,6 +345,12 @@ def is_compiling() -> bool:
     another thread sets: an eager call made meanwhile would take the traced path (no locks, no
     caches, spec tensors not owned). So a True flag is confirmed with thread-local state."""
     return bool(torch.compiler.is_compiling()) and _tracing_in_this_thread()
+
+
+#: Whether a ``torch.autocast`` region of any device type is active: one C call (a constant to
+#: Dynamo, which guards the autocast state), so calls outside autocast skip the per-device check.
+#: Always True where this torch lacks it, so that callers check the device type as before.
+any_autocast_enabled: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def recompile_limit() -> int:
