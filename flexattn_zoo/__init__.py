@@ -54,5 +54,9 @@ def __getattr__(name: str) -> Any:
     # imported implicitly: ``import flexattn_zoo.hf``.
     lazy = {"testing": "flexattn_zoo.testing", "decode": "flexattn_zoo.models.decode"}
     if name in lazy:
-        return importlib.import_module(lazy[name])
+        module = importlib.import_module(lazy[name])
+        # Kept as a module attribute, so later ``fz.decode`` reads skip this function and the
+        # import machinery (microseconds per read: per step in a decode loop).
+        globals()[name] = module
+        return module
     raise AttributeError(f"module 'flexattn_zoo' has no attribute {name!r}")

@@ -12,7 +12,7 @@ import inspect
 import operator
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -360,6 +360,12 @@ def static_int(value: Any) -> int:
     Eagerly it returns a plain int as it is. (No ``type(value) is int`` shortcut: Dynamo
     answers ``int`` for the type of a SymInt.)"""
     return operator.index(value)
+
+
+#: Whether a ``torch.autocast`` region of any device type is active: one C call (a constant to
+#: Dynamo, which guards the autocast state), so calls outside autocast skip the per-device check.
+#: Always True where this torch lacks it, so that callers check the device type as before.
+any_autocast_enabled: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
 def recompile_limit() -> int:

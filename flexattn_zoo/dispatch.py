@@ -183,8 +183,9 @@ def needs_grad(inputs: tuple[Any, ...], score: Any) -> bool:
     over: ``functions.captured_tensors``) -- its gradient needs a route with a backward."""
     if not torch.is_grad_enabled():
         return False
-    if any(t is not None and t.requires_grad for t in inputs):
-        return True
+    for t in inputs:  # a plain loop: this runs on every call (no generator to build)
+        if t is not None and t.requires_grad:
+            return True
     return score is not None and score.captures_grad_tensors()
 
 
@@ -275,8 +276,8 @@ def _under_autocast(
     """q, k, v as SDPA sees them under ``torch.autocast``: floating inputs (not float64) in the
     autocast dtype of their device type. SDPA is on autocast's lower-precision list on CPU and
     CUDA, so every route, and the plan and its cache key, see the dtype the kernel computes in."""
-    if not isinstance(q, torch.Tensor):
-        return q, k, v  # validation names the bad argument
+    if not _compat.any_autocast_enabled() or not isinstance(q, torch.Tensor):
+        return q, k, v  # (not a tensor: validation names the bad argument)
     device_type = q.device.type
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
         return q, k, v

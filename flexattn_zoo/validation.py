@@ -188,10 +188,17 @@ def inputs_nonfinite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return False
     # A tensor passed twice (self-attention with q is k is v) is read once.
     tensors = (q,) + ((k,) if k is not q else ()) + ((v,) if v is not q and v is not k else ())
-    if any(t.requires_grad for t in tensors):
+    if q.requires_grad or k.requires_grad or v.requires_grad:
         with torch.no_grad():
-            return not all(_all_finite(t) for t in tensors)
-    return not all(_all_finite(t) for t in tensors)
+            return not _all_finite_tensors(tensors)
+    return not _all_finite_tensors(tensors)
+
+
+def _all_finite_tensors(tensors: tuple[torch.Tensor, ...]) -> bool:
+    for t in tensors:  # a plain loop, stopping at the first non-finite tensor (every CPU call)
+        if not _all_finite(t):
+            return False
+    return True
 
 
 #: The dtype of the quick sum per input dtype: float16 sums in float32 (its own range overflows).

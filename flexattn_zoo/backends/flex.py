@@ -83,14 +83,18 @@ class FlexBackend(Backend):
     def run(self, q, k, v, p, *, scale, block_mask=None):
         if _compat.is_compiling():
             return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
-        q, k, v = _canonical_layout(q, k, v)
-        device = q.device
+        return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
+
+    def prepared(self, p: Problem, device: torch.device, block_mask: Any = None) -> FlexCall:
+        """What :meth:`run` builds for ``p`` before launching (cached in :data:`CALLS`).
+
+        For a caller's BlockMask (decode_step's, updated in place each step) the entry keeps none
+        of its tensors: what ``_prepare`` reads from it is its mask_mod (by identity, held weakly)
+        and block size, and :meth:`FlexCall.launch` runs the mask it is given.
+        """
         if block_mask is None:
             key: tuple[Any, ...] = (self.name, p, device)
         else:
-            # A caller's BlockMask (decode_step's, updated in place each step): what _prepare
-            # reads from it is its mask_mod (by identity, held weakly) and block size; the entry
-            # keeps none of its tensors, the call runs the mask it is given.
             key = (self.name, p, device, _Ref(block_mask.mask_mod), tuple(block_mask.BLOCK_SIZE))
         call = CALLS.get(key)
         if call is None:
@@ -98,8 +102,13 @@ class FlexBackend(Backend):
             if block_mask is not None:
                 call = dataclasses.replace(call, block_mask=None)
             call = CALLS.put(key, call)
-        entry = CACHE.get_keyed(call.key, call.options, p.return_lse, p.gqa)
-        return entry(q, k, v, call.block_mask if block_mask is None else block_mask, scale, call.score_mod)
+        return call
+
+    def caller_mask_call(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall | None:
+        """:meth:`prepared` for a caller's BlockMask, for a caller that launches it itself on
+        every call with that BlockMask's mask_mod and block size (``fz.decode``: one lookup less
+        per step); None where :meth:`run` must be called instead (a route that wraps it)."""
+        return self.prepared(p, device, block_mask)
 
     def _run_traced(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem, *, scale: float, block_mask: Any
@@ -134,7 +143,7 @@ class FlexBackend(Backend):
         )
         return _compat.unpack_flex_output(out, p.return_lse)
 
-    def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> _FlexCall:
+    def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall:
         if block_mask is None and p.mask is not None:
             block_mask = build_block_mask(
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device
@@ -153,19 +162,30 @@ class FlexBackend(Backend):
             p.gqa,
             (p.heads, p.kv_heads, p.head_dim, p.dtype),
         )
-        return _FlexCall(block_mask, score_mod, options, key)
+        return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa)
 
 
 @dataclasses.dataclass(frozen=True)
-class _FlexCall:
+class FlexCall:
     """What a flex route builds for one problem before launching: its BlockMask, score_mod,
     kernel options and compiled-entry key (the entry itself is looked up per call, since entries
-    are retired near Dynamo's recompile limit)."""
+    are retired near Dynamo's recompile limit), and the lse / GQA flags of that entry."""
 
     block_mask: Any
     score_mod: Any
     options: dict[str, Any] | None
     key: Any
+    lse: bool
+    gqa: bool
+
+    def launch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the compiled kernel on q/k/v (in a canonical layout) with this call's BlockMask, or
+        ``block_mask`` for a call prepared for a caller's BlockMask."""
+        q, k, v = _canonical_layout(q, k, v)
+        entry = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
+        return entry(q, k, v, self.block_mask if block_mask is None else block_mask, scale, self.score_mod)
 
 
 #: Per (route, problem, device), and for a caller's BlockMask also its mask_mod and block size: a
@@ -173,7 +193,7 @@ class _FlexCall:
 #: host time per call, which short kernels wait for). Problems compare by value, so this is
 #: exactly what ``_prepare`` would build again; it holds at most this many BlockMasks alive beyond
 #: ``blockmask.CACHE`` (none of callers' BlockMasks).
-CALLS: LRUCache[_FlexCall] = LRUCache(64)
+CALLS: LRUCache[FlexCall] = LRUCache(64)
 
 
 def _decoding_kernel_chosen(p: Problem) -> bool:
@@ -236,6 +256,9 @@ class FlexFlashBackend(FlexBackend):
     def run(self, q, k, v, p, *, scale, block_mask=None):
         with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
             return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
+
+    def caller_mask_call(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall | None:
+        return None  # every call goes through run(), under the lock
 
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []

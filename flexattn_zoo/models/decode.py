@@ -6,11 +6,11 @@ keys, under a pattern given over *absolute* positions (``mask=``, default ``Caus
 ``SlidingWindow.from_hf(4096)`` or ``Chunked(8192) & Causal()``), with score mods and sinks.
 
 Design: one BlockMask per (pattern, batch, Lq, cache capacity) and calling thread, built once
-and **updated in place** each step. Its ``mask_mod`` and the score mods read the current position
-from a captured int32 tensor ``offset[b] = cache_len[b] - Lq``; the per-step update writes that
-tensor and the kv block list (``kv_num_blocks``/``kv_indices``: the blocks from the pattern's
-lowest visible key to ``cache_len - 1``) with a few device ops, no host sync and no new objects.
-So the compiled kernel
+and **updated in place** each step. Its ``mask_mod`` and the score mods read the current lengths
+from a captured int32 tensor ``cache_len[b]`` (a query's absolute position is
+``cache_len[b] - Lq + q_idx``); the per-step update writes that tensor and the kv block list
+(``kv_num_blocks``/``kv_indices``: the blocks from the pattern's lowest visible key to
+``cache_len - 1``) with a few device ops, no host sync and no new objects. So the compiled kernel
 (keyed by the ``mask_mod`` object), the BlockMask and all tensor shapes stay the same from step to
 step: no rebuild, no recompile, and the kernel reads only the live blocks of the cache, not its
 capacity. Why not the alternatives: ``fz.attention`` with a ``Causal(align="bottom_right")`` per
@@ -25,7 +25,7 @@ Paged KV (``block_table=``): the cache is a pool of pages of ``block_size`` toke
 ``k_cache``/``v_cache`` of shape ``[1, Hkv, n_pages * block_size, D]``, and ``block_table[b, p]``
 is the physical page of row ``b``'s logical page ``p``. The BlockMask then lists physical blocks
 and the ``mask_mod`` maps a physical key index back to its logical position through a captured
-page-to-position table (updated in place like the offsets). On CUDA with torch >= 2.13,
+page-to-position table (updated in place like the lengths). On CUDA with torch >= 2.13,
 :func:`decode_step_varlen` runs the same paged decode on FlashAttention's varlen kernel
 (``block_table`` + ``seqused_k``) for causal or sliding-window patterns.
 
@@ -48,6 +48,7 @@ the cache (the pages gathered for paged caches): exact, but it materialises ``Lq
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Hashable
 from typing import Any, Literal, overload
@@ -55,8 +56,8 @@ from typing import Any, Literal, overload
 import torch
 
 from flexattn_zoo import _compat, sharding
-from flexattn_zoo.backends import BACKENDS
-from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS
+from flexattn_zoo.backends import BACKENDS, BY_NAME
+from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import _under_autocast, attention, execute_plan, needs_grad, plan
 from flexattn_zoo.functions import FunctionMask, FunctionScore
@@ -135,7 +136,6 @@ class DecodeMask:
         n_q = -(-q_len // block_size)
         device = torch.device(device)
         i32 = torch.int32
-        self.offset = torch.zeros(batch, dtype=i32, device=device)  # cache_len - q_len, per row
         self.cache_len = torch.zeros(batch, dtype=i32, device=device)
         # Physical page -> first logical position stored in it (see update); one spare column.
         self.page_start = torch.full((batch, n_kv + 1), -block_size, dtype=i32, device=device)
@@ -146,7 +146,8 @@ class DecodeMask:
         self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * block_size
         self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
         # Blocks 0 .. last for every row when the pattern has no lower bound on a contiguous cache:
-        # kv_indices never changes, and update() writes only the counts (5 launches instead of 20).
+        # kv_indices never changes, and update() writes only the lengths and counts (one or two
+        # fills for an int length, four ops for a tensor, instead of about 20).
         self._indices_fixed = not self.paged and not _bounded_below(self.spec, device)
         self.logical_mask_mod = self._make_mod(paged=False)
         self.mask_mod = self._make_mod(paged=self.paged)
@@ -164,10 +165,21 @@ class DecodeMask:
             mask_mod=self.mask_mod,
             seq_lengths=(q_len, self.kv_len),
         )
+        #: The block count update() last wrote for every row from the host (None: unknown), and
+        #: whether a CUDA graph captured an update of this mask (see _fill_count).
+        self._count_written: int | None = None
+        self.captured = False
         self._scores: dict[Hashable, Any] = {}
-        #: decode_step's plans (fz.plan results) per call signature, so later steps
-        #: skip validation and route choice (host time that dominated short steps on the H200).
-        self.runs: LRUCache[Any] = LRUCache(RUNS_PER_MASK)
+        #: decode_step's plans (fz.plan results, as :class:`_Run`) per call signature, so later
+        #: steps skip validation and route choice (host time that dominated short steps on the H200).
+        self.runs: LRUCache[_Run] = LRUCache(RUNS_PER_MASK)
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """``cache_len - Lq`` per row, the absolute position of each row's first new query (a new
+        tensor). The mods work it out from ``cache_len`` in the kernel rather than read a tensor of
+        its own: one device op fewer per step (a kernel launch on CUDA)."""
+        return self.cache_len - self.q_len
 
     def _logical(self, b: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
@@ -175,28 +187,47 @@ class DecodeMask:
 
     def _make_mod(self, *, paged: bool) -> Any:
         inner = self.spec.mask_mod() if self.spec is not None else None
-        offset, cache_len, logical = self.offset, self.cache_len, self._logical
+        cache_len, logical, q_len = self.cache_len, self._logical, self.q_len
 
         def decode_mask(b, h, q_idx, kv_idx):
             kv = logical(b, kv_idx) if paged else kv_idx
             out = (kv < cache_len[b]) & (kv >= 0)
             if inner is not None:
-                out = out & inner(b, h, q_idx + offset[b], kv)
+                out = out & inner(b, h, q_idx + (cache_len[b] - q_len), kv)
             return out
 
         return decode_mask
 
+    def _fill_count(self, count: int) -> None:
+        """Set every row's block count to ``count`` (int lengths on a fixed block list).
+
+        Skipped when the count this method last wrote is still there: it moves once every
+        ``block_size`` tokens, so most steps launch one fill instead of two. Every other writer
+        of the counts (the tensor paths of :meth:`update`) forgets that record, and a mask a CUDA
+        graph captured never keeps one: a replay writes the counts without Python seeing it.
+        """
+        if count != self._count_written:
+            self.kv_num_blocks.fill_(count)
+        self._count_written = None if self.captured else count
+
+    def _mark_captured(self) -> None:
+        """A CUDA graph is capturing this mask's update: it will rewrite the mask on every replay,
+        and a replay must find its tensors alive (:data:`CAPTURED`, whatever the LRU drops)."""
+        self.captured = True
+        self._count_written = None
+        CAPTURED.add(self)
+
     def score_mod(self, inner: Any, *, paged: bool | None = None) -> Any:
-        """``inner`` (a flex score_mod over absolute positions) seen through this mask's offsets;
+        """``inner`` (a flex score_mod over absolute positions) seen through this mask's lengths;
         one function object per ``inner`` so compiled kernels are reused."""
         paged = self.paged if paged is None else paged
         key = (inner, paged)
         if key not in self._scores:
-            offset, logical = self.offset, self._logical
+            cache_len, logical, q_len = self.cache_len, self._logical, self.q_len
 
             def decode_score(score, b, h, q_idx, kv_idx):
                 kv = logical(b, kv_idx) if paged else kv_idx
-                return inner(score, b, h, q_idx + offset[b], kv)
+                return inner(score, b, h, q_idx + (cache_len[b] - q_len), kv)
 
             self._scores[key] = decode_score
         return self._scores[key]
@@ -205,7 +236,7 @@ class DecodeMask:
         """:meth:`score_mod` of ``inner`` as a spec, one object per ``inner`` (a stable plan key)."""
         key = ("spec", inner)
         if key not in self._scores:
-            # Untracked: its closure reads the offsets update() rewrites in place every step, and
+            # Untracked: its closure reads the lengths update() rewrites in place every step, and
             # only kernels read them (nothing cached derives from their values).
             self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode", tracked=False)
         return self._scores[key]
@@ -220,28 +251,33 @@ class DecodeMask:
         a constant of the captured graph).
         """
         bs = self.block_size
+        if self.cache_len.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._mark_captured()
         if isinstance(cache_len, int):
             if self._indices_fixed:
-                # Known on the host: three fills, instead of a lengths tensor and the six ops below
-                # (each op a kernel launch, microseconds of host time, on CUDA). Same values.
+                # Known on the host: a fill of the lengths and, when it changed, of the block count
+                # (see _fill_count), instead of a lengths tensor and the ops below (each op a
+                # kernel launch, microseconds of host time, on CUDA). Same values.
                 self.cache_len.fill_(cache_len)
-                self.offset.fill_(cache_len - self.q_len)
-                self.kv_num_blocks.fill_(min(max((cache_len + bs - 1) // bs, 0), self.kv_indices.shape[-1]))
+                self._fill_count(min(max((cache_len + bs - 1) // bs, 0), self.kv_indices.shape[-1]))
                 return self.block_mask
             cache_len = torch.full((self.batch,), cache_len, dtype=torch.int64, device=self.cache_len.device)
+        self._count_written = None  # the counts below come from device values
         if self._indices_fixed:
             self.cache_len.copy_(cache_len)
-            torch.sub(self.cache_len, self.q_len, out=self.offset)
             # Blocks 0 .. ceil(len / bs) - 1, the same count for every q block.
             # Clamped so that a length past the capacity cannot make the kernel read past kv_indices.
-            count = torch.div(self.cache_len + (bs - 1), bs, rounding_mode="floor").clamp_(
-                0, self.kv_indices.shape[-1]
-            )
-            self.kv_num_blocks.copy_(count[:, None, None].expand_as(self.kv_num_blocks))
+            n_kv = self.kv_indices.shape[-1]
+            if self.kv_num_blocks.shape[-1] == 1:  # one q block (Lq <= block_size): in place
+                counts = self.kv_num_blocks.view(-1)
+                torch.add(self.cache_len, bs - 1, out=counts)
+                counts.div_(bs, rounding_mode="floor").clamp_(0, n_kv)
+            else:
+                count = torch.div(self.cache_len + (bs - 1), bs, rounding_mode="floor").clamp_(0, n_kv)
+                self.kv_num_blocks.copy_(count[:, None, None].expand_as(self.kv_num_blocks))
             return self.block_mask
         lens = cache_len.to(self.cache_len.device, torch.int64)
         self.cache_len.copy_(lens)
-        self.offset.copy_(lens - self.q_len)
         q_abs = (lens - self.q_len)[:, None] + self._q_starts[None, :]  # first query of each q block
         first = torch.div(lowest_key(self.spec, q_abs).clamp(min=0), bs, rounding_mode="floor")
         last = torch.div((lens - 1).clamp(min=0), bs, rounding_mode="floor")[:, None]
@@ -312,15 +348,24 @@ def _caller() -> _Caller:
 def _lengths(
     cache_len: Any, batch: int, q_len: int, capacity: int, device: torch.device
 ) -> torch.Tensor | int:
-    """``cache_len`` as int64 ``[B]`` on ``device``, its values checked where they are on the host;
-    an int stays an int (checked), one length for every row (``DecodeMask.update`` takes both)."""
+    """``cache_len`` as an integer ``[B]`` on ``device``, its values checked where they are on the
+    host; an int stays an int (checked), one length for every row (``DecodeMask.update`` takes
+    both). A tensor keeps its integer dtype: ``DecodeMask.update`` converts it where it copies it
+    into the mask, so an int32 device tensor (a CUDA graph's) costs no separate cast per step."""
+    if isinstance(cache_len, int) and not isinstance(cache_len, bool):
+        if cache_len < q_len or cache_len > capacity:
+            raise ValueError(
+                f"cache_len {cache_len} is out of range: each row's cache_len must be >= Lq = {q_len} (the "
+                f"new tokens are already in the cache) and <= the cache capacity {capacity}"
+            )
+        return int(cache_len)  # an int subclass (e.g. numpy's) as a plain int
     if isinstance(cache_len, torch.Tensor):
         if cache_len.dtype == torch.bool or cache_len.is_floating_point() or cache_len.is_complex():
             raise TypeError(
                 f"cache_len must be an int or an integer tensor [B], got a {cache_len.dtype} tensor "
                 "(lengths are counts of tokens; a float would be truncated)"
             )
-        lens = cache_len.to(device=device, dtype=torch.int64).reshape(-1)
+        lens = cache_len.to(device=device).reshape(-1)
         if lens.numel() == 1:
             lens = lens.expand(batch)
         # Values are checked only when they are on the host: reading a CUDA tensor would sync with
@@ -328,13 +373,6 @@ def _lengths(
         # the capacity instead, so a bad device-side length cannot make the kernel read past the cache.
         on_host = cache_len.device.type == "cpu" and cache_len.numel() > 0
         bounds = (int(cache_len.min()), int(cache_len.max())) if on_host else None
-    elif isinstance(cache_len, int) and not isinstance(cache_len, bool):
-        if cache_len < q_len or cache_len > capacity:
-            raise ValueError(
-                f"cache_len {cache_len} is out of range: each row's cache_len must be >= Lq = {q_len} (the "
-                f"new tokens are already in the cache) and <= the cache capacity {capacity}"
-            )
-        return int(cache_len)  # an int subclass (e.g. numpy's) as a plain int
     else:
         raise TypeError(f"cache_len must be an int or an integer tensor [B], got {type(cache_len).__name__}")
     if lens.numel() != batch:
@@ -383,6 +421,8 @@ def _check_pages(block_table: torch.Tensor, n_pages: int, block_size: int) -> No
 
 
 def _check_inputs(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bool) -> None:
+    if _well_formed(q, k_cache, v_cache, block_size, paged):
+        return  # the common case, in a few comparisons (every step runs this)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"decode_step {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -409,6 +449,23 @@ def _check_inputs(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bo
             f"k_cache/v_cache hold {k_cache.shape[0]} rows but q has batch {q.shape[0]}: a contiguous cache "
             "is [B, Hkv, capacity, D] with q's B (a shared page pool [1, ...] needs block_table=)"
         )
+
+
+def _well_formed(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bool) -> bool:
+    """Whether :func:`_check_inputs` has nothing to say (it names what is wrong otherwise)."""
+    tensor = torch.Tensor
+    return (
+        isinstance(q, tensor)
+        and isinstance(k_cache, tensor)
+        and isinstance(v_cache, tensor)
+        and q.dim() == 4
+        and k_cache.dim() == 4
+        and v_cache.dim() == 4
+        and type(block_size) is int
+        and block_size > 0
+        and k_cache.shape[:3] == v_cache.shape[:3]
+        and (paged or k_cache.shape[0] == q.shape[0])
+    )
 
 
 def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs: int) -> torch.Tensor:
@@ -507,12 +564,15 @@ def decode_step(
             ``Lq``).
         block_size: kv block size, and the page size of paged caches.
     """
-    spec = as_mask_spec(mask) if mask is not None else _CAUSAL
-    spec = spec.live() if spec is not None else None  # a raw callable's captured tensors now
-    score = as_score_spec(score_mod)
-    score = score.live() if score is not None else None
+    spec = _CAUSAL if mask is None else as_mask_spec(mask)
+    if spec is not None:
+        spec = spec.live()  # a raw callable's captured tensors now
+    score = None if score_mod is None else as_score_spec(score_mod)
+    if score is not None:
+        score = score.live()
     paged = block_table is not None
     _check_inputs(q, k_cache, v_cache, block_size, paged)
+    on_cuda = q.is_cuda
     batch, heads, q_len, _ = q.shape
     gqa = heads != k_cache.shape[1] if enable_gqa is None else enable_gqa
     if paged:
@@ -539,14 +599,14 @@ def decode_step(
         score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
     need_lse = sinks is not None or return_lse
     grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
-    use_flex = backend != "dense" and not grad and (q.is_cuda or not need_lse)
+    use_flex = backend != "dense" and not grad and (on_cuda or not need_lse)
     if backend not in DECODE_ROUTES:
         raise ValueError(f"decode_step backend must be one of {', '.join(DECODE_ROUTES)}; got {backend!r}")
     if not use_flex and backend not in ("auto", "dense"):
         raise ValueError(
             f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)"
         )
-    if use_flex and q.is_cuda:
+    if use_flex and on_cuda:
         backend = "flex" if backend == "auto" else backend
     if use_flex and not paged and batch > 1:
         rows = _rows_per_launch(k_cache, v_cache)
@@ -572,20 +632,19 @@ def decode_step(
             return (out, torch.cat([lse for _, lse in parts])) if return_lse else out
     # Per calling thread (see _caller): the mask's tensors are written by this step's update and
     # read by this step's kernel, so no two threads may share them.
-    key = (spec, batch, q_len, capacity, n_physical, block_size, str(q.device), _caller())
+    key = (spec, batch, q_len, capacity, n_physical, block_size, q.device, _caller())
     dm = CACHE.get_or_create(
         key,
         lambda: DecodeMask(
             spec, batch, q_len, capacity, n_physical=n_physical, device=q.device, block_size=block_size
         ),
     )
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        CAPTURED.add(dm)  # a graph now reads its tensors: never let the LRU free them
-    fast = q.is_cuda
-    inner_score = score.score_mod(fast=fast) if score is not None else None
+    inner_score = score.score_mod(fast=on_cuda) if score is not None else None
     if use_flex:
         bm = dm.update(lens, block_table)
-        k_run, v_run = k_cache.expand(batch, -1, -1, -1), v_cache.expand(batch, -1, -1, -1)
+        k_run, v_run = k_cache, v_cache
+        if k_cache.shape[0] != batch:  # a page pool shared by every row
+            k_run, v_run = k_cache.expand(batch, -1, -1, -1), v_cache.expand(batch, -1, -1, -1)
         run_score = dm.score_spec(inner_score) if inner_score is not None else None
         if q_len > 0:
             out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
@@ -653,7 +712,7 @@ def _attend(
 
 def _rows_per_launch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """How many batch rows of a contiguous cache one flex launch can take (see MAX_FLEX_ELEMENTS)."""
-    per_row = max(t[:1].numel() for t in (k_cache, v_cache))
+    per_row = max(math.prod(t.shape[1:]) for t in (k_cache, v_cache))  # elements of one row
     fit = max(1, (MAX_FLEX_ELEMENTS - 1) // max(per_row, 1))
     batch = k_cache.shape[0]
     # Equal slices (32 rows with room for 31: 16 + 16, not 31 + 1): fewer distinct batch sizes,
@@ -668,11 +727,7 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
     is active (it narrows the routes), the process state the dispatcher reads
     (``plan_cache.process_state``) and, on the CPU, whether q/k/v hold NaN/inf (``flex_cpu``
     refuses them: the scan the full path makes)."""
-    det = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-    )
-    grad = needs_grad((q, k, v), score)
+    device = q.device
     return (
         q.shape,
         q.stride(),
@@ -683,7 +738,7 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
         v.shape,
         v.stride(),
         v.dtype,
-        q.device,
+        device,
         k.device,
         v.device,
         score,
@@ -691,12 +746,47 @@ def run_signature(q, k, v, score, scale, gqa: bool, need_lse: bool, backend: str
         gqa,
         need_lse,
         backend,
-        det,
-        grad,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        needs_grad((q, k, v), score),
         process_state(),
         sharding.context_parallel_active(),
-        q.device.type == "cpu" and inputs_nonfinite(q, k, v),
+        device.type == "cpu" and inputs_nonfinite(q, k, v),
     )
+
+
+class _Run:
+    """A decode step's plan for one signature (:func:`run_signature`) and how to launch it.
+
+    On a flex route that lets its caller launch (``FlexBackend.caller_mask_call``) the route's
+    prepared call for this DecodeMask's BlockMask is kept too: later steps go straight to the
+    compiled kernel, without the plan's route lookup and the route's own cache lookup (a few
+    microseconds of host time per step). The prepared call depends only on the plan's problem,
+    the device and the DecodeMask's mask_mod and block size, none of which change for the
+    DecodeMask and signature this run is stored under.
+    """
+
+    __slots__ = ("call", "plan", "scale")
+
+    def __init__(self, chosen: Any, bm: _compat.BlockMask, device: torch.device, scale: float | None) -> None:
+        self.plan = chosen
+        route = BY_NAME[chosen.backend]
+        self.call: FlexCall | None = None
+        if isinstance(route, FlexBackend) and not chosen.problem.requires_grad:
+            self.call = route.caller_mask_call(chosen.problem, device, bm)
+        # execute_plan's default scale, worked out once.
+        self.scale = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else float(scale)
+
+    @property
+    def backend(self) -> str:
+        return str(self.plan.backend)
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bm: _compat.BlockMask
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.call is not None:
+            return self.call.launch(q, k, v, self.scale, bm)
+        return execute_plan(self.plan, q, k, v, scale=self.scale, block_mask=bm)
 
 
 def _run_planned(
@@ -707,8 +797,8 @@ def _run_planned(
     ``torch.autocast``, so the plan, its signature and the kernel all see the dtype computed in."""
     q, k, v = _under_autocast(q, k, v)
     sig = run_signature(q, k, v, score, scale, gqa, need_lse, backend)
-    chosen = dm.runs.get(sig)
-    if chosen is None:
+    run = dm.runs.get(sig)
+    if run is None:
         chosen = plan(
             q,
             k,
@@ -720,8 +810,8 @@ def _run_planned(
             backend=backend,
             return_lse=need_lse,
         )
-        chosen = dm.runs.put(sig, chosen)
-    return execute_plan(chosen, q, k, v, scale=None if scale is None else float(scale), block_mask=bm)
+        run = dm.runs.put(sig, _Run(chosen, bm, q.device, scale))
+    return run(q, k, v, bm)
 
 
 def decode_step_varlen(

@@ -146,6 +146,23 @@ def test_compile_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(small) == 2
 
 
+def test_compile_keys_compare_by_value_with_their_hash_kept() -> None:
+    """Entry keys keep their hash (a caller looks its entry up on every call); two keys built
+    from equal arguments are still equal, and any differing part still tells them apart."""
+    mod = masks.SlidingWindow(left=3).mask_mod()
+    shape = (2, 2, 16, torch.float32)
+    first = compile.CACHE.key(mod, None, {"BLOCK_M": 16}, False, False, shape)
+    second = compile.CACHE.key(
+        masks.SlidingWindow(left=3).mask_mod(), None, {"BLOCK_M": 16}, False, False, shape
+    )
+    assert first is not second and first == second and hash(first) == hash(second)
+    assert first != compile.CACHE.key(mod, None, {"BLOCK_M": 32}, False, False, shape)
+    assert first != compile.CACHE.key(mod, None, {"BLOCK_M": 16}, True, False, shape)
+    assert first != compile.CACHE.key(
+        masks.SlidingWindow(left=4).mask_mod(), None, {"BLOCK_M": 16}, False, False, shape
+    )
+
+
 def test_cu_seqlens_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(varlen, "CU_SEQLENS_CACHE", LRUCache(2))
     doc = masks.Document.from_lengths([3, 5, 8])

@@ -475,7 +475,7 @@ def test_flex_flash_is_not_a_decode_route() -> None:
 
 @pytest.mark.parametrize("spec", [masks.Causal(), None, masks.SlidingWindow.from_hf(150)])
 def test_int_lengths_update_like_tensor_lengths(spec: MaskSpec | None) -> None:
-    """``DecodeMask.update`` with one int (three fills when the block list is fixed) leaves
+    """``DecodeMask.update`` with one int (one or two fills when the block list is fixed) leaves
     exactly the state a lengths tensor leaves."""
     by_int, by_tensor = (decode.DecodeMask(spec, B, 1, CAP) for _ in range(2))
     for n in (1, BS - 1, BS, BS + 1, 300, CAP):
@@ -531,3 +531,82 @@ def test_decode_step_under_autocast_computes_in_the_autocast_dtype() -> None:
         direct = decode.decode_step(q.bfloat16(), k.bfloat16(), v.bfloat16(), lens)
     assert plain.dtype == torch.float32 and cast.dtype == torch.bfloat16
     assert torch.equal(cast, direct)
+
+
+def test_distinct_int_lengths_reuse_one_mask_plan_and_kernel() -> None:
+    """A generation loop passes a new int length every step: after the first step nothing is
+    built, planned or compiled again (the lengths reach the kernel through the mask's captured
+    tensors, not as Python constants), and every step is exact."""
+    from flexattn_zoo.backends import flex as flex_backend
+
+    k, v = _cache(12)
+    g = torch.Generator().manual_seed(13)
+    lengths = [200, 201, 255, 256, 257, 383, 384, 385, 500, 640, 7]
+    with torch.no_grad():
+        for step, n in enumerate(lengths):
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, n)
+            _close(out, reference_decode(q, k, v, torch.tensor([n] * B), masks.Causal()))
+            if step == 0:
+                (dm,) = [d for d in decode.CACHE.values() if d.spec == masks.Causal() and d.batch == B]
+                counts = (decode.CACHE.inserts, dm.runs.inserts, flex_backend.CALLS.inserts)
+                compiles, graphs = COMPILE_CACHE.total_compiles(), _graphs()
+    assert (decode.CACHE.inserts, dm.runs.inserts, flex_backend.CALLS.inserts) == counts
+    assert COMPILE_CACHE.total_compiles() == compiles and _graphs() == graphs
+    with torch.no_grad():
+        run = dm.runs.get(decode.run_signature(q, k, v, None, None, True, False, "auto"))
+    assert run is not None and run.backend == "flex_cpu"
+    assert run.call is not None  # launched without the route's own lookups
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_integer_length_tensors_of_any_dtype_step_alike(dtype: torch.dtype) -> None:
+    """A lengths tensor keeps its dtype up to the copy into the mask (no separate cast)."""
+    k, v = _cache(14)
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        for lens in ([200, 131], [1, 255]):
+            want = decode.decode_step(q, k, v, torch.tensor(lens))
+            assert torch.equal(decode.decode_step(q, k, v, torch.tensor(lens, dtype=dtype)), want)
+            single = decode.decode_step(q, k, v, torch.tensor([lens[0]], dtype=dtype))  # one for all rows
+            assert torch.equal(single, decode.decode_step(q, k, v, lens[0]))
+
+
+def test_block_counts_written_from_the_host_are_rewritten_after_any_other_writer() -> None:
+    """An int step skips the block-count fill when the count it last wrote is unchanged. A tensor
+    step writes the counts from device values, and a mask a CUDA graph captured is rewritten by
+    every replay: after either, the next int step must write its count again."""
+    dm = decode.DecodeMask(masks.Causal(), B, 1, CAP)
+    dm.update(300)  # 3 blocks
+    dm.update(301)  # same count: not written again
+    assert dm.kv_num_blocks.flatten().tolist() == [3, 3]
+    dm.update(torch.tensor([5, CAP]))  # counts 1 and 5, from the tensor path
+    dm.update(300)
+    assert dm.kv_num_blocks.flatten().tolist() == [3, 3]
+    dm._mark_captured()  # as update() does while a CUDA graph captures it
+    dm.kv_num_blocks.fill_(1)  # what a replay captured with another length would leave
+    dm.update(300)
+    assert dm.kv_num_blocks.flatten().tolist() == [3, 3] and dm in decode.CAPTURED
+    decode.CAPTURED.discard(dm)
+
+
+def test_queries_past_the_first_see_their_own_absolute_positions() -> None:
+    """Lq > 1 new tokens with a position-dependent pattern and score mod: the mods place query
+    ``i`` at ``cache_len - Lq + i`` (worked out in the kernel from the captured lengths)."""
+    k, v = _cache(16)
+    q = torch.randn(B, H, 3, D, generator=torch.Generator().manual_seed(17))
+    mask, score = masks.SlidingWindow.from_hf(70), score_mods.Alibi(num_heads=H)
+    with torch.no_grad():
+        for lens in (torch.tensor([300, 131]), 257):
+            out = decode.decode_step(q, k, v, lens, mask=mask, score_mod=score)
+            rows = lens if isinstance(lens, torch.Tensor) else torch.tensor([lens] * B)
+            _close(out, reference_decode(q, k, v, rows, mask, score))
+
+
+def test_fz_decode_is_imported_once_then_read_as_an_attribute() -> None:
+    """``fz.decode`` is lazy; once imported it is a plain module attribute (each read through the
+    module ``__getattr__`` and the import machinery cost microseconds per decode step)."""
+    import flexattn_zoo as fz
+
+    assert fz.decode is decode
+    assert vars(fz)["decode"] is decode
