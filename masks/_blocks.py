@@ -183,7 +183,7 @@ class CapturedOffsets:
         On CUDA a traced call gets a 0-d tensor made in the graph from the (possibly symbolic)
         value: a compiled decode step over a static KV cache, whose offset is the cache position,
         then serves every step with one graph instead of recompiling per token."""
-        device = self.__dict__.get("_device")
+        device = self.__dict__["_device"]  # set by __post_init__ (``_set_device``)
         if tracing() and device.type != "cuda":
             return static_int(value)
         return torch.full((), value, dtype=torch.int32, device=device)
