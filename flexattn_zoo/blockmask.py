@@ -38,11 +38,13 @@ def _ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Same result as ``argsort(m, descending=True, stable=True)`` but O(n): each column's rank is
     read off a running count, then columns are scattered into place. Counts run in int16 when the
-    row fits (halves the memory traffic, which dominates at 1M tokens).
+    row fits (halves the memory traffic, which dominates at 1M tokens), except inside a compiled
+    graph: Inductor's CUDA scan over int16 with symbolic lengths fails to compile (Triton
+    "Cannot bitcast data-type of size 32 to data-type of size 16", torch 2.11 on an H200).
     """
     m = m.contiguous()
     n = m.shape[-1]
-    small = torch.int16 if n < 2**15 else torch.int32
+    small = torch.int16 if n < 2**15 and not tracing() else torch.int32
     count = m.cumsum(-1, dtype=small)
     num = count[..., -1:]
     cols = torch.arange(n, device=m.device, dtype=small)

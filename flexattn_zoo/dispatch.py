@@ -516,7 +516,9 @@ def _holds_data(mask: Any) -> bool:
     """A mask whose BlockMask would be built from tensors: a spec holding some, or a raw callable
     (which may capture some). A BlockMask passed in is built already (it runs in the graph)."""
     if isinstance(mask, Spec):
-        return bool(mask.tensors()) or mask._holds_callables()
+        # Callables first: listing a callable's captured tensors walks its closure (id() of
+        # Python objects), which Dynamo cannot trace.
+        return mask._holds_callables() or bool(mask.tensors())
     return mask is not None and not isinstance(mask, (str, _compat.BlockMask))
 
 

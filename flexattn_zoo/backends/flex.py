@@ -51,6 +51,15 @@ SM90_FORWARD_TILES = Tuning(
 )
 
 
+def _runs_raw_callables(p: Problem) -> bool:
+    """Whether ``p``'s mask or score mod wraps a user's callable. Measured tiles are pinned (one
+    Triton config, no autotuning) and fit shared memory with little margin: a callable loading
+    captured tensors (transformers' packed-sequence mask under torch.compile) pushed the sm90
+    forward tiles past the H200's limit ("out of resource: ... Required: 233472 Hardware
+    limit: 232448"), so such calls keep torch's autotuned defaults."""
+    return any(s is not None and s._holds_callables() for s in (p.mask, p.score))
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexBackend(Backend):
     """flex_attention compiled with fixed ``kernel_options``, plus measured ones per generation."""
@@ -67,7 +76,8 @@ class FlexBackend(Backend):
     def options(self, p: Problem, block_mask: Any = None) -> dict[str, Any] | None:
         """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask)."""
         opts = dict(self.kernel_options)
-        opts.update(self.tuned_options(p))
+        if not _runs_raw_callables(p):
+            opts.update(self.tuned_options(p))
         if "BACKEND" not in opts and _decoding_kernel_chosen(p):
             if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:
                 opts["BACKEND"] = "TRITON"

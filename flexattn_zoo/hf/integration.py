@@ -10,7 +10,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.dispatch import attention
-from flexattn_zoo.hf.mask_reader import HFMask, dense_mask_spec, translate
+from flexattn_zoo.hf.mask_reader import HFMask, dense_mask_spec, masking_utils, translate
 from flexattn_zoo.hf.mask_reader import transformers_module as _transformers
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
@@ -49,7 +49,7 @@ def _mask_builder(
         if bool(padding.all()):
             padding = None
     if mask_function is None:
-        mask_function = _transformers().masking_utils.causal_mask_function
+        mask_function = masking_utils().causal_mask_function
     return HFMask(
         mask_function, padding, int(batch_size), int(q_length), int(kv_length), int(q_offset), int(kv_offset)
     )

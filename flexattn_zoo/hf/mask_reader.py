@@ -8,6 +8,7 @@ transformers' mask-function closures structurally (see :mod:`flexattn_zoo.hf` fo
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -22,15 +23,30 @@ from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass, tracing
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFMask", "dense_mask_spec", "transformers_module", "translate"]
+__all__ = ["HFMask", "dense_mask_spec", "masking_utils", "transformers_module", "translate"]
+
+
+_MODULES: dict[str, Any] = {}
 
 
 def transformers_module() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("flexattn_zoo.hf needs transformers: pip install 'flexattn-zoo[hf]'") from exc
-    return transformers
+    """The ``transformers`` package, imported on the first (eager) call and kept: inside a
+    compiled model Dynamo cannot trace ``import transformers`` (its lazy top-level module is no
+    plain module to it: "Bad import result", torch 2.11), and ``register()`` runs eagerly first."""
+    if "transformers" not in _MODULES:
+        try:
+            import transformers
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("flexattn_zoo.hf needs transformers: pip install 'flexattn-zoo[hf]'") from exc
+        _MODULES["transformers"] = transformers
+        _MODULES["masking_utils"] = importlib.import_module("transformers.masking_utils")
+    return _MODULES["transformers"]
+
+
+def masking_utils() -> Any:
+    """``transformers.masking_utils`` (a plain module, kept as :func:`transformers_module` is)."""
+    transformers_module()
+    return _MODULES["masking_utils"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,7 +117,7 @@ def _codes() -> dict[str, Any]:
     """Code objects of transformers' mask-function closures, taken from live instances."""
     global _CODES
     if _CODES is None:
-        mu = transformers_module().masking_utils
+        mu = masking_utils()
         t = torch.zeros(1, 1, dtype=torch.long)
         makers: dict[str, Callable[[], Any]] = {
             "and": lambda: mu.and_masks(mu.causal_mask_function),
@@ -135,7 +151,7 @@ class _BandNode:
 
 def _read(fn: Any) -> Any:
     """A small tree describing ``fn`` over absolute positions; ``_Unknown`` if not exactly known."""
-    mu = transformers_module().masking_utils
+    mu = masking_utils()
     if fn is getattr(mu, "causal_mask_function", None):
         return _BandNode(None, 0)
     if fn is getattr(mu, "bidirectional_mask_function", None):
@@ -321,7 +337,7 @@ def structural_reader_enabled() -> bool:
 
 def translate(m: HFMask) -> MaskSpec | None:
     """The zoo spec equal to transformers' mask ``m`` (pattern, offsets and padding)."""
-    mu = transformers_module().masking_utils
+    mu = masking_utils()
     plain = m.mask_function in (
         getattr(mu, "causal_mask_function", None),
         getattr(mu, "bidirectional_mask_function", None),

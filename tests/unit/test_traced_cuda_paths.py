@@ -1,0 +1,99 @@
+"""What the H200 found in compiled models, checked where it can be on the CPU: pieces of the
+traced CUDA path that Dynamo must trace without a break, and the choices they make."""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+import pytest
+import torch
+
+from flexattn_zoo import blockmask, dispatch, masks
+from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.functions import FunctionMask
+from flexattn_zoo.problem import Problem
+
+
+def _problem(mask: Any) -> Problem:
+    return Problem(
+        batch=2,
+        heads=16,
+        kv_heads=16,
+        q_len=1024,
+        kv_len=1024,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device_type="cuda",
+        arch="sm90",
+        requires_grad=False,
+        mask=mask,
+        score=None,
+        return_lse=False,
+    )
+
+
+def test_measured_flex_tiles_only_for_the_zoos_own_mods() -> None:
+    """Pinned sm90 tiles overflowed shared memory with transformers' packed-sequence mask_mod
+    (one Triton config, no fallback): a user's callable keeps torch's autotuned defaults."""
+    flex = BY_NAME["flex"]
+    ids = torch.zeros(1024, dtype=torch.int64)
+    assert "fwd_num_stages" in (flex.options(_problem(masks.Causal())) or {})
+    raw = FunctionMask(fn=lambda b, h, q, kv, ids=ids: ids[q] == ids[kv])
+    assert "fwd_num_stages" not in (flex.options(_problem(raw)) or {})
+    assert "fwd_num_stages" not in (flex.options(_problem(raw & masks.Causal())) or {})
+
+
+def test_a_callables_data_question_traces_without_a_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dispatch._holds_data on a callable capturing a tensor, inside fullgraph: answered by the
+    callable itself, never by walking its closure (Dynamo on torch 2.11 cannot trace the walk's
+    id() of Python objects: a graph break per attention layer)."""
+    ids = torch.zeros(64, dtype=torch.int64)
+    spec = FunctionMask(fn=lambda b, h, q, kv: ids[q] == ids[kv])
+
+    def no_walk(self: Any) -> list[torch.Tensor]:
+        raise AssertionError("walked the callable's closure")
+
+    monkeypatch.setattr(FunctionMask, "tensors", no_walk)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if dispatch._holds_data(spec) else x
+
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)), torch.ones(2))
+
+
+def test_block_mask_counts_are_int32_inside_a_graph() -> None:
+    """Inductor's CUDA scan over int16 with symbolic lengths fails to compile (torch 2.11): the
+    traced builder counts in int32 (the eager one keeps int16 below 2**15 columns)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    m = torch.rand(2, 1, 8, 8) > 0.5
+    eager = blockmask._ordered(m)
+    traced = torch.compile(blockmask._ordered, backend=backend, fullgraph=True, dynamic=True)(m)
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
+    assert eager[1].dtype == traced[1].dtype == torch.int32
+    code = "\n".join(gm.code for gm in graphs)
+    assert "cumsum" in code and "torch.int16" not in code
+
+
+def test_transformers_is_not_imported_again_inside_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dynamo on torch 2.11 cannot trace ``import transformers`` ("Bad import result"): after the
+    first eager call, the HF mask reader reads the module it kept."""
+    pytest.importorskip("transformers")
+    from flexattn_zoo.hf import mask_reader
+
+    first = mask_reader.masking_utils()
+    real_import = builtins.__import__
+
+    def no_transformers(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("transformers"):
+            raise AssertionError(f"imported {name} again")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    assert mask_reader.masking_utils() is first
+    assert mask_reader.transformers_module().masking_utils is first
