@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
 import os
 import statistics
 import sys
@@ -89,7 +88,7 @@ _FALSE = ("", "0", "false", "no", "off")
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """How measurements are taken (see the module docstring). ``persist=False`` keeps the table
-    in memory only: no file is read or written."""
+    in memory only: no file is read or written (what was read before stays)."""
 
     warmup: int = 2
     reps: int = 10
@@ -366,10 +365,15 @@ def device_name(device: torch.device) -> str:
     return _cuda_names()[index]
 
 
+_CUDA_NAMES: list[tuple[str, ...]] = []
+
+
 @torch.compiler.assume_constant_result
-@functools.cache
 def _cuda_names() -> tuple[str, ...]:
-    return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    """Every visible CUDA device's name, looked up once (a constant while traced)."""
+    if not _CUDA_NAMES:
+        _CUDA_NAMES.append(tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
+    return _CUDA_NAMES[0]
 
 
 def signature(problem: Problem, device: torch.device) -> Signature:
@@ -505,8 +509,8 @@ class TuneInfo:
 _LOCK = threading.RLock()
 _TABLE: dict[Signature, Entry] = {}
 _VERSION = 0
-#: Device name -> the file its entries were loaded from (None: persistence was off).
-_LOADED: dict[str, Path | None] = {}
+#: Device name -> the file its entries were loaded from.
+_LOADED: dict[str, Path] = {}
 #: One measurement at a time per process (concurrent timings would disturb each other).
 _MEASURE_LOCK = threading.Lock()
 
@@ -586,23 +590,26 @@ def _traced_load(device_type: str, index: int) -> bool:
 
 
 def _load(name: str) -> None:
-    path = store.path_for(name) if _SETTINGS.persist else None
-    if name in _LOADED and _LOADED[name] == path:
+    """Merge device ``name``'s file into the table, once per file: a changed cache directory
+    replaces the entries read from the previous one. Nothing is read with ``persist=False``."""
+    if not _SETTINGS.persist:
+        return
+    path = store.path_for(name)
+    if _LOADED.get(name) == path:
         return
     with _LOCK:
-        if name in _LOADED and _LOADED[name] == path:
+        previous = _LOADED.get(name)
+        if previous == path:
             return
         changed = False
-        if name in _LOADED:  # the cache directory (or persistence) changed: that file's entries go
+        if previous is not None:  # FLEXATTN_ZOO_CACHE_DIR changed: the other file's entries go
             for sig in [s for s in _TABLE if s.device == name]:
                 del _TABLE[sig]
                 changed = True
-        if path is not None:
-            found = _parse(store.read(path) or [], path, name)
-            for sig, entry in found.items():
-                if _newer(entry, _TABLE.get(sig)):
-                    _TABLE[sig] = entry
-                    changed = True
+        for sig, entry in _parse(store.read(path) or [], path, name).items():
+            if _newer(entry, _TABLE.get(sig)):
+                _TABLE[sig] = entry
+                changed = True
         _LOADED[name] = path
         if changed:
             _bump()
@@ -657,8 +664,9 @@ def clear(signature: Signature | None = None) -> None:
             names = {signature.device}
             _TABLE.pop(signature, None)
         _bump()
-        for name in names:
-            _LOADED[name] = store.path_for(name) if _SETTINGS.persist else None
+        if _SETTINGS.persist:  # the files go below: nothing left to load from them
+            for name in names:
+                _LOADED[name] = store.path_for(name)
     if not _SETTINGS.persist:
         return
     for name in sorted(names):

@@ -4,8 +4,9 @@ machine environment, written atomically and merged under a lock.
 * Directory: ``$FLEXATTN_ZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexattn_zoo``, else
   ``~/.cache/flexattn_zoo`` (read at every load and save).
 * File: ``tune-<device>-<hash>.json``, where the hash covers the *environment key*
-  (:func:`environment`): the device name, the CPU architecture, the versions of torch, Triton,
-  FlashAttention-4 (``flash-attn-4``) and flexattn_zoo, and the file format. A change of any of
+  (:func:`environment`): the device name, the CPU architecture, the versions of torch (and its
+  CUDA / HIP), cuDNN, Triton, FlashAttention-4 (``flash-attn-4``; ``"unknown"`` when
+  ``flash_attn.cute`` imports from another distribution) and flexattn_zoo, and the file format. A change of any of
   them starts a fresh file: timings measured under another kernel library are not reused.
 * Writes: under an exclusive advisory lock (``fcntl.flock`` on ``<file>.lock``; where there is no
   ``fcntl`` the write goes ahead unlocked), the file is read again, merged with what this process
@@ -35,6 +36,8 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo import _compat
+
 CACHE_DIR_ENV = "FLEXATTN_ZOO_CACHE_DIR"
 #: Bumped when the file layout changes (it is part of the environment key).
 FORMAT = 1
@@ -49,10 +52,10 @@ def cache_dir() -> Path:
     """The directory of the tuning files (see the module docstring)."""
     explicit = os.environ.get(CACHE_DIR_ENV)
     if explicit:
-        return Path(explicit).expanduser()
+        return Path(explicit).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "flexattn_zoo"
+    return (base / "flexattn_zoo").absolute()
 
 
 def _dist_version(*names: str) -> str | None:
@@ -82,8 +85,10 @@ def _environment(device_name: str) -> tuple[tuple[str, Any], ...]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hip": torch.version.hip,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
-        "fa4": _dist_version("flash-attn-4"),
+        "fa4": _dist_version("flash-attn-4", "flash_attn_4")
+        or ("unknown" if _compat.flash_cute_available() else None),
         "flexattn_zoo": __version__,
     }
     return tuple(env.items())
@@ -94,11 +99,15 @@ def env_hash(env: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def path_for(device_name: str, env: Mapping[str, Any] | None = None) -> Path:
+def path_for(device_name: str) -> Path:
     """The file holding ``device_name``'s measurements in this environment."""
-    env = environment(device_name) if env is None else env
+    return cache_dir() / _file_name(device_name, env_hash(environment(device_name)))
+
+
+@functools.cache
+def _file_name(device_name: str, digest: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower()[:40] or "device"
-    return cache_dir() / f"tune-{slug}-{env_hash(env)}.json"
+    return f"tune-{slug}-{digest}.json"
 
 
 def read(path: Path) -> list[dict[str, Any]] | None:

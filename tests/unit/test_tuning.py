@@ -368,12 +368,21 @@ def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.Monk
     before = tuning.table()
     assert len(before) == 1
     _fresh_process(monkeypatch)
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({}, fail=("sdpa_flash", "flex_cpu")))
+    timer = FakeTimer({}, fail=("sdpa_flash", "flex_cpu"))
+    monkeypatch.setattr(tuning, "time_route", timer)
     assert tuning.table() == before
     plan = fz.plan(q, k, v, mask="causal", tune=True)
     assert plan.backend == "flex_cpu" and plan.measured
-    out = fz.attention(q, k, v, mask="causal", tune=True)  # read, not measured (the timer would fail)
+    out = fz.attention(q, k, v, mask="causal", tune=True)  # read, not measured
     assert_matches_reference(out, q, k, v, mask="causal")
+    assert timer.calls == []
+    # Another cache directory is another table, for the plan cache too; back again, the first.
+    monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(tuned.parent / "elsewhere"))
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "sdpa_flash"
+    fz.attention(q, k, v, mask="causal", tune=True)  # not in that table: measured (both fail here)
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(tuned))
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
 
 
 def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
