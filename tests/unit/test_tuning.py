@@ -23,10 +23,11 @@ import torch
 from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
-from flexattn_zoo import dispatch, masks, plan_cache, score_mods, tuning, tuning_store
+from flexattn_zoo import dispatch, masks, plan_cache, score_mods, tuning
 from flexattn_zoo.cli import app as cli
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.testing import assert_matches_reference
+from flexattn_zoo.tuning import store as tuning_store
 
 SHAPE = (1, 2, 64, 16)  # one causal flex_cpu kernel, compiled once for the whole module
 

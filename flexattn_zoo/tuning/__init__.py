@@ -43,7 +43,7 @@ Conventions:
   which, with the process-wide switch, is part of ``plan_cache.process_state()``, the key of every
   cached plan (and of ``fz.decode``'s per-signature plans); the per-call ``tune`` is part of the
   plan-cache key. A cached plan never outlives a change of what it was chosen from.
-* **Persistence**: :mod:`flexattn_zoo.tuning_store` (one JSON file per device and environment,
+* **Persistence**: :mod:`flexattn_zoo.tuning.store` (one JSON file per device and environment,
   atomic, merged under a lock).
 """
 
@@ -66,7 +66,6 @@ from typing import Any, NamedTuple
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo import tuning_store as store
 from flexattn_zoo.arch import generation
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.compose import And, Chain, MaskOnShard, Not, Or, ScoreOnShard
@@ -74,6 +73,7 @@ from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
+from flexattn_zoo.tuning import store
 from flexattn_zoo.validation import check_flag
 
 TUNE_ENV = "FLEXATTN_ZOO_TUNE"
