@@ -5,6 +5,8 @@ from flexattn_zoo import masks, score_mods
 
 out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=1023))
 print(fz.plan(q, k, v, mask="causal").explain())
+with fz.tune.enabled():  # measured route choice: time the candidates once per kind of call
+    out = fz.attention(q, k, v, mask="causal")
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover -
     __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flexattn_zoo import masks, score_mods  # noqa: E402
+from flexattn_zoo import tuning as tune  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402
 from flexattn_zoo.compose import Chain  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
@@ -44,6 +47,7 @@ __all__ = [
     "presets",
     "score_mods",
     "testing",
+    "tune",
 ]
 __version__ = "0.1.0"
 

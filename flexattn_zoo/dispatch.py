@@ -4,6 +4,10 @@ Every backend is asked for its reasons to refuse the problem; ``backend="auto"``
 route of the measured per-generation priority (``arch.priority``) that has none. A named backend
 never falls back: it runs, or raises ``ValueError`` with its reasons.
 
+Measured route choice (``tune=True``, ``fz.tune.enable()``; :mod:`flexattn_zoo.tuning`) changes
+only ``auto``'s pick among the routes that accept the call: the first eager call of a signature
+times them, later calls (and traced ones) read the table. A named backend is never changed.
+
 DTensor inputs run shard by shard, and calls under torch's ``context_parallel`` only on the SDPA
 routes it reroutes (:mod:`flexattn_zoo.sharding`).
 """
@@ -17,7 +21,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flexattn_zoo import _compat, plan_cache, sharding
+from flexattn_zoo import _compat, plan_cache, sharding, tuning
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
@@ -25,6 +29,7 @@ from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
 from flexattn_zoo.spec import Spec
+from flexattn_zoo.tuning import TuneInfo
 from flexattn_zoo.validation import (
     Shape,
     check_device,
@@ -56,10 +61,19 @@ class Plan:
     requested: str
     problem: Problem
     candidates: tuple[Candidate, ...]
+    #: Measured route choice's view of this plan: its signature, the measurement (if any) and the
+    #: routes it compares; None when tuning was off for the call or a route was named.
+    tuning: TuneInfo | None = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether ``backend`` was chosen by measurement rather than by the static order."""
+        return self.tuning is not None and self.tuning.measured(self.backend)
 
     def explain(self) -> str:
-        """The plan as text: the problem, then every route in this arch's priority order (routes
-        that ``auto`` never picks last) with its verdict, and the reasons of each refusal."""
+        """The plan as text: the problem, what tuning said (when it was on), then every route in
+        this arch's priority order (routes that ``auto`` never picks last) with its verdict, and
+        the reasons of each refusal."""
         p = self.problem
         mask = type(p.mask).__name__ if p.mask is not None else ("BlockMask" if p.user_block_mask else "none")
         score = type(p.score).__name__ if p.score is not None else "none"
@@ -69,11 +83,14 @@ class Plan:
             f"problem: B={p.batch} H={p.heads}/{p.kv_heads} Lq={p.q_len} Lkv={p.kv_len} D={p.head_dim} "
             f"{str(p.dtype).removeprefix('torch.')} on {p.device_type}; mask={mask} score_mod={score}",
         ]
+        if self.tuning is not None:
+            lines.append(self.tuning.describe(self.backend))
+            lines.append(f"signature: {self.tuning.signature.describe()}")
         ranked = sorted(self.candidates, key=lambda c: (c.rank is None, c.rank or 0))
         for c in ranked:
             rank = f"#{c.rank + 1}" if c.rank is not None else "--"
             if c.name == self.backend:
-                verdict = "chosen"
+                verdict = "chosen (measured)" if self.measured else "chosen"
             elif c.accepted:
                 verdict = "could run (lower priority)" if c.rank is not None else "could run (only if named)"
             else:
@@ -113,8 +130,14 @@ def _verdicts(problem: Problem) -> list[Candidate]:
     return out
 
 
-def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
-    """Choose a route for ``problem`` (see :class:`Problem`); ``ValueError`` if none can run it."""
+def plan_problem(
+    problem: Problem, backend: str = "auto", *, tune: bool = False, device: torch.device | None = None
+) -> Plan:
+    """Choose a route for ``problem`` (see :class:`Problem`); ``ValueError`` if none can run it.
+
+    ``tune``: for ``backend="auto"``, take the measured winner of the problem's signature on
+    ``device`` (default: the problem's device type) from the in-memory table of
+    :mod:`flexattn_zoo.tuning` where it accepts the problem (nothing is timed or loaded here)."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     if backend != "auto" and backend not in BY_NAME:
@@ -127,9 +150,15 @@ def plan_problem(problem: Problem, backend: str = "auto") -> Plan:
             raise ValueError(f"backend {backend!r} cannot run this call: {'; '.join(chosen.reasons)}")
         return Plan(backend, backend, problem, tuple(cands))
     ranked = [c for c in sorted(cands, key=lambda c: (c.rank is None, c.rank or 0)) if c.rank is not None]
-    for c in ranked:
-        if c.accepted:
-            return Plan(c.name, "auto", problem, tuple(cands))
+    accepted = tuple(c.name for c in ranked if c.accepted)
+    if accepted:
+        static = accepted[0]
+        if not tune:
+            return Plan(static, "auto", problem, tuple(cands))
+        where = torch.device(problem.device_type) if device is None else device
+        info = tuning.consult(problem, where, accepted, static)
+        route = static if info is None else info.chosen(static)
+        return Plan(route, "auto", problem, tuple(cands), info)
     detail = "; ".join(f"{c.name}: {', '.join(c.reasons)}" for c in ranked)
     # Suggest only what is true: routes outside the list that accept this very problem, if any.
     others = [c for c in cands if c.rank is None and BY_NAME[c.name].devices >= {problem.device_type}]
@@ -309,9 +338,12 @@ def plan(
     backend: str = "auto",
     return_lse: bool = False,
     deterministic: bool | None = None,
+    tune: bool | None = None,
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing.
 
+    With tuning on (``tune``, as for ``attention``) the plan takes the measured winner where the
+    table holds one; it never measures (the first tuned ``attention`` call does).
     For DTensor inputs: the plan of this rank's local call (see :mod:`flexattn_zoo.sharding`).
     """
     if sharding.holds_dtensor(q, k, v):
@@ -321,8 +353,12 @@ def plan(
     q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
     problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
-    chosen = plan_problem(problem, backend)
-    return _under_context_parallel(chosen) if sharding.context_parallel_active() else chosen
+    context_parallel = sharding.context_parallel_active()
+    tune_on = tuning.resolve(tune) and not context_parallel
+    if tune_on:
+        tuning.ensure_loaded(q.device)
+    chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
+    return _under_context_parallel(chosen) if context_parallel else chosen
 
 
 def _empty_result(
@@ -349,6 +385,7 @@ def attention(
     backend: str = ...,
     return_lse: Literal[False] = ...,
     deterministic: bool | None = ...,
+    tune: bool | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention(
@@ -363,6 +400,7 @@ def attention(
     backend: str = ...,
     return_lse: Literal[True],
     deterministic: bool | None = ...,
+    tune: bool | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -377,6 +415,7 @@ def attention(
     backend: str = ...,
     return_lse: bool = ...,
     deterministic: bool | None = ...,
+    tune: bool | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -392,6 +431,7 @@ def attention(
     backend: str = "auto",
     return_lse: bool = False,
     deterministic: bool | None = None,
+    tune: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
 
@@ -411,6 +451,11 @@ def attention(
             memory-efficient backwards under torch's deterministic mode; routes that cannot
             promise it refuse with the reason. ``None`` (default) follows
             ``torch.use_deterministic_algorithms`` (non-warn-only); ``False`` does not ask.
+        tune: measured route choice for ``backend="auto"`` (docs/tuning.md): ``True`` times the
+            routes that accept the call on its first eager call of a signature (on clones of the
+            inputs) and takes the fastest from then on, ``False`` keeps the static order, ``None``
+            (default) follows ``fz.tune.enable()`` / ``disable()`` / ``FLEXATTN_ZOO_TUNE``. Every
+            route it can pick is exact; while traced or captured it only reads measurements.
 
     Returns:
         ``out`` with q's dtype (under ``torch.autocast``: the autocast dtype, as SDPA), or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
@@ -442,6 +487,7 @@ def attention(
             backend=backend,
             return_lse=return_lse,
             deterministic=deterministic,
+            tune=tune,
         )
         return local.to_global(result)
     if _compat.is_compiling():
@@ -453,10 +499,10 @@ def attention(
             # calls leave the graph and run eagerly, exact as before (one graph break).
             return _EAGER_ATTENTION(
                 q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
-                backend=backend, return_lse=return_lse, deterministic=deterministic,
+                backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
             )  # fmt: skip
         return _traced_attention(
-            q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic
+            q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune
         )
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
@@ -472,7 +518,7 @@ def attention(
     key = (
         None
         if det is None or context_parallel
-        else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked)
+        else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune)
     )
     chosen = plan_cache.lookup(key, q, k, v) if key is not None else None
     user_bm = None
@@ -480,16 +526,29 @@ def attention(
         problem, user_bm = _problem(
             q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked
         )
+        # Under context_parallel the route must be one it reroutes: no measured choice there.
+        tune_on = tuning.resolve(tune) and not context_parallel and backend == "auto"
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call
             out, lse = _empty_result(q, k, v, problem)
             return (out, lse) if return_lse else out
-        chosen = plan_problem(problem, backend)
+        state = tuning.state()
+        if tune_on:
+            tuning.ensure_loaded(q.device)
+        chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
+        if tuning.needs_measuring(chosen.tuning) and tuning.can_measure(q):
+            chosen = _measured(chosen, q, k, v, scale_checked, user_bm)
         if context_parallel:
             chosen = _under_context_parallel(chosen)
-        if key is not None:
-            plan_cache.store(key, chosen, _finiteness_matters(chosen))
+        if key is not None and tuning.state() != state:  # the table changed: key the plan anew
+            key = call_key(
+                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune
+            )
+        # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
+        # being captured) is not kept, so the next eager call measures.
+        if key is not None and not tuning.needs_measuring(chosen.tuning):
+            plan_cache.store(key, chosen, _finiteness_matters(chosen, q.device))
     log.debug("flexattn_zoo route %s", chosen.backend)
     out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
     if not return_lse:
@@ -498,7 +557,24 @@ def attention(
     return out, maybe_lse
 
 
-def _finiteness_matters(chosen: Plan) -> bool:
+def _measured(
+    chosen: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, block_mask: Any
+) -> Plan:
+    """Time ``chosen``'s candidates (``tuning.measure``, on clones of q/k/v), then plan again
+    with the measurement in the table."""
+    info = chosen.tuning
+    assert info is not None
+    static = info.candidates[0]  # the static order's choice leads the candidates
+
+    def run(name: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        route = dataclasses.replace(chosen, backend=name)
+        return execute_plan(route, a, b, c, scale=scale, block_mask=block_mask)
+
+    tuning.measure(info, static, run, q, k, v, chosen.problem)
+    return plan_problem(chosen.problem, "auto", tune=True, device=q.device)
+
+
+def _finiteness_matters(chosen: Plan, device: torch.device) -> bool:
     """Whether a call like ``chosen``'s, but whose q/k/v are (or are not) finite where these were
     not (were), could take another route or fail: planned again with ``Problem.nonfinite``
     flipped (CPU only: elsewhere the inputs are never scanned)."""
@@ -506,7 +582,8 @@ def _finiteness_matters(chosen: Plan) -> bool:
     if p.device_type != "cpu":
         return False
     try:
-        other = plan_problem(dataclasses.replace(p, nonfinite=not p.nonfinite), chosen.requested)
+        flipped = dataclasses.replace(p, nonfinite=not p.nonfinite)
+        other = plan_problem(flipped, chosen.requested, tune=chosen.tuning is not None, device=device)
     except ValueError:
         return True
     return other.backend != chosen.backend
@@ -533,12 +610,14 @@ def _traced_attention(
     backend: str,
     return_lse: bool,
     deterministic: bool | None,
+    tune: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``attention`` while ``torch.compile`` traces the caller: the same route choice, made as
     plain Python that Dynamo guards like any other decision (on shapes, dtypes, grad mode, the
-    spec objects), with no cache, lock or log on the way, and the route's op put into the
-    caller's graph. Nothing here reads tensor data (see ``Problem``: data-derived facts are
-    unknown while tracing, and routes that need them refuse). Under dynamic shapes batch and
+    spec objects, the table of measured route choices when tuning is on: never timed here), with
+    no cache, lock or log on the way, and the route's op put into the caller's graph. Nothing
+    here reads tensor data (see ``Problem``: data-derived facts are unknown while tracing, and
+    routes that need them refuse). Under dynamic shapes batch and
     lengths stay symbolic (a route decision on them is a guard), while model constants are
     specialized (``_model_sizes_static``; spec parameters: ``spec.static_int``)."""
     problem, user_bm = _problem(
@@ -549,7 +628,10 @@ def _traced_attention(
             plan_problem(problem, backend)
         out, lse = _empty_result(q, k, v, problem)
         return (out, lse) if return_lse else out
-    chosen = plan_problem(problem, backend)
+    tune_on = tuning.resolve(tune) and backend == "auto"
+    if tune_on:
+        tuning.ensure_loaded(q.device)
+    chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
     out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale, block_mask=user_bm)
     if not return_lse:
         return out

@@ -15,7 +15,10 @@ planning reads from them, so a hit returns exactly the plan the full path would 
   (the mode of a call whose inputs do not; ``flex_flash`` refuses such specs in any mode),
   ``enable_gqa``, ``return_lse``, the resolved ``deterministic`` flag, ``backend``;
 * what planning reads from the process: ``FLEXATTN_ZOO_ARCH``, and what each registered route
-  declares it reads (``Backend.env_vars``) or needs installed (``Backend.requires``).
+  declares it reads (``Backend.env_vars``) or needs installed (``Backend.requires``);
+* measured route choice (:mod:`flexattn_zoo.tuning`): the call's ``tune`` argument, the
+  process-wide switch (``fz.tune.enable`` / ``disable``, ``FLEXATTN_ZOO_TUNE``) and the version of
+  the table of measurements, which every measurement, load and clear bumps.
 
 On the CPU planning also reads whether q/k/v hold NaN/inf (``Problem.nonfinite``: ``flex_cpu``
 refuses them), a scan of the data. Where that verdict cannot change the route (planned again
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo import _compat
+from flexattn_zoo import _compat, tuning
 from flexattn_zoo.arch import ARCH_ENV
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.functions import capture_state
@@ -51,7 +54,12 @@ from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 #: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
 PLANS: LRUCache[Any] = LRUCache(256)
 #: Environment variables the dispatcher or a route reads (routes declare theirs: ``Backend.env_vars``).
-ENV_VARS = (ARCH_ENV, *dict.fromkeys(name for b in BACKENDS for name in b.env_vars))
+ENV_VARS = (
+    ARCH_ENV,
+    tuning.TUNE_ENV,
+    tuning.store.CACHE_DIR_ENV,
+    *dict.fromkeys(name for b in BACKENDS for name in b.env_vars),
+)
 #: What the registered routes need installed (``Backend.requires``), each distinct one once.
 REQUIREMENTS = tuple(dict.fromkeys(r for b in BACKENDS for r in b.requires))
 
@@ -67,16 +75,21 @@ def call_key(
     deterministic: bool,
     backend: Any,
     scale: float | None = None,
+    tune: Any = None,
 ) -> Hashable | None:
     """The plan-cache key of a call, or None when the call must be planned in full.
 
     ``deterministic`` is the already resolved flag (it follows torch's global switch); ``scale``
-    the checked scale (only its sign takes part: routes refuse ``scale <= 0`` where it breaks them).
+    the checked scale (only its sign takes part: routes refuse ``scale <= 0`` where it breaks them);
+    ``tune`` the call's argument as given (None, True or False; the switch it follows and the
+    table's version are in ``process_state``).
     """
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None  # subclasses and non-tensors: the full path validates them
     if not (type(enable_gqa) is bool and type(return_lse) is bool and type(backend) is str):
         return None  # 1 == True as a key: let the full path refuse non-bool flags
+    if tune is not None and type(tune) is not bool:
+        return None
     if isinstance(mask, _compat.BlockMask):
         return None
     device = q.device
@@ -122,6 +135,7 @@ def call_key(
         device,
         process_state(),
         scale is not None and scale <= 0,
+        tune,
     )
     try:
         hash(key)
@@ -216,9 +230,16 @@ _read_environ = _environ_reader()
 def process_state() -> Hashable:
     """What planning reads from the process rather than the call: the registries' versions (a
     name can be unregistered and registered anew), the environment variables the dispatcher and
-    the routes read, and whether each route's requirements are installed. Part of every cached
-    plan's key. Looked up per call, once per distinct variable or requirement (host time)."""
-    return MASKS.version, SCORES.version, _read_environ(), tuple([r.check() for r in REQUIREMENTS])
+    the routes read, whether each route's requirements are installed, and tuning's switch and
+    table version (``tuning.state``). Part of every cached plan's key. Looked up per call, once
+    per distinct variable or requirement (host time)."""
+    return (
+        MASKS.version,
+        SCORES.version,
+        _read_environ(),
+        tuple([r.check() for r in REQUIREMENTS]),
+        tuning.state(),
+    )
 
 
 __all__ = [

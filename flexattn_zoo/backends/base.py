@@ -167,6 +167,10 @@ class Backend:
     #: torch's SDPA flash/efficient/math kernels and Triton do; cuDNN, FlashAttention-4 and the
     #: varlen kernel are CUDA-only.
     rocm: bool = False
+    #: Holds the ``Lq x Lkv`` scores in memory (dense, SDPA's math kernel). The static orders put
+    #: such routes after every route that does not, and measured route choice (``fz.tune``)
+    #: keeps it so: it times one only where the static order picks it.
+    materializes: bool = False
     doc: str = ""
 
     # -- machine-level ------------------------------------------------------------------------

@@ -130,5 +130,6 @@ DENSE = DenseBackend(
     env_vars=(DENSE_LIMIT_ENV,),
     decode=True,
     rocm=True,
+    materializes=True,
     doc="eager dense attention with autograd (materializes Lq x Lkv; memory-guarded)",
 )

@@ -197,5 +197,6 @@ SDPA_MATH = SdpaBackend(
     devices=frozenset({"cuda", "cpu"}),
     dtypes=FLOATS,
     rocm=True,
+    materializes=True,
     doc="SDPA's reference math kernel (no mask, causal, equal chunks); materializes scores internally",
 )

@@ -153,7 +153,9 @@ def rich_table(
     return table
 
 
-def _md_table(header: list[str], lines: list[list[str]]) -> list[str]:
+def md_table(header: list[str], lines: list[list[str]]) -> list[str]:
+    """A Markdown table (one string per line); "|" in cells escaped."""
+
     def esc(text: str) -> str:
         return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -208,7 +210,7 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
         "",
     ]
     header, lines = summary(rows, data.get("goals"))
-    parts += _md_table(header, lines)
+    parts += md_table(header, lines)
     problems = [r for r in rows if r["status"] not in ("ok", "unsupported")]
     if problems:
         parts += ["", "## OOM and errors", ""]
@@ -272,7 +274,7 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
             "<details><summary>table</summary>",
             "",
         ]
-        parts += _md_table(detail_header, detail)
+        parts += md_table(detail_header, detail)
         parts += ["", "</details>"]
     return "\n".join(parts) + "\n"
 

@@ -46,7 +46,8 @@ FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x forward
 COMMAND_ENV = "FLEXATTN_ZOO_BENCH_COMMAND"  # recorded instead of argv (e.g. by run_h200.sh)
 
 
-def _device(case: Case) -> torch.device:
+def case_device(case: Case) -> torch.device:
+    """The device a case runs on (``auto``: CUDA when torch sees a GPU)."""
     if case.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if case.device == "cuda" and not torch.cuda.is_available():
@@ -195,7 +196,7 @@ def run_sweep(
         for case in cases:
             if not todo[case.name]:
                 continue
-            device = _device(case)
+            device = case_device(case)
             try:
                 mask, score = case.specs(device)
                 visible: int | None = visible_pairs(mask, case.seq_len, case.batch, case.heads, device)
@@ -333,7 +334,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
                     data["rows"] = [r for r in data.get("rows", []) if not _selected(r, cases)]
             else:
                 history = []
-            env = collect_env(_device(cases[0]), command)
+            env = collect_env(case_device(cases[0]), command)
             env["no_fa4"] = bool(args.no_fa4)
             if history:
                 env["previous_commands"] = [h for h in history if h]

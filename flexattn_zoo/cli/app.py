@@ -9,6 +9,7 @@ Subcommands (``python -m flexattn_zoo`` is the same program)::
                       --heads H[,HKV] --dim D --dtype bf16 [--batch B] [--arch sm90] [--grad]
     flexattn-zoo demo [--device cpu|cuda] [--len N] [--only TEXT]
     flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--cases a,b] [--routes x,y] [--modes fwd]
+    flexattn-zoo tune CONFIG [--out F.json|F.md] [--cases a,b] [--modes fwd] [--force]
 
 Spec parameters are parsed generically (see :mod:`flexattn_zoo.cli.params`), so masks and score
 mods registered by users work here too. Exit codes: 0 success, 1 a demo preset failed or an
@@ -159,6 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     # bench has its own parser (flexattn_zoo.bench); main() hands it the raw arguments.
     sub.add_parser(
         "bench", help="time every route side by side from a YAML sweep (see bench -h)", add_help=False
+    )
+    # tune likewise (flexattn_zoo.cli.tune).
+    sub.add_parser(
+        "tune",
+        help="measure auto's route choice for each case of a YAML sweep and keep it (see tune -h)",
+        add_help=False,
     )
     return parser
 
@@ -380,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flexattn_zoo.bench import runner as bench
 
         return bench.main(tokens[1:], prog="flexattn-zoo bench")
+    if tokens and tokens[0] == "tune":
+        from flexattn_zoo.cli import tune
+
+        return tune.main(tokens[1:], prog="flexattn-zoo tune")
     # soft_wrap: text lines are never hard-wrapped (pipes and greps see whole lines); tables still fit.
     console = Console(highlight=False, soft_wrap=True)
     errors = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -179,6 +179,17 @@ def _show_score(
 # env
 
 
+def _tuning_summary() -> tuple[str, str]:
+    """``fz.tune``'s switch and entries, and its cache file (for the default device)."""
+    from flexattn_zoo import tuning
+
+    try:
+        state = "on" if tuning.is_enabled() else "off"
+    except ValueError as exc:  # a bad FLEXATTN_ZOO_TUNE: say so here, it fails the next call
+        state = str(exc)
+    return f"{state} (FLEXATTN_ZOO_TUNE, fz.tune); {len(tuning.table())} entries", str(tuning.cache_path())
+
+
 def cmd_env(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -187,7 +198,7 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
 
     info = Table(title="environment", show_header=False)
     info.add_column("what", style="bold")
-    info.add_column("value")
+    info.add_column("value", overflow="fold")
     info.add_row("flexattn_zoo", flexattn_zoo.__version__)
     info.add_row("python", f"{platform.python_version()} ({platform.platform()})")
     info.add_row("torch", torch.__version__)
@@ -205,6 +216,9 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
     info.add_row("CPU cores", str(os.cpu_count()))
     info.add_row("detected arch", detect_arch())
     info.add_row("matplotlib (viz extra)", dist_version("matplotlib") or "not installed")
+    state, path = _tuning_summary()
+    info.add_row("measured route choice", escape(state))
+    info.add_row("tuning cache file", escape(path))
     console.print(info)
 
     routes = Table(title="routes on this machine")

@@ -1,7 +1,8 @@
 """The package's shape: public import paths users rely on, and import arrows that point one way.
 
-The core (``flexattn_zoo/*.py`` and ``flexattn_zoo/backends/``) never imports a wing (the other
-subpackages: bench, cli, hf, models, testing), and no two modules import each other in a cycle.
+The core (``flexattn_zoo/*.py``, ``flexattn_zoo/backends/`` and ``flexattn_zoo/tuning/``) never
+imports a wing (the other subpackages: bench, cli, hf, models, testing), and no two modules import
+each other in a cycle.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import flexattn_zoo as fz
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "flexattn_zoo"
-CORE_SUBPACKAGES = {"backends"}
+CORE_SUBPACKAGES = {"backends", "tuning"}
 # The package's front doors re-export the public API (fz.Attention, fz.presets) and start the CLI.
 ENTRY_POINTS = {"flexattn_zoo", "flexattn_zoo.__main__"}
 WINGS = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - CORE_SUBPACKAGES

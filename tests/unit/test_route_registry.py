@@ -37,8 +37,9 @@ def test_route_declares_its_facts(route: Backend) -> None:
         assert cc is None or (isinstance(cc, tuple) and len(cc) == 2)
     assert route.deterministic or route.nondeterministic_why
     assert type(route).run is not Backend.run
-    # decode and auto flags
+    # decode, auto and materializes flags
     assert isinstance(route.decode, bool) and isinstance(route.auto, bool)
+    assert isinstance(route.materializes, bool)
     # what it needs installed and what it reads from the process (both reach the plan cache's key)
     assert isinstance(route.requires, tuple) and isinstance(route.env_vars, tuple)
     assert all(
@@ -54,6 +55,19 @@ def test_order_table_names_only_registered_routes() -> None:
     for gen, mode, traits, front in OVERRIDES:
         assert gen in PRIORITY and mode in PRIORITY[gen] and traits
         assert set(front) <= set(PRIORITY[gen][mode]), (gen, mode, front)
+
+
+def test_routes_that_materialize_scores_come_last() -> None:
+    """Every order, with every override applied, tries the routes that hold ``Lq x Lkv`` scores
+    after all others (measured route choice keeps that: it times one only where it is chosen)."""
+    assert {b.name for b in BACKENDS if b.materializes} == {"dense", "sdpa_math"}
+    for gen, modes in PRIORITY.items():
+        for mode, order in modes.items():
+            for o_gen, o_mode, _traits, front in OVERRIDES:
+                if (o_gen, o_mode) == (gen, mode):
+                    order = front + tuple(r for r in order if r not in front)
+            flags = [BY_NAME[name].materializes for name in order]
+            assert flags == sorted(flags), (gen, mode, order)
 
 
 def test_every_auto_route_is_in_the_order_table() -> None:

@@ -1,0 +1,634 @@
+"""Measured route choice (``fz.tune``): signatures, the decision, the switches, the plan cache,
+persistence, traced calls, the CLI, and that timing leaves the caller's tensors alone.
+
+Winners are decided by a fake timer (``tuning.time_route`` replaced) wherever the test is about
+selection, so nothing depends on this machine's speed; the CPU's real candidates for a causal
+forward are ``sdpa_flash`` (the static choice) and ``flex_cpu``. Every test runs with an empty
+table, a fresh plan cache and a cache directory of its own (the ``tuned`` fixture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import multiprocessing
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from learned_bias import LearnedHeadBias
+
+import flexattn_zoo as fz
+from flexattn_zoo import dispatch, masks, plan_cache, score_mods, tuning
+from flexattn_zoo.cli import app as cli
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.testing import assert_matches_reference
+from flexattn_zoo.tuning import store as tuning_store
+
+SHAPE = (1, 2, 64, 16)  # one causal flex_cpu kernel, compiled once for the whole module
+
+
+@pytest.fixture
+def tuned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty table, persistence into ``tmp_path/cache``, tuning off, a fresh plan cache."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(cache))
+    monkeypatch.delenv(tuning.TUNE_ENV, raising=False)
+    _fresh_process(monkeypatch)
+    monkeypatch.setattr(tuning, "_OVERRIDE", None)
+    monkeypatch.setattr(tuning, "_SETTINGS", tuning.Settings(warmup=0, reps=2))
+    return cache
+
+
+def _fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a new process starts with: nothing loaded, nothing measured, no plan cached."""
+    monkeypatch.setattr(tuning, "_TABLE", {})
+    monkeypatch.setattr(tuning, "_LOADED", {})
+    monkeypatch.setattr(plan_cache, "PLANS", LRUCache(64))
+
+
+class FakeTimer:
+    """``tuning.time_route`` that runs nothing and reports ``ms[name]`` (routes in ``fail`` raise)."""
+
+    def __init__(self, ms: dict[str, float], fail: tuple[str, ...] = ()) -> None:
+        self.ms, self.fail = ms, fail
+        self.calls: list[str] = []
+
+    def __call__(self, name: str, step: Any, device: Any, warmup: int, reps: int) -> tuple[float, float]:
+        self.calls.append(name)
+        if name in self.fail:
+            raise RuntimeError(f"{name} broke")
+        return self.ms.get(name, 1000.0), 0.25
+
+
+def _qkv(shape: tuple[int, ...] = SHAPE, grad: bool = False, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(*shape, generator=g).requires_grad_(grad) for _ in range(3))
+
+
+def _route(caplog: pytest.LogCaptureFixture, call: Callable[[], Any]) -> str:
+    """The route ``call``'s ``fz.attention`` ran (from the dispatcher's debug log)."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger=dispatch.log.name):
+        call()
+    routes = [
+        r.getMessage().split()[-1] for r in caplog.records if r.getMessage().startswith("flexattn_zoo route")
+    ]
+    assert routes, "no attention call was logged"
+    return routes[-1]
+
+
+# ---- signatures ---------------------------------------------------------------------------
+
+
+def test_buckets_are_powers_of_two_with_decode_buckets() -> None:
+    assert [tuning.bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 1000, 1024, 1025)] == [
+        1, 2, 4, 8, 8, 16, 16, 32, 1024, 1024, 2048,
+    ]  # fmt: skip
+
+
+def test_signature_fields_json_round_trip_and_validation() -> None:
+    q, k, v = (torch.randn(2, 8, 5, 32), torch.randn(2, 2, 300, 32), torch.randn(2, 2, 300, 32))
+    plan = fz.plan(q, k, v, mask=masks.Causal(align="bottom_right"), enable_gqa=True, tune=True)
+    assert plan.tuning is not None
+    sig = plan.tuning.signature
+    assert (sig.device, sig.arch, sig.dtype, sig.head_dim, sig.v_dim, sig.gqa) == (
+        "cpu",
+        "cpu",
+        "float32",
+        32,
+        32,
+        4,
+    )
+    assert (sig.batch_heads, sig.q_len, sig.kv_len, sig.mode) == (16, 8, 512, "fwd")
+    text = json.dumps(sig.to_json())
+    assert tuning.Signature.from_json(json.loads(text)) == sig
+    bad = {**sig.to_json(), "head_dim": "32"}
+    with pytest.raises(ValueError, match="head_dim"):
+        tuning.Signature.from_json(bad)
+    with pytest.raises(ValueError, match="keys"):
+        tuning.Signature.from_json({k: v for k, v in sig.to_json().items() if k != "mode"})
+
+
+def test_spec_kind_is_structure_without_parameters() -> None:
+    a = masks.SlidingWindow(left=3) & masks.Causal()
+    b = masks.Causal() & masks.SlidingWindow(left=100)
+    assert tuning.spec_kind(a) == tuning.spec_kind(b) == "(causal & sliding_window)"
+    assert tuning.spec_kind(~masks.Causal() | masks.Full()) == "(full | ~causal)"
+    assert tuning.spec_kind(score_mods.SoftCap(cap=30.0, approx=True)) == "softcap~approx"
+    assert tuning.spec_kind(score_mods.SoftCap(cap=30.0)) == "softcap"
+    chain = score_mods.Alibi(num_heads=2) >> score_mods.SoftCap(cap=5.0)
+    assert tuning.spec_kind(chain) == "alibi >> softcap"
+
+    def near(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx - kv_idx).abs() <= 2
+
+    q = torch.randn(1, 1, 8, 8)
+    sig = fz.plan(q, q, q, mask=near, tune=True).tuning
+    assert sig is not None
+    assert sig.signature.mask == f"fn:{__name__}.{near.__qualname__}"
+    assert sig.signature.density == "unknown"  # a raw callable: no closed form
+
+
+def test_density_buckets() -> None:
+    assert tuning.density(None, 64, 64) == "1"
+    assert tuning.density(masks.Causal(), 1024, 1024) == "1"  # 36 of 64 blocks: more than half
+    assert tuning.density(masks.SlidingWindow(left=127), 4096, 4096) == "1/16"
+    assert tuning.density(masks.SlidingWindow(left=100), 4096, 4096) == "1/16"  # same bucket, same entry
+    assert tuning.density(masks.Chunked(size=128), 8192, 8192) == "<=1/64"
+    assert tuning.density(masks.Document.from_lengths([30, 34]), 64, 64) == "unknown"  # holds tensors
+    # Far past 256 blocks a side the map is coarser, still O(blocks).
+    assert tuning.density(masks.SlidingWindow(left=4095), 1 << 20, 1 << 20) == "<=1/64"
+
+
+def test_candidates_leave_out_materializing_routes_unless_static() -> None:
+    accepted = ("sdpa_flash", "flex_cpu", "sdpa_math", "dense")
+    assert tuning.candidates(accepted, "sdpa_flash") == ("sdpa_flash", "flex_cpu")
+    assert tuning.candidates(("sdpa_math", "dense"), "sdpa_math") == ("sdpa_math",)
+    assert tuning.candidates(("dense",), "dense") == ("dense",)
+
+
+def test_decide_is_deterministic_with_a_margin_for_the_static_choice() -> None:
+    order = ("a", "b", "c")
+    assert tuning.decide({"a": 1.0, "b": 0.9}, order, "a", 0.05) == "b"
+    assert tuning.decide({"a": 1.0, "b": 0.97}, order, "a", 0.05) == "a"  # within the margin
+    assert tuning.decide({"a": 1.0, "b": 0.97}, order, "a", 0.0) == "b"
+    assert tuning.decide({"b": 0.5, "c": 0.5}, order, "a", 0.05) == "b"  # static failed; tie: rank
+    assert tuning.decide({"c": 0.5, "b": 0.5}, order, "a", 0.05) == "b"  # insertion order is irrelevant
+    assert tuning.decide({}, order, "a", 0.05) == "a"
+
+
+# ---- switches ---------------------------------------------------------------------------
+
+
+def test_switches_and_their_validation(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not tuning.is_enabled()
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    assert tuning.is_enabled()
+    tuning.disable()
+    assert not tuning.is_enabled()  # an explicit switch wins over the variable
+    with tuning.enabled():
+        assert tuning.is_enabled()
+        with tuning.enabled(False):
+            assert not tuning.is_enabled()
+        assert tuning.is_enabled()
+    assert not tuning.is_enabled()
+    tuning.enable()
+    assert tuning.is_enabled()
+    monkeypatch.setattr(tuning, "_OVERRIDE", None)
+    monkeypatch.setenv(tuning.TUNE_ENV, "maybe")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=tuning.TUNE_ENV):
+        fz.attention(q, k, v, mask="causal")
+    monkeypatch.delenv(tuning.TUNE_ENV)
+    with pytest.raises(TypeError, match="tune must be a bool"):
+        fz.attention(q, k, v, mask="causal", tune="yes")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="reps"):
+        tuning.configure(reps=0)
+    with pytest.raises(ValueError, match="margin"):
+        tuning.configure(margin=1.5)
+
+
+# ---- selection ----------------------------------------------------------------------------
+
+
+def test_auto_takes_the_measured_winner_and_a_named_route_is_unchanged(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
+    monkeypatch.setattr(tuning, "time_route", timer)
+    q, k, v = _qkv()
+    assert fz.plan(q, k, v, mask="causal").backend == "sdpa_flash"  # static order
+    # A named route: never timed, never changed, even with tuning on.
+    assert (
+        _route(caplog, lambda: fz.attention(q, k, v, mask="causal", backend="sdpa_flash", tune=True))
+        == "sdpa_flash"
+    )
+    assert timer.calls == []
+    out = None
+
+    def call() -> None:
+        nonlocal out
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+
+    assert _route(caplog, call) == "flex_cpu"
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    assert out is not None
+    assert_matches_reference(out, q, k, v, mask="causal")
+    assert _route(caplog, call) == "flex_cpu"
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]  # measured once per signature
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.backend == "flex_cpu" and plan.measured
+    assert "chosen by measurement" in plan.explain() and "flex_cpu 1 ms" in plan.explain()
+    assert "chosen (measured)" in plan.explain()
+    named = fz.plan(q, k, v, mask="causal", backend="sdpa_flash", tune=True)
+    assert named.backend == "sdpa_flash" and named.tuning is None
+    assert fz.plan(q, k, v, mask="causal", tune=False).backend == "sdpa_flash"
+    static = fz.plan(q, k, v, mask="causal", tune=False)
+    assert "tuning:" not in static.explain() and not static.measured
+
+
+def test_a_route_failing_while_timed_is_left_out(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}, fail=("flex_cpu",))
+    monkeypatch.setattr(tuning, "time_route", timer)
+    q, k, v = _qkv()
+    out = fz.attention(q, k, v, mask="causal", tune=True)
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.backend == "sdpa_flash"
+    assert plan.tuning is not None and plan.tuning.entry is not None
+    assert dict(plan.tuning.entry.errors) == {"flex_cpu": "RuntimeError: flex_cpu broke"}
+    assert dict(plan.tuning.entry.ms) == {"sdpa_flash": 2.0}
+    assert "flex_cpu failed" in plan.explain()
+    assert_matches_reference(out, q, k, v, mask="causal")
+
+
+def test_a_measured_winner_that_refuses_the_call_falls_back_to_static(tuned: Path) -> None:
+    q, k, v = _qkv()
+    sig = fz.plan(q, k, v, mask="causal", tune=True).tuning
+    assert sig is not None
+    tuning.record(sig.signature, _entry("flex_cpu"))
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
+    bad = q.clone()
+    bad[0, 0, 0, 0] = float("nan")  # flex_cpu refuses non-finite inputs: same signature
+    plan = fz.plan(bad, k, v, mask="causal", tune=True)
+    assert plan.backend == "sdpa_flash" and not plan.measured
+    assert "cannot run this call" in plan.explain()
+
+
+def _entry(winner: str, date: str = "2000-01-01T00:00:00.000000+00:00") -> tuning.Entry:
+    return tuning.Entry(
+        winner=winner,
+        static="sdpa_flash",
+        ms=(("sdpa_flash", 2.0), ("flex_cpu", 1.0)),
+        compile_s=(("sdpa_flash", 0.0), ("flex_cpu", 1.0)),
+        reps=2,
+        warmup=0,
+        date=date,
+    )
+
+
+# ---- the caller's tensors -----------------------------------------------------------------
+
+
+def test_timing_leaves_the_callers_tensors_grads_and_rng_alone(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real timing in fwdbwd mode (the CPU has one such candidate for causal; every accepting
+    route is compared here), then the user's own backward: exact against float64."""
+    monkeypatch.setattr(tuning, "candidates", lambda accepted, static: tuple(accepted))
+    q, k, v = _qkv((1, 2, 32, 16), grad=True)
+    versions = [t._version for t in (q, k, v)]
+    copies = [t.detach().clone() for t in (q, k, v)]
+    rng = torch.get_rng_state()
+    out = fz.attention(q, k, v, mask="causal", tune=True)
+    entry = fz.plan(q, k, v, mask="causal", tune=True).tuning
+    assert entry is not None and entry.entry is not None
+    assert {n for n, _ in entry.entry.ms} == {"sdpa_flash", "sdpa_math", "dense"}  # really timed
+    assert [t._version for t in (q, k, v)] == versions
+    assert all(torch.equal(t.detach(), c) for t, c in zip((q, k, v), copies, strict=True))
+    assert all(t.grad is None for t in (q, k, v))
+    assert torch.equal(torch.get_rng_state(), rng)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask="causal", grads=grads, grad_out=grad_out)
+
+
+def test_timing_accumulates_no_grad_into_a_learned_score_tensor(tuned: Path) -> None:
+    bias = torch.randn(2, requires_grad=True)
+    spec = LearnedHeadBias(bias=bias)
+    q, k, v = _qkv((1, 2, 16, 8))
+    plan = fz.plan(q, k, v, score_mod=spec, tune=True)  # fwdbwd: the spec captures a learnable tensor
+    assert plan.problem.mode == "fwdbwd" and plan.tuning is not None
+    seen: list[bool] = []
+
+    def run(name: str, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Any:
+        out, lse = dispatch.execute_plan(dataclasses.replace(plan, backend="dense"), a, b, c, scale=None)
+        seen.append(out.requires_grad)
+        a.add_(1.0)  # a route that writes to its inputs writes to copies
+        return out, lse
+
+    info = dataclasses.replace(plan.tuning, candidates=("dense",))
+    version = bias._version
+    before = [(t._version, t.clone()) for t in (q, k, v)]
+    entry = tuning.measure(info, "dense", run, q, k, v, plan.problem)
+    assert entry.winner == "dense" and not entry.errors and seen and all(seen)
+    assert bias.grad is None and bias._version == version
+    assert all(t._version == n and torch.equal(t, c) for t, (n, c) in zip((q, k, v), before, strict=True))
+
+
+# ---- the plan cache -----------------------------------------------------------------------
+
+
+def test_the_plan_cache_follows_every_change_of_tuning(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
+    monkeypatch.setattr(tuning, "time_route", timer)
+    q, k, v = _qkv()
+
+    def route(**kw: Any) -> str:
+        return _route(caplog, lambda: fz.attention(q, k, v, mask="causal", **kw))
+
+    assert route() == "sdpa_flash"  # tuning off: the static plan is cached
+    tuning.enable()
+    assert route() == "flex_cpu" and timer.calls == ["sdpa_flash", "flex_cpu"]
+    inserts = plan_cache.PLANS.inserts
+    assert route() == "flex_cpu"
+    assert plan_cache.PLANS.inserts == inserts  # a hit
+    tuning.disable()
+    assert route() == "sdpa_flash"
+    assert route(tune=True) == "flex_cpu"  # per call, from the table: not measured again
+    with tuning.enabled():
+        assert route() == "flex_cpu"
+    assert route() == "sdpa_flash"
+    tuning.enable()
+    tuning.clear()
+    timer.ms = {"sdpa_flash": 1.0, "flex_cpu": 2.0}
+    assert route() == "sdpa_flash" and timer.calls[2:] == ["sdpa_flash", "flex_cpu"]  # measured anew
+    sig = fz.plan(q, k, v, mask="causal").tuning
+    assert sig is not None
+    tuning.record(sig.signature, _entry("flex_cpu", date="2999-01-01T00:00:00.000000+00:00"))
+    assert route() == "flex_cpu"  # a new entry (another process's, merged): seen at once
+
+
+# ---- persistence --------------------------------------------------------------------------
+
+
+def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", tune=True)
+    path = tuning.cache_path()
+    assert path.parent == tuned and path.is_file()
+    data = json.loads(path.read_text())
+    assert data["env"]["device"] == "cpu" and data["env"]["torch"] == torch.__version__
+    before = tuning.table()
+    assert len(before) == 1
+    _fresh_process(monkeypatch)
+    timer = FakeTimer({}, fail=("sdpa_flash", "flex_cpu"))
+    monkeypatch.setattr(tuning, "time_route", timer)
+    assert tuning.table() == before
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.backend == "flex_cpu" and plan.measured
+    out = fz.attention(q, k, v, mask="causal", tune=True)  # read, not measured
+    assert_matches_reference(out, q, k, v, mask="causal")
+    assert timer.calls == []
+    # Another cache directory is another table, for the plan cache too; back again, the first.
+    monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(tuned.parent / "elsewhere"))
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "sdpa_flash"
+    fz.attention(q, k, v, mask="causal", tune=True)  # not in that table: measured (both fail here)
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(tuned))
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
+
+
+def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", tune=True)
+    old_path = tuning.cache_path()
+    real = tuning_store.environment
+    monkeypatch.setattr(tuning_store, "environment", lambda name: {**real(name), "torch": "9.99.0"})
+    _fresh_process(monkeypatch)
+    new_path = tuning.cache_path()
+    assert new_path != old_path and new_path.parent == old_path.parent
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.backend == "sdpa_flash" and plan.tuning is not None and plan.tuning.entry is None
+    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
+    fz.attention(q, k, v, mask="causal", tune=True)
+    assert old_path.is_file() and new_path.is_file()
+    assert json.loads(new_path.read_text())["env"]["torch"] == "9.99.0"
+
+
+def test_a_corrupt_file_is_ignored_with_a_warning(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0})
+    monkeypatch.setattr(tuning, "time_route", timer)
+    path = tuning.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{ not json")
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    rows = json.loads(path.read_text())["entries"]  # replaced by a good file
+    assert len(rows) == 1 and rows[0]["winner"] == "sdpa_flash"
+    # One malformed entry among good ones: dropped, the rest read.
+    rows.append({**rows[0], "ms": "fast"})
+    path.write_text(json.dumps({**json.loads(path.read_text()), "entries": rows}))
+    _fresh_process(monkeypatch)
+    with pytest.warns(UserWarning, match="dropped 1 malformed"):
+        plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.tuning is not None and plan.tuning.entry is not None
+
+
+def test_an_unwritable_cache_warns_and_keeps_the_measurement(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tuned.parent / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(blocker / "cache"))  # a directory under a file
+    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning) as caught:  # cannot read it either: both said
+        fz.attention(q, k, v, mask="causal", tune=True)
+    assert any("cannot write" in str(w.message) for w in caught)
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
+
+
+def test_clear_one_signature_or_all(tuned: Path) -> None:
+    q, k, v = _qkv()
+    one = fz.plan(q, k, v, mask="causal", tune=True).tuning
+    two = fz.plan(q, k, v, mask=masks.SlidingWindow(left=3), tune=True).tuning
+    assert one is not None and two is not None
+    tuning.record(one.signature, _entry("flex_cpu"))
+    tuning.record(two.signature, _entry("flex_cpu"))
+    path = tuning.cache_path()
+    assert len(json.loads(path.read_text())["entries"]) == 2
+    tuning.clear(one.signature)
+    assert set(tuning.table()) == {two.signature}
+    assert len(json.loads(path.read_text())["entries"]) == 1
+    tuning.clear()
+    assert tuning.table() == {} and not path.exists()
+
+
+def _write_entries(cache_dir: str, tag: str, count: int, barrier: Any) -> None:
+    """One process of the concurrency test: ``count`` measurements of its own signatures."""
+    os.environ[tuning_store.CACHE_DIR_ENV] = cache_dir
+    from flexattn_zoo import tuning as t
+
+    barrier.wait()
+    for i in range(count):
+        sig = t.Signature(
+            device="cpu", arch="cpu", dtype="float32", head_dim=16, v_dim=16, gqa=1, batch_heads=2,
+            q_len=1 << i, kv_len=1 << i, mask=f"proc_{tag}", density="1", score="none", mode="fwd",
+            deterministic=False, return_lse=False,
+        )  # fmt: skip
+        t.record(
+            sig, t.Entry(winner="sdpa_flash", static="sdpa_flash", ms=(("sdpa_flash", 1.0),), compile_s=())
+        )
+
+
+def test_two_processes_writing_at_once_keep_every_entry(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    count = 12
+    procs = [ctx.Process(target=_write_entries, args=(str(tuned), tag, count, barrier)) for tag in "ab"]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    rows = tuning_store.read(tuning.cache_path())
+    assert rows is not None
+    masks_seen = sorted((r["signature"]["mask"], r["signature"]["q_len"]) for r in rows)
+    assert masks_seen == sorted((f"proc_{tag}", 1 << i) for tag in "ab" for i in range(count))
+    assert len(tuning.table()) == 2 * count  # and this process reads them all
+
+
+# ---- traced calls -------------------------------------------------------------------------
+
+
+def test_traced_calls_read_the_table_and_never_time(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
+    monkeypatch.setattr(tuning, "time_route", timer)
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", tune=True)  # eager: measured, flex_cpu wins
+    assert len(timer.calls) == 2
+    _fresh_process(monkeypatch)  # a new process: the first traced call loads the file
+    tuning.enable()
+    graphs: list[set[str]] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return fz.attention(x, x, x, mask=masks.Causal())
+
+    def uses_flex(targets: set[str]) -> bool:
+        return any("flex_attention" in t for t in targets)
+
+    torch._dynamo.reset()
+    try:
+        for dynamic in (False, True):
+            torch._dynamo.reset()
+            graphs.clear()
+            compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=dynamic)
+            out = compiled(q)
+            assert len(graphs) == 1 and uses_flex(graphs[0])  # the measured winner
+            assert_matches_reference(out, q, q, q, mask="causal")
+            longer = torch.randn(1, 2, 200, 16)  # another length bucket: never measured
+            out = compiled(longer)
+            assert not uses_flex(graphs[-1])  # the static order
+            assert_matches_reference(out, longer, longer, longer, mask="causal")
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(q)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+        assert len(timer.calls) == 2  # nothing was timed while traced
+        torch._dynamo.reset()
+        graphs.clear()
+        compiled = torch.compile(layer, backend=backend, fullgraph=True)
+        compiled(q)
+        assert len(graphs) == 1 and uses_flex(graphs[0])
+        tuning.clear()  # the table changed: the graph traced before must not keep the old winner
+        compiled(q)
+        assert len(graphs) == 2 and not uses_flex(graphs[1])
+        assert len(timer.calls) == 2
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_call_that_cannot_measure_leaves_it_to_the_next(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As under CUDA graph capture: the static route runs, and its plan is not cached, so the
+    next eager call measures."""
+    timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
+    monkeypatch.setattr(tuning, "time_route", timer)
+    q, k, v = _qkv()
+    with monkeypatch.context() as m:
+        m.setattr(tuning, "can_measure", lambda q: False)
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert timer.calls == [] and len(plan_cache.PLANS) == 0
+    assert_matches_reference(out, q, k, v, mask="causal")
+    fz.attention(q, k, v, mask="causal", tune=True)
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
+
+
+def test_no_room_for_the_copies_keeps_the_static_order(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*args: Any) -> Any:
+        raise torch.OutOfMemoryError("no room for the copies")
+
+    monkeypatch.setattr(tuning, "_steps", no_memory)
+    monkeypatch.setattr(tuning, "time_route", FakeTimer({"flex_cpu": 1.0}))
+    q, k, v = _qkv()
+    out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.backend == "sdpa_flash" and plan.tuning is not None and plan.tuning.entry is not None
+    assert dict(plan.tuning.entry.errors) == {"(inputs)": "OutOfMemoryError: no room for the copies"}
+    assert not plan.measured and "the measurement failed ((inputs): OutOfMemoryError" in plan.explain()
+
+
+def test_no_measurement_for_tensor_subclasses() -> None:
+    assert tuning.can_measure(torch.zeros(1))
+    assert not tuning.can_measure(torch.nn.Parameter(torch.zeros(1)))
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+TINY = """
+defaults: {dtype: fp32, device: cpu, warmup: 0, iters: 2, modes: [fwd, fwdbwd]}
+cases:
+  - {name: causal, batch: 1, heads: 2, seq_len: 64, head_dim: 16, mask: {name: causal}}
+"""
+
+
+def test_tune_cli_on_a_tiny_config(tuned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 3.0})
+    monkeypatch.setattr(tuning, "time_route", timer)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    out = tmp_path / "tune.json"
+    assert cli.main(["tune", str(config), "--out", str(out), "--quiet"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["mode"], r["status"]) for r in rows] == [
+        ("causal", "fwd", "ok"),
+        ("causal", "fwdbwd", "ok"),
+    ]
+    fwd, fwdbwd = rows
+    assert (
+        fwd["route"] == "sdpa_flash" and fwd["measured"] and fwd["ms"] == {"sdpa_flash": 1.0, "flex_cpu": 3.0}
+    )
+    assert fwd["compile_s"] == pytest.approx(
+        {"sdpa_flash": 0.249, "flex_cpu": 0.247}
+    )  # first call less a step
+    assert fwd["signature"]["mask"] == "causal" and fwd["signature"]["q_len"] == 64
+    assert fwdbwd["candidates"] == ["sdpa_flash"] and fwdbwd["ms"] == {}  # one route: nothing to time
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    assert tuning.cache_path().is_file()
+    md = tmp_path / "tune.md"
+    assert cli.main(["tune", str(config), "--out", str(md), "--quiet", "--modes", "fwd"]) == 0
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]  # read from the cache
+    text = md.read_text()
+    assert "| causal | fwd |" in text and "sdpa_flash 1, flex_cpu 3" in text
+    assert cli.main(["tune", str(config), "--quiet", "--modes", "fwd", "--force", "--reps", "3"]) == 0
+    assert timer.calls[2:] == ["sdpa_flash", "flex_cpu"]  # measured again
+    assert cli.main(["tune", str(config), "--modes", "sideways"]) == 2
+
+
+def test_tune_cli_no_save_writes_nothing(
+    tuned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 3.0}))
+    config = tmp_path / "tiny.yaml"
+    config.write_text(TINY)
+    assert cli.main(["tune", str(config), "--modes", "fwd", "--no-save", "--quiet"]) == 0
+    assert not tuned.exists()
+    assert tuning.settings().persist  # restored
