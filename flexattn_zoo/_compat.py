@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import operator
@@ -366,6 +367,16 @@ def static_int(value: Any) -> int:
 #: Dynamo, which guards the autocast state), so calls outside autocast skip the per-device check.
 #: Always True where this torch lacks it, so that callers check the device type as before.
 any_autocast_enabled: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def dist_version(*names: str) -> str | None:
+    """The installed version of the first distribution found among ``names`` (or None)."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def recompile_limit() -> int:

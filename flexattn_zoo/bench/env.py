@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import os
 import platform
 import subprocess
@@ -15,6 +14,7 @@ import torch
 
 import flexattn_zoo
 from flexattn_zoo import _compat
+from flexattn_zoo._compat import dist_version
 
 GIT_ENV = "FLEXATTN_ZOO_GIT"  # commit to record when the tree has no .git (e.g. a copy on a GPU machine)
 
@@ -43,16 +43,6 @@ def _git() -> tuple[str | None, bool | None]:
     if rev.returncode != 0:
         return None, None
     return rev.stdout.strip(), bool(dirty.stdout.strip())
-
-
-def dist_version(*names: str) -> str | None:
-    """The installed version of the first distribution found among ``names`` (or None)."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def collect_env(device: torch.device, command: str) -> dict[str, Any]:

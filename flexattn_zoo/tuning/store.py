@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -58,15 +57,6 @@ def cache_dir() -> Path:
     return (base / "flexattn_zoo").absolute()
 
 
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def environment(device_name: str) -> dict[str, Any]:
     """The environment key of ``device_name``'s measurements: what, when it changes, makes them
     stale. Versions are read from the installed distributions (nothing is imported), once per
@@ -86,8 +76,8 @@ def _environment(device_name: str) -> tuple[tuple[str, Any], ...]:
         "cuda": torch.version.cuda,
         "hip": torch.version.hip,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "triton": _dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
-        "fa4": _dist_version("flash-attn-4", "flash_attn_4")
+        "triton": _compat.dist_version("triton", "pytorch-triton", "pytorch-triton-rocm"),
+        "fa4": _compat.dist_version("flash-attn-4", "flash_attn_4")
         or ("unknown" if _compat.flash_cute_available() else None),
         "flexattn_zoo": __version__,
     }
