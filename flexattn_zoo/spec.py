@@ -324,7 +324,11 @@ class Spec:
         cached = self.__dict__.get("_holds_callables_value")
         if cached is None:
             cached = False
-            for value in self._fields():
+            skip = type(self).scalar_fields  # numbers only; reading them while traced costs a retrace
+            for name in _field_names(self):
+                if name in skip:
+                    continue
+                value = getattr(self, name)
                 parts = value if isinstance(value, tuple) else (value,)
                 if any(isinstance(v, Spec) and v._holds_callables() for v in parts):
                     cached = True
