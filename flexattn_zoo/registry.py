@@ -145,6 +145,14 @@ def _entry_points() -> list[importlib.metadata.EntryPoint]:
 _PLUGINS = _Plugins()
 
 
+def _load_plugins() -> None:
+    """Load the plugins unless done, or unless torch.compile traces this call. The tracing check
+    comes first: Dynamo then never reads the flag, so no guard on it recompiles the caller's graph
+    once an eager lookup has loaded the plugins."""
+    if not _compat.is_compiling() and not _PLUGINS.done:
+        _PLUGINS.load()
+
+
 def plugins() -> list[Plugin]:
     """The spec plugins found in :data:`PLUGIN_GROUP` (loading them if that has not happened)."""
     _PLUGINS.load()
@@ -243,8 +251,7 @@ class Registry(Generic[S]):
     def entry(self, name: str) -> Entry:
         if not isinstance(name, str):
             raise TypeError(f"{self.kind} name must be a str, got {type(name).__name__}")
-        if not _PLUGINS.done:
-            _PLUGINS.load()
+        _load_plugins()
         # One dict read is atomic; no lock, so torch.compile can trace a lookup by name.
         found = self._entries.get(name)
         if found is None:
@@ -253,6 +260,8 @@ class Registry(Generic[S]):
 
     def find(self, name: str) -> Entry | None:
         """The entry registered as ``name``, or None (one dict read: the plan cache's lookup)."""
+        # The flag alone, first: this is the eager per-call path (plan-cache keys are not made
+        # while tracing; a traced read would cost at most one recompile, see _load_plugins).
         if not _PLUGINS.done:
             _PLUGINS.load()
         return self._entries.get(name)
@@ -275,18 +284,17 @@ class Registry(Generic[S]):
         return spec
 
     def names(self) -> list[str]:
-        _PLUGINS.load()
+        _load_plugins()
         with self._lock:
             return sorted(self._entries)
 
     def entries(self) -> list[Entry]:
-        _PLUGINS.load()
+        _load_plugins()
         with self._lock:
             return [self._entries[n] for n in sorted(self._entries)]
 
     def __contains__(self, name: object) -> bool:
-        if not _PLUGINS.done:
-            _PLUGINS.load()
+        _load_plugins()
         return name in self._entries
 
 

@@ -162,3 +162,18 @@ def test_not_loaded_at_import(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     path = os.pathsep.join([str(tmp_path), str(root), os.environ.get("PYTHONPATH", "")])
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": path})
+
+
+def test_traced_lookup_loads_nothing_and_later_loading_recompiles_nothing(site: Path) -> None:
+    import torch
+    import torch._dynamo.testing
+
+    _dist(site, "fzplug-good", {"good": "fzplug_good"}, {"fzplug_good": GOOD})
+    counter = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(lambda q, k, v: fz.attention(q, k, v, mask="causal"), backend=counter, fullgraph=True)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    fn(q, k, v)
+    assert counter.frame_count == 1 and not registry._PLUGINS.done  # the trace imported nothing
+    assert "plug_mask" in masks.names()  # the first eager lookup loads them
+    fn(q, k, v)
+    assert counter.frame_count == 1  # no guard on the loader's flag
