@@ -3,17 +3,26 @@
 ``MASKS`` and ``SCORES`` are exposed as ``flexattn_zoo.masks.{get,names,register,register_function}``
 and the same under ``flexattn_zoo.score_mods``. Names are snake_case and unique; a duplicate or
 unknown name raises ``ValueError`` listing the valid names with the nearest one suggested.
+
+Spec plugins: an installed distribution can declare entry points in the group
+``flexattn_zoo.specs`` (:data:`PLUGIN_GROUP`), each naming a module that registers its specs with
+these registries when imported. They are imported once, the first time either registry is listed
+or looked up by name (not at ``import flexattn_zoo``); a plugin that fails to import is reported
+with a ``RuntimeWarning`` naming it and is skipped. :func:`plugins` says what was loaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.metadata
 import re
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
+from flexattn_zoo import _compat
 from flexattn_zoo.functions import FunctionMask, FunctionScore, check_mask_function, check_score_function
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 
@@ -57,6 +66,97 @@ def _describe_params(cls: type) -> tuple[tuple[str, str], ...]:
 def did_you_mean(name: str, choices: list[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+#: The entry-point group of spec plugins: each entry point names a module (``pkg.masks``) or an
+#: object in one (``pkg.masks:register``); importing it registers its specs.
+PLUGIN_GROUP = "flexattn_zoo.specs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plugin:
+    """One entry point of :data:`PLUGIN_GROUP` and how loading it went."""
+
+    name: str
+    value: str  # what the entry point names: "module" or "module:attr"
+    dist: str  # the distribution declaring it ("name version"), or "" if unknown
+    error: str | None  # None: loaded; else why it was skipped
+
+    @property
+    def loaded(self) -> bool:
+        return self.error is None
+
+
+class _Plugins:
+    """Loads the spec plugins once, on the first lookup or listing of a registry."""
+
+    def __init__(self) -> None:
+        #: Read without the lock on every lookup (one attribute read; set once, never reset).
+        self.done = False
+        self._loading = False
+        self._lock = threading.RLock()
+        self.found: list[Plugin] = []
+
+    def load(self) -> None:
+        # A traced lookup does not import (Dynamo cannot trace imports or locks): the plugins load
+        # at the first eager lookup instead.
+        if self.done or _compat.is_compiling():
+            return
+        with self._lock:  # reentrant: a plugin that looks a name up while loading sees the rest
+            if self.done or self._loading:
+                return
+            self._loading = True
+            try:
+                self.found = [self._load_one(ep) for ep in _entry_points()]
+            finally:
+                self._loading = False
+                self.done = True
+
+    @staticmethod
+    def _load_one(ep: importlib.metadata.EntryPoint) -> Plugin:
+        dist = getattr(ep, "dist", None)
+        label = f"{dist.name} {dist.version}" if dist is not None else ""
+        try:
+            ep.load()
+        except Exception as exc:  # a broken plugin must not break the library
+            error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"flexattn_zoo: spec plugin {ep.name!r} ({ep.value}"
+                f"{', from ' + label if label else ''}) failed to load and was skipped: {error}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return Plugin(ep.name, ep.value, label, error)
+        return Plugin(ep.name, ep.value, label, None)
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    try:
+        found = importlib.metadata.entry_points(group=PLUGIN_GROUP)
+    except Exception as exc:  # a broken metadata directory on sys.path
+        warnings.warn(f"flexattn_zoo: could not list spec plugins: {exc}", RuntimeWarning, stacklevel=4)
+        return []
+    # Sorted by name: a stable load order, so name clashes between plugins resolve the same way.
+    # One entry point per (name, value): a distribution seen twice on sys.path loads once.
+    unique = {(ep.name, ep.value): ep for ep in found}
+    return [unique[k] for k in sorted(unique)]
+
+
+_PLUGINS = _Plugins()
+
+
+def _load_plugins() -> None:
+    """Load the plugins unless done, or unless torch.compile traces this call. The tracing check
+    comes first: Dynamo then never reads the flag, so no guard on it recompiles the caller's graph
+    once an eager lookup has loaded the plugins."""
+    if not _compat.is_compiling() and not _PLUGINS.done:
+        _PLUGINS.load()
+
+
+def plugins() -> list[Plugin]:
+    """The spec plugins found in :data:`PLUGIN_GROUP` (loading them if that has not happened)."""
+    _PLUGINS.load()
+    return list(_PLUGINS.found)
 
 
 class Registry(Generic[S]):
@@ -151,6 +251,7 @@ class Registry(Generic[S]):
     def entry(self, name: str) -> Entry:
         if not isinstance(name, str):
             raise TypeError(f"{self.kind} name must be a str, got {type(name).__name__}")
+        _load_plugins()
         # One dict read is atomic; no lock, so torch.compile can trace a lookup by name.
         found = self._entries.get(name)
         if found is None:
@@ -159,6 +260,10 @@ class Registry(Generic[S]):
 
     def find(self, name: str) -> Entry | None:
         """The entry registered as ``name``, or None (one dict read: the plan cache's lookup)."""
+        # The flag alone, first: this is the eager per-call path (plan-cache keys are not made
+        # while tracing; a traced read would cost at most one recompile, see _load_plugins).
+        if not _PLUGINS.done:
+            _PLUGINS.load()
         return self._entries.get(name)
 
     def get(self, name: str, **params: Any) -> S:
@@ -179,14 +284,17 @@ class Registry(Generic[S]):
         return spec
 
     def names(self) -> list[str]:
+        _load_plugins()
         with self._lock:
             return sorted(self._entries)
 
     def entries(self) -> list[Entry]:
+        _load_plugins()
         with self._lock:
             return [self._entries[n] for n in sorted(self._entries)]
 
     def __contains__(self, name: object) -> bool:
+        _load_plugins()
         return name in self._entries
 
 

@@ -34,6 +34,7 @@ for ``mask: {name: causal}``.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 from pathlib import Path
 from typing import Any
 
@@ -319,12 +320,40 @@ def parse_config(data: Any) -> list[Case]:
     return out
 
 
-def load_config(path: str | Path) -> list[Case]:
-    """Read and validate a YAML sweep config file."""
-    p = Path(path)
-    text = read_text_file(p, "sweep config")
+def packaged_configs() -> list[str]:
+    """Names of the sweep configs shipped in the package (``flexattn_zoo/bench/configs/NAME.yaml``;
+    ``benchmarks/configs`` in a checkout points there): ``flexattn-zoo bench NAME`` runs one."""
+    folder = importlib.resources.files("flexattn_zoo.bench").joinpath("configs")
+    return sorted(f.name[: -len(".yaml")] for f in folder.iterdir() if f.name.endswith(".yaml"))
+
+
+def config_text(source: str | Path) -> tuple[str, str]:
+    """``(label, YAML text)`` of a sweep config: a file, or else the name of a packaged one.
+
+    An existing file wins; a bare name (no directory, no ``.yaml`` needed) that is not a file is
+    looked up in the package data. ValueError naming the packaged configs when neither exists.
+    """
+    p = Path(source)
+    name = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
+    bare = str(source) in (name, f"{name}.yaml")
+    if not bare or p.exists():
+        return str(p), read_text_file(p, "sweep config")
+    names = packaged_configs()
+    if name not in names:
+        raise ValueError(
+            f"sweep config {str(source)!r} is neither a file nor a packaged config "
+            f"({', '.join(names)}).{did_you_mean(name, names)}"
+        )
+    resource = importlib.resources.files("flexattn_zoo.bench").joinpath("configs").joinpath(f"{name}.yaml")
+    return f"{name} (packaged)", resource.read_text(encoding="utf-8")
+
+
+def load_config(source: str | Path) -> list[Case]:
+    """Read and validate a YAML sweep config: a file, or the name of a packaged one
+    (:func:`packaged_configs`: ``"h200"``, ``"smoke"``, ...)."""
+    label, text = config_text(source)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"malformed YAML in {str(p)!r}: {exc}") from exc
+        raise ValueError(f"malformed YAML in {label!r}: {exc}") from exc
     return parse_config(data)

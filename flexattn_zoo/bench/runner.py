@@ -1,6 +1,7 @@
 """Benchmark harness: every route for a case, side by side, in one process.
 
-    python -m flexattn_zoo.bench benchmarks/configs/smoke.yaml --out results.json --md results.md
+    python -m flexattn_zoo.bench smoke --out results.json --md results.md   # a packaged config
+    python -m flexattn_zoo.bench my_sweep.yaml --md results.md              # or a file
     flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--png PREFIX] [--cases a,b] [--routes x,y]
                        [--modes fwd] [--iters N] [--warmup N] [--resume [--rerun]] [--time-budget S] [--no-fa4]
 
@@ -35,7 +36,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flexattn_zoo.bench import routes as bench_routes
-from flexattn_zoo.bench.config import MODES, Case, all_routes, goals, load_config, parse_names
+from flexattn_zoo.bench.config import (
+    MODES,
+    Case,
+    all_routes,
+    goals,
+    load_config,
+    packaged_configs,
+    parse_names,
+)
 from flexattn_zoo.bench.env import block_fa4, collect_env
 from flexattn_zoo.bench.report import markdown, rich_table, write_pngs
 from flexattn_zoo.bench.timing import free_memory, visible_pairs
@@ -243,7 +252,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         allow_abbrev=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", help="YAML sweep config (benchmarks/configs/*.yaml)")
+    p.add_argument(
+        "config",
+        help=f"YAML sweep config file, or the name of a packaged one ({', '.join(packaged_configs())})",
+    )
     p.add_argument("--out", type=Path, help="JSON results file (written after every row)")
     p.add_argument("--md", type=Path, help="Markdown report file")
     p.add_argument(

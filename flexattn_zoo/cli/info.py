@@ -190,6 +190,18 @@ def _tuning_summary() -> tuple[str, str]:
     return f"{state} (FLEXATTN_ZOO_TUNE, fz.tune); {len(tuning.table())} entries", str(tuning.cache_path())
 
 
+def _plugins_summary() -> str:
+    """The spec plugins' entry points and whether each loaded (``registry.plugins``)."""
+    from flexattn_zoo.registry import plugins
+
+    return "; ".join(
+        f"{p.name} = {p.value}"
+        + (f" ({p.dist})" if p.dist else "")
+        + ("" if p.loaded else f": FAILED, {p.error}")
+        for p in plugins()
+    )
+
+
 def cmd_env(args: argparse.Namespace, console: Console) -> int:
     import torch
 
@@ -219,6 +231,7 @@ def cmd_env(args: argparse.Namespace, console: Console) -> int:
     state, path = _tuning_summary()
     info.add_row("measured route choice", escape(state))
     info.add_row("tuning cache file", escape(path))
+    info.add_row("spec plugins (flexattn_zoo.specs)", escape(_plugins_summary()) or "none installed")
     console.print(info)
 
     routes = Table(title="routes on this machine")

@@ -36,7 +36,7 @@ from rich.table import Table
 
 import flexattn_zoo as fz
 from flexattn_zoo import tuning
-from flexattn_zoo.bench.config import MODES, Case, load_config, parse_names
+from flexattn_zoo.bench.config import MODES, Case, load_config, packaged_configs, parse_names
 from flexattn_zoo.bench.report import md_table
 from flexattn_zoo.bench.routes import Inputs
 from flexattn_zoo.bench.runner import case_device
@@ -51,7 +51,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "(measured route choice, fz.tune), keep it in the cache file and print the table.",
         allow_abbrev=False,
     )
-    p.add_argument("config", help="YAML sweep config (the benchmark format: benchmarks/configs/*.yaml)")
+    p.add_argument(
+        "config",
+        help="YAML sweep config in the benchmark format: a file, or the name of a packaged one "
+        f"({', '.join(packaged_configs())})",
+    )
     p.add_argument("--out", type=Path, help="write the table: Markdown for a .md name, else JSON")
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument("--modes", help="comma-separated modes: fwd, fwdbwd (default: the config's)")

@@ -16,7 +16,7 @@ import torch
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.bench import routes
 from flexattn_zoo.bench import runner as bench
-from flexattn_zoo.bench.config import load_config, parse_config
+from flexattn_zoo.bench.config import load_config, packaged_configs, parse_config
 from flexattn_zoo.bench.report import markdown, summary
 from flexattn_zoo.bench.timing import dense_mask, visible_pairs
 from flexattn_zoo.cli import app as cli
@@ -208,6 +208,36 @@ def test_memory_guard_and_resume(tmp_path: Path) -> None:
     header, lines = summary(data["rows"])
     assert lines[0][header.index("sdpa_math")] == "OOM (skipped)"
     assert "## OOM and errors" in markdown(data)
+
+
+def test_packaged_configs_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``flexattn-zoo bench h200``: the sweeps ship as package data; benchmarks/configs links there."""
+    assert {"cpu_prefix", "h200", "smoke"} <= set(packaged_configs())
+    assert SMOKE.resolve().parent == (ROOT / "flexattn_zoo" / "bench" / "configs").resolve()
+    monkeypatch.chdir(tmp_path)  # no checkout files in sight
+    assert load_config("smoke") == load_config("smoke.yaml") == load_config(SMOKE)
+    assert load_config("h200") == load_config(H200)
+    with pytest.raises(
+        ValueError, match=r"'smok' is neither a file nor a packaged config .*Did you mean 'smoke'"
+    ):
+        load_config("smok")
+    with pytest.raises(ValueError, match="does not exist"):  # a path is a path, never a packaged name
+        load_config("sub/smoke.yaml")
+    # A file of that name wins over the packaged config.
+    (tmp_path / "smoke.yaml").write_text(
+        "cases: [{name: mine, batch: 1, heads: 1, seq_len: 8, head_dim: 8, mask: {name: causal}}]\n"
+    )
+    assert [c.name for c in load_config("smoke.yaml")] == ["mine"]
+    assert [c.name for c in load_config("smoke")] != ["mine"]
+    out = tmp_path / "r.json"
+    args = ["bench", "smoke", "--cases", "causal", "--routes", "sdpa_math", "--modes", "fwd", "--quiet"]
+    assert cli.main([*args, "--out", str(out)]) == 0
+    assert [r["case"] for r in json.loads(out.read_text())["rows"]] == ["causal"]
+    assert cli.main(["bench", "nope"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "neither a file nor a packaged config (cpu_prefix, h200, smoke)" in err
 
 
 def test_cli_bench_delegates(tmp_path: Path) -> None:
