@@ -57,7 +57,7 @@ def profile(call, calls: int, top: int) -> str:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="benchmarks/configs/h200.yaml")
+    p.add_argument("--config", default="flexattn_zoo/bench/configs/h200.yaml")
     p.add_argument("--cases", default="document_causal_d64,causal")
     p.add_argument("--routes", default="auto,flex,flex_flash,fa4,sdpa_cudnn,raw_flex")
     p.add_argument("--modes", default="fwd,fwdbwd")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerate the H200 benchmark results from benchmarks/configs/h200.yaml.
+# Regenerate the H200 benchmark results from flexattn_zoo/bench/configs/h200.yaml (the sweep ships
+# as package data; benchmarks/configs links there in a checkout).
 #
 #   benchmarks/run_h200.sh [fa4|nofa4] [flexattn_zoo.bench options...]
 #
@@ -65,7 +66,7 @@ if "$py" -c "import matplotlib" 2>/dev/null; then png=(--png "$dest/$name"); fi
 export FLEXATTN_ZOO_BENCH_COMMAND="benchmarks/run_h200.sh $variant${*:+ $*}"
 export PYTHONUNBUFFERED=1
 set +e
-"$py" -m flexattn_zoo.bench benchmarks/configs/h200.yaml --out "$dest/$name.json" --md "$dest/$name.md" \
+"$py" -m flexattn_zoo.bench flexattn_zoo/bench/configs/h200.yaml --out "$dest/$name.json" --md "$dest/$name.md" \
   ${png[@]+"${png[@]}"} ${extra[@]+"${extra[@]}"} "$@" 2>&1 | tee "$dest/$name.log"
 rc=${PIPESTATUS[0]}
 set -e
