@@ -176,37 +176,43 @@ _NO_FORM = (
 )
 
 
-def _sdpa_call(p: Problem) -> SdpaCall | str:
-    """The exact SDPA call for ``p``'s mask and score mod, or the reason there is none."""
-    score = None
-    if p.score is not None:
-        score = p.score.sdpa_form(p.q_len, p.kv_len)
-        if score is None or score.attn_mask is None:
-            return (
-                f"cannot apply score_mod {type(p.score).__name__} (only an additive bias tensor, "
-                "score_mods.Bias, is an SDPA attn_mask)"
-            )
+def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
+    """The exact SDPA call for ``p``'s mask alone, or the reason there is none."""
     if p.mask is None:
-        form = None
-    else:
-        form = p.mask.sdpa_form(p.q_len, p.kv_len)
-        if form is None:
-            if score is not None:
-                return _NO_FORM.format(type(p.mask).__name__) + " to take beside a Bias"
-            if p.q_len != p.kv_len:
-                return _NO_FORM.format(type(p.mask).__name__)
-            layout = segment_layout(p.mask, p.batch, p.q_len)
-            if layout is None or layout[0] != "chunks" or layout[2] not in ((-1, -1), (-1, 0)):
-                return _NO_FORM.format(type(p.mask).__name__)
-            return SdpaCall(is_causal=layout[2] == (-1, 0), chunk=layout[1])
-    if score is not None:
-        if form is not None and (form.is_causal or form.attn_mask is not None):
-            # SDPA takes one attn_mask and no is_causal beside it; merging would build a new tensor.
-            return f"takes one attn_mask: mask {type(p.mask).__name__} beside a Bias has no single SDPA call"
-        return SdpaCall(is_causal=False, attn_mask=score.attn_mask, empty_rows=score.empty_rows)
-    if form is None:
         return SdpaCall(is_causal=False)
-    return SdpaCall(is_causal=form.is_causal, attn_mask=form.attn_mask, empty_rows=form.empty_rows)
+    form = p.mask.sdpa_form(p.q_len, p.kv_len)
+    if form is not None:
+        return SdpaCall(is_causal=form.is_causal, attn_mask=form.attn_mask, empty_rows=form.empty_rows)
+    name = type(p.mask).__name__
+    if beside_bias:
+        return _NO_FORM.format(name) + " to take beside a Bias"
+    if p.q_len != p.kv_len:
+        return _NO_FORM.format(name)
+    layout = segment_layout(p.mask, p.batch, p.q_len)
+    if layout is None or layout[0] != "chunks" or layout[2] not in ((-1, -1), (-1, 0)):
+        return _NO_FORM.format(name)
+    return SdpaCall(is_causal=layout[2] == (-1, 0), chunk=layout[1])
+
+
+def _sdpa_call(p: Problem) -> SdpaCall | str:
+    """The exact SDPA call for ``p``'s mask and score mod, or the reason(s) there is none."""
+    if p.score is None:
+        return _mask_call(p, beside_bias=False)
+    score = p.score.sdpa_form(p.q_len, p.kv_len)
+    if score is None or score.attn_mask is None:
+        why = (
+            f"cannot apply score_mod {type(p.score).__name__} (only an additive bias tensor, "
+            "score_mods.Bias, is an SDPA attn_mask)"
+        )
+        mask_only = _mask_call(p, beside_bias=False)  # the mask's own reason too, if any
+        return f"{why}; {mask_only}" if isinstance(mask_only, str) else why
+    call = _mask_call(p, beside_bias=True)
+    if isinstance(call, str):
+        return call
+    if call.is_causal or call.attn_mask is not None:
+        # SDPA takes one attn_mask and no is_causal beside it; merging would build a new tensor.
+        return f"takes one attn_mask: mask {type(p.mask).__name__} beside a Bias has no single SDPA call"
+    return SdpaCall(is_causal=False, attn_mask=score.attn_mask, empty_rows=score.empty_rows)
 
 
 _SDPA_LOCK = threading.Lock()
