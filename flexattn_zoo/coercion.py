@@ -1,12 +1,24 @@
 """Coercion of every accepted ``mask=`` / ``score_mod=`` form into a spec.
 
-``fz.attention`` accepts a spec object, a registry name, or a raw flex callable (wrapped by
-:mod:`flexattn_zoo.functions`); everything past this module only ever sees specs.
+``fz.attention`` accepts a spec object, a registry name, a raw flex callable (wrapped by
+:mod:`flexattn_zoo.functions`), or a tensor as SDPA's ``attn_mask`` (see :func:`tensor_args`);
+everything past this module only ever sees specs.
+
+Tensors, following SDPA:
+
+* ``mask=`` a bool tensor (True = attend) is ``masks.Dense(mask=t)``;
+* ``score_mod=`` a floating tensor is ``score_mods.Bias(bias=t)``, added to the scaled scores;
+* ``mask=`` a floating tensor is an additive mask, as SDPA's float ``attn_mask``: it becomes
+  ``score_mod=Bias(bias=t)`` (``-inf`` hides a key), and is refused (``ValueError`` naming
+  ``mask``) when a ``score_mod`` is given as well, since the order of the two would be a guess;
+* ``score_mod=`` a bool tensor, and tensors of other dtypes, are refused (naming the argument).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.functions import FunctionMask, FunctionScore, check_mask_function, check_score_function
@@ -35,6 +47,15 @@ def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
         return mask
     if isinstance(mask, str):
         return MASKS.get(mask)
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool:
+            what = (
+                "an additive mask: pass it as score_mod= (or score_mods.Bias)"
+                if mask.is_floating_point()
+                else "not a mask"
+            )
+            raise TypeError(f"{arg} got a {mask.dtype} tensor ({what}); a mask tensor is bool, True = attend")
+        return MASKS.get("dense", mask=mask)
     if isinstance(mask, ScoreSpec):
         raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
     _refuse_spec_class(mask, arg)
@@ -54,6 +75,15 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
         return score
     if isinstance(score, str):
         return SCORES.get(score)
+    if isinstance(score, torch.Tensor):
+        if score.dtype == torch.bool:
+            raise ValueError(
+                f"{arg} got a bool tensor; a boolean mask (True = attend) goes in mask=, a score_mod "
+                "tensor is a floating additive bias"
+            )
+        if not score.is_floating_point():
+            raise TypeError(f"{arg} got a {score.dtype} tensor; an additive bias is a floating tensor")
+        return SCORES.get("bias", bias=score)
     if isinstance(score, MaskSpec):
         raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
     _refuse_spec_class(score, arg)
@@ -65,3 +95,62 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
         f"{arg} must be None, a score spec (e.g. score_mods.SoftCap(cap=30.0)), a registry name "
         f"(one of {', '.join(SCORES.names())}) or a score_mod callable; got {type(score).__name__}"
     )
+
+
+def tensor_args(mask: Any, score_mod: Any) -> tuple[Any, Any]:
+    """``(mask, score_mod)`` with tensors turned into specs (see the module docstring): a bool
+    ``mask`` becomes ``masks.Dense``, a floating ``score_mod`` ``score_mods.Bias``, and a floating
+    ``mask`` (SDPA's additive ``attn_mask``) moves to ``score_mod`` as a ``Bias``. Anything else
+    is returned as given (and coerced later)."""
+    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+        if score_mod is not None:
+            raise ValueError(
+                "mask got a floating tensor, an additive mask (SDPA's float attn_mask, added to the scaled "
+                "scores), and score_mod is given too: the order of the two is ambiguous. Chain them "
+                "explicitly as score_mod=score_mods.Bias(bias=t) >> your_score_mod (or the reverse), or "
+                "pass a bool mask (True = attend)"
+            )
+        return None, as_score_spec(mask, arg="mask")
+    if isinstance(mask, torch.Tensor):
+        mask = as_mask_spec(mask)
+    if isinstance(score_mod, torch.Tensor):
+        score_mod = as_score_spec(score_mod)
+    return mask, score_mod
+
+
+def with_causal(mask: Any, is_causal: Any, *, arg: str = "is_causal") -> Any:
+    """``mask`` with SDPA's ``is_causal`` applied: ``masks.Causal()`` (top-left aligned: key ``j``
+    visible to query ``i`` iff ``j <= i``, also when Lq != Lkv, as SDPA) when ``mask`` is None,
+    else ``mask & Causal()``. ``mask`` as given when ``is_causal`` is False. A BlockMask is
+    refused (build the causal part into it)."""
+    if type(is_causal) is not bool:
+        raise TypeError(f"{arg} must be a bool, got {type(is_causal).__name__}")
+    if not is_causal:
+        return mask
+    if isinstance(mask, _compat.BlockMask):
+        raise ValueError(
+            f"{arg}=True cannot be combined with a BlockMask mask; build the causal part into it"
+        )
+    causal = MASKS.get("causal")
+    spec = as_mask_spec(mask)
+    return causal if spec is None else spec & causal
+
+
+def check_kernel_options(options: Any) -> tuple[tuple[str, Any], ...] | None:
+    """``kernel_options`` (a dict of flex ``kernel_options``, or None) as a sorted, hashable tuple."""
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise TypeError(
+            f"kernel_options must be a dict (flex_attention's kernel_options) or None, got {type(options).__name__}"
+        )
+    out = []
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise TypeError(f"kernel_options keys must be str, got {key!r}")
+        if not isinstance(value, (bool, int, float, str)):
+            raise TypeError(
+                f"kernel_options[{key!r}] must be a bool, int, float or str, got {type(value).__name__}"
+            )
+        out.append((key, value))
+    return tuple(sorted(out)) or None  # {}: no options

@@ -147,6 +147,14 @@ class And(_Combined):
         forms = [f for f in maybe if f is not None]
         if len(forms) < len(maybe):
             return None
+        tensors = [f for f in forms if f.attn_mask is not None]
+        if tensors:
+            # SDPA takes one attn_mask and no is_causal beside it: exact only when every other
+            # part is "no mask" (ANDing tensors would materialize a new one per call).
+            others = [f for f in forms if f.attn_mask is None]
+            if len(tensors) > 1 or any(f.is_causal for f in others):
+                return None
+            return tensors[0]
         return SdpaForm(is_causal=any(f.is_causal for f in forms))
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
@@ -434,7 +442,9 @@ class MaskOnShard(MaskSpec):
                 )
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        return self.part.sdpa_form(q_len, kv_len)
+        form = self.part.sdpa_form(q_len, kv_len)
+        # An attn_mask covers the global batch and heads, not this shard's: no SDPA form.
+        return None if form is None or form.attn_mask is not None else form
 
     def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
         return self.part.split_form(q_len, kv_len)

@@ -24,7 +24,7 @@ import torch
 from flexattn_zoo import _compat, plan_cache, sharding, tuning
 from flexattn_zoo.arch import detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
-from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec, check_kernel_options, tensor_args, with_causal
 from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
@@ -229,6 +229,7 @@ def _problem(
     deterministic: bool | None,
     scale: float | None,
     traced: bool = False,
+    kernel_options: tuple[tuple[str, Any], ...] | None = None,
 ) -> tuple[Problem, Any]:
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
@@ -267,6 +268,7 @@ def _problem(
         nonfinite=nonfinite,
         index_extent=max(_extent(t) for t in (q, k, v)),
         nonpositive_scale=scale is not None and scale <= 0,
+        kernel_options=kernel_options,
     )
     return problem, user_bm
 
@@ -339,6 +341,8 @@ def plan(
     return_lse: bool = False,
     deterministic: bool | None = None,
     tune: bool | None = None,
+    is_causal: bool = False,
+    kernel_options: dict[str, Any] | None = None,
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing.
 
@@ -346,15 +350,21 @@ def plan(
     table holds one; it never measures (the first tuned ``attention`` call does).
     For DTensor inputs: the plan of this rank's local call (see :mod:`flexattn_zoo.sharding`).
     """
+    mask, score_mod = tensor_args(mask, score_mod)
+    mask = with_causal(mask, is_causal)
+    options = check_kernel_options(kernel_options)
     if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         q, k, v = local.q, local.k, local.v
     q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
-    problem, _ = _problem(q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale))
+    problem, _ = _problem(
+        q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale),
+        kernel_options=options,
+    )  # fmt: skip
     context_parallel = sharding.context_parallel_active()
-    tune_on = tuning.resolve(tune) and not context_parallel
+    tune_on = tuning.resolve(tune) and not context_parallel and options is None
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
@@ -386,6 +396,9 @@ def attention(
     return_lse: Literal[False] = ...,
     deterministic: bool | None = ...,
     tune: bool | None = ...,
+    is_causal: bool = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    layout: str = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention(
@@ -401,6 +414,9 @@ def attention(
     return_lse: Literal[True],
     deterministic: bool | None = ...,
     tune: bool | None = ...,
+    is_causal: bool = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    layout: str = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -416,6 +432,9 @@ def attention(
     return_lse: bool = ...,
     deterministic: bool | None = ...,
     tune: bool | None = ...,
+    is_causal: bool = ...,
+    kernel_options: dict[str, Any] | None = ...,
+    layout: str = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -432,6 +451,9 @@ def attention(
     return_lse: bool = False,
     deterministic: bool | None = None,
     tune: bool | None = None,
+    is_causal: bool = False,
+    kernel_options: dict[str, Any] | None = None,
+    layout: str = "bhsd",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
 
@@ -439,8 +461,12 @@ def attention(
     needs another layout.
 
     Args:
-        mask: a mask spec, registry name, ``mask_mod`` callable or a ``BlockMask``.
-        score_mod: a score spec, registry name or ``score_mod`` callable (sees the scaled score).
+        mask: a mask spec, registry name, ``mask_mod`` callable or a ``BlockMask``; or, as SDPA's
+            ``attn_mask``, a bool tensor (True = attend; ``masks.Dense``) or a floating tensor,
+            added to the scaled scores (``score_mods.Bias``; refused beside a ``score_mod``),
+            ``[Lq, Lkv]`` or broadcastable 4-D ``[B|1, H|1, Lq|1, Lkv|1]``.
+        score_mod: a score spec, registry name or ``score_mod`` callable (sees the scaled score),
+            or a floating tensor added to the scaled scores (``score_mods.Bias``).
         scale: a finite real number; defaults to ``1/sqrt(D)``.
         enable_gqa: allow fewer k/v heads than q heads (q head h reads kv head h // group).
         backend: ``"auto"`` or a route name (see ``fz.plan(...).explain()``); a named route never
@@ -456,6 +482,20 @@ def attention(
             inputs) and takes the fastest from then on, ``False`` keeps the static order, ``None``
             (default) follows ``fz.tune.enable()`` / ``disable()`` / ``FLEXATTN_ZOO_TUNE``. Every
             route it can pick is exact; while traced or captured it only reads measurements.
+        is_causal: SDPA's flag: ``True`` adds ``masks.Causal()`` (top-left aligned: key ``j`` visible
+            to query ``i`` iff ``j <= i``, also when Lq != Lkv), ANDed with ``mask`` when one is
+            given (``mask & Causal()``; refused with a ``BlockMask``). Unlike SDPA, a mask tensor
+            and ``is_causal`` may be given together.
+        kernel_options: flex_attention's ``kernel_options`` (a dict of str to bool/int/float/str),
+            passed to the flex routes over their measured defaults. Given, only the flex routes
+            accept the call: every other route refuses it (so ``auto`` picks among the flex
+            routes, and raises when none can run it), measured route choice is off, and a named
+            non-flex route raises with the reason.
+        layout: ``"bhsd"`` (default: ``[B, H, L, D]``, SDPA's and flex's) or ``"bshd"``
+            (``[B, L, H, D]``, FlashAttention's and projections'): q, k, v are viewed as
+            ``[B, H, L, D]`` with ``transpose(1, 2)`` (no copy) and ``out`` is returned in the same
+            layout (a view of the route's output); ``lse`` stays ``[B, H, Lq]``. Masks and score
+            mods see ``[B, H, Lq, Lkv]`` indices either way.
 
     Returns:
         ``out`` with q's dtype (under ``torch.autocast``: the autocast dtype, as SDPA), or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
@@ -473,6 +513,15 @@ def attention(
     refused, and under torch's ``context_parallel`` only the SDPA routes it reroutes run
     (:mod:`flexattn_zoo.sharding`, docs/distributed.md).
     """
+    if layout != "bhsd":
+        return _bshd_attention(
+            q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
+            backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
+            is_causal=is_causal, kernel_options=kernel_options,
+        )  # fmt: skip
+    mask, score_mod = tensor_args(mask, score_mod)
+    mask = with_causal(mask, is_causal)
+    options = check_kernel_options(kernel_options)
     if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
@@ -488,6 +537,7 @@ def attention(
             return_lse=return_lse,
             deterministic=deterministic,
             tune=tune,
+            kernel_options=kernel_options,
         )
         return local.to_global(result)
     if _compat.is_compiling():
@@ -500,10 +550,12 @@ def attention(
             return _EAGER_ATTENTION(
                 q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
                 backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
+                kernel_options=kernel_options,
             )  # fmt: skip
         return _traced_attention(
-            q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune
-        )
+            q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune,
+            options,
+        )  # fmt: skip
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
@@ -518,16 +570,20 @@ def attention(
     key = (
         None
         if det is None or context_parallel
-        else call_key(q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune)
+        else call_key(
+            q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options
+        )
     )
     chosen = plan_cache.lookup(key, q, k, v) if key is not None else None
     user_bm = None
     if chosen is None:
         problem, user_bm = _problem(
-            q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked
-        )
-        # Under context_parallel the route must be one it reroutes: no measured choice there.
-        tune_on = tuning.resolve(tune) and not context_parallel and backend == "auto"
+            q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
+            kernel_options=options,
+        )  # fmt: skip
+        # Under context_parallel the route must be one it reroutes: no measured choice there; nor
+        # with kernel_options (the measurements are of the routes' own options).
+        tune_on = tuning.resolve(tune) and not context_parallel and backend == "auto" and options is None
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call
@@ -543,7 +599,7 @@ def attention(
             chosen = _under_context_parallel(chosen)
         if key is not None and tuning.state() != state:  # the table changed: key the plan anew
             key = call_key(
-                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune
+                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options
             )
         # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
         # being captured) is not kept, so the next eager call measures.
@@ -555,6 +611,25 @@ def attention(
         return out
     assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it
     return out, maybe_lse
+
+
+LAYOUTS = ("bhsd", "bshd")
+
+
+def _bshd_attention(
+    q: Any, k: Any, v: Any, layout: Any, **kwargs: Any
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` of ``[B, L, H, D]`` inputs: transposed views in, the output transposed back."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor [B, L, H, D] for layout='bshd', got {got}")
+    result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
+    if isinstance(result, tuple):
+        return result[0].transpose(1, 2), result[1]
+    return result.transpose(1, 2)
 
 
 def _measured(
@@ -611,6 +686,7 @@ def _traced_attention(
     return_lse: bool,
     deterministic: bool | None,
     tune: bool | None = None,
+    kernel_options: tuple[tuple[str, Any], ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``attention`` while ``torch.compile`` traces the caller: the same route choice, made as
     plain Python that Dynamo guards like any other decision (on shapes, dtypes, grad mode, the
@@ -621,14 +697,15 @@ def _traced_attention(
     lengths stay symbolic (a route decision on them is a guard), while model constants are
     specialized (``_model_sizes_static``; spec parameters: ``spec.static_int``)."""
     problem, user_bm = _problem(
-        q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale, traced=True
-    )
+        q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale, traced=True,
+        kernel_options=kernel_options,
+    )  # fmt: skip
     if problem.q_len == 0 or problem.kv_len == 0:
         if backend != "auto":
             plan_problem(problem, backend)
         out, lse = _empty_result(q, k, v, problem)
         return (out, lse) if return_lse else out
-    tune_on = tuning.resolve(tune) and backend == "auto"
+    tune_on = tuning.resolve(tune) and backend == "auto" and kernel_options is None
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)

@@ -76,8 +76,11 @@ def call_key(
     backend: Any,
     scale: float | None = None,
     tune: Any = None,
+    kernel_options: tuple[tuple[str, Any], ...] | None = None,
 ) -> Hashable | None:
     """The plan-cache key of a call, or None when the call must be planned in full.
+
+    ``kernel_options`` is the checked tuple (``coercion.check_kernel_options``): part of the key.
 
     ``deterministic`` is the already resolved flag (it follows torch's global switch); ``scale``
     the checked scale (only its sign takes part: routes refuse ``scale <= 0`` where it breaks them);
@@ -136,6 +139,7 @@ def call_key(
         process_state(),
         scale is not None and scale <= 0,
         tune,
+        kernel_options,
     )
     try:
         hash(key)

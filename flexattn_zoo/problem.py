@@ -46,6 +46,9 @@ class Problem:
     index_extent: int = 0
     #: ``scale <= 0`` was asked for: torch's CPU flash kernel returns NaN rows for causal calls then.
     nonpositive_scale: bool = False
+    #: The caller's flex ``kernel_options`` (sorted ``(name, value)`` pairs), or None. Only the flex
+    #: routes take them; every other route refuses a problem that has them.
+    kernel_options: tuple[tuple[str, object], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.v_dim is None:

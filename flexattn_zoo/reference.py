@@ -19,7 +19,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args
 from flexattn_zoo.validation import check_qkv
 
 
@@ -116,6 +116,7 @@ def dense_attention(
     baseline, whose error says how accurate a low-precision route can be.
     """
     shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
+    mask, score_mod = tensor_args(mask, score_mod)
     mask_spec = as_mask_spec(mask)
     score_spec = as_score_spec(score_mod)
     if mask_spec is not None:
@@ -132,6 +133,9 @@ def dense_attention(
     if score_spec is not None:
         # (Spec.to keeps the spec's type; it is annotated as returning Spec.)
         scores = score_spec.to(scores.device).dense(scores).to(dtype)
+        # A -inf score (score_mods.Bias) hides its key: as a masked key, with no gradient through
+        # it (a row of only -inf would otherwise get NaN gradients from logsumexp).
+        scores = scores.masked_fill(torch.isneginf(scores), float("-inf"))
     if mask_spec is not None:
         visible = (
             mask_spec.to("cpu")

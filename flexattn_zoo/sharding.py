@@ -308,7 +308,12 @@ def _rerouted(name: str, p: Problem) -> bool:
     if name not in CONTEXT_PARALLEL_ROUTES or p.device_type != "cuda" or p.user_block_mask:
         return False
     # No chunk view: the chunked call reshapes the sequence, which is only a local slice here.
-    return p.mask is None or p.mask.sdpa_form(p.q_len, p.kv_len) is not None
+    if p.score is not None:  # a Bias runs as an attn_mask, which context parallel does not shard
+        return False
+    if p.mask is None:
+        return True
+    form = p.mask.sdpa_form(p.q_len, p.kv_len)
+    return form is not None and form.attn_mask is None
 
 
 def context_parallel_route(p: Problem, chosen: str, requested: str, accepted: Sequence[str]) -> str:

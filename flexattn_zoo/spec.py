@@ -420,9 +420,18 @@ class Spec:
 
 @dataclasses.dataclass(frozen=True)
 class SdpaForm:
-    """The mask is exactly SDPA's ``is_causal`` flag (top-left; only offered when Lq == Lkv)."""
+    """The mask (or score mod) is exactly one SDPA call's ``is_causal`` flag (top-left; only
+    offered when Lq == Lkv) or its ``attn_mask``.
+
+    ``attn_mask`` (with ``is_causal`` False) is a 4-D tensor broadcastable to ``[B, H, Lq, Lkv]``:
+    bool (True = attend; ``masks.Dense``) or float, added to the scaled scores
+    (``score_mods.Bias``). ``empty_rows`` is False only when every query row is known to see a
+    key through it (kernels differ on rows that see none; see ``backends.sdpa``).
+    """
 
     is_causal: bool
+    attn_mask: torch.Tensor | None = dataclasses.field(default=None, compare=False)
+    empty_rows: bool = dataclasses.field(default=False, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -708,6 +717,10 @@ class ScoreSpec(Spec):
 
     def linear_bias_form(self) -> LinearBiasForm | None:
         """Exact additive per-head linear-bias form (ALiBi; see :class:`LinearBiasForm`), or None."""
+        return None
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        """The score mod as SDPA's float ``attn_mask`` (an additive bias; see :class:`SdpaForm`), or None."""
         return None
 
     def captures_grad_tensors(self) -> bool:

@@ -9,6 +9,7 @@ from flexattn_zoo.registry import MASKS
 from .band import Band
 from .causal import Causal
 from .chunked import Chunked
+from .dense import Dense
 from .document import Document
 from .full import Full
 from .padding import KeyPadding
@@ -24,6 +25,7 @@ __all__ = [
     "Band",
     "Causal",
     "Chunked",
+    "Dense",
     "Document",
     "Full",
     "KeyPadding",

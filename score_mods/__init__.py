@@ -9,6 +9,7 @@ from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreSpec
 
 from .alibi import Alibi
+from .bias import Bias
 from .softcap import SoftCap
 
 get = SCORES.get
@@ -19,6 +20,7 @@ unregister = SCORES.unregister
 
 __all__ = [
     "Alibi",
+    "Bias",
     "Chain",
     "ScoreSpec",
     "SoftCap",

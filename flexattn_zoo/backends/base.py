@@ -211,8 +211,14 @@ class Backend:
             out.append(f"no grouped-query attention ({p.heads} q heads vs {p.kv_heads} kv heads)")
         if p.deterministic:
             out.extend(self.determinism_reasons(p))
+        if p.kernel_options is not None:
+            out.extend(self.kernel_options_reasons(p))
         out.extend(self.mask_reasons(p))
         return out
+
+    def kernel_options_reasons(self, p: Problem) -> list[str]:
+        """Why this route cannot take the caller's ``kernel_options`` (flex routes override)."""
+        return ["takes no kernel_options (they are flex_attention's: only the flex routes take them)"]
 
     def determinism_reasons(self, p: Problem) -> list[str]:
         """Why this route cannot promise bitwise-reproducible forward and backward for ``p``."""

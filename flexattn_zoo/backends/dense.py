@@ -108,6 +108,9 @@ class DenseBackend(Backend):
         b, h, qi, kj = _grids(p, q.device)
         if p.score is not None:
             scores = torch.broadcast_to(p.score.to(q.device).score_mod()(scores, b, h, qi, kj), scores.shape)
+            # -inf scores (score_mods.Bias) hide their key like the mask: no gradient through them,
+            # or a row of only -inf would get NaN gradients from logsumexp.
+            scores = scores.masked_fill(torch.isneginf(scores), float("-inf"))
         if p.mask is not None:
             visible = torch.broadcast_to(p.mask.to(q.device).mask_mod()(b, h, qi, kj), scores.shape)
             scores = scores.masked_fill(~visible, float("-inf"))

@@ -73,11 +73,21 @@ class FlexBackend(Backend):
         """The measured kernel options for ``p``'s generation, head dim and dtype, or {} (defaults)."""
         return next((dict(t.options) for t in self.tuning if t.applies(p)), {})
 
+    def kernel_options_reasons(self, p: Problem) -> list[str]:
+        fixed = dict(self.kernel_options)
+        clash = [f"{k}={v!r}" for k, v in p.kernel_options or () if k in fixed and fixed[k] != v]
+        if clash:
+            return [f"kernel_options {', '.join(clash)} conflict with this route's own {fixed}"]
+        return []
+
     def options(self, p: Problem, block_mask: Any = None) -> dict[str, Any] | None:
-        """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask)."""
+        """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask):
+        the route's fixed ones, then the measured ones, then the caller's (``p.kernel_options``,
+        which may not contradict the fixed ones: ``kernel_options_reasons``)."""
         opts = dict(self.kernel_options)
         if not _runs_raw_callables(p):
             opts.update(self.tuned_options(p))
+        opts.update(p.kernel_options or ())
         if "BACKEND" not in opts and _decoding_kernel_chosen(p):
             if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:
                 opts["BACKEND"] = "TRITON"

@@ -2,9 +2,16 @@
 
 SDPA is only exact for masks whose ``sdpa_form()`` is "no mask" or ``is_causal`` (top-left,
 offered only when Lq == Lkv), for equal chunks of either (``Chunked``, ``Chunked & Causal``,
-equal documents: each chunk becomes a batch row, see ``segments.as_chunks``), and for no score
-mod: a dense boolean mask would materialize Lq x Lkv, which this library never does behind the
+equal documents: each chunk becomes a batch row, see ``segments.as_chunks``), and for masks and
+score mods that *are* a tensor the user gave (``masks.Dense``, ``score_mods.Bias``: their form's
+``attn_mask``, one per call, passed as it is). Any other score mod is refused: a dense mask or
+bias built from a spec would materialize Lq x Lkv, which this library never does behind the
 user's back.
+
+``attn_mask`` calls run on the kernels that take one: math (CPU, CUDA), the CPU flash kernel
+(no gradient for a bias that requires grad) and the CUDA memory-efficient kernel (only when every
+query row sees a key: rows that see none are 0 on the CPU kernels and the math kernel, as this
+library promises, checked for those only). cuDNN and CUDA FlashAttention-2 refuse them.
 
 ``sdpa_kernel`` flips process-global flags (torch's ``_set_sdp_use_*`` setters) and restores them on
 exit; two threads pinning different kernels could run each other's kernel or leave the flags
@@ -58,25 +65,42 @@ class SdpaBackend(Backend):
         out.extend(cuda_kernel_reasons(p, self.cuda_dtypes, self.cuda_head_dims))
         if p.user_block_mask:
             out.append("takes no BlockMask")
-        elif (call := _sdpa_call(p)) is None:
-            out.append(
-                f"mask {type(p.mask).__name__} has no exact SDPA form (only no mask or causal with Lq == Lkv, "
-                "or equal chunks of either)"
-            )
+        elif isinstance(call := _sdpa_call(p), str):
+            out.append(call)
         else:
+            if call.attn_mask is not None:
+                out.extend(self.attn_mask_reasons(p, call))
             if self.kernel == "FLASH_ATTENTION":
-                out.extend(cpu_flash_reasons(p, causal=call[0]))
+                out.extend(cpu_flash_reasons(p, causal=call.is_causal))
             if not out:
                 out.extend(self.torch_reasons(p, call))
         return out
 
-    def torch_reasons(self, p: Problem, call: tuple[bool, int]) -> list[str]:
+    def attn_mask_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
+        """Why this kernel cannot take the call's ``attn_mask`` (see the module docstring)."""
+        cuda = p.device_type == "cuda"
+        if self.kernel == "CUDNN_ATTENTION" or (cuda and self.kernel == "FLASH_ATTENTION"):
+            return ["takes no attn_mask tensor (masks.Dense / score_mods.Bias) on this kernel"]
+        out = []
+        if p.requires_grad and p.score is not None and p.score.captures_grad_tensors():
+            if self.kernel == "FLASH_ATTENTION":
+                out.append(
+                    "torch's CPU flash kernel has no gradient for an attn_mask (the Bias requires grad)"
+                )
+        if cuda and self.kernel == "EFFICIENT_ATTENTION" and call.empty_rows:
+            out.append(
+                "the attn_mask may leave a query row seeing no key (or is traced: not read), whose output "
+                "this kernel is not checked to give as 0"
+            )
+        return out
+
+    def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
         """torch's own ``can_use_*_attention`` verdict for the exact call ``run`` would make (CUDA
         only; the rules above are ours, this catches what torch checks that they do not). Not
         asked while ``torch.compile`` traces: the check builds fake tensors of its own."""
         if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling():
             return []
-        is_causal, chunk = call
+        is_causal, chunk = call.is_causal, call.chunk
         batch, q_len, kv_len = p.batch, p.q_len, p.kv_len
         if chunk:
             batch, q_len, kv_len = batch * (q_len // chunk), chunk, chunk
@@ -96,8 +120,13 @@ class SdpaBackend(Backend):
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
         call = _sdpa_call(p)
-        assert call is not None  # mask_reasons refused the rest
-        is_causal, chunk = call
+        assert not isinstance(call, str)  # mask_reasons refused the rest
+        is_causal, chunk = call.is_causal, call.chunk
+        attn_mask = call.attn_mask
+        if attn_mask is not None:
+            attn_mask = attn_mask.to(q.device)
+            if attn_mask.dtype != torch.bool:
+                attn_mask = attn_mask.to(q.dtype)  # SDPA takes a float mask in q's dtype (differentiable)
         batch = q.shape[0]
         gqa = p.gqa
         if gqa and self.expand_gqa:
@@ -115,34 +144,75 @@ class SdpaBackend(Backend):
             # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
             with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
                 out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
                 )
         else:
             with _SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
                 pinned = _compat.pin_sdpa_kernel(self.kernel)
                 try:
                     out = F.scaled_dot_product_attention(
-                        q, k, v, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
                     )
                 finally:
                     _compat.restore_sdpa_kernels(pinned)
         return (from_chunks(out, batch) if chunk else out), None
 
 
-def _sdpa_call(p: Problem) -> tuple[bool, int] | None:
-    """``(is_causal, chunk)`` of the exact SDPA call for ``p``'s mask (``chunk`` 0: the call as it
-    is, else each ``chunk`` positions as their own batch row), or None when there is none."""
+@dataclasses.dataclass(frozen=True)
+class SdpaCall:
+    """The exact SDPA call for a problem: ``is_causal``, ``chunk`` (0: the call as it is, else each
+    ``chunk`` positions as their own batch row), the ``attn_mask`` tensor (``[B|1, H|1, Lq|1,
+    Lkv|1]``, bool or float) or None, and whether that mask may leave a row seeing no key."""
+
+    is_causal: bool
+    chunk: int = 0
+    attn_mask: torch.Tensor | None = None
+    empty_rows: bool = False
+
+
+_NO_FORM = (
+    "mask {} has no exact SDPA form (only no mask or causal with Lq == Lkv, equal chunks of either, "
+    "or an attn_mask tensor: masks.Dense)"
+)
+
+
+def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
+    """The exact SDPA call for ``p``'s mask alone, or the reason there is none."""
     if p.mask is None:
-        return False, 0
+        return SdpaCall(is_causal=False)
     form = p.mask.sdpa_form(p.q_len, p.kv_len)
     if form is not None:
-        return form.is_causal, 0
+        return SdpaCall(is_causal=form.is_causal, attn_mask=form.attn_mask, empty_rows=form.empty_rows)
+    name = type(p.mask).__name__
+    if beside_bias:
+        return _NO_FORM.format(name) + " to take beside a Bias"
     if p.q_len != p.kv_len:
-        return None
+        return _NO_FORM.format(name)
     layout = segment_layout(p.mask, p.batch, p.q_len)
     if layout is None or layout[0] != "chunks" or layout[2] not in ((-1, -1), (-1, 0)):
-        return None
-    return layout[2] == (-1, 0), layout[1]
+        return _NO_FORM.format(name)
+    return SdpaCall(is_causal=layout[2] == (-1, 0), chunk=layout[1])
+
+
+def _sdpa_call(p: Problem) -> SdpaCall | str:
+    """The exact SDPA call for ``p``'s mask and score mod, or the reason(s) there is none."""
+    if p.score is None:
+        return _mask_call(p, beside_bias=False)
+    score = p.score.sdpa_form(p.q_len, p.kv_len)
+    if score is None or score.attn_mask is None:
+        why = (
+            f"cannot apply score_mod {type(p.score).__name__} (only an additive bias tensor, "
+            "score_mods.Bias, is an SDPA attn_mask)"
+        )
+        mask_only = _mask_call(p, beside_bias=False)  # the mask's own reason too, if any
+        return f"{why}; {mask_only}" if isinstance(mask_only, str) else why
+    call = _mask_call(p, beside_bias=True)
+    if isinstance(call, str):
+        return call
+    if call.is_causal or call.attn_mask is not None:
+        # SDPA takes one attn_mask and no is_causal beside it; merging would build a new tensor.
+        return f"takes one attn_mask: mask {type(p.mask).__name__} beside a Bias has no single SDPA call"
+    return SdpaCall(is_causal=False, attn_mask=score.attn_mask, empty_rows=score.empty_rows)
 
 
 _SDPA_LOCK = threading.Lock()
@@ -154,6 +224,7 @@ CHUNK_VIEW_KERNELS = frozenset({"CUDNN_ATTENTION"})
 
 
 SDPA_CUDNN = SdpaBackend(
+    score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_cudnn",
     kernel="CUDNN_ATTENTION",
     devices=frozenset({"cuda"}),
@@ -167,6 +238,7 @@ SDPA_CUDNN = SdpaBackend(
     doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks; GQA with k/v expanded)",
 )
 SDPA_FLASH = SdpaBackend(
+    score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_flash",
     kernel="FLASH_ATTENTION",
     devices=frozenset({"cuda", "cpu"}),
@@ -180,6 +252,7 @@ SDPA_FLASH = SdpaBackend(
     doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal chunks)",
 )
 SDPA_EFFICIENT = SdpaBackend(
+    score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_efficient",
     kernel="EFFICIENT_ATTENTION",
     devices=frozenset({"cuda"}),
@@ -192,6 +265,7 @@ SDPA_EFFICIENT = SdpaBackend(
     doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks)",
 )
 SDPA_MATH = SdpaBackend(
+    score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_math",
     kernel="MATH",
     devices=frozenset({"cuda", "cpu"}),

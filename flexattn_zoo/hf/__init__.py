@@ -50,9 +50,9 @@ attention interface (BLOOM, MPT and Falcon compute it in their own attention cod
 
 A ready-made 4-D mask passed by the caller (``attention_mask`` of shape ``[B, 1|H, Lq, Lkv]``)
 bypasses the builder. A boolean one (or a float one holding only 0 and the dtype's minimum, the
-``eager`` convention) is accepted **only through the ``dense`` route**: the caller has already
-materialised ``Lq x Lkv``, the dense route reads it exactly, and deriving a BlockMask from it would
-scan the whole tensor on every call. Any other float (a learned bias) raises ``ValueError``.
+``eager`` convention) becomes the public spec ``masks.Dense`` and runs on any route that takes it
+exactly (SDPA's ``attn_mask``, flex with the tensor captured, dense). Any other float (a learned
+bias) raises ``ValueError``.
 
 ``generate`` with a static cache builds masks ahead of the forward and hands them back to the
 model, which may pass them into transformers' mask creation again: :class:`HFMask` answers the

@@ -89,7 +89,7 @@ def _attention_forward(
     elif isinstance(attention_mask, _compat.BlockMask):
         mask = attention_mask
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        mask, route = dense_mask_spec(attention_mask), "dense"
+        mask = dense_mask_spec(attention_mask)  # masks.Dense: SDPA attn_mask, flex or dense routes
     else:
         raise TypeError(
             "flexattn_zoo attention got an attention_mask it cannot read exactly: "

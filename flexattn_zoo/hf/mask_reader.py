@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo.masks import Causal, Chunked, Document, SlidingWindow
+from flexattn_zoo.masks import Causal, Chunked, Dense, Document, SlidingWindow
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.masks.padding import KeyPadding
-from flexattn_zoo.spec import MaskMod, MaskSpec, spec_dataclass, tracing
+from flexattn_zoo.spec import MaskSpec, tracing
 
 log = logging.getLogger(__name__)
 
@@ -386,40 +386,11 @@ def _generic(m: HFMask) -> MaskSpec:
 # Ready-made 4-D masks
 
 
-@spec_dataclass
-class _DenseMask(MaskSpec):
-    """A materialised boolean mask ``[B|1, H|1, Lq, Lkv]`` (only run on the dense route)."""
-
-    mask: torch.Tensor
-
-    depends_on_batch = True
-    depends_on_head = True
-
-    def _make_mask_mod(self) -> MaskMod:
-        t = self.mask
-        bmax, hmax = t.shape[0] - 1, t.shape[1] - 1
-
-        def dense_mask(
-            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-        ) -> torch.Tensor:
-            return t[b.clamp(max=bmax), h.clamp(max=hmax), q_idx, kv_idx]
-
-        return dense_mask
-
-    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-        return self.mask.cpu()
-
-    def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        b, h, lq, lkv = self.mask.shape
-        if (lq, lkv) != (q_len, kv_len) or b not in (1, batch) or h not in (1, heads):
-            raise ValueError(
-                f"4-D attention_mask has shape {tuple(self.mask.shape)}; need [{batch}|1, {heads}|1, {q_len}, {kv_len}]"
-            )
-
-
-def dense_mask_spec(mask: torch.Tensor) -> _DenseMask:
+def dense_mask_spec(mask: torch.Tensor) -> Dense:
+    """A ready-made 4-D ``attention_mask`` as ``masks.Dense``: bool (True = attend), or float
+    holding only 0 (attend) and values at or below half the dtype's minimum (transformers' "masked")."""
     if mask.dtype == torch.bool:
-        return _DenseMask(mask=mask)
+        return Dense(mask=mask)
     if not mask.is_floating_point():
         raise TypeError(f"4-D attention_mask must be bool or float, got {mask.dtype}")
     lowest = torch.finfo(mask.dtype).min
@@ -427,6 +398,7 @@ def dense_mask_spec(mask: torch.Tensor) -> _DenseMask:
     if not bool(((mask == 0) | blocked).all()):
         raise ValueError(
             "4-D float attention_mask holds values other than 0 and the dtype's minimum (an additive "
-            "bias); flexattn_zoo cannot apply arbitrary biases: pass a boolean mask or use a score_mod"
+            "bias); flexattn_zoo reads it as a mask only: pass a boolean mask, or the bias as "
+            "score_mods.Bias through fz.attention"
         )
-    return _DenseMask(mask=~blocked)
+    return Dense(mask=~blocked)

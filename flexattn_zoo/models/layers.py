@@ -28,7 +28,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 
-from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args, with_causal
 from flexattn_zoo.dispatch import attention
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
@@ -60,6 +60,7 @@ def resolve_config(
             f"(one of {', '.join(_presets.names())}); got config={config!r}"
         )
     if config is None:
+        mask, score_mod = tensor_args(mask, score_mod)
         return LayerAttention(mask=as_mask_spec(mask), score_mod=as_score_spec(score_mod))
     if isinstance(config, LayerAttention):
         return config
@@ -228,6 +229,9 @@ class Attention(nn.Module):
             also implied by a preset layer with sinks); or a tensor ``[H]`` (a parameter if it
             requires grad, else a buffer).
         backend: as for ``fz.attention``.
+        is_causal: as for ``fz.attention`` (SDPA's flag): the layer's mask becomes ``mask & Causal()``
+            (``Causal()`` without one). A mask given later (``set_mask``, ``forward(mask=)``)
+            replaces the whole mask, the causal part included.
         **preset_params: the preset's own parameters, e.g.
             ``Attention("prefix_lm", prefix_len=32)``; ``flexattn-zoo presets`` lists them.
 
@@ -254,6 +258,7 @@ class Attention(nn.Module):
         return_lse: bool = False,
         sinks: bool | torch.Tensor | None = None,
         backend: str = "auto",
+        is_causal: bool = False,
         **preset_params: Any,
     ) -> None:
         super().__init__()
@@ -265,6 +270,8 @@ class Attention(nn.Module):
             num_heads=num_heads,
             preset_params=preset_params,
         )
+        if is_causal is not False:
+            self.spec = dataclasses.replace(self.spec, mask=with_causal(self.spec.mask, is_causal))
         self.scale = scale
         self.enable_gqa = enable_gqa
         self.return_lse = return_lse

@@ -346,6 +346,14 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
         j = torch.arange(kv_len).view(1, kv_len)
         # SDPA's is_causal is top-left aligned: key j visible to query i iff j <= i.
         want = (j <= i) if sdpa.is_causal else torch.ones(q_len, kv_len, dtype=torch.bool)
+        if sdpa.attn_mask is not None:
+            if sdpa.is_causal or sdpa.attn_mask.dtype != torch.bool:
+                raise AssertionError(
+                    f"{spec!r}: a mask's sdpa_form() attn_mask must be bool, without is_causal"
+                )
+            want = sdpa.attn_mask.cpu().expand(-1, -1, q_len, kv_len)
+            if sdpa.empty_rows is False and not bool(dense.any(-1).all()):
+                raise AssertionError(f"{spec!r}: sdpa_form() says no row is empty, but one is")
         _require_equal(f"sdpa_form {sdpa}", want.expand_as(dense), dense, spec)
     varlen = spec.varlen_form(q_len, kv_len, batch)
     if varlen is not None:
@@ -390,8 +398,10 @@ def assert_score_consistent(
         if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
             raise AssertionError(f"{spec!r}: {what} must return a floating tensor, got {type(got).__name__}")
         got = torch.broadcast_to(got, want.shape).double()
-        err = torch.where(counted, (got - want).abs(), 0.0)  # pairs the variant need not get right: 0
-        bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & counted)
+        # Pairs the variant need not get right, and equal infinities (a Bias's -inf hides a key): 0.
+        same = got == want
+        err = torch.where(counted & ~same, (got - want).abs(), 0.0)
+        bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & counted & ~same)
         if bool(bad.any()):
             where = _first(bad)
             raise AssertionError(
@@ -423,13 +433,21 @@ def _check_score_forms(
         slopes = torch.tensor(linear.slopes, dtype=torch.float64).view(1, heads, 1, 1)
         dist = (torch.arange(q_len).view(q_len, 1) - torch.arange(kv_len).view(1, kv_len)).abs()
         _require_close(f"linear_bias_form {linear}", scores - slopes * dist, want, spec, rtol, atol)
+    _, _, q_len, kv_len = scores.shape
+    sdpa = spec.sdpa_form(q_len, kv_len)
+    if sdpa is not None:
+        if sdpa.is_causal or sdpa.attn_mask is None or not sdpa.attn_mask.is_floating_point():
+            raise AssertionError(f"{spec!r}: a score spec's sdpa_form() must be a float attn_mask alone")
+        bias = sdpa.attn_mask.detach().to(scores.device, torch.float64)
+        _require_close("sdpa_form attn_mask", scores + bias, want, spec, rtol, atol)
 
 
 def _require_close(
     what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec, rtol: float, atol: float
 ) -> None:
-    err = (got - want).abs()
-    bad = (err > atol + rtol * want.abs()) | ~torch.isfinite(got)
+    same = got == want  # equal infinities agree
+    err = torch.where(same, 0.0, (got - want).abs())
+    bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & ~same)
     if bool(bad.any()):
         where = _first(bad)
         raise AssertionError(

@@ -73,7 +73,8 @@ def straightforward_attention(q, k, v, visible, score_fn, scale):  # type: ignor
         kv_head = h * hkv // hq
         s = torch.einsum("bid,bjd->bij", q[:, h], k[:, kv_head]) * scale
         s = score_fn(s, h)
-        vis = visible[:, min(h, visible.shape[1] - 1)].expand_as(s)
+        # A score of -inf (score_mods.Bias) hides its key as the mask does.
+        vis = visible[:, min(h, visible.shape[1] - 1)].expand_as(s) & ~torch.isneginf(s)
         row_any = vis.any(dim=-1)
         m = torch.where(vis, s, -math.inf).amax(dim=-1, keepdim=True)
         m = torch.where(row_any.unsqueeze(-1), m, 0.0)
