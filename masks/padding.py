@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, Spec, block_ranges, spec_dataclass
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    SdpaForm,
+    Spec,
+    block_ranges,
+    spec_dataclass,
+    tracing,
+)
 
 
 @MASKS.register
@@ -28,7 +37,8 @@ class KeyPadding(MaskSpec):
     ``valid`` is a bool tensor ``[B, L]`` with ``L >= Lkv`` (keys ``0 .. Lkv - 1`` are read) and one
     row per batch element. Registered as ``key_padding`` (it takes a tensor from the data, like
     ``Document``); ``flexattn_zoo.hf`` builds it from Hugging Face padding masks. Forms offered: a closed-form
-    block map (a key block is live iff it holds a real token, full iff all its keys are real).
+    block map (a key block is live iff it holds a real token, full iff all its keys are real), and
+    SDPA's ``attn_mask`` as the broadcast view ``valid[:, None, None, :Lkv]`` (no copy, no L x L).
     """
 
     valid: torch.Tensor
@@ -74,6 +84,22 @@ class KeyPadding(MaskSpec):
         # Oracle: slice the key columns and repeat them for every query row (no per-element gather).
         keys = self.valid[:, :kv_len].cpu()
         return keys[:, None, None, :].expand(keys.shape[0], 1, q_len, kv_len).clone()
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        if self.valid.shape[1] < kv_len:
+            return None
+        keys = self.valid[:, None, None, :kv_len]
+        return SdpaForm(is_causal=False, attn_mask=keys, empty_rows=self._some_row_empty(kv_len))
+
+    def _some_row_empty(self, kv_len: int) -> bool:
+        """Whether a batch row has no real key among the first ``kv_len`` (True while traced: the
+        data is not read then). Computed once per spec and length."""
+        if tracing():
+            return True
+        cache = self.__dict__.setdefault("_empty_rows", {})
+        if kv_len not in cache:
+            cache[kv_len] = not bool(self.valid[:, :kv_len].any(dim=-1).all())
+        return bool(cache[kv_len])
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

@@ -16,7 +16,8 @@ Schema (``defaults`` keys may also be given per case, where they win)::
         batch: 4
         heads: 16
         kv_heads: 4          # optional (default: heads); fewer = grouped-query attention
-        seq_len: 8192
+        seq_len: 8192        # key length (and query length unless q_len is given)
+        # q_len: 1           # optional: fewer queries than keys (decode, chunked prefill)
         head_dim: 128
         mask: {name: causal}                 # as flexattn_zoo.config: mapping, or list joined with &
         score_mod: {name: softcap, cap: 30}  # mapping, or list chained with >>
@@ -26,7 +27,9 @@ Schema (``defaults`` keys may also be given per case, where they win)::
 report marks it met or not (not for ``--no-fa4`` runs: the goals assume every route installed).
 
 ``document_lengths`` draws document lengths uniformly in ``[min, max]`` (the last one is cut to
-fit ``seq_len``) and prepends ``Document.from_lengths(lengths) &`` to the mask. A score entry
+fit ``seq_len``) and prepends ``Document.from_lengths(lengths) &`` to the mask. ``key_padding:
+{min, max, seed}`` draws each batch row's number of real keys in ``[min, max]`` and prepends
+``KeyPadding(valid) &`` (right padding, as a tokenizer's padded batch). A score entry
 without ``num_heads`` (e.g. ``{name: alibi}``) gets the case's ``heads``. ``mask: causal`` is short
 for ``mask: {name: causal}``.
 """
@@ -46,8 +49,9 @@ from flexattn_zoo.config import read_text_file, spec_from_dict
 from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
-#: Routes the harness adds to the dispatcher's: a user's hand-written flex, and SDPA with a dense mask.
-EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask")
+#: Routes the harness adds to the dispatcher's: a user's hand-written flex, SDPA with a dense mask,
+#: and plain SDPA as a user calls it (its own kernel choice, ``is_causal`` / ``enable_gqa``).
+EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "sdpa")
 MODES = ("fwd", "fwdbwd")
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -75,10 +79,12 @@ CASE_KEYS = (
     "heads",
     "kv_heads",
     "seq_len",
+    "q_len",
     "head_dim",
     "mask",
     "score_mod",
     "document_lengths",
+    "key_padding",
     "goal",
 )
 
@@ -108,12 +114,21 @@ class Case:
     mask: Any = None
     score_mod: Any = None
     document_lengths: dict[str, int] | None = None
+    #: ``{min, max, seed}``: each batch row holds that many real keys, the rest is right padding.
+    key_padding: dict[str, int] | None = None
     #: Target TFLOP/s of the ``auto`` row per mode (reported as met or not), e.g. (("fwd", 640.0),).
     goal: tuple[tuple[str, float], ...] = ()
+    #: Query length when it differs from ``seq_len`` (the key length): decode and chunked prefill.
+    q_len: int | None = None
 
     @property
     def gqa(self) -> bool:
         return self.kv_heads != self.heads
+
+    @property
+    def lq(self) -> int:
+        """The query length (``q_len``, else ``seq_len``)."""
+        return self.seq_len if self.q_len is None else self.q_len
 
     def specs(self, device: torch.device | str | None = None) -> tuple[MaskSpec | None, ScoreSpec | None]:
         """The case's (mask, score) specs, with captured tensors on ``device``."""
@@ -129,9 +144,17 @@ class Case:
             d = self.document_lengths
             doc = Document.from_lengths(document_lengths(self.seq_len, d["min"], d["max"], d.get("seed", 0)))
             mask = doc if mask is None else doc & mask
+        if self.key_padding is not None:
+            from flexattn_zoo.masks import KeyPadding
+
+            d = self.key_padding
+            gen = torch.Generator().manual_seed(d.get("seed", 0))
+            real = torch.randint(d["min"], d["max"] + 1, (self.batch, 1), generator=gen)
+            pad = KeyPadding(valid=torch.arange(self.seq_len)[None, :] < real)
+            mask = pad if mask is None else pad & mask
         for spec in (mask, score):
             if spec is not None:
-                spec.validate(self.seq_len, self.seq_len, self.batch, self.heads)
+                spec.validate(self.lq, self.seq_len, self.batch, self.heads)
         if device is not None:
             mask = mask.to(device) if mask is not None else None
             score = score.to(device) if score is not None else None
@@ -139,7 +162,8 @@ class Case:
 
     def shape(self) -> str:
         heads = f"{self.heads}:{self.kv_heads}" if self.gqa else str(self.heads)
-        return f"B={self.batch} H={heads} L={self.seq_len} D={self.head_dim}"
+        lengths = f"L={self.seq_len}" if self.q_len is None else f"Lq={self.q_len} Lkv={self.seq_len}"
+        return f"B={self.batch} H={heads} {lengths} D={self.head_dim}"
 
 
 def document_lengths(seq_len: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -231,23 +255,8 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
     kv_heads = _int(f"{where}.kv_heads", raw.get("kv_heads", heads))
     if heads % kv_heads:
         raise ValueError(f"{where}: heads {heads} must be a multiple of kv_heads {kv_heads}")
-    docs = raw.get("document_lengths")
-    if docs is not None:
-        if (
-            not isinstance(docs, dict)
-            or set(docs) - {"min", "max", "seed"}
-            or not {"min", "max"} <= set(docs)
-        ):
-            raise ValueError(
-                f"{where}.document_lengths must be {{min: int, max: int, seed: int}}, got {docs!r}"
-            )
-        lo, hi = (
-            _int(f"{where}.document_lengths.min", docs["min"]),
-            _int(f"{where}.document_lengths.max", docs["max"]),
-        )
-        if hi < lo:
-            raise ValueError(f"{where}.document_lengths: max {hi} < min {lo}")
-        _int(f"{where}.document_lengths.seed", docs.get("seed", 0), 0)
+    docs = _length_range(where, "document_lengths", raw.get("document_lengths"))
+    padding = _length_range(where, "key_padding", raw.get("key_padding"))
     goal = _goal(where, raw.get("goal"))
     case = Case(
         name=name,
@@ -255,6 +264,7 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         heads=heads,
         kv_heads=kv_heads,
         seq_len=_int(f"{where}.seq_len", raw["seq_len"]),
+        q_len=_int(f"{where}.q_len", raw["q_len"]) if raw.get("q_len") is not None else None,
         head_dim=_int(f"{where}.head_dim", raw["head_dim"]),
         dtype=DTYPES[str(s["dtype"]).lower()],
         device=s["device"],
@@ -267,6 +277,7 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         mask=raw.get("mask"),
         score_mod=raw.get("score_mod"),
         document_lengths=docs,
+        key_padding=padding,
         goal=goal,
     )
     try:
@@ -274,6 +285,19 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     return case
+
+
+def _length_range(where: str, key: str, raw: Any) -> dict[str, int] | None:
+    """A validated ``{min: int, max: int, seed: int}`` entry (lengths drawn uniformly), or None."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) - {"min", "max", "seed"} or not {"min", "max"} <= set(raw):
+        raise ValueError(f"{where}.{key} must be {{min: int, max: int, seed: int}}, got {raw!r}")
+    lo, hi = _int(f"{where}.{key}.min", raw["min"]), _int(f"{where}.{key}.max", raw["max"])
+    if hi < lo:
+        raise ValueError(f"{where}.{key}: max {hi} < min {lo}")
+    _int(f"{where}.{key}.seed", raw.get("seed", 0), 0)
+    return raw
 
 
 def _goal(where: str, raw: Any) -> tuple[tuple[str, float], ...]:

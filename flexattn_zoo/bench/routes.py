@@ -10,6 +10,8 @@
   one case is still caught and noted. Its mask_mod and score_mod are the ones the flex routes run
   (e.g. int32 document labels, ALiBi without ``abs`` under a causal mask, as hand-written causal
   ALiBi usually is), so the comparison measures kernels, options and BlockMasks, not spelling.
+* ``sdpa``: plain ``F.scaled_dot_product_attention`` as a user calls it (``is_causal``,
+  ``enable_gqa``; SDPA picks its kernel), for problems it expresses without a mask tensor.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
   a float bias when the score mod is additive: it offers a ``linear_bias_form()``, like ALiBi); k/v
   are expanded for GQA so SDPA can use its memory-efficient kernel.
@@ -31,6 +33,7 @@ from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends.flex import FlexBackend
 from flexattn_zoo.bench.config import Case
 from flexattn_zoo.bench.timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
+from flexattn_zoo.dispatch import problem_traits
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes that run flex with a BlockMask built by ``fz.block_mask`` (its build time is reported).
@@ -58,11 +61,11 @@ class Inputs:
     def make(cls, case: Case, mode: str, device: torch.device) -> Inputs:
         torch.manual_seed(case.seed)
         grad = mode == "fwdbwd"
-        b, length, d = case.batch, case.seq_len, case.head_dim
-        q = torch.randn(b, case.heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
+        b, length, lq, d = case.batch, case.seq_len, case.lq, case.head_dim
+        q = torch.randn(b, case.heads, lq, d, device=device, dtype=case.dtype, requires_grad=grad)
         k = torch.randn(b, case.kv_heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
         v = torch.randn(b, case.kv_heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
-        g = torch.randn(b, case.heads, length, d, device=device, dtype=case.dtype) if grad else None
+        g = torch.randn(b, case.heads, lq, d, device=device, dtype=case.dtype) if grad else None
         return cls(q, k, v, g)
 
 
@@ -70,6 +73,10 @@ class Inputs:
 class Prepared:
     call: Callable[[], torch.Tensor]  # one forward; returns out [B, H, L, D]
     chosen: str | None = None
+    #: For ``auto``: the dispatcher's traits of the problem and the routes that accepted it, so a
+    #: route order can be replayed on the sweep's rows offline (benchmarks/regret.py).
+    traits: list[str] | None = None
+    accepted: list[str] | None = None
     blockmask_s: float | None = None
     blockmask_compile_s: float | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
@@ -91,9 +98,9 @@ class Outcome:
 # Dispatcher routes
 
 
-def _plan(route: str, case: Case, mask: Any, score: Any, x: Inputs) -> str:
+def _plan(route: str, case: Case, mask: Any, score: Any, x: Inputs) -> fz.Plan:
     try:
-        return fz.plan(x.q, x.k, x.v, mask=mask, score_mod=score, enable_gqa=case.gqa, backend=route).backend
+        return fz.plan(x.q, x.k, x.v, mask=mask, score_mod=score, enable_gqa=case.gqa, backend=route)
     except ValueError as exc:
         text = str(exc)
         prefix = f"backend {route!r} cannot run this call: "
@@ -107,7 +114,7 @@ def _time_fz_block_mask(case: Case, mask: MaskSpec, device: torch.device) -> flo
         fz_blockmask.CACHE.clear()
         _, seconds = timed(
             lambda: fz.block_mask(
-                mask, case.seq_len, case.seq_len, batch=case.batch, heads=case.heads, device=device
+                mask, case.lq, case.seq_len, batch=case.batch, heads=case.heads, device=device
             ),
             device,
         )
@@ -116,12 +123,16 @@ def _time_fz_block_mask(case: Case, mask: MaskSpec, device: torch.device) -> flo
 
 
 def prepare_fz(
-    route: str, chosen: str, case: Case, mask: Any, score: Any, x: Inputs, device: torch.device
+    route: str, plan: fz.Plan, case: Case, mask: Any, score: Any, x: Inputs, device: torch.device
 ) -> Prepared:
     def call() -> torch.Tensor:
         return fz.attention(x.q, x.k, x.v, mask=mask, score_mod=score, enable_gqa=case.gqa, backend=route)
 
+    chosen = plan.backend
     prep = Prepared(call=call, chosen=chosen if route == "auto" else None)
+    if route == "auto":
+        prep.traits = sorted(problem_traits(plan.problem))
+        prep.accepted = [c.name for c in plan.candidates if c.accepted]
     if chosen in BLOCKMASK_ROUTES and mask is not None:
         prep.blockmask_s = _time_fz_block_mask(case, mask, device)
     return prep
@@ -145,12 +156,12 @@ def prepare_raw_flex(
     flex, cbm = _raw_compiled()
     block_mask = build_s = build_compile_s = None
     if mask is not None:
-        mod = mask.bind(case.seq_len, case.seq_len).mask_mod()
+        mod = mask.bind(case.lq, case.seq_len).mask_mod()
         b = case.batch if mask.uses_batch() else None
         h = case.heads if mask.uses_head() else None
 
         def build() -> Any:
-            return cbm(mod, b, h, case.seq_len, case.seq_len, device=device)
+            return cbm(mod, b, h, case.lq, case.seq_len, device=device)
 
         block_mask, first = timed(build, device)
         times = []
@@ -161,7 +172,7 @@ def prepare_raw_flex(
         build_compile_s = max(0.0, first - build_s)
     score_mod = None
     if score is not None:
-        past = mask is not None and mask.hides_future_keys(case.seq_len, case.seq_len)
+        past = mask is not None and mask.hides_future_keys(case.lq, case.seq_len)
         score_mod = score.score_mod(future_keys_hidden=past)
     gqa = case.gqa
 
@@ -184,7 +195,7 @@ def dense_estimate_bytes(
     route: str, case: Case, mode: str, mask: MaskSpec | None, score: ScoreSpec | None
 ) -> int:
     """Rough peak of the routes that hold ``L x L`` tensors (0 for the others)."""
-    b, h, n = case.batch, case.heads, case.seq_len * case.seq_len
+    b, h, n = case.batch, case.heads, case.lq * case.seq_len
     elem = case.dtype.itemsize
     if route == "sdpa_dense_mask":
         if score is not None:
@@ -226,6 +237,29 @@ def prepare_dense_mask(
 
 
 # ---------------------------------------------------------------------------------------------
+# sdpa: the call a user writes by hand
+
+
+def prepare_plain_sdpa(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs) -> Prepared:
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=..., enable_gqa=...)`` with SDPA's own
+    kernel choice: runs problems with no mask, or a mask whose exact SDPA form is ``is_causal``."""
+    if score is not None:
+        raise Unsupported("plain SDPA takes no score_mod")
+    is_causal = False
+    if mask is not None:
+        form = mask.bind(case.lq, case.seq_len).sdpa_form(case.lq, case.seq_len)
+        if form is None or not form.is_causal:
+            raise Unsupported("plain SDPA runs no mask or is_causal only (a dense mask is sdpa_dense_mask)")
+        is_causal = True
+    gqa = case.gqa
+
+    def call() -> torch.Tensor:
+        return F.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=is_causal, enable_gqa=gqa)
+
+    return Prepared(call=call)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def prepare(
@@ -233,13 +267,18 @@ def prepare(
 ) -> Prepared:
     """Check the route can run exactly, apply the memory guard, then build what it needs (timed)."""
     chosen = route
+    if route == "sdpa":
+        return prepare_plain_sdpa(case, mask, score, x)
     if route == "sdpa_dense_mask":
+        if case.lq != case.seq_len:
+            raise Unsupported("the dense-mask baseline is measured at Lq == Lkv only")
         if score is not None and not _additive(score):
             raise Unsupported(
                 f"score_mod {type(score).__name__} is not an additive bias; SDPA cannot express it"
             )
     elif route != "raw_flex":
-        chosen = _plan(route, case, mask, score, x)
+        plan = _plan(route, case, mask, score, x)
+        chosen = plan.backend
     need = max(
         dense_estimate_bytes(route, case, mode, mask, score),
         dense_estimate_bytes(chosen, case, mode, mask, score),
@@ -250,7 +289,7 @@ def prepare(
         return prepare_raw_flex(case, mask, score, x, device)
     if route == "sdpa_dense_mask":
         return prepare_dense_mask(case, mask, score, x, device)
-    return prepare_fz(route, chosen, case, mask, score, x, device)
+    return prepare_fz(route, plan, case, mask, score, x, device)
 
 
 def run(route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, device: torch.device) -> Outcome:

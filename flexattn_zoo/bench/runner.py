@@ -71,7 +71,7 @@ def _message(exc: BaseException, limit: int = 400) -> str:
 
 
 def _row(case: Case, route: str, mode: str, device: torch.device, visible: int | None) -> dict[str, Any]:
-    L = case.seq_len
+    L, lq = case.seq_len, case.lq
     flops = 4 * case.head_dim * visible * FLOP_FACTOR[mode] if visible is not None else None
     return {
         "case": case.name,
@@ -80,6 +80,8 @@ def _row(case: Case, route: str, mode: str, device: torch.device, visible: int |
         "status": "error",
         "reason": None,
         "chosen": None,
+        "traits": None,
+        "accepted": None,
         "ms": None,
         "host_ms": None,
         "tflops": None,
@@ -94,11 +96,12 @@ def _row(case: Case, route: str, mode: str, device: torch.device, visible: int |
         "heads": case.heads,
         "kv_heads": case.kv_heads,
         "seq_len": L,
+        "q_len": lq,
         "head_dim": case.head_dim,
         "dtype": str(case.dtype).removeprefix("torch."),
         "device": str(device),
         "visible_pairs": visible,
-        "density": visible / (case.batch * case.heads * L * L) if visible else None,
+        "density": visible / (case.batch * case.heads * lq * L) if visible else None,
         "flops": flops,
         "warmup": case.warmup,
         "iters": case.iters,
@@ -137,6 +140,8 @@ def run_one(
         row.update(
             status="ok",
             chosen=outcome.prepared.chosen,
+            traits=outcome.prepared.traits,
+            accepted=outcome.prepared.accepted,
             ms=outcome.ms,
             host_ms=outcome.host_ms,
             compile_s=outcome.compile_s,
@@ -208,7 +213,9 @@ def run_sweep(
             device = case_device(case)
             try:
                 mask, score = case.specs(device)
-                visible: int | None = visible_pairs(mask, case.seq_len, case.batch, case.heads, device)
+                visible: int | None = visible_pairs(
+                    mask, case.seq_len, case.batch, case.heads, device, case.lq
+                )
             except Exception as exc:  # a broken case gives error rows, the sweep goes on
                 mask = score = visible = None
                 case_failure: str | None = _message(exc)

@@ -146,32 +146,38 @@ def _grid_sizes(spec: MaskSpec, batch: int, heads: int) -> tuple[int, int]:
 
 
 def mask_slabs(
-    spec: MaskSpec, length: int, batch: int, heads: int, device: torch.device
+    spec: MaskSpec, length: int, batch: int, heads: int, device: torch.device, q_len: int | None = None
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(row_start, row_stop, visible[B|1, H|1, rows, L])`` over slabs of query rows.
 
-    Evaluates the spec's ``mask_mod`` on broadcast index grids, at most ``SLAB_ELEMENTS`` at a time
-    (like :func:`flexattn_zoo.blockmask.generic_block_map`), so temporaries stay bounded.
+    ``length`` is the key length; ``q_len`` the query length (default: ``length``). Evaluates the
+    spec's ``mask_mod`` on broadcast index grids, at most ``SLAB_ELEMENTS`` at a time (like
+    :func:`flexattn_zoo.blockmask.generic_block_map`), so temporaries stay bounded.
     """
-    mod = spec.bind(length, length).mask_mod()
+    q_len = length if q_len is None else q_len
+    mod = spec.bind(q_len, length).mask_mod()
     nb, nh = _grid_sizes(spec, batch, heads)
     b = torch.arange(nb, device=device).view(nb, 1, 1, 1)
     h = torch.arange(nh, device=device).view(1, nh, 1, 1)
     kv = torch.arange(length, device=device).view(1, 1, 1, length)
     rows = max(1, SLAB_ELEMENTS // (nb * nh * length))
-    for r0 in range(0, length, rows):
-        r1 = min(length, r0 + rows)
+    for r0 in range(0, q_len, rows):
+        r1 = min(q_len, r0 + rows)
         q = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
         vis = torch.as_tensor(mod(b, h, q, kv), device=device)
         yield r0, r1, torch.broadcast_to(vis, (nb, nh, r1 - r0, length))
 
 
-def visible_pairs(spec: MaskSpec | None, length: int, batch: int, heads: int, device: torch.device) -> int:
-    """Visible (query, key) pairs summed over every batch row and query head."""
+def visible_pairs(
+    spec: MaskSpec | None, length: int, batch: int, heads: int, device: torch.device, q_len: int | None = None
+) -> int:
+    """Visible (query, key) pairs summed over every batch row and query head (``length`` keys,
+    ``q_len`` queries, default ``length``)."""
+    q_len = length if q_len is None else q_len
     if spec is None:
-        return batch * heads * length * length
+        return batch * heads * q_len * length
     nb, nh = _grid_sizes(spec, batch, heads)
-    total = sum(int(vis.sum()) for _, _, vis in mask_slabs(spec, length, batch, heads, device))
+    total = sum(int(vis.sum()) for _, _, vis in mask_slabs(spec, length, batch, heads, device, q_len))
     return total * (batch // nb) * (heads // nh)
 
 

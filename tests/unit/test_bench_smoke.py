@@ -237,7 +237,7 @@ def test_packaged_configs_by_name(
     assert [r["case"] for r in json.loads(out.read_text())["rows"]] == ["causal"]
     assert cli.main(["bench", "nope"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "neither a file nor a packaged config (cpu_prefix, h200, smoke)" in err
+    assert "neither a file nor a packaged config (cpu_prefix, generalization, h200, smoke)" in err
 
 
 def test_cli_bench_delegates(tmp_path: Path) -> None:
