@@ -6,6 +6,7 @@ tensors, so dispatch tables can be unit-tested on a CPU-only machine.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -84,6 +85,7 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
         "fwd": (
             "fa4",
             "flex_flash",
+            "sdpa",
             "sdpa_cudnn",
             "sdpa_split",
             "flex",
@@ -95,6 +97,7 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
         "fwdbwd": (
             "fa4",
             "flex_flash",
+            "sdpa",
             "sdpa_cudnn",
             "sdpa_split",
             "flex",
@@ -108,6 +111,7 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
         "fwd": (
             "fa4",
             "flex_flash",
+            "sdpa",
             "sdpa_cudnn",
             "flex",
             "varlen",
@@ -118,6 +122,7 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
         "fwdbwd": (
             "fa4",
             "flex_flash",
+            "sdpa",
             "sdpa_cudnn",
             "flex",
             "varlen",
@@ -146,32 +151,128 @@ PRIORITY: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
-# Measured exceptions to the table above: (generation, mode, traits, routes moved to the front),
-# applied in order when a problem has every listed trait (``dispatch.problem_traits``: "score_mod",
-# "fast_score_mod" -- one that allows an approximation such as SoftCap(approx=True) --,
-# "packed_segments" -- a mask of unequal segments, i.e. documents). Later entries win. On the H200
-# (benchmarks/results/h200.md):
-# - documents, forward: fa4 packs q/k/v into cu_seqlens order, which costs more than its kernel saves;
-# - score mods: fa4's own soft-capping is slower than flex_flash's score_mod, and Triton's hardware
-#   tanh (SoftCap(approx=True), which the CuTe path cannot emit) makes flex the fastest softcap forward.
-OVERRIDES: tuple[tuple[str, str, frozenset[str], tuple[str, ...]], ...] = (
-    ("sm90", "fwd", frozenset({"packed_segments"}), ("flex_flash",)),
-    ("sm90", "fwd", frozenset({"score_mod"}), ("flex_flash",)),
-    ("sm90", "fwdbwd", frozenset({"score_mod"}), ("flex_flash",)),
-    ("sm90", "fwd", frozenset({"fast_score_mod"}), ("flex",)),
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The sizes a :class:`Rule` may select on (a problem's, or a benchmark row's)."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    #: Upper bound on the share of (query, key) pairs the mask leaves visible (1.0: no mask, or
+    #: unknown without evaluating it; ``MaskSpec.visible_fraction``).
+    visible: float = 1.0
+
+    @property
+    def work(self) -> float:
+        """``B * H * Lq * Lkv * D`` times ``visible``: the attention's visible size."""
+        return self.batch * self.heads * self.q_len * self.kv_len * self.head_dim * self.visible
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """A measured exception to ``PRIORITY``: on ``generation`` in ``modes``, a problem that has every
+    trait in ``traits`` and fits the size bounds gets ``front`` moved to the front of the order
+    (routes of ``front`` that refuse the problem are passed over as usual).
+
+    ``evidence`` names the rows of ``benchmark`` (a results file under benchmarks/results) that
+    justify the rule, as ``"case/mode"``; tests/unit/test_rules.py checks that each exists and that
+    there a ``front`` route beats the route the order without this rule picks.
+    """
+
+    generation: str
+    modes: tuple[str, ...]
+    front: tuple[str, ...]
+    why: str
+    benchmark: str
+    evidence: tuple[str, ...]
+    traits: frozenset[str] = frozenset()
+    #: Inclusive upper bound on ``Sizes.work`` (None: no bound).
+    max_work: int | None = None
+
+    def applies(self, gen: str, mode: str, traits: frozenset[str], sizes: Sizes | None) -> bool:
+        if gen != self.generation or mode not in self.modes or not self.traits <= traits:
+            return False
+        if self.max_work is None:
+            return True
+        return sizes is not None and sizes.work <= self.max_work
+
+
+BOTH = ("fwd", "fwdbwd")
+#: SDPA's routes in the order short problems prefer them: SDPA's own choice, then the pinned
+#: kernels, then the routes with masks SDPA cannot take; FlashAttention-4 (fa4, flex_flash) last.
+_SHORT_FIRST = ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_split", "flex", "varlen")
+
+# Measured exceptions, applied in order (later rules win). Traits (``dispatch.problem_traits``):
+# "score_mod", "fast_score_mod" (one allowing an approximation, e.g. SoftCap(approx=True)),
+# "packed_segments" (a mask of unequal segments, i.e. documents).
+RULES: tuple[Rule, ...] = (
+    Rule(
+        generation="sm90",
+        modes=("fwd",),
+        traits=frozenset({"packed_segments"}),
+        front=("flex_flash",),
+        why="fa4 packs q/k/v into cu_seqlens order for documents, which costs more than its kernel saves",
+        benchmark="h200.json",
+        evidence=("document_causal/fwd", "document_causal_gqa/fwd"),
+    ),
+    Rule(
+        generation="sm90",
+        modes=BOTH,
+        traits=frozenset({"score_mod"}),
+        front=("flex_flash",),
+        why="fa4's own soft-capping is slower than flex_flash's score_mod",
+        benchmark="h200.json",
+        evidence=("softcap_causal/fwdbwd",),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwd",),
+        traits=frozenset({"fast_score_mod"}),
+        front=("flex",),
+        why="Triton's hardware tanh (SoftCap(approx=True); the CuTe path cannot emit it)",
+        benchmark="h200.json",
+        evidence=("softcap_causal/fwd",),
+    ),
+    Rule(
+        generation="sm90",
+        modes=BOTH,
+        max_work=4 * 10**10,
+        front=_SHORT_FIRST,
+        why="short problems (visible B*H*Lq*Lkv*D up to 4e10, which includes decoding from any real cache): "
+        "FA4's per-call host time (0.3-0.4 ms forward, 1.3-1.8 ms forward+backward) exceeds the kernel "
+        "time it saves; SDPA's kernels finish first (decoding: 2-10x faster than fa4 and flex)",
+        benchmark="generalization_h200.json",
+        evidence=(
+            "bert_base_l128_b128/fwd",
+            "bert_base_l512_b32/fwdbwd",
+            "llama3_8b_l512_b32/fwd",
+            "llama32_1b_l512_b64/fwdbwd",
+            "gpt2_l1024_b16/fwdbwd",
+            "vit_l14_l577_b32/fwdbwd",
+            "dinov2_g_l1370_b8/fwd",
+            "decode_llama3_8b_b1_32k/fwd",
+            "decode_b1_128k/fwd",
+            "decode_qwen25_7b_b64_1k/fwd",
+        ),
+    ),
 )
 
 
-def priority(arch: str, mode: str, traits: frozenset[str] = frozenset()) -> tuple[str, ...]:
+def priority(
+    arch: str, mode: str, traits: frozenset[str] = frozenset(), sizes: Sizes | None = None
+) -> tuple[str, ...]:
     """The ordered route names for ``arch`` in ``mode`` (``"fwd"`` or ``"fwdbwd"``) for a problem
-    with ``traits`` (see ``OVERRIDES``)."""
+    with ``traits`` and ``sizes`` (see ``RULES``; without sizes, only the trait rules apply)."""
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
     gen = generation(arch)
     order = PRIORITY[gen][mode]
-    for o_gen, o_mode, needs, front in OVERRIDES:
-        if o_gen == gen and o_mode == mode and needs <= traits:
-            order = front + tuple(r for r in order if r not in front)
+    for rule in RULES:
+        if rule.applies(gen, mode, traits, sizes):
+            order = rule.front + tuple(r for r in order if r not in rule.front)
     return order
 
 

@@ -160,6 +160,9 @@ class And(_Combined):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return any(p.hides_future_keys(q_len, kv_len) for p in self.parts)
 
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        return min(p.visible_fraction(q_len, kv_len) for p in self.parts)
+
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         # A key visible in the intersection is visible in every part, so it is above every part's
         # bound; parts without one contribute 0. Not exact: the parts' lowest keys may differ.
@@ -202,6 +205,9 @@ class Or(_Combined):
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return all(p.hides_future_keys(q_len, kv_len) for p in self.parts)
+
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        return min(1.0, sum(p.visible_fraction(q_len, kv_len) for p in self.parts))
 
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         # A key visible in the union is visible in some part: above the smallest bound. One part

@@ -22,7 +22,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flexattn_zoo import _compat, plan_cache, sharding, tuning
-from flexattn_zoo.arch import detect_arch, generation, priority
+from flexattn_zoo.arch import Sizes, detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, check_kernel_options, tensor_args, with_causal
 from flexattn_zoo.plan_cache import call_key
@@ -103,7 +103,7 @@ class Plan:
 
 
 def problem_traits(p: Problem) -> frozenset[str]:
-    """The named properties that ``arch.OVERRIDES`` select on (measured exceptions to PRIORITY)."""
+    """The named properties that ``arch.RULES`` select on (measured exceptions to PRIORITY)."""
     traits = set()
     if p.score is not None:
         traits.add("score_mod")
@@ -116,8 +116,19 @@ def problem_traits(p: Problem) -> frozenset[str]:
     return frozenset(traits)
 
 
+def _visible(p: Problem) -> float:
+    """The mask's bound on the visible share of pairs, for the size rules; 1.0 while lengths are
+    symbolic (dynamic-shape tracing: the rules then compare the unmasked size, one guard on it)."""
+    if p.mask is None or isinstance(p.q_len, torch.SymInt) or isinstance(p.kv_len, torch.SymInt):
+        return 1.0
+    return p.mask.visible_fraction(p.q_len, p.kv_len)
+
+
 def _verdicts(problem: Problem) -> list[Candidate]:
-    order = priority(problem.arch, problem.mode, problem_traits(problem))
+    sizes = Sizes(
+        problem.batch, problem.heads, problem.q_len, problem.kv_len, problem.head_dim, _visible(problem)
+    )
+    order = priority(problem.arch, problem.mode, problem_traits(problem), sizes)
     out = []
     for b in BACKENDS:
         reasons = b.reasons(problem)

@@ -522,6 +522,14 @@ class LinearBiasForm:
     slopes: tuple[float, ...]
 
 
+def lower_triangle_fraction(q_len: int, kv_len: int, offset: int) -> float:
+    """Share of pairs with ``kv_idx <= q_idx + offset`` in a ``q_len x kv_len`` grid (exact)."""
+    first = min(q_len, max(0, -offset))  # rows before it see no key
+    last = min(q_len, max(first, kv_len - offset))  # rows from it on see every key
+    partial = (last - first) * (offset + 1) + (first + last - 1) * (last - first) // 2
+    return (partial + (q_len - last) * kv_len) / max(1, q_len * kv_len)
+
+
 def tracing() -> bool:
     """Whether ``torch.compile`` is tracing the current call. Spec methods that would read the
     *data* of a tensor they hold (a form derived from document ids) return None then: Dynamo can
@@ -617,6 +625,11 @@ class MaskSpec(Spec):
         compiled kernel's constants, so one kernel serves every offset). A kernel generator that
         cannot load one refuses the spec with that reason."""
         return False
+
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        """An upper bound on the share of (query, key) pairs visible at these lengths (1.0 when
+        unknown), known without evaluating the mask; the dispatcher sizes problems by it."""
+        return 1.0
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         """True when no pair with ``kv_idx > q_idx`` is visible at these lengths (indices as the

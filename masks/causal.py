@@ -7,7 +7,16 @@ from typing import Literal
 import torch
 
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    SdpaForm,
+    Spec,
+    VarlenForm,
+    lower_triangle_fraction,
+    spec_dataclass,
+)
 
 from ._blocks import CapturedOffsets, band_block_map, check_int
 
@@ -83,6 +92,9 @@ class Causal(MaskSpec):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self._offset(q_len, kv_len) <= 0
 
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        return lower_triangle_fraction(q_len, kv_len, self._offset(q_len, kv_len))
+
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         return VarlenForm(segments=None, window=(-1, 0)) if q_len == kv_len else None
 
@@ -148,6 +160,11 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.offset <= 0
+
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        if not isinstance(self.offset, int):
+            return 1.0
+        return lower_triangle_fraction(q_len, kv_len, self.offset)
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         return VarlenForm(segments=None, window=(-1, 0)) if q_len == kv_len and self.offset == 0 else None

@@ -91,6 +91,9 @@ class SlidingWindow(MaskSpec):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.right == 0
 
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        return min(1.0, (self.left + self.right + 1) / max(1, kv_len))
+
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         # Key i - left is inside the window whenever it exists (right >= 0): exact.
         return q_idx - self.left

@@ -10,11 +10,12 @@ from flexattn_zoo.backends.base import Backend
 from flexattn_zoo.backends.dense import DENSE
 from flexattn_zoo.backends.fa4 import FA4
 from flexattn_zoo.backends.flex import FLEX, FLEX_CPU, FLEX_FLASH
-from flexattn_zoo.backends.sdpa import SDPA_CUDNN, SDPA_EFFICIENT, SDPA_FLASH, SDPA_MATH
+from flexattn_zoo.backends.sdpa import SDPA_CHOICE, SDPA_CUDNN, SDPA_EFFICIENT, SDPA_FLASH, SDPA_MATH
 from flexattn_zoo.backends.split import SDPA_SPLIT
 from flexattn_zoo.backends.varlen import VARLEN
 
 BACKENDS: tuple[Backend, ...] = (
+    SDPA_CHOICE,
     SDPA_CUDNN,
     SDPA_FLASH,
     SDPA_EFFICIENT,

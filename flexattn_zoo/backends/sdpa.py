@@ -139,7 +139,17 @@ class SdpaBackend(Backend):
             q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
         if self.kernel != "MATH" and not view_ok:
             q, k, v = (fused_layout(t) for t in (q, k, v))
-        if _compat.is_compiling():
+        if self.kernel == UNPINNED:
+            if _compat.is_compiling():
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                )
+            else:
+                with _SDPA_LOCK:  # never under another thread's pin of ours
+                    out = F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                    )
+        elif _compat.is_compiling():
             # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
             # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
             with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
@@ -156,6 +166,54 @@ class SdpaBackend(Backend):
                 finally:
                     _compat.restore_sdpa_kernels(pinned)
         return (from_chunks(out, batch) if chunk else out), None
+
+
+#: ``SdpaBackend.kernel`` of the route that lets SDPA choose its kernel itself.
+UNPINNED = "UNPINNED"
+#: Query rows up to which SDPA may fall back to its math kernel: its ``Lq x Lkv`` scores are then
+#: no bigger than a few rows of the KV cache (decoding, speculative verification).
+FEW_QUERIES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaChoiceBackend(SdpaBackend):
+    """SDPA with its own kernel choice (``F.scaled_dot_product_attention`` as a user calls it).
+
+    torch picks among cuDNN, FlashAttention-2, the memory-efficient and the math kernel per call,
+    from the shapes, and runs grouped-query attention natively where a kernel can (cuDNN, FA2),
+    which the pinned routes cannot all do. Accepted only where a fused kernel takes the call (its
+    math fallback would hold the ``Lq x Lkv`` scores), or for at most ``FEW_QUERIES`` query rows;
+    not for reproducible runs (the kernel is not pinned), nor for an ``attn_mask`` that may leave a
+    row seeing no key (kernels differ there).
+    """
+
+    def mask_reasons(self, p: Problem) -> list[str]:
+        out = super().mask_reasons(p)
+        call = _sdpa_call(p)
+        if not out and not isinstance(call, str) and call.chunk:
+            # Chunks become batch rows by a copy here; sdpa_cudnn reads them as a view, faster.
+            out.append("runs equal chunks only through sdpa_cudnn's view of them")
+        return out
+
+    def attn_mask_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
+        if call.empty_rows:
+            return [
+                "the attn_mask may leave a query row seeing no key (or is traced: not read), and "
+                "SDPA's kernels differ on such rows"
+            ]
+        return []
+
+    def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
+        if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling() or p.q_len <= FEW_QUERIES:
+            return []
+        kernels = ("EFFICIENT_ATTENTION",) if call.attn_mask is not None else FUSED_KERNELS
+        refusals = [
+            SdpaBackend.torch_reasons(dataclasses.replace(SDPA_EFFICIENT, kernel=kernel), p, call)
+            for kernel in kernels
+        ]
+        if all(refusals):
+            return ["no fused SDPA kernel takes the call (SDPA would fall back to its math kernel)"]
+        return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +294,20 @@ SDPA_CUDNN = SdpaBackend(
     deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
     doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks; GQA with k/v expanded)",
+)
+#: The kernels SDPA chooses among before its math fallback.
+FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+SDPA_CHOICE = SdpaChoiceBackend(
+    score_mods=True,  # only a Bias (see _sdpa_call)
+    name="sdpa",
+    kernel=UNPINNED,
+    devices=frozenset({"cuda"}),
+    dtypes=LOW_PRECISION,
+    head_dims=(1, 256),
+    deterministic=False,
+    nondeterministic_why="SDPA chooses its kernel per call; name a pinned sdpa_* route for reproducible runs",
+    doc="SDPA with its own kernel choice (cuDNN, FA2, memory-efficient; native GQA); no mask, causal, "
+    "equal chunks, attn_mask tensors",
 )
 SDPA_FLASH = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)

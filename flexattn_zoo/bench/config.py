@@ -51,7 +51,7 @@ from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes the harness adds to the dispatcher's: a user's hand-written flex, SDPA with a dense mask,
 #: and plain SDPA as a user calls it (its own kernel choice, ``is_causal`` / ``enable_gqa``).
-EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "sdpa")
+EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "plain_sdpa")
 MODES = ("fwd", "fwdbwd")
 DTYPES = {
     "bf16": torch.bfloat16,

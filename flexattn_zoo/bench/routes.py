@@ -10,7 +10,7 @@
   one case is still caught and noted. Its mask_mod and score_mod are the ones the flex routes run
   (e.g. int32 document labels, ALiBi without ``abs`` under a causal mask, as hand-written causal
   ALiBi usually is), so the comparison measures kernels, options and BlockMasks, not spelling.
-* ``sdpa``: plain ``F.scaled_dot_product_attention`` as a user calls it (``is_causal``,
+* ``plain_sdpa``: ``F.scaled_dot_product_attention`` as a user calls it (``is_causal``,
   ``enable_gqa``; SDPA picks its kernel), for problems it expresses without a mask tensor.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
   a float bias when the score mod is additive: it offers a ``linear_bias_form()``, like ALiBi); k/v
@@ -237,7 +237,7 @@ def prepare_dense_mask(
 
 
 # ---------------------------------------------------------------------------------------------
-# sdpa: the call a user writes by hand
+# plain_sdpa: the call a user writes by hand
 
 
 def prepare_plain_sdpa(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs) -> Prepared:
@@ -266,8 +266,8 @@ def prepare(
     route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, device: torch.device
 ) -> Prepared:
     """Check the route can run exactly, apply the memory guard, then build what it needs (timed)."""
-    chosen = route
-    if route == "sdpa":
+    chosen, plan = route, None
+    if route == "plain_sdpa":
         return prepare_plain_sdpa(case, mask, score, x)
     if route == "sdpa_dense_mask":
         if case.lq != case.seq_len:
@@ -289,6 +289,7 @@ def prepare(
         return prepare_raw_flex(case, mask, score, x, device)
     if route == "sdpa_dense_mask":
         return prepare_dense_mask(case, mask, score, x, device)
+    assert plan is not None  # every other route was planned above
     return prepare_fz(route, plan, case, mask, score, x, device)
 
 

@@ -32,9 +32,11 @@ def _problem(
     heads=(16, 16),
     lse=False,
     device="cuda",
+    batch=256,
 ):
+    """A problem for planning only; the default sizes are above the short-problem rule's bound."""
     return Problem(
-        batch=2,
+        batch=batch,
         heads=heads[0],
         kv_heads=heads[1],
         q_len=lq,
@@ -56,14 +58,15 @@ DOC = masks.Document.from_lengths([300, 500, 224])
 @pytest.mark.parametrize(
     ("problem", "route"),
     [
-        (_problem(masks.Causal()), "sdpa_cudnn"),
-        (_problem(None), "sdpa_cudnn"),
-        (_problem(masks.Causal(), d=64), "sdpa_cudnn"),
-        (_problem(masks.Causal(), grad=True), "sdpa_cudnn"),
-        # cuDNN with k/v expanded: 4.4 / 15.6 ms vs flex 5.1 / 20.1 (nofa4_levers_probe_h200.txt)
-        (_problem(masks.Causal(), heads=(32, 8)), "sdpa_cudnn"),
-        (_problem(masks.Causal(), heads=(32, 8), grad=True), "sdpa_cudnn"),
-        (_problem(None, heads=(32, 8), lq=16, lkv=4096), "flex"),  # no k/v expansion per decode step
+        # SDPA's own choice: cuDNN, with GQA native (generalization_h200: Llama-3-8B 8K causal
+        # 0.89 / 3.48 ms vs 1.03 / 3.65 through sdpa_cudnn with k/v expanded)
+        (_problem(masks.Causal()), "sdpa"),
+        (_problem(None), "sdpa"),
+        (_problem(masks.Causal(), d=64), "sdpa"),
+        (_problem(masks.Causal(), grad=True), "sdpa"),
+        (_problem(masks.Causal(), heads=(32, 8)), "sdpa"),
+        (_problem(masks.Causal(), heads=(32, 8), grad=True), "sdpa"),
+        (_problem(None, heads=(32, 8), lq=16, lkv=4096), "sdpa"),  # decoding, GQA native
         (_problem(masks.Causal(), lq=1000, lkv=1200), "flex"),  # no SDPA form when Lq != Lkv
         (_problem(DOC & masks.Causal()), "flex"),  # measured: flex >= varlen on sm90
         (_problem(masks.SlidingWindow(left=127)), "flex"),
@@ -103,11 +106,15 @@ DOC = masks.Document.from_lengths([300, 500, 224])
             "sdpa_flash",
         ),
         (
-            _problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True),
+            _problem(
+                masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, grad=True, batch=2
+            ),
             "dense",
         ),
         (
-            _problem(masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, lse=True),
+            _problem(
+                masks.SlidingWindow(left=3), device="cpu", arch="cpu", dtype=torch.float32, lse=True, batch=2
+            ),
             "dense",
         ),
     ],
@@ -161,6 +168,39 @@ def test_auto_route_table_with_fa4(problem: Problem, route: str, monkeypatch: py
     assert plan_problem(problem).backend == route
 
 
+@pytest.mark.parametrize("fa4", [False, True])
+@pytest.mark.parametrize(
+    ("problem", "route"),
+    [
+        # Short problems (B*H*Lq*Lkv*D <= 4e10): SDPA's kernels before FA4's host time.
+        (_problem(masks.Causal(), batch=2), "sdpa"),
+        (_problem(None, batch=2, grad=True, heads=(32, 8)), "sdpa"),
+        (_problem(masks.SlidingWindow(left=127), batch=2), "flex"),  # no SDPA form: flex before fa4
+        # Decoding from a cache of up to 128K keys.
+        (_problem(None, lq=1, lkv=131072, batch=1, heads=(32, 8)), "sdpa"),
+        (_problem(None, lq=16, lkv=8192, batch=32, heads=(32, 8)), "sdpa"),
+        (_problem(masks.Chunked(size=256) & masks.Causal()), "sdpa_cudnn"),  # chunks: cuDNN's view
+    ],
+)
+def test_shape_rules(problem: Problem, route: str, fa4: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured size rules (``arch.RULES``) hold with and without flash-attn-4."""
+    monkeypatch.setattr(_compat, "flash_cute_available", lambda: fa4)
+    if fa4 and route == "sdpa_cudnn":
+        route = "fa4"  # long equal chunks: FA4 with its chunk window
+    assert plan_problem(problem).backend == route
+
+
+def test_rule_bounds() -> None:
+    from flexattn_zoo.arch import RULES, Sizes
+
+    short = next(r for r in RULES if r.max_work is not None)
+    assert short.applies("sm90", "fwd", frozenset(), Sizes(1, 1, 1, 1, short.max_work))
+    assert not short.applies("sm90", "fwd", frozenset(), Sizes(1, 1, 1, 1, short.max_work + 1))
+    assert not short.applies("sm80", "fwd", frozenset(), Sizes(1, 1, 1, 1, 1))
+    assert not short.applies("sm90", "fwd", frozenset(), None)  # size rules need sizes
+    assert short.applies("sm90", "fwdbwd", frozenset({"score_mod"}), Sizes(32, 32, 1, 32768, 128))  # decoding
+
+
 def test_priority_overrides_apply_only_with_all_traits() -> None:
     from flexattn_zoo.arch import priority
 
@@ -210,7 +250,7 @@ def test_named_backend_never_falls_back() -> None:
         fz.attention(q, q, q, mask=masks.SlidingWindow(left=4), backend="sdpa_math")
     with pytest.raises(ValueError, match="backend 'flex' cannot run.*runs on cuda, not cpu"):
         fz.attention(q, q, q, backend="flex")
-    with pytest.raises(ValueError, match="unknown backend 'flax'; valid: auto, sdpa_cudnn"):
+    with pytest.raises(ValueError, match="unknown backend 'flax'; valid: auto, sdpa, sdpa_cudnn"):
         fz.attention(q, q, q, backend="flax")
     q.requires_grad_(True)
     with pytest.raises(ValueError, match="has no backward"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.arch import OVERRIDES, PRIORITY, ROCM, ordered_routes, parse_arch
+from flexattn_zoo.arch import PRIORITY, ROCM, RULES, ordered_routes, parse_arch
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import FLOATS, Backend, Requirement
 from flexattn_zoo.backends.dense import DENSE_LIMIT_ENV
@@ -52,9 +52,14 @@ def test_route_declares_its_facts(route: Backend) -> None:
 
 def test_order_table_names_only_registered_routes() -> None:
     assert ORDERED <= set(BY_NAME), ORDERED - set(BY_NAME)
-    for gen, mode, traits, front in OVERRIDES:
-        assert gen in PRIORITY and mode in PRIORITY[gen] and traits
-        assert set(front) <= set(PRIORITY[gen][mode]), (gen, mode, front)
+    for rule in RULES:
+        assert rule.generation in PRIORITY and rule.modes and rule.front and rule.why and rule.evidence
+        for mode in rule.modes:
+            assert set(rule.front) <= set(PRIORITY[rule.generation][mode]), (
+                rule.generation,
+                mode,
+                rule.front,
+            )
 
 
 def test_routes_that_materialize_scores_come_last() -> None:
@@ -63,9 +68,9 @@ def test_routes_that_materialize_scores_come_last() -> None:
     assert {b.name for b in BACKENDS if b.materializes} == {"dense", "sdpa_math"}
     for gen, modes in PRIORITY.items():
         for mode, order in modes.items():
-            for o_gen, o_mode, _traits, front in OVERRIDES:
-                if (o_gen, o_mode) == (gen, mode):
-                    order = front + tuple(r for r in order if r not in front)
+            for rule in RULES:
+                if rule.generation == gen and mode in rule.modes:
+                    order = rule.front + tuple(r for r in order if r not in rule.front)
             flags = [BY_NAME[name].materializes for name in order]
             assert flags == sorted(flags), (gen, mode, order)
 

@@ -1,0 +1,130 @@
+"""Regret report of a generalization sweep: how far ``auto`` is from the fastest route per
+(case, mode), with and without FlashAttention-4, as measured and as the current rules replay it.
+
+    python benchmarks/regret.py benchmarks/results/generalization_h200.json
+
+writes ``generalization_h200.md`` and ``generalization_h200-nofa4.{json,md}`` next to the input.
+The no-FA4 view is derived from the same rows (every route was timed in one process): the FA4
+routes are dropped and the dispatcher's order is replayed (flexattn_zoo.bench.replay).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from flexattn_zoo.arch import RULES
+from flexattn_zoo.bench import replay
+from flexattn_zoo.bench.config import load_config
+
+
+def _fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
+
+
+def _ratio(v: replay.Verdict | None) -> str:
+    return "-" if v is None or v.ratio is None else f"{v.ratio:.2f}"
+
+
+def _summary_rows(label: str, s: dict[str, Any]) -> str:
+    if not s.get("n"):
+        return f"| {label} | 0 | | | | | |"
+    return (
+        f"| {label} | {s['n']} | {s['median']:.2f} | {s['p10']:.2f} | {s['worst']:.2f} | "
+        f"{100 * s['within_5pct']:.0f}% | {100 * s['within_10pct']:.0f}% |"
+    )
+
+
+def report(data: dict[str, Any], fa4: bool, source: str, config: str) -> tuple[str, dict[str, Any]]:
+    groups = replay.groups(data["rows"], load_config(config))
+    old = [replay.measured(g) if fa4 else None for g in groups]
+    stand_in = [replay.replay(g, fa4=fa4, sdpa_stand_in=True) for g in groups]
+    without = [replay.replay(g, fa4=fa4, sdpa_stand_in=False) for g in groups]
+    sums = {
+        "measured_auto": replay.summary(old),
+        "rules_sdpa_as_plain": replay.summary(stand_in),
+        "rules_without_sdpa_route": replay.summary(without),
+    }
+    view = "with FA4" if fa4 else "without FA4 (FA4 routes dropped from the same rows)"
+    env = data.get("env", {})
+    lines = [
+        f"# Generalization sweep on the {env.get('gpu', 'GPU')}: regret of `auto`, {view}",
+        "",
+        f"Source: `{source}` ({len(data['rows'])} rows, {len(groups)} (case, mode) pairs of "
+        "flexattn_zoo/bench/configs/generalization.yaml); report: `python benchmarks/regret.py "
+        f"{source}`. torch {env.get('torch', '?')}, FA4 importable: {env.get('flash_attn_cute', '?')}.",
+        "",
+        "Ratio = fastest route's time / chosen route's time (1.00: auto took the fastest). The",
+        "fastest is over the routes `auto` may take that ran (not the baselines `plain_sdpa`,",
+        "`raw_flex`, `sdpa_dense_mask`).",
+        "",
+        "* measured auto: the `auto` rows as run (the route order before the size rules).",
+        "* rules, sdpa as plain: the current `arch.RULES` replayed; the route `sdpa` (SDPA's own kernel",
+        "  choice, added after these rows were measured) timed as the `plain_sdpa` row, i.e. without",
+        "  the library's host time per call: an upper bound.",
+        "* rules without sdpa: the same order with route `sdpa` absent: a lower bound.",
+        "",
+        "| view | n | median | p10 | worst | within 5% | within 10% |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    labels = ("measured auto", "rules, sdpa as plain", "rules without sdpa")
+    lines += [_summary_rows(label, s) for label, s in zip(labels, sums.values(), strict=True)]
+    lines += [
+        "",
+        "| case | mode | shape | measured auto (ms) | rules pick (ms) | rules w/o sdpa (ms) | fastest (ms) "
+        "| ratio measured / rules / w/o sdpa | plain_sdpa | raw_flex |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g, o, s, w in zip(groups, old, stand_in, without, strict=True):
+        sz = g.sizes()
+        r0 = next(iter(g.rows.values()))
+        heads = f"{r0['heads']}:{r0['kv_heads']}" if r0["kv_heads"] != r0["heads"] else str(r0["heads"])
+        shape = f"{sz.batch}x{heads}x{sz.q_len}/{sz.kv_len}x{sz.head_dim}"
+        measured = f"{o.chosen} {_fmt(o.chosen_ms)}" if o else "-"
+        lines.append(
+            f"| {g.case} | {g.mode} | {shape} | {measured} | {s.chosen} {_fmt(s.chosen_ms)} | "
+            f"{w.chosen} {_fmt(w.chosen_ms)} | {s.best} {_fmt(s.best_ms)} | "
+            f"{_ratio(o)} / {_ratio(s)} / {_ratio(w)} | {_fmt(g.ms('plain_sdpa'))} | {_fmt(g.ms('raw_flex'))} |"
+        )
+    if fa4:
+        lines += ["", "## Rules and the rows that justify them", ""]
+        for rule in RULES:
+            lines.append(
+                f"* **{rule.generation} {'/'.join(rule.modes)} front {', '.join(rule.front)}** "
+                f"({rule.benchmark}): {rule.why}"
+            )
+            if rule.benchmark == Path(source).name:
+                by = {(g.case, g.mode): g for g in groups}
+                for ev in rule.evidence:
+                    g = by.get(tuple(ev.split("/")))  # type: ignore[arg-type]
+                    if g is None:
+                        lines.append(f"  - {ev}: not in this file")
+                        continue
+                    ok, why = replay.evidence_holds(rule, g)
+                    lines.append(f"  - {'holds' if ok else 'DOES NOT HOLD'}: {why}")
+    verdicts = {
+        "rules_sdpa_as_plain": [vars(v) | {"ratio": v.ratio} for v in stand_in],
+        "rules_without_sdpa_route": [vars(v) | {"ratio": v.ratio} for v in without],
+    }
+    return "\n".join(lines) + "\n", {"derived_from": source, "fa4": fa4, "summary": sums, **verdicts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--config", default="generalization", help="the sweep config the rows came from")
+    args = ap.parse_args()
+    data = json.loads(args.results.read_text())
+    stem, folder = args.results.stem, args.results.parent
+    md, _ = report(data, True, str(args.results), args.config)
+    (folder / f"{stem}.md").write_text(md)
+    md, derived = report(data, False, str(args.results), args.config)
+    (folder / f"{stem}-nofa4.md").write_text(md)
+    (folder / f"{stem}-nofa4.json").write_text(json.dumps(derived, indent=1) + "\n")
+    print(f"wrote {folder / stem}.md, {stem}-nofa4.md, {stem}-nofa4.json")
+
+
+if __name__ == "__main__":
+    main()
