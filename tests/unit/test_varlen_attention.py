@@ -309,3 +309,71 @@ def test_a_block_mask_is_refused() -> None:
     args = _good()
     with pytest.raises(TypeError, match="mask got a BlockMask"):
         fz.varlen_attention(*args.values(), mask=bm)
+
+
+# ---- inside torch.compile(fullgraph=True) -----------------------------------------------------
+# The packed mask's tables are built in the graph from the offsets (no data read), so new offsets
+# of the same shapes reuse the graph. Inductor's CPU flex template (torch 2.13) fails to lower a
+# mask whose tables are computed inside the graph (NoValidChoicesError), so the no-grad flex_cpu
+# case compiles with aot_eager here; with grad (the dense route) Inductor compiles it.
+
+
+@pytest.fixture
+def _fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled_case() -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    lens_q, lens_k = [3, 5, 4], [6, 5, 4]
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Any:
+        return fz.varlen_attention(q, k, v, cu_q, cu_k, 5, 6, causal=True, mask=masks.SlidingWindow(left=2))
+
+    return fn, _inputs(lens_q, lens_k), _cu(lens_q), _cu(lens_k)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_compiles_without_graph_breaks_and_reuses_the_graph_for_new_offsets() -> None:
+    fn, (q, k, v), cu_q, cu_k = _compiled_case()
+    explained = torch._dynamo.explain(fn)(q, k, v, cu_q, cu_k)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    frames = {"count": 0}
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        frames["count"] += 1
+        return gm.forward
+
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        for cu in (cu_q, _cu([5, 2, 5])):
+            torch.testing.assert_close(compiled(q, k, v, cu, cu_k), fn(q, k, v, cu, cu_k))
+    assert frames["count"] == 1
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_backward_through_an_inductor_compile() -> None:
+    fn, inputs, cu_q, cu_k = _compiled_case()
+    q, k, v = (t.clone().requires_grad_() for t in inputs)
+    out = torch.compile(fn, fullgraph=True)(q, k, v, cu_q, cu_k)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    q, k, v = (t.clone().requires_grad_() for t in inputs)
+    eager = fn(q, k, v, cu_q, cu_k)
+    torch.testing.assert_close(out, eager)
+    for got, want in zip(grads, torch.autograd.grad(eager, (q, k, v), grad_out), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_a_length_dependent_mask_is_refused_while_traced() -> None:
+    q, k, v = _inputs([2, 3], [4, 5])
+    fn = torch.compile(
+        lambda *a: fz.varlen_attention(*a, 3, 5, mask=masks.Causal(align="bottom_right")),
+        fullgraph=True,
+        backend="aot_eager",
+    )
+    with pytest.raises(Exception, match="not known while torch.compile traces"):
+        fn(q, k, v, _cu([2, 3]), _cu([4, 5]))
