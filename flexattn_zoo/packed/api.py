@@ -231,9 +231,9 @@ def varlen_attention(
     else:
         packed_mask = PackedSequences(
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_total=totals[0], kv_total=totals[1],
-            inner=inner_mask, left=left, right=right,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, inner=inner_mask, left=left, right=right,
         )  # fmt: skip
-    packed_score = _score(inner_score, cu_q, cu_k, totals, same_offsets)
+    packed_score = _score(inner_score, cu_q, cu_k, totals, (max_q, max_k), same_offsets)
     result = attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -334,6 +334,7 @@ def _score(
     cu_q: torch.Tensor,
     cu_k: torch.Tensor,
     totals: tuple[int, int],
+    extents: tuple[int, int],
     same_offsets: bool,
 ) -> ScoreSpec | None:
     # A soft-cap reads only the score, and ALiBi only |i - j| (shift-invariant when every
@@ -343,8 +344,9 @@ def _score(
     if same_offsets and inner.linear_bias_form() is not None:
         return inner
     return PackedScore(
-        inner=inner, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_total=totals[0], kv_total=totals[1]
-    )
+        inner=inner, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_total=totals[0], kv_total=totals[1],
+        max_seqlen_q=extents[0], max_seqlen_k=extents[1],
+    )  # fmt: skip
 
 
 __all__ = ["varlen_attention"]

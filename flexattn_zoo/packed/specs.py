@@ -58,6 +58,9 @@ class PackedSequences(MaskSpec):
         cu_seqlens_k: int64 ``[S + 1]`` offsets of the key sequences (ends at ``kv_total``).
         q_total: packed query rows ``Tq``.
         kv_total: packed key rows ``Tk``.
+        max_seqlen_q: the extent of local query indices (at least the longest query sequence):
+            ``inner``'s oracle is evaluated for ``max_seqlen_q x max_seqlen_k`` and sliced.
+        max_seqlen_k: the same for keys.
         inner: a mask in local coordinates, already bound to the sequences' lengths (one spec for
             every sequence), or None.
         left: keys visible before the bottom-right-aligned query position, ``-1`` unbounded.
@@ -68,6 +71,8 @@ class PackedSequences(MaskSpec):
     cu_seqlens_k: torch.Tensor
     q_total: int
     kv_total: int
+    max_seqlen_q: int
+    max_seqlen_k: int
     inner: MaskSpec | None = None
     left: int = -1
     right: int = -1
@@ -125,9 +130,7 @@ class PackedSequences(MaskSpec):
         out = torch.zeros(1, head_dim, q_len, kv_len, dtype=torch.bool)
         inner = None
         if self.inner is not None:
-            longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False))
-            longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False))
-            inner = self.inner.to("cpu").dense(longest_q, longest_k, batch=1, heads=heads)
+            inner = self.inner.to("cpu").dense(self.max_seqlen_q, self.max_seqlen_k, batch=1, heads=heads)
         for q0, q1, k0, k1 in zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False):
             lq, lk = q1 - q0, k1 - k0
             block = torch.ones(lq, lk, dtype=torch.bool)
@@ -177,7 +180,8 @@ class PackedScore(ScoreSpec):
 
     Args:
         inner: the user's score spec.
-        cu_seqlens_q, cu_seqlens_k, q_total, kv_total: as for :class:`PackedSequences`.
+        cu_seqlens_q, cu_seqlens_k, q_total, kv_total, max_seqlen_q, max_seqlen_k: as for
+            :class:`PackedSequences`.
     """
 
     inner: ScoreSpec
@@ -185,6 +189,8 @@ class PackedScore(ScoreSpec):
     cu_seqlens_k: torch.Tensor
     q_total: int
     kv_total: int
+    max_seqlen_q: int
+    max_seqlen_k: int
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_q_local", _rows(self.cu_seqlens_q, self.q_total)[1])
@@ -206,10 +212,9 @@ class PackedScore(ScoreSpec):
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         # Oracle: the inner spec's own oracle on each sequence's diagonal block, placed at the
-        # top-left of a [max Lq_i, max Lk_i] tile (what a local index range of that size means).
+        # top-left of a [max_seqlen_q, max_seqlen_k] tile (the local index range it serves).
         cu_q, cu_k = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
-        longest_q = max(b - a for a, b in zip(cu_q, cu_q[1:], strict=False))
-        longest_k = max(b - a for a, b in zip(cu_k, cu_k[1:], strict=False))
+        longest_q, longest_k = self.max_seqlen_q, self.max_seqlen_k
         inner = self.inner.to(scores.device)
         out = scores.clone()
         batch, heads = scores.shape[:2]

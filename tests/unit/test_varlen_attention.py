@@ -177,6 +177,40 @@ def test_gqa(grad: bool) -> None:
             torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_tensor_mask_and_bias_are_indexed_locally(grad: bool) -> None:
+    """A bool mask and a float bias over ``max_seqlen_q x max_seqlen_k`` local positions (here
+    larger than the longest sequences): sequence ``i`` reads their top-left ``Lq_i x Lk_i``."""
+    max_q, max_k = 20, 25
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(max_q, max_k, generator=g) > 0.3
+    bias = torch.randn(1, H, max_q, max_k, generator=g)
+    q, k, v = _inputs(LENS_Q, LENS_K, grad=grad)
+    out = fz.varlen_attention(
+        q, k, v, _cu(LENS_Q), _cu(LENS_K), max_q, max_k, mask=keep, score_mod=bias, backend="dense"
+    )
+    outs, q0, k0 = [], 0, 0
+    for lq, lk in zip(LENS_Q, LENS_K, strict=True):
+        qi = q[q0 : q0 + lq].transpose(0, 1)[None]
+        ki, vi = (t[k0 : k0 + lk].transpose(0, 1)[None] for t in (k, v))
+        q0, k0 = q0 + lq, k0 + lk
+        if lq and lk:
+            ref = reference_attention(
+                qi, ki, vi, mask=masks.Dense(mask=keep[:lq, :lk]), score_mod=bias[..., :lq, :lk]
+            )
+            outs.append(ref[0].transpose(0, 1))
+        elif lq:
+            outs.append(torch.zeros(lq, H, D, dtype=torch.float64))
+    ref_out = torch.cat(outs)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=1e-4)
+    if grad:
+        grad_out = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), grad_out)
+        want = torch.autograd.grad(ref_out, (q, k, v), grad_out.double())
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), b.double(), atol=5e-5, rtol=1e-4)
+
+
 def test_bottom_right_causal_convention_spelled_out() -> None:
     """One sequence, 2 queries over 4 keys: query 0 sees keys 0..2, query 1 all 4 (flash_attn's
     causal), whereas the top-left ``mask="causal"`` lets query 0 see only key 0."""
@@ -231,23 +265,31 @@ def varlen_form_of(spec: Any, length: int) -> Any:
     return spec.varlen_form(length, length, 1)
 
 
-def test_packed_spec_oracle_matches_its_mask_mod() -> None:
+@pytest.mark.parametrize("inner", [None, masks.SlidingWindow(left=2, right=1)])
+@pytest.mark.parametrize("window", [(-1, -1), (3, 0)])
+def test_packed_spec_oracle_and_block_map_agree_with_its_mask_mod(
+    inner: Any, window: tuple[int, int]
+) -> None:
     spec = PackedSequences(
         cu_seqlens_q=_cu(LENS_Q, torch.int64), cu_seqlens_k=_cu(LENS_K, torch.int64),
-        q_total=sum(LENS_Q), kv_total=sum(LENS_K), inner=masks.SlidingWindow(left=2, right=1), left=3, right=0,
+        q_total=sum(LENS_Q), kv_total=sum(LENS_K), max_seqlen_q=17, max_seqlen_k=23,
+        inner=inner, left=window[0], right=window[1],
     )  # fmt: skip
     tq, tk = sum(LENS_Q), sum(LENS_K)
-    qi = torch.arange(tq).view(tq, 1)
-    ki = torch.arange(tk).view(1, tk)
     zero = torch.zeros((), dtype=torch.int64)
-    from_mod = spec.mask_mod()(zero, zero, qi, ki)
+    from_mod = spec.mask_mod()(zero, zero, torch.arange(tq).view(tq, 1), torch.arange(tk).view(1, tk))
     torch.testing.assert_close(spec.dense(tq, tk)[0, 0], from_mod)
     bmap = spec.block_map(tq, tk, 8, 8, "cpu")
     assert bmap is not None
-    blocks = from_mod.new_zeros(-(-tq // 8) * 8, -(-tk // 8) * 8)
-    blocks[:tq, :tk] = from_mod
-    visible = blocks.view(-(-tq // 8), 8, -(-tk // 8), 8).any(3).any(1)
-    assert bool((bmap.any[0, 0] | ~visible).all())  # every visible block is marked
+    nq, nk = -(-tq // 8), -(-tk // 8)
+    padded = from_mod.new_zeros(nq * 8, nk * 8)  # past Lq/Lkv counts as masked
+    padded[:tq, :tk] = from_mod
+    blocks = padded.view(nq, 8, nk, 8)
+    visible, full = blocks.any(3).any(1), blocks.all(3).all(1)
+    assert bool((bmap.any[0, 0] | ~visible).all())  # every visible block is listed
+    assert bool((~bmap.full[0, 0] | full).all())  # a block called full is full
+    if inner is None and window == (-1, -1):
+        assert torch.equal(bmap.full[0, 0], full)  # and without inner parts, every full one is
 
 
 def test_bottom_right_mask_spec_binds_when_every_offset_agrees() -> None:
