@@ -4,6 +4,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
 
 out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=1023))
+out = fz.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, causal=True)  # [T, H, D]
 print(fz.plan(q, k, v, mask="causal").explain())
 with fz.tune.enabled():  # measured route choice: time the candidates once per kind of call
     out = fz.attention(q, k, v, mask="causal")
@@ -29,6 +30,7 @@ from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
 from flexattn_zoo.functions import invalidate  # noqa: E402
 from flexattn_zoo.models import layers, presets  # noqa: E402
 from flexattn_zoo.models.layers import Attention  # noqa: E402
+from flexattn_zoo.packed import varlen_attention  # noqa: E402
 from flexattn_zoo.spec import MaskSpec, ScoreSpec  # noqa: E402
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "score_mods",
     "testing",
     "tune",
+    "varlen_attention",
 ]
 __version__ = "0.1.0"
 

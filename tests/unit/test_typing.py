@@ -52,6 +52,17 @@ def test_attention_return_lse_overloads(flag: bool = True) -> None:
     assert _is_pair(either)
 
 
+def test_varlen_attention_return_lse_overloads() -> None:
+    q, k, v = (t[0].transpose(0, 1) for t in _qkv())  # [T, H, D]
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    out = fz.varlen_attention(q, k, v, cu, cu, 5, 5, causal=True, backend="dense")
+    assert_type(out, torch.Tensor)
+    assert isinstance(out, torch.Tensor)
+    pair = fz.varlen_attention(q, k, v, cu, cu, 5, 5, backend="dense", return_lse=True)
+    assert_type(pair, Pair)
+    assert _is_pair(pair)
+
+
 def test_layer_decode_reference_overloads() -> None:
     q, k, v = _qkv()
     out = attention_layer(q, k, v, mask="causal", backend="dense")
