@@ -24,6 +24,7 @@ from flexattn_zoo.blockmask import block_mask  # noqa: E402
 from flexattn_zoo.compose import Chain  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
 from flexattn_zoo.functions import invalidate  # noqa: E402
+from flexattn_zoo.merge import merge_attention  # noqa: E402
 from flexattn_zoo.models import layers, presets  # noqa: E402
 from flexattn_zoo.models.layers import Attention  # noqa: E402
 from flexattn_zoo.spec import MaskSpec, ScoreSpec  # noqa: E402
@@ -40,6 +41,7 @@ __all__ = [
     "invalidate",
     "layers",
     "masks",
+    "merge_attention",
     "plan",
     "presets",
     "score_mods",
