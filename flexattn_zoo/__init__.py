@@ -20,11 +20,11 @@ if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover -
     __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flexattn_zoo import masks, score_mods  # noqa: E402
+from flexattn_zoo.backends.merge import merge_attention  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402
 from flexattn_zoo.compose import Chain  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
 from flexattn_zoo.functions import invalidate  # noqa: E402
-from flexattn_zoo.merge import merge_attention  # noqa: E402
 from flexattn_zoo.models import layers, presets  # noqa: E402
 from flexattn_zoo.models.layers import Attention  # noqa: E402
 from flexattn_zoo.spec import MaskSpec, ScoreSpec  # noqa: E402

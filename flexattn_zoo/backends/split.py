@@ -4,7 +4,7 @@ e.g. ``PrefixLM``), one fused SDPA kernel call per rectangle, merged by log-sum-
 Forward: part ``p`` gives ``out_p`` and ``lse_p`` over its own keys; where parts share query rows
 they merge as ``fz.merge_attention`` does (``lse = logaddexp(lse_a, lse_b)``,
 ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``, float32 math; the same function,
-:func:`flexattn_zoo.merge.merge_core`). This is exact because the parts' keys are disjoint in
+:func:`flexattn_zoo.backends.merge.merge_core`). This is exact because the parts' keys are disjoint in
 every row.
 
 Backward: the attention backward of part ``p``, given the *merged* ``out`` and ``lse``, is the
@@ -38,7 +38,7 @@ from flexattn_zoo.backends.base import (
     expand_kv_heads,
     fused_layout,
 )
-from flexattn_zoo.merge import merge_core
+from flexattn_zoo.backends.merge import merge_core
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
@@ -72,7 +72,7 @@ def _merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over the union of two disjoint key sets, from each set's ``(out, lse)``: the one
-    merge of the library (``fz.merge_attention``'s, :func:`flexattn_zoo.merge.merge_core`)."""
+    merge of the library (``fz.merge_attention``'s, :func:`flexattn_zoo.backends.merge.merge_core`)."""
     return merge_core((out_a, out_b), (lse_a, lse_b))
 
 
