@@ -7,10 +7,15 @@ class and ``register_function`` a plain ``mask_mod`` function.
 from flexattn_zoo.registry import MASKS
 
 from .band import Band
+from .block_diffusion import BlockDiffusion
 from .causal import Causal
 from .chunked import Chunked
+from .dilated_sliding_window import DilatedSlidingWindow
 from .document import Document
+from .flamingo_cross import FlamingoCross
 from .full import Full
+from .global_window import GlobalWindow
+from .natten import Natten
 from .padding import KeyPadding
 from .prefix_lm import PrefixLM
 from .sliding_window import SlidingWindow
@@ -22,11 +27,16 @@ register_function = MASKS.register_function
 
 __all__ = [
     "Band",
+    "BlockDiffusion",
     "Causal",
     "Chunked",
+    "DilatedSlidingWindow",
     "Document",
+    "FlamingoCross",
     "Full",
+    "GlobalWindow",
     "KeyPadding",
+    "Natten",
     "PrefixLM",
     "SlidingWindow",
     "get",

@@ -187,3 +187,51 @@ class CapturedOffsets:
         if tracing() and device.type != "cuda":
             return static_int(value)
         return torch.full((), value, dtype=torch.int32, device=device)
+
+
+def interval_block_map(
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    kv_len: int,
+    device: torch.device | str,
+) -> BlockMap:
+    """Blocks of a mask where query ``i`` sees exactly the keys ``starts[i] <= j < ends[i]``, both
+    bounds never decreasing along a row.
+
+    ``starts`` / ``ends`` are int64 ``[R, Lq]`` (``R`` is 1 or the batch size); an interval may be
+    empty (``ends[i] <= starts[i]``). Exact for any such rows, in O(Lq + n_q * n_kv) work:
+
+    * all of a block pair is visible iff the largest start (the block's last query) is at or before
+      its first key and the smallest end (its first query) is past its last key;
+    * some of it is, iff some query of the block has a non-empty interval that meets the key block.
+      The queries whose start is at or before the key block's last key form a prefix of the rows
+      (``starts`` never decreases), those whose end is past its first key a suffix; a prefix count
+      of the non-empty intervals says whether the overlap of the two, cut to the query block, holds
+      one.
+    """
+    starts = starts.to(device)
+    ends = torch.maximum(ends.to(device).clamp(max=kv_len), starts)
+    rows, q_len = starts.shape
+    q_first, q_last, q_complete = block_ranges(q_len, q_block, device)
+    k_first, k_last, k_complete = block_ranges(kv_len, kv_block, device)
+    full = (starts[:, q_last][:, :, None] <= k_first[None, None, :]) & (
+        ends[:, q_first][:, :, None] > k_last[None, None, :]
+    )
+    full &= (q_complete[:, None] & k_complete[None, :])[None]
+    idx = torch.int32 if q_len < 2**31 - 1 else torch.int64
+    # Per key block: the last query whose start is <= its last key, the first whose end is > its
+    # first key (searchsorted on each row, both bounds being sorted).
+    reach = torch.searchsorted(starts.contiguous(), k_last.expand(rows, -1).contiguous(), right=True) - 1
+    begin = torch.searchsorted(ends.contiguous(), k_first.expand(rows, -1).contiguous(), right=True)
+    lo = torch.maximum(q_first.to(idx)[None, :, None], begin.to(idx)[:, None, :])
+    hi = torch.minimum(q_last.to(idx)[None, :, None], reach.to(idx)[:, None, :])
+    nonempty = torch.zeros(rows, q_len + 1, dtype=torch.int64, device=device)
+    nonempty[:, 1:] = torch.cumsum(ends > starts, dim=-1)
+    flat = nonempty.gather(1, (hi + 1).clamp(0, q_len).long().view(rows, -1)) - nonempty.gather(
+        1, lo.clamp(0, q_len).long().view(rows, -1)
+    )
+    any_ = (lo <= hi) & (flat.view(lo.shape) > 0)
+    return BlockMap(any=any_[:, None], full=full[:, None])
+
