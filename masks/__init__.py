@@ -17,6 +17,7 @@ from .full import Full
 from .global_window import GlobalWindow
 from .natten import Natten
 from .padding import KeyPadding
+from .per_document import PerDocument
 from .prefix_lm import PrefixLM
 from .sliding_window import SlidingWindow
 
@@ -37,6 +38,7 @@ __all__ = [
     "GlobalWindow",
     "KeyPadding",
     "Natten",
+    "PerDocument",
     "PrefixLM",
     "SlidingWindow",
     "get",

@@ -235,3 +235,46 @@ def interval_block_map(
     any_ = (lo <= hi) & (flat.view(lo.shape) > 0)
     return BlockMap(any=any_[:, None], full=full[:, None])
 
+
+#: Mask elements evaluated at once by :func:`evaluate_blocks` (bool: bytes); as the generic builder.
+CANDIDATE_CHUNK_ELEMENTS = 1 << 24
+
+
+def evaluate_blocks(
+    mask_mod: Any,
+    candidates: torch.Tensor,
+    q_len: int,
+    kv_len: int,
+    q_block: int,
+    kv_block: int,
+    device: torch.device | str,
+) -> BlockMap:
+    """Block visibility from ``mask_mod`` evaluated only on the candidate block pairs.
+
+    ``candidates`` is a bool ``[R, n_q, n_kv]`` superset of the live block pairs (``R`` batch rows,
+    or 1); every other pair is taken as invisible. Row ``r``'s pairs are evaluated with batch index
+    ``r`` and head index 0, so the mask must not depend on the head (nor on the batch beyond what
+    ``R`` rows cover). The work is that of the candidates' elements, in chunks of at most
+    ``CANDIDATE_CHUNK_ELEMENTS``: a mask that is sparse by construction (documents) costs what it
+    keeps, where the generic builder evaluates every ``Lq x Lkv`` element.
+    """
+    rows, n_q, n_kv = candidates.shape
+    any_ = torch.zeros(rows, n_q, n_kv, dtype=torch.bool, device=device)
+    full = torch.zeros_like(any_)
+    r_idx, qi, ki = candidates.to(device).nonzero(as_tuple=True)
+    q_off = torch.arange(q_block, device=device)
+    k_off = torch.arange(kv_block, device=device)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=device)
+    step = max(1, CANDIDATE_CHUNK_ELEMENTS // (q_block * kv_block))
+    for lo in range(0, r_idx.numel(), step):
+        r, bq, bk = r_idx[lo : lo + step], qi[lo : lo + step], ki[lo : lo + step]
+        q = (bq[:, None] * q_block + q_off[None, :]).view(-1, 1, q_block, 1)
+        kv = (bk[:, None] * kv_block + k_off[None, :]).view(-1, 1, 1, kv_block)
+        # Padding positions are clamped for evaluation (captured tensors index in range), then
+        # counted as masked, as create_block_mask does.
+        vis = mask_mod(r.view(-1, 1, 1, 1), h, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1))
+        vis = torch.broadcast_to(torch.as_tensor(vis, device=device), (r.numel(), 1, q_block, kv_block))
+        vis = vis & (q < q_len) & (kv < kv_len)
+        any_[r, bq, bk] = vis.any(dim=(1, 2, 3))
+        full[r, bq, bk] = vis.all(dim=(1, 2, 3))
+    return BlockMap(any=any_[:, None], full=full[:, None])
