@@ -9,6 +9,7 @@ from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreSpec
 
 from .alibi import Alibi
+from .rel_pos_bias import RelPosBias
 from .softcap import SoftCap
 
 get = SCORES.get
@@ -20,6 +21,7 @@ unregister = SCORES.unregister
 __all__ = [
     "Alibi",
     "Chain",
+    "RelPosBias",
     "ScoreSpec",
     "SoftCap",
     "get",
