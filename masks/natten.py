@@ -81,9 +81,9 @@ class Natten(MaskSpec):
     key visible); a closed-form block map for any lengths (each block's run of positions is cut
     into boxes of grid cells, at most 1, 4 or 13 candidates for 1, 2 or 3 axes, and each pair of
     boxes decides per axis with interval arithmetic on the window starts, which never decrease
-    along an axis); lowest visible
-    key ``clamp(i - K // 2, 0, L - K)`` on a 1-D canvas (on 2-D and 3-D canvases the lowest key drops
-    from the end of one row to the start of the next near the bottom edge, so none is offered).
+    along an axis); lowest visible key ``clamp(i - K // 2, 0, L - K)`` on a 1-D canvas (on 2-D and
+    3-D canvases the lowest key drops from the end of one row to the start of the next near the top
+    and bottom edges, where rows share a window, so none is offered).
 
     Args:
         canvas: grid extents, an int (1-D) or a tuple of 1 to 3 ints ``>= 1``.
