@@ -172,8 +172,10 @@ class Natten(MaskSpec):
     ) -> BlockMap | None:
         q_first, q_last, q_complete = block_ranges(q_len, q_block, device)
         k_first, k_last, k_complete = block_ranges(kv_len, kv_block, device)
-        q_boxes = _boxes(q_first, q_last, self.canvas)
-        k_boxes = _boxes(k_first, k_last, self.canvas)
+        # Candidate boxes no block uses (most of them when blocks align with rows or slices) are
+        # dropped before the pairwise work.
+        q_boxes = [box for box in _boxes(q_first, q_last, self.canvas) if bool(box[1].any())]
+        k_boxes = [box for box in _boxes(k_first, k_last, self.canvas) if bool(box[1].any())]
         n_q, n_kv = q_first.numel(), k_first.numel()
         any_ = torch.zeros(n_q, n_kv, dtype=torch.bool, device=device)
         full = q_complete[:, None] & k_complete[None, :]
