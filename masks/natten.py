@@ -18,6 +18,7 @@ from flexattn_zoo.spec import (
     block_ranges,
     spec_dataclass,
     static_int,
+    tracing,
 )
 
 from ._blocks import check_int
@@ -173,9 +174,10 @@ class Natten(MaskSpec):
         q_first, q_last, q_complete = block_ranges(q_len, q_block, device)
         k_first, k_last, k_complete = block_ranges(kv_len, kv_block, device)
         # Candidate boxes no block uses (most of them when blocks align with rows or slices) are
-        # dropped before the pairwise work.
-        q_boxes = [box for box in _boxes(q_first, q_last, self.canvas) if bool(box[1].any())]
-        k_boxes = [box for box in _boxes(k_first, k_last, self.canvas) if bool(box[1].any())]
+        # dropped before the pairwise work; not while torch.compile traces (that reads data).
+        keep = (lambda box: True) if tracing() else (lambda box: bool(box[1].any()))
+        q_boxes = [box for box in _boxes(q_first, q_last, self.canvas) if keep(box)]
+        k_boxes = [box for box in _boxes(k_first, k_last, self.canvas) if keep(box)]
         n_q, n_kv = q_first.numel(), k_first.numel()
         any_ = torch.zeros(n_q, n_kv, dtype=torch.bool, device=device)
         full = q_complete[:, None] & k_complete[None, :]
