@@ -15,8 +15,8 @@ dense) through ``aot_eager``: Dynamo and AOT autograd under symbolic sizes, whic
 library's code decides. ``aot_eager`` has no cache, so a case is exactly one frame: a float the
 library read while tracing and never used would show as a second (Dynamo traces again to
 specialize it). Forward results are compared with the eager ``dense`` route (eager ``flex_cpu``
-compiles its own kernel per shape, ~8 s each cold; test_compile_native compares with it at one
-shape), forward + backward with eager auto. Inductor compiles one case per kind of route
+compiles its own kernel per shape, ~8 s each cold; test_compile_native compares its Inductor
+cases with it at one shape), forward + backward with eager auto. Inductor compiles one case per kind of route
 (flex_cpu forward with symbolic spec ints, floats and scale; SDPA and dense forward + backward):
 a cold Inductor compile of the CPU flex kernel with symbolic sizes takes ~15-25 s on 2 cores.
 """
