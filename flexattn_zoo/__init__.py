@@ -24,6 +24,7 @@ if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover -
 
 from flexattn_zoo import masks, score_mods  # noqa: E402
 from flexattn_zoo import tuning as tune  # noqa: E402
+from flexattn_zoo.backends.merge import merge_attention  # noqa: E402
 from flexattn_zoo.blockmask import block_mask  # noqa: E402
 from flexattn_zoo.compose import Chain  # noqa: E402
 from flexattn_zoo.dispatch import Plan, attention, plan  # noqa: E402
@@ -45,6 +46,7 @@ __all__ = [
     "invalidate",
     "layers",
     "masks",
+    "merge_attention",
     "plan",
     "presets",
     "score_mods",

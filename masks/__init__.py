@@ -7,12 +7,18 @@ class and ``register_function`` a plain ``mask_mod`` function.
 from flexattn_zoo.registry import MASKS
 
 from .band import Band
+from .block_diffusion import BlockDiffusion
 from .causal import Causal
 from .chunked import Chunked
 from .dense import Dense
+from .dilated_sliding_window import DilatedSlidingWindow
 from .document import Document
+from .flamingo_cross import FlamingoCross
 from .full import Full
+from .global_window import GlobalWindow
+from .natten import Natten
 from .padding import KeyPadding
+from .per_document import PerDocument
 from .prefix_lm import PrefixLM
 from .sliding_window import SlidingWindow
 
@@ -23,12 +29,18 @@ register_function = MASKS.register_function
 
 __all__ = [
     "Band",
+    "BlockDiffusion",
     "Causal",
     "Chunked",
     "Dense",
+    "DilatedSlidingWindow",
     "Document",
+    "FlamingoCross",
     "Full",
+    "GlobalWindow",
     "KeyPadding",
+    "Natten",
+    "PerDocument",
     "PrefixLM",
     "SlidingWindow",
     "get",

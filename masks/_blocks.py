@@ -187,3 +187,94 @@ class CapturedOffsets:
         if tracing() and device.type != "cuda":
             return static_int(value)
         return torch.full((), value, dtype=torch.int32, device=device)
+
+
+def interval_block_map(
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    kv_len: int,
+    device: torch.device | str,
+) -> BlockMap:
+    """Blocks of a mask where query ``i`` sees exactly the keys ``starts[i] <= j < ends[i]``, both
+    bounds never decreasing along a row.
+
+    ``starts`` / ``ends`` are int64 ``[R, Lq]`` (``R`` is 1 or the batch size); an interval may be
+    empty (``ends[i] <= starts[i]``). Exact for any such rows, in O(Lq + n_q * n_kv) work:
+
+    * all of a block pair is visible iff the largest start (the block's last query) is at or before
+      its first key and the smallest end (its first query) is past its last key;
+    * some of it is, iff some query of the block has a non-empty interval that meets the key block.
+      The queries whose start is at or before the key block's last key form a prefix of the rows
+      (``starts`` never decreases), those whose end is past its first key a suffix; a prefix count
+      of the non-empty intervals says whether the overlap of the two, cut to the query block, holds
+      one.
+    """
+    starts = starts.to(device)
+    ends = torch.maximum(ends.to(device).clamp(max=kv_len), starts)
+    rows, q_len = starts.shape
+    q_first, q_last, q_complete = block_ranges(q_len, q_block, device)
+    k_first, k_last, k_complete = block_ranges(kv_len, kv_block, device)
+    full = (starts[:, q_last][:, :, None] <= k_first[None, None, :]) & (
+        ends[:, q_first][:, :, None] > k_last[None, None, :]
+    )
+    full &= (q_complete[:, None] & k_complete[None, :])[None]
+    idx = torch.int32 if q_len < 2**31 - 1 else torch.int64
+    # Per key block: the last query whose start is <= its last key, the first whose end is > its
+    # first key (searchsorted on each row, both bounds being sorted).
+    reach = torch.searchsorted(starts.contiguous(), k_last.expand(rows, -1).contiguous(), right=True) - 1
+    begin = torch.searchsorted(ends.contiguous(), k_first.expand(rows, -1).contiguous(), right=True)
+    lo = torch.maximum(q_first.to(idx)[None, :, None], begin.to(idx)[:, None, :])
+    hi = torch.minimum(q_last.to(idx)[None, :, None], reach.to(idx)[:, None, :])
+    nonempty = torch.zeros(rows, q_len + 1, dtype=torch.int64, device=device)
+    nonempty[:, 1:] = torch.cumsum(ends > starts, dim=-1)
+    flat = nonempty.gather(1, (hi + 1).clamp(0, q_len).long().view(rows, -1)) - nonempty.gather(
+        1, lo.clamp(0, q_len).long().view(rows, -1)
+    )
+    any_ = (lo <= hi) & (flat.view(lo.shape) > 0)
+    return BlockMap(any=any_[:, None], full=full[:, None])
+
+
+#: Mask elements evaluated at once by :func:`evaluate_blocks` (bool: bytes); as the generic builder.
+CANDIDATE_CHUNK_ELEMENTS = 1 << 24
+
+
+def evaluate_blocks(
+    mask_mod: Any,
+    candidates: torch.Tensor,
+    q_len: int,
+    kv_len: int,
+    q_block: int,
+    kv_block: int,
+    device: torch.device | str,
+) -> BlockMap:
+    """Block visibility from ``mask_mod`` evaluated only on the candidate block pairs.
+
+    ``candidates`` is a bool ``[R, n_q, n_kv]`` superset of the live block pairs (``R`` batch rows,
+    or 1); every other pair is taken as invisible. Row ``r``'s pairs are evaluated with batch index
+    ``r`` and head index 0, so the mask must not depend on the head (nor on the batch beyond what
+    ``R`` rows cover). The work is that of the candidates' elements, in chunks of at most
+    ``CANDIDATE_CHUNK_ELEMENTS``: a mask that is sparse by construction (documents) costs what it
+    keeps, where the generic builder evaluates every ``Lq x Lkv`` element.
+    """
+    rows, n_q, n_kv = candidates.shape
+    any_ = torch.zeros(rows, n_q, n_kv, dtype=torch.bool, device=device)
+    full = torch.zeros_like(any_)
+    r_idx, qi, ki = candidates.to(device).nonzero(as_tuple=True)
+    q_off = torch.arange(q_block, device=device)
+    k_off = torch.arange(kv_block, device=device)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.int64, device=device)
+    step = max(1, CANDIDATE_CHUNK_ELEMENTS // (q_block * kv_block))
+    for lo in range(0, r_idx.numel(), step):
+        r, bq, bk = r_idx[lo : lo + step], qi[lo : lo + step], ki[lo : lo + step]
+        q = (bq[:, None] * q_block + q_off[None, :]).view(-1, 1, q_block, 1)
+        kv = (bk[:, None] * kv_block + k_off[None, :]).view(-1, 1, 1, kv_block)
+        # Padding positions are clamped for evaluation (captured tensors index in range), then
+        # counted as masked, as create_block_mask does.
+        vis = mask_mod(r.view(-1, 1, 1, 1), h, q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1))
+        vis = torch.broadcast_to(torch.as_tensor(vis, device=device), (r.numel(), 1, q_block, kv_block))
+        vis = vis & (q < q_len) & (kv < kv_len)
+        any_[r, bq, bk] = vis.any(dim=(1, 2, 3))
+        full[r, bq, bk] = vis.all(dim=(1, 2, 3))
+    return BlockMap(any=any_[:, None], full=full[:, None])

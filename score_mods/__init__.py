@@ -10,6 +10,7 @@ from flexattn_zoo.spec import ScoreSpec
 
 from .alibi import Alibi
 from .bias import Bias
+from .rel_pos_bias import RelPosBias
 from .softcap import SoftCap
 
 get = SCORES.get
@@ -22,6 +23,7 @@ __all__ = [
     "Alibi",
     "Bias",
     "Chain",
+    "RelPosBias",
     "ScoreSpec",
     "SoftCap",
     "get",

@@ -69,6 +69,13 @@ class Alibi(ScoreSpec):
     Combine with ``masks.Causal()`` for the original decoder use (only the lower triangle is
     seen). ``h`` is the *query* head, also under grouped-query attention.
 
+    ``signed=True`` adds ``slope[h] * (j - i)`` instead: the same penalty for keys before the query,
+    a bonus growing with the distance for keys after it. That is attention-gym's ``alibi_mod``
+    (``bias = (kv_idx - q_idx) * slope``), whose slopes ``2^(-8(h+1)/H)`` are this spec's default
+    ones when ``H`` is a power of two (for other ``H`` pass them as ``slopes``). The two variants
+    agree wherever the mask hides every later key (causal, left-only windows); only there is the
+    signed one a penalty at all, so use it under such masks.
+
     Args:
         num_heads: Number of query heads of the problem; must match at run time.
         slopes: ``None`` for the slopes of Press et al. -- ``2^(-8(h+1)/H)`` when ``H`` is a power
@@ -76,6 +83,7 @@ class Alibi(ScoreSpec):
             every other slope (starting with the first) of the ``2n`` sequence -- or ``num_heads``
             floats of your own, each finite with ``|slope| <= SCORE_FACTOR_MAX`` (~1.8e19, see
             ``validation.SCORE_FACTOR_MAX``), stored as a tuple so the spec stays hashable.
+        signed: ``False`` (default): ``- slope * |i - j|``; ``True``: ``+ slope * (j - i)``.
 
     Under a mask that hides every later key (``Causal``, a left-only window, ...) flex routes run
     ``score_mod(future_keys_hidden=True)``, which uses ``i - j`` instead of ``|i - j|``.
@@ -89,17 +97,20 @@ class Alibi(ScoreSpec):
     on a GPU. On the CPU flex kernel at 64 heads it ran within ~10% of a captured table.
 
     Forms offered: ``linear_bias_form()`` is ``LinearBiasForm(slopes=tuple(head_slopes()))``: the
-    score mod is an additive bias.
+    score mod is an additive bias (not for ``signed=True``, which that form cannot state).
     """
 
     depends_on_head = True
 
     num_heads: int
     slopes: tuple[float, ...] | None = None
+    signed: bool = False
 
-    scalar_fields = frozenset({"num_heads", "slopes"})  # an int and floats (__post_init__)
+    scalar_fields = frozenset({"num_heads", "slopes", "signed"})  # an int, floats, a bool (__post_init__)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.signed, bool):
+            raise TypeError(f"Alibi(signed=...) must be a bool, got {type(self.signed).__name__}")
         num_heads = _check_num_heads(self.num_heads)
         # Frozen dataclass: normalise in place so equal parameters give equal (hashable) specs.
         slopes = _check_slopes(self.slopes, num_heads)
@@ -114,7 +125,7 @@ class Alibi(ScoreSpec):
         return _press_slopes(self.num_heads)
 
     def linear_bias_form(self) -> LinearBiasForm | None:
-        return LinearBiasForm(slopes=tuple(self.head_slopes()))
+        return None if self.signed else LinearBiasForm(slopes=tuple(self.head_slopes()))
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         if heads != self.num_heads:
@@ -132,12 +143,17 @@ class Alibi(ScoreSpec):
         return None if text is None else tuple(float(t) for t in text)
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        # Signed: score - slope * (q_idx - kv_idx) everywhere, which is the unsigned spec's
+        # past-only function (one function object serves both calls of a signed spec).
+        signed = self.signed
         slopes = self.static_slopes()
         if slopes is None:
-            return _inline_press_mod(static_int(self.num_heads), past_only=False)
-        return _selected_slopes_mod(slopes, past_only=False)
+            return _inline_press_mod(static_int(self.num_heads), past_only=signed)
+        return _selected_slopes_mod(slopes, past_only=signed)
 
     def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
+        if self.signed:
+            return self.score_mod(fast=fast)  # already without the abs
         # Where kv_idx <= q_idx, |q_idx - kv_idx| is q_idx - kv_idx. Dropping the abs measured on
         # the H200 (benchmarks/results/mod_spelling_probe_h200_v1.txt, causal B=4 H=16 L=8K D=128):
         # flex_flash 528 -> 567 / 535 -> 546 TFLOP/s, Triton flex 375 -> 401 / 365 -> 379.
@@ -154,14 +170,14 @@ class Alibi(ScoreSpec):
             raise ValueError(f"Alibi(num_heads={self.num_heads}) got scores with {heads} heads")
         i = torch.arange(q_len, dtype=torch.float64, device=scores.device)
         j = torch.arange(kv_len, dtype=torch.float64, device=scores.device)
-        dist = (i[:, None] - j[None, :]).abs()
-        bias = -slopes.view(1, heads, 1, 1) * dist
+        offset = j[None, :] - i[:, None]  # j - i
+        bias = slopes.view(1, heads, 1, 1) * (offset if self.signed else -offset.abs())
         return scores + bias.to(scores.dtype)
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
         given = tuple(0.5 / (k + 1) for k in range(heads))
-        return [cls(num_heads=heads), cls(num_heads=heads, slopes=given)]
+        return [cls(num_heads=heads), cls(num_heads=heads, slopes=given), cls(num_heads=heads, signed=True)]
 
 
 def _press_slopes(num_heads: int) -> list[float]:

@@ -2,8 +2,10 @@
 e.g. ``PrefixLM``), one fused SDPA kernel call per rectangle, merged by log-sum-exp.
 
 Forward: part ``p`` gives ``out_p`` and ``lse_p`` over its own keys; where parts share query rows
-``lse = logaddexp(lse_a, lse_b)`` and ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``
-(float32 math, one rounding). This is exact because the parts' keys are disjoint in every row.
+they merge as ``fz.merge_attention`` does (``lse = logaddexp(lse_a, lse_b)``,
+``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``, float32 math; the same function,
+:func:`flexattn_zoo.backends.merge.merge_core`). This is exact because the parts' keys are disjoint in
+every row.
 
 Backward: the attention backward of part ``p``, given the *merged* ``out`` and ``lse``, is the
 gradient of the whole attention restricted to ``p``'s keys (its softmax probabilities are
@@ -36,6 +38,7 @@ from flexattn_zoo.backends.base import (
     expand_kv_heads,
     fused_layout,
 )
+from flexattn_zoo.backends.merge import merge_core
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
@@ -68,21 +71,19 @@ _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 def _merge(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets, from each set's ``(out, lse)``."""
-    acc = torch.promote_types(out_a.dtype, torch.float32)
-    lse = torch.logaddexp(lse_a, lse_b)
-    # A row that sees no key in either set keeps lse -inf and weights 0 (not exp(nan)).
-    ref = lse.masked_fill(lse == float("-inf"), 0.0)
-    w_a, w_b = torch.exp(lse_a - ref).unsqueeze(-1), torch.exp(lse_b - ref).unsqueeze(-1)
-    return (out_a.to(acc) * w_a + out_b.to(acc) * w_b).to(out_a.dtype), lse
+    """Attention over the union of two disjoint key sets, from each set's ``(out, lse)``: the one
+    merge of the library (``fz.merge_attention``'s, :func:`flexattn_zoo.backends.merge.merge_core`)."""
+    return merge_core((out_a, out_b), (lse_a, lse_b))
 
 
 @functools.cache
 def _compiled_merge() -> Callable[..., Any]:
-    # Eager, the merge is six passes over float32 copies of the outputs; compiled it is one fused
-    # kernel (H200, prefix-LM 2048 at 4x16x8192x128: the forward went from 2.71 ms with the eager
-    # merge, cudnn_decomp_probe_h200.txt, to 2.02 ms, h200-nofa4.md). Default (automatic) dynamic
-    # shapes: a second prefix length or batch compiles one shape-generic kernel, not one per shape.
+    # Eager, the merge is several passes over float32 copies of the outputs; compiled it is one
+    # fused kernel (H200, prefix-LM 2048 at 4x16x8192x128: the forward went from 2.71 ms with the
+    # eager merge, cudnn_decomp_probe_h200.txt, to 2.02 ms, h200-nofa4.md; measured with the
+    # two-part formula this function had before it called merge_core). Default (automatic)
+    # dynamic shapes: a second prefix length or batch compiles one shape-generic kernel, not one
+    # per shape.
     return torch.compile(_merge, fullgraph=True)
 
 

@@ -286,6 +286,8 @@ def describe_spec(spec: Any) -> str:
             value = getattr(spec, f.name)
             if isinstance(value, torch.Tensor):
                 parts.append(f"{f.name}=<{'x'.join(map(str, value.shape))}>")
+            elif isinstance(value, Spec):  # a wrapped spec (PerDocument's inner, its documents)
+                parts.append(f"{f.name}={describe_spec(value)}")
             elif f.default is dataclasses.MISSING or value != f.default:
                 parts.append(f"{f.name}={value!r}")
     return f"{name}({', '.join(parts)})" if parts else name

@@ -2,10 +2,11 @@
 result as eagerly, no library cache touched while tracing (CPU routes; the CUDA routes run in
 ``tests/gpu/test_compile_gpu.py``).
 
-Every registered spec's first example is compiled with Inductor once, forward (no grad: the
-CPU flex kernel has no backward) and forward + backward (what auto picks with grad on the CPU),
-and counted with ``torch._dynamo.explain``. Shapes are small and fixed, so each case is one
-compile.
+Every registered spec's first example is compiled once forward (no grad: the CPU flex kernel has
+no backward) and counted with ``torch._dynamo.explain``: a few cases with Inductor, compared with
+the same call eagerly, the rest with ``aot_eager``, compared with the eager ``dense`` route. A few
+cases also run forward + backward (what auto picks with grad on the CPU). Shapes are small and
+fixed, so each case is one compile.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ def test_no_graph_break_and_same_result_as_eager(name: str, kw: dict[str, Any]) 
     # Linear -> attention -> Linear, as in a model. (Inductor's CPU flex template, torch 2.13,
     # fails on a pointwise op fused after it and on q/k/v reinterpreted from a 2-D matmul
     # output; a model's [B, L, 3, H, D] projection, as here, compiles.)
-    def block(x: torch.Tensor) -> torch.Tensor:
+    def block(x: torch.Tensor, **extra: Any) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (x @ W_IN).view(B, L, 3, H, D).unbind(2))
-        out = fz.attention(q, k, v, **kw)
+        out = fz.attention(q, k, v, **kw, **extra)
         return out.transpose(1, 2).reshape(B, L, H * D) @ W_OUT
 
     x = torch.randn(B, L, H * D, generator=torch.Generator().manual_seed(3))
@@ -80,11 +81,13 @@ def test_no_graph_break_and_same_result_as_eager(name: str, kw: dict[str, Any]) 
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     torch._dynamo.reset()
     with torch.no_grad():
-        # Inductor for a few cases (a CPU flex compile costs seconds on CI's 2 cores); the rest
-        # through aot_eager, which still runs the traced route's ops and the flex HOP.
-        backend = "inductor" if name in INDUCTOR_CASES else "aot_eager"
-        compiled = torch.compile(block, fullgraph=True, backend=backend)(x)
-        eager = block(x)
+        # Inductor for a few cases (a CPU flex compile costs seconds on CI's 2 cores), compared
+        # with the same call eagerly (auto: its own flex_cpu kernel). The rest through aot_eager,
+        # which still runs the traced route's ops and the flex HOP, compared with the eager dense
+        # route: an eager flex_cpu call would compile a flex kernel per case (~3-5 s each).
+        inductor = name in INDUCTOR_CASES
+        compiled = torch.compile(block, fullgraph=True, backend="inductor" if inductor else "aot_eager")(x)
+        eager = block(x) if inductor else block(x, backend="dense")
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
 

@@ -50,6 +50,9 @@ def test_attention_return_lse_overloads(flag: bool = True) -> None:
     either = fz.attention(q, k, v, backend="dense", return_lse=flag)
     assert_type(either, torch.Tensor | Pair)
     assert _is_pair(either)
+    merged = fz.merge_attention([pair[0]], [pair[1]])
+    assert_type(merged, Pair)
+    assert _is_pair(merged)
 
 
 def test_varlen_attention_return_lse_overloads() -> None:

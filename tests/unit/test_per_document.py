@@ -1,0 +1,156 @@
+"""``PerDocument``: any mask in each document's own coordinates, against oracles written here from
+the rule itself (per-document prefix-LM first), its forms, its three block-map paths (composed
+from the inner spec's maps, evaluated on the document blocks only, generic) and its arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks
+from flexattn_zoo.masks import (
+    Causal,
+    Document,
+    GlobalWindow,
+    Natten,
+    PerDocument,
+    PrefixLM,
+    SlidingWindow,
+)
+from flexattn_zoo.spec import MaskSpec, spec_dataclass
+from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
+
+
+def _table(q_len: int, kv_len: int, rule: Callable[[int, int], bool]) -> torch.Tensor:
+    """``[1, 1, Lq, Lkv]`` from a per-pair Python predicate: the slowest, plainest oracle."""
+    out = torch.tensor([[rule(i, j) for j in range(kv_len)] for i in range(q_len)], dtype=torch.bool)
+    return out.view(1, 1, q_len, kv_len)
+
+
+def _mask_mod_dense(spec: MaskSpec, q_len: int, kv_len: int, batch: int = 1) -> torch.Tensor:
+    b = torch.arange(batch).view(-1, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
+    i = torch.arange(q_len).view(1, 1, -1, 1)
+    j = torch.arange(kv_len).view(1, 1, 1, -1)
+    bound = spec.bind(q_len, kv_len)
+    return torch.broadcast_to(bound.mask_mod()(b, h, i, j), (batch, 1, q_len, kv_len))
+
+
+def _qkv(batch: int, q_len: int, kv_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(batch, 2, q_len, 8, generator=g).requires_grad_(),
+        torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
+        torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
+    )
+
+
+# ---- per_document --------------------------------------------------------------------------------
+
+
+def _per_document_prefix_lm(lengths: list[int], prefix: int) -> torch.Tensor:
+    """Per-document prefix-LM, from the lengths alone: within a document starting at ``s``, key
+    ``j`` is visible to query ``i`` iff ``j - s < prefix`` or ``j <= i``."""
+    owner = [d for d, n in enumerate(lengths) for _ in range(n)]
+    start = [sum(lengths[:d]) for d in owner]
+    total = sum(lengths)
+    return _table(total, total, lambda i, j: owner[i] == owner[j] and (j - start[j] < prefix or j <= i))
+
+
+def test_per_document_prefix_lm_matches_an_independent_oracle() -> None:
+    lengths = [5, 9, 3, 7]
+    spec = PerDocument(inner=PrefixLM(prefix_len=4), documents=Document.from_lengths(lengths))
+    want = _per_document_prefix_lm(lengths, 4)
+    assert torch.equal(spec.dense(24, 24), want)
+    assert torch.equal(_mask_mod_dense(spec, 24, 24), want)
+    assert_mask_consistent(spec, 24, 24, block_sizes=((4, 4), (16, 16), (3, 5)))
+    # The attention itself, on the dense route with gradients, against the oracle as a raw mask.
+    q, k, v = _qkv(1, 24, 24)
+    out = fz.attention(q, k, v, mask=spec, backend="dense")
+    oracle = lambda b, h, i, j: want[0, 0, i, j]  # noqa: E731
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert_matches_reference(out, q, k, v, mask=oracle, grads=grads, grad_out=torch.ones_like(out))
+    # Per batch row: two layouts, one spec.
+    rows = [[6, 6, 12], [10, 14]]
+    batched = PerDocument.from_lengths(PrefixLM(prefix_len=4), rows)
+    want_rows = torch.cat([_per_document_prefix_lm(r, 4) for r in rows])
+    assert torch.equal(batched.dense(24, 24, batch=2), want_rows)
+    assert torch.equal(_mask_mod_dense(batched, 24, 24, batch=2), want_rows)
+
+
+def test_per_document_runs_are_documents_and_inner_tensors_see_local_positions() -> None:
+    # Labels 0, 1, 0: three documents (Document would join the two runs of label 0).
+    ids = torch.tensor([0, 0, 0, 1, 1, 0, 0, 0])
+    spec = PerDocument(inner=GlobalWindow.from_positions([0], 3, left=0), documents=ids)
+    # Inside each document its first token is global (the inner flags index local positions).
+    starts, owner = [0, 0, 0, 3, 3, 5, 5, 5], [0, 0, 0, 1, 1, 2, 2, 2]
+    want = _table(8, 8, lambda i, j: owner[i] == owner[j] and (i == j or i == starts[i] or j == starts[j]))
+    assert torch.equal(spec.dense(8, 8), want) and torch.equal(_mask_mod_dense(spec, 8, 8), want)
+    assert not torch.equal(want, (Document(doc_ids=ids) & Causal()).dense(8, 8))
+    assert_mask_consistent(spec, 8, 8, block_sizes=((2, 2), (3, 4)))
+
+
+def test_per_document_causal_is_document_and_causal_with_its_varlen_form() -> None:
+    docs = Document.from_lengths([[40, 60, 28], [100, 28]])
+    spec, plain = PerDocument(inner=Causal(), documents=docs), docs & Causal()
+    assert torch.equal(spec.dense(128, 128, batch=2), plain.dense(128, 128, batch=2))
+    form, want = spec.varlen_form(128, 128, 2), plain.varlen_form(128, 128, 2)
+    assert form is not None and want is not None and form.window == want.window == (-1, 0)
+    assert torch.equal(form.segments, want.segments)
+    assert spec.hides_future_keys(128, 128) and spec.sdpa_form(128, 128) is None
+    # Bottom-right causal inside a document is top-left causal (equal lengths).
+    assert torch.equal(
+        PerDocument(inner=Causal(align="bottom_right"), documents=docs).dense(128, 128, batch=2),
+        spec.dense(128, 128, batch=2),
+    )
+    one = PerDocument(inner=PrefixLM(prefix_len=5), documents=torch.zeros(64, dtype=torch.long))
+    assert one.split_form(64, 64) == PrefixLM(prefix_len=5).split_form(64, 64)
+    assert PerDocument(inner=PrefixLM(prefix_len=5), documents=docs).varlen_form(128, 128, 2) is None
+
+
+def test_per_document_block_map_paths() -> None:
+    aligned = Document.from_lengths([32, 64, 32])
+    unaligned = Document.from_lengths([30, 50, 48])
+    for docs, composed in ((aligned, True), (unaligned, False)):
+        spec = PerDocument(inner=SlidingWindow(left=5, right=2), documents=docs)
+        assert (spec._composed_map(128, 100, 16, 32, "cpu") is not None) is composed
+        assert spec.block_map(128, 100, 16, 32, "cpu") is not None
+        assert_mask_consistent(spec, 128, 100, block_sizes=((16, 32), (32, 16)))
+    # An inner spec that depends on the head: neither path knows the head count, the generic
+    # builder takes over (exact too).
+    heads = PerDocument(inner=masks.get("causal") | _HeadMask(), documents=unaligned)
+    assert heads.block_map(128, 128, 16, 16, "cpu") is None
+    assert_mask_consistent(heads, 128, 128, heads=2, block_sizes=((16, 16),))
+
+
+@spec_dataclass
+class _HeadMask(MaskSpec):
+    """Head 1 sees everything, head 0 nothing (a head-dependent inner spec for the test above)."""
+
+    depends_on_head = True
+
+    def _make_mask_mod(self):  # type: ignore[no-untyped-def]
+        return lambda b, h, i, j: (h == 1) & (i >= 0) & (j >= 0)
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        out = torch.zeros(1, heads, q_len, kv_len, dtype=torch.bool)
+        out[:, 1:] = True
+        return out
+
+
+def test_per_document_accepts_names_ids_and_refuses_the_rest() -> None:
+    spec = PerDocument.from_lengths("causal", [3, 5])
+    assert spec == PerDocument(inner=Causal(), documents=[0, 0, 0, 1, 1, 1, 1, 1])
+    assert spec.inner == Causal() and isinstance(spec.documents, Document)
+    with pytest.raises(TypeError, match="PerDocument\\(inner=...\\) must be a mask spec"):
+        PerDocument(inner=3, documents=[0, 1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="has length 8 but the problem needs"):
+        spec.validate(9, 9, 1, 1)
+    # The inner spec is validated for the longest document.
+    natten = PerDocument.from_lengths(Natten(canvas=(2, 3), kernel=1), [6, 6])
+    natten.validate(12, 12, 1, 1)
+    with pytest.raises(ValueError, match="canvas"):
+        PerDocument.from_lengths(Natten(canvas=(2, 3), kernel=1), [6, 7]).validate(13, 13, 1, 1)
