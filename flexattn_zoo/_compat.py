@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false as _guard_or_false
+from torch.fx.experimental.symbolic_shapes import guard_or_true as _guard_or_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -338,6 +340,26 @@ def _tracing_in_this_thread() -> bool:
         return True
     keys = torch._C._TorchDispatchModeKey
     return any(torch._C._get_dispatch_mode(key) is not None for key in (keys.FAKE, keys.PROXY))
+
+
+def known_true(cond: Any) -> bool:
+    """``cond`` as a bool, but False, without a guard, when it reads a data-dependent (unbacked)
+    size that ``torch.compile`` cannot decide at trace time (a cache position read from a tensor).
+    For decisions where False is always safe: "is this offset known to be 0?", "are future keys
+    known to be hidden?". Plain bools and conditions on ordinary symbolic sizes answer as usual."""
+    return bool(_guard_or_false(cond))
+
+
+def maybe_true(cond: Any) -> bool:
+    """``cond`` as a bool, but True, without a guard, when it reads a data-dependent size (see
+    :func:`known_true`): for decisions where True is the safe side."""
+    return bool(_guard_or_true(cond))
+
+
+def clamp_int(value: Any, low: int, high: int) -> Any:
+    """``min(high, max(low, value))`` that stays symbolic for a traced (possibly data-dependent)
+    size instead of guarding on it."""
+    return torch.sym_max(low, torch.sym_min(high, value))
 
 
 def is_compiling() -> bool:

@@ -544,6 +544,12 @@ def tracing() -> bool:
 #: to compile a ``mask_mod`` closing over one (C++ errors, torch 2.13). A spec's parameters never
 #: vary within a model, so specializing them costs nothing but a guard.
 static_int = _compat.static_int
+#: Decisions on position parameters that may be data-dependent while a compiled decode step
+#: traces (see ``_compat.known_true``): offered forms need ``known_true``; the safe side of a
+#: choice between exact specs, ``maybe_true``; clamps, ``clamp_int``.
+known_true = _compat.known_true
+maybe_true = _compat.maybe_true
+clamp_int = _compat.clamp_int
 
 
 def block_ranges(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from flexattn_zoo.spec import BlockMap, block_ranges, static_int, tracing
+from flexattn_zoo.spec import BlockMap, block_ranges, clamp_int, static_int, tracing
 
 
 def band_block_map(
@@ -110,7 +110,8 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
         raise TypeError(f"{owner}({name}=...) must be {wanted}, got {type(value).__name__}: {exc}") from exc
     if minimum is not None and as_int < minimum:
         raise ValueError(f"{owner}({name}=...) must be {wanted}, got {as_int}")
-    return max(-INDEX_LIMIT, min(INDEX_LIMIT, as_int))
+    # Symbolic-safe: a compiled decode step may pass a cache position read from a tensor.
+    return clamp_int(as_int, -INDEX_LIMIT, INDEX_LIMIT)
 
 
 def _canonical_device(device: torch.device | str | None) -> torch.device:

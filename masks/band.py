@@ -5,7 +5,16 @@ from __future__ import annotations
 import torch
 
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, SdpaForm, Spec, VarlenForm, spec_dataclass
+from flexattn_zoo.spec import (
+    BlockMap,
+    MaskMod,
+    MaskSpec,
+    SdpaForm,
+    Spec,
+    VarlenForm,
+    known_true,
+    spec_dataclass,
+)
 
 from ._blocks import CapturedOffsets, band_block_map, check_int
 
@@ -79,24 +88,28 @@ class Band(CapturedOffsets, MaskSpec):
             out = out.triu(diagonal=self.lo)
         return out[None, None]
 
+    # Offsets may be data-dependent while a compiled decode step traces (a cache position read
+    # from a tensor): forms are offered only where the offsets are known to allow them.
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        if q_len != kv_len or (self.lo is not None and self.lo > -(q_len - 1)):
+        if q_len != kv_len or (self.lo is not None and not known_true(self.lo <= -(q_len - 1))):
             return None
-        if self.hi is None or self.hi >= kv_len - 1:
+        if self.hi is None or known_true(self.hi >= kv_len - 1):
             return SdpaForm(is_causal=False)
-        return SdpaForm(is_causal=True) if self.hi == 0 else None
+        return SdpaForm(is_causal=True) if known_true(self.hi == 0) else None
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         if q_len != kv_len:
             return None
-        if (self.lo is not None and self.lo > 0) or (self.hi is not None and self.hi < 0):
+        if (self.lo is not None and not known_true(self.lo <= 0)) or (
+            self.hi is not None and not known_true(self.hi >= 0)
+        ):
             return None
         left = -1 if self.lo is None else -self.lo
         right = -1 if self.hi is None else self.hi
         return VarlenForm(segments=None, window=(left, right))
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
-        return self.hi is not None and self.hi <= 0
+        return self.hi is not None and known_true(self.hi <= 0)
 
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         # Key i + lo is in the band whenever the band is not empty (lo <= hi): exact.
@@ -106,7 +119,7 @@ class Band(CapturedOffsets, MaskSpec):
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
         bmap = band_block_map(q_len, kv_len, q_block, kv_block, device, lo=self.lo, hi=self.hi)
-        if self.lo is not None and self.hi is not None and self.lo > self.hi:
+        if self.lo is not None and self.hi is not None and known_true(self.lo > self.hi):
             # Empty band: the interval test above would still mark blocks that straddle it.
             return BlockMap(any=torch.zeros_like(bmap.any), full=torch.zeros_like(bmap.full))
         return bmap

@@ -14,6 +14,7 @@ from flexattn_zoo.spec import (
     SdpaForm,
     Spec,
     VarlenForm,
+    known_true,
     lower_triangle_fraction,
     spec_dataclass,
 )
@@ -156,10 +157,10 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
         return _tril(q_len, kv_len, self.offset)
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        return SdpaForm(is_causal=True) if q_len == kv_len and self.offset == 0 else None
+        return SdpaForm(is_causal=True) if q_len == kv_len and known_true(self.offset == 0) else None
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
-        return self.offset <= 0
+        return known_true(self.offset <= 0)
 
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
         if not isinstance(self.offset, int):
@@ -167,7 +168,9 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
         return lower_triangle_fraction(q_len, kv_len, self.offset)
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
-        return VarlenForm(segments=None, window=(-1, 0)) if q_len == kv_len and self.offset == 0 else None
+        if q_len == kv_len and known_true(self.offset == 0):
+            return VarlenForm(segments=None, window=(-1, 0))
+        return None
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

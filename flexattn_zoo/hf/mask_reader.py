@@ -19,7 +19,7 @@ from flexattn_zoo.masks import Causal, Chunked, Dense, Document, SlidingWindow
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.masks.padding import KeyPadding
-from flexattn_zoo.spec import MaskSpec, tracing
+from flexattn_zoo.spec import MaskSpec, maybe_true, tracing
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,9 @@ def band_spec(lo: int | None, hi: int | None, offset: int = 0) -> MaskSpec | Non
     """
     if lo is None and hi is None:
         return None
-    if offset:
+    # A compiled decode step may hand a data-dependent offset (read from cache_position): then
+    # the offset forms, exact for any value, 0 included.
+    if maybe_true(offset != 0):
         if lo is None:
             assert hi is not None
             return OffsetCausal(offset=hi + offset)
@@ -247,7 +249,7 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
         children = _flatten_and(node[1])
         packed = [c for c in children if isinstance(c, tuple) and c[0] == "packed"]
         if packed:
-            if m.q_offset or m.kv_offset:
+            if maybe_true(m.q_offset != 0) or maybe_true(m.kv_offset != 0):
                 raise _Unknown("packed sequences with a cache offset")
             unwrapped, labels = [], [packed[0][1]]
             for c in children:
@@ -285,7 +287,7 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
         return out
     if kind == "chunked":
         size, left_padding = node[1], torch.as_tensor(node[2])
-        if m.q_offset or m.kv_offset:
+        if maybe_true(m.q_offset != 0) or maybe_true(m.kv_offset != 0):
             raise _Unknown("chunked attention with a cache offset")
         if not bool(left_padding.any()):
             return Chunked(size=size)

@@ -158,7 +158,7 @@ ERRORS = [
     pytest.param(
         attn(backend="flax"),
         ValueError,
-        r"unknown backend 'flax'; valid: auto, sdpa_cudnn",
+        r"unknown backend 'flax'; valid: auto, sdpa, sdpa_cudnn",
         id="backend_unknown",
     ),
     pytest.param(attn(return_lse=1), TypeError, r"return_lse must be a bool", id="return_lse_int"),

@@ -97,3 +97,48 @@ def test_transformers_is_not_imported_again_inside_a_model(monkeypatch: pytest.M
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     assert mask_reader.masking_utils() is first
     assert mask_reader.transformers_module().masking_utils is first
+
+
+def test_a_data_dependent_cache_offset_traces_without_a_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' compiled static-cache decoding hands the mask reader a cache position read
+    from a tensor (an unbacked size): choosing the spec, clamping its offsets and asking its forms
+    must not guard on the value (Dynamo: "Could not guard on data-dependent expression")."""
+    from flexattn_zoo.hf.mask_reader import band_spec
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    torch.compiler.reset()
+
+    seen: list[object] = []  # what the traced code decided (asserted outside the graph)
+
+    def step(position: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        offset = (position + 0).item()  # computed in the graph: unbacked, as transformers' is
+        causal = band_spec(None, 0, offset=offset)  # causal at the cache position
+        window = band_spec(-3, 0, offset=offset)  # a 4-key window there
+        seen.append(type(causal))
+        seen.append(type(window))
+        # No form is known to apply to an unknown offset; "known" only, False is the safe answer.
+        seen.append(causal.sdpa_form(1, 8))
+        seen.append(causal.varlen_form(1, 8, 1))
+        seen.append(window.sdpa_form(1, 8))
+        seen.append(window.varlen_form(1, 8, 1))
+        seen.append(causal.hides_future_keys(1, 8))
+        return x + torch.full((), causal.offset) * 100 + torch.full((), window.lo)
+
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    x = torch.zeros(())
+
+    def run(position: int) -> float:
+        seen.clear()  # Dynamo guards on the list's length
+        return compiled(torch.tensor(position), x).item()
+
+    assert run(5) == 5 * 100 + 2
+    assert seen == [OffsetCausal, Band, None, None, None, None, False]
+    assert run(9) == 9 * 100 + 6
+    # An offset of 0 under tracing still takes the offset spec (exact for every value).
+    assert run(0) == -3
+    assert counter.frame_count == 1  # one graph for every position
