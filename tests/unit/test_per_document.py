@@ -4,10 +4,9 @@ from the inner spec's maps, evaluated on the document blocks only, generic) and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
+from zoo_oracles import mask_mod_dense, qkv, table
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
@@ -23,31 +22,6 @@ from flexattn_zoo.masks import (
 from flexattn_zoo.spec import MaskSpec, spec_dataclass
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
 
-
-def _table(q_len: int, kv_len: int, rule: Callable[[int, int], bool]) -> torch.Tensor:
-    """``[1, 1, Lq, Lkv]`` from a per-pair Python predicate: the slowest, plainest oracle."""
-    out = torch.tensor([[rule(i, j) for j in range(kv_len)] for i in range(q_len)], dtype=torch.bool)
-    return out.view(1, 1, q_len, kv_len)
-
-
-def _mask_mod_dense(spec: MaskSpec, q_len: int, kv_len: int, batch: int = 1) -> torch.Tensor:
-    b = torch.arange(batch).view(-1, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    i = torch.arange(q_len).view(1, 1, -1, 1)
-    j = torch.arange(kv_len).view(1, 1, 1, -1)
-    bound = spec.bind(q_len, kv_len)
-    return torch.broadcast_to(bound.mask_mod()(b, h, i, j), (batch, 1, q_len, kv_len))
-
-
-def _qkv(batch: int, q_len: int, kv_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(batch, 2, q_len, 8, generator=g).requires_grad_(),
-        torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
-        torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
-    )
-
-
 # ---- per_document --------------------------------------------------------------------------------
 
 
@@ -57,7 +31,7 @@ def _per_document_prefix_lm(lengths: list[int], prefix: int) -> torch.Tensor:
     owner = [d for d, n in enumerate(lengths) for _ in range(n)]
     start = [sum(lengths[:d]) for d in owner]
     total = sum(lengths)
-    return _table(total, total, lambda i, j: owner[i] == owner[j] and (j - start[j] < prefix or j <= i))
+    return table(total, total, lambda i, j: owner[i] == owner[j] and (j - start[j] < prefix or j <= i))
 
 
 def test_per_document_prefix_lm_matches_an_independent_oracle() -> None:
@@ -65,10 +39,10 @@ def test_per_document_prefix_lm_matches_an_independent_oracle() -> None:
     spec = PerDocument(inner=PrefixLM(prefix_len=4), documents=Document.from_lengths(lengths))
     want = _per_document_prefix_lm(lengths, 4)
     assert torch.equal(spec.dense(24, 24), want)
-    assert torch.equal(_mask_mod_dense(spec, 24, 24), want)
+    assert torch.equal(mask_mod_dense(spec, 24, 24), want)
     assert_mask_consistent(spec, 24, 24, block_sizes=((4, 4), (16, 16), (3, 5)))
     # The attention itself, on the dense route with gradients, against the oracle as a raw mask.
-    q, k, v = _qkv(1, 24, 24)
+    q, k, v = qkv(1, 24, 24)
     out = fz.attention(q, k, v, mask=spec, backend="dense")
     oracle = lambda b, h, i, j: want[0, 0, i, j]  # noqa: E731
     grads = torch.autograd.grad(out.sum(), (q, k, v))
@@ -78,7 +52,7 @@ def test_per_document_prefix_lm_matches_an_independent_oracle() -> None:
     batched = PerDocument.from_lengths(PrefixLM(prefix_len=4), rows)
     want_rows = torch.cat([_per_document_prefix_lm(r, 4) for r in rows])
     assert torch.equal(batched.dense(24, 24, batch=2), want_rows)
-    assert torch.equal(_mask_mod_dense(batched, 24, 24, batch=2), want_rows)
+    assert torch.equal(mask_mod_dense(batched, 24, 24, batch=2), want_rows)
 
 
 def test_per_document_runs_are_documents_and_inner_tensors_see_local_positions() -> None:
@@ -87,8 +61,8 @@ def test_per_document_runs_are_documents_and_inner_tensors_see_local_positions()
     spec = PerDocument(inner=GlobalWindow.from_positions([0], 3, left=0), documents=ids)
     # Inside each document its first token is global (the inner flags index local positions).
     starts, owner = [0, 0, 0, 3, 3, 5, 5, 5], [0, 0, 0, 1, 1, 2, 2, 2]
-    want = _table(8, 8, lambda i, j: owner[i] == owner[j] and (i == j or i == starts[i] or j == starts[j]))
-    assert torch.equal(spec.dense(8, 8), want) and torch.equal(_mask_mod_dense(spec, 8, 8), want)
+    want = table(8, 8, lambda i, j: owner[i] == owner[j] and (i == j or i == starts[i] or j == starts[j]))
+    assert torch.equal(spec.dense(8, 8), want) and torch.equal(mask_mod_dense(spec, 8, 8), want)
     assert not torch.equal(want, (Document(doc_ids=ids) & Causal()).dense(8, 8))
     assert_mask_consistent(spec, 8, 8, block_sizes=((2, 2), (3, 4)))
 

@@ -11,10 +11,10 @@ right ones. Nothing here compiles: the routes are ``dense`` and the reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
+from zoo_oracles import mask_mod_dense, qkv, table
 
 import flexattn_zoo as fz
 from flexattn_zoo.masks import (
@@ -25,33 +25,7 @@ from flexattn_zoo.masks import (
     Natten,
     SlidingWindow,
 )
-from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
-
-
-def _table(q_len: int, kv_len: int, rule: Callable[[int, int], bool]) -> torch.Tensor:
-    """``[1, 1, Lq, Lkv]`` from a per-pair Python predicate: the slowest, plainest oracle."""
-    out = torch.tensor([[rule(i, j) for j in range(kv_len)] for i in range(q_len)], dtype=torch.bool)
-    return out.view(1, 1, q_len, kv_len)
-
-
-def _mask_mod_dense(spec: MaskSpec, q_len: int, kv_len: int, batch: int = 1) -> torch.Tensor:
-    b = torch.arange(batch).view(-1, 1, 1, 1)
-    h = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-    i = torch.arange(q_len).view(1, 1, -1, 1)
-    j = torch.arange(kv_len).view(1, 1, 1, -1)
-    bound = spec.bind(q_len, kv_len)
-    return torch.broadcast_to(bound.mask_mod()(b, h, i, j), (batch, 1, q_len, kv_len))
-
-
-def _qkv(batch: int, q_len: int, kv_len: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(batch, 2, q_len, 8, generator=g).requires_grad_(),
-        torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
-        torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
-    )
-
 
 # ---- natten ------------------------------------------------------------------------------------
 
@@ -76,7 +50,7 @@ def _natten_loops(canvas: tuple[int, ...], kernel: tuple[int, ...]) -> torch.Ten
                 return False
         return True
 
-    return _table(cells, cells, sees)
+    return table(cells, cells, sees)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +60,7 @@ def _natten_loops(canvas: tuple[int, ...], kernel: tuple[int, ...]) -> torch.Ten
 def test_natten_matches_coordinate_loops(canvas: tuple[int, ...], kernel: tuple[int, ...]) -> None:
     spec, want = Natten(canvas=canvas, kernel=kernel), _natten_loops(canvas, kernel)
     n = math.prod(canvas)
-    assert torch.equal(spec.dense(n, n), want) and torch.equal(_mask_mod_dense(spec, n, n), want)
+    assert torch.equal(spec.dense(n, n), want) and torch.equal(mask_mod_dense(spec, n, n), want)
     assert int(want.sum(-1).min()) == int(want.sum(-1).max()) == math.prod(kernel)  # never shrinks
     assert_mask_consistent(spec, n, n - 3, block_sizes=((4, 4), (5, 7)))
 
@@ -103,7 +77,7 @@ def _attention_gym_natten(canvas_w: int, canvas_h: int, kernel_w: int, kernel_h:
         cy = min(max(qy, kernel_h // 2), canvas_h - 1 - kernel_h // 2)
         return abs(cx - kx) <= kernel_w // 2 and abs(cy - ky) <= kernel_h // 2
 
-    return _table(n, n, sees)
+    return table(n, n, sees)
 
 
 def test_natten_convention_next_to_attention_gym() -> None:
@@ -145,7 +119,7 @@ def test_natten_parameter_errors(kwargs: dict[str, object], exc: type[Exception]
 
 def test_natten_needs_a_canvas_holding_the_problem() -> None:
     with pytest.raises(ValueError, match="12 tokens"):
-        fz.attention(*_qkv(1, 13, 13), mask=Natten(canvas=(3, 4), kernel=3))
+        fz.attention(*qkv(1, 13, 13), mask=Natten(canvas=(3, 4), kernel=3))
 
 
 # ---- dilated_sliding_window --------------------------------------------------------------------
@@ -153,12 +127,12 @@ def test_natten_needs_a_canvas_holding_the_problem() -> None:
 
 def test_dilated_window_definition_and_attention_gym_convention() -> None:
     for left, right, d in ((6, 0, 2), (5, 4, 3), (0, 7, 2), (3, 3, 4)):
-        want = _table(20, 23, lambda i, j: -left <= j - i <= right and (j - i) % d == 0)  # noqa: B023
+        want = table(20, 23, lambda i, j: -left <= j - i <= right and (j - i) % d == 0)  # noqa: B023
         spec = DilatedSlidingWindow(left=left, right=right, dilation=d)
-        assert torch.equal(spec.dense(20, 23), want) and torch.equal(_mask_mod_dense(spec, 20, 23), want)
+        assert torch.equal(spec.dense(20, 23), want) and torch.equal(mask_mod_dense(spec, 20, 23), want)
     # attention-gym's generate_dilated_sliding_window(window_size=w, dilation=d): |i - j| <= w and
     # |i - j| % d == 0, i.e. left = right = w.
-    gym = _table(24, 24, lambda i, j: abs(i - j) <= 4 and abs(i - j) % 2 == 0)
+    gym = table(24, 24, lambda i, j: abs(i - j) <= 4 and abs(i - j) % 2 == 0)
     assert torch.equal(DilatedSlidingWindow(left=4, right=4, dilation=2).dense(24, 24), gym)
 
 
@@ -194,7 +168,7 @@ def _bd3lm(block_size: int, n: int, q_len: int, kv_len: int) -> torch.Tensor:
         causal = bq >= bk and k_x0 and q_x0
         return diagonal or offset_causal or causal
 
-    return _table(q_len, kv_len, sees)
+    return table(q_len, kv_len, sees)
 
 
 @pytest.mark.parametrize(
@@ -204,13 +178,13 @@ def _bd3lm(block_size: int, n: int, q_len: int, kv_len: int) -> torch.Tensor:
 def test_block_diffusion_is_bd3lm_training_mask(block_size: int, n: int, q_len: int, kv_len: int) -> None:
     spec, want = BlockDiffusion(block_size=block_size, noisy_len=n), _bd3lm(block_size, n, q_len, kv_len)
     assert torch.equal(spec.dense(q_len, kv_len), want)
-    assert torch.equal(_mask_mod_dense(spec, q_len, kv_len), want)
+    assert torch.equal(mask_mod_dense(spec, q_len, kv_len), want)
 
 
 def test_block_diffusion_noisy_blocks_never_read_their_own_clean_tokens() -> None:
     # Changing the clean copy of block 2 (and later) leaves the outputs of noisy blocks 0..2 alone.
     spec = BlockDiffusion(block_size=4, noisy_len=16)
-    q, k, v = (t.detach() for t in _qkv(1, 32, 32))
+    q, k, v = (t.detach() for t in qkv(1, 32, 32))
     out = fz.attention(q, k, v, mask=spec, backend="dense")
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 16 + 8 :], v2[:, :, 16 + 8 :] = 5.0, -3.0
@@ -230,9 +204,9 @@ def test_global_window_definition_per_row() -> None:
     spec = GlobalWindow(is_global=flags, left=3, right=2)
     for r in range(2):
         g = flags[r].tolist()
-        want = _table(30, 26, lambda i, j: -3 <= j - i <= 2 or g[i] or g[j])  # noqa: B023
+        want = table(30, 26, lambda i, j: -3 <= j - i <= 2 or g[i] or g[j])  # noqa: B023
         assert torch.equal(spec.dense(30, 26, batch=2)[r : r + 1], want)
-        assert torch.equal(_mask_mod_dense(spec, 30, 26, batch=2)[r : r + 1], want)
+        assert torch.equal(mask_mod_dense(spec, 30, 26, batch=2)[r : r + 1], want)
     assert GlobalWindow.from_positions([0, 17], 30, left=3, right=2) == GlobalWindow(
         is_global=flags[0], left=3, right=2
     )
@@ -258,14 +232,14 @@ def test_flamingo_cross_from_image_positions_and_both_rules() -> None:
     assert spec.key_image.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     image = [0, 0, 0, 1, 1, 1, 2, 2, 2]
     last = spec.last_image.tolist()
-    want_last = _table(9, 9, lambda i, j: image[j] == last[i])
-    want_all = _table(9, 9, lambda i, j: 0 <= image[j] <= last[i])
+    want_last = table(9, 9, lambda i, j: image[j] == last[i])
+    want_all = table(9, 9, lambda i, j: 0 <= image[j] <= last[i])
     every = FlamingoCross(last_image=spec.last_image, key_image=spec.key_image, attend="all")
     for s, want in ((spec, want_last), (every, want_all)):
-        assert torch.equal(s.dense(9, 9), want) and torch.equal(_mask_mod_dense(s, 9, 9), want)
+        assert torch.equal(s.dense(9, 9), want) and torch.equal(mask_mod_dense(s, 9, 9), want)
         assert_mask_consistent(s, 9, 9, block_sizes=((2, 2), (4, 3)))
     # Text before the first image attends to nothing: output 0, not NaN, on every route here.
-    q, k, v = _qkv(1, 9, 9)
+    q, k, v = qkv(1, 9, 9)
     out = fz.attention(q, k, v, mask=spec, backend="dense")
     assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
     assert_matches_reference(out, q, k, v, mask=spec)
@@ -275,13 +249,13 @@ def test_flamingo_cross_attention_gym_intervals() -> None:
     # attention-gym gives image k to the text tokens of intervals[k] = [start, end). Flamingo's
     # rule is the tiling case: image k from its own position to the next image's.
     tiling = [(0, 1), (1, 7), (7, 12)]
-    gym = _table(12, 9, lambda i, j: tiling[j // 3][0] <= i < tiling[j // 3][1])
+    gym = table(12, 9, lambda i, j: tiling[j // 3][0] <= i < tiling[j // 3][1])
     spec = FlamingoCross.from_image_positions([0, 1, 7], tokens_per_image=3, text_len=12)
     assert torch.equal(spec.dense(12, 9), gym)
     # Its own example, [[0, 7], [1, 7], [7, 12]] (tokens 1..6 see images 0 and 1, tokens 7.. only
     # image 2), follows neither rule: a per-image interval this spec does not state.
     example = [(0, 7), (1, 7), (7, 12)]
-    gym = _table(12, 9, lambda i, j: example[j // 3][0] <= i < example[j // 3][1])
+    gym = table(12, 9, lambda i, j: example[j // 3][0] <= i < example[j // 3][1])
     for attend in ("last", "all"):
         s = FlamingoCross(last_image=spec.last_image, key_image=spec.key_image, attend=attend)  # type: ignore[arg-type]
         assert not torch.equal(s.dense(12, 9), gym)
