@@ -225,7 +225,7 @@ def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:
         fz.plan(q, kv, kv, enable_gqa=True, backend="sdpa_cudnn")
 
 
-SDPA_ROUTES = ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
+SDPA_ROUTES = ["sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
 
 
 @pytest.mark.parametrize("route", SDPA_ROUTES)

@@ -582,3 +582,21 @@ def test_flex_flash_refuses_masks_that_read_captured_scalar_offsets() -> None:
         masks.Document(doc_ids=torch.zeros(256, dtype=torch.long)),
     ):
         assert not any(reason in r for r in FLEX_FLASH.mask_reasons(_problem(mask, lq=256, lkv=256)))
+
+
+def test_sdpa_route_refusals() -> None:
+    """Route ``sdpa`` (SDPA's own kernel choice) refuses what it cannot promise: reproducible
+    runs, rows an attn_mask may leave empty, and equal chunks (sdpa_cudnn's view)."""
+    assert plan_problem(_problem(masks.Causal()), "sdpa").backend == "sdpa"
+    det = dataclasses.replace(_problem(masks.Causal()), deterministic=True)
+    with pytest.raises(ValueError, match="SDPA chooses its kernel per call"):
+        plan_problem(det, "sdpa")
+    padded = masks.KeyPadding(valid=torch.tensor([[True, True, False], [False, False, False]]))
+    with pytest.raises(ValueError, match="may leave a query row seeing no key"):
+        plan_problem(_problem(padded, lq=3, batch=2), "sdpa")
+    full_rows = masks.KeyPadding(valid=torch.tensor([[True, True, False], [True, False, False]]))
+    assert plan_problem(_problem(full_rows, lq=3, batch=2), "sdpa").backend == "sdpa"
+    with pytest.raises(ValueError, match="equal chunks only through sdpa_cudnn"):
+        plan_problem(_problem(masks.Chunked(size=256) & masks.Causal()), "sdpa")
+    with pytest.raises(ValueError, match="score_mod"):
+        plan_problem(_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "sdpa")
