@@ -170,11 +170,6 @@ class SdpaBackend(Backend):
 
 #: ``SdpaBackend.kernel`` of the route that lets SDPA choose its kernel itself.
 UNPINNED = "UNPINNED"
-#: Query rows up to which SDPA may fall back to its math kernel: its ``Lq x Lkv`` scores are then
-#: no bigger than a few rows of the KV cache (decoding, speculative verification).
-FEW_QUERIES = 16
-
-
 @dataclasses.dataclass(frozen=True)
 class SdpaChoiceBackend(SdpaBackend):
     """SDPA with its own kernel choice (``F.scaled_dot_product_attention`` as a user calls it).
@@ -182,8 +177,7 @@ class SdpaChoiceBackend(SdpaBackend):
     torch picks among cuDNN, FlashAttention-2, the memory-efficient and the math kernel per call,
     from the shapes, and runs grouped-query attention natively where a kernel can (cuDNN, FA2),
     which the pinned routes cannot all do. Accepted only where a fused kernel takes the call (its
-    math fallback would hold the ``Lq x Lkv`` scores), or for at most ``FEW_QUERIES`` query rows;
-    not for reproducible runs (the kernel is not pinned), nor for an ``attn_mask`` that may leave a
+    math fallback would hold the ``B x H x Lq x Lkv`` scores); not for reproducible runs (the kernel is not pinned), nor for an ``attn_mask`` that may leave a
     row seeing no key (kernels differ there).
     """
 
@@ -204,7 +198,7 @@ class SdpaChoiceBackend(SdpaBackend):
         return []
 
     def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
-        if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling() or p.q_len <= FEW_QUERIES:
+        if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling():
             return []
         kernels = ("EFFICIENT_ATTENTION",) if call.attn_mask is not None else FUSED_KERNELS
         refusals = [
