@@ -354,13 +354,18 @@ def plan(
     tune: bool | None = None,
     is_causal: bool = False,
     kernel_options: dict[str, Any] | None = None,
+    layout: str = "bhsd",
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing.
 
-    With tuning on (``tune``, as for ``attention``) the plan takes the measured winner where the
-    table holds one; it never measures (the first tuned ``attention`` call does).
+    The arguments are ``attention``'s. With tuning on (``tune``, as for ``attention``) the plan
+    takes the measured winner where the table holds one; it never measures (the first tuned
+    ``attention`` call does). ``layout="bshd"`` plans the ``[B, H, L, D]`` views that
+    ``attention`` runs (``transpose(1, 2)``, no copy): the plan's ``problem`` is the same for
+    ``plan(q, k, v, layout="bshd")`` and ``plan(q.transpose(1, 2), ..., layout="bhsd")``.
     For DTensor inputs: the plan of this rank's local call (see :mod:`flexattn_zoo.sharding`).
     """
+    q, k, v = as_bhsd(q, k, v, layout)
     mask, score_mod = tensor_args(mask, score_mod)
     mask = with_causal(mask, is_causal)
     options = check_kernel_options(kernel_options)
@@ -624,20 +629,36 @@ def attention(
     return out, maybe_lse
 
 
+#: The values of ``layout=`` (``attention``, ``plan``, ``fz.Attention``).
 LAYOUTS = ("bhsd", "bshd")
+
+
+def check_layout(layout: Any) -> str:
+    """``layout`` if it is one of :data:`LAYOUTS`, else ``ValueError`` naming the choices."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    return layout
+
+
+def as_bhsd(q: Any, k: Any, v: Any, layout: Any) -> tuple[Any, Any, Any]:
+    """``q, k, v`` of ``layout`` as ``[B, H, L, D]``: unchanged for ``"bhsd"``, ``transpose(1, 2)``
+    views (no copy) of ``[B, L, H, D]`` tensors for ``"bshd"``; ``ValueError`` for another layout
+    or a ``"bshd"`` input that is not a 4-D tensor."""
+    if check_layout(layout) == "bhsd":
+        return q, k, v
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor [B, L, H, D] for layout='bshd', got {got}")
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _bshd_attention(
     q: Any, k: Any, v: Any, layout: Any, **kwargs: Any
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``attention`` of ``[B, L, H, D]`` inputs: transposed views in, the output transposed back."""
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D tensor [B, L, H, D] for layout='bshd', got {got}")
-    result = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
+    q, k, v = as_bhsd(q, k, v, layout)
+    result = attention(q, k, v, **kwargs)
     if isinstance(result, tuple):
         return result[0].transpose(1, 2), result[1]
     return result.transpose(1, 2)

@@ -1,7 +1,7 @@
 """Attention as a model layer: ``fz.Attention`` (an ``nn.Module``) and ``attention_layer`` (functional).
 
-Both take ``q, k, v`` in ``[B, H, L, D]`` (projections, RoPE and the KV cache stay in the model)
-and a configuration given once:
+Both take ``q, k, v`` in ``[B, H, L, D]``, or ``[B, L, H, D]`` with ``layout="bshd"`` (projections,
+RoPE and the KV cache stay in the model), and a configuration given once:
 
 * ``config=``: a preset name (``"gemma2"``, with ``layer=``/``num_heads=``; see ``fz.presets``), a
   :class:`~flexattn_zoo.models.presets.LayerAttention`, a YAML path or text (``{mask: ..., score_mod: ...}``,
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args, with_causal
-from flexattn_zoo.dispatch import attention
+from flexattn_zoo.dispatch import as_bhsd, attention, check_layout
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
@@ -103,7 +103,17 @@ def _run(
     return_lse: bool,
     sinks: torch.Tensor | None,
     backend: str,
+    layout: str = "bhsd",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if layout != "bhsd":  # [B, L, H, D]: the layer runs on [B, H, L, D] views, out transposed back
+        q, k, v = as_bhsd(q, k, v, layout)
+        result = _run(
+            q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks,
+            backend=backend,
+        )  # fmt: skip
+        if isinstance(result, tuple):
+            return result[0].transpose(1, 2), result[1]
+        return result.transpose(1, 2)
     if la.uses_sinks and sinks is None:
         raise ValueError(
             f"this layer ({la.kind or 'preset'} attention) has learned attention sinks: pass sinks= "
@@ -137,6 +147,7 @@ def attention_layer(
     return_lse: Literal[False] = ...,
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
+    layout: str = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention_layer(
@@ -153,6 +164,7 @@ def attention_layer(
     return_lse: Literal[True],
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
+    layout: str = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_layer(
@@ -169,6 +181,7 @@ def attention_layer(
     return_lse: bool = ...,
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
+    layout: str = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -186,6 +199,7 @@ def attention_layer(
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
     backend: str = "auto",
+    layout: str = "bhsd",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
 
@@ -197,16 +211,19 @@ def attention_layer(
         return_lse: also return the lse (with sinks: the log-normaliser including the sink).
         sinks: per-head sink logits ``[H]`` (see :mod:`flexattn_zoo.models.sinks`), or None.
         backend: as for ``fz.attention``; with sinks the route must return an lse.
+        layout: as for ``fz.attention``: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in
+            and out, viewed with ``transpose(1, 2)``, no copy; the lse stays ``[B, H, Lq]``).
 
     For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a
     preset or YAML config is resolved on every call (equal specs still hit the caches).
     """
-    la = resolve_config(
-        config, mask=mask, score_mod=score_mod, layer=layer, num_heads=q.shape[1] if q.dim() == 4 else None
-    )
+    heads_dim = 2 if check_layout(layout) == "bshd" else 1
+    heads = q.shape[heads_dim] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads)
     return _run(
-        q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend
-    )
+        q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend,
+        layout=layout,
+    )  # fmt: skip
 
 
 #: ``Attention.set_mask``'s "not given" (None means "no mask").
@@ -234,6 +251,10 @@ class Attention(nn.Module):
             replaces the whole mask, the causal part included.
         **preset_params: the preset's own parameters, e.g.
             ``Attention("prefix_lm", prefix_len=32)``; ``flexattn-zoo presets`` lists them.
+        layout: as for ``fz.attention``: ``"bhsd"`` (default, ``[B, H, L, D]``) or ``"bshd"``
+            (``[B, L, H, D]``, as projections give: ``forward`` takes q, k, v and returns ``out``
+            in that layout, viewed with ``transpose(1, 2)``, no copy; the lse stays ``[B, H, Lq]``).
+            Checked here: another value raises ``ValueError``.
 
     The specs are resolved in ``__init__`` and the same objects are passed on every call, so after
     the first step no BlockMask is built and no kernel compiled for an unchanged shape.
@@ -259,9 +280,11 @@ class Attention(nn.Module):
         sinks: bool | torch.Tensor | None = None,
         backend: str = "auto",
         is_causal: bool = False,
+        layout: str = "bhsd",
         **preset_params: Any,
     ) -> None:
         super().__init__()
+        self.layout = check_layout(layout)
         self.spec = resolve_config(
             config,
             mask=mask,
@@ -343,10 +366,13 @@ class Attention(nn.Module):
             return_lse=self.return_lse,
             sinks=self.sinks,
             backend=self.backend,
+            layout=self.layout,
         )
 
     def extra_repr(self) -> str:
         parts = [f"mask={self.spec.mask!r}", f"score_mod={self.spec.score_mod!r}"]
         if self.sinks is not None:
             parts.append(f"sinks=[{self.sinks.numel()}]")
+        if self.layout != "bhsd":
+            parts.append(f"layout={self.layout!r}")
         return ", ".join(parts)

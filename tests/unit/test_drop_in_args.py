@@ -131,3 +131,103 @@ def test_bshd_layout_refusals() -> None:
         fz.attention(q, k, v, layout="sbhd")
     with pytest.raises(ValueError, match="q must be a 4-D tensor"):
         fz.attention(q[0], k, v, layout="bshd")
+
+
+def _bshd_leaves(lq: int = 24, lkv: int = 24, kv_heads: int = 2) -> tuple[torch.Tensor, ...]:
+    """q, k, v stored ``[B, L, H, D]`` (leaves that require grad)."""
+    gen = torch.Generator().manual_seed(7 * lq + lkv)
+    shapes = ((2, lq, 4, 16), (2, lkv, kv_heads, 16), (2, lkv, kv_heads, 16))
+    return tuple(torch.randn(*s, generator=gen).requires_grad_() for s in shapes)
+
+
+def _bhsd_copies(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The same values, stored ``[B, H, L, D]`` (new leaves)."""
+    return tuple(t.detach().transpose(1, 2).contiguous().requires_grad_() for t in ts)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(mask="causal"),
+        dict(mask=masks.SlidingWindow(left=3), enable_gqa=True),
+        dict(is_causal=True, return_lse=True, backend="dense"),
+        dict(mask="causal", kernel_options={"BLOCK_M": 16}),
+        dict(backend="sdpa_math", scale=0.3),
+    ],
+)
+def test_plan_bshd_plans_what_attention_runs(kwargs: dict) -> None:
+    qs, ks, vs = _bshd_leaves(24, 16, kv_heads=2 if kwargs.get("enable_gqa") else 4)
+    q, k, v = (t.detach().transpose(1, 2) for t in (qs, ks, vs))
+    with torch.no_grad():
+        bshd = fz.plan(qs, ks, vs, layout="bshd", **kwargs)
+        assert bshd.problem == fz.plan(q, k, v, **kwargs).problem  # the [B, H, L, D] views' problem
+        assert bshd.backend == fz.plan(q, k, v, **kwargs).backend
+        assert bshd.problem.heads == 4 and bshd.problem.q_len == 24 and bshd.problem.kv_len == 16
+    # With grad (a training call) too: the plan is of the transposed views of the leaves.
+    if "kernel_options" not in kwargs:  # (flex on the CPU has no backward)
+        p = fz.plan(qs, ks, vs, layout="bshd", **kwargs)
+        views = fz.plan(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), **kwargs)
+        assert p.problem.requires_grad and p.problem == views.problem and p.backend == views.backend
+    assert fz.plan(q, k, v, layout="bhsd", **kwargs).problem == fz.plan(q, k, v, **kwargs).problem
+
+
+@pytest.mark.parametrize("route", ["auto", "dense"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_layer_bshd_matches_bhsd_forward_and_backward(route: str, sinks: bool) -> None:
+    qs, ks, vs = _bshd_leaves(24, 24, kv_heads=2)  # GQA detected from dim 2 in bshd
+    q, k, v = _bhsd_copies(qs, ks, vs)
+    opts: dict = dict(mask=masks.SlidingWindow(left=5), is_causal=True, backend=route, return_lse=True)
+    if sinks:
+        opts.update(sinks=True, num_heads=4)
+    ref = fz.Attention(**opts)
+    lay = fz.Attention(layout="bshd", **opts)
+    assert lay.layout == "bshd" and "layout='bshd'" in repr(lay)
+    if sinks:
+        with torch.no_grad():
+            ref.sinks.copy_(torch.linspace(-1, 1, 4))  # type: ignore[union-attr]
+            lay.sinks.copy_(torch.linspace(-1, 1, 4))  # type: ignore[union-attr]
+    out_s, lse_s = lay(qs, ks, vs)
+    out, lse = ref(q, k, v)
+    assert out_s.shape == (2, 24, 4, 16) and lse_s.shape == (2, 4, 24)
+    torch.testing.assert_close(out_s, out.transpose(1, 2))
+    torch.testing.assert_close(lse_s, lse)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (out_s * grad.transpose(1, 2)).sum().backward()
+    (out * grad).sum().backward()
+    for a, b in zip((qs, ks, vs), (q, k, v), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad.transpose(1, 2))
+    if sinks:
+        torch.testing.assert_close(lay.sinks.grad, ref.sinks.grad)  # type: ignore[union-attr]
+    # The functional layer takes it too (a preset's head count read from dim 2).
+    got = fz.layers.attention_layer(qs, ks, vs, config="gemma2", layer=1, layout="bshd", backend=route)
+    want = fz.layers.attention_layer(q, k, v, config="gemma2", layer=1, backend=route)
+    torch.testing.assert_close(got, want.transpose(1, 2))
+
+
+def test_attention_bshd_backward_matches_bhsd() -> None:
+    qs, ks, vs = _bshd_leaves(24, 24, kv_heads=4)
+    q, k, v = _bhsd_copies(qs, ks, vs)
+    out_s = fz.attention(qs, ks, vs, mask="causal", layout="bshd")
+    out = fz.attention(q, k, v, mask="causal")
+    torch.testing.assert_close(out_s, out.transpose(1, 2))
+    out_s.sum().backward()
+    out.sum().backward()
+    for a, b in zip((qs, ks, vs), (q, k, v), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad.transpose(1, 2))
+
+
+def test_layout_refusals_of_plan_and_layer() -> None:
+    q, k, v = _qkv()
+    for bad in ("sbhd", "BSHD", None, 1):
+        with pytest.raises(ValueError, match="layout must be one of 'bhsd', 'bshd'"):
+            fz.plan(q, k, v, layout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="layout must be one of 'bhsd', 'bshd'"):
+            fz.Attention(layout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="layout must be one of 'bhsd', 'bshd'"):
+            fz.layers.attention_layer(q, k, v, layout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="k must be a 4-D tensor"):
+        fz.plan(q, k[0], v, layout="bshd")
+    with pytest.raises(ValueError, match="q must be a 4-D tensor"):
+        fz.Attention(layout="bshd")(q[0], k, v)
