@@ -143,6 +143,9 @@ class Backend:
     lse: bool = False
     backward: bool = True
     gqa: bool = True
+    #: Takes a value head dim ``Dv`` other than the q/k head dim (``v`` ``[B, Hkv, Lkv, Dv]``,
+    #: output ``[B, H, Lq, Dv]``: DeepSeek-style attention, q/k 192 with v 128), within ``head_dims``.
+    value_dims: bool = False
     #: Forward and backward are bitwise reproducible run to run (same inputs, machine, torch).
     deterministic: bool = True
     #: Why not, when ``deterministic`` is False (shown in the refusal).
@@ -191,8 +194,12 @@ class Backend:
         if not lo <= p.head_dim <= hi or p.head_dim % self.head_dim_multiple:
             extra = f", multiple of {self.head_dim_multiple}" if self.head_dim_multiple > 1 else ""
             out.append(f"head dim {p.head_dim} outside {lo}..{hi}{extra}")
-        if p.v_dim != p.head_dim:
-            out.append(f"value head dim {p.v_dim} differs from q/k head dim {p.head_dim}")
+        v_dim = p.head_dim if p.v_dim is None else p.v_dim  # filled in by Problem.__post_init__
+        if v_dim != p.head_dim:
+            if not self.value_dims:
+                out.append(f"value head dim {v_dim} differs from q/k head dim {p.head_dim}")
+            elif not lo <= v_dim <= hi or v_dim % self.head_dim_multiple:
+                out.append(f"value head dim {v_dim} outside {lo}..{hi}")
         if p.device_type == "cuda" and "cuda" in self.devices and p.arch == ROCM and not self.rocm:
             out.append("CUDA-only: not available on ROCm (HIP) builds of torch")
         cc = parse_arch(p.arch) if p.device_type == "cuda" else None

@@ -134,5 +134,6 @@ DENSE = DenseBackend(
     decode=True,
     rocm=True,
     materializes=True,
+    value_dims=True,
     doc="eager dense attention with autograd (materializes Lq x Lkv; memory-guarded)",
 )

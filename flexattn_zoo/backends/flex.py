@@ -180,7 +180,7 @@ class FlexBackend(Backend):
             options,
             p.return_lse,
             p.gqa,
-            (p.heads, p.kv_heads, p.head_dim, p.dtype),
+            (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
         )
         return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa)
 
@@ -301,6 +301,11 @@ class FlexFlashBackend(FlexBackend):
 
 @dataclasses.dataclass(frozen=True)
 class FlexCpuBackend(FlexBackend):
+    def run(self, q, k, v, p, *, scale, block_mask=None):
+        # The route runs only when nothing needs a gradient (it has no backward), but torch's CPU
+        # flex refuses any input that requires grad, also under torch.no_grad(): detached views.
+        return super().run(q.detach(), k.detach(), v.detach(), p, scale=scale, block_mask=block_mask)
+
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:
             # Measured (torch 2.13): a NaN in q row i gave a *finite* row i, and a NaN key reached
@@ -322,6 +327,7 @@ FLEX = FlexBackend(
     tuning=(SM90_FORWARD_TILES,),
     decode=True,
     rocm=True,
+    value_dims=True,
     doc="FlexAttention compiled to Triton with BlockMask sparsity (any mask, any score mod)",
 )
 FLEX_FLASH = FlexFlashBackend(
@@ -352,5 +358,6 @@ FLEX_CPU = FlexCpuBackend(
     lse=False,
     backward=False,
     decode=True,
+    value_dims=True,
     doc="FlexAttention compiled to C++ on CPU (inference only: torch has no CPU flex backward or lse)",
 )

@@ -170,6 +170,8 @@ class SdpaBackend(Backend):
 
 #: ``SdpaBackend.kernel`` of the route that lets SDPA choose its kernel itself.
 UNPINNED = "UNPINNED"
+
+
 @dataclasses.dataclass(frozen=True)
 class SdpaChoiceBackend(SdpaBackend):
     """SDPA with its own kernel choice (``F.scaled_dot_product_attention`` as a user calls it).
@@ -338,5 +340,6 @@ SDPA_MATH = SdpaBackend(
     dtypes=FLOATS,
     rocm=True,
     materializes=True,
+    value_dims=True,
     doc="SDPA's reference math kernel (no mask, causal, equal chunks); materializes scores internally",
 )
