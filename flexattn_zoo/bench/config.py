@@ -19,6 +19,7 @@ Schema (``defaults`` keys may also be given per case, where they win)::
         seq_len: 8192        # key length (and query length unless q_len is given)
         # q_len: 1           # optional: fewer queries than keys (decode, chunked prefill)
         head_dim: 128
+        # v_head_dim: 128    # optional: a value head dim other than head_dim
         mask: {name: causal}                 # as flexattn_zoo.config: mapping, or list joined with &
         score_mod: {name: softcap, cap: 30}  # mapping, or list chained with >>
         document_lengths: {min: 256, max: 2048, seed: 0}
@@ -81,6 +82,7 @@ CASE_KEYS = (
     "seq_len",
     "q_len",
     "head_dim",
+    "v_head_dim",
     "mask",
     "score_mod",
     "document_lengths",
@@ -120,10 +122,17 @@ class Case:
     goal: tuple[tuple[str, float], ...] = ()
     #: Query length when it differs from ``seq_len`` (the key length): decode and chunked prefill.
     q_len: int | None = None
+    #: Value head dim when it differs from ``head_dim`` (DeepSeek-style q/k 192, v 128).
+    v_head_dim: int | None = None
 
     @property
     def gqa(self) -> bool:
         return self.kv_heads != self.heads
+
+    @property
+    def dv(self) -> int:
+        """The value head dim (``v_head_dim``, else ``head_dim``)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def lq(self) -> int:
@@ -163,7 +172,8 @@ class Case:
     def shape(self) -> str:
         heads = f"{self.heads}:{self.kv_heads}" if self.gqa else str(self.heads)
         lengths = f"L={self.seq_len}" if self.q_len is None else f"Lq={self.q_len} Lkv={self.seq_len}"
-        return f"B={self.batch} H={heads} {lengths} D={self.head_dim}"
+        dims = f"D={self.head_dim}" if self.v_head_dim is None else f"Dqk={self.head_dim} Dv={self.dv}"
+        return f"B={self.batch} H={heads} {lengths} {dims}"
 
 
 def document_lengths(seq_len: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -265,6 +275,9 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         kv_heads=kv_heads,
         seq_len=_int(f"{where}.seq_len", raw["seq_len"]),
         q_len=_int(f"{where}.q_len", raw["q_len"]) if raw.get("q_len") is not None else None,
+        v_head_dim=_int(f"{where}.v_head_dim", raw["v_head_dim"])
+        if raw.get("v_head_dim") is not None
+        else None,
         head_dim=_int(f"{where}.head_dim", raw["head_dim"]),
         dtype=DTYPES[str(s["dtype"]).lower()],
         device=s["device"],

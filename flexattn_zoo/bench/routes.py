@@ -64,8 +64,10 @@ class Inputs:
         b, length, lq, d = case.batch, case.seq_len, case.lq, case.head_dim
         q = torch.randn(b, case.heads, lq, d, device=device, dtype=case.dtype, requires_grad=grad)
         k = torch.randn(b, case.kv_heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
-        v = torch.randn(b, case.kv_heads, length, d, device=device, dtype=case.dtype, requires_grad=grad)
-        g = torch.randn(b, case.heads, lq, d, device=device, dtype=case.dtype) if grad else None
+        v = torch.randn(
+            b, case.kv_heads, length, case.dv, device=device, dtype=case.dtype, requires_grad=grad
+        )
+        g = torch.randn(b, case.heads, lq, case.dv, device=device, dtype=case.dtype) if grad else None
         return cls(q, k, v, g)
 
 

@@ -72,7 +72,8 @@ def _message(exc: BaseException, limit: int = 400) -> str:
 
 def _row(case: Case, route: str, mode: str, device: torch.device, visible: int | None) -> dict[str, Any]:
     L, lq = case.seq_len, case.lq
-    flops = 4 * case.head_dim * visible * FLOP_FACTOR[mode] if visible is not None else None
+    # Two matmuls per visible pair: q.k (2 * D flops) and p.v (2 * Dv).
+    flops = 2 * (case.head_dim + case.dv) * visible * FLOP_FACTOR[mode] if visible is not None else None
     return {
         "case": case.name,
         "route": route,
@@ -98,6 +99,7 @@ def _row(case: Case, route: str, mode: str, device: torch.device, visible: int |
         "seq_len": L,
         "q_len": lq,
         "head_dim": case.head_dim,
+        "v_head_dim": case.dv,
         "dtype": str(case.dtype).removeprefix("torch."),
         "device": str(device),
         "visible_pairs": visible,

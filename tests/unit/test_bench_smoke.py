@@ -192,6 +192,10 @@ def test_config_errors_name_the_valid_choices() -> None:
         "document_causal_gqa",
         "sliding_32k",
         "chunked_32k",
+        "gemma2_d256",
+        "mla_d192",
+        "phi3_d96",
+        "decode_gqa",
     ]
 
 
@@ -320,3 +324,31 @@ def test_summary_marks_host_bound_auto_below_the_best_route() -> None:
     assert (
         auto_vs_best(row("auto", 310.0, 0.58, 0.58)) == "0.99 (flex)"
     )  # within the rule: nothing to explain
+
+
+def test_decode_value_dim_and_padding_cases() -> None:
+    """Cases with fewer queries than keys, a value head dim of their own, or padded keys run on
+    the routes and baselines that take them; flops count q.k at D and p.v at Dv."""
+    cases = parse_config(
+        {
+            "defaults": {"dtype": "fp32", "device": "cpu", "warmup": 0, "iters": 1, "modes": ["fwd"]},
+            "cases": [
+                {"name": "dec", "batch": 2, "heads": 4, "kv_heads": 2, "q_len": 1, "seq_len": 40,
+                 "head_dim": 16, "routes": ["auto", "dense", "plain_sdpa"]},
+                {"name": "mla", "batch": 1, "heads": 2, "seq_len": 24, "head_dim": 24, "v_head_dim": 8,
+                 "mask": "causal", "routes": ["auto", "dense", "plain_sdpa"]},
+                {"name": "pad", "batch": 3, "heads": 2, "seq_len": 32, "head_dim": 8,
+                 "key_padding": {"min": 5, "max": 32}, "routes": ["auto", "dense", "sdpa_dense_mask"]},
+            ],
+        }
+    )  # fmt: skip
+    data: dict[str, Any] = {"env": {}, "rows": []}
+    assert bench.run_sweep(cases, data, quiet=True) is True
+    rows = {(r["case"], r["route"]): r for r in data["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), [r["reason"] for r in rows.values()]
+    assert rows[("dec", "auto")]["q_len"] == 1 and rows[("dec", "auto")]["visible_pairs"] == 2 * 4 * 40
+    mla = rows[("mla", "dense")]
+    assert mla["flops"] == 2 * (24 + 8) * mla["visible_pairs"] and mla["v_head_dim"] == 8
+    assert rows[("mla", "plain_sdpa")]["max_err"] < 1e-5
+    assert rows[("pad", "auto")]["traits"] == [] and "dense" in rows[("pad", "auto")]["accepted"]
+    assert rows[("pad", "sdpa_dense_mask")]["max_err"] < 1e-5
