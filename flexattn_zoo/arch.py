@@ -167,8 +167,10 @@ class Sizes:
 
     @property
     def work(self) -> float:
-        """``B * H * Lq * Lkv * D`` times ``visible``: the attention's visible size."""
-        return self.batch * self.heads * self.q_len * self.kv_len * self.head_dim * self.visible
+        """``B * H * Lq * Lkv * D`` times ``visible``: the attention's visible size. An integer
+        product when ``visible`` is 1 (sizes traced symbolically then compare as integers)."""
+        whole = self.batch * self.heads * self.q_len * self.kv_len * self.head_dim
+        return whole if self.visible == 1.0 else whole * self.visible
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
