@@ -99,7 +99,7 @@ def test_transformers_is_not_imported_again_inside_a_model(monkeypatch: pytest.M
     assert mask_reader.transformers_module().masking_utils is first
 
 
-def test_a_data_dependent_cache_offset_traces_without_a_guard(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_data_dependent_cache_offset_traces_without_a_guard() -> None:
     """transformers' compiled static-cache decoding hands the mask reader a cache position read
     from a tensor (an unbacked size): choosing the spec, clamping its offsets and asking its forms
     must not guard on the value (Dynamo: "Could not guard on data-dependent expression")."""
@@ -107,7 +107,6 @@ def test_a_data_dependent_cache_offset_traces_without_a_guard(monkeypatch: pytes
     from flexattn_zoo.masks.band import Band
     from flexattn_zoo.masks.causal import OffsetCausal
 
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     torch.compiler.reset()
 
     seen: list[object] = []  # what the traced code decided (asserted outside the graph)
@@ -129,7 +128,9 @@ def test_a_data_dependent_cache_offset_traces_without_a_guard(monkeypatch: pytes
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
-    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    compiled = torch._dynamo.config.patch(capture_scalar_outputs=True)(
+        torch.compile(step, fullgraph=True, backend=counter)
+    )
     x = torch.zeros(())
 
     def run(position: int) -> float:
