@@ -432,7 +432,8 @@ class FunctionScore(_TracksCallable, ScoreSpec):
 # ---------------------------------------------------------------------------------------------
 # Evaluating a callable as flex does.
 
-#: Elements evaluated at once by :func:`evaluate_as_flex` (each gets its four int64 indices).
+#: Elements evaluated at once by :func:`evaluate_as_flex` (at most: a chunk is one slice of the
+#: grid along its longest axis, and grows past this only where one row of that axis does).
 SCALAR_CHUNK_ELEMENTS = 1 << 20
 
 
@@ -442,44 +443,72 @@ def _flex_scalars(args: tuple[Any, ...]) -> bool:
     return _compat.is_compiling() or all(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args)
 
 
-def evaluate_as_flex(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """``fn(*args)`` evaluated the way flex evaluates a mod: once per element of the broadcast of
-    ``args``, each call seeing 0-d tensors (``torch.vmap`` over the elements, inside
-    :func:`_compat.index_with_tensors` so that ``table[q_idx]`` indexes), as torch's eager
-    ``flex_attention`` and ``create_mask`` do. Returns a tensor of the broadcast shape.
-
-    The elements are taken ``SCALAR_CHUNK_ELEMENTS`` at a time (their indices gathered from the
-    broadcast views, never expanded whole), so what the callable builds per element is bounded by
-    the chunk, not by the grid. Differentiable: a floating ``args`` entry (the scores of a
-    ``score_mod``) is split, not indexed, so its gradient is one concatenation.
-    """
-    shape = torch.broadcast_shapes(*(a.shape for a in args))
+def _numel(shape: tuple[int, ...]) -> int:
     total = 1
     for size in shape:
         total *= size
+    return total
+
+
+def _vmapped(fn: Callable[..., Any], args: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """``fn`` under one ``torch.vmap`` per axis of ``shape`` (as flex's ``_vmap_for_bhqkv``): an
+    argument of extent 1 along an axis the grid spans is not mapped there (squeezed), so no index
+    grid is ever expanded to the full shape."""
+    mapped = [[a.shape[d] == shape[d] for d in range(len(shape))] for a in args]
+    squeezed = []
+    for a, dims in zip(args, mapped, strict=True):
+        keep = [d for d in range(len(shape)) if dims[d]]
+        squeezed.append(a.reshape([a.shape[d] for d in keep]))
+    call = fn
+    for d in reversed(range(len(shape))):
+        call = torch.vmap(call, in_dims=tuple(0 if m[d] else None for m in mapped), out_dims=0)
+    return call(*squeezed)
+
+
+def _evaluate_chunked(
+    fn: Callable[..., Any], args: list[torch.Tensor], shape: tuple[int, ...]
+) -> torch.Tensor:
+    total = _numel(shape)
+    if total <= SCALAR_CHUNK_ELEMENTS or max(shape) == 1:
+        out = _vmapped(fn, args, shape)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+            got = tuple(out.shape[len(shape) :]) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(
+                f"a mod must return one value per (b, h, q_idx, kv_idx) (a 0-d tensor, as flex "
+                f"requires), got {got} per element"
+            )
+        return out
+    axis = max(range(len(shape)), key=lambda d: shape[d])
+    rows = max(1, SCALAR_CHUNK_ELEMENTS // (total // shape[axis]))
+    # split, not narrow: the gradient of a split tensor (the scores) is one concatenation.
+    pieces = [a.split(rows, dim=axis) if a.shape[axis] > 1 else None for a in args]
+    outs = []
+    for n, start in enumerate(range(0, shape[axis], rows)):
+        part = [p[n] if p is not None else a for a, p in zip(args, pieces, strict=True)]
+        sub = list(shape)
+        sub[axis] = min(rows, shape[axis] - start)
+        outs.append(_evaluate_chunked(fn, part, tuple(sub)))
+    return torch.cat(outs, dim=axis)
+
+
+def evaluate_as_flex(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``fn(*args)`` evaluated the way flex evaluates a mod: once per element of the broadcast of
+    ``args``, each call seeing 0-d tensors (``torch.vmap`` per axis, inside
+    :func:`_compat.index_with_tensors` so that ``table[q_idx]`` indexes), as torch's eager
+    ``flex_attention`` and ``create_mask`` do. Returns a tensor of the broadcast shape.
+
+    The grid is cut along its longest axis into chunks of at most ``SCALAR_CHUNK_ELEMENTS``
+    elements (or one row of that axis), so what the callable builds per element is bounded by the
+    chunk, not by the grid. Differentiable (a score_mod's scores, tensors it captures).
+    """
+    shape = tuple(torch.broadcast_shapes(*(a.shape for a in args)))
     device = args[0].device
-    if total == 0:  # nothing to call fn on: an empty result of the dtype flex would give
+    if _numel(shape) == 0:  # nothing to call fn on: an empty result of the dtype flex would give
         floating = any(a.is_floating_point() for a in args)
         return torch.empty(shape, device=device, dtype=args[0].dtype if floating else torch.bool)
-    views = [a.expand(shape) for a in args]
-    flat = [v.reshape(-1) if v.is_floating_point() else None for v in views]
-    splits = [f.split(SCALAR_CHUNK_ELEMENTS) if f is not None else None for f in flat]
-    outs = []
-    mapped = torch.vmap(fn, in_dims=0, out_dims=0)
+    padded = [a.reshape((1,) * (len(shape) - a.dim()) + tuple(a.shape)) for a in args]
     with _compat.index_with_tensors():
-        for n, start in enumerate(range(0, total, SCALAR_CHUNK_ELEMENTS)):
-            stop = min(total, start + SCALAR_CHUNK_ELEMENTS)
-            coords = torch.unravel_index(torch.arange(start, stop, device=device), shape)
-            chunk = [s[n] if s is not None else v[coords] for v, s in zip(views, splits, strict=True)]
-            out = mapped(*chunk)
-            if not isinstance(out, torch.Tensor) or out.shape != (stop - start,):
-                got = tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise TypeError(
-                    f"a mod must return one value per (b, h, q_idx, kv_idx) (a 0-d tensor, as flex "
-                    f"requires), got {got} per element"
-                )
-            outs.append(out)
-    return torch.cat(outs).view(shape)
+        return _evaluate_chunked(fn, padded, shape)
 
 
 def _scalar_mask_mod(fn: Callable[..., Any]) -> MaskMod:
