@@ -200,6 +200,51 @@ def cpu_flash_attention_backward(
     )
 
 
+def recording_mode(on_op: Callable[[Any, tuple[Any, ...], Any], None]) -> Any:
+    """A ``TorchDispatchMode`` that runs every ATen op as usual and reports ``(op, args, out)`` to
+    ``on_op``: how :mod:`flexattn_zoo.functions` sees which ops a user's mod runs on 0-d indices.
+
+    ``torch.utils._python_dispatch.TorchDispatchMode``: private but stable since torch 1.13,
+    checked on 2.13."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            on_op(func, tuple(args), out)
+            return out
+
+    return _Recording()
+
+
+class _IndexWithTensors(torch.overrides.TorchFunctionMode):
+    """See :func:`index_with_tensors`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor):
+            table, index = args[0], args[1]
+            parts = index if isinstance(index, tuple) else (index,)
+            if all(isinstance(p, (torch.Tensor, int)) and not isinstance(p, bool) for p in parts):
+                as_tensors = [
+                    p if isinstance(p, torch.Tensor) else torch.tensor(p, device=table.device) for p in parts
+                ]
+                return torch.ops.aten.index.Tensor(table, as_tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def index_with_tensors() -> Any:
+    """A context in which ``table[idx]`` with tensor (and int) indices is the ``aten.index`` op
+    rather than Python's conversion of a 0-d index to an int: so ``doc[q_idx]`` works under
+    ``torch.vmap`` on 0-d index tensors, as in flex's eager path and ``create_mask``.
+
+    torch's own mode (``torch._dynamo._trace_wrapped_higher_order_op.TransformGetItemToIndex``)
+    routes the op through an autograd.Function whose backward batching rule takes one value per
+    element only: a gradient through ``learned[h][q_idx][kv_idx]`` (a row gathered from a tensor
+    that requires grad) fails there ("idx shape ... must match value shape", torch 2.13). Plain
+    ``aten.index`` has the same forward and autograd's own backward."""
+    return _IndexWithTensors()
+
+
 def triton_version() -> str | None:
     try:
         import triton

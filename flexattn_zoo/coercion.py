@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.functions import FunctionMask, FunctionScore, check_mask_function, check_score_function
+from flexattn_zoo.functions import (
+    FunctionMask,
+    FunctionScore,
+    Probed,
+    check_mask_function,
+    check_score_function,
+)
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
@@ -60,9 +66,10 @@ def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
         raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
     _refuse_spec_class(mask, arg)
     if callable(mask):
-        if not _compat.is_compiling():  # see _check_callables_eagerly
-            check_mask_function(mask, arg)
-        return FunctionMask(fn=mask, label=getattr(mask, "__name__", "mask_mod"))
+        # see _check_callables_eagerly; while tracing, the broadcast evaluation is assumed.
+        probed = check_mask_function(mask, arg) if not _compat.is_compiling() else Probed(False, ())
+        label = getattr(mask, "__name__", "mask_mod")
+        return FunctionMask(fn=mask, label=label, scalar=probed.scalar, hazards=probed.hazards)
     raise TypeError(
         f"{arg} must be None, a mask spec (e.g. masks.Causal()), a registry name (one of "
         f"{', '.join(MASKS.names())}), a mask_mod callable or a BlockMask; got {type(mask).__name__}"
@@ -88,9 +95,10 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
         raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
     _refuse_spec_class(score, arg)
     if callable(score):
-        if not _compat.is_compiling():  # see _check_callables_eagerly
-            check_score_function(score, arg)
-        return FunctionScore(fn=score, label=getattr(score, "__name__", "score_mod"))
+        # see _check_callables_eagerly; while tracing, the broadcast evaluation is assumed.
+        probed = check_score_function(score, arg) if not _compat.is_compiling() else Probed(False, ())
+        label = getattr(score, "__name__", "score_mod")
+        return FunctionScore(fn=score, label=label, scalar=probed.scalar, hazards=probed.hazards)
     raise TypeError(
         f"{arg} must be None, a score spec (e.g. score_mods.SoftCap(cap=30.0)), a registry name "
         f"(one of {', '.join(SCORES.names())}) or a score_mod callable; got {type(score).__name__}"

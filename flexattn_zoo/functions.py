@@ -1,9 +1,22 @@
 """Specs that wrap user functions: a raw flex ``mask_mod`` / ``score_mod`` callable as a spec.
 
 ``fz.attention`` accepts a raw flex callable where it takes a spec; :mod:`flexattn_zoo.coercion`
-wraps it here so the rest of the library only ever sees specs. The dense oracle of a wrapped
-function evaluates the function itself on broadcast index grids, so write it with elementwise
-torch ops (which flex requires anyway).
+wraps it here so the rest of the library only ever sees specs.
+
+How a callable is evaluated off the kernels (the float64 oracle, the ``dense`` route, the
+BlockMask builder): flex calls a mod on 0-d index tensors, one (b, h, q_idx, kv_idx) at a time
+(``torch.vmap`` eagerly, a scalar per element in the compiled kernel), so ``table[q_idx][kv_idx]``,
+``intervals[image[kv_idx]][0]`` and reductions over a captured row are all valid mods. The
+library evaluates a callable on broadcast index grids (one batched call, the fast way) only where
+the probe (:func:`check_mask_function`) found that call to give what flex's scalar evaluation
+gives; otherwise the spec is marked ``scalar`` and :func:`evaluate_as_flex` evaluates it exactly
+as flex does, under ``torch.vmap`` over every element, in chunks of ``SCALAR_CHUNK_ELEMENTS``.
+The probe compares the two on all-zero indices (in range for any captured table) over grids of
+distinct extents: a broadcast call that fails, returns a wrong shape, or differs there (a
+reduction summing over the grid) selects the scalar evaluation; one that agrees there but not
+at other index values would not be caught.
+What flex rejects (Python ``if``/``and``/``or``, ``bool()``, ``int()``, ``.item()`` on a value
+computed from the indices) is refused with a TypeError that says so.
 
 Captured state: a spec cannot own what a callable captures, so a wrapped callable's identity is
 not enough of a cache key (a BlockMask built for ``ids`` would survive ``ids[:] = ...`` and pair
@@ -32,6 +45,7 @@ from typing import Any, TypeVar
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, spec_dataclass
 
 
@@ -320,6 +334,9 @@ class _TracksCallable(Spec):
     def _holds_callables(self) -> bool:
         return self.tracked
 
+    def flex_cpu_hazards(self) -> tuple[str, ...]:
+        return tuple(getattr(self, "hazards", ()))
+
     def live(self: _TrackedT) -> _TrackedT:
         if not self.tracked:
             return self
@@ -352,6 +369,12 @@ class FunctionMask(_TracksCallable, MaskSpec):
     fn: Callable[..., Any]
     label: str = ""
     tracked: bool = dataclasses.field(default=True, repr=False)
+    #: Evaluated as flex does (:func:`evaluate_as_flex`) on index grids, not by one broadcast
+    #: call: set where the probe found the broadcast call wrong or failing (see the module doc).
+    scalar: bool = dataclasses.field(default=False, repr=False)
+    #: What the probe saw the callable do that torch's compiled CPU flex kernel mishandles
+    #: (:data:`REDUCES`, :data:`READS_GATHERED_ROW`): the ``flex_cpu`` route refuses it.
+    hazards: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     state: Hashable = dataclasses.field(default=(), init=False, repr=False)
 
     def uses_batch(self) -> bool:
@@ -361,7 +384,7 @@ class FunctionMask(_TracksCallable, MaskSpec):
         return _reads_argument(self.fn, 1)
 
     def _make_mask_mod(self) -> MaskMod:
-        return self.fn
+        return _scalar_mask_mod(self.fn) if self.scalar else self.fn
 
     def tensors(self) -> list[torch.Tensor]:
         return captured_tensors(self.fn)
@@ -371,7 +394,8 @@ class FunctionMask(_TracksCallable, MaskSpec):
         # on the CPU like the other specs' oracles (composites combine them).
         device = _captured_device(self.fn)
         b, h, q, kv = (g.to(device) for g in _grids(batch, heads, q_len, kv_len))
-        out = torch.as_tensor(self.fn(b, h, q, kv)).cpu()
+        fn = _scalar_mask_mod(self.fn) if self.scalar else self.fn
+        out = torch.as_tensor(fn(b, h, q, kv)).cpu()
         return torch.broadcast_to(out, (batch, heads, q_len, kv_len))
 
 
@@ -383,10 +407,13 @@ class FunctionScore(_TracksCallable, ScoreSpec):
     fn: Callable[..., Any]
     label: str = ""
     tracked: bool = dataclasses.field(default=True, repr=False)
+    #: As :attr:`FunctionMask.scalar` and :attr:`FunctionMask.hazards`.
+    scalar: bool = dataclasses.field(default=False, repr=False)
+    hazards: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     state: Hashable = dataclasses.field(default=(), init=False, repr=False)
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        return self.fn
+        return _scalar_score_mod(self.fn) if self.scalar else self.fn
 
     def uses_head(self) -> bool:
         return True  # unknown: a user function may read h
@@ -398,24 +425,258 @@ class FunctionScore(_TracksCallable, ScoreSpec):
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
         b, h, q, kv = (g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))
-        return torch.broadcast_to(self.fn(scores, b, h, q, kv), scores.shape).to(scores.dtype)
+        fn = _scalar_score_mod(self.fn) if self.scalar else self.fn
+        return torch.broadcast_to(fn(scores, b, h, q, kv), scores.shape).to(scores.dtype)
 
 
-_PROBE_HINT = (
-    "index tensors (flex calls it on tensors: use elementwise ops such as &, |, torch.where, "
-    "not Python if/and/or on them)"
-)
+# ---------------------------------------------------------------------------------------------
+# Evaluating a callable as flex does.
+
+#: Elements evaluated at once by :func:`evaluate_as_flex` (at most: a chunk is one slice of the
+#: grid along its longest axis, and grows past this only where one row of that axis does).
+SCALAR_CHUNK_ELEMENTS = 1 << 20
 
 
-def _probe_grids(device: torch.device) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """Scalar int32 indices (what flex's vmap passes per element) and small broadcast grids (what
-    the dense route and BlockMask builder pass), so data-dependent Python control flow fails here,
-    with a clear message, instead of deep inside a kernel or the reference."""
-    z = torch.zeros((), dtype=torch.int32, device=device)
-    # All-zero values (in range for any captured table), but multi-element shapes.
-    shapes = ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2))
-    grids = tuple(torch.zeros(shape, dtype=torch.int32, device=device) for shape in shapes)
-    return (z, z, z, z), grids
+def _flex_scalars(args: tuple[Any, ...]) -> bool:
+    """Whether a mod wrapper was called the way flex calls it (0-d index tensors: the compiled
+    kernel's scalars, or eager flex's and ``create_mask``'s vmap), or while being traced."""
+    return _compat.is_compiling() or all(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
+
+
+def _vmapped(fn: Callable[..., Any], args: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    """``fn`` under one ``torch.vmap`` per axis of ``shape`` (as flex's ``_vmap_for_bhqkv``): an
+    argument of extent 1 along an axis the grid spans is not mapped there (squeezed), so no index
+    grid is ever expanded to the full shape."""
+    mapped = [[a.shape[d] == shape[d] for d in range(len(shape))] for a in args]
+    squeezed = []
+    for a, dims in zip(args, mapped, strict=True):
+        keep = [d for d in range(len(shape)) if dims[d]]
+        squeezed.append(a.reshape([a.shape[d] for d in keep]))
+    call = fn
+    for d in reversed(range(len(shape))):
+        call = torch.vmap(call, in_dims=tuple(0 if m[d] else None for m in mapped), out_dims=0)
+    return call(*squeezed)
+
+
+def _evaluate_chunked(
+    fn: Callable[..., Any], args: list[torch.Tensor], shape: tuple[int, ...]
+) -> torch.Tensor:
+    total = _numel(shape)
+    if total <= SCALAR_CHUNK_ELEMENTS or max(shape) == 1:
+        out = _vmapped(fn, args, shape)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
+            got = tuple(out.shape[len(shape) :]) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TypeError(
+                f"a mod must return one value per (b, h, q_idx, kv_idx) (a 0-d tensor, as flex "
+                f"requires), got {got} per element"
+            )
+        return out
+    axis = max(range(len(shape)), key=lambda d: shape[d])
+    rows = max(1, SCALAR_CHUNK_ELEMENTS // (total // shape[axis]))
+    # split, not narrow: the gradient of a split tensor (the scores) is one concatenation.
+    pieces = [a.split(rows, dim=axis) if a.shape[axis] > 1 else None for a in args]
+    outs = []
+    for n, start in enumerate(range(0, shape[axis], rows)):
+        part = [p[n] if p is not None else a for a, p in zip(args, pieces, strict=True)]
+        sub = list(shape)
+        sub[axis] = min(rows, shape[axis] - start)
+        outs.append(_evaluate_chunked(fn, part, tuple(sub)))
+    return torch.cat(outs, dim=axis)
+
+
+def evaluate_as_flex(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``fn(*args)`` evaluated the way flex evaluates a mod: once per element of the broadcast of
+    ``args``, each call seeing 0-d tensors (``torch.vmap`` per axis, inside
+    :func:`_compat.index_with_tensors` so that ``table[q_idx]`` indexes), as torch's eager
+    ``flex_attention`` and ``create_mask`` do. Returns a tensor of the broadcast shape.
+
+    The grid is cut along its longest axis into chunks of at most ``SCALAR_CHUNK_ELEMENTS``
+    elements (or one row of that axis), so what the callable builds per element is bounded by the
+    chunk, not by the grid. Differentiable (a score_mod's scores, tensors it captures).
+    """
+    shape = tuple(torch.broadcast_shapes(*(a.shape for a in args)))
+    device = args[0].device
+    if _numel(shape) == 0:  # nothing to call fn on: an empty result of the dtype flex would give
+        floating = any(a.is_floating_point() for a in args)
+        return torch.empty(shape, device=device, dtype=args[0].dtype if floating else torch.bool)
+    padded = [a.reshape((1,) * (len(shape) - a.dim()) + tuple(a.shape)) for a in args]
+    with _compat.index_with_tensors():
+        return _evaluate_chunked(fn, padded, shape)
+
+
+def _scalar_mask_mod(fn: Callable[..., Any]) -> MaskMod:
+    """``fn`` as a mask_mod that flex's kernels call as is (0-d indices), and that index grids
+    (the oracle, the ``dense`` route, the BlockMask builder, composites) evaluate as flex does."""
+
+    # An index fn never reads is evaluated at one value (the result broadcasts over that dim).
+    reads = tuple(_reads_argument_eagerly(fn, i) for i in range(4))
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        args = (b, h, q_idx, kv_idx)
+        if _flex_scalars(args):
+            return fn(*args)
+        return evaluate_as_flex(
+            fn, tuple(a if r else a.reshape(-1)[:1] for a, r in zip(args, reads, strict=True))
+        )
+
+    mask_mod.__name__ = getattr(fn, "__name__", "mask_mod")
+    return mask_mod
+
+
+def _scalar_score_mod(fn: Callable[..., Any]) -> ScoreMod:
+    """:func:`_scalar_mask_mod` for a score_mod."""
+
+    def score_mod(
+        score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        args = (score, b, h, q_idx, kv_idx)
+        if _flex_scalars(args):
+            return fn(*args)
+        return evaluate_as_flex(fn, args)
+
+    score_mod.__name__ = getattr(fn, "__name__", "score_mod")
+    return score_mod
+
+
+# ---------------------------------------------------------------------------------------------
+# Probing a callable.
+
+#: How torch's vmap words a mod that flex cannot run: Python control flow on a tensor's value.
+_DATA_DEPENDENT = ("data-dependent control flow", ".item()")
+
+
+def _probe_grids(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Small broadcast index grids of distinct extents (2, 3, 4, 5: a mixed-up axis shows), all
+    zero (in range for any captured table), int32 as flex's kernels pass them."""
+    shapes = ((2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 4, 1), (1, 1, 1, 5))
+    return tuple(torch.zeros(shape, dtype=torch.int32, device=device) for shape in shapes)
+
+
+#: :attr:`FunctionMask.hazards`, each measured with torch 2.13's compiled CPU flex, also without
+#: the library (tests/unit/test_scalar_callables.py has the callables). A reduction inside a mod
+#: (``(starts <= q_idx).sum()``) fails to lower ("Buffers cannot be created while lowering a
+#: pointwise subgraph").
+REDUCES = "reduces over a tensor (sum, any, amax...) inside the mod"
+#: Reading a row the mod gathered itself (``table[q_idx][kv_idx]``, ``bounds[i][0]``,
+#: ``lo, hi = bounds[i]``) compiles but reads out of bounds: "index out of bounds" at run time,
+#: or a corrupted heap (the process aborts). The same values read with one index
+#: (``table[q_idx, kv_idx]``, ``bounds[i, 0]``) run exactly.
+READS_GATHERED_ROW = "reads from a row it gathered (x[i][j], lo, hi = x[i]; write x[i, j])"
+
+
+@dataclasses.dataclass(frozen=True)
+class Probed:
+    """What :func:`check_mask_function` / :func:`check_score_function` learned of a callable:
+    whether it needs the scalar evaluation, and its :data:`REDUCES` / :data:`READS_GATHERED_ROW`."""
+
+    scalar: bool
+    hazards: tuple[str, ...]
+
+
+def _hazards(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> tuple[str, ...]:
+    """Call ``fn`` once on 0-d ``args`` (what flex's compiled kernel traces) and list what it does
+    that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`READS_GATHERED_ROW`): an
+    op whose input is a tensor of more than one element that the call itself made (a gathered
+    row, or a view of one), a reduction over such a tensor or a captured one."""
+    found: list[str] = []
+    made: list[torch.Tensor] = []  # kept alive, so their storages' addresses stay theirs
+    made_storages: set[int] = set()
+
+    def note(hazard: str) -> None:
+        if hazard not in found:
+            found.append(hazard)
+
+    def on_op(op: Any, op_args: tuple[Any, ...], out: Any) -> None:
+        first = op_args[0] if op_args else None
+        if isinstance(first, torch.Tensor) and first.numel() > 1:
+            if torch.Tag.reduction in op.tags:
+                note(REDUCES)
+            elif first.untyped_storage().data_ptr() in made_storages:
+                note(READS_GATHERED_ROW)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and not op.is_view:
+                made.append(t)
+                made_storages.add(t.untyped_storage().data_ptr())
+
+    try:
+        with _compat.index_with_tensors(), _compat.recording_mode(on_op):
+            fn(*args)
+    except Exception:  # noqa: BLE001 - the vmap probe ran it; nothing more to learn here
+        return ()
+    return tuple(found)
+
+
+def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *, score: bool) -> Probed:
+    """Run ``fn`` on ``grids`` as flex does and by one broadcast call: whether it needs the
+    scalar evaluation, and its hazards. TypeError when flex could not run it either (naming
+    ``arg``)."""
+    zeros = tuple(g.reshape(-1)[0] for g in grids)  # 0-d, as flex's kernel passes them
+    return Probed(_needs_scalar(fn, arg, grids, score=score), _hazards(fn, zeros))
+
+
+def _fits(shape: torch.Size, full: torch.Size) -> bool:
+    """Whether a result of ``shape`` broadcasts to the grids' ``full`` shape without growing it."""
+    try:
+        return torch.broadcast_shapes(shape, full) == full
+    except RuntimeError:
+        return False
+
+
+def _needs_scalar(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *, score: bool) -> bool:
+    """See :func:`_probe`."""
+    full = torch.broadcast_shapes(*(g.shape for g in grids))
+    kind = "floating tensor (the new score)" if score else "bool tensor (e.g. q_idx >= kv_idx)"
+
+    def result_ok(out: Any) -> bool:
+        if score:
+            return isinstance(out, torch.Tensor) and out.dtype.is_floating_point
+        return isinstance(out, torch.Tensor) and out.dtype == torch.bool
+
+    def refuse_result(out: Any) -> TypeError:
+        got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
+        return TypeError(f"{arg} callable must return a {kind}, got {got}")
+
+    try:
+        broadcast = fn(*grids)
+        broadcast_error: Exception | None = None
+    except Exception as exc:  # noqa: BLE001 - a broadcast failure only selects the scalar evaluation
+        broadcast, broadcast_error = None, exc
+    try:
+        scalar = evaluate_as_flex(fn, grids)
+    except Exception as exc:  # noqa: BLE001 - the user's function failed as flex calls it: say why
+        text = str(exc)
+        if isinstance(exc, TypeError) and "one value per" in text:
+            raise TypeError(f"{arg} callable: {text}") from exc
+        if broadcast_error is None and result_ok(broadcast) and _fits(broadcast.shape, full):
+            return False  # runs on the grids as before (e.g. an op vmap has no rule for)
+        if any(marker in text for marker in _DATA_DEPENDENT):
+            raise TypeError(
+                f"{arg} callable uses data-dependent Python control flow (Python if/while/and/or/not, "
+                "bool(), int() or .item() on a value computed from b, h, q_idx, kv_idx), which flex "
+                "rejects too: it calls the mod on 0-d index tensors under torch.vmap or "
+                "torch.compile, where such a value has no Python truth value. Write the choice with "
+                f"tensor ops (torch.where, &, |, ~); torch said: {text.splitlines()[0]}"
+            ) from exc
+        raise TypeError(
+            f"{arg} callable failed when called as flex calls it (0-d int index tensors, under "
+            f"torch.vmap): {exc!r}"
+        ) from exc
+    if not result_ok(scalar):
+        raise refuse_result(scalar)
+    if broadcast_error is not None or not result_ok(broadcast):
+        return True
+    try:
+        same = torch.equal(torch.broadcast_to(broadcast, full), scalar.to(broadcast.dtype))
+    except RuntimeError:  # a wrong shape (e.g. table[q_idx][kv_idx] on grids)
+        return True
+    return not same
 
 
 def captured_tensors(obj: Any) -> list[torch.Tensor]:
@@ -435,29 +696,35 @@ def _captured_device(fn: Callable[..., Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> None:
-    """Reject a callable that is not a valid ``mask_mod`` with a TypeError naming ``arg``."""
+#: Probe verdicts per (callable, :func:`capture_state`): a model calling ``fz.attention`` with the
+#: same callable and new shapes (a plan cache miss) probes it once (a few ms: the vmap call).
+PROBED: LRUCache[Probed] = LRUCache(256)
+
+
+def _probed(fn: Callable[..., Any], kind: str, probe: Callable[[], Probed]) -> Probed:
+    if _compat.is_compiling():
+        return probe()
+    key = (kind, _Ref(fn), capture_state(fn))
+    found = PROBED.get(key)
+    return found if found is not None else PROBED.put(key, probe())
+
+
+def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> Probed:
+    """Reject a callable that is not a valid ``mask_mod`` with a TypeError naming ``arg``; return
+    whether it needs the scalar (flex-style) evaluation on index grids and its hazards
+    (``FunctionMask.scalar`` / ``.hazards``)."""
     _check_signature(fn, arg, "mask_mod", "b, h, q_idx, kv_idx", "bool", 4)
-    for grids in _probe_grids(_captured_device(fn)):
-        try:
-            out = fn(*grids)
-        except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
-            raise TypeError(f"{arg} callable failed on {_PROBE_HINT}: {exc!r}") from exc
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise TypeError(f"{arg} callable must return a bool tensor (e.g. q_idx >= kv_idx), got {got}")
+    return _probed(fn, "mask", lambda: _probe(fn, arg, _probe_grids(_captured_device(fn)), score=False))
 
 
-def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> None:
-    """Reject a callable that is not a valid ``score_mod`` with a TypeError naming ``arg``."""
+def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> Probed:
+    """Reject a callable that is not a valid ``score_mod`` with a TypeError naming ``arg``; return
+    what :func:`check_mask_function` returns (``FunctionScore.scalar`` / ``.hazards``)."""
     _check_signature(fn, arg, "score_mod", "score, b, h, q_idx, kv_idx", "score", 5)
-    device = _captured_device(fn)
-    for grids in _probe_grids(device):
-        score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=device)
-        try:
-            out = fn(score, *grids)
-        except Exception as exc:  # noqa: BLE001 - the user's function failed: say so, with the cause
-            raise TypeError(f"{arg} callable failed on {_PROBE_HINT}: {exc!r}") from exc
-        if not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point:
-            got = out.dtype if isinstance(out, torch.Tensor) else type(out).__name__
-            raise TypeError(f"{arg} callable must return a floating tensor (the new score), got {got}")
+
+    def probe() -> Probed:
+        grids = _probe_grids(_captured_device(fn))
+        score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=grids[0].device)
+        return _probe(fn, arg, (score, *grids), score=True)
+
+    return _probed(fn, "score", probe)

@@ -216,21 +216,21 @@ class Registry(Generic[S]):
         ``fn`` is checked as ``fz.attention`` checks a raw callable (flex signature, a bool /
         floating result on index tensors): TypeError naming ``mask`` / ``score_mod`` otherwise.
 
-        ``get(name)`` then returns a spec wrapping ``fn``; its dense oracle evaluates ``fn`` on
-        broadcast index grids. Returns ``fn`` so this also works as ``@register_function`` helper.
+        ``get(name)`` then returns a spec wrapping ``fn``; its dense oracle evaluates ``fn`` as flex
+        does (see :mod:`flexattn_zoo.functions`). Returns ``fn`` so this also works as ``@register_function`` helper.
         """
         if not callable(fn):
             raise TypeError(f"register_function(fn=...) must be callable, got {type(fn).__name__}")
         # The checks fz.attention makes on a raw callable, now rather than at the first call.
         if self.base is MaskSpec:
-            check_mask_function(fn, f"register_function({name!r}) mask")
+            probed = check_mask_function(fn, f"register_function({name!r}) mask")
         else:
-            check_score_function(fn, f"register_function({name!r}) score_mod")
+            probed = check_score_function(fn, f"register_function({name!r}) score_mod")
         wrapper: type[FunctionMask | FunctionScore] = FunctionMask if self.base is MaskSpec else FunctionScore
         text = doc or fn.__doc__ or f"user function {getattr(fn, '__name__', name)}"
 
         def factory() -> Spec:
-            return wrapper(fn=fn, label=name)
+            return wrapper(fn=fn, label=name, scalar=probed.scalar, hazards=probed.hazards)
 
         self._add(Entry(name, factory, (), text))
         return fn

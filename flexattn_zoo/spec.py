@@ -336,6 +336,20 @@ class Spec:
             object.__setattr__(self, "_holds_callables_value", cached)
         return bool(cached)
 
+    def flex_cpu_hazards(self) -> tuple[str, ...]:
+        """What the raw callables in this spec (or its parts) do that torch's compiled CPU flex
+        kernel mishandles (:func:`flexattn_zoo.functions.check_mask_function` finds it), each as
+        a phrase completing "a mod that ..."; () for specs without callables."""
+        if not self._holds_callables():
+            return ()
+        found: list[str] = []
+        for name in _field_names(self):
+            value = getattr(self, name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, Spec):
+                    found += [h for h in v.flex_cpu_hazards() if h not in found]
+        return tuple(found)
+
     def __getstate__(self) -> dict[str, Any]:
         # The cached hash hashes a str (the class name), which differs between processes
         # (PYTHONHASHSEED): unpickled elsewhere it would not match equal specs built there.

@@ -1,10 +1,12 @@
 """``dense``: eager attention over a materialized Lq x Lkv score matrix, with autograd.
 
 The only exact training route where flex has no backward (CPU), also for a user ``BlockMask``
-(``block_mask_visible``: its full blocks, and its ``mask_mod`` in its partial blocks). It evaluates the spec's
-``mask_mod``/``score_mod`` on broadcast index grids (not the test oracle ``.dense``, so tests stay
-independent) and computes in float32 (float64 for float64 inputs). A memory guard refuses problems
-whose scores would exceed ``FLEXATTN_ZOO_DENSE_LIMIT_MB`` (default 1024 MiB).
+(``block_mask_visible``: its full blocks, and its ``mask_mod`` in its partial blocks). It
+evaluates the spec's ``mask_mod``/``score_mod`` on broadcast index grids (not the test oracle
+``.dense``, so tests stay independent; a raw callable written for flex's scalar indices is
+evaluated as flex does, see :mod:`flexattn_zoo.functions`) and computes in float32 (float64 for
+float64 inputs). A memory guard refuses problems whose scores would exceed
+``FLEXATTN_ZOO_DENSE_LIMIT_MB`` (default 1024 MiB).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo.backends.base import FLOATS, Backend
+from flexattn_zoo.functions import evaluate_as_flex
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.validation import env_number
 
@@ -70,11 +73,14 @@ def block_mask_visible(bm: Any, p: Problem, device: torch.device) -> torch.Tenso
     b, h, qi, kj = _grids(p, device)
     try:
         mod = torch.as_tensor(bm.mask_mod(b, h, qi, kj), device=device)
-    except Exception as exc:  # noqa: BLE001 - the user's mask_mod failed: say so, with the cause
-        raise ValueError(
-            f"the BlockMask's mask_mod failed on broadcast index tensors (the dense route evaluates "
-            f"it on [B, H, Lq, Lkv] grids; use elementwise ops): {exc!r}"
-        ) from exc
+    except Exception:  # noqa: BLE001 - not written for broadcast grids: evaluate it as flex does
+        try:
+            mod = evaluate_as_flex(bm.mask_mod, (b, h, qi, kj))
+        except Exception as exc:  # noqa: BLE001 - the user's mask_mod failed: say so, with the cause
+            raise ValueError(
+                f"the BlockMask's mask_mod failed on broadcast index tensors and as flex calls it "
+                f"(0-d index tensors under torch.vmap): {exc!r}"
+            ) from exc
     visible = partial & mod.bool()
     return visible if full is None else visible | full
 

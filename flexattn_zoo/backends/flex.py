@@ -312,7 +312,15 @@ class FlexCpuBackend(FlexBackend):
             # only some of the rows that see it -- a silent wrong result, so refuse; other CPU
             # routes propagate NaN (see fz.attention's docstring).
             return ["q/k/v hold NaN or inf, which torch's CPU flex kernel drops silently"]
-        return []
+        # A raw callable doing what torch's compiled CPU flex mishandles (functions.REDUCES,
+        # functions.READS_GATHERED_ROW; measured on torch 2.13 without the library too): a failed
+        # lowering, an out-of-bounds read or a corrupted heap. dense evaluates it exactly.
+        return [
+            f"torch's compiled CPU flex kernel cannot run a mod that {hazard}"
+            for spec in (p.mask, p.score)
+            if spec is not None
+            for hazard in spec.flex_cpu_hazards()
+        ]
 
 
 FLEX = FlexBackend(
