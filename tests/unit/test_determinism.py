@@ -64,9 +64,10 @@ def _problem(
 @pytest.mark.parametrize(
     ("problem", "route"),
     [
-        (_problem(det=False), "sdpa_cudnn"),  # unchanged without the switch
-        (_problem(), "flex"),  # cuDNN refuses; flex is next in the sm90 list
-        (_problem(grad=False, d=64), "flex"),  # the D=64 forward override prefers cuDNN: not here
+        # A short problem (B=2 L=1024): SDPA's routes first (arch.RULES).
+        (_problem(det=False), "sdpa"),  # unchanged without the switch
+        (_problem(), "sdpa_flash"),  # sdpa and cuDNN refuse; FA2 is deterministic under torch's mode
+        (_problem(grad=False, d=64), "sdpa_flash"),
         (_problem(arch="sm80"), "sdpa_flash"),  # FA2 first on sm80, deterministic under torch's mode
         (_problem(masks.SlidingWindow(left=127)), "flex"),
         (_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "flex"),
