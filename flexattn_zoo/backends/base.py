@@ -223,9 +223,9 @@ class Backend:
         if p.dropout_p > 0 and p.device_type not in self.dropout_devices:
             # (Not said again for a device the route does not run on: that reason stands above.)
             if not self.dropout_devices:
-                out.append(f"no dropout in this kernel (dropout_p={p.dropout_p:g})")
+                out.append(f"no dropout in this kernel (dropout_p={p.dropout_p})")
             elif p.device_type in self.devices:
-                out.append(f"no dropout in this kernel on {p.device_type} (dropout_p={p.dropout_p:g})")
+                out.append(f"no dropout in this kernel on {p.device_type} (dropout_p={p.dropout_p})")
         if p.deterministic:
             out.extend(self.determinism_reasons(p))
         if p.kernel_options is not None:

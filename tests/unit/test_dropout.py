@@ -229,7 +229,8 @@ def test_layer_drops_only_while_training() -> None:
     assert torch.equal(functional, trained)
 
 
-def test_traced_calls_drop_as_eager_ones() -> None:
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_traced_calls_drop_as_eager_ones(dynamic: bool) -> None:
     q, k, v = _qkv(lq=24, lkv=24, heads=2, kv_heads=2)
 
     def f(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -238,8 +239,19 @@ def test_traced_calls_drop_as_eager_ones() -> None:
     torch.manual_seed(9)
     eager = f(q, k, v)
     torch.manual_seed(9)
-    traced = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
+    traced = torch.compile(f, backend="eager", fullgraph=True, dynamic=dynamic)(q, k, v)
     torch.testing.assert_close(traced, eager)
+    # A layer's dropout_p is read from the module while tracing (a float Dynamo may make symbolic),
+    # and its training flag is guarded on.
+    layer = fz.Attention(mask="causal", dropout_p=0.3, backend="sdpa_math")
+    compiled = torch.compile(layer, backend="eager", fullgraph=True, dynamic=dynamic)
+    torch.manual_seed(9)
+    want = layer(q, k, v)
+    torch.manual_seed(9)
+    assert torch.equal(compiled(q, k, v), want)
+    layer.eval()
+    assert torch.equal(compiled(q, k, v), layer(q, k, v))
+    assert not torch.equal(compiled(q, k, v), want)
 
 
 # ---- (d) refusals and bad values ----------------------------------------------------------------
