@@ -608,21 +608,10 @@ def attention(
         None
         if det is None or context_parallel
         else call_key(
-            q,
-            k,
-            v,
-            mask,
-            score_mod,
-            enable_gqa,
-            return_lse,
-            det,
-            backend,
-            scale_checked,
-            tune,
-            options,
+            q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
             dropout,
         )
-    )
+    )  # fmt: skip
     chosen = plan_cache.lookup(key, q, k, v) if key is not None else None
     user_bm = None
     if chosen is None:
@@ -652,20 +641,9 @@ def attention(
             chosen = _under_context_parallel(chosen)
         if key is not None and tuning.state() != state:  # the table changed: key the plan anew
             key = call_key(
-                q,
-                k,
-                v,
-                mask,
-                score_mod,
-                enable_gqa,
-                return_lse,
-                det,
-                backend,
-                scale_checked,
-                tune,
-                options,
+                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
                 dropout,
-            )
+            )  # fmt: skip
         # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
         # being captured) is not kept, so the next eager call measures.
         if key is not None and not tuning.needs_measuring(chosen.tuning):

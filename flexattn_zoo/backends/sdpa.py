@@ -146,55 +146,31 @@ class SdpaBackend(Backend):
         if self.kernel == UNPINNED:
             if _compat.is_compiling():
                 out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=attn_mask,
-                    dropout_p=dropout_p,
-                    is_causal=is_causal,
-                    scale=scale,
+                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=gqa,
-                )
+                )  # fmt: skip
             else:
                 with _SDPA_LOCK:  # never under another thread's pin of ours
                     out = F.scaled_dot_product_attention(
-                        q,
-                        k,
-                        v,
-                        attn_mask=attn_mask,
-                        dropout_p=dropout_p,
-                        is_causal=is_causal,
-                        scale=scale,
+                        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=gqa,
-                    )
+                    )  # fmt: skip
         elif _compat.is_compiling():
             # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
             # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
             with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
                 out = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=attn_mask,
-                    dropout_p=dropout_p,
-                    is_causal=is_causal,
-                    scale=scale,
+                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=gqa,
-                )
+                )  # fmt: skip
         else:
             with _SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
                 pinned = _compat.pin_sdpa_kernel(self.kernel)
                 try:
                     out = F.scaled_dot_product_attention(
-                        q,
-                        k,
-                        v,
-                        attn_mask=attn_mask,
-                        dropout_p=dropout_p,
-                        is_causal=is_causal,
-                        scale=scale,
+                        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                         enable_gqa=gqa,
-                    )
+                    )  # fmt: skip
                 finally:
                     _compat.restore_sdpa_kernels(pinned)
         return (from_chunks(out, batch) if chunk else out), None
