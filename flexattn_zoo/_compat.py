@@ -333,6 +333,7 @@ def sdpa_torch_refusal(
     is_causal: bool,
     enable_gqa: bool,
     requires_grad: bool,
+    dropout_p: float = 0.0,
 ) -> str | None:
     """Why torch's own check refuses SDPA ``kernel`` for a CUDA call of these contiguous shapes
     (torch's debug text), or None when it accepts, has no check for that kernel, or cannot
@@ -357,7 +358,7 @@ def sdpa_torch_refusal(
         q = torch.empty(q_shape, dtype=dtype, device=device, requires_grad=requires_grad)
         k = torch.empty(kv_shape, dtype=dtype, device=device, requires_grad=requires_grad)
         v = torch.empty(kv_shape, dtype=dtype, device=device, requires_grad=requires_grad)
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, is_causal, enable_gqa)
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, enable_gqa)
     with warnings.catch_warnings(record=True) as caught, sdpa_kernel([getattr(SDPBackend, kernel)]):
         warnings.simplefilter("always")
         ok = check(params, True)

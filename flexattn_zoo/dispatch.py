@@ -33,6 +33,7 @@ from flexattn_zoo.tuning import TuneInfo
 from flexattn_zoo.validation import (
     Shape,
     check_device,
+    check_dropout_p,
     check_flag,
     check_qkv,
     check_scale,
@@ -79,7 +80,8 @@ class Plan:
         score = type(p.score).__name__ if p.score is not None else "none"
         lines = [
             f"route: {self.backend} (requested {self.requested!r}; arch {p.arch}, mode {p.mode}"
-            f"{', deterministic' if p.deterministic else ''})",
+            f"{', deterministic' if p.deterministic else ''}"
+            f"{f', dropout_p={p.dropout_p:g}' if p.dropout_p > 0 else ''})",
             f"problem: B={p.batch} H={p.heads}/{p.kv_heads} Lq={p.q_len} Lkv={p.kv_len} D={p.head_dim} "
             f"{str(p.dtype).removeprefix('torch.')} on {p.device_type}; mask={mask} score_mod={score}",
         ]
@@ -241,6 +243,7 @@ def _problem(
     scale: float | None,
     traced: bool = False,
     kernel_options: tuple[tuple[str, Any], ...] | None = None,
+    dropout_p: float = 0.0,
 ) -> tuple[Problem, Any]:
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
@@ -280,6 +283,7 @@ def _problem(
         index_extent=max(_extent(t) for t in (q, k, v)),
         nonpositive_scale=scale is not None and scale <= 0,
         kernel_options=kernel_options,
+        dropout_p=dropout_p,
     )
     return problem, user_bm
 
@@ -355,6 +359,7 @@ def plan(
     is_causal: bool = False,
     kernel_options: dict[str, Any] | None = None,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing.
 
@@ -369,6 +374,7 @@ def plan(
     mask, score_mod = tensor_args(mask, score_mod)
     mask = with_causal(mask, is_causal)
     options = check_kernel_options(kernel_options)
+    dropout = check_dropout_p(dropout_p)
     if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
@@ -377,10 +383,10 @@ def plan(
     mask, score_mod = _live(mask), _live(score_mod)
     problem, _ = _problem(
         q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, check_scale(scale),
-        kernel_options=options,
+        kernel_options=options, dropout_p=dropout,
     )  # fmt: skip
     context_parallel = sharding.context_parallel_active()
-    tune_on = tuning.resolve(tune) and not context_parallel and options is None
+    tune_on = tuning.resolve(tune) and not context_parallel and options is None and dropout == 0
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
@@ -415,6 +421,7 @@ def attention(
     is_causal: bool = ...,
     kernel_options: dict[str, Any] | None = ...,
     layout: str = ...,
+    dropout_p: float = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention(
@@ -433,6 +440,7 @@ def attention(
     is_causal: bool = ...,
     kernel_options: dict[str, Any] | None = ...,
     layout: str = ...,
+    dropout_p: float = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -451,6 +459,7 @@ def attention(
     is_causal: bool = ...,
     kernel_options: dict[str, Any] | None = ...,
     layout: str = ...,
+    dropout_p: float = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -470,6 +479,7 @@ def attention(
     is_causal: bool = False,
     kernel_options: dict[str, Any] | None = None,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
 
@@ -512,6 +522,15 @@ def attention(
             ``[B, H, L, D]`` with ``transpose(1, 2)`` (no copy) and ``out`` is returned in the same
             layout (a view of the route's output); ``lse`` stays ``[B, H, Lq]``. Masks and score
             mods see ``[B, H, Lq, Lkv]`` indices either way.
+        dropout_p: SDPA's: a float in ``[0, 1)``; above 0 each attention probability is zeroed with
+            that probability (drawn from torch's default generator of q's device: seed it with
+            ``torch.manual_seed`` for reproducible runs) and the kept ones are scaled by
+            ``1 / (1 - dropout_p)``; the lse is that of the undropped scores. Applied whenever it
+            is above 0, as in SDPA: pass 0.0 in evaluation (``fz.Attention`` does so itself when
+            not training). Only routes whose kernels drop accept it (``dense``, ``sdpa_math``;
+            on CUDA also ``sdpa``, ``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient``); the others
+            refuse with "no dropout in this kernel". Measured route choice is off for such calls
+            (timing would draw from the generator). 0.0 (default) changes nothing.
 
     Returns:
         ``out`` with q's dtype (under ``torch.autocast``: the autocast dtype, as SDPA), or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
@@ -533,11 +552,12 @@ def attention(
         return _bshd_attention(
             q, k, v, layout, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
             backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
-            is_causal=is_causal, kernel_options=kernel_options,
+            is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
     mask, score_mod = tensor_args(mask, score_mod)
     mask = with_causal(mask, is_causal)
     options = check_kernel_options(kernel_options)
+    dropout = check_dropout_p(dropout_p)
     if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
@@ -554,6 +574,7 @@ def attention(
             deterministic=deterministic,
             tune=tune,
             kernel_options=kernel_options,
+            dropout_p=dropout,
         )
         return local.to_global(result)
     if _compat.is_compiling():
@@ -566,11 +587,11 @@ def attention(
             return _EAGER_ATTENTION(
                 q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
                 backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
-                kernel_options=kernel_options,
+                kernel_options=kernel_options, dropout_p=dropout,
             )  # fmt: skip
         return _traced_attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune,
-            options,
+            options, dropout,
         )  # fmt: skip
     scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
@@ -587,19 +608,24 @@ def attention(
         None
         if det is None or context_parallel
         else call_key(
-            q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options
+            q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
+            dropout,
         )
-    )
+    )  # fmt: skip
     chosen = plan_cache.lookup(key, q, k, v) if key is not None else None
     user_bm = None
     if chosen is None:
         problem, user_bm = _problem(
             q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
-            kernel_options=options,
+            kernel_options=options, dropout_p=dropout,
         )  # fmt: skip
         # Under context_parallel the route must be one it reroutes: no measured choice there; nor
-        # with kernel_options (the measurements are of the routes' own options).
-        tune_on = tuning.resolve(tune) and not context_parallel and backend == "auto" and options is None
+        # with kernel_options (the measurements are of the routes' own options), nor with dropout
+        # (timing would draw from the caller's random generator, shifting its seeded stream).
+        tune_on = (
+            tuning.resolve(tune) and not context_parallel and backend == "auto" and options is None
+            and dropout == 0
+        )  # fmt: skip
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call
@@ -615,8 +641,9 @@ def attention(
             chosen = _under_context_parallel(chosen)
         if key is not None and tuning.state() != state:  # the table changed: key the plan anew
             key = call_key(
-                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options
-            )
+                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
+                dropout,
+            )  # fmt: skip
         # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
         # being captured) is not kept, so the next eager call measures.
         if key is not None and not tuning.needs_measuring(chosen.tuning):
@@ -719,6 +746,7 @@ def _traced_attention(
     deterministic: bool | None,
     tune: bool | None = None,
     kernel_options: tuple[tuple[str, Any], ...] | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``attention`` while ``torch.compile`` traces the caller: the same route choice, made as
     plain Python that Dynamo guards like any other decision (on shapes, dtypes, grad mode, the
@@ -730,14 +758,14 @@ def _traced_attention(
     specialized (``_model_sizes_static``; spec parameters: ``spec.static_int``)."""
     problem, user_bm = _problem(
         q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale, traced=True,
-        kernel_options=kernel_options,
+        kernel_options=kernel_options, dropout_p=dropout_p,
     )  # fmt: skip
     if problem.q_len == 0 or problem.kv_len == 0:
         if backend != "auto":
             plan_problem(problem, backend)
         out, lse = _empty_result(q, k, v, problem)
         return (out, lse) if return_lse else out
-    tune_on = tuning.resolve(tune) and backend == "auto" and kernel_options is None
+    tune_on = tuning.resolve(tune) and backend == "auto" and kernel_options is None and dropout_p == 0
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)

@@ -13,7 +13,8 @@ planning reads from them, so a hit returns exactly the plan the full path would 
   unregistered and registered anew);
 * grad mode, which inputs require grad and whether the score spec captures tensors that do
   (the mode of a call whose inputs do not; ``flex_flash`` refuses such specs in any mode),
-  ``enable_gqa``, ``return_lse``, the resolved ``deterministic`` flag, ``backend``;
+  ``enable_gqa``, ``return_lse``, the resolved ``deterministic`` flag, ``backend``, and
+  ``dropout_p`` when above 0;
 * what planning reads from the process: ``FLEXATTN_ZOO_ARCH``, and what each registered route
   declares it reads (``Backend.env_vars``) or needs installed (``Backend.requires``);
 * measured route choice (:mod:`flexattn_zoo.tuning`): the call's ``tune`` argument, the
@@ -77,6 +78,7 @@ def call_key(
     scale: float | None = None,
     tune: Any = None,
     kernel_options: tuple[tuple[str, Any], ...] | None = None,
+    dropout_p: float = 0.0,
 ) -> Hashable | None:
     """The plan-cache key of a call, or None when the call must be planned in full.
 
@@ -85,7 +87,9 @@ def call_key(
     ``deterministic`` is the already resolved flag (it follows torch's global switch); ``scale``
     the checked scale (only its sign takes part: routes refuse ``scale <= 0`` where it breaks them);
     ``tune`` the call's argument as given (None, True or False; the switch it follows and the
-    table's version are in ``process_state``).
+    table's version are in ``process_state``). ``dropout_p`` is the checked value: above 0 it is
+    part of the key (the problem holds it, and routes read it when they run); 0.0 leaves the key
+    exactly as a call without dropout has it.
     """
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None  # subclasses and non-tensors: the full path validates them
@@ -118,7 +122,7 @@ def call_key(
         return None
     else:
         score_grad = "captured"
-    key = (
+    key: tuple[Any, ...] = (
         backend,
         _arg_key(mask, "mask"),
         _arg_key(score_mod, "score"),
@@ -141,6 +145,8 @@ def call_key(
         tune,
         kernel_options,
     )
+    if dropout_p > 0:
+        key = (*key, ("dropout_p", dropout_p))
     try:
         hash(key)
     except TypeError:  # an unhashable mask/score argument: the full path says what is wrong

@@ -49,6 +49,10 @@ class Problem:
     #: The caller's flex ``kernel_options`` (sorted ``(name, value)`` pairs), or None. Only the flex
     #: routes take them; every other route refuses a problem that has them.
     kernel_options: tuple[tuple[str, object], ...] | None = None
+    #: SDPA's ``dropout_p``: each attention probability is zeroed with this probability and the
+    #: kept ones scaled by ``1 / (1 - dropout_p)``. 0.0 (no dropout) leaves every verdict as it
+    #: was; above it only the routes whose kernels drop (``Backend.dropout_devices``) accept.
+    dropout_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.v_dim is None:
@@ -65,6 +69,8 @@ class Problem:
                 f"q heads ({self.heads}) must be a multiple of k/v heads ({self.kv_heads}) "
                 "for grouped-query attention"
             )
+        if not 0.0 <= self.dropout_p < 1.0:
+            raise ValueError(f"Problem dropout_p must be in [0, 1), got {self.dropout_p!r}")
         if self.mask is not None:
             object.__setattr__(self, "mask", self.mask.bind(self.q_len, self.kv_len))
 

@@ -10,6 +10,9 @@ Conventions (the same on every route):
 * Attention sinks (``sinks=``, one learned logit ``s_h`` per query head, as in gpt-oss): the
   softmax of every row gets one extra logit ``s_h`` whose value vector is zero. It takes part in
   the normaliser only, so the lse includes it and a row that sees no key still outputs 0.
+* Dropout (SDPA's ``dropout_p``) acts on the softmax probabilities: each is zeroed or kept and the
+  kept ones scaled by ``1 / (1 - dropout_p)``; the lse is that of the undropped scores. The
+  reference takes the keep-mask as an argument (``dropout_mask``), it never draws one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args
-from flexattn_zoo.validation import check_qkv
+from flexattn_zoo.validation import check_dropout_p, check_qkv
 
 
 @overload
@@ -35,6 +38,8 @@ def reference_attention(
     enable_gqa: bool = ...,
     return_lse: Literal[False] = ...,
     sinks: torch.Tensor | None = ...,
+    dropout_p: float = ...,
+    dropout_mask: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def reference_attention(
@@ -48,6 +53,8 @@ def reference_attention(
     enable_gqa: bool = ...,
     return_lse: Literal[True],
     sinks: torch.Tensor | None = ...,
+    dropout_p: float = ...,
+    dropout_mask: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def reference_attention(
@@ -61,6 +68,8 @@ def reference_attention(
     enable_gqa: bool = ...,
     return_lse: bool = ...,
     sinks: torch.Tensor | None = ...,
+    dropout_p: float = ...,
+    dropout_mask: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -75,6 +84,8 @@ def reference_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention in float64 with a dense mask, differentiable with respect to q, k, v (and sinks).
 
@@ -82,6 +93,12 @@ def reference_attention(
     oracle never trusts block sparsity). The output has ``q``'s dtype only if ``q`` is float64;
     otherwise it stays float64 so callers compare against full precision. ``sinks`` is a float
     tensor ``[H]`` (one logit per query head) or None.
+
+    Dropout is given, never drawn (the oracle is deterministic): ``dropout_mask`` is a bool
+    keep-mask broadcastable to ``[B, H, Lq, Lkv]`` (True = kept) and ``dropout_p`` the probability
+    it was drawn with; the softmax probabilities are multiplied by the mask and by
+    ``1 / (1 - dropout_p)`` (SDPA's convention), the lse is that of the undropped scores. Both or
+    neither: ``dropout_p > 0`` needs the mask and the mask needs ``dropout_p > 0``.
     """
     return dense_attention(
         q,
@@ -94,6 +111,8 @@ def reference_attention(
         return_lse=return_lse,
         sinks=sinks,
         dtype=torch.float64,
+        dropout_p=dropout_p,
+        dropout_mask=dropout_mask,
     )
 
 
@@ -109,6 +128,8 @@ def dense_attention(
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
     dtype: torch.dtype,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The reference math with every step (scores, softmax, output) computed in ``dtype``.
 
@@ -129,6 +150,7 @@ def dense_attention(
         kc = kc.repeat_interleave(group, dim=1)
         vc = vc.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(shape.head_dim) if scale is None else float(scale)
+    keep = _dropout_factor(dropout_p, dropout_mask, shape.batch, shape.heads, shape.q_len, shape.kv_len)
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale
     if score_spec is not None:
         # (Spec.to keeps the spec's type; it is annotated as returning Spec.)
@@ -152,6 +174,8 @@ def dense_attention(
         column = sinks.to(scores.device, dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
         probs = torch.exp(scores - lse.unsqueeze(-1))
+        if keep is not None:
+            probs = probs * keep.to(probs.device, dtype)
         out = torch.matmul(probs, vc)
         return (out, lse) if return_lse else out
     lse = torch.logsumexp(scores, dim=-1)
@@ -159,5 +183,42 @@ def dense_attention(
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
     probs = probs.masked_fill(empty.unsqueeze(-1), 0.0)
+    if keep is not None:
+        probs = probs * keep.to(probs.device, dtype)
     out = torch.matmul(probs, vc)
     return (out, lse) if return_lse else out
+
+
+def _dropout_factor(
+    dropout_p: float, dropout_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int
+) -> torch.Tensor | None:
+    """The factor the probabilities are multiplied by, ``keep / (1 - dropout_p)`` in float64
+    (``[B|1, H|1, Lq|1, Lkv|1]``), or None without dropout; ValueError for a bad pair."""
+    p = check_dropout_p(dropout_p)
+    if dropout_mask is None:
+        if p > 0:
+            raise ValueError(
+                "reference_attention draws no dropout: with dropout_p > 0 pass dropout_mask (the bool "
+                "keep-mask [B|1, H|1, Lq|1, Lkv|1] the route used)"
+            )
+        return None
+    if not isinstance(dropout_mask, torch.Tensor) or dropout_mask.dtype != torch.bool:
+        got = (
+            f"dtype {dropout_mask.dtype}"
+            if isinstance(dropout_mask, torch.Tensor)
+            else type(dropout_mask).__name__
+        )
+        raise ValueError(f"dropout_mask must be a bool tensor (True = kept), got {got}")
+    if p == 0:
+        raise ValueError("dropout_mask needs dropout_p > 0 (the probability it was drawn with: the scale)")
+    target = (batch, heads, q_len, kv_len)
+    try:
+        fits = torch.broadcast_shapes(dropout_mask.shape, target) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"dropout_mask of shape {tuple(dropout_mask.shape)} does not broadcast to "
+            f"[B, H, Lq, Lkv] = {list(target)}"
+        )
+    return dropout_mask.to(torch.float64) * (1.0 / (1.0 - p))

@@ -109,6 +109,20 @@ def check_traced_scale(scale: object) -> float | None:
     return value
 
 
+def check_dropout_p(dropout_p: object) -> float:
+    """``dropout_p`` as a float in ``[0, 1)`` (SDPA's meaning: the probability of zeroing each
+    attention probability, the kept ones scaled by ``1 / (1 - dropout_p)``); ValueError naming it
+    otherwise (bools, non-numbers, NaN, values outside ``[0, 1)``). Comparisons only, so a float
+    Dynamo made symbolic is checked too (it guards on them); NaN fails ``0 <= x < 1``."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
+        got = f"{type(dropout_p).__name__} {dropout_p!r}"
+        raise ValueError(f"dropout_p must be a float in [0, 1) (0.0: no dropout), got {got}")
+    value = float(dropout_p)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1) (0.0: no dropout), got {dropout_p!r}")
+    return value
+
+
 def env_number(name: str, default: float, *, unit: str = "") -> float:
     """The non-negative number in environment variable ``name`` (``default`` when unset or empty).
 

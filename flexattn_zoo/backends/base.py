@@ -146,6 +146,10 @@ class Backend:
     #: Takes a value head dim ``Dv`` other than the q/k head dim (``v`` ``[B, Hkv, Lkv, Dv]``,
     #: output ``[B, H, Lq, Dv]``: DeepSeek-style attention, q/k 192 with v 128), within ``head_dims``.
     value_dims: bool = False
+    #: The devices on which the route's kernel applies dropout to the attention probabilities
+    #: (``dropout_p > 0``, SDPA's meaning); elsewhere such a call is refused with the reason.
+    #: A set, not a flag: torch's CPU flash kernel has no dropout where its CUDA FA2 kernel has.
+    dropout_devices: frozenset[str] = frozenset()
     #: Forward and backward are bitwise reproducible run to run (same inputs, machine, torch).
     deterministic: bool = True
     #: Why not, when ``deterministic`` is False (shown in the refusal).
@@ -216,6 +220,12 @@ class Backend:
             out.append("has no backward (inputs require grad)")
         if p.gqa and not self.gqa:
             out.append(f"no grouped-query attention ({p.heads} q heads vs {p.kv_heads} kv heads)")
+        if p.dropout_p > 0 and p.device_type not in self.dropout_devices:
+            # (Not said again for a device the route does not run on: that reason stands above.)
+            if not self.dropout_devices:
+                out.append(f"no dropout in this kernel (dropout_p={p.dropout_p})")
+            elif p.device_type in self.devices:
+                out.append(f"no dropout in this kernel on {p.device_type} (dropout_p={p.dropout_p})")
         if p.deterministic:
             out.extend(self.determinism_reasons(p))
         if p.kernel_options is not None:

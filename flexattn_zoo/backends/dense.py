@@ -7,6 +7,10 @@ evaluates the spec's ``mask_mod``/``score_mod`` on broadcast index grids (not th
 evaluated as flex does, see :mod:`flexattn_zoo.functions`) and computes in float32 (float64 for
 float64 inputs). A memory guard refuses problems whose scores would exceed
 ``FLEXATTN_ZOO_DENSE_LIMIT_MB`` (default 1024 MiB).
+
+Dropout (``dropout_p > 0``) zeroes attention probabilities by the keep-mask of
+:func:`dropout_keep_mask` and scales the kept ones by ``1 / (1 - dropout_p)``; the lse stays that of
+the undropped scores (SDPA's convention: dropout acts after the softmax).
 """
 
 from __future__ import annotations
@@ -34,7 +38,22 @@ def dense_bytes(p: Problem) -> int:
     """Peak bytes of the score tensors this route keeps (scores, probabilities, their grads)."""
     elem = 8 if p.dtype == torch.float64 else 4
     copies = 4 if p.requires_grad else 2
+    if p.dropout_p > 0:
+        copies += 1  # the uniform draw (float32) and the keep-mask, at most one score tensor more
     return p.batch * p.heads * p.q_len * p.kv_len * elem * copies
+
+
+def dropout_keep_mask(shape: torch.Size, dropout_p: float, device: torch.device) -> torch.Tensor:
+    """The dense route's dropout keep-mask for probabilities of ``shape`` ``[B, H, Lq, Lkv]``: bool,
+    True where kept, drawn as ``torch.rand(shape, device=device) >= dropout_p`` (float32) from
+    torch's default generator of ``device`` -- one draw per call, nothing else drawn.
+
+    That draw is the route's documented convention rather than a hook: a test (or a user who
+    wants the mask) seeds the generator (``torch.manual_seed``), calls the route, seeds it again
+    and draws the same ``torch.rand`` itself (tests/unit/test_dropout.py), so no mask is kept or
+    returned by the route. Every entry is kept with probability ``1 - dropout_p`` (up to
+    float32's resolution of the uniform draw)."""
+    return torch.rand(shape, device=device, dtype=torch.float32) >= dropout_p
 
 
 def _grids(p: Problem, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -126,12 +145,17 @@ class DenseBackend(Backend):
         lse = torch.logsumexp(scores, dim=-1, keepdim=True)
         empty = torch.isneginf(lse)
         probs = torch.exp(scores - lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+        if p.dropout_p > 0:
+            # A multiply (not masked_fill), so gradients reach kept entries scaled as SDPA's do.
+            keep = dropout_keep_mask(probs.shape, p.dropout_p, q.device)
+            probs = probs * keep.to(probs.dtype) * (1.0 / (1.0 - p.dropout_p))
         out = torch.matmul(probs, vc).to(q.dtype)
         return out, (lse.squeeze(-1).float() if p.return_lse else None)
 
 
 DENSE = DenseBackend(
     name="dense",
+    dropout_devices=frozenset({"cpu", "cuda"}),
     devices=frozenset({"cpu", "cuda"}),
     dtypes=FLOATS,
     score_mods=True,

@@ -115,6 +115,9 @@ class SdpaBackend(Backend):
                 is_causal,
                 p.gqa and not self.expand_gqa,
                 p.requires_grad,
+                # Asked only with dropout: torch checks it per kernel, and calls without it are
+                # asked (and cached) exactly as before.
+                **({"dropout_p": p.dropout_p} if p.dropout_p > 0 else {}),
             )
         return [why] if why else []
 
@@ -129,6 +132,7 @@ class SdpaBackend(Backend):
                 attn_mask = attn_mask.to(q.dtype)  # SDPA takes a float mask in q's dtype (differentiable)
         batch = q.shape[0]
         gqa = p.gqa
+        dropout_p = p.dropout_p  # 0.0 unless the route has dropout here (its reasons refused the rest)
         if gqa and self.expand_gqa:
             # cuDNN refuses enable_gqa (H200, 32:8 causal L=8192 with k/v expanded: 4.4 / 15.6 ms
             # fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex, benchmarks/results/nofa4_levers_probe_h200.txt).
@@ -142,27 +146,31 @@ class SdpaBackend(Backend):
         if self.kernel == UNPINNED:
             if _compat.is_compiling():
                 out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-                )
+                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=gqa,
+                )  # fmt: skip
             else:
                 with _SDPA_LOCK:  # never under another thread's pin of ours
                     out = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-                    )
+                        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=gqa,
+                    )  # fmt: skip
         elif _compat.is_compiling():
             # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
             # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
             with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
                 out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-                )
+                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=gqa,
+                )  # fmt: skip
         else:
             with _SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
                 pinned = _compat.pin_sdpa_kernel(self.kernel)
                 try:
                     out = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
-                    )
+                        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=gqa,
+                    )  # fmt: skip
                 finally:
                     _compat.restore_sdpa_kernels(pinned)
         return (from_chunks(out, batch) if chunk else out), None
@@ -280,6 +288,7 @@ CHUNK_VIEW_KERNELS = frozenset({"CUDNN_ATTENTION"})
 SDPA_CUDNN = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_cudnn",
+    dropout_devices=frozenset({"cuda"}),  # cuDNN SDPA takes dropout_p (torch docs; untested on GPU here)
     kernel="CUDNN_ATTENTION",
     devices=frozenset({"cuda"}),
     dtypes=LOW_PRECISION,
@@ -296,6 +305,7 @@ FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 SDPA_CHOICE = SdpaChoiceBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa",
+    dropout_devices=frozenset({"cuda"}),  # its fused kernels all take dropout_p (torch docs)
     kernel=UNPINNED,
     devices=frozenset({"cuda"}),
     dtypes=LOW_PRECISION,
@@ -308,6 +318,8 @@ SDPA_CHOICE = SdpaChoiceBackend(
 SDPA_FLASH = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_flash",
+    # FA2 drops on CUDA; torch 2.13's CPU flash kernel has no dropout (SDPA: "No available kernel").
+    dropout_devices=frozenset({"cuda"}),
     kernel="FLASH_ATTENTION",
     devices=frozenset({"cuda", "cpu"}),
     dtypes=FLOATS,
@@ -322,6 +334,7 @@ SDPA_FLASH = SdpaBackend(
 SDPA_EFFICIENT = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_efficient",
+    dropout_devices=frozenset({"cuda"}),  # takes dropout_p (torch docs; untested on GPU here)
     kernel="EFFICIENT_ATTENTION",
     devices=frozenset({"cuda"}),
     dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
@@ -335,6 +348,7 @@ SDPA_EFFICIENT = SdpaBackend(
 SDPA_MATH = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa_math",
+    dropout_devices=frozenset({"cuda", "cpu"}),  # dropout on the probabilities (tested on CPU)
     kernel="MATH",
     devices=frozenset({"cuda", "cpu"}),
     dtypes=FLOATS,

@@ -33,6 +33,7 @@ from flexattn_zoo.dispatch import as_bhsd, attention, check_layout
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
+from flexattn_zoo.validation import check_dropout_p
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
 
@@ -104,12 +105,13 @@ def _run(
     sinks: torch.Tensor | None,
     backend: str,
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if layout != "bhsd":  # [B, L, H, D]: the layer runs on [B, H, L, D] views, out transposed back
         q, k, v = as_bhsd(q, k, v, layout)
         result = _run(
             q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks,
-            backend=backend,
+            backend=backend, dropout_p=dropout_p,
         )  # fmt: skip
         if isinstance(result, tuple):
             return result[0].transpose(1, 2), result[1]
@@ -124,6 +126,10 @@ def _run(
     kwargs: dict[str, Any] = dict(
         mask=la.mask, score_mod=la.score_mod, scale=scale, enable_gqa=gqa, backend=backend
     )
+    if dropout_p != 0:  # (given only when asked: a call without it is the call it always was)
+        # With sinks the dropped probabilities are rescaled by the sink factor below: the same as
+        # dropping the probabilities of the softmax that includes the sink (its value vector is 0).
+        kwargs["dropout_p"] = dropout_p
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
     check_sinks(sinks, q.shape[1], q.device)
@@ -148,6 +154,7 @@ def attention_layer(
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
     layout: str = ...,
+    dropout_p: float = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention_layer(
@@ -165,6 +172,7 @@ def attention_layer(
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
     layout: str = ...,
+    dropout_p: float = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_layer(
@@ -182,6 +190,7 @@ def attention_layer(
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
     layout: str = ...,
+    dropout_p: float = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -200,6 +209,7 @@ def attention_layer(
     sinks: torch.Tensor | None = None,
     backend: str = "auto",
     layout: str = "bhsd",
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
 
@@ -213,6 +223,7 @@ def attention_layer(
         backend: as for ``fz.attention``; with sinks the route must return an lse.
         layout: as for ``fz.attention``: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in
             and out, viewed with ``transpose(1, 2)``, no copy; the lse stays ``[B, H, Lq]``).
+        dropout_p: as for ``fz.attention`` (applied whenever above 0: pass 0.0 in evaluation).
 
     For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a
     preset or YAML config is resolved on every call (equal specs still hit the caches).
@@ -222,7 +233,7 @@ def attention_layer(
     la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads)
     return _run(
         q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend,
-        layout=layout,
+        layout=layout, dropout_p=check_dropout_p(dropout_p),
     )  # fmt: skip
 
 
@@ -255,6 +266,9 @@ class Attention(nn.Module):
             (``[B, L, H, D]``, as projections give: ``forward`` takes q, k, v and returns ``out``
             in that layout, viewed with ``transpose(1, 2)``, no copy; the lse stays ``[B, H, Lq]``).
             Checked here: another value raises ``ValueError``.
+        dropout_p: attention dropout, as ``fz.attention``'s (a float in ``[0, 1)``, checked here),
+            applied only while the module is training (``module.train()``, the default), as
+            ``nn.MultiheadAttention``'s ``dropout``: ``eval()`` turns it off without a new layer.
 
     The specs are resolved in ``__init__`` and the same objects are passed on every call, so after
     the first step no BlockMask is built and no kernel compiled for an unchanged shape.
@@ -281,10 +295,12 @@ class Attention(nn.Module):
         backend: str = "auto",
         is_causal: bool = False,
         layout: str = "bhsd",
+        dropout_p: float = 0.0,
         **preset_params: Any,
     ) -> None:
         super().__init__()
         self.layout = check_layout(layout)
+        self.dropout_p = check_dropout_p(dropout_p)
         self.spec = resolve_config(
             config,
             mask=mask,
@@ -367,6 +383,7 @@ class Attention(nn.Module):
             sinks=self.sinks,
             backend=self.backend,
             layout=self.layout,
+            dropout_p=self.dropout_p if self.training else 0.0,
         )
 
     def extra_repr(self) -> str:
@@ -375,4 +392,6 @@ class Attention(nn.Module):
             parts.append(f"sinks=[{self.sinks.numel()}]")
         if self.layout != "bhsd":
             parts.append(f"layout={self.layout!r}")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p:g}")
         return ", ".join(parts)

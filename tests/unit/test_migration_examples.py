@@ -70,6 +70,18 @@ def test_sdpa_enable_gqa() -> None:
     )
 
 
+def test_sdpa_dropout_p() -> None:
+    # On the CPU both run SDPA's math kernel (torch's CPU flash kernel has no dropout): with the
+    # same seed, the same mask is drawn.
+    q, k, v = _bhsd()
+    torch.manual_seed(0)
+    got = fz.attention(q, k, v, is_causal=True, dropout_p=0.1)
+    torch.manual_seed(0)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+    _close(got, want)
+    assert not torch.equal(got, fz.attention(q, k, v, is_causal=True))
+
+
 # ---- flash_attn (not installed: the float64 reference of its documented semantics) ------------
 
 
