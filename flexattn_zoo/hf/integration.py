@@ -71,11 +71,9 @@ def _attention_forward(
     backend: str = "auto",
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    if dropout and float(dropout) > 0:
-        raise ValueError(
-            f"flexattn_zoo attention has no dropout (got dropout={dropout}); use model.eval() or set "
-            "attention_dropout=0"
-        )
+    # transformers passes attention_dropout while training, 0 in eval: SDPA's dropout_p, on the
+    # routes whose kernels implement it (the others refuse, and auto passes over them).
+    dropout_p = float(dropout) if dropout else 0.0
     for name in UNSUPPORTED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(f"flexattn_zoo attention cannot apply {name!r} (transformers passed one)")
@@ -102,8 +100,9 @@ def _attention_forward(
     gqa = query.shape[1] != key.shape[1]
     if sinks is None:
         out = attention(
-            query, key, value, mask=mask, score_mod=score, scale=scaling, enable_gqa=gqa, backend=route
-        )
+            query, key, value, mask=mask, score_mod=score, scale=scaling, enable_gqa=gqa, backend=route,
+            dropout_p=dropout_p,
+        )  # fmt: skip
     else:
         check_sinks(sinks, query.shape[1], query.device)
         out, lse = attention(
@@ -116,6 +115,7 @@ def _attention_forward(
             enable_gqa=gqa,
             backend=route,
             return_lse=True,
+            dropout_p=dropout_p,
         )
         out, _ = apply_sinks(out, lse, sinks)
     return out.transpose(1, 2).contiguous(), None

@@ -25,6 +25,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import flexattn_zoo as fz  # noqa: E402
 import flexattn_zoo.hf as zhf  # noqa: E402
 from flexattn_zoo import masks  # noqa: E402
 from flexattn_zoo.hf.mask_reader import structural_reader_enabled  # noqa: E402
@@ -360,8 +361,14 @@ def test_four_d_masks_go_dense_and_biases_are_refused() -> None:
     torch.testing.assert_close(out2, ref, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="additive"):
         zhf.integration._attention_forward(None, q, k, v, additive + 0.5)
-    with pytest.raises(ValueError, match="dropout"):
-        zhf.integration._attention_forward(None, q, k, v, None, dropout=0.1)
+    # Training-time attention dropout is SDPA's dropout_p (seeded: the same draw as fz.attention's).
+    torch.manual_seed(0)
+    dropped, _ = zhf.integration._attention_forward(None, q, k, v, None, dropout=0.1)
+    torch.manual_seed(0)
+    direct = fz.attention(q, k, v, enable_gqa=True, dropout_p=0.1).transpose(1, 2)
+    torch.testing.assert_close(dropped, direct, rtol=0, atol=0)
+    undropped, _ = zhf.integration._attention_forward(None, q, k, v, None)
+    assert not torch.equal(dropped, undropped)
     with pytest.raises(ValueError, match="position_bias"):
         zhf.integration._attention_forward(None, q, k, v, None, position_bias=torch.zeros(1))
 
