@@ -359,7 +359,7 @@ def plan(
     is_causal: bool = False,
     kernel_options: dict[str, Any] | None = None,
     layout: str = "bhsd",
-    dropout_p: float = 0.0,
+    dropout_p: float | None = None,
 ) -> Plan:
     """Which route ``attention`` would take with these arguments, and why. Runs nothing.
 
@@ -421,7 +421,7 @@ def attention(
     is_causal: bool = ...,
     kernel_options: dict[str, Any] | None = ...,
     layout: str = ...,
-    dropout_p: float = ...,
+    dropout_p: float | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention(
@@ -440,7 +440,7 @@ def attention(
     is_causal: bool = ...,
     kernel_options: dict[str, Any] | None = ...,
     layout: str = ...,
-    dropout_p: float = ...,
+    dropout_p: float | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention(
@@ -459,7 +459,7 @@ def attention(
     is_causal: bool = ...,
     kernel_options: dict[str, Any] | None = ...,
     layout: str = ...,
-    dropout_p: float = ...,
+    dropout_p: float | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -479,7 +479,7 @@ def attention(
     is_causal: bool = False,
     kernel_options: dict[str, Any] | None = None,
     layout: str = "bhsd",
-    dropout_p: float = 0.0,
+    dropout_p: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q, k, v`` (layout ``[B, H, L, D]``) on the fastest exact route.
 
@@ -522,7 +522,8 @@ def attention(
             ``[B, H, L, D]`` with ``transpose(1, 2)`` (no copy) and ``out`` is returned in the same
             layout (a view of the route's output); ``lse`` stays ``[B, H, Lq]``. Masks and score
             mods see ``[B, H, Lq, Lkv]`` indices either way.
-        dropout_p: SDPA's: a float in ``[0, 1)``; above 0 each attention probability is zeroed with
+        dropout_p: SDPA's: a float in ``[0, 1)`` (None, the default, is 0.0: no float default for
+            ``torch.compile`` to make symbolic under dynamic shapes); above 0 each attention probability is zeroed with
             that probability (drawn from torch's default generator of q's device: seed it with
             ``torch.manual_seed`` for reproducible runs) and the kept ones are scaled by
             ``1 / (1 - dropout_p)``; the lse is that of the undropped scores. Applied whenever it

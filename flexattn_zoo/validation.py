@@ -113,7 +113,10 @@ def check_dropout_p(dropout_p: object) -> float:
     """``dropout_p`` as a float in ``[0, 1)`` (SDPA's meaning: the probability of zeroing each
     attention probability, the kept ones scaled by ``1 / (1 - dropout_p)``); ValueError naming it
     otherwise (bools, non-numbers, NaN, values outside ``[0, 1)``). Comparisons only, so a float
-    Dynamo made symbolic is checked too (it guards on them); NaN fails ``0 <= x < 1``."""
+    Dynamo made symbolic is checked too (it guards on them); NaN fails ``0 <= x < 1``. None is
+    0.0 (the default of the functions that take it)."""
+    if dropout_p is None:
+        return 0.0
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
         got = f"{type(dropout_p).__name__} {dropout_p!r}"
         raise ValueError(f"dropout_p must be a float in [0, 1) (0.0: no dropout), got {got}")

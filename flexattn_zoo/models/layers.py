@@ -105,7 +105,7 @@ def _run(
     sinks: torch.Tensor | None,
     backend: str,
     layout: str = "bhsd",
-    dropout_p: float = 0.0,
+    dropout_p: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if layout != "bhsd":  # [B, L, H, D]: the layer runs on [B, H, L, D] views, out transposed back
         q, k, v = as_bhsd(q, k, v, layout)
@@ -126,7 +126,7 @@ def _run(
     kwargs: dict[str, Any] = dict(
         mask=la.mask, score_mod=la.score_mod, scale=scale, enable_gqa=gqa, backend=backend
     )
-    if dropout_p != 0:  # (given only when asked: a call without it is the call it always was)
+    if dropout_p:  # (given only when asked: a call without it is the call it always was)
         # With sinks the dropped probabilities are rescaled by the sink factor below: the same as
         # dropping the probabilities of the softmax that includes the sink (its value vector is 0).
         kwargs["dropout_p"] = dropout_p
@@ -154,7 +154,7 @@ def attention_layer(
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
     layout: str = ...,
-    dropout_p: float = ...,
+    dropout_p: float | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def attention_layer(
@@ -172,7 +172,7 @@ def attention_layer(
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
     layout: str = ...,
-    dropout_p: float = ...,
+    dropout_p: float | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_layer(
@@ -190,7 +190,7 @@ def attention_layer(
     sinks: torch.Tensor | None = ...,
     backend: str = ...,
     layout: str = ...,
-    dropout_p: float = ...,
+    dropout_p: float | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -209,7 +209,7 @@ def attention_layer(
     sinks: torch.Tensor | None = None,
     backend: str = "auto",
     layout: str = "bhsd",
-    dropout_p: float = 0.0,
+    dropout_p: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
 
@@ -383,7 +383,7 @@ class Attention(nn.Module):
             sinks=self.sinks,
             backend=self.backend,
             layout=self.layout,
-            dropout_p=self.dropout_p if self.training else 0.0,
+            dropout_p=(self.dropout_p or None) if self.training else None,
         )
 
     def extra_repr(self) -> str:

@@ -287,7 +287,19 @@ def test_auto_says_why_when_no_route_drops() -> None:
         fz.attention(q, k, v, mask="causal", dropout_p=0.1, kernel_options={"BLOCK_M": 16})
 
 
-_BAD = [1.0, 1, -0.1, float("nan"), float("inf"), True, "0.1", None, torch.tensor(0.1)]
+_BAD = [1.0, 1, -0.1, float("nan"), float("inf"), True, "0.1", torch.tensor(0.1)]
+
+
+def test_none_is_no_dropout() -> None:
+    """None (the default, so that no float default turns symbolic under torch.compile's dynamic
+    shapes) is 0.0."""
+    q, k, v = _qkv(lq=24, lkv=24, heads=2, kv_heads=2)
+    torch.testing.assert_close(
+        fz.attention(q, k, v, mask="causal", dropout_p=None),
+        fz.attention(q, k, v, mask="causal"),
+        rtol=0,
+        atol=0,
+    )
 
 
 @pytest.mark.parametrize("bad", _BAD, ids=repr)
