@@ -181,6 +181,7 @@ class FlexBackend(Backend):
             p.return_lse,
             p.gqa,
             (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
+            _block_size(block_mask),
         )
         return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa)
 
@@ -214,6 +215,15 @@ class FlexCall:
 #: exactly what ``_prepare`` would build again; it holds at most this many BlockMasks alive beyond
 #: ``blockmask.CACHE`` (none of callers' BlockMasks).
 CALLS: LRUCache[FlexCall] = LRUCache(64)
+
+
+def _block_size(block_mask: Any) -> tuple[int, int] | None:
+    """A BlockMask's ``(q, kv)`` sparse block size as plain ints (part of the compile key), or
+    None without one."""
+    if block_mask is None:
+        return None
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    return int(q_block), int(kv_block)
 
 
 def _decoding_kernel_chosen(p: Problem) -> bool:
@@ -266,7 +276,11 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
 
 
 def _batch_broadcast(t: torch.Tensor) -> bool:
-    return t.shape[0] > 1 and t.stride(0) == 0 and t[0].is_contiguous()
+    """A pool shared by every row: batch stride 0, each key a contiguous row of D. Beyond a
+    contiguous ``[Hkv, L, D]`` that covers ``fz.decode``'s views of serving-stack page pools
+    (``decode.pool_view``: heads interleaved, or rows overlapping), which a copy would
+    materialize per step."""
+    return t.stride(0) == 0 and t.stride(-1) == 1
 
 
 @dataclasses.dataclass(frozen=True)
