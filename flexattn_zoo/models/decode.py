@@ -588,6 +588,32 @@ def pool_view(pool: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, int]:
     return view, slot_stride
 
 
+@overload
+def append_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: int,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    kv_layout: str | None = ...,
+    block_size: int | None = ...,
+) -> int: ...
+@overload
+def append_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    kv_layout: str | None = ...,
+    block_size: int | None = ...,
+) -> torch.Tensor: ...
+
+
 def append_kv(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
