@@ -182,19 +182,25 @@ class CompileCache:
         lse: bool,
         gqa: bool,
         model_shape: Hashable = None,
+        block_size: tuple[int, int] | None = None,
     ) -> CompiledFlex:
         """The entry for this kernel; ``model_shape`` (heads, kv heads, head dim, dtype) separates
-        calls whose model constants differ, so only lengths and batch vary inside one entry.
+        calls whose model constants differ, so only lengths and batch vary inside one entry;
+        ``block_size`` is the BlockMask's ``(q, kv)`` sparse block size (None: no BlockMask).
 
         Why: with one entry per mask code, a mask used at D=128 and then at D=64 (or 16 vs 32
         heads) recompiles that entry, and Dynamo compiles the second graph with dynamic sizes
         (automatic dynamic shapes) although those sizes never vary within one model.
         (The H200 slowdowns first blamed on this -- document_causal_d64 flex_flash at 74 -- were
         the spec-comparison sync fixed in 07f7535.)
+
+        Why the block size: a kernel is tiled to it, and mods may compute with it (a paged decode
+        mask maps keys to pages). Two block sizes in one entry let Dynamo's automatic dynamic
+        shapes make a size symbolic in the second graph, which torch 2.13's CPU flex template
+        cannot compile (C++ errors); one entry per block size compiles each statically.
         """
-        return self.get_keyed(
-            self.key(mask_mod, score_mod, kernel_options, lse, gqa, model_shape), kernel_options, lse, gqa
-        )
+        key = self.key(mask_mod, score_mod, kernel_options, lse, gqa, model_shape, block_size)
+        return self.get_keyed(key, kernel_options, lse, gqa)
 
     @staticmethod
     def key(
@@ -204,6 +210,7 @@ class CompileCache:
         lse: bool,
         gqa: bool,
         model_shape: Hashable = None,
+        block_size: tuple[int, int] | None = None,
     ) -> Hashable:
         """The entry key of :meth:`get`'s arguments (a caller may keep it: see ``get_keyed``)."""
         return EntryKey(
@@ -214,6 +221,7 @@ class CompileCache:
                 lse,
                 gqa,
                 model_shape,
+                block_size,
             )
         )
 

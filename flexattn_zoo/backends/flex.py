@@ -86,7 +86,7 @@ class FlexBackend(Backend):
         which may not contradict the fixed ones: ``kernel_options_reasons``)."""
         opts = dict(self.kernel_options)
         if not _runs_raw_callables(p):
-            opts.update(self.tuned_options(p))
+            opts.update(_tiles_within(self.tuned_options(p), block_mask))
         opts.update(p.kernel_options or ())
         if "BACKEND" not in opts and _decoding_kernel_chosen(p):
             if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:
@@ -181,6 +181,7 @@ class FlexBackend(Backend):
             p.return_lse,
             p.gqa,
             (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
+            _block_size(block_mask),
         )
         return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa)
 
@@ -214,6 +215,29 @@ class FlexCall:
 #: exactly what ``_prepare`` would build again; it holds at most this many BlockMasks alive beyond
 #: ``blockmask.CACHE`` (none of callers' BlockMasks).
 CALLS: LRUCache[FlexCall] = LRUCache(64)
+
+
+def _tiles_within(options: dict[str, Any], block_mask: Any) -> dict[str, Any]:
+    """Measured ``options`` less the tile sizes that do not divide ``block_mask``'s block sizes.
+
+    The tiles were measured on 128-key blocks; a kernel's tile must divide the block it walks
+    (torch's templates skip, or refuse, configs whose BLOCK_N does not divide the kv block), and
+    an explicit option overrides the clamp torch's own decoding configs apply. A paged decode of
+    16-key pages would get ``fwd_BLOCK_N=128``: torch then picks a tile that fits instead."""
+    if block_mask is None:
+        return options
+    q_block, kv_block = (int(x) for x in block_mask.BLOCK_SIZE)
+    limits = {"fwd_BLOCK_M": q_block, "fwd_BLOCK_N": kv_block}
+    return {k: v for k, v in options.items() if k not in limits or limits[k] % int(v) == 0}
+
+
+def _block_size(block_mask: Any) -> tuple[int, int] | None:
+    """A BlockMask's ``(q, kv)`` sparse block size as plain ints (part of the compile key), or
+    None without one."""
+    if block_mask is None:
+        return None
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    return int(q_block), int(kv_block)
 
 
 def _decoding_kernel_chosen(p: Problem) -> bool:
@@ -266,7 +290,11 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
 
 
 def _batch_broadcast(t: torch.Tensor) -> bool:
-    return t.shape[0] > 1 and t.stride(0) == 0 and t[0].is_contiguous()
+    """A pool shared by every row: batch stride 0, each key a contiguous row of D. Beyond a
+    contiguous ``[Hkv, L, D]`` that covers ``fz.decode``'s views of serving-stack page pools
+    (``decode.pool_view``: heads interleaved, or rows overlapping), which a copy would
+    materialize per step."""
+    return t.stride(0) == 0 and t.stride(-1) == 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,13 +21,17 @@ thread's update could land between another's update and its kernel (see :func:`_
 The q-side block indices are not maintained (they only serve the backward): decoding with
 inputs that require grad takes the exact ``dense`` route instead.
 
-Paged KV (``block_table=``): the cache is a pool of pages of ``block_size`` tokens,
-``k_cache``/``v_cache`` of shape ``[1, Hkv, n_pages * block_size, D]``, and ``block_table[b, p]``
-is the physical page of row ``b``'s logical page ``p``. The BlockMask then lists physical blocks
-and the ``mask_mod`` maps a physical key index back to its logical position through a captured
-page-to-position table (updated in place like the lengths). On CUDA with torch >= 2.13,
-:func:`decode_step_varlen` runs the same paged decode on FlashAttention's varlen kernel
-(``block_table`` + ``seqused_k``) for causal or sliding-window patterns.
+Paged KV (``block_table=``): the cache is a pool of pages and ``block_table[b, p]`` is the
+physical page of row ``b``'s logical page ``p``. Pools come in the serving stacks' layouts
+(``kv_layout="NHD"``: ``[n_pages, page_size, Hkv, D]``, vLLM / FlashAttention / FlashInfer;
+``"HND"``: ``[n_pages, Hkv, page_size, D]``), any page size, read in place through a strided view
+(:func:`pool_view`), or in flexattn_zoo's own ``[1, Hkv, n_pages * block_size, D]``. The BlockMask
+then lists physical pages (one flex kv block per page) and the ``mask_mod`` maps a physical key
+index back to its logical position through a captured page-to-position table (updated in place
+like the lengths). :func:`append_kv` writes new tokens into the pools through the block table.
+On CUDA with torch >= 2.13, :func:`decode_step_varlen` runs the same paged decode on
+FlashAttention's varlen kernel (``block_table`` + ``seqused_k``) for causal or sliding-window
+patterns.
 
 Serving: a step is planned (validated and routed) once per call signature (:func:`run_signature`;
 on the CPU it includes whether q and the cache hold NaN/inf, which the inputs are scanned for
@@ -44,6 +48,8 @@ cache of >= 2**31 elements is decoded a slice of rows at a time (see
 Routes: CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
 no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
 the cache (the pages gathered for paged caches): exact, but it materialises ``Lq x cache_len``.
+Pages smaller than a device's flex minimum (:data:`MIN_FLEX_PAGE`: 16 keys on CUDA) take that
+``dense`` route too.
 """
 
 from __future__ import annotations
@@ -68,9 +74,16 @@ from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import inputs_nonfinite
 
-__all__ = ["DecodeMask", "decode_step", "decode_step_varlen", "lowest_key"]
+__all__ = ["DecodeMask", "append_kv", "decode_step", "decode_step_varlen", "lowest_key", "pool_view"]
 
 DEFAULT_BLOCK_SIZE = 128
+#: Page layouts ``decode_step(kv_layout=...)`` and :func:`append_kv` take: the serving stacks'
+#: KV pools (vLLM, FlashInfer, FlashAttention), one per k and v.
+KV_LAYOUTS = ("NHD", "HND")
+KV_LAYOUT_SHAPES = {"NHD": "[n_pages, page_size, Hkv, D]", "HND": "[n_pages, Hkv, page_size, D]"}
+#: The smallest kv block (page) a flex kernel takes, per device type (others: any). CUDA: the
+#: Triton kernels tile keys in blocks of >= 16 (tl.dot), which must divide the kv block.
+MIN_FLEX_PAGE = {"cuda": 16}
 #: The default pattern, one object (a spec is immutable): the DecodeMask cache key then hashes
 #: and compares it by identity instead of a new spec's fields every step.
 _CAUSAL = Causal()
@@ -112,7 +125,8 @@ class DecodeMask:
             times ``block_size``).
         n_physical: number of physical kv blocks (pages) when paged, else None.
         device: where the cache lives.
-        block_size: kv block (page) size; also the q block size.
+        block_size: kv block (page) size; also the q block size unless ``q_block_size`` is given.
+        q_block_size: q block size (None: ``block_size``).
     """
 
     def __init__(
@@ -125,25 +139,32 @@ class DecodeMask:
         n_physical: int | None = None,
         device: torch.device | str = "cpu",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        q_block_size: int | None = None,
     ) -> None:
         # On the cache's device: the mask_mod captures the spec's tensors (document ids, offsets).
         self.spec = spec.bind(capacity, capacity).to(device) if spec is not None else None
         self.batch, self.q_len, self.block_size = batch, q_len, block_size
+        self.q_block_size = block_size if q_block_size is None else q_block_size
         self.paged = n_physical is not None
         self.n_logical = -(-capacity // block_size)
         n_kv = n_physical if n_physical is not None else self.n_logical
         self.kv_len = n_kv * block_size if self.paged else capacity
-        n_q = -(-q_len // block_size)
+        n_q = -(-q_len // self.q_block_size)
         device = torch.device(device)
         i32 = torch.int32
         self.cache_len = torch.zeros(batch, dtype=i32, device=device)
         # Physical page -> first logical position stored in it (see update); one spare column.
         self.page_start = torch.full((batch, n_kv + 1), -block_size, dtype=i32, device=device)
+        # Logical page -> whether the row owns a physical page there (block_table entry in the
+        # pool): the dense route reads the pages gathered in logical order, and a -1 entry below
+        # a row's length (a page a sliding window freed) must stay invisible there too.
+        self.page_owned = torch.ones(batch, self.n_logical, dtype=torch.bool, device=device)
+        self._logical = _page_map(self.page_start, block_size)
         self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=i32, device=device)
         self.kv_indices = (
             torch.arange(n_kv, dtype=i32, device=device).view(1, 1, 1, n_kv).repeat(batch, 1, n_q, 1)
         )
-        self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * block_size
+        self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * self.q_block_size
         self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
         # Blocks 0 .. last for every row when the pattern has no lower bound on a contiguous cache:
         # kv_indices never changes, and update() writes only the lengths and counts (one or two
@@ -161,7 +182,7 @@ class DecodeMask:
             self.kv_indices,
             torch.zeros_like(self.kv_num_blocks) if on_cpu else None,
             self.kv_indices.clone() if on_cpu else None,
-            BLOCK_SIZE=(block_size, block_size),
+            BLOCK_SIZE=(self.q_block_size, block_size),
             mask_mod=self.mask_mod,
             seq_lengths=(q_len, self.kv_len),
         )
@@ -181,13 +202,11 @@ class DecodeMask:
         its own: one device op fewer per step (a kernel launch on CUDA)."""
         return self.cache_len - self.q_len
 
-    def _logical(self, b: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        bs = self.block_size
-        return self.page_start[b, kv_idx // bs] + kv_idx % bs
-
     def _make_mod(self, *, paged: bool) -> Any:
         inner = self.spec.mask_mod() if self.spec is not None else None
         cache_len, logical, q_len = self.cache_len, self._logical, self.q_len
+        if not paged and self.paged:
+            return self._make_gathered_mod(inner)
 
         def decode_mask(b, h, q_idx, kv_idx):
             kv = logical(b, kv_idx) if paged else kv_idx
@@ -197,6 +216,19 @@ class DecodeMask:
             return out
 
         return decode_mask
+
+    def _make_gathered_mod(self, inner: Any) -> Any:
+        """The mask over a paged cache's pages gathered in logical order (the dense route): keys
+        of logical pages the row does not own are invisible, as they are on the flex route."""
+        cache_len, owned, q_len, page = self.cache_len, self.page_owned, self.q_len, self.block_size
+
+        def decode_gathered_mask(b, h, q_idx, kv_idx):
+            out = (kv_idx < cache_len[b]) & owned[b, kv_idx // page]
+            if inner is not None:
+                out = out & inner(b, h, q_idx + (cache_len[b] - q_len), kv_idx)
+            return out
+
+        return decode_gathered_mask
 
     def _fill_count(self, count: int) -> None:
         """Set every row's block count to ``count`` (int lengths on a fixed block list).
@@ -297,13 +329,31 @@ class DecodeMask:
             # is never read.
             starts = torch.full_like(self.page_start, -bs, dtype=torch.int64)
             pages = torch.arange(table.shape[1], device=table.device).expand_as(table) * bs
-            starts.scatter_(1, torch.where((table >= 0) & (table < n_phys), table, n_phys), pages)
+            owned = (table >= 0) & (table < n_phys)
+            starts.scatter_(1, torch.where(owned, table, n_phys), pages)
             self.page_start.copy_(starts)
+            self.page_owned.copy_(owned[:, : self.n_logical])
         else:
             indices = logical_blocks
         self.kv_num_blocks.copy_(num[:, None, :])
         self.kv_indices.copy_(indices[:, None, :, :])
         return self.block_mask
+
+
+def _page_map(page_start: torch.Tensor, page: int) -> Any:
+    """``(b, kv_idx) -> logical position`` of physical key ``kv_idx`` in row ``b`` (below 0 where
+    row ``b`` owns no page there), through ``page_start`` ``[B, n_physical + 1]``.
+
+    A closure over the page size, not a method reading ``self``: the compile key
+    (``compile.mod_key``) sees a closure's captured constants but not a bound method's ``self``,
+    and two page sizes sharing one compiled entry made Dynamo turn the page size into a symbol
+    that torch's CPU flex template fails to compile (C++ errors).
+    """
+
+    def logical(b, kv_idx):
+        return page_start[b, kv_idx // page] + kv_idx % page
+
+    return logical
 
 
 #: decode_step's DecodeMasks, keyed by pattern, shape, device *and calling thread* (see
@@ -469,11 +519,237 @@ def _well_formed(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: boo
 
 
 def _gather_pages(pool: torch.Tensor, block_table: torch.Tensor, pages: int, bs: int) -> torch.Tensor:
-    """The first ``pages`` logical pages of every row, as a contiguous ``[B, H, pages * bs, D]``."""
+    """The first ``pages`` logical pages of every row, as a contiguous ``[B, H, pages * bs, D]``;
+    ``pool`` ``[1 (or B, broadcast), H, n_pages * bs, D]``, any strides (a kv_layout view)."""
     _, h, _, d = pool.shape
-    paged = pool[0].view(h, -1, bs, d)  # [H, n_pages, bs, D]
+    paged = pool[0].unflatten(1, (-1, bs))  # [H, n_pages, bs, D], a view whatever the strides
     idx = block_table[:, :pages].clamp(min=0).to(pool.device, torch.int64)
     return paged[:, idx].permute(1, 0, 2, 3, 4).reshape(idx.shape[0], h, pages * bs, d)
+
+
+def _layout_views(
+    k_pool: Any, v_pool: Any, kv_layout: str, block_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, int]:
+    """``kv_layout`` pools as ``decode_step``'s own paged layout: ``(k_view, v_view, page_size,
+    slot_stride, n_pages)``, the views ``[1, Hkv, n_slots * page_size, D]`` (see
+    :func:`pool_view`)."""
+    for name, t in (("k_cache", k_pool), ("v_cache", v_pool)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"decode_step {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4 or 0 in t.shape[:3]:
+            raise ValueError(
+                f"decode_step {name} with kv_layout={kv_layout!r} must be a pool {KV_LAYOUT_SHAPES[kv_layout]} "
+                f"(no empty dims), got shape {tuple(t.shape)}"
+            )
+    if k_pool.shape[:3] != v_pool.shape[:3]:
+        raise ValueError(
+            f"k_cache and v_cache must agree in pages, page size and heads (dims 0-2), got "
+            f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}"
+        )
+    page = k_pool.shape[1] if kv_layout == "NHD" else k_pool.shape[2]
+    if block_size is not None and block_size != page:
+        raise ValueError(
+            f"decode_step block_size={block_size!r} differs from the pools' page size {page} "
+            f"(kv_layout={kv_layout!r} pools {KV_LAYOUT_SHAPES[kv_layout]}): leave block_size out"
+        )
+    k_view, slots = pool_view(k_pool, kv_layout)
+    v_view, v_slots = pool_view(v_pool, kv_layout)
+    if v_slots != slots:  # one table for both: copied contiguous, their pages sit alike
+        k_view, slots = pool_view(k_pool.contiguous(), kv_layout)
+        v_view, _ = pool_view(v_pool.contiguous(), kv_layout)
+    return k_view, v_view, page, slots, k_pool.shape[0]
+
+
+def pool_view(pool: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, int]:
+    """A ``kv_layout`` page pool seen as one key sequence per head, without a copy.
+
+    ``pool``: ``[n_pages, page_size, Hkv, D]`` (``"NHD"``) or ``[n_pages, Hkv, page_size, D]``
+    (``"HND"``). Returns ``(view, slot_stride)``: ``view`` ``[1, Hkv, L, D]`` (batch stride 0)
+    in which token ``o`` of page ``p`` is key ``(p * slot_stride) * page_size + o`` of every
+    head, ``L = ((n_pages - 1) * slot_stride + 1) * page_size``. The key stride is the pool's
+    token stride, so pages are ``slot_stride`` page slots apart: 1 for a contiguous NHD pool
+    (the view is the pool itself, heads interleaved), ``Hkv`` for a contiguous HND pool (the
+    slots between hold the other heads' keys of the page: the view's rows overlap in memory, and
+    decode_step never lists those slots). A pool whose strides fit neither (last dim not
+    contiguous, page stride not a whole number of pages of its token stride) is copied
+    contiguous first.
+    """
+    n_pages, a, b, d = pool.shape
+    page, heads = (a, b) if kv_layout == "NHD" else (b, a)
+    tok_dim, head_dim = (1, 2) if kv_layout == "NHD" else (2, 1)
+    s_page, s_tok, s_head = pool.stride(0), pool.stride(tok_dim), pool.stride(head_dim)
+    if page == 1:
+        s_tok = s_page  # one token per page: its stride is free, pages are then adjacent keys
+    if not (pool.stride(3) == 1 or d == 1) or s_tok <= 0 or s_page % s_tok or (s_page // s_tok) % page:
+        return pool_view(pool.contiguous(), kv_layout)
+    slot_stride = s_page // s_tok // page
+    length = ((n_pages - 1) * slot_stride + 1) * page
+    view = pool.as_strided((1, heads, length, d), (0, s_head, s_tok, 1), pool.storage_offset())
+    return view, slot_stride
+
+
+@overload
+def append_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: int,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    kv_layout: str | None = ...,
+    block_size: int | None = ...,
+) -> int: ...
+@overload
+def append_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    kv_layout: str | None = ...,
+    block_size: int | None = ...,
+) -> torch.Tensor: ...
+
+
+def append_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: int | torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    *,
+    kv_layout: str | None = None,
+    block_size: int | None = None,
+) -> int | torch.Tensor:
+    """Write ``n`` new tokens per row into paged KV pools through a block table, in place.
+
+    Row ``b``'s new token ``i`` goes to logical position ``seq_lens[b] + i``: logical page
+    ``(seq_lens[b] + i) // page_size``, physical page ``block_table[b, that page]``, slot
+    ``(seq_lens[b] + i) % page_size`` in it. Then ``decode_step(q, k_pool, v_pool, <the returned
+    lengths>, block_table=block_table, kv_layout=kv_layout)`` attends the new queries to them.
+
+    Args:
+        k_pool, v_pool: the pools, written in place: with ``kv_layout`` ``"NHD"``
+            ``[n_pages, page_size, Hkv, D]``, ``"HND"`` ``[n_pages, Hkv, page_size, D]``; with
+            None decode_step's own ``[1, Hkv, n_pages * block_size, D]``.
+        block_table: ``[B, max_pages]`` integer tensor, the physical page of each logical page;
+            every page written to must be in the pool (-1 elsewhere is fine).
+        seq_lens: the tokens each row holds before this write, an int or an integer tensor
+            ``[B]``; not modified.
+        k_new, v_new: ``[B, Hkv, n, D]`` (the library's head-first layout), the pools' dtype and
+            device.
+        kv_layout: ``"NHD"``, ``"HND"`` or None, as for :func:`decode_step`.
+        block_size: the page size of a ``kv_layout=None`` pool (default 128); with a
+            ``kv_layout`` the pools' page size, which it must equal if given.
+
+    Returns:
+        ``seq_lens + n``: the new lengths (an int for an int, else a new tensor).
+
+    Raises:
+        TypeError / ValueError naming the argument: wrong types, shapes, dtypes or devices,
+        an unknown ``kv_layout``; and, when ``block_table`` and ``seq_lens`` are CPU tensors or
+        ints, a write past the table's width or into a page outside the pool (-1 included). On
+        CUDA those values are not read (that would sync with the device): an invalid page is sent
+        out of the pool's range, so the write fails with a device-side index error instead of
+        landing in another row's page.
+    """
+    if kv_layout is not None and kv_layout not in KV_LAYOUTS:
+        raise ValueError(
+            f"append_kv kv_layout must be None, {' or '.join(map(repr, KV_LAYOUTS))}; got {kv_layout!r}"
+        )
+    shape = KV_LAYOUT_SHAPES.get(kv_layout or "", "[1, Hkv, n_pages * block_size, D]")
+    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"append_kv {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            want = shape if name.endswith("pool") else "[B, Hkv, n, D]"
+            raise ValueError(f"append_kv {name} must have 4 dims {want}, got shape {tuple(t.shape)}")
+    if kv_layout is None:
+        page = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        if isinstance(page, bool) or not isinstance(page, int) or page <= 0:
+            raise ValueError(f"append_kv block_size must be a positive int, got {page!r}")
+        if k_pool.shape[0] != 1 or k_pool.shape[2] % page:
+            raise ValueError(
+                f"append_kv pools without kv_layout are {shape} with block_size={page}; got {tuple(k_pool.shape)}"
+            )
+        n_pages, heads = k_pool.shape[2] // page, k_pool.shape[1]
+    else:
+        n_pages, a, b_, _ = k_pool.shape
+        page, heads = (a, b_) if kv_layout == "NHD" else (b_, a)
+        if block_size is not None and block_size != page:
+            raise ValueError(
+                f"append_kv block_size={block_size!r} differs from the pools' page size {page} ({shape})"
+            )
+    batch, new_heads, n, _ = k_new.shape
+    for name, pool, new in (("k", k_pool, k_new), ("v", v_pool, v_new)):
+        if pool.shape[:3] != k_pool.shape[:3]:
+            raise ValueError(
+                f"append_kv k_pool and v_pool must agree in dims 0-2, got {tuple(k_pool.shape)} and {tuple(pool.shape)}"
+            )
+        if new.shape[:3] != (batch, heads, n) or new.shape[3] != pool.shape[3]:
+            raise ValueError(
+                f"append_kv {name}_new must be [B, Hkv={heads}, n, D={pool.shape[3]}] with k_new's B and n, "
+                f"got {tuple(new.shape)}"
+            )
+        if new.dtype != pool.dtype or new.device != pool.device:
+            raise TypeError(
+                f"append_kv {name}_new must have {name}_pool's dtype and device ({pool.dtype}, {pool.device}), "
+                f"got {new.dtype} on {new.device}"
+            )
+    _check_block_table(block_table, batch)
+    max_pages = block_table.shape[1]
+    if isinstance(seq_lens, int) and not isinstance(seq_lens, bool):
+        start: torch.Tensor = torch.full((batch,), seq_lens, dtype=torch.int64)
+    elif isinstance(seq_lens, torch.Tensor) and not (
+        seq_lens.dtype == torch.bool or seq_lens.is_floating_point() or seq_lens.is_complex()
+    ):
+        start = seq_lens.reshape(-1).to(torch.int64)
+        if start.numel() != batch:
+            raise ValueError(
+                f"append_kv seq_lens must hold one length per row of block_table ({batch}), got {start.numel()}"
+            )
+    else:
+        what = f"a {seq_lens.dtype} tensor" if isinstance(seq_lens, torch.Tensor) else type(seq_lens).__name__
+        raise TypeError(f"append_kv seq_lens must be an int or an integer tensor [B], got {what}")
+    device = k_pool.device
+    pos = start.to(device)[:, None] + torch.arange(n, device=device)  # [B, n] logical positions
+    logical = pos // page
+    table = block_table.to(device, torch.int64)
+    on_host = start.device.type == "cpu" and block_table.device.type == "cpu"
+    if on_host and pos.numel():
+        lo, hi = int(start.min()), int(start.max()) + n
+        if lo < 0 or hi > max_pages * page:
+            raise ValueError(
+                f"append_kv writes positions {lo} .. {hi - 1}, outside the table's capacity 0 .. "
+                f"{max_pages * page - 1} ({max_pages} pages of {page}): seq_lens must be >= 0 and "
+                f"seq_lens + n <= max_pages * page_size"
+            )
+    physical = table.gather(1, logical.clamp(0, max_pages - 1))
+    if on_host and physical.numel():
+        bad = (physical < 0) | (physical >= n_pages)
+        if bool(bad.any()):
+            b, i = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"append_kv row {b} writes position {int(pos[b, i])} to block_table[{b}, {int(logical[b, i])}] = "
+                f"{int(physical[b, i])}, outside the pool: valid pages are 0 .. {n_pages - 1}"
+            )
+    # Invalid entries (a CUDA table, not read on the host) point past the pool: a loud index
+    # error, where a -1 would wrap around to the last page.
+    physical = torch.where((physical >= 0) & (physical < n_pages), physical, n_pages).flatten()
+    slot = (pos % page).flatten()
+    for pool, new in ((k_pool, k_new), (v_pool, v_new)):
+        rows = new.transpose(1, 2).reshape(batch * n, heads, new.shape[3])  # [B * n, Hkv, D]
+        if kv_layout == "NHD":
+            pool[physical, slot] = rows
+        elif kv_layout == "HND":
+            pool[physical, :, slot] = rows
+        else:
+            pool[0, :, physical * page + slot] = rows.transpose(0, 1)
+    return seq_lens + n
 
 
 @overload
@@ -491,7 +767,8 @@ def decode_step(
     block_table: torch.Tensor | None = ...,
     return_lse: Literal[False] = ...,
     backend: str = ...,
-    block_size: int = ...,
+    block_size: int | None = ...,
+    kv_layout: str | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def decode_step(
@@ -508,7 +785,8 @@ def decode_step(
     block_table: torch.Tensor | None = ...,
     return_lse: Literal[True],
     backend: str = ...,
-    block_size: int = ...,
+    block_size: int | None = ...,
+    kv_layout: str | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def decode_step(
@@ -525,7 +803,8 @@ def decode_step(
     block_table: torch.Tensor | None = ...,
     return_lse: bool = ...,
     backend: str = ...,
-    block_size: int = ...,
+    block_size: int | None = ...,
+    kv_layout: str | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -543,15 +822,17 @@ def decode_step(
     block_table: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | None = None,
+    kv_layout: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of the newest ``Lq`` tokens to a KV cache (see the module docstring).
 
     Args:
         q: ``[B, H, Lq, D]``, the queries at absolute positions ``cache_len - Lq .. cache_len - 1``.
         k_cache, v_cache: ``[B, Hkv, capacity, D]`` caches whose first ``cache_len`` entries are
-            valid (the new tokens included); with ``block_table``, page pools
-            ``[1, Hkv, n_pages * block_size, D]``.
+            valid (the new tokens included); with ``block_table``, page pools: by default
+            ``[1, Hkv, n_pages * block_size, D]``, with ``kv_layout`` the serving stacks' pools
+            (below).
         cache_len: valid length, an int or an integer tensor ``[B]`` (rows may differ), each in
             ``Lq .. capacity`` (checked when an int or a CPU tensor: a CUDA one is not read).
         mask: the pattern over absolute positions (spec, name or callable); default ``Causal()``.
@@ -562,7 +843,18 @@ def decode_step(
         backend: ``"auto"``, ``"flex"``, ``"flex_cpu"`` or ``"dense"`` (the routes with
             ``decode=True``). On CUDA ``"auto"`` is ``"flex"`` (torch's flex-decoding kernel for short
             ``Lq``).
-        block_size: kv block size, and the page size of paged caches.
+        block_size: kv block size, and the page size of paged caches (None: 128; with
+            ``kv_layout``, the pools' page size, which it must equal if given).
+        kv_layout: None, or the page layout of the pools a ``block_table`` points into, as
+            vLLM, FlashInfer and FlashAttention keep them: ``"NHD"``, ``k_cache`` / ``v_cache``
+            ``[n_pages, page_size, Hkv, D]``; ``"HND"``, ``[n_pages, Hkv, page_size, D]``. Any
+            page size. The pools are read in place through a strided view (no copy; a pool whose
+            last dim is not contiguous, or whose page stride is not a multiple of a page of its
+            token stride, is copied contiguous first), with ``block_table`` ``[B, max_pages]``
+            (int32 or int64) and ``cache_len`` ``[B]`` as above. Pages below
+            :data:`MIN_FLEX_PAGE` of the device (CUDA: 16 keys, the Triton kernels' smallest
+            tile) cannot be a flex block: those steps take the exact ``dense`` route over the
+            row's live pages gathered in logical order (a copy of the live keys per step).
     """
     spec = _CAUSAL if mask is None else as_mask_spec(mask)
     if spec is not None:
@@ -571,6 +863,26 @@ def decode_step(
     if score is not None:
         score = score.live()
     paged = block_table is not None
+    n_pages: int | None = None  # pages in a kv_layout pool (its view counts page slots instead)
+    slot_stride = 1  # page p of a kv_layout pool is page slot p * slot_stride of its view
+    q_block_size = None
+    if kv_layout is not None:
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"decode_step kv_layout must be None, {' or '.join(map(repr, KV_LAYOUTS))}; got {kv_layout!r}"
+            )
+        if not paged:
+            raise ValueError(
+                f"decode_step kv_layout={kv_layout!r} names a page pool layout: it needs block_table="
+            )
+        k_cache, v_cache, block_size, slot_stride, n_pages = _layout_views(
+            k_cache, v_cache, kv_layout, block_size
+        )
+        # q blocks of 128 rows whatever the page: the CUDA kernels tile queries in blocks of
+        # 16 .. 128 rows, which must divide the q block (flex's _decode_kernel_has_no_config).
+        q_block_size = max(block_size, DEFAULT_BLOCK_SIZE)
+    elif block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
     _check_inputs(q, k_cache, v_cache, block_size, paged)
     on_cuda = q.is_cuda
     batch, heads, q_len, _ = q.shape
@@ -589,7 +901,9 @@ def decode_step(
     lens = _lengths(cache_len, batch, q_len, capacity, q.device)
     if paged:
         assert block_table is not None and n_physical is not None
-        _check_pages(block_table, n_physical, block_size)
+        _check_pages(block_table, n_physical if n_pages is None else n_pages, block_size)
+        if slot_stride != 1:
+            block_table = torch.where(block_table >= 0, block_table * slot_stride, -1)
     if spec is not None:
         try:  # positions are absolute: the pattern must describe all of 0 .. capacity - 1
             spec.validate(capacity, capacity, batch, heads)
@@ -599,13 +913,18 @@ def decode_step(
         score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
     need_lse = sinks is not None or return_lse
     grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
-    use_flex = backend != "dense" and not grad and (on_cuda or not need_lse)
+    small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
+    use_flex = backend != "dense" and not grad and (on_cuda or not need_lse) and not small_page
     if backend not in DECODE_ROUTES:
         raise ValueError(f"decode_step backend must be one of {', '.join(DECODE_ROUTES)}; got {backend!r}")
     if not use_flex and backend not in ("auto", "dense"):
-        raise ValueError(
-            f"backend {backend!r} cannot run this decode step (needs lse on CPU, or inputs require grad)"
+        why = (
+            f"kv blocks of {block_size} keys are below the {MIN_FLEX_PAGE[q.device.type]} flex needs on "
+            f"{q.device.type}"
+            if small_page
+            else "needs lse on CPU, or inputs require grad"
         )
+        raise ValueError(f"backend {backend!r} cannot run this decode step ({why})")
     if use_flex and on_cuda:
         backend = "flex" if backend == "auto" else backend
     if use_flex and not paged and batch > 1:
@@ -632,11 +951,18 @@ def decode_step(
             return (out, torch.cat([lse for _, lse in parts])) if return_lse else out
     # Per calling thread (see _caller): the mask's tensors are written by this step's update and
     # read by this step's kernel, so no two threads may share them.
-    key = (spec, batch, q_len, capacity, n_physical, block_size, q.device, _caller())
+    key = (spec, batch, q_len, capacity, n_physical, block_size, q_block_size, q.device, _caller())
     dm = CACHE.get_or_create(
         key,
         lambda: DecodeMask(
-            spec, batch, q_len, capacity, n_physical=n_physical, device=q.device, block_size=block_size
+            spec,
+            batch,
+            q_len,
+            capacity,
+            n_physical=n_physical,
+            device=q.device,
+            block_size=block_size,
+            q_block_size=q_block_size,
         ),
     )
     inner_score = score.score_mod(fast=on_cuda) if score is not None else None

@@ -152,6 +152,29 @@ def test_paged_flex_and_varlen_match_contiguous() -> None:
             assert_decode_matches(out_v, q, k, v, lens, mask)
 
 
+@pytest.mark.parametrize("page", [1, 16, 64, 128])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_serving_layouts_append_then_decode(layout: str, page: int) -> None:
+    """Pools in vLLM's / FlashInfer's layouts written by append_kv and decoded in place (pages
+    below 16 keys take the dense route over the gathered pages)."""
+    n_pages = 2 * B * 1024 // page
+    shape = (n_pages, page, HKV, D) if layout == "NHD" else (n_pages, HKV, page, D)
+    g = torch.Generator(device=DEV).manual_seed(page)
+    kp, vp = (torch.randn(*shape, generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    perm = torch.randperm(n_pages, generator=torch.Generator().manual_seed(page)).to(DEV)
+    table = perm[: B * (1024 // page)].view(B, -1).to(torch.int32)
+    new = torch.randn(2, B, HKV, 700, D, generator=g, device=DEV).to(torch.bfloat16)
+    lens = decode.append_kv(
+        kp, vp, table, torch.zeros(B, dtype=torch.int32, device=DEV), new[0], new[1], kv_layout=layout
+    )
+    k, v = new[0], new[1]  # the dense cache: every row holds its 700 tokens
+    q = torch.randn(B, H, 1, D, device=DEV, dtype=torch.bfloat16)
+    for mask in (masks.Causal(), masks.SlidingWindow.from_hf(200)):
+        with torch.no_grad():
+            out = decode.decode_step(q, kp, vp, lens, block_table=table, mask=mask, kv_layout=layout)
+        assert_decode_matches(out, q, k, v, lens, mask)
+
+
 def test_sink_gradients_on_flex() -> None:
     g = torch.Generator(device=DEV).manual_seed(4)
     q = torch.randn(2, H, 333, 64, generator=g, device=DEV).to(torch.bfloat16).requires_grad_()

@@ -501,6 +501,10 @@ def test_flex_kernel_options_for_the_decoding_kernel() -> None:
         masks.Causal(), lq=4096, lkv=4096, heads=(32, 8), arch="sm90", dtype=torch.bfloat16, d=128
     )
     assert FLEX.options(prefill, bm)["fwd_BLOCK_M"] == 128
+    # A paged decode of 16-key pages: the measured 128-key tile cannot walk a 16-key block.
+    small = FLEX.options(decode, SimpleNamespace(BLOCK_SIZE=(128, 16)))
+    assert "fwd_BLOCK_N" not in small and small["fwd_num_warps"] == 8
+    assert "fwd_BLOCK_M" not in FLEX.options(prefill, SimpleNamespace(BLOCK_SIZE=(64, 64)))
 
 
 def test_problems_record_the_index_extent_of_their_inputs() -> None:

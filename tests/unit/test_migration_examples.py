@@ -212,28 +212,30 @@ def test_hf_attn_implementation() -> None:
 
 
 def test_vllm_paged_decode_layout() -> None:
-    """vLLM's FlashAttention KV cache is ``[num_blocks, block_size, Hkv, D]`` per k and v;
-    ``fz.decode.decode_step`` takes a page pool ``[1, Hkv, num_blocks * block_size, D]``: one
-    permute + reshape (a copy). Queries ``[num_seqs, H, D]`` (one decode token each) become
-    ``[num_seqs, H, 1, D]``."""
+    """vLLM's FlashAttention KV cache is ``[num_blocks, block_size, Hkv, D]`` per k and v, which
+    ``fz.decode.decode_step(kv_layout="NHD")`` reads as it is (no copy); its int32 block table
+    and ``seq_lens`` go in unchanged. Queries ``[num_seqs, H, D]`` (one decode token each) become
+    ``[num_seqs, H, 1, D]``. The new token's k and v go in with ``fz.decode.append_kv``."""
     num_blocks, block_size = 8, 16
     k_cache = _randn(num_blocks, block_size, HKV, D, seed=6)  # vLLM layout
     v_cache = _randn(num_blocks, block_size, HKV, D, seed=7)
     block_table = torch.tensor([[3, 0, -1], [5, 1, 7]], dtype=torch.int32)
-    seq_lens = torch.tensor([20, 40])
+    seq_lens = torch.tensor([19, 39])  # before the new token
     q = _randn(2, H, D, seed=8)
+    k_new, v_new = _randn(2, HKV, 1, D, seed=9), _randn(2, HKV, 1, D, seed=10)
 
-    def to_pool(cache: torch.Tensor) -> torch.Tensor:
-        return cache.permute(2, 0, 1, 3).reshape(1, HKV, num_blocks * block_size, D)
-
+    seq_lens = fz.decode.append_kv(k_cache, v_cache, block_table, seq_lens, k_new, v_new, kv_layout="NHD")
     out = fz.decode.decode_step(
-        q[:, :, None], to_pool(k_cache), to_pool(v_cache), seq_lens,
-        block_table=block_table, block_size=block_size, backend="dense",
+        q[:, :, None], k_cache, v_cache, seq_lens, block_table=block_table, kv_layout="NHD", backend="dense",
     )  # fmt: skip
+    assert seq_lens.tolist() == [20, 40]
     for b, n in enumerate(seq_lens.tolist()):
         pages = block_table[b][block_table[b] >= 0].long()
         keys = k_cache[pages].flatten(0, 1)[:n].transpose(0, 1)[None]  # [1, Hkv, n, D]
         values = v_cache[pages].flatten(0, 1)[:n].transpose(0, 1)[None]
+        assert torch.equal(keys[0, :, n - 1], k_new[b, :, 0]) and torch.equal(
+            values[0, :, n - 1], v_new[b, :, 0]
+        )
         ref = reference_attention(
             q[b : b + 1, :, None], keys, values, mask=masks.Causal(align="bottom_right"), enable_gqa=True
         )

@@ -14,7 +14,7 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.models.decode import decode_step
+from flexattn_zoo.models.decode import append_kv, decode_step
 from flexattn_zoo.models.layers import attention_layer
 from flexattn_zoo.testing import reference_attention
 
@@ -80,6 +80,14 @@ def test_layer_decode_reference_overloads() -> None:
     step_pair = decode_step(q[:, :, -1:], k, v, 8, backend="dense", return_lse=True)
     assert_type(step_pair, Pair)
     assert _is_pair(step_pair)
+    k_pages, v_pages = torch.zeros(2, 4, 16, k.shape[1], k.shape[3])  # "NHD" pools
+    table, new = torch.tensor([[0]]), k[:, :, :2]
+    lengths = append_kv(k_pages, v_pages, table, torch.tensor([0]), new, new, kv_layout="NHD")
+    assert_type(lengths, torch.Tensor)
+    assert isinstance(lengths, torch.Tensor)
+    length = append_kv(k_pages, v_pages, table, 2, new, new, kv_layout="NHD")
+    assert_type(length, int)
+    assert length == 4
     ref = reference_attention(q, k, v)
     assert_type(ref, torch.Tensor)
     ref_pair = reference_attention(q, k, v, return_lse=True)
