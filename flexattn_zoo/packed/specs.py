@@ -145,11 +145,7 @@ class PackedSequences(MaskSpec):
         return out
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        if (q_len, kv_len, batch) != (self.q_total, self.kv_total, 1):
-            raise ValueError(
-                f"PackedSequences was built for B=1, Lq={self.q_total}, Lkv={self.kv_total}; "
-                f"got B={batch}, Lq={q_len}, Lkv={kv_len}"
-            )
+        _check_packed_call("PackedSequences", (self.q_total, self.kv_total), q_len, kv_len, batch)
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
@@ -227,11 +223,17 @@ class PackedScore(ScoreSpec):
         return out
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
-        if (q_len, kv_len, batch) != (self.q_total, self.kv_total, 1):
-            raise ValueError(
-                f"PackedScore was built for B=1, Lq={self.q_total}, Lkv={self.kv_total}; "
-                f"got B={batch}, Lq={q_len}, Lkv={kv_len}"
-            )
+        _check_packed_call("PackedScore", (self.q_total, self.kv_total), q_len, kv_len, batch)
+
+
+def _check_packed_call(owner: str, totals: tuple[int, int], q_len: int, kv_len: int, batch: int) -> None:
+    """ValueError unless the call is the one packed call (B=1, the packed lengths) ``owner`` was
+    built for."""
+    q_total, kv_total = totals
+    if (q_len, kv_len, batch) != (q_total, kv_total, 1):
+        raise ValueError(
+            f"{owner} was built for B=1, Lq={q_total}, Lkv={kv_total}; got B={batch}, Lq={q_len}, Lkv={kv_len}"
+        )
 
 
 __all__ = ["PackedScore", "PackedSequences"]
