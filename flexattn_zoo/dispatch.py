@@ -119,9 +119,11 @@ def problem_traits(p: Problem) -> frozenset[str]:
 
 
 def _visible(p: Problem) -> float:
-    """The mask's bound on the visible share of pairs, for the size rules; 1.0 while lengths are
-    symbolic (dynamic-shape tracing: the rules then compare the unmasked size, one guard on it)."""
-    if p.mask is None or isinstance(p.q_len, torch.SymInt) or isinstance(p.kv_len, torch.SymInt):
+    """The mask's bound on the visible share of pairs, for the size rules; 1.0 while
+    ``torch.compile`` traces (lengths may be symbolic there, and Dynamo reports a SymInt as an
+    int: a float share would turn the rules' comparison into a float guard), so a traced call's
+    rules compare the unmasked size, with one integer guard."""
+    if p.mask is None or _compat.is_compiling():
         return 1.0
     return p.mask.visible_fraction(p.q_len, p.kv_len)
 

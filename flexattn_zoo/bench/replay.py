@@ -94,7 +94,8 @@ def order(
     return tuple(out)
 
 
-def pick(g: Group, routes: tuple[str, ...], accepted: set[str]) -> str | None:
+def pick(routes: tuple[str, ...], accepted: set[str]) -> str | None:
+    """The first of ``routes`` that accepted the problem (as ``auto`` takes it)."""
     return next((r for r in routes if r in accepted), None)
 
 
@@ -120,7 +121,7 @@ def replay(
 ) -> Verdict:
     """What ``auto`` takes for ``g`` under ``rules`` and how it compares with the fastest route."""
     accepted = g.accepted(fa4, sdpa_stand_in)
-    chosen = pick(g, order(g, rules=rules), accepted)
+    chosen = pick(order(g, rules=rules), accepted)
     timed = {r: g.time(r) for r in accepted}
     best = min((r for r in timed if timed[r] is not None), key=lambda r: timed[r] or 0.0, default=None)
     return Verdict(
@@ -168,7 +169,7 @@ def evidence_holds(rule: Rule, g: Group, arch: str = "sm90") -> tuple[bool, str]
     this rule picks. Returns the verdict and a line saying why."""
     others = [r for r in RULES if r is not rule]
     accepted = g.accepted(fa4=True, sdpa_stand_in=True)
-    displaced = pick(g, order(g, arch, others), accepted)
+    displaced = pick(order(g, arch, others), accepted)
     fronts = [(g.time(r), r) for r in rule.front if r in accepted and g.time(r) is not None]
     if displaced is None or not fronts:
         return False, f"{g.case}/{g.mode}: no displaced route ({displaced}) or no front route measured"

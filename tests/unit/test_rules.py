@@ -78,3 +78,18 @@ def test_replay_of_the_sweep_improves_on_the_measured_order() -> None:
     worse = [(m.case, m.mode, m.chosen, r.chosen) for m, r in pairs if r.ratio < 0.95 * m.ratio]  # type: ignore[operator]
     assert not worse, worse
     assert replay.summary(r for _, r in pairs)["median"] == 1.0
+
+
+def test_traced_calls_size_the_unmasked_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While torch.compile traces, the size rules read no mask fraction: Dynamo reports a
+    symbolic length as an int, and a float share would make the rule's guard a float one."""
+    from flexattn_zoo import _compat, dispatch
+    from flexattn_zoo.problem import Problem
+
+    p = Problem(
+        batch=1, heads=8, kv_heads=8, q_len=64, kv_len=64, head_dim=64, dtype=torch.bfloat16,
+        device_type="cuda", arch="sm90", requires_grad=False, mask=masks.Causal(),
+    )  # fmt: skip
+    assert dispatch._visible(p) == pytest.approx(65 / 128)
+    monkeypatch.setattr(_compat, "is_compiling", lambda: True)
+    assert dispatch._visible(p) == 1.0
