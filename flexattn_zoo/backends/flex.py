@@ -332,7 +332,9 @@ class FlexCpuBackend(FlexBackend):
     def run(self, q, k, v, p, *, scale, block_mask=None):
         # The route runs only when nothing needs a gradient (it has no backward), but torch's CPU
         # flex refuses any input that requires grad, also under torch.no_grad(): detached views.
-        return super().run(q.detach(), k.detach(), v.detach(), p, scale=scale, block_mask=block_mask)
+        if q.requires_grad or k.requires_grad or v.requires_grad:
+            q, k, v = q.detach(), k.detach(), v.detach()
+        return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
 
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:
