@@ -12,10 +12,12 @@
 #   PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages:$PWD benchmarks/gpu_tests.sh gpu_tests_fa4
 #
 # Environment: OUT (default benchmarks/results), PYTHON (default python3), TEST_TIMEOUT seconds per
-# process (default 540), PARTS (default "a b c d": a = routes + determinism, b = fuzz + decode,
+# process (default 540), PARTS (default "a b c d e": a = routes + determinism, b = fuzz + decode,
 # c = the soak, tests/gpu/test_soak_gpu.py, whose knobs FLEXATTN_ZOO_SOAK_CALLS / _STREAMS pass through,
 # d = fz.attention under torch.compile / CUDA graphs / export, tests/gpu/test_compile_gpu.py, in
-# D_WORKERS pytest-xdist processes when set: its compiles are CPU-bound).
+# D_WORKERS pytest-xdist processes when set: its compiles are CPU-bound), e = the drop-in surfaces
+# (tensor masks and biases, is_causal, layouts, varlen_attention, Dv != Dqk, paged pools),
+# tests/gpu/test_dropin_gpu.py).
 # Exit code: non-zero if any process failed or timed out.
 set -uo pipefail
 name="${1:?usage: $0 NAME}"
@@ -38,7 +40,7 @@ run() {  # part, pytest args...
   echo $? >"$logs/$part.rc"
 }
 logs="$(mktemp -d)"
-parts="${PARTS:-a b c d}"
+parts="${PARTS:-a b c d e}"
 start=$(date +%s)
 for part in $parts; do
   case $part in
@@ -46,6 +48,7 @@ for part in $parts; do
     b) run b tests/gpu/test_fuzz_gpu.py tests/gpu/test_decode_gpu.py & ;;
     c) run c -s tests/gpu/test_soak_gpu.py & ;;
     d) run d ${D_WORKERS:+-n "$D_WORKERS"} tests/gpu/test_compile_gpu.py & ;;
+    e) run e tests/gpu/test_dropin_gpu.py & ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done
