@@ -334,6 +334,7 @@ def sdpa_torch_refusal(
     enable_gqa: bool,
     requires_grad: bool,
     dropout_p: float = 0.0,
+    v_dim: int | None = None,
 ) -> str | None:
     """Why torch's own check refuses SDPA ``kernel`` for a CUDA call of these contiguous shapes
     (torch's debug text), or None when it accepts, has no check for that kernel, or cannot
@@ -357,7 +358,8 @@ def sdpa_torch_refusal(
     with FakeTensorMode():
         q = torch.empty(q_shape, dtype=dtype, device=device, requires_grad=requires_grad)
         k = torch.empty(kv_shape, dtype=dtype, device=device, requires_grad=requires_grad)
-        v = torch.empty(kv_shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        v_shape = kv_shape if v_dim is None else (*kv_shape[:-1], v_dim)
+        v = torch.empty(v_shape, dtype=dtype, device=device, requires_grad=requires_grad)
     params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, enable_gqa)
     with warnings.catch_warnings(record=True) as caught, sdpa_kernel([getattr(SDPBackend, kernel)]):
         warnings.simplefilter("always")
@@ -404,7 +406,14 @@ def maybe_true(cond: Any) -> bool:
 
 def clamp_int(value: Any, low: int, high: int) -> Any:
     """``min(high, max(low, value))`` that stays symbolic for a traced (possibly data-dependent)
-    size instead of guarding on it."""
+    size instead of guarding on it.
+
+    Dynamo turns the builtins ``min``/``max`` of a traced size into ``torch.sym_min``/``sym_max``
+    in the graph itself (torch 2.11's Dynamo refuses to call those directly: "torch.* op returned
+    non-Tensor"); outside Dynamo a symbolic size (``make_fx``, non-strict export) takes them as they
+    are, where the builtins would compare and guard."""
+    if isinstance(value, int) or torch.compiler.is_dynamo_compiling():
+        return max(low, min(high, value))
     return torch.sym_max(low, torch.sym_min(high, value))
 
 

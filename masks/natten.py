@@ -139,7 +139,10 @@ class Natten(MaskSpec):
             for size, k, stride in zip(canvas, kernel, strides, strict=True):
                 qx = q_idx // stride % size if stride > 1 else q_idx % size
                 kx = kv_idx // stride % size if stride > 1 else kv_idx % size
-                start = (qx - k // 2).clamp(0, size - k)  # the window slides inside the edge
+                # The window slides inside the edge: clamp(qx - k // 2, 0, size - k), written
+                # with where (FlashAttention-4's code generator in torch 2.11 has no min/max).
+                start = qx - k // 2
+                start = torch.where(start < 0, 0, torch.where(start > size - k, size - k, start))
                 axis = (kx >= start) & (kx < start + k)
                 out = axis if out is None else out & axis
             assert out is not None

@@ -154,7 +154,10 @@ class RelPosBias(ScoreSpec):
         md = static_int(self.max_distance)
 
         def rel_pos_bias(score, b, h, q_idx, kv_idx):
-            rel = torch.clamp(kv_idx - q_idx, -md, md) + md
+            # clamp(kv - q, -md, md) + md, written with where (FlashAttention-4's code generator
+            # in torch 2.11 has no min/max)
+            rel = kv_idx - q_idx
+            rel = torch.where(rel < -md, -md, torch.where(rel > md, md, rel)) + md
             return score + table[buckets[rel], h].to(score.dtype)
 
         return rel_pos_bias

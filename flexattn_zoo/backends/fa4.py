@@ -29,6 +29,7 @@ import dataclasses
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.arch import generation
 from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
@@ -44,10 +45,25 @@ def _softcap(p: Problem) -> float:
     return form.cap
 
 
+#: Head dims per GPU generation at which FA4's own kernels ran forward and backward, GQA included
+#: (sm90: H200 with flash-attn-4 4.0.0b36, causal and window + soft-cap, 64 to 256); on sm100 the
+#: head dims this route has run so far.
+HEAD_DIMS = {
+    "sm90": frozenset({64, 80, 96, 128, 192, 256}),
+    "sm100": frozenset({64, 96, 128}),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashAttn4Backend(Backend):
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
+        dims = HEAD_DIMS.get(generation(p.arch), frozenset())
+        if p.head_dim not in dims:
+            out.append(
+                f"head dim {p.head_dim}: FA4's kernels run here at {', '.join(map(str, sorted(dims)))} "
+                f"on {generation(p.arch)}"
+            )
         form = p.score.softcap_form() if p.score is not None else None
         if p.score is not None and not (form is not None and form.approx):
             out.append(
@@ -117,8 +133,8 @@ FA4 = FlashAttn4Backend(
     name="fa4",
     devices=frozenset({"cuda"}),
     dtypes=LOW_PRECISION,
-    head_dims=(64, 128),
-    head_dim_multiple=32,
+    head_dims=(64, 256),
+    head_dim_multiple=16,
     min_cc=(9, 0),
     max_cc=(10, 9),
     score_mods=True,

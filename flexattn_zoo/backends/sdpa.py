@@ -118,6 +118,7 @@ class SdpaBackend(Backend):
                 # Asked only with dropout: torch checks it per kernel, and calls without it are
                 # asked (and cached) exactly as before.
                 **({"dropout_p": p.dropout_p} if p.dropout_p > 0 else {}),
+                **({"v_dim": p.v_dim} if p.v_dim != p.head_dim else {}),
             )
         return [why] if why else []
 
@@ -296,6 +297,7 @@ SDPA_CUDNN = SdpaBackend(
     head_dim_multiple=8,
     min_cc=(8, 0),
     expand_gqa=True,
+    value_dims=True,  # q/k 192 with v 128 forward and backward (H200, cuDNN 9.19)
     deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
     doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks; GQA with k/v expanded)",
@@ -310,6 +312,7 @@ SDPA_CHOICE = SdpaChoiceBackend(
     devices=frozenset({"cuda"}),
     dtypes=LOW_PRECISION,
     head_dims=(1, 256),
+    value_dims=True,  # SDPA's kernels that take v's own head dim (cuDNN) run it; torch's check says which
     deterministic=False,
     nondeterministic_why="SDPA chooses its kernel per call; name a pinned sdpa_* route for reproducible runs",
     doc="SDPA with its own kernel choice (cuDNN, FA2, memory-efficient; native GQA); no mask, causal, "

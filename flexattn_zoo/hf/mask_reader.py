@@ -355,12 +355,15 @@ def translate(m: HFMask) -> MaskSpec | None:
             raise _Unknown(f"transformers {version} is not a release this reader was tested with ({tested})")
         pattern = _to_spec(_read(m.mask_function), m)
     except _Unknown as exc:
-        if str(exc) not in _WARNED:
-            _WARNED.add(str(exc))
+        # The reason is the exception's argument: Dynamo cannot call str() on an exception, and
+        # a compiled model skips the warning (logging is a side effect the graph cannot hold).
+        reason = str(exc.args[0]) if exc.args else type(exc).__name__
+        if not tracing() and reason not in _WARNED:
+            _WARNED.add(reason)
             log.warning(
                 "flexattn_zoo.hf: transformers mask pattern not recognised (%s); running it exactly as a "
                 "mask_mod (no cheap forms, a new BlockMask per forward)",
-                exc,
+                reason,
             )
         return _generic(m)
     if m.padding is None:

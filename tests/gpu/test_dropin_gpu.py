@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, score_mods
+from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.arch import PRIORITY, ordered_routes
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.models import decode
@@ -108,9 +108,13 @@ def test_tensor_mask_coverage() -> None:
     """auto and the kernels that take SDPA's attn_mask run a key-padding mask; flex runs any."""
     m = _bool_masks()
     q, k, v = _qkv()
-    for route in ("auto", "flex", "sdpa_efficient"):
-        for which in ("full", "key_padding"):
-            fz.plan(q, k, v, mask=m[which], backend=route)
+    for route, which in (
+        ("auto", "full"),
+        ("flex", "full"),
+        ("auto", "key_padding"),
+        ("sdpa_efficient", "key_padding"),
+    ):
+        fz.plan(q, k, v, mask=m[which], backend=route)
 
 
 @pytest.mark.parametrize("lq,lkv", [(L, L), (64, L), (L, 64)])
@@ -149,9 +153,24 @@ def test_value_head_dim_192_128(route: str) -> None:
     assert out.shape == (B, H, L, 128)
 
 
+@pytest.mark.parametrize("d", [80, 96, 192, 256])
+@pytest.mark.parametrize("case", ["causal", "window_softcap"])
+def test_fa4_head_dims(d: int, case: str) -> None:
+    """FA4's own kernels at the head dims the route takes on sm90, GQA, forward and backward."""
+    if not _compat.flash_cute_available():
+        pytest.skip("flash_attn.cute (FA4) is not installed")
+    q, k, v = _qkv(hkv=2, d=d)
+    kw: dict[str, Any] = {"mask": "causal", "enable_gqa": True}
+    if case == "window_softcap":
+        kw = {"mask": masks.SlidingWindow(left=64) & masks.Causal(), "enable_gqa": True,
+              "score_mod": score_mods.SoftCap(cap=5.0, approx=True)}  # fmt: skip
+    out = _fwd_bwd_check(q, k, v, "fa4", **kw)
+    assert out.shape == (B, H, L, d)
+
+
 def test_value_head_dim_coverage() -> None:
     q, k, v = _qkv(d=192, dv=128)
-    for route in ("auto", "flex", "sdpa_math"):
+    for route in ("auto", "flex", "sdpa_math", "sdpa", "sdpa_cudnn"):
         fz.plan(q, k, v, mask="causal", backend=route)
 
 
@@ -190,7 +209,10 @@ def test_varlen_attention_per_sequence(route: str, case: str, square: bool) -> N
     try:
         out = fz.varlen_attention(*args, backend=route, **kw)
     except ValueError as exc:
-        if route in ("auto", "flex") or (route == "varlen" and "score_mod" not in kw and "mask" not in kw):
+        # The varlen route runs packs whose q and k sequences have equal lengths.
+        if route in ("auto", "flex") or (
+            route == "varlen" and square and not {"score_mod", "mask"} & set(kw)
+        ):
             raise
         pytest.skip(f"{route} refuses: {exc}")
     assert out.shape == (sum(lens_q), H, D)

@@ -33,6 +33,7 @@ def _problem(
     lse=False,
     device="cuda",
     batch=256,
+    v_dim=None,
 ):
     """A problem for planning only; the default sizes are above the short-problem rule's bound."""
     return Problem(
@@ -42,6 +43,7 @@ def _problem(
         q_len=lq,
         kv_len=lkv or lq,
         head_dim=d,
+        v_dim=v_dim,
         dtype=dtype,
         device_type=device,
         arch=arch,
@@ -67,6 +69,9 @@ DOC = masks.Document.from_lengths([300, 500, 224])
         (_problem(masks.Causal(), heads=(32, 8)), "sdpa"),
         (_problem(masks.Causal(), heads=(32, 8), grad=True), "sdpa"),
         (_problem(None, heads=(32, 8), lq=16, lkv=4096), "sdpa"),  # decoding, GQA native
+        # q/k 192 with v 128 (DeepSeek): SDPA runs it on cuDNN (h200 mla_d192: plain SDPA 622 / 484
+        # TFLOP/s vs Triton flex 308 / 171)
+        (_problem(masks.Causal(), d=192, v_dim=128, grad=True), "sdpa"),
         (_problem(masks.Causal(), lq=1000, lkv=1200), "flex"),  # no SDPA form when Lq != Lkv
         (_problem(DOC & masks.Causal()), "flex"),  # measured: flex >= varlen on sm90
         (_problem(masks.SlidingWindow(left=127)), "flex"),

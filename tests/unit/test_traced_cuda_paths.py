@@ -143,3 +143,28 @@ def test_a_data_dependent_cache_offset_traces_without_a_guard() -> None:
     # An offset of 0 under tracing still takes the offset spec (exact for every value).
     assert run(0) == -3
     assert counter.frame_count == 1  # one graph for every position
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_an_int_cache_position_makes_offset_masks_in_one_graph(window: int | None) -> None:
+    """A compiled decode step given the cache position as a Python int (a dynamic size after the
+    second value): building ``OffsetCausal`` / ``Band`` there clamps the offset symbolically
+    (torch 2.11's Dynamo refused ``torch.sym_min`` called directly), one graph for every
+    position."""
+    from torch._dynamo.testing import CompileCounter
+
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    torch.compiler.reset()
+    counter = CompileCounter()
+
+    def step(x: torch.Tensor, pos: int) -> torch.Tensor:
+        spec = OffsetCausal(offset=pos) if window is None else Band(lo=pos - window, hi=pos)
+        return x + (spec.offset if window is None else spec.lo)
+
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    x = torch.zeros(())
+    for pos in (5, 9, 30):
+        assert compiled(x, pos).item() == (pos if window is None else pos - window)
+    assert counter.frame_count <= 2  # the first position as a constant, then one dynamic graph
