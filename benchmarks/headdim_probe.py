@@ -48,18 +48,27 @@ def main() -> None:
                 ("causal", {"causal": True}),
                 ("window4096_softcap50", {"causal": True, "window_size": (4095, 0), "softcap": 50.0}),
             ):
-                probe(f"fa4 fwd D={dqk}/{dv} {label}", lambda kw=kw: flash_attn_func(q, k, v, **kw))
+                probe(
+                    f"fa4 fwd D={dqk}/{dv} {label}",
+                    lambda kw=kw, q=q, k=k, v=v: flash_attn_func(q, k, v, **kw),
+                )
                 probe(
                     f"fa4 fwdbwd D={dqk}/{dv} {label}",
-                    lambda kw=kw: flash_attn_func(q, k, v, **kw)[0].sum().backward(),
+                    lambda kw=kw, q=q, k=k, v=v: flash_attn_func(q, k, v, **kw)[0].sum().backward(),
                 )
         qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_(True) for t in (q, k, v))
-        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-            def run(backend=backend, bwd=False):  # type: ignore[no-untyped-def]
+        for backend in (
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+        ):
+
+            def run(backend=backend, bwd=False, qs=qs, ks=ks, vs=vs):  # type: ignore[no-untyped-def]
                 with sdpa_kernel([backend]):
                     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
                     if bwd:
                         o.sum().backward()
+
             probe(f"sdpa {backend.name} fwd D={dqk}/{dv} gqa", run)
             probe(f"sdpa {backend.name} fwdbwd D={dqk}/{dv} gqa", lambda backend=backend: run(backend, True))
 

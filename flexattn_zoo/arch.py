@@ -193,13 +193,20 @@ class Rule:
     traits: frozenset[str] = frozenset()
     #: Inclusive upper bound on ``Sizes.work`` (None: no bound).
     max_work: int | None = None
+    #: Inclusive upper bound on the q/k head dim (None: no bound): the head dims the evidence
+    #: covers, where kernels' relative speed changes with it.
+    max_head_dim: int | None = None
 
     def applies(self, gen: str, mode: str, traits: frozenset[str], sizes: Sizes | None) -> bool:
         if gen != self.generation or mode not in self.modes or not self.traits <= traits:
             return False
-        if self.max_work is None:
+        if self.max_work is None and self.max_head_dim is None:
             return True
-        return sizes is not None and sizes.work <= self.max_work
+        if sizes is None:  # size rules need sizes
+            return False
+        if self.max_work is not None and not sizes.work <= self.max_work:
+            return False
+        return self.max_head_dim is None or sizes.head_dim <= self.max_head_dim
 
 
 BOTH = ("fwd", "fwdbwd")
@@ -234,7 +241,10 @@ RULES: tuple[Rule, ...] = (
         modes=("fwd",),
         traits=frozenset({"fast_score_mod"}),
         front=("flex",),
-        why="Triton's hardware tanh (SoftCap(approx=True); the CuTe path cannot emit it)",
+        max_head_dim=128,
+        why="Triton's hardware tanh (SoftCap(approx=True); the CuTe path cannot emit it), at head dims "
+        "up to 128: at 256 FA4's own kernel is faster (h200_headdims_r14: Gemma-2 local attention, "
+        "fa4 452 vs flex 287 TFLOP/s forward)",
         benchmark="h200.json",
         evidence=("softcap_causal/fwd",),
     ),

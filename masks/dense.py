@@ -57,20 +57,19 @@ def check_broadcast(t: torch.Tensor, what: str, q_len: int, kv_len: int, batch: 
 def broadcast_indexer(
     t: torch.Tensor,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``f(b, h, q_idx, kv_idx) -> t[b, h, q_idx, kv_idx]`` for the 4-D ``t``, each index taken
-    as 0 along the dims ``t`` broadcasts (size 1). Works on flex's scalar indices and on the
-    dense route's broadcast index grids alike. The 0 is ``index * 0``: every flex backend's code
-    generator has a product (FlashAttention-4's CuTe one has no ``minimum``, hence no clamp)."""
-    size_b, size_h, size_q, size_k = t.shape
-    one_b, one_h, one_q, one_k = size_b == 1, size_h == 1, size_q == 1, size_k == 1
+    """``f(b, h, q_idx, kv_idx) -> t[b, h, q_idx, kv_idx]`` for the 4-D ``t``, with its broadcast
+    (size-1) dims taken as 0. Works on flex's scalar indices and on the dense route's broadcast
+    index grids alike.
+
+    The size-1 dims are dropped from a view of ``t`` and only the other indices are used, so the
+    load never has a constant index: FlashAttention-4's CuTe code generator (torch 2.11) cannot
+    load a tensor at a constant index, nor lower ``minimum`` (a clamp)."""
+    keep = tuple(d for d, n in enumerate(t.shape) if n != 1)
+    view = t.reshape(tuple(t.shape[d] for d in keep))  # a view: only size-1 dims go
 
     def index(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return t[
-            b * 0 if one_b else b,
-            h * 0 if one_h else h,
-            q_idx * 0 if one_q else q_idx,
-            kv_idx * 0 if one_k else kv_idx,
-        ]
+        every = (b, h, q_idx, kv_idx)
+        return view[tuple(every[d] for d in keep)] if keep else view  # [1, 1, 1, 1]: one value
 
     return index
 

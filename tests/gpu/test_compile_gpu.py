@@ -356,6 +356,12 @@ def test_hf_generate_with_a_static_cache_compiles_a_bounded_number_of_graphs() -
     from torch._dynamo.utils import counters
 
     import flexattn_zoo.hf as zhf
+    from flexattn_zoo.hf.mask_reader import structural_reader_enabled
+
+    if not structural_reader_enabled():
+        # Another release runs transformers' own mask function, whose tensors keep the mask out
+        # of a CUDA graph (a graph break, which fullgraph=True refuses).
+        pytest.skip(f"transformers {transformers.__version__} is not a release the mask reader knows")
 
     name = zhf.register()
     config = transformers.LlamaConfig(

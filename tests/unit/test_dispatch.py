@@ -207,13 +207,16 @@ def test_rule_bounds() -> None:
 
 
 def test_priority_overrides_apply_only_with_all_traits() -> None:
-    from flexattn_zoo.arch import priority
+    from flexattn_zoo.arch import Sizes, priority
 
     plain = priority("sm90", "fwdbwd")
     assert plain[:2] == ("fa4", "flex_flash")
     assert priority("sm90", "fwdbwd", frozenset({"packed_segments"})) == plain
     assert priority("sm90", "fwd", frozenset({"packed_segments", "score_mod"}))[:2] == ("flex_flash", "fa4")
-    assert priority("sm90", "fwd", frozenset({"score_mod", "fast_score_mod"}))[:2] == ("flex", "flex_flash")
+    fast = frozenset({"score_mod", "fast_score_mod"})
+    assert priority("sm90", "fwd", fast, Sizes(8, 16, 4096, 4096, 128))[:2] == ("flex", "flex_flash")
+    # Gemma-2's D=256: FA4's own soft-capping kernel first (after flex_flash, which refuses D=256)
+    assert priority("sm90", "fwd", fast, Sizes(2, 16, 8192, 8192, 256))[:2] == ("flex_flash", "fa4")
     assert priority("sm80", "fwd", frozenset({"score_mod", "packed_segments"})) == priority("sm80", "fwd")
 
 
