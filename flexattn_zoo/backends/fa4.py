@@ -57,14 +57,20 @@ HEAD_DIMS = {
 
 @dataclasses.dataclass(frozen=True)
 class FlashAttn4Backend(Backend):
+    def reasons(self, p: Problem) -> list[str]:
+        out = super().reasons(p)
+        lo, hi = self.head_dims
+        if p.device_type == "cuda" and lo <= p.head_dim <= hi:  # else the range check said why
+            dims = HEAD_DIMS.get(generation(p.arch), frozenset())
+            if p.head_dim not in dims:
+                listed = ", ".join(map(str, sorted(dims))) or "none"
+                out.append(
+                    f"head dim {p.head_dim}: FA4's kernels run here at {listed} on {generation(p.arch)}"
+                )
+        return out
+
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
-        dims = HEAD_DIMS.get(generation(p.arch), frozenset())
-        if p.head_dim not in dims:
-            out.append(
-                f"head dim {p.head_dim}: FA4's kernels run here at {', '.join(map(str, sorted(dims)))} "
-                f"on {generation(p.arch)}"
-            )
         form = p.score.softcap_form() if p.score is not None else None
         if p.score is not None and not (form is not None and form.approx):
             out.append(

@@ -612,3 +612,18 @@ def test_sdpa_route_refusals() -> None:
         plan_problem(_problem(masks.Chunked(size=256) & masks.Causal()), "sdpa")
     with pytest.raises(ValueError, match="score_mod"):
         plan_problem(_problem(masks.Causal(), score_mods.SoftCap(cap=30.0)), "sdpa")
+
+
+def test_fa4_head_dims_per_generation() -> None:
+    """The fa4 route takes the head dims its kernels ran at, per GPU generation (sm90: 64 to 256
+    but 80; sm100: 64/96/128), and says why it refuses the others."""
+    from flexattn_zoo.backends.fa4 import FA4
+
+    def said(d: int, arch: str = "sm90") -> list[str]:
+        return [r for r in FA4.reasons(_problem(masks.Causal(), d=d, arch=arch)) if "head dim" in r]
+
+    for d in (64, 96, 128, 192, 256):
+        assert not said(d), d
+    assert said(80) == ["head dim 80: FA4's kernels run here at 64, 96, 128, 192, 256 on sm90"]
+    assert said(512) == ["head dim 512 outside 64..256, multiple of 16"]
+    assert said(256, "sm100") and not said(128, "sm100")
