@@ -45,10 +45,9 @@ def _softcap(p: Problem) -> float:
     return form.cap
 
 
-#: Head dims per GPU generation at which FA4's own kernels ran forward and backward, GQA included
-#: (sm90: H200 with flash-attn-4 4.0.0b36, causal and window + soft-cap; 80 ran in the kernel but
-#: failed the route's float64 check, so it is left out); on sm100 the
-#: head dims this route has run so far.
+#: Head dims per GPU generation at which this route matched the float64 reference forward and
+#: backward, GQA included (sm90: flash-attn-4 4.0.0b36, causal and window + soft-cap; 80 runs in
+#: FA4 but failed that check, so it is left out); on sm100 the head dims it has run so far.
 HEAD_DIMS = {
     "sm90": frozenset({64, 96, 128, 192, 256}),
     "sm100": frozenset({64, 96, 128}),
