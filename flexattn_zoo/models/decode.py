@@ -96,6 +96,13 @@ DECODE_CACHE_SIZE = 64
 RUNS_PER_MASK = 16
 
 
+def _cpu_hazards(spec: Any, score: Any) -> tuple[str, ...]:
+    """:meth:`Spec.flex_cpu_hazards` of the step's mask and score specs, each phrase once."""
+    found = (*(spec.flex_cpu_hazards() if spec is not None else ()),
+             *(score.flex_cpu_hazards() if score is not None else ()))  # fmt: skip
+    return tuple(dict.fromkeys(found))
+
+
 def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
     """A lower bound on the keys the pattern lets absolute queries ``q_abs`` (int64) see: the
     spec's ``lowest_visible_key``, or 0 where it offers none.
@@ -914,16 +921,24 @@ def decode_step(
     need_lse = sinks is not None or return_lse
     grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
     small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
-    use_flex = backend != "dense" and not grad and (on_cuda or not need_lse) and not small_page
+    # What torch's compiled CPU flex kernel mishandles in the user's callables (the flex_cpu route
+    # refuses the same for fz.attention): decode's own wrappers hide them from the route's check.
+    hazards = () if on_cuda else _cpu_hazards(spec, score)
+    use_flex = (
+        backend != "dense" and not grad and (on_cuda or not need_lse) and not small_page and not hazards
+    )
     if backend not in DECODE_ROUTES:
         raise ValueError(f"decode_step backend must be one of {', '.join(DECODE_ROUTES)}; got {backend!r}")
     if not use_flex and backend not in ("auto", "dense"):
-        why = (
-            f"kv blocks of {block_size} keys are below the {MIN_FLEX_PAGE[q.device.type]} flex needs on "
-            f"{q.device.type}"
-            if small_page
-            else "needs lse on CPU, or inputs require grad"
-        )
+        if small_page:
+            why = (
+                f"kv blocks of {block_size} keys are below the {MIN_FLEX_PAGE[q.device.type]} flex needs "
+                f"on {q.device.type}"
+            )
+        elif hazards:
+            why = f"the compiled CPU flex kernel cannot run a mod that {'; '.join(hazards)}"
+        else:
+            why = "needs lse on CPU, or inputs require grad"
         raise ValueError(f"backend {backend!r} cannot run this decode step ({why})")
     if use_flex and on_cuda:
         backend = "flex" if backend == "auto" else backend

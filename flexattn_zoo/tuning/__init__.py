@@ -476,15 +476,32 @@ class TuneInfo:
     entry: Entry | None
     candidates: tuple[str, ...]
 
-    def measured(self, backend: str) -> bool:
-        """Whether ``backend`` is this signature's measured winner (timed, not only left over)."""
+    def untimed(self) -> tuple[str, ...]:
+        """This call's candidates the entry's measurement did not compare (neither timed nor
+        failed): one signature covers a bucket of lengths, and a route may accept some of them
+        only (equal chunks, Lq == Lkv), so a winner over other routes says nothing about them."""
         e = self.entry
-        return e is not None and e.winner == backend and any(n == backend for n, _ in e.ms)
+        if e is None:
+            return self.candidates
+        seen = {n for n, _ in e.ms} | {n for n, _ in e.errors}
+        return tuple(c for c in self.candidates if c not in seen)
+
+    def measured(self, backend: str) -> bool:
+        """Whether ``backend`` is this signature's measured winner (timed, not only left over)
+        against every route this call could take."""
+        e = self.entry
+        return (
+            e is not None
+            and e.winner == backend
+            and any(n == backend for n, _ in e.ms)
+            and not self.untimed()
+        )
 
     def chosen(self, static: str) -> str:
-        """The route to take: the measured winner where it is a candidate here, else ``static``."""
+        """The route to take: the measured winner where it is a candidate here and was measured
+        against all of this call's candidates, else ``static``."""
         e = self.entry
-        return e.winner if e is not None and e.winner in self.candidates else static
+        return e.winner if e is not None and e.winner in self.candidates and not self.untimed() else static
 
     def describe(self, backend: str) -> str:
         e = self.entry
@@ -493,6 +510,11 @@ class TuneInfo:
                 return f"tuning: on; nothing to compare ({', '.join(self.candidates)} alone): static order"
             return "tuning: on; not measured yet for this signature: static order"
         if e.winner != backend:
+            if e.winner in self.candidates and self.untimed():
+                return (
+                    f"tuning: measured winner {e.winner} was not compared with "
+                    f"{', '.join(self.untimed())}, which can run this call: static order"
+                )
             return f"tuning: measured winner {e.winner} cannot run this call: static order"
         if not self.measured(backend):
             failed = "; ".join(f"{n}: {m}" for n, m in e.errors)

@@ -95,19 +95,26 @@ def test_float_bias_and_its_gradient(route: str) -> None:
         out, q, k, v, mask="causal", score_mod=score_mods.Bias(bias=bias.detach()),
         grads=got[:3], grad_out=grad_out,
     )  # fmt: skip
-    if got[3] is None:
-        return  # the route gives no bias gradient (documented per route); q/k/v grads were checked
+    # Routes without a bias gradient refuse a bias that requires grad (score_mods.Bias), so a
+    # route that ran must have given it.
+    assert got[3] is not None, route
     ins = [t.detach().double().requires_grad_(True) for t in (q, k, v, bias)]
     ref = reference_attention(*ins[:3], mask="causal", score_mod=score_mods.Bias(bias=ins[3]))
     want = torch.autograd.grad(ref, ins[3], grad_out.double())[0]
+    # bf16 bias gradient (dS summed in the kernel's precision, rounded to bf16: 2^-8 relative)
+    # against float64: a few bf16 ulps of the largest entry.
     err = float((got[3].double() - want).abs().max())
     assert err <= 2e-2 * float(want.abs().max()) + 1e-3, (route, err, float(want.abs().max()))
 
 
 def test_tensor_mask_coverage() -> None:
-    """auto and the kernels that take SDPA's attn_mask run a key-padding mask; flex runs any."""
+    """auto and the kernels that take SDPA's attn_mask run a key-padding mask; flex runs any; a
+    learned bias runs (with its gradient) on auto and flex."""
     m = _bool_masks()
     q, k, v = _qkv()
+    bias = torch.zeros(1, H, L, L, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    for route in ("auto", "flex"):
+        fz.plan(q, k, v, mask="causal", score_mod=score_mods.Bias(bias=bias), backend=route)
     for route, which in (
         ("auto", "full"),
         ("flex", "full"),
@@ -122,9 +129,10 @@ def test_is_causal_is_sdpas(lq: int, lkv: int) -> None:
     """``is_causal=True`` means what SDPA means (top-left), and agrees with SDPA itself."""
     q, k, v = _qkv(lq, lkv)
     out = _fwd_bwd_check(q, k, v, "auto", is_causal=True, ref_kw={"mask": masks.Causal()})
-    if lq <= lkv:  # SDPA leaves rows without keys undefined (NaN); compare where it defines them
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
+    # Top-left causal leaves no row empty (every query sees key 0). Two bf16 kernels: outputs of
+    # magnitude <= ~3 agree to a few bf16 ulps (2^-8 relative).
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -142,6 +150,8 @@ def test_bshd_layout_equals_bhsd(route: str, mask: str | None) -> None:
         got.transpose(1, 2), q, k, v, mask=mask, enable_gqa=True,
         grads=[t.transpose(1, 2) for t in grads], grad_out=grad_out.transpose(1, 2),
     )  # fmt: skip
+    # The same route on views of the same data; a kernel may still take another code path for the
+    # other strides (a copy to its fused layout, other tiles): bf16 rounding apart, 2^-8 relative.
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-2, rtol=1e-2)
 
 
@@ -153,10 +163,11 @@ def test_value_head_dim_192_128(route: str) -> None:
     assert out.shape == (B, H, L, 128)
 
 
-@pytest.mark.parametrize("d", [80, 96, 192, 256])
+@pytest.mark.parametrize("d", [96, 192, 256])
 @pytest.mark.parametrize("case", ["causal", "window_softcap"])
 def test_fa4_head_dims(d: int, case: str) -> None:
-    """FA4's own kernels at the head dims the route takes on sm90, GQA, forward and backward."""
+    """FA4's own kernels at the head dims the route takes on sm90, GQA, forward and backward
+    (planned without a skip: the route must accept these)."""
     if not _compat.flash_cute_available():
         pytest.skip("flash_attn.cute (FA4) is not installed")
     q, k, v = _qkv(hkv=2, d=d)
@@ -164,6 +175,7 @@ def test_fa4_head_dims(d: int, case: str) -> None:
     if case == "window_softcap":
         kw = {"mask": masks.SlidingWindow(left=64) & masks.Causal(), "enable_gqa": True,
               "score_mod": score_mods.SoftCap(cap=5.0, approx=True)}  # fmt: skip
+    fz.plan(q, k, v, backend="fa4", **kw)
     out = _fwd_bwd_check(q, k, v, "fa4", **kw)
     assert out.shape == (B, H, L, d)
 
@@ -210,8 +222,10 @@ def test_varlen_attention_per_sequence(route: str, case: str, square: bool) -> N
         out = fz.varlen_attention(*args, backend=route, **kw)
     except ValueError as exc:
         # The varlen route runs packs whose q and k sequences have equal lengths.
-        if route in ("auto", "flex") or (
-            route == "varlen" and square and not {"score_mod", "mask"} & set(kw)
+        if (
+            "cannot run this call" not in str(exc)
+            or route in ("auto", "flex")
+            or (route == "varlen" and square and not {"score_mod", "mask"} & set(kw))
         ):
             raise
         pytest.skip(f"{route} refuses: {exc}")
@@ -226,6 +240,7 @@ def test_varlen_attention_per_sequence(route: str, case: str, square: bool) -> N
             continue
         if lk == 0:  # no key: output 0 and no gradient flows
             assert not out[sl_q].float().abs().any()
+            assert not grads[0][sl_q].float().abs().any()
             continue
 
         def seq(t: torch.Tensor, s: slice) -> torch.Tensor:
@@ -314,7 +329,10 @@ def test_dropout_share_scale_and_backward(route: str, dtype: torch.dtype) -> Non
     torch.testing.assert_close(dv.double(), want, rtol=2e-2, atol=2e-2)
 
 
-def test_dropout_coverage() -> None:
-    q, k, v = _qkv()
-    for route in ("auto", "sdpa_efficient", "sdpa_math"):
-        fz.plan(q, k, v, mask="causal", backend=route, dropout_p=0.1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dropout_coverage(dtype: torch.dtype) -> None:
+    """Every route whose kernel drops accepts the problem the test above runs (no skip there)."""
+    q = torch.zeros(2, 4, 128, 64, device=DEV, dtype=dtype, requires_grad=True)
+    kv = torch.zeros(2, 4, 64, 64, device=DEV, dtype=dtype, requires_grad=True)
+    for route in DROP_ROUTES:
+        fz.plan(q, kv, kv, backend=route, dropout_p=0.25)

@@ -4,7 +4,7 @@ flex code generator can lower. FlashAttention-4's CuTe generator in torch 2.11 (
 (``clamp``, ``torch.minimum``, ``max`` of tensors) and lacks ``sigmoid``, ``rsqrt``, ``floor``,
 ``tan`` and the inverse trigonometric functions; a zoo mod written with them crashes that route.
 
-Each mod is traced to ATen ops with ``make_fx`` on broadcast index grids (as the dense route
+Each mod is traced to ATen ops with ``make_fx`` on int32 broadcast index grids (as the dense route
 evaluates it; the ops are those flex's scalar evaluation lowers).
 """
 
@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.testing import spec_examples
+from flexattn_zoo.testing.checks import index_grids
 
 #: ATen ops whose Inductor lowering needs an operation torch 2.11's CuTe generator lacks.
 CUTE_MISSING = {
@@ -39,12 +40,7 @@ def _ops(fn: Any, *args: torch.Tensor) -> set[str]:
 
 
 def _indices() -> tuple[torch.Tensor, ...]:
-    return (
-        torch.arange(BATCH).view(-1, 1, 1, 1),
-        torch.arange(HEADS).view(1, -1, 1, 1),
-        torch.arange(Q_LEN).view(1, 1, -1, 1),
-        torch.arange(KV_LEN).view(1, 1, 1, -1),
-    )
+    return index_grids(BATCH, HEADS, Q_LEN, KV_LEN)
 
 
 @pytest.mark.parametrize("name", masks.names())

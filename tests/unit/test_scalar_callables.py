@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
+from zoo_oracles import table
 
 import flexattn_zoo as fz
 from flexattn_zoo import functions, masks
@@ -323,3 +324,35 @@ def test_one_value_per_element() -> None:
     q, k, v = qkv()
     with pytest.raises(TypeError, match="one value per"):
         fz.attention(q, k, v, mask=lambda b, h, q_idx, kv_idx: TABLE[q_idx] > 0)
+
+
+def test_decode_on_the_cpu_keeps_hazardous_callables_off_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``decode_step`` wraps the user's mask in its own untracked callables, which hid the
+    hazards ``flex_cpu`` refuses: a counting mask must decode on the dense route (the compiled
+    CPU flex kernel is never asked), with the reference's answer, and a named flex route says why."""
+    from flexattn_zoo.backends import flex as flex_backend
+    from flexattn_zoo.models import decode
+
+    def no_flex(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the compiled CPU flex kernel was asked to run a hazardous mod")
+
+    monkeypatch.setattr(flex_backend.FlexBackend, "run", no_flex)
+    monkeypatch.setattr(flex_backend.FlexBackend, "caller_mask_call", lambda *a, **k: None)
+    g = torch.Generator().manual_seed(0)
+    cap, lens = LKV, [LKV - 3, 9]
+    k, v = (torch.randn(2, H, cap, D, generator=g) for _ in range(2))
+    q = torch.randn(2, H, 1, D, generator=g)
+    with torch.no_grad():
+        out = decode.decode_step(q, k, v, torch.tensor(lens), mask=counted_documents)
+        dense = decode.decode_step(q, k, v, torch.tensor(lens), mask=counted_documents, backend="dense")
+        with pytest.raises(ValueError, match="cannot run a mod that reduces over a tensor"):
+            decode.decode_step(q, k, v, torch.tensor(lens), mask=counted_documents, backend="flex_cpu")
+    assert torch.equal(out, dense)
+    for b, n in enumerate(lens):
+        full_q = torch.zeros(1, H, n, D, dtype=torch.float64)
+        full_q[:, :, -1:] = q[b : b + 1].double()
+        visible = table(n, n, lambda i, j: bool(counted_documents(*_scalars(0, 0, i, j))))
+        ref = reference_attention(
+            full_q, k[b : b + 1, :, :n].double(), v[b : b + 1, :, :n].double(), mask=visible
+        )
+        torch.testing.assert_close(out[b].double(), ref[0, :, -1:], rtol=0, atol=1e-5)

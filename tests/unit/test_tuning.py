@@ -259,6 +259,21 @@ def test_a_measured_winner_that_refuses_the_call_falls_back_to_static(tuned: Pat
     assert "cannot run this call" in plan.explain()
 
 
+def test_a_winner_not_compared_with_every_candidate_falls_back_to_static(tuned: Path) -> None:
+    """One signature covers a bucket of lengths; a route may accept only some of them (equal
+    chunks, Lq == Lkv). A winner measured without such a route says nothing against it."""
+    q, k, v = _qkv()
+    sig = fz.plan(q, k, v, mask="causal", tune=True).tuning
+    assert sig is not None
+    entry = _entry("flex_cpu")  # compared sdpa_flash and flex_cpu
+    same = tuning.TuneInfo(sig.signature, entry, ("sdpa_flash", "flex_cpu"))
+    assert same.chosen("sdpa_flash") == "flex_cpu" and same.measured("flex_cpu") and not same.untimed()
+    wider = tuning.TuneInfo(sig.signature, entry, ("sdpa_split", "sdpa_flash", "flex_cpu"))
+    assert wider.untimed() == ("sdpa_split",)
+    assert wider.chosen("sdpa_split") == "sdpa_split" and not wider.measured("flex_cpu")
+    assert "not compared with sdpa_split" in wider.describe("sdpa_split")
+
+
 def _entry(winner: str, date: str = "2000-01-01T00:00:00.000000+00:00") -> tuning.Entry:
     return tuning.Entry(
         winner=winner,
