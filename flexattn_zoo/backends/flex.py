@@ -66,6 +66,9 @@ class FlexBackend(Backend):
 
     kernel_options: tuple[tuple[str, Any], ...] = ()
     fast_score_mods: bool = False  # use score mods' GPU fast variants (e.g. approx tanh)
+    #: Run the kernel on detached views of inputs that require grad: for a route without a
+    #: backward (its reasons refuse calls that need one) whose kernel refuses such inputs anyway.
+    detaches_inputs: bool = False
     #: Measured per-generation kernel options (the first that applies to a problem is used).
     tuning: tuple[Tuning, ...] = ()
 
@@ -102,6 +105,8 @@ class FlexBackend(Backend):
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
         if _compat.is_compiling():
+            if self.detaches_inputs:  # eager launches detach in FlexCall.launch
+                q, k, v = q.detach(), k.detach(), v.detach()
             return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
         return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
 
@@ -127,7 +132,10 @@ class FlexBackend(Backend):
     def caller_mask_call(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall | None:
         """:meth:`prepared` for a caller's BlockMask, for a caller that launches it itself on
         every call with that BlockMask's mask_mod and block size (``fz.decode``: one lookup less
-        per step); None where :meth:`run` must be called instead (a route that wraps it)."""
+        per step); None where :meth:`run` must be called instead: a route that wraps it (a lock,
+        detached inputs) does its part there, which a direct launch would skip."""
+        if type(self).run is not FlexBackend.run:
+            return None
         return self.prepared(p, device, block_mask)
 
     def _run_traced(
@@ -183,7 +191,7 @@ class FlexBackend(Backend):
             (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
             _block_size(block_mask),
         )
-        return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa)
+        return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,12 +206,16 @@ class FlexCall:
     key: Any
     lse: bool
     gqa: bool
+    #: Launch detached views of inputs that require grad (``FlexBackend.detaches_inputs``).
+    detach: bool = False
 
     def launch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the compiled kernel on q/k/v (in a canonical layout) with this call's BlockMask, or
         ``block_mask`` for a call prepared for a caller's BlockMask."""
+        if self.detach and (q.requires_grad or k.requires_grad or v.requires_grad):
+            q, k, v = q.detach(), k.detach(), v.detach()
         q, k, v = _canonical_layout(q, k, v)
         entry = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
         return entry(q, k, v, self.block_mask if block_mask is None else block_mask, scale, self.score_mod)
@@ -305,9 +317,6 @@ class FlexFlashBackend(FlexBackend):
         with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
             return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
 
-    def caller_mask_call(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall | None:
-        return None  # every call goes through run(), under the lock
-
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
         if p.score is not None and p.score.captures_grad_tensors():
@@ -329,13 +338,6 @@ class FlexFlashBackend(FlexBackend):
 
 @dataclasses.dataclass(frozen=True)
 class FlexCpuBackend(FlexBackend):
-    def run(self, q, k, v, p, *, scale, block_mask=None):
-        # The route runs only when nothing needs a gradient (it has no backward), but torch's CPU
-        # flex refuses any input that requires grad, also under torch.no_grad(): detached views.
-        if q.requires_grad or k.requires_grad or v.requires_grad:
-            q, k, v = q.detach(), k.detach(), v.detach()
-        return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
-
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:
             # Measured (torch 2.13): a NaN in q row i gave a *finite* row i, and a NaN key reached
@@ -389,6 +391,9 @@ FLEX_FLASH = FlexFlashBackend(
 )
 FLEX_CPU = FlexCpuBackend(
     name="flex_cpu",
+    # No backward here, but torch's CPU flex refuses any input that requires grad, also under
+    # torch.no_grad().
+    detaches_inputs=True,
     devices=frozenset({"cpu"}),
     dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
     head_dims=(1, 512),

@@ -610,3 +610,18 @@ def test_fz_decode_is_imported_once_then_read_as_an_attribute() -> None:
 
     assert fz.decode is decode
     assert vars(fz)["decode"] is decode
+
+
+def test_cpu_decode_with_caches_that_require_grad_under_no_grad() -> None:
+    """A decode step launches the flex kernel directly only on routes that do not wrap ``run``:
+    flex_cpu detaches inputs that require grad (torch's CPU flex refuses them even under
+    ``no_grad``), which a direct launch skipped, failing the step."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 256, 16, generator=g).requires_grad_() for _ in range(2))
+    q = torch.randn(2, 2, 1, 16, generator=g)
+    lens = torch.tensor([100, 37])
+    with torch.no_grad():
+        for _ in range(2):  # the second step reuses what the first prepared
+            out = decode.decode_step(q, k, v, lens)
+            dense = decode.decode_step(q, k, v, lens, backend="dense")
+            torch.testing.assert_close(out, dense, rtol=0, atol=2e-6)
