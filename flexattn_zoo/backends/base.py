@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.arch import ROCM, parse_arch
+from flexattn_zoo.arch import ROCM, generation, parse_arch
 from flexattn_zoo.problem import Problem
 
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
@@ -137,6 +137,9 @@ class Backend:
     dtypes: frozenset[torch.dtype]
     head_dims: tuple[int, int] = (1, 1024)  # inclusive range
     head_dim_multiple: int = 1
+    #: On CUDA, per GPU generation (``arch.generation``), the only head dims the kernels take there
+    #: (within ``head_dims``); a generation not listed takes none. Empty: ``head_dims`` alone.
+    head_dims_by_generation: tuple[tuple[str, frozenset[int]], ...] = ()
     min_cc: tuple[int, int] | None = None
     max_cc: tuple[int, int] | None = None
     score_mods: bool = False
@@ -198,6 +201,12 @@ class Backend:
         if not lo <= p.head_dim <= hi or p.head_dim % self.head_dim_multiple:
             extra = f", multiple of {self.head_dim_multiple}" if self.head_dim_multiple > 1 else ""
             out.append(f"head dim {p.head_dim} outside {lo}..{hi}{extra}")
+        elif self.head_dims_by_generation and p.device_type == "cuda":
+            gen = generation(p.arch)
+            dims = dict(self.head_dims_by_generation).get(gen, frozenset())
+            if p.head_dim not in dims:
+                listed = ", ".join(map(str, sorted(dims))) or "none"
+                out.append(f"head dim {p.head_dim}: the kernels run at {listed} on {gen}")
         v_dim = p.head_dim if p.v_dim is None else p.v_dim  # filled in by Problem.__post_init__
         if v_dim != p.head_dim:
             if not self.value_dims:

@@ -29,7 +29,6 @@ import dataclasses
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.arch import generation
 from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
@@ -45,29 +44,8 @@ def _softcap(p: Problem) -> float:
     return form.cap
 
 
-#: Head dims per GPU generation at which this route matched the float64 reference forward and
-#: backward, GQA included (sm90: flash-attn-4 4.0.0b36, causal and window + soft-cap; 80 runs in
-#: FA4 but failed that check, so it is left out); on sm100 the head dims it has run so far.
-HEAD_DIMS = {
-    "sm90": frozenset({64, 96, 128, 192, 256}),
-    "sm100": frozenset({64, 96, 128}),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class FlashAttn4Backend(Backend):
-    def reasons(self, p: Problem) -> list[str]:
-        out = super().reasons(p)
-        lo, hi = self.head_dims
-        if p.device_type == "cuda" and lo <= p.head_dim <= hi:  # else the range check said why
-            dims = HEAD_DIMS.get(generation(p.arch), frozenset())
-            if p.head_dim not in dims:
-                listed = ", ".join(map(str, sorted(dims))) or "none"
-                out.append(
-                    f"head dim {p.head_dim}: FA4's kernels run here at {listed} on {generation(p.arch)}"
-                )
-        return out
-
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
         form = p.score.softcap_form() if p.score is not None else None
@@ -140,7 +118,13 @@ FA4 = FlashAttn4Backend(
     devices=frozenset({"cuda"}),
     dtypes=LOW_PRECISION,
     head_dims=(64, 256),
-    head_dim_multiple=16,
+    # Where this route matched the float64 reference forward and backward, GQA included (sm90:
+    # flash-attn-4 4.0.0b36, causal and window + soft-cap; 80 runs in FA4 but failed that check);
+    # on sm100 the head dims it has run so far.
+    head_dims_by_generation=(
+        ("sm90", frozenset({64, 96, 128, 192, 256})),
+        ("sm100", frozenset({64, 96, 128})),
+    ),
     min_cc=(9, 0),
     max_cc=(10, 9),
     score_mods=True,
