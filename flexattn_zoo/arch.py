@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Iterable
 
 import torch
 
@@ -274,15 +275,20 @@ RULES: tuple[Rule, ...] = (
 
 
 def priority(
-    arch: str, mode: str, traits: frozenset[str] = frozenset(), sizes: Sizes | None = None
+    arch: str,
+    mode: str,
+    traits: frozenset[str] = frozenset(),
+    sizes: Sizes | None = None,
+    rules: Iterable[Rule] | None = None,
 ) -> tuple[str, ...]:
     """The ordered route names for ``arch`` in ``mode`` (``"fwd"`` or ``"fwdbwd"``) for a problem
-    with ``traits`` and ``sizes`` (see ``RULES``; without sizes, only the trait rules apply)."""
+    with ``traits`` and ``sizes`` (see ``RULES``; without sizes, only the trait rules apply).
+    ``rules``: another rule set than ``RULES`` (the benchmark replay compares rule sets)."""
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
     gen = generation(arch)
     order = PRIORITY[gen][mode]
-    for rule in RULES:
+    for rule in RULES if rules is None else rules:
         if rule.applies(gen, mode, traits, sizes):
             order = rule.front + tuple(r for r in order if r not in rule.front)
     return order

@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from flexattn_zoo.arch import PRIORITY, RULES, Rule, Sizes, generation
+from flexattn_zoo.arch import RULES, Rule, Sizes, priority
 from flexattn_zoo.bench.config import Case
 
 #: Routes that need flash-attn-4; dropped from the rows for the no-FA4 view.
@@ -59,7 +59,9 @@ class Group:
         auto = self.auto or {}
         names = set(auto.get("accepted") or (r for r in self.rows if r not in BASELINES and self.ms(r)))
         names = {n for n in names if self.ms(n) is not None}
-        if sdpa_stand_in and "sdpa" not in self.rows and self.ms("plain_sdpa") is not None:
+        if not sdpa_stand_in:
+            names.discard("sdpa")  # the order as it was before the route existed
+        elif "sdpa" not in self.rows and self.ms("plain_sdpa") is not None:
             names.add("sdpa")
         return names if fa4 else names - FA4_ROUTES
 
@@ -82,16 +84,9 @@ def groups(rows: Iterable[dict[str, Any]], cases: Iterable[Case] = ()) -> list[G
     return [Group(c, m, d, visible.get(c, 1.0)) for (c, m), d in by.items()]
 
 
-def order(
-    g: Group, arch: str = "sm90", rules: Iterable[Rule] = RULES, static: dict[str, Any] | None = None
-) -> tuple[str, ...]:
+def order(g: Group, arch: str = "sm90", rules: Iterable[Rule] = RULES) -> tuple[str, ...]:
     """The route order for ``g`` under ``rules`` (``arch.priority`` with a rule set of choice)."""
-    gen = generation(arch)
-    out = (static or PRIORITY)[gen][g.mode]
-    for rule in rules:
-        if rule.applies(gen, g.mode, g.traits(), g.sizes()):
-            out = rule.front + tuple(r for r in out if r not in rule.front)
-    return tuple(out)
+    return priority(arch, g.mode, g.traits(), g.sizes(), rules)
 
 
 def pick(routes: tuple[str, ...], accepted: set[str]) -> str | None:

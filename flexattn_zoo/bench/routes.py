@@ -250,9 +250,9 @@ def prepare_plain_sdpa(case: Case, mask: MaskSpec | None, score: ScoreSpec | Non
     is_causal = False
     if mask is not None:
         form = mask.bind(case.lq, case.seq_len).sdpa_form(case.lq, case.seq_len)
-        if form is None or not form.is_causal:
+        if form is None or form.attn_mask is not None:
             raise Unsupported("plain SDPA runs no mask or is_causal only (a dense mask is sdpa_dense_mask)")
-        is_causal = True
+        is_causal = form.is_causal  # False: the mask hides nothing (e.g. Full)
     gqa = case.gqa
 
     def call() -> torch.Tensor:

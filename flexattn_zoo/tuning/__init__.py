@@ -114,11 +114,15 @@ def configure(
     changes: dict[str, Any] = {}
     for name, value, low in (("warmup", warmup, 0), ("reps", reps, 1)):
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}")
+            if value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
             changes[name] = value
     if margin is not None:
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise TypeError(f"margin must be a number in [0, 1), got {type(margin).__name__}")
+        if not 0 <= margin < 1:
             raise ValueError(f"margin must be a number in [0, 1), got {margin!r}")
         changes["margin"] = float(margin)
     if persist is not None:
@@ -546,11 +550,6 @@ def state() -> tuple[bool | None, int]:
     """What tuning contributes to ``plan_cache.process_state()``: the process-wide switch (as
     set by enable/disable; the environment variable is read there as well) and the table version."""
     return _OVERRIDE, _VERSION
-
-
-def lookup(sig: Signature) -> Entry | None:
-    """The in-memory entry of ``sig`` (no file is read)."""
-    return _TABLE.get(sig)
 
 
 def table() -> dict[Signature, Entry]:

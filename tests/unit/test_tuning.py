@@ -191,6 +191,10 @@ def test_switches_and_their_validation(tuned: Path, monkeypatch: pytest.MonkeyPa
         tuning.configure(reps=0)
     with pytest.raises(ValueError, match="margin"):
         tuning.configure(margin=1.5)
+    with pytest.raises(TypeError, match="reps must be an int"):
+        tuning.configure(reps=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="margin must be a number"):
+        tuning.configure(margin="0.1")  # type: ignore[arg-type]
 
 
 # ---- selection ----------------------------------------------------------------------------
