@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo.backends.base import FLOATS, Backend
-from flexattn_zoo.functions import evaluate_as_flex
+from flexattn_zoo.functions import check_mask_function, evaluate_as_flex
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.validation import env_number
 
@@ -90,16 +90,19 @@ def block_mask_visible(bm: Any, p: Problem, device: torch.device) -> torch.Tenso
     full = positions(bm.full_kv_num_blocks, bm.full_kv_indices)
     assert partial is not None
     b, h, qi, kj = _grids(p, device)
+    # The probe every raw callable gets decides how to evaluate it: a mod written for flex's 0-d
+    # indices may fail on broadcast grids, or run there and compute something else (a reduction
+    # then sums over the whole grid).
     try:
-        mod = torch.as_tensor(bm.mask_mod(b, h, qi, kj), device=device)
-    except Exception:  # noqa: BLE001 - not written for broadcast grids: evaluate it as flex does
-        try:
-            mod = evaluate_as_flex(bm.mask_mod, (b, h, qi, kj))
-        except Exception as exc:  # noqa: BLE001 - the user's mask_mod failed: say so, with the cause
-            raise ValueError(
-                f"the BlockMask's mask_mod failed on broadcast index tensors and as flex calls it "
-                f"(0-d index tensors under torch.vmap): {exc!r}"
-            ) from exc
+        scalar = check_mask_function(bm.mask_mod, "the BlockMask's mask_mod").scalar
+    except TypeError as exc:
+        raise ValueError(str(exc)) from exc
+    grids = (b, h, qi, kj)
+    mod = (
+        evaluate_as_flex(bm.mask_mod, grids)
+        if scalar
+        else torch.as_tensor(bm.mask_mod(*grids), device=device)
+    )
     visible = partial & mod.bool()
     return visible if full is None else visible | full
 

@@ -284,14 +284,31 @@ def test_flex_cpu_refuses_what_its_kernel_mishandles(mask: Any, score_mod: Any, 
         fz.attention(q, k, v, mask=mask, score_mod=score_mod, backend="flex_cpu")
 
 
-def test_user_block_mask_with_scalar_mod_on_dense() -> None:
-    """A BlockMask torch built for a scalar-style mod (its mask_mod runs inside partial blocks)."""
+#: STARTS padded to Lkv entries with starts past every position: on broadcast grids the
+#: reduction then runs without a shape error and sums over the whole grid (a silently wrong mask).
+PADDED_STARTS = torch.cat([STARTS, torch.full((LKV - len(STARTS),), 10_000)])
+
+
+def counted_documents_padded(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    same = (PADDED_STARTS <= q_idx).sum() == (PADDED_STARTS <= kv_idx).sum()
+    return same & (q_idx >= kv_idx)
+
+
+@pytest.mark.parametrize(
+    "mod",
+    [chained_table, counted_documents, counted_documents_padded],
+    ids=["fails_on_grids", "reduces", "reduces_silently_on_grids"],
+)
+def test_user_block_mask_with_scalar_mod_on_dense(mod: Callable[..., Any]) -> None:
+    """A BlockMask torch built for a scalar-style mod (its mask_mod runs inside partial blocks).
+    A reduction runs on broadcast grids without an error but reduces over the whole grid: the
+    probe, not an exception, must decide how dense evaluates it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    bm = create_block_mask(chained_table, None, None, LQ, LKV, device="cpu", BLOCK_SIZE=16)
+    bm = create_block_mask(mod, None, None, LQ, LKV, device="cpu", BLOCK_SIZE=16)
     q, k, v = qkv()
     out = fz.attention(q, k, v, mask=bm, backend="dense")
-    assert_matches_reference(out, q, k, v, mask=loop_mask(chained_table))
+    assert_matches_reference(out, q, k, v, mask=loop_mask(mod))
 
 
 def _python_if(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
