@@ -345,6 +345,20 @@ def _live(arg: Any) -> Any:
     return arg.live() if isinstance(arg, Spec) else arg
 
 
+def _tune_on(tune: Any, backend: str, options: Any, dropout: float, context_parallel: bool) -> bool:
+    """Whether ``auto`` may take a measured choice for this call. Not under context_parallel (the
+    route must be one it reroutes), nor with kernel_options (the measurements are of the routes'
+    own options), nor with dropout (timing would draw from the caller's random generator,
+    shifting its seeded stream); named routes are never replaced."""
+    return bool(
+        tuning.resolve(tune)
+        and backend == "auto"
+        and not context_parallel
+        and options is None
+        and dropout == 0
+    )
+
+
 def plan(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -388,7 +402,7 @@ def plan(
         kernel_options=options, dropout_p=dropout,
     )  # fmt: skip
     context_parallel = sharding.context_parallel_active()
-    tune_on = tuning.resolve(tune) and not context_parallel and options is None and dropout == 0
+    tune_on = _tune_on(tune, backend, options, dropout, context_parallel)
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
@@ -622,13 +636,7 @@ def attention(
             q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
             kernel_options=options, dropout_p=dropout,
         )  # fmt: skip
-        # Under context_parallel the route must be one it reroutes: no measured choice there; nor
-        # with kernel_options (the measurements are of the routes' own options), nor with dropout
-        # (timing would draw from the caller's random generator, shifting its seeded stream).
-        tune_on = (
-            tuning.resolve(tune) and not context_parallel and backend == "auto" and options is None
-            and dropout == 0
-        )  # fmt: skip
+        tune_on = _tune_on(tune, backend, options, dropout, context_parallel)
         if problem.q_len == 0 or problem.kv_len == 0:
             if backend != "auto":
                 plan_problem(problem, backend)  # a named route must still be able to serve the call
@@ -768,7 +776,7 @@ def _traced_attention(
             plan_problem(problem, backend)
         out, lse = _empty_result(q, k, v, problem)
         return (out, lse) if return_lse else out
-    tune_on = tuning.resolve(tune) and backend == "auto" and kernel_options is None and dropout_p == 0
+    tune_on = _tune_on(tune, backend, kernel_options, dropout_p, sharding.context_parallel_active())
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
