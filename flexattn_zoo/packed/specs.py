@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from flexattn_zoo.masks._blocks import sorted_label_block_map
 from flexattn_zoo.spec import (
     BlockMap,
     MaskMod,
@@ -151,19 +152,21 @@ class PackedSequences(MaskSpec):
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
         # Sequence labels never decrease along the rows, so a query block can see a key block
-        # only if their label ranges overlap (a superset of the visible pairs: exactness inside
-        # partial blocks comes from mask_mod). A block pair is full only without any inner mask
-        # or window, when both blocks are complete and lie in one and the same sequence.
+        # only if their label ranges overlap (Document's rule; here q and k rows carry labels of
+        # their own, so a superset of the visible pairs: exactness inside partial blocks comes
+        # from mask_mod). A block pair is full only without any inner mask or window, when both
+        # blocks are complete and lie in one and the same sequence.
         q_first, q_last, q_complete = block_ranges(q_len, q_block, "cpu")
         k_first, k_last, k_complete = block_ranges(kv_len, kv_block, "cpu")
         q_seq, k_seq = self.__dict__["_q_seq"].cpu(), self.__dict__["_k_seq"].cpu()
-        q_lo, q_hi, k_lo, k_hi = q_seq[q_first], q_seq[q_last], k_seq[k_first], k_seq[k_last]
-        any_ = (q_lo[:, None] <= k_hi[None, :]) & (k_lo[None, :] <= q_hi[:, None])
-        full = (q_lo == q_hi)[:, None] & (k_lo == k_hi)[None, :] & (q_lo[:, None] == k_lo[None, :])
-        full &= q_complete[:, None] & k_complete[None, :]
+        labels = sorted_label_block_map(
+            q_seq[q_first][None], q_seq[q_last][None], k_seq[k_first][None], k_seq[k_last][None],
+            q_complete[:, None] & k_complete[None, :],
+        )  # fmt: skip
+        full = labels.full
         if self.inner is not None or self.left >= 0 or self.right >= 0:
             full = torch.zeros_like(full)
-        return BlockMap(any=any_[None, None].to(device), full=full[None, None].to(device))
+        return BlockMap(any=labels.any.to(device), full=full.to(device))
 
 
 @spec_dataclass
