@@ -34,3 +34,22 @@ def qkv(batch: int, q_len: int, kv_len: int, seed: int = 0) -> tuple[torch.Tenso
         torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
         torch.randn(batch, 2, kv_len, 8, generator=g).requires_grad_(),
     )
+
+
+def cu_seqlens(lengths: list[int], dtype: torch.dtype = torch.int32, device: str = "cpu") -> torch.Tensor:
+    """FlashAttention's ``cu_seqlens``: ``[0, l0, l0 + l1, ...]``."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype, device=device)
+
+
+def flash_visible(lq: int, lk: int, left: int, right: int) -> torch.Tensor:
+    """``[Lq, Lkv]``: flash_attn's ``causal`` / ``window_size`` mask as its docs state it, bottom-right
+    aligned: query ``i`` sees key ``j`` iff ``i + lk - lq - left <= j <= i + lk - lq + right``
+    (``-1``: unbounded; causal is ``(-1, 0)``)."""
+    i = torch.arange(lq).view(lq, 1) + (lk - lq)
+    j = torch.arange(lk).view(1, lk)
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= i - left
+    if right >= 0:
+        keep &= j <= i + right
+    return keep

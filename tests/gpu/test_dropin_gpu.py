@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from zoo_oracles import cu_seqlens
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
@@ -192,10 +193,6 @@ LENS_Q = [5, 170, 0, 93, 40, 3]
 LENS_K = [5, 230, 3, 93, 20, 0]
 
 
-def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-
-
 VARLEN_CASES = {
     "no_mask": ({}, lambda lq, lk: None),
     "causal": ({"causal": True}, lambda lq, lk: masks.Band(lo=None, hi=lk - lq)),
@@ -217,7 +214,7 @@ def test_varlen_attention_per_sequence(route: str, case: str, square: bool) -> N
         torch.randn(sum(n), H, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
         for n in (lens_q, lens_k, lens_k)
     )
-    args = (q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k))
+    args = (q, k, v, cu_seqlens(lens_q, device=DEV), cu_seqlens(lens_k, device=DEV), max(lens_q), max(lens_k))
     try:
         out = fz.varlen_attention(*args, backend=route, **kw)
     except ValueError as exc:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from zoo_oracles import flash_visible
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
@@ -85,19 +86,6 @@ def test_sdpa_dropout_p() -> None:
 # ---- flash_attn (not installed: the float64 reference of its documented semantics) ------------
 
 
-def _flash_visible(lq: int, lk: int, left: int, right: int) -> torch.Tensor:
-    """flash_attn's (causal / window_size) mask: query i sees key j iff
-    ``i + lk - lq - left <= j <= i + lk - lq + right`` (-1: unbounded)."""
-    i = torch.arange(lq).view(lq, 1) + (lk - lq)
-    j = torch.arange(lk).view(1, lk)
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if left >= 0:
-        keep &= j >= i - left
-    if right >= 0:
-        keep &= j <= i + right
-    return keep
-
-
 def _flash_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, **kw: Any
 ) -> torch.Tensor:
@@ -115,7 +103,7 @@ def _bshd(lq: int, lk: int) -> tuple[torch.Tensor, ...]:
 def test_flash_attn_func_causal(lq: int, lk: int) -> None:
     q, k, v = _bshd(lq, lk)  # flash_attn_func(q, k, v, causal=True)
     ours = fz.attention(q, k, v, mask=masks.Causal(align="bottom_right"), layout="bshd", backend="dense")
-    _close(ours, _flash_reference(q, k, v, _flash_visible(lq, lk, -1, 0)))
+    _close(ours, _flash_reference(q, k, v, flash_visible(lq, lk, -1, 0)))
     if lq == lk:  # square: SDPA's top-left flag is the same mask
         _close(fz.attention(q, k, v, is_causal=True, layout="bshd"), ours)
 
@@ -123,11 +111,11 @@ def test_flash_attn_func_causal(lq: int, lk: int) -> None:
 def test_flash_attn_func_window() -> None:
     q, k, v = _bshd(L, L)  # flash_attn_func(q, k, v, window_size=(5, 0))
     ours = fz.attention(q, k, v, mask=masks.SlidingWindow(left=5), layout="bshd", backend="dense")
-    _close(ours, _flash_reference(q, k, v, _flash_visible(L, L, 5, 0)))
+    _close(ours, _flash_reference(q, k, v, flash_visible(L, L, 5, 0)))
     q, k, v = _bshd(8, L)  # Lq != Lk: flash aligns the window bottom-right
     d = L - 8
     ours = fz.attention(q, k, v, mask=masks.Band(lo=d - 5, hi=d), layout="bshd", backend="dense")
-    _close(ours, _flash_reference(q, k, v, _flash_visible(8, L, 5, 0)))
+    _close(ours, _flash_reference(q, k, v, flash_visible(8, L, 5, 0)))
 
 
 def test_flash_attn_func_softcap() -> None:
@@ -139,7 +127,7 @@ def test_flash_attn_func_softcap() -> None:
     qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))
     scores = qd @ kd.transpose(-1, -2) / math.sqrt(D)
     scores = 3.0 * torch.tanh(scores / 3.0)
-    scores = scores.masked_fill(~_flash_visible(L, L, -1, 0), float("-inf"))
+    scores = scores.masked_fill(~flash_visible(L, L, -1, 0), float("-inf"))
     _close(ours, (scores.softmax(-1) @ vd).transpose(1, 2))
 
 
@@ -156,7 +144,7 @@ def test_flash_attn_varlen_func() -> None:
     for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         qi = q[cu_q[i] : cu_q[i + 1]][None]
         ki, vi = (t[cu_k[i] : cu_k[i + 1]][None] for t in (k, v))
-        keep = _flash_visible(lq, lk, 4, 0)
+        keep = flash_visible(lq, lk, 4, 0)
         parts.append(_flash_reference(qi, ki, vi, keep, enable_gqa=True)[0])
     _close(ours, torch.cat(parts))
 

@@ -93,3 +93,21 @@ def test_traced_calls_size_the_unmasked_problem(monkeypatch: pytest.MonkeyPatch)
     assert dispatch._visible(p) == pytest.approx(65 / 128)
     monkeypatch.setattr(_compat, "is_compiling", lambda: True)
     assert dispatch._visible(p) == 1.0
+
+
+def test_evidence_check_rejects_a_rule_its_rows_contradict() -> None:
+    """The check above can fail: the same rows do not justify a rule that moves the slowest
+    measured route to the front."""
+    import dataclasses
+
+    rule = RULES[0]
+    data = json.loads((RESULTS / rule.benchmark).read_text())
+    groups = {
+        (g.case, g.mode): g for g in replay.groups(data["rows"], load_config(SWEEP_CONFIG[rule.benchmark]))
+    }
+    case, mode = rule.evidence[0].split("/")
+    g = groups[(case, mode)]
+    timed = [(g.time(r), r) for r in g.accepted(fa4=True, sdpa_stand_in=True) if g.time(r) is not None]
+    slowest = max(timed)[1]
+    ok, why = replay.evidence_holds(dataclasses.replace(rule, front=(slowest,)), g)
+    assert not ok, why

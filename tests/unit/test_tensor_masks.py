@@ -10,6 +10,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.masks.dense import bool_block_map
 from flexattn_zoo.testing import assert_matches_reference, reference_attention
+from flexattn_zoo.testing.checks import dense_block_map
 
 CPU_ROUTES = ("sdpa_math", "sdpa_flash", "dense", "flex_cpu")
 
@@ -169,12 +170,9 @@ def test_block_map_is_exact(lq: int, lkv: int, qb: int, kvb: int) -> None:
         fz.testing.assert_mask_consistent(spec, batch=2, heads=3, q_len=lq, kv_len=lkv)
         bm = bool_block_map(spec.mask, lq, lkv, qb, kvb)
         dense = spec.dense(lq, lkv, batch=2, heads=3)
-        n_q, n_kv = -(-lq // qb), -(-lkv // kvb)
-        padded = torch.zeros(*dense.shape[:2], n_q * qb, n_kv * kvb, dtype=torch.bool)
-        padded[..., :lq, :lkv] = dense
-        tiles = padded.view(*dense.shape[:2], n_q, qb, n_kv, kvb)
-        assert torch.equal(bm.any.expand(*dense.shape[:2], n_q, n_kv), tiles.any(dim=(3, 5)))
-        assert torch.equal(bm.full.expand(*dense.shape[:2], n_q, n_kv), tiles.all(dim=(3, 5)))
+        want_any, want_full = dense_block_map(dense, qb, kvb)
+        assert torch.equal(bm.any.expand_as(want_any), want_any)
+        assert torch.equal(bm.full.expand_as(want_full), want_full)
 
 
 def test_layer_and_reference_take_tensors() -> None:

@@ -8,21 +8,19 @@ from typing import Any
 
 import pytest
 import torch
+from zoo_oracles import cu_seqlens, flash_visible
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.packed import PackedSequences
 from flexattn_zoo.testing import reference_attention
+from flexattn_zoo.testing.checks import dense_block_map
 
 H, D = 4, 16
 # Unequal lengths, an empty query sequence, an empty key sequence, Lq_i > Lk_i and Lq_i < Lk_i.
 LENS_Q = [5, 17, 0, 9, 4, 3]
 LENS_K = [5, 23, 3, 9, 2, 0]
 SQUARE = [7, 1, 12, 0, 9]
-
-
-def _cu(lengths: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
 
 
 def _inputs(
@@ -67,14 +65,13 @@ def _loop_reference(
 
 
 def _bottom_right(left: int, right: int) -> Any:
-    """FlashAttention's window in one sequence: key ``c`` visible to query ``r`` iff
-    ``r + lk - lq - left <= c <= r + lk - lq + right`` (``-1``: unbounded)."""
+    """FlashAttention's window in one sequence (``zoo_oracles.flash_visible``), as a mask builder
+    ``(lq, lk) -> spec`` for the loop reference (None: no mask)."""
 
     def build(lq: int, lk: int) -> Any:
-        d = lk - lq
         if left < 0 and right < 0:
             return None
-        return masks.Band(lo=None if left < 0 else d - left, hi=None if right < 0 else d + right)
+        return masks.Dense(mask=flash_visible(lq, lk, left, right))
 
     return build
 
@@ -122,8 +119,8 @@ def test_forward_matches_a_loop_over_the_sequences(
             q,
             k,
             v,
-            _cu(lens_q),
-            _cu(lens_k),
+            cu_seqlens(lens_q),
+            cu_seqlens(lens_k),
             max(lens_q),
             max(lens_k),
             backend=route,
@@ -151,7 +148,7 @@ def test_backward_matches_the_reference(
     name: str, lens_q: list[int], lens_k: list[int], kw: dict[str, Any], local: Any
 ) -> None:
     q, k, v = _inputs(lens_q, lens_k, grad=True)
-    out = fz.varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), max(lens_q), max(lens_k), **kw)
+    out = fz.varlen_attention(q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), max(lens_q), max(lens_k), **kw)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     ref_out, _ = _loop_reference(q, k, v, lens_q, lens_k, local, **_reference_kw(kw))
@@ -165,7 +162,7 @@ def test_backward_matches_the_reference(
 def test_gqa(grad: bool) -> None:
     q, k, v = _inputs(LENS_Q, LENS_K, kv_heads=2, grad=grad)
     out = fz.varlen_attention(
-        q, k, v, _cu(LENS_Q), _cu(LENS_K, torch.int64), 17, 23, causal=True, enable_gqa=True
+        q, k, v, cu_seqlens(LENS_Q), cu_seqlens(LENS_K, torch.int64), 17, 23, causal=True, enable_gqa=True
     )
     ref, _ = _loop_reference(q, k, v, LENS_Q, LENS_K, _bottom_right(-1, 0), enable_gqa=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
@@ -187,7 +184,16 @@ def test_tensor_mask_and_bias_are_indexed_locally(grad: bool) -> None:
     bias = torch.randn(1, H, max_q, max_k, generator=g)
     q, k, v = _inputs(LENS_Q, LENS_K, grad=grad)
     out = fz.varlen_attention(
-        q, k, v, _cu(LENS_Q), _cu(LENS_K), max_q, max_k, mask=keep, score_mod=bias, backend="dense"
+        q,
+        k,
+        v,
+        cu_seqlens(LENS_Q),
+        cu_seqlens(LENS_K),
+        max_q,
+        max_k,
+        mask=keep,
+        score_mod=bias,
+        backend="dense",
     )
     outs, q0, k0 = [], 0, 0
     for lq, lk in zip(LENS_Q, LENS_K, strict=True):
@@ -230,7 +236,7 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf_lse() -> None:
     # Sequence 0: 3 queries, 1 key, causal: rows 0 and 1 lie before the key. Sequence 1: no keys.
     q, k, v = _inputs([3, 2], [1, 0])
     out, lse = fz.varlen_attention(
-        q, k, v, _cu([3, 2]), _cu([1, 0]), 3, 1, causal=True, return_lse=True, backend="dense"
+        q, k, v, cu_seqlens([3, 2]), cu_seqlens([1, 0]), 3, 1, causal=True, return_lse=True, backend="dense"
     )
     seen = torch.tensor([False, False, True, False, False])
     assert bool((out[~seen] == 0).all()) and bool(torch.isneginf(lse[:, ~seen]).all())
@@ -250,12 +256,24 @@ def test_square_offsets_take_a_document_mask_and_others_the_packed_one(
     monkeypatch.setattr(fz.packed.api, "attention", spy)
     q, k, v = _inputs(SQUARE, SQUARE)
     with torch.no_grad():
-        fz.varlen_attention(q, k, v, _cu(SQUARE), _cu(SQUARE), 12, 12, causal=True, backend="dense")
         fz.varlen_attention(
-            q, k, v, _cu(SQUARE), _cu(SQUARE), 12, 12, mask=masks.PrefixLM(prefix_len=2), backend="dense"
+            q, k, v, cu_seqlens(SQUARE), cu_seqlens(SQUARE), 12, 12, causal=True, backend="dense"
+        )
+        fz.varlen_attention(
+            q,
+            k,
+            v,
+            cu_seqlens(SQUARE),
+            cu_seqlens(SQUARE),
+            12,
+            12,
+            mask=masks.PrefixLM(prefix_len=2),
+            backend="dense",
         )
         q, k, v = _inputs(LENS_Q, LENS_K)
-        fz.varlen_attention(q, k, v, _cu(LENS_Q), _cu(LENS_K), 17, 23, causal=True, backend="dense")
+        fz.varlen_attention(
+            q, k, v, cu_seqlens(LENS_Q), cu_seqlens(LENS_K), 17, 23, causal=True, backend="dense"
+        )
     assert masks.Document in {type(p) for p in getattr(seen[0], "parts", ())}
     assert varlen_form_of(seen[0], sum(SQUARE)) is not None  # the GPU varlen route can take it
     assert isinstance(seen[1], PackedSequences) and isinstance(seen[2], PackedSequences)
@@ -271,7 +289,7 @@ def test_packed_spec_oracle_and_block_map_agree_with_its_mask_mod(
     inner: Any, window: tuple[int, int]
 ) -> None:
     spec = PackedSequences(
-        cu_seqlens_q=_cu(LENS_Q, torch.int64), cu_seqlens_k=_cu(LENS_K, torch.int64),
+        cu_seqlens_q=cu_seqlens(LENS_Q, torch.int64), cu_seqlens_k=cu_seqlens(LENS_K, torch.int64),
         q_total=sum(LENS_Q), kv_total=sum(LENS_K), max_seqlen_q=17, max_seqlen_k=23,
         inner=inner, left=window[0], right=window[1],
     )  # fmt: skip
@@ -281,11 +299,7 @@ def test_packed_spec_oracle_and_block_map_agree_with_its_mask_mod(
     torch.testing.assert_close(spec.dense(tq, tk)[0, 0], from_mod)
     bmap = spec.block_map(tq, tk, 8, 8, "cpu")
     assert bmap is not None
-    nq, nk = -(-tq // 8), -(-tk // 8)
-    padded = from_mod.new_zeros(nq * 8, nk * 8)  # past Lq/Lkv counts as masked
-    padded[:tq, :tk] = from_mod
-    blocks = padded.view(nq, 8, nk, 8)
-    visible, full = blocks.any(3).any(1), blocks.all(3).all(1)
+    visible, full = (t[0, 0] for t in dense_block_map(from_mod[None, None], 8, 8))  # padding: masked
     assert bool((bmap.any[0, 0] | ~visible).all())  # every visible block is listed
     assert bool((~bmap.full[0, 0] | full).all())  # a block called full is full
     if inner is None and window == (-1, -1):
@@ -296,9 +310,19 @@ def test_bottom_right_mask_spec_binds_when_every_offset_agrees() -> None:
     lens_q, lens_k = [2, 3], [4, 5]  # Lk_i - Lq_i = 2 for both
     q, k, v = _inputs(lens_q, lens_k)
     with torch.no_grad():
-        a = fz.varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), 3, 5, causal=True, backend="dense")
+        a = fz.varlen_attention(
+            q, k, v, cu_seqlens(lens_q), cu_seqlens(lens_k), 3, 5, causal=True, backend="dense"
+        )
         b = fz.varlen_attention(
-            q, k, v, _cu(lens_q), _cu(lens_k), 3, 5, mask=masks.Causal(align="bottom_right"), backend="dense"
+            q,
+            k,
+            v,
+            cu_seqlens(lens_q),
+            cu_seqlens(lens_k),
+            3,
+            5,
+            mask=masks.Causal(align="bottom_right"),
+            backend="dense",
         )
     torch.testing.assert_close(a, b)
 
@@ -306,7 +330,7 @@ def test_bottom_right_mask_spec_binds_when_every_offset_agrees() -> None:
 def _good() -> dict[str, Any]:
     q, k, v = _inputs(LENS_Q, LENS_K)
     return {
-        "q": q, "k": k, "v": v, "cu_seqlens_q": _cu(LENS_Q), "cu_seqlens_k": _cu(LENS_K),
+        "q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens(LENS_Q), "cu_seqlens_k": cu_seqlens(LENS_K),
         "max_seqlen_q": 17, "max_seqlen_k": 23,
     }  # fmt: skip
 
@@ -315,13 +339,13 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("q_2d", {"q": torch.randn(10, 16)}, ValueError, "q must have 3 dims"),
     ("q_not_tensor", {"q": [1.0]}, TypeError, "q must be a torch.Tensor"),
     ("k_v_rows", {"v": torch.randn(5, H, D)}, ValueError, "k and v must have the same number of rows"),
-    ("cu_float", {"cu_seqlens_q": _cu(LENS_Q).float()}, TypeError, "cu_seqlens_q must have dtype int32 or int64"),
+    ("cu_float", {"cu_seqlens_q": cu_seqlens(LENS_Q).float()}, TypeError, "cu_seqlens_q must have dtype int32 or int64"),
     ("cu_list", {"cu_seqlens_k": [0, 5]}, TypeError, "cu_seqlens_k must be an int32 or int64 tensor"),
-    ("cu_2d", {"cu_seqlens_q": _cu(LENS_Q)[None]}, ValueError, "cu_seqlens_q must be 1-D"),
+    ("cu_2d", {"cu_seqlens_q": cu_seqlens(LENS_Q)[None]}, ValueError, "cu_seqlens_q must be 1-D"),
     ("cu_short", {"cu_seqlens_q": torch.tensor([0])}, ValueError, "at least 2 entries"),
-    ("cu_start", {"cu_seqlens_q": _cu(LENS_Q) + 1}, ValueError, "cu_seqlens_q must start at 0"),
+    ("cu_start", {"cu_seqlens_q": cu_seqlens(LENS_Q) + 1}, ValueError, "cu_seqlens_q must start at 0"),
     ("cu_decreasing", {"cu_seqlens_k": torch.tensor([0, 30, 20, 25, 30, 42, 42])}, ValueError, "non-decreasing"),
-    ("cu_end", {"cu_seqlens_k": _cu([5, 23, 3, 9, 2, 1])}, ValueError, "must end at the number of packed rows of k (42)"),
+    ("cu_end", {"cu_seqlens_k": cu_seqlens([5, 23, 3, 9, 2, 1])}, ValueError, "must end at the number of packed rows of k (42)"),
     ("cu_count", {"cu_seqlens_k": torch.tensor([0, 42])}, ValueError, "the same number of sequences"),
     ("max_small", {"max_seqlen_q": 16}, ValueError, "max_seqlen_q=16 is less than the longest sequence (17)"),
     ("max_type", {"max_seqlen_k": 23.0}, TypeError, "max_seqlen_k must be an int"),
@@ -373,7 +397,7 @@ def _compiled_case() -> tuple[Any, tuple[torch.Tensor, ...], torch.Tensor, torch
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor) -> Any:
         return fz.varlen_attention(q, k, v, cu_q, cu_k, 5, 6, causal=True, mask=masks.SlidingWindow(left=2))
 
-    return fn, _inputs(lens_q, lens_k), _cu(lens_q), _cu(lens_k)
+    return fn, _inputs(lens_q, lens_k), cu_seqlens(lens_q), cu_seqlens(lens_k)
 
 
 @pytest.mark.usefixtures("_fresh_dynamo")
@@ -390,7 +414,7 @@ def test_compiles_without_graph_breaks_and_reuses_the_graph_for_new_offsets() ->
 
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     with torch.no_grad():
-        for cu in (cu_q, _cu([5, 2, 5])):
+        for cu in (cu_q, cu_seqlens([5, 2, 5])):
             torch.testing.assert_close(compiled(q, k, v, cu, cu_k), fn(q, k, v, cu, cu_k))
     assert frames["count"] == 1
 
@@ -418,4 +442,4 @@ def test_a_length_dependent_mask_is_refused_while_traced() -> None:
         backend="aot_eager",
     )
     with pytest.raises(Exception, match="not known while torch.compile traces"):
-        fn(q, k, v, _cu([2, 3]), _cu([4, 5]))
+        fn(q, k, v, cu_seqlens([2, 3]), cu_seqlens([4, 5]))
