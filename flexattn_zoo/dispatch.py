@@ -629,36 +629,41 @@ def attention(
             dropout,
         )
     )  # fmt: skip
-    chosen = plan_cache.lookup(key, q, k, v) if key is not None else None
+    hit = plan_cache.lookup(key, q, k, v) if key is not None else None
+    if hit is not None:
+        log.debug("flexattn_zoo route %s", hit.plan.backend)
+        out, maybe_lse = hit.run(q, k, v, hit.scale if scale_checked is None else scale_checked)
+        if not return_lse:
+            return out
+        return out, maybe_lse
     user_bm = None
-    if chosen is None:
-        problem, user_bm = _problem(
-            q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
-            kernel_options=options, dropout_p=dropout,
+    problem, user_bm = _problem(
+        q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
+        kernel_options=options, dropout_p=dropout,
+    )  # fmt: skip
+    tune_on = _tune_on(tune, backend, options, dropout, context_parallel)
+    if problem.q_len == 0 or problem.kv_len == 0:
+        if backend != "auto":
+            plan_problem(problem, backend)  # a named route must still be able to serve the call
+        out, lse = _empty_result(q, k, v, problem)
+        return (out, lse) if return_lse else out
+    state = tuning.state()
+    if tune_on:
+        tuning.ensure_loaded(q.device)
+    chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
+    if tuning.needs_measuring(chosen.tuning) and tuning.can_measure(q):
+        chosen = _measured(chosen, q, k, v, scale_checked, user_bm)
+    if context_parallel:
+        chosen = _under_context_parallel(chosen)
+    if key is not None and tuning.state() != state:  # the table changed: key the plan anew
+        key = call_key(
+            q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
+            dropout,
         )  # fmt: skip
-        tune_on = _tune_on(tune, backend, options, dropout, context_parallel)
-        if problem.q_len == 0 or problem.kv_len == 0:
-            if backend != "auto":
-                plan_problem(problem, backend)  # a named route must still be able to serve the call
-            out, lse = _empty_result(q, k, v, problem)
-            return (out, lse) if return_lse else out
-        state = tuning.state()
-        if tune_on:
-            tuning.ensure_loaded(q.device)
-        chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
-        if tuning.needs_measuring(chosen.tuning) and tuning.can_measure(q):
-            chosen = _measured(chosen, q, k, v, scale_checked, user_bm)
-        if context_parallel:
-            chosen = _under_context_parallel(chosen)
-        if key is not None and tuning.state() != state:  # the table changed: key the plan anew
-            key = call_key(
-                q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
-                dropout,
-            )  # fmt: skip
-        # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
-        # being captured) is not kept, so the next eager call measures.
-        if key is not None and not tuning.needs_measuring(chosen.tuning):
-            plan_cache.store(key, chosen, _finiteness_matters(chosen, q.device))
+    # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
+    # being captured) is not kept, so the next eager call measures.
+    if key is not None and not tuning.needs_measuring(chosen.tuning):
+        plan_cache.store(key, BoundPlan.of(chosen, q.device), _finiteness_matters(chosen, q.device))
     log.debug("flexattn_zoo route %s", chosen.backend)
     out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
     if not return_lse:
@@ -800,8 +805,28 @@ def execute_plan(
 
     ``scale`` must already be checked (``validation.check_scale``); None means ``1/sqrt(D)``.
     """
-    scale_f = 1.0 / math.sqrt(chosen.problem.head_dim) if scale is None else scale
+    scale_f = default_scale(chosen.problem) if scale is None else scale
     return BY_NAME[chosen.backend].execute(q, k, v, chosen.problem, scale=scale_f, block_mask=block_mask)
+
+
+def default_scale(p: Problem) -> float:
+    """The scale of a call that gives none: ``1/sqrt(D)`` of the q/k head dim."""
+    return 1.0 / math.sqrt(p.head_dim)
+
+
+class BoundPlan:
+    """What the plan cache keeps for a call: the plan, and its route bound to the plan's problem
+    (``Backend.bind``: the work that depends only on the problem done once), so a repeated call
+    runs ``run(q, k, v, scale)`` straight away; ``scale`` is the default scale of the problem."""
+
+    __slots__ = ("plan", "run", "scale")
+
+    def __init__(self, plan: Plan, run: Any, scale: float) -> None:
+        self.plan, self.run, self.scale = plan, run, scale
+
+    @classmethod
+    def of(cls, plan: Plan, device: torch.device) -> BoundPlan:
+        return cls(plan, BY_NAME[plan.backend].bind(plan.problem, device), default_scale(plan.problem))
 
 
 #: ``attention`` run outside any graph (see its CUDA branch for traced calls).

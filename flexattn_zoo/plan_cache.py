@@ -52,7 +52,7 @@ from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import ScoreSpec, Spec
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
-#: Plans by call key; a model has a handful of attention call kinds, a sweep a few hundred.
+#: Bound plans (``dispatch.BoundPlan``) by call key; a model has a handful of attention call kinds, a sweep a few hundred.
 PLANS: LRUCache[Any] = LRUCache(256)
 #: Environment variables the dispatcher or a route reads (routes declare theirs: ``Backend.env_vars``).
 ENV_VARS = (
@@ -156,7 +156,7 @@ def call_key(
 
 class ByFiniteness:
     """What :data:`PLANS` holds for a call whose route depends on whether q/k/v hold NaN/inf:
-    the plan made for each verdict (``plans[nonfinite]``), filled as calls of each kind come."""
+    the bound plan made for each verdict (``plans[nonfinite]``), filled as calls of each kind come."""
 
     __slots__ = ("plans",)
 
@@ -165,24 +165,26 @@ class ByFiniteness:
 
 
 def lookup(key: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-    """The cached plan of a call with ``key`` (from :func:`call_key`), or None: the plan itself,
-    or for a :class:`ByFiniteness` entry the plan of these inputs' NaN/inf verdict."""
+    """The cached ``dispatch.BoundPlan`` of a call with ``key`` (from :func:`call_key`), or None:
+    the entry itself, or for a :class:`ByFiniteness` entry the one of these inputs' NaN/inf
+    verdict."""
     found = PLANS.get(key)
     if type(found) is ByFiniteness:
         return found.plans.get(inputs_nonfinite(q, k, v))
     return found
 
 
-def store(key: Hashable, plan: Any, finiteness_matters: bool) -> None:
-    """Keep ``plan`` (made for a call with ``key``); ``finiteness_matters``: whether a call with
-    the same key but the other NaN/inf verdict could be routed otherwise."""
+def store(key: Hashable, bound: Any, finiteness_matters: bool) -> None:
+    """Keep ``bound`` (a ``dispatch.BoundPlan`` made for a call with ``key``);
+    ``finiteness_matters``: whether a call with the same key but the other NaN/inf verdict could
+    be routed otherwise."""
     if not finiteness_matters:
-        PLANS.put(key, plan)
+        PLANS.put(key, bound)
         return
     entry = PLANS.get(key)
     if type(entry) is not ByFiniteness:
         entry = PLANS.put(key, ByFiniteness())
-    entry.plans.setdefault(plan.problem.nonfinite, plan)
+    entry.plans.setdefault(bound.plan.problem.nonfinite, bound)
 
 
 def _arg_key(value: Any, kind: str) -> Hashable:

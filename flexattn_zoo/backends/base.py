@@ -18,6 +18,11 @@ from flexattn_zoo import _compat
 from flexattn_zoo.arch import ROCM, generation, parse_arch
 from flexattn_zoo.problem import Problem
 
+#: A route bound to one problem (``Backend.bind``): ``(q, k, v, scale) -> (out, lse or None)``.
+BoundCall = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor | None]
+]
+
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -60,17 +65,40 @@ def cpu_flash_reasons(p: Problem, causal: bool) -> list[str]:
 
 
 def fused_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it has one of the two layouts the fused SDPA kernels are tested with --
-    contiguous ``[B, H, L, D]``, or the ``[B, L, H, D]`` projection output viewed with
-    ``transpose(1, 2)`` -- else a contiguous copy (O(L*D), small next to attention).
+    """``t`` itself when the fused SDPA kernels read it as it is, else a contiguous copy (O(L*D),
+    small next to attention): a block of a contiguous ``[B, H, L, D]`` or ``[B, L, H, D]``
+    tensor (see :func:`is_dense_block`): the tensor itself, the ``[B, L, H, D]`` projection output
+    viewed with ``transpose(1, 2)``, or a prefix of a KV cache (``cache[:, :, :n]``), whose copy
+    per decoding step would read and write the cache once more than attention itself does.
 
     Other strides are not safe even with ``stride(-1) == 1``: CUDA's memory-efficient kernel has
-    returned wrong results for broadcast (stride-0) k/v (pytorch#191937), cuDNN checks layouts, and
-    torch's CPU flash kernel returned garbage for a ``q`` whose rows overlap (an ``unfold`` view).
+    returned wrong results for broadcast (stride-0) k/v (pytorch#191937), and torch's CPU flash
+    kernel returned garbage for a ``q`` whose rows overlap (an ``unfold`` view).
     """
-    if t.is_contiguous() or t.transpose(1, 2).is_contiguous():
+    if t.is_contiguous() or is_dense_block(t):
         return t
     return t.contiguous()
+
+
+def is_dense_block(t: torch.Tensor) -> bool:
+    """Whether 4-D ``t`` is a block cut out of a contiguous tensor whose dims are in the order
+    ``[B, H, L, D]`` or ``[B, L, H, D]``: rows of D contiguous, and each dim's stride at least
+    the span of the dims inside it, so no two elements share memory (no broadcast, no overlap).
+    Dims of size 1 take any stride."""
+    shape, strides = t.shape, t.stride()
+    if shape[3] > 1 and strides[3] != 1:
+        return False
+    for order in ((2, 1, 0), (1, 2, 0)):  # innermost first, after D
+        span = shape[3]  # elements from a row's first to one past its last
+        for dim in order:
+            if shape[dim] == 1:
+                continue
+            if strides[dim] < span:
+                break
+            span = strides[dim] * (shape[dim] - 1) + span
+        else:
+            return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,12 +295,44 @@ class Backend:
         block_mask: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``run``, with the backward under torch's deterministic mode when ``p`` asks for it."""
-        wrap = self.needs_torch_deterministic_mode and p.device_type == "cuda"
-        if p.deterministic and p.requires_grad and wrap:
+        if self._deterministic_backward(p):
             run = lambda a, b, c: self.run(a, b, c, p, scale=scale, block_mask=block_mask)  # noqa: E731
             out, lse = _DeterministicBackward.apply(run, q, k, v)
             return out, lse
         return self.run(q, k, v, p, scale=scale, block_mask=block_mask)
+
+    def _deterministic_backward(self, p: Problem) -> bool:
+        """Whether ``execute`` must replay ``p``'s backward under torch's deterministic mode."""
+        return (
+            p.deterministic
+            and p.requires_grad
+            and self.needs_torch_deterministic_mode
+            and p.device_type == "cuda"
+        )
+
+    def bind(self, p: Problem, device: torch.device) -> BoundCall:
+        """``execute`` for eager calls of problem ``p`` on ``device`` (no caller BlockMask), as a
+        function of ``(q, k, v, scale)`` with what the route derives from ``p`` alone worked out
+        once. The dispatcher's plan cache keeps one beside each cached plan: its key pins
+        everything ``p`` holds, so a repeated call goes straight to the kernel."""
+        if self._deterministic_backward(p):
+            execute = self.execute
+
+            def deterministic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+                return execute(q, k, v, p, scale=scale)
+
+            return deterministic
+        return self.bound_run(p, device)
+
+    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        """``run`` for ``p`` as a function of ``(q, k, v, scale)``: routes override it to hoist
+        the work that depends only on ``p`` out of the call (see :meth:`bind`)."""
+        run = self.run
+
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+            return run(q, k, v, p, scale=scale)
+
+        return call
 
     def mask_reasons(self, p: Problem) -> list[str]:
         """Reasons specific to the mask form this route needs (override)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat, arch
-from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, flash_cute_lock
+from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, BoundCall, flash_cute_lock
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE
 from flexattn_zoo.functions import _Ref
@@ -109,6 +109,9 @@ class FlexBackend(Backend):
                 q, k, v = q.detach(), k.detach(), v.detach()
             return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
         return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
+
+    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        return self.prepared(p, device).launch
 
     def prepared(self, p: Problem, device: torch.device, block_mask: Any = None) -> FlexCall:
         """What :meth:`run` builds for ``p`` before launching (cached in :data:`CALLS`).
@@ -316,6 +319,15 @@ class FlexFlashBackend(FlexBackend):
     def run(self, q, k, v, p, *, scale, block_mask=None):
         with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
             return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
+
+    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        launch = super().bound_run(p, device)
+
+        def locked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+            with flash_cute_lock():
+                return launch(q, k, v, scale)
+
+        return locked
 
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []

@@ -15,7 +15,7 @@ library promises, checked for those only). cuDNN and CUDA FlashAttention-2 refus
 
 ``sdpa_kernel`` flips process-global flags (torch's ``_set_sdp_use_*`` setters) and restores them on
 exit; two threads pinning different kernels could run each other's kernel or leave the flags
-wrong for good. ``_SDPA_LOCK`` serializes our pinned calls (on CUDA only the launch, which is
+wrong for good. ``SDPA_LOCK`` serializes our pinned calls (on CUDA only the launch, which is
 asynchronous); SDPA calls elsewhere in the process can still observe the pinned flags meanwhile.
 Eager calls set the same flags through ``_compat.pin_sdpa_kernel`` (a fraction of
 ``sdpa_kernel``'s host time); traced calls use ``sdpa_kernel``, which Dynamo turns into a setting
@@ -36,6 +36,7 @@ from flexattn_zoo.backends.base import (
     FLOATS,
     LOW_PRECISION,
     Backend,
+    BoundCall,
     cpu_flash_reasons,
     cuda_kernel_reasons,
     expand_kv_heads,
@@ -105,7 +106,7 @@ class SdpaBackend(Backend):
         if chunk:
             batch, q_len, kv_len = batch * (q_len // chunk), chunk, chunk
         kv_heads = p.heads if (p.gqa and self.expand_gqa) else p.kv_heads
-        with _SDPA_LOCK:  # the check pins the kernel through torch's global flags
+        with SDPA_LOCK:  # the check pins the kernel through torch's global flags
             why = _compat.sdpa_torch_refusal(
                 self.kernel,
                 (batch, p.heads, q_len, p.head_dim),
@@ -123,58 +124,74 @@ class SdpaBackend(Backend):
         return [why] if why else []
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
+        return self.bound_run(p, q.device)(q, k, v, scale)
+
+    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
         call = _sdpa_call(p)
         assert not isinstance(call, str)  # mask_reasons refused the rest
-        is_causal, chunk = call.is_causal, call.chunk
-        attn_mask = call.attn_mask
-        if attn_mask is not None:
-            attn_mask = attn_mask.to(q.device)
-            if attn_mask.dtype != torch.bool:
-                attn_mask = attn_mask.to(q.dtype)  # SDPA takes a float mask in q's dtype (differentiable)
-        batch = q.shape[0]
-        gqa = p.gqa
+        is_causal, chunk, tensor = call.is_causal, call.chunk, call.attn_mask
+        batch = p.batch
+        # cuDNN refuses enable_gqa (H200, 32:8 causal L=8192 with k/v expanded: 4.4 / 15.6 ms
+        # fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex, benchmarks/results/nofa4_levers_probe_h200.txt).
+        expand = p.gqa and self.expand_gqa
+        gqa = p.gqa and not expand
         dropout_p = p.dropout_p  # 0.0 unless the route has dropout here (its reasons refused the rest)
-        if gqa and self.expand_gqa:
-            # cuDNN refuses enable_gqa (H200, 32:8 causal L=8192 with k/v expanded: 4.4 / 15.6 ms
-            # fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex, benchmarks/results/nofa4_levers_probe_h200.txt).
-            k, v = expand_kv_heads(k, v, p)
-            gqa = False
-        view_ok = chunk and self.kernel in CHUNK_VIEW_KERNELS and all(t.is_contiguous() for t in (q, k, v))
-        if chunk:
-            q, k, v = (as_chunks(t, chunk) for t in (q, k, v))
-        if self.kernel != "MATH" and not view_ok:
-            q, k, v = (fused_layout(t) for t in (q, k, v))
-        if self.kernel == UNPINNED:
-            if _compat.is_compiling():
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=gqa,
-                )  # fmt: skip
+        kernel = self.kernel
+        fused = kernel != "MATH"
+        chunk_view = chunk and kernel in CHUNK_VIEW_KERNELS
+        pinned = kernel != UNPINNED
+
+        def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            attn_mask = tensor
+            if attn_mask is not None:
+                # Per call: a learned bias is the caller's own tensor, updated in place between
+                # steps, so no converted copy of it is kept.
+                attn_mask = attn_mask.to(q.device)
+                if attn_mask.dtype != torch.bool:
+                    attn_mask = attn_mask.to(q.dtype)  # SDPA takes a float mask in q's dtype (differentiable)
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+
+        def launch(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        ) -> tuple[torch.Tensor, None]:
+            if expand:
+                k, v = expand_kv_heads(k, v, p)
+            view_ok = chunk_view and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            if chunk:
+                q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
+            if fused and not view_ok:
+                q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
+            if not pinned:
+                if _compat.is_compiling():
+                    out = sdpa(q, k, v, scale)
+                else:
+                    with SDPA_LOCK:  # never under another thread's pin of ours
+                        out = sdpa(q, k, v, scale)
+            elif _compat.is_compiling():
+                # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no
+                # global flags flip when the graph runs), so no lock is needed -- nor could Dynamo
+                # enter one.
+                with _compat.sdpa_kernel([getattr(_compat.SDPBackend, kernel)]):
+                    out = sdpa(q, k, v, scale)
             else:
-                with _SDPA_LOCK:  # never under another thread's pin of ours
-                    out = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=gqa,
-                    )  # fmt: skip
-        elif _compat.is_compiling():
-            # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
-            # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
-            with _compat.sdpa_kernel([getattr(_compat.SDPBackend, self.kernel)]):
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=gqa,
-                )  # fmt: skip
-        else:
-            with _SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
-                pinned = _compat.pin_sdpa_kernel(self.kernel)
-                try:
-                    out = F.scaled_dot_product_attention(
-                        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=gqa,
-                    )  # fmt: skip
-                finally:
-                    _compat.restore_sdpa_kernels(pinned)
-        return (from_chunks(out, batch) if chunk else out), None
+                with SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
+                    token = _compat.pin_sdpa_kernel(kernel)
+                    try:
+                        out = sdpa(q, k, v, scale)
+                    finally:
+                        _compat.restore_sdpa_kernels(token)
+            return (from_chunks(out, batch) if chunk else out), None
+
+        return launch
 
 
 #: ``SdpaBackend.kernel`` of the route that lets SDPA choose its kernel itself.
@@ -278,7 +295,7 @@ def _sdpa_call(p: Problem) -> SdpaCall | str:
     return SdpaCall(is_causal=False, attn_mask=score.attn_mask, empty_rows=score.empty_rows)
 
 
-_SDPA_LOCK = threading.Lock()
+SDPA_LOCK = threading.Lock()
 #: Kernels given the chunk view of contiguous ``[B, H, L, D]`` inputs as it is (strides
 #: ``(chunk*D, L*D, D, 1)`` when B == 1), not a copy: cuDNN took it with the same output, in
 #: 1.76 ms instead of 2.41 ms with the copy (H200, chunked 8192 + causal, 1x16x32768x128;

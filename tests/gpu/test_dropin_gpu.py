@@ -156,6 +156,43 @@ def test_bshd_layout_equals_bhsd(route: str, mask: str | None) -> None:
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-2, rtol=1e-2)
 
 
+SDPA_ROUTES = [b.name for b in BACKENDS if b.name.startswith("sdpa") and b.name in GPU_AUTO] + ["sdpa_math"]
+
+
+def _strided_views(t: torch.Tensor, which: str) -> torch.Tensor:
+    """Views the fused SDPA kernels read without a copy (``backends.base.is_dense_block``)."""
+    if which == "cache_prefix":  # k_cache[:, :, :n]
+        return t[:, :, : t.shape[2] // 2 + 3]
+    if which == "bshd_prefix":
+        return t.transpose(1, 2)[:, : t.shape[2] // 2 + 3].transpose(1, 2)
+    if which == "every_other_row":
+        return t[:, :, ::2]
+    assert which == "d_slice"
+    return t[..., : t.shape[3] // 2]
+
+
+@pytest.mark.parametrize("route", SDPA_ROUTES)
+@pytest.mark.parametrize("which", ["cache_prefix", "bshd_prefix", "every_other_row", "d_slice"])
+@pytest.mark.parametrize("lq", [1, 48])
+def test_sdpa_kernels_on_strided_kv_views(route: str, which: str, lq: int) -> None:
+    """Strided k/v views (a cache's live prefix, a slice of every other row or of D) reach the
+    fused kernels as they are, forward and backward, and match float64."""
+    g = torch.Generator(device=DEV).manual_seed(11)
+    d = 2 * D if which == "d_slice" else D
+    # As many k/v heads as q heads: grouped heads would be expanded (copied) by some routes.
+    k_full, v_full = (
+        torch.randn(B, H, 300, d, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+    k, v = _strided_views(k_full, which), _strided_views(v_full, which)
+    q = torch.randn(B, H, lq, k.shape[3], device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    _planned(q, k, v, route)
+    out = fz.attention(q, k, v, backend=route)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, grads=grads, grad_out=grad_out)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_value_head_dim_192_128(route: str) -> None:
     """DeepSeek-style heads: q/k 192, v 128."""

@@ -571,6 +571,43 @@ def test_overlapping_query_rows_are_copied_for_fused_cpu_kernels(backend: str, m
     assert_matches_reference(out, q, k, v, mask=mask)
 
 
+def _views() -> dict[str, tuple[torch.Tensor, bool]]:
+    """4-D views and whether each is a block of a contiguous [B,H,L,D] / [B,L,H,D] tensor."""
+    cache = torch.randn(2, 4, 40, 16)
+    return {
+        "contiguous": (cache, True),
+        "cache prefix": (cache[:, :, :25], True),
+        "bshd view": (cache.transpose(1, 2), True),
+        "bshd prefix": (cache.transpose(1, 2)[:, :25].transpose(1, 2), True),
+        "every other row": (cache[:, :, ::2], True),
+        "d slice": (cache[..., :8], True),
+        "one query row": (cache[:, :, 7:8], True),
+        "broadcast heads": (cache[:, :1].expand(2, 4, 40, 16), False),
+        "d strided": (cache.transpose(2, 3), False),
+        "overlapping rows": (torch.randn(2, 4, 48).unfold(-1, 16, 1)[:, :, :40], False),
+    }
+
+
+@pytest.mark.parametrize("name", list(_views()))
+def test_fused_sdpa_kernels_read_dense_blocks_without_a_copy(name: str) -> None:
+    from flexattn_zoo.backends.base import fused_layout, is_dense_block
+
+    view, dense = _views()[name]
+    assert is_dense_block(view) is dense or view.is_contiguous()
+    assert (fused_layout(view) is view) is (dense or view.is_contiguous())
+
+
+@pytest.mark.parametrize("name", ["cache prefix", "bshd prefix", "every other row", "one query row"])
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_math", "auto"])
+def test_sliced_kv_cache_views_match_the_reference(name: str, backend: str) -> None:
+    # A decode step over the live prefix of a cache (k_cache[:, :, :n]) runs on the view itself.
+    k = _views()[name][0]
+    v = torch.randn(k.shape[0], k.shape[1], 64, k.shape[3])[:, :, : k.shape[2]]
+    q = torch.randn(2, 4, 3, 16)
+    out = fz.attention(q, k, v, backend=backend)
+    assert_matches_reference(out, q, k, v)
+
+
 def test_flex_flash_refuses_masks_that_read_captured_scalar_offsets() -> None:
     # FA4's CuTe mask codegen (torch 2.11) cannot load a captured 0-d tensor; OffsetCausal and Band
     # keep their offsets in such tensors (one compiled kernel for every decode step).

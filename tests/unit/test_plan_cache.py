@@ -29,7 +29,7 @@ def _stored(cache: LRUCache) -> list:
     out = []
     for entry in cache.values():
         out += list(entry.plans.values()) if isinstance(entry, plan_cache.ByFiniteness) else [entry]
-    return out
+    return [bound.plan for bound in out]
 
 
 def _qkv(length: int = 64, seed: int = 0, grad: bool = False) -> tuple[torch.Tensor, ...]:
@@ -236,7 +236,7 @@ def test_route_reading_nan_scans_every_hit(plans: LRUCache) -> None:
     assert plans.inserts == 1
     (entry,) = plans.values()
     assert isinstance(entry, plan_cache.ByFiniteness)
-    assert {nonfinite: p.backend for nonfinite, p in entry.plans.items()} == {
+    assert {nonfinite: b.plan.backend for nonfinite, b in entry.plans.items()} == {
         False: "flex_cpu",
         True: "dense",
     }
