@@ -19,10 +19,12 @@ Groups, each against its own baseline:
 * ``decode``: one new token per row against a KV cache, with a new length every step (as a
   generation loop passes it): SDPA over the live prefix of the cache vs ``fz.attention`` on the
   same slices (one query, the SDPA routes; target: baseline + 15 us) and
-  ``fz.decode.decode_step`` with an int ``cache_len`` (target: 40 us per step).
-* ``decode-flex``: ``fz.decode.decode_step`` again, next to its floor: the same compiled flex
-  kernel (``torch.compile(flex_attention)`` with the step's kernel options) called on a
-  ``DecodeMask``'s BlockMask prebuilt for one length, so without the per-step mask update.
+  ``fz.decode.decode_step`` with an int ``cache_len`` (target: 40 us per step; one query per row
+  under the default causal pattern: SDPA over the cache's live prefix).
+* ``decode-flex``: ``fz.decode.decode_step`` on the flex route by name (the DecodeMask path every
+  other pattern takes), next to its floor: the same compiled flex kernel
+  (``torch.compile(flex_attention)`` with the step's kernel options) called on a ``DecodeMask``'s
+  BlockMask prebuilt for one length, so without the per-step mask update.
 
 The lengths cycle over a window of 64, so every call after the warm-up is a plan-cache hit (a
 generation loop's ``fz.attention`` over a growing cache meets a new ``Lkv``, and a plan-cache
@@ -171,6 +173,9 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
     def decode_step() -> Any:
         return fz.decode.decode_step(q1, k_cache, v_cache, next_len())
 
+    def decode_step_flex() -> Any:
+        return fz.decode.decode_step(q1, k_cache, v_cache, next_len(), backend=flex_route)
+
     def fz_attention_on_slices() -> Any:
         n = next_len()
         return fz.attention(q1, k_cache[:, :, :n], v_cache[:, :, :n])
@@ -194,14 +199,14 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
             "decode",
             "fz.decode.decode_step(cache_len=n)",
             decode_step,
-            route=flex_route,
+            route="SDPA over the prefix",
             limit_us=DECODE_TARGET_US,
         ),
         _decode_floor(q1, k_cache, v_cache, live, flex_route),
         Case(
             "decode-flex",
-            "fz.decode.decode_step(cache_len=n)",
-            decode_step,
+            f'fz.decode.decode_step(cache_len=n, backend="{flex_route}")',
+            decode_step_flex,
             route=flex_route,
             limit_us=DECODE_TARGET_US,
         ),

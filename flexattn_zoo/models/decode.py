@@ -45,7 +45,11 @@ can never make the kernel read outside the cache. Ints and CPU tensors are check
 cache of >= 2**31 elements is decoded a slice of rows at a time (see
 ``backends.flex.MAX_FLEX_ELEMENTS``).
 
-Routes: CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
+Routes: one query per row under the default causal pattern with an int ``cache_len`` (no score
+mod, sinks, lse, pages or gradients: a plain generation step) is SDPA over the cache's live
+prefix ``cache[:, :, :cache_len]``, which that query sees exactly, read in place, no DecodeMask
+(eager host time of a plain SDPA call instead of a flex launch and a mask update). Otherwise
+CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
 no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
 the cache (the pages gathered for paged caches): exact, but it materialises ``Lq x cache_len``.
 Pages smaller than a device's flex minimum (:data:`MIN_FLEX_PAGE`: 16 keys on CUDA) take that
@@ -63,7 +67,9 @@ import torch
 
 from flexattn_zoo import _compat, sharding
 from flexattn_zoo.backends import BACKENDS, BY_NAME
+from flexattn_zoo.backends.base import fused_layout
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall
+from flexattn_zoo.backends.sdpa import SDPA_LOCK
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import _under_autocast, attention, execute_plan, needs_grad, plan
 from flexattn_zoo.functions import FunctionMask, FunctionScore
@@ -72,7 +78,7 @@ from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.validation import inputs_nonfinite
+from flexattn_zoo.validation import check_qkv, check_scale, inputs_nonfinite
 
 __all__ = ["DecodeMask", "append_kv", "decode_step", "decode_step_varlen", "lowest_key", "pool_view"]
 
@@ -848,7 +854,8 @@ def decode_step(
         block_table: ``[B, max_pages]`` int, physical page of each logical page (-1: none); page
             numbers are checked when it is a CPU tensor.
         backend: ``"auto"``, ``"flex"``, ``"flex_cpu"`` or ``"dense"`` (the routes with
-            ``decode=True``). On CUDA ``"auto"`` is ``"flex"`` (torch's flex-decoding kernel for short
+            ``decode=True``). ``"auto"``: SDPA over the live prefix for a plain one-query step (see
+            the module docstring), else on CUDA ``"flex"`` (torch's flex-decoding kernel for short
             ``Lq``).
         block_size: kv block size, and the page size of paged caches (None: 128; with
             ``kv_layout``, the pools' page size, which it must equal if given).
@@ -906,6 +913,21 @@ def decode_step(
     else:
         capacity, n_physical = k_cache.shape[2], None
     lens = _lengths(cache_len, batch, q_len, capacity, q.device)
+    if (
+        q_len == 1
+        and type(lens) is int
+        and not paged
+        and spec is _CAUSAL
+        and score is None
+        and sinks is None
+        and not return_lse
+        and backend == "auto"
+        and not needs_grad((q, k_cache, v_cache), None)
+        and not _compat.is_compiling()
+        and not sharding.context_parallel_active()
+        and not sharding.holds_dtensor(q, k_cache, v_cache)
+    ):
+        return _one_query_over_prefix(q, k_cache, v_cache, lens, scale, gqa)
     if paged:
         assert block_table is not None and n_physical is not None
         _check_pages(block_table, n_physical if n_pages is None else n_pages, block_size)
@@ -1040,6 +1062,22 @@ def decode_step(
         return out
     assert lse is not None  # need_lse: return_lse asked the route for it
     return out, lse
+
+
+def _one_query_over_prefix(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int, scale: float | None, gqa: bool
+) -> torch.Tensor:
+    """A causal step of one query per row, every row ``length`` long: the query sits at the last
+    position, so it sees exactly the cache's first ``length`` keys, with no mask at all. SDPA
+    runs that on the prefix views as they are (no copy: ``backends.base.fused_layout``) with its
+    own kernel choice -- its math fallback holds only ``B x H x 1 x length`` scores -- for a
+    fraction of the host time of a flex launch and its per-step mask update."""
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    check_qkv(q, k, v, enable_gqa=gqa)
+    scale = check_scale(scale)
+    q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
+    with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
 
 
 def _attend(

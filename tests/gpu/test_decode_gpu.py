@@ -317,3 +317,18 @@ def test_caches_too_large_for_one_flex_launch_are_split_by_rows() -> None:
             assert err <= 2 * eager_err + floor, (
                 f"row {b}: error {err:.3e} > 2 x {eager_err:.3e} + {floor:.3e}"
             )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_query_steps_run_sdpa_over_the_live_prefix(dtype: torch.dtype) -> None:
+    """A plain generation step (one query, int cache_len, default causal pattern) is SDPA over the
+    cache's live prefix: no DecodeMask, exact for every length, GQA included."""
+    k, v = _cache(dtype)
+    decode.CACHE.clear()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    with torch.no_grad():
+        for n in (1, 127, 128, 129, 1000, CAP):
+            q = torch.randn(B, H, 1, D, device=DEV, dtype=dtype, generator=g)
+            out = decode.decode_step(q, k, v, n)
+            assert_decode_matches(out, q, k, v, [n] * B, masks.Causal())
+    assert decode.CACHE.inserts == 0

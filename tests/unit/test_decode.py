@@ -14,7 +14,7 @@ from flexattn_zoo.testing import assert_mask_consistent, reference_attention
 B, H, HKV, D, CAP, BS = 2, 4, 2, 16, 640, 128
 
 
-def reference_decode(q, k, v, lens, mask, score=None, sinks=None):  # type: ignore[no-untyped-def]
+def reference_decode(q, k, v, lens, mask, score=None, sinks=None, scale=None):  # type: ignore[no-untyped-def]
     """Oracle: the full causal forward of each row with q placed at its last Lq positions."""
     rows = []
     for b in range(q.shape[0]):
@@ -29,6 +29,7 @@ def reference_decode(q, k, v, lens, mask, score=None, sinks=None):  # type: igno
             score_mod=score,
             enable_gqa=True,
             sinks=sinks,
+            scale=scale,
         )
         rows.append(out[0, :, n - lq :])
     return torch.stack(rows)
@@ -491,9 +492,15 @@ def test_int_cache_len_steps_match_tensor_steps() -> None:
     with torch.no_grad():
         for n in (5, 128, 129, 640):
             q = torch.randn(B, H, 1, D, generator=g)
-            out = decode.decode_step(q, k, v, n)
+            # The flex route by name: "auto" takes SDPA over the prefix for one query per row
+            # and an int length (test_one_query_steps_take_sdpa_over_the_live_prefix).
+            out = decode.decode_step(q, k, v, n, backend="flex_cpu")
             assert torch.equal(out, decode.decode_step(q, k, v, torch.tensor([n] * B)))
             _close(out, reference_decode(q, k, v, torch.tensor([n] * B), masks.Causal()))
+            _close(
+                decode.decode_step(q, k, v, n),
+                reference_decode(q, k, v, torch.tensor([n] * B), masks.Causal()),
+            )
         with pytest.raises(ValueError, match="out of range"):
             decode.decode_step(q, k, v, CAP + 1)
 
@@ -569,7 +576,7 @@ def test_integer_length_tensors_of_any_dtype_step_alike(dtype: torch.dtype) -> N
             want = decode.decode_step(q, k, v, torch.tensor(lens))
             assert torch.equal(decode.decode_step(q, k, v, torch.tensor(lens, dtype=dtype)), want)
             single = decode.decode_step(q, k, v, torch.tensor([lens[0]], dtype=dtype))  # one for all rows
-            assert torch.equal(single, decode.decode_step(q, k, v, lens[0]))
+            assert torch.equal(single, decode.decode_step(q, k, v, lens[0], backend="flex_cpu"))
 
 
 def test_block_counts_written_from_the_host_are_rewritten_after_any_other_writer() -> None:
@@ -625,3 +632,38 @@ def test_cpu_decode_with_caches_that_require_grad_under_no_grad() -> None:
             out = decode.decode_step(q, k, v, lens)
             dense = decode.decode_step(q, k, v, lens, backend="dense")
             torch.testing.assert_close(out, dense, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_one_query_steps_take_sdpa_over_the_live_prefix(gqa: bool) -> None:
+    """One query per row, an int length, the default causal pattern, nothing else asked: the query
+    sees exactly the cache's first ``n`` keys, so the step is plain SDPA over the prefix views (no
+    DecodeMask, no flex launch), exact for every length."""
+    k, v = _cache(21)
+    if not gqa:
+        k, v = k.repeat_interleave(H // HKV, dim=1), v.repeat_interleave(H // HKV, dim=1)
+    g = torch.Generator().manual_seed(22)
+    decode.CACHE.clear()
+    with torch.no_grad():
+        for n in (1, 5, 128, 129, CAP):
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, n, scale=0.3)
+            _close(out, reference_decode(q, k, v, torch.tensor([n] * B), masks.Causal(), scale=0.3))
+    assert decode.CACHE.inserts == 0  # no DecodeMask was built
+    # Anything beyond that takes the DecodeMask path as before.
+    q = torch.randn(B, H, 1, D, generator=g)
+    for kwargs in (
+        {"cache_len": torch.tensor([7] * B)},
+        {"cache_len": 7, "mask": masks.SlidingWindow(left=3)},
+        {"cache_len": 7, "backend": "flex_cpu"},
+        {"cache_len": 7, "return_lse": True},
+    ):
+        decode.CACHE.clear()
+        with torch.no_grad():
+            decode.decode_step(q, k, v, **kwargs)  # type: ignore[arg-type]
+        assert decode.CACHE.inserts == 1, kwargs
+    # Bad arguments are refused as on the DecodeMask path.
+    with pytest.raises(TypeError, match="share one dtype"):
+        decode.decode_step(q.double(), k, v, 7)
+    with pytest.raises(ValueError, match="scale"):
+        decode.decode_step(q, k, v, 7, scale=float("nan"))
