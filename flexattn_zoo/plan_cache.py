@@ -190,14 +190,18 @@ def store(key: Hashable, bound: Any, finiteness_matters: bool) -> None:
 def _arg_key(value: Any, kind: str) -> Hashable:
     """A ``mask=`` / ``score_mod=`` argument as it takes part in the key.
 
-    Specs are themselves (by value; ``fz.attention`` passes them through ``Spec.live()`` first).
+    Specs are their ``plain_key()`` where they have one, else themselves (by value;
+    ``fz.attention`` passes them through ``Spec.live()`` first).
     A raw callable is its identity *and* :func:`~flexattn_zoo.functions.capture_state` (the
     versions of the tensors it captures): its plan holds a ``FunctionMask`` whose BlockMask was
     built from those tensors, so an in-place write must miss here. A registry name of a
     registered plain function likewise carries that function's state (through the factory's
     closure); a class entry has none.
     """
-    if value is None or isinstance(value, Spec):
+    if isinstance(value, Spec):
+        plain = value.plain_key()  # compared in C, where specs compare field by field in Python
+        return value if plain is None else ("plain", plain)
+    if value is None:
         return value
     if isinstance(value, str):
         registry = MASKS if kind == "mask" else SCORES

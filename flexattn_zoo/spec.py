@@ -184,6 +184,32 @@ def _freeze(value: Any) -> Hashable:
     return value
 
 
+_NO_KEY = object()
+#: Parameter types a plain key takes as they are (``Spec.plain_key``): compared by ``==`` as
+#: ``Spec.__eq__`` compares them.
+_PLAIN_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def _plain(value: Any) -> Hashable | None:
+    """``Spec.plain_key`` of a spec, or a parameter's share of it; None where there is none."""
+    if isinstance(value, Spec):
+        parts: list[Any] = [type(value)]
+        for field in value._fields():
+            key = _plain(field)
+            if key is None and field is not None:
+                return None
+            parts.append(key)
+        return tuple(parts)
+    if type(value) in _PLAIN_TYPES:
+        return value
+    if type(value) is tuple:
+        items = [_plain(v) for v in value]
+        if any(key is None and v is not None for key, v in zip(items, value, strict=True)):
+            return None
+        return ("tuple", *items)
+    return None
+
+
 def _values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
@@ -318,6 +344,19 @@ class Spec:
                 if any(a is not b for a, b in zip(fresh_t, value, strict=True)):
                     changes[f.name] = fresh_t
         return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
+
+    def plain_key(self) -> Hashable | None:
+        """``(class, parameter values)`` when every parameter is a Python number, string, None, a
+        spec with a plain key, or a tuple of those -- no tensor, callable or other object -- else
+        None. Specs with equal plain keys are equal specs; the key is what the plan cache keys a
+        call by, so a spec built anew for every call (``mask=masks.Causal()``) is looked up by
+        comparing a tuple of plain values (in C) instead of two specs field by field. Cached per
+        instance (specs are immutable)."""
+        cached = self.__dict__.get("_plain_key_value", _NO_KEY)
+        if cached is _NO_KEY:
+            cached = _plain(self)
+            object.__setattr__(self, "_plain_key_value", cached)
+        return cached
 
     def _holds_callables(self) -> bool:
         """Whether this spec or a part of it wraps a raw callable whose captured state is tracked."""

@@ -270,3 +270,35 @@ def test_spec_tensor_list_is_cached_but_not_shared() -> None:
     import pickle
 
     assert "_tensors_value" not in pickle.loads(pickle.dumps(doc)).__dict__
+
+
+def test_plain_keys_agree_with_spec_equality() -> None:
+    """``Spec.plain_key`` (what the plan cache keys specs by) is equal exactly when the specs are:
+    over every registered example, pairwise, and for specs holding tensors it is None."""
+    from flexattn_zoo.testing import spec_examples
+
+    specs = [s for _, s in spec_examples("mask", 64, 64, batch=2, heads=4)]
+    specs += [s for _, s in spec_examples("score", 64, 64, batch=2, heads=4)]
+    specs += [masks.SlidingWindow(left=3) & masks.Causal(), masks.Causal() & masks.SlidingWindow(left=3)]
+    keyed = [s for s in specs if s.plain_key() is not None]
+    assert len(keyed) >= 10
+    for a in specs:
+        if a.tensors():
+            assert a.plain_key() is None, a
+        for b in keyed:
+            if a.plain_key() is not None:
+                assert (a.plain_key() == b.plain_key()) == (a == b), (a, b)
+    # Values that compare equal as Python numbers are equal parameters either way.
+    assert masks.SlidingWindow(left=3).plain_key() == masks.SlidingWindow(left=3).plain_key()
+    assert masks.SlidingWindow(left=3).plain_key() != masks.SlidingWindow(left=4).plain_key()
+
+
+def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
+    inserts = plans.inserts
+    out = fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
+    assert plans.inserts == inserts
+    assert_matches_reference(out, q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
+    fz.attention(q, k, v, mask=masks.SlidingWindow(left=6) & masks.Causal())
+    assert plans.inserts == inserts + 1

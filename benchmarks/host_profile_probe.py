@@ -1,0 +1,84 @@
+"""Where the eager host time of one ``fz.attention`` call goes, next to the call it wraps.
+
+cProfile of many plan-cache hits of a tiny call (kernel time negligible next to the host): a flex
+route (``SlidingWindow & Causal``) beside ``torch.compile(flex_attention)`` on a prebuilt
+BlockMask with the same mask_mod, and the SDPA route beside plain SDPA. Prints the top functions
+by own time per call, in microseconds (cProfile's overhead inflates every function alike: compare
+rows, not totals with benchmarks/host_cost.py).
+
+    PYTHONPATH=. python benchmarks/host_profile_probe.py [--device cuda] [--calls 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks
+
+
+def profile(name: str, call, calls: int, top: int) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(100):
+        call()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    print(f"## {name}: {stats.total_tt / calls * 1e6:.1f} us per call under cProfile")  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    lines = text.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    print("\n".join(line for line in lines[start:] if line.strip()))
+    print()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 8, 512, 64, device=dev, dtype=dtype) for _ in range(3))
+    spec = masks.SlidingWindow(left=128) & masks.Causal()
+    route = "flex" if dev.type == "cuda" else "flex_cpu"
+
+    def mask_mod(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= 128)
+
+    bm = create_block_mask(mask_mod, None, None, 512, 512, device=dev)
+    compiled = torch.compile(flex_attention)
+    profile(
+        "torch.compile(flex_attention), prebuilt BlockMask",
+        lambda: compiled(q, k, v, block_mask=bm),
+        args.calls,
+        args.top,
+    )
+    profile(
+        f'fz.attention(mask=SlidingWindow & Causal, backend="{route}")',
+        lambda: fz.attention(q, k, v, mask=spec, backend=route),
+        args.calls,
+        args.top,
+    )
+    profile(
+        "F.scaled_dot_product_attention(is_causal=True)",
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        args.calls,
+        args.top,
+    )
+    profile('fz.attention(mask="causal")', lambda: fz.attention(q, k, v, mask="causal"), args.calls, args.top)
+
+
+if __name__ == "__main__":
+    main()
