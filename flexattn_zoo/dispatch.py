@@ -61,10 +61,21 @@ class Plan:
     backend: str
     requested: str
     problem: Problem
-    candidates: tuple[Candidate, ...]
+    #: Every route's verdict, or None where the dispatcher planned a call from the verdicts it
+    #: needed alone (``plan_problem(lazy=True)``): :attr:`candidates` works them out when read.
+    verdicts: tuple[Candidate, ...] | None = dataclasses.field(default=None, compare=False, repr=False)
     #: Measured route choice's view of this plan: its signature, the measurement (if any) and the
     #: routes it compares; None when tuning was off for the call or a route was named.
     tuning: TuneInfo | None = None
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Every route's verdict: accepted, or refused with its reasons, and its rank in ``auto``'s
+        order."""
+        if self.verdicts is None:
+            object.__setattr__(self, "verdicts", tuple(_verdicts(self.problem)))
+        assert self.verdicts is not None
+        return self.verdicts
 
     @property
     def measured(self) -> bool:
@@ -128,11 +139,25 @@ def _visible(p: Problem) -> float:
     return p.mask.visible_fraction(p.q_len, p.kv_len)
 
 
-def _verdicts(problem: Problem) -> list[Candidate]:
+def _order(problem: Problem) -> tuple[str, ...]:
+    """``auto``'s order of routes for ``problem`` (``arch.priority`` with its size rules)."""
     sizes = Sizes(
         problem.batch, problem.heads, problem.q_len, problem.kv_len, problem.head_dim, _visible(problem)
     )
-    order = priority(problem.arch, problem.mode, problem_traits(problem), sizes)
+    return tuple(priority(problem.arch, problem.mode, problem_traits(problem), sizes))
+
+
+def _first_accepted(problem: Problem, backend: str) -> str | None:
+    """The route :func:`plan_problem` would choose without tuning, asking only the routes it must
+    (the named one; for ``auto`` each in order up to the first that accepts), or None where it
+    would raise (the full verdicts then say why)."""
+    if backend != "auto":
+        return None if BY_NAME[backend].reasons(problem) else backend
+    return next((name for name in _order(problem) if not BY_NAME[name].reasons(problem)), None)
+
+
+def _verdicts(problem: Problem) -> list[Candidate]:
+    order = _order(problem)
     out = []
     for b in BACKENDS:
         reasons = b.reasons(problem)
@@ -146,17 +171,28 @@ def _verdicts(problem: Problem) -> list[Candidate]:
 
 
 def plan_problem(
-    problem: Problem, backend: str = "auto", *, tune: bool = False, device: torch.device | None = None
+    problem: Problem,
+    backend: str = "auto",
+    *,
+    tune: bool = False,
+    device: torch.device | None = None,
+    lazy: bool = False,
 ) -> Plan:
     """Choose a route for ``problem`` (see :class:`Problem`); ``ValueError`` if none can run it.
 
     ``tune``: for ``backend="auto"``, take the measured winner of the problem's signature on
     ``device`` (default: the problem's device type) from the in-memory table of
-    :mod:`flexattn_zoo.tuning` where it accepts the problem (nothing is timed or loaded here)."""
+    :mod:`flexattn_zoo.tuning` where it accepts the problem (nothing is timed or loaded here).
+    ``lazy`` (without ``tune``): ask only the routes the choice needs (a call over a growing KV
+    cache plans every step); the plan's ``candidates`` are worked out when first read."""
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     if backend != "auto" and backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; valid: auto, {', '.join(BY_NAME)}")
+    if lazy and not tune:
+        route = _first_accepted(problem, backend)
+        if route is not None:
+            return Plan(route, backend, problem)
     cands = _verdicts(problem)
     by_name = {c.name: c for c in cands}
     if backend != "auto":
@@ -650,7 +686,7 @@ def attention(
     state = tuning.state()
     if tune_on:
         tuning.ensure_loaded(q.device)
-    chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
+    chosen = plan_problem(problem, backend, tune=tune_on, device=q.device, lazy=True)
     if tuning.needs_measuring(chosen.tuning) and tuning.can_measure(q):
         chosen = _measured(chosen, q, k, v, scale_checked, user_bm)
     if context_parallel:
@@ -733,7 +769,9 @@ def _finiteness_matters(chosen: Plan, device: torch.device) -> bool:
         return False
     try:
         flipped = dataclasses.replace(p, nonfinite=not p.nonfinite)
-        other = plan_problem(flipped, chosen.requested, tune=chosen.tuning is not None, device=device)
+        other = plan_problem(
+            flipped, chosen.requested, tune=chosen.tuning is not None, device=device, lazy=True
+        )
     except ValueError:
         return True
     return other.backend != chosen.backend

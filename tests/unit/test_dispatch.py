@@ -664,3 +664,48 @@ def test_fa4_head_dims_per_generation() -> None:
     assert said(80) == ["head dim 80: the kernels run at 64, 96, 128, 192, 256 on sm90"]
     assert said(512) == ["head dim 512 outside 64..256"]
     assert said(256, "sm100") and not said(128, "sm100")
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "sm100", "cpu"])
+def test_lazy_plans_choose_what_full_plans_choose(arch: str) -> None:
+    """``plan_problem(lazy=True)`` (the eager call's plan: only the routes the choice needs are
+    asked) picks the route the full verdicts pick, and its ``candidates`` are the full verdicts."""
+    from flexattn_zoo.dispatch import plan_problem
+    from flexattn_zoo.testing import spec_examples
+
+    device = "cpu" if arch == "cpu" else "cuda"
+    dtypes = [torch.float32, torch.bfloat16] if device == "cpu" else [torch.bfloat16]
+    specs = [None, *(s for _, s in spec_examples("mask", 256, 256, batch=2, heads=4))]
+    seen = set()
+    for mask in specs:
+        for dtype in dtypes:
+            for lq, grad, heads in ((256, False, (4, 4)), (1, False, (4, 2)), (256, True, (4, 2))):
+                try:
+                    p = _problem(
+                        mask,
+                        arch=arch,
+                        dtype=dtype,
+                        d=64,
+                        lq=lq,
+                        lkv=256,
+                        grad=grad,
+                        heads=heads,
+                        device=device,
+                        batch=2,
+                    )
+                except ValueError:
+                    continue  # a spec that does not fit these sizes
+                for backend in ("auto", "dense", "flex"):
+                    try:
+                        full = plan_problem(p, backend)
+                    except ValueError as exc:
+                        with pytest.raises(ValueError) as lazy_exc:
+                            plan_problem(p, backend, lazy=True)
+                        assert str(lazy_exc.value) == str(exc)
+                        continue
+                    lazy = plan_problem(p, backend, lazy=True)
+                    assert lazy.verdicts is None
+                    assert (lazy.backend, lazy.requested) == (full.backend, full.requested)
+                    assert lazy.candidates == full.candidates
+                    seen.add(lazy.backend)
+    assert len(seen) >= 3, seen
