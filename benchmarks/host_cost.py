@@ -21,6 +21,9 @@ Groups, each against its own baseline:
   same slices (one query, the SDPA routes; target: baseline + 15 us) and
   ``fz.decode.decode_step`` with an int ``cache_len`` (target: 40 us per step; one query per row
   under the default causal pattern: SDPA over the cache's live prefix).
+* ``decode-growing``: the same one-query call over a cache whose length is new at every call
+  (more lengths than the plan cache holds, as a generation loop meets them): each
+  ``fz.attention`` call is planned in full, next to plain SDPA on the same slices.
 * ``decode-flex``: ``fz.decode.decode_step`` on the flex route by name (the DecodeMask path every
   other pattern takes), next to its floor: the same compiled flex kernel
   (``torch.compile(flex_attention)`` with the step's kernel options) called on a ``DecodeMask``'s
@@ -180,6 +183,18 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
         n = next_len()
         return fz.attention(q1, k_cache[:, :, :n], v_cache[:, :, :n])
 
+    # A generation loop as it is: a new length every step, never seen before (more lengths than
+    # the plan cache holds), so every fz.attention call plans anew.
+    span, live_base = 4096, 2 * length
+    k_grow, v_grow = (
+        torch.randn(b, h, live_base + span, d, generator=gen).to(device, dtype) for _ in range(2)
+    )
+    grow = [0]
+
+    def grown_len() -> int:
+        grow[0] += 1
+        return live_base + grow[0] % span + 1
+
     live = 2 * length
     cases += [
         Case(
@@ -201,6 +216,18 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
             decode_step,
             route="SDPA over the prefix",
             limit_us=DECODE_TARGET_US,
+        ),
+        Case(
+            "decode-growing",
+            "F.scaled_dot_product_attention(cache[:, :, :n]), a new n every call",
+            lambda: F.scaled_dot_product_attention(q1, k_grow[:, :, : (n := grown_len())], v_grow[:, :, :n]),
+            baseline=True,
+        ),
+        Case(
+            "decode-growing",
+            "fz.attention(q1, cache[:, :, :n]), a new n every call (plan-cache miss)",
+            lambda: fz.attention(q1, k_grow[:, :, : (n := grown_len())], v_grow[:, :, :n]),
+            route=fz.plan(q1, k_grow[:, :, :live], v_grow[:, :, :live]).backend,
         ),
         _decode_floor(q1, k_cache, v_cache, live, flex_route),
         Case(
