@@ -870,6 +870,34 @@ def decode_step(
             tile) cannot be a flex block: those steps take the exact ``dense`` route over the
             row's live pages gathered in logical order (a copy of the live keys per step).
     """
+    if (
+        score_mod is None
+        and sinks is None
+        and block_table is None
+        and not return_lse
+        and backend == "auto"
+        and block_size is None
+        and kv_layout is None
+        and type(cache_len) is int
+        and (mask is None or (type(mask) is Causal and mask.plain_key() == _CAUSAL.plain_key()))
+        and type(q) is torch.Tensor
+        and type(k_cache) is torch.Tensor
+        and type(v_cache) is torch.Tensor
+        and q.dim() == 4
+        and k_cache.dim() == 4
+        and v_cache.dim() == 4
+        and q.shape[2] == 1
+        and q.shape[0] == k_cache.shape[0]
+        and k_cache.shape[:3] == v_cache.shape[:3]
+        and 1 <= cache_len <= k_cache.shape[2]
+        and not needs_grad((q, k_cache, v_cache), None)
+        and not _compat.is_compiling()
+        and not sharding.context_parallel_active()
+    ):
+        # A plain generation step, checked in a few comparisons (the rest by check_qkv below);
+        # anything else takes the general path, which names what is wrong.
+        gqa_flag = q.shape[1] != k_cache.shape[1] if enable_gqa is None else enable_gqa
+        return _one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, gqa_flag)
     spec = _CAUSAL if mask is None else as_mask_spec(mask)
     if spec is not None:
         spec = spec.live()  # a raw callable's captured tensors now
@@ -913,21 +941,6 @@ def decode_step(
     else:
         capacity, n_physical = k_cache.shape[2], None
     lens = _lengths(cache_len, batch, q_len, capacity, q.device)
-    if (
-        q_len == 1
-        and type(lens) is int
-        and not paged
-        and spec is _CAUSAL
-        and score is None
-        and sinks is None
-        and not return_lse
-        and backend == "auto"
-        and not needs_grad((q, k_cache, v_cache), None)
-        and not _compat.is_compiling()
-        and not sharding.context_parallel_active()
-        and not sharding.holds_dtensor(q, k_cache, v_cache)
-    ):
-        return _one_query_over_prefix(q, k_cache, v_cache, lens, scale, gqa)
     if paged:
         assert block_table is not None and n_physical is not None
         _check_pages(block_table, n_physical if n_pages is None else n_pages, block_size)

@@ -649,6 +649,7 @@ def test_one_query_steps_take_sdpa_over_the_live_prefix(gqa: bool) -> None:
             q = torch.randn(B, H, 1, D, generator=g)
             out = decode.decode_step(q, k, v, n, scale=0.3)
             _close(out, reference_decode(q, k, v, torch.tensor([n] * B), masks.Causal(), scale=0.3))
+        decode.decode_step(q, k, v, 9, mask=masks.Causal())  # the default pattern, given explicitly
     assert decode.CACHE.inserts == 0  # no DecodeMask was built
     # Anything beyond that takes the DecodeMask path as before.
     q = torch.randn(B, H, 1, D, generator=g)
@@ -657,6 +658,8 @@ def test_one_query_steps_take_sdpa_over_the_live_prefix(gqa: bool) -> None:
         {"cache_len": 7, "mask": masks.SlidingWindow(left=3)},
         {"cache_len": 7, "backend": "flex_cpu"},
         {"cache_len": 7, "return_lse": True},
+        {"cache_len": 7, "block_size": 64},
+        {"cache_len": 7, "mask": masks.Causal(align="bottom_right")},
     ):
         decode.CACHE.clear()
         with torch.no_grad():
