@@ -1,0 +1,373 @@
+"""A page allocator for paged KV caches: the block table and lengths that ``fz.decode`` reads.
+
+:class:`PageAllocator` (also ``fz.decode.PageAllocator``) hands out the pages of a pool of
+``n_pages`` pages of ``page_size`` tokens to ``batch`` rows (sequences), and owns the two tensors
+:func:`~flexattn_zoo.models.decode.decode_step` and :func:`~flexattn_zoo.models.decode.append_kv`
+take with paged caches:
+
+* :attr:`PageAllocator.block_table`: ``[batch, max_pages_per_row]`` int32 on ``device``;
+  ``block_table[b, p]`` is the physical page of row ``b``'s logical page ``p`` (its tokens
+  ``p * page_size .. (p + 1) * page_size - 1``), ``-1`` where the row has no page.
+* :attr:`PageAllocator.cache_len`: ``[batch]`` int32 on ``device``, the tokens each row holds
+  (``decode_step(cache_len=...)``: the new tokens included once :meth:`PageAllocator.extend`
+  counted them).
+
+Conventions:
+
+* A row's pages are its logical pages ``0, 1, ...`` in order; it owns pages for
+  ``ceil(reserved / page_size)`` tokens, where ``reserved`` is at least its length. Pages are
+  taken from a free list, lowest page first while the pool is fresh, then the most recently
+  freed first, so a row's physical pages are in no particular order. Pages never move: a
+  token's page and slot stay fixed until its row is freed.
+* Bookkeeping is on the host (the free list, each row's page list and length, in Python).
+  The device tensors are the same two objects for the allocator's life, updated in place with
+  a few device ops per call (an index write of the new table entries, a copy of the B lengths),
+  never a Python loop per token, and nothing reads them back to the host.
+* Every method checks its arguments (``ValueError`` / ``TypeError`` naming the argument) and
+  either succeeds or changes nothing: a step that asks for more pages than are free, or grows a
+  row past ``max_pages_per_row``, raises before any page is taken.
+* Several layers share one allocator (one block table and one set of lengths for every layer's
+  pools, as in vLLM): :meth:`PageAllocator.extend` once per step, then per layer
+  :meth:`PageAllocator.write` its new keys and values and ``decode_step``.
+  :meth:`PageAllocator.append` is ``extend`` + ``write`` for one layer.
+* Not thread-safe: one allocator per serving loop (its calls change host lists and tensors).
+* ``decode_step`` requires every row's ``cache_len`` to be at least ``Lq``: a batch with idle
+  rows (length 0) decodes its live rows, e.g. ``decode_step(q[live], ..., alloc.cache_len[live],
+  block_table=alloc.block_table[live])``.
+
+CUDA graphs: a captured ``decode_step(q, k_pool, v_pool, alloc.cache_len,
+block_table=alloc.block_table, kv_layout=...)`` reads the allocator's tensors on every replay,
+and since they are updated in place, a replay sees the current pages and lengths. Allocation is
+host work with host-to-device copies: call :meth:`~PageAllocator.extend`,
+:meth:`~PageAllocator.reserve`, :meth:`~PageAllocator.free` and :meth:`~PageAllocator.append`
+*outside* captured regions, between replays, on the stream that replays (the device writes are
+ordered after the kernels queued before them). ``write`` / ``append`` are not meant to be
+captured either (they build index tensors on the host).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["PageAllocator"]
+
+#: Pool layouts :meth:`PageAllocator.write` takes (those of ``append_kv``; None: flexattn_zoo's
+#: own ``[1, Hkv, n_pages * page_size, D]``).
+_LAYOUTS = ("NHD", "HND", None)
+
+
+def _positive(value: Any, name: str, *, zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"PageAllocator {name} must be an int, got {type(value).__name__}")
+    if value < 0 or (value == 0 and not zero):
+        raise ValueError(f"PageAllocator {name} must be {'>= 0' if zero else '> 0'}, got {value}")
+    return int(value)
+
+
+class PageAllocator:
+    """Pages of a KV pool for ``batch`` rows: a free list on the host, the block table and the
+    lengths on the device (see the module docstring for the conventions).
+
+    Args:
+        n_pages: pages in the pool (each pool's dim 0 for ``kv_layout`` ``"NHD"`` / ``"HND"``).
+        page_size: tokens per page.
+        max_pages_per_row: the block table's width; a row holds at most
+            ``max_pages_per_row * page_size`` tokens (``decode_step``'s cache capacity).
+        batch: rows (sequences) in the batch, the table's height.
+        device: where :attr:`block_table` and :attr:`cache_len` live (the pools' device).
+        kv_layout: the pools' layout for :meth:`write` / :meth:`append`: ``"NHD"``
+            ``[n_pages, page_size, Hkv, D]``, ``"HND"`` ``[n_pages, Hkv, page_size, D]`` or None
+            ``[1, Hkv, n_pages * page_size, D]``; pass the same to ``decode_step``.
+
+    Example: one layer, two rows (``k_new`` / ``v_new`` ``[B, Hkv, n, D]``)::
+
+        alloc = PageAllocator(64, 16, 8, batch=2, kv_layout="NHD")
+        alloc.append(k_pool, v_pool, k_prompt, v_prompt)  # a prefill of n tokens per row
+        out = decode_step(q, k_pool, v_pool, alloc.cache_len, block_table=alloc.block_table,
+                          kv_layout="NHD")
+        alloc.free(1)  # row 1 is done: its pages go back to the free list
+    """
+
+    def __init__(
+        self,
+        n_pages: int,
+        page_size: int,
+        max_pages_per_row: int,
+        *,
+        batch: int,
+        device: torch.device | str = "cpu",
+        kv_layout: str | None = "NHD",
+    ) -> None:
+        self.n_pages = _positive(n_pages, "n_pages")
+        self.page_size = _positive(page_size, "page_size")
+        self.max_pages_per_row = _positive(max_pages_per_row, "max_pages_per_row")
+        self.batch = _positive(batch, "batch")
+        if kv_layout not in _LAYOUTS:
+            raise ValueError(f"PageAllocator kv_layout must be 'NHD', 'HND' or None; got {kv_layout!r}")
+        self.kv_layout = kv_layout
+        self.device = torch.device(device)
+        # A stack: pop() takes the last entry, so 0, 1, 2, ... while fresh, then the last freed.
+        self._free: list[int] = list(range(self.n_pages - 1, -1, -1))
+        self._pages: list[list[int]] = [[] for _ in range(self.batch)]
+        self._lengths: list[int] = [0] * self.batch
+        #: Tokens the last extend() added per row: what write() places (0: nothing to write).
+        self._fresh: list[int] = [0] * self.batch
+        i32 = torch.int32
+        self._table = torch.full((self.batch, self.max_pages_per_row), -1, dtype=i32, device=self.device)
+        self._cache_len = torch.zeros(self.batch, dtype=i32, device=self.device)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """``[batch, max_pages_per_row]`` int32 on :attr:`device`, -1 for no page; always the same
+        tensor, updated in place (a CUDA graph that captured it sees the updates)."""
+        return self._table
+
+    @property
+    def cache_len(self) -> torch.Tensor:
+        """``[batch]`` int32 on :attr:`device`, each row's length (tokens counted by
+        :meth:`extend`); always the same tensor, updated in place."""
+        return self._cache_len
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each row's length on the host (a copy; :attr:`cache_len` holds the same values)."""
+        return list(self._lengths)
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens a row can hold: ``max_pages_per_row * page_size``."""
+        return self.max_pages_per_row * self.page_size
+
+    @property
+    def n_free(self) -> int:
+        """Pages on the free list."""
+        return len(self._free)
+
+    def pages(self, row: int) -> list[int]:
+        """Row ``row``'s physical pages in logical order (a copy)."""
+        rows = self._rows(row)
+        if len(rows) != 1 or not hasattr(row, "__index__"):
+            raise TypeError(f"PageAllocator.pages takes one row index, got {row!r}")
+        return list(self._pages[rows[0]])
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def reserve(self, n_tokens: int, rows: int | Iterable[int] | None = None) -> None:
+        """Give each of ``rows`` (None: every row) pages for ``n_tokens`` tokens past its length,
+        without counting them (e.g. a prompt and its longest answer when a request is admitted,
+        so later steps cannot run out of pages). Pages already held count towards it."""
+        n = _positive(n_tokens, "n_tokens", zero=True)
+        rows_ = self._rows(rows)
+        self._grow(rows_, [self._lengths[r] + n for r in rows_], n)
+
+    def extend(self, n_tokens: int, rows: int | Iterable[int] | None = None) -> torch.Tensor:
+        """Count ``n_tokens`` new tokens in each of ``rows`` (None: every row), taking the pages
+        they need; returns :attr:`cache_len`. The new tokens' positions are then the last
+        ``n_tokens`` of each row, where :meth:`write` puts them."""
+        n = _positive(n_tokens, "n_tokens", zero=True)
+        self._extend(n, self._rows(rows))
+        return self._cache_len
+
+    def _extend(self, n: int, rows: list[int]) -> list[tuple[int, int, int]]:
+        """:meth:`extend`; returns ``(row, pages held, fresh)`` before it, for :meth:`_unextend`."""
+        grown = self._grow(rows, [self._lengths[r] + n for r in rows], n)
+        undo = [(r, held, self._fresh[r]) for r, held in grown]
+        for r in rows:
+            self._lengths[r] += n
+            self._fresh[r] = n
+        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+        return undo
+
+    def _unextend(self, n: int, undo: list[tuple[int, int, int]]) -> None:
+        self._shrink([(r, held) for r, held, _ in undo])
+        for r, _, fresh in undo:
+            self._lengths[r] -= n
+            self._fresh[r] = fresh
+        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+
+    def free(self, rows: int | Iterable[int]) -> None:
+        """Return the pages of ``rows`` to the free list and empty them (length 0, table row -1):
+        the rows can start new sequences."""
+        rows_ = self._rows(rows)
+        for r in rows_:
+            self._free.extend(self._pages[r])  # the row's last page is the next one taken
+            self._pages[r] = []
+            self._lengths[r] = self._fresh[r] = 0
+        if rows_:
+            idx = torch.tensor(rows_, dtype=torch.int64, device=self.device)
+            self._table.index_fill_(0, idx, -1)
+            self._cache_len.index_fill_(0, idx, 0)
+
+    # ---- writing tokens ------------------------------------------------------------------------
+
+    def write(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        rows: int | Iterable[int] | None = None,
+    ) -> None:
+        """Write the tokens the last :meth:`extend` of ``rows`` counted into one layer's pools, in
+        place, with ``append_kv``: ``k_new`` / ``v_new`` ``[len(rows), Hkv, n, D]`` (None: every
+        row, ``[batch, ...]``) go to each row's last ``n`` positions; ``n`` must be what that
+        extend counted. Call once per layer, each with its own pools."""
+        from flexattn_zoo.models.decode import append_kv  # decode re-exports this module
+
+        rows_ = self._rows(rows)
+        if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
+            what = tuple(k_new.shape) if isinstance(k_new, torch.Tensor) else type(k_new).__name__
+            raise ValueError(f"PageAllocator k_new must be [len(rows), Hkv, n, D], got {what}")
+        n = k_new.shape[2]
+        if k_new.shape[0] != len(rows_):
+            raise ValueError(
+                f"PageAllocator k_new must hold one row per entry of rows ({len(rows_)}), got {k_new.shape[0]}"
+            )
+        stale = [r for r in rows_ if self._fresh[r] != n]
+        if stale:
+            r = stale[0]
+            raise ValueError(
+                f"PageAllocator k_new holds n={n} tokens per row but the last extend of row {r} counted "
+                f"{self._fresh[r]}: call extend(n_tokens, rows) first (once per step, for every layer)"
+            )
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            pages = self._pool_pages(pool)
+            if pages is not None and pages < self.n_pages:
+                raise ValueError(
+                    f"PageAllocator {name} holds {pages} pages, fewer than the allocator's n_pages="
+                    f"{self.n_pages} (shape {tuple(pool.shape)}, kv_layout={self.kv_layout!r})"
+                )
+        if len(rows_) == self.batch and rows_ == list(range(self.batch)):
+            table, starts = self._table, self._cache_len - n
+        else:
+            idx = torch.tensor(rows_, dtype=torch.int64, device=self.device)
+            table, starts = self._table[idx], self._cache_len[idx] - n
+        append_kv(
+            k_pool, v_pool, table, starts, k_new, v_new, kv_layout=self.kv_layout, block_size=self.page_size
+        )
+
+    def append(
+        self,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        rows: int | Iterable[int] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`extend` ``rows`` by ``k_new.shape[2]`` tokens, then :meth:`write` them into one
+        layer's pools; returns :attr:`cache_len` (for ``decode_step``). If the write fails its
+        checks, the extend is undone (pages and lengths as before)."""
+        if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
+            what = tuple(k_new.shape) if isinstance(k_new, torch.Tensor) else type(k_new).__name__
+            raise ValueError(f"PageAllocator k_new must be [len(rows), Hkv, n, D], got {what}")
+        rows_ = self._rows(rows)
+        n = k_new.shape[2]
+        undo = self._extend(n, rows_)
+        try:
+            self.write(k_pool, v_pool, k_new, v_new, rows_)
+        except (TypeError, ValueError):
+            self._unextend(n, undo)
+            raise
+        return self._cache_len
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _rows(self, rows: int | Iterable[int] | None) -> list[int]:
+        """``rows`` as a list of distinct row indices in ``0 .. batch - 1`` (None: all of them)."""
+        if rows is None:
+            return list(range(self.batch))
+        given: Any = rows  # an int, a sequence, a numpy or torch integer...
+        try:
+            if isinstance(given, torch.Tensor):
+                if given.dtype == torch.bool or given.is_floating_point() or given.is_complex():
+                    raise TypeError
+                items: list[Any] = given.reshape(-1).tolist()
+            elif isinstance(given, bool):
+                raise TypeError
+            elif hasattr(given, "__index__"):
+                items = [operator.index(given)]
+            else:
+                items = list(given)
+            if any(isinstance(r, bool) for r in items):
+                raise TypeError
+            out = [operator.index(r) for r in items]
+        except TypeError:
+            raise TypeError(
+                f"PageAllocator rows must be a row index, a sequence of row indices or None, got {rows!r}"
+            ) from None
+        for r in out:
+            if not 0 <= r < self.batch:
+                raise ValueError(
+                    f"PageAllocator rows: row {r} is outside 0 .. {self.batch - 1} (batch={self.batch})"
+                )
+        if len(set(out)) != len(out):
+            raise ValueError(f"PageAllocator rows must be distinct, got {out}")
+        return out
+
+    def _grow(self, rows: list[int], targets: list[int], n: int) -> list[tuple[int, int]]:
+        """Give each ``rows[i]`` pages for ``targets[i]`` tokens, all or none, with one device write
+        of the new table entries; returns ``(row, pages it held before)`` for :meth:`_shrink`."""
+        page = self.page_size
+        need = []
+        for r, target in zip(rows, targets, strict=True):
+            if target > self.capacity:
+                raise ValueError(
+                    f"PageAllocator row {r} would hold {target} tokens ({self._lengths[r]} + n_tokens={n}), "
+                    f"over max_pages_per_row={self.max_pages_per_row} pages of page_size={page} "
+                    f"({self.capacity} tokens)"
+                )
+            need.append(max(0, -(-target // page) - len(self._pages[r])))
+        total = sum(need)
+        if total > len(self._free):
+            raise ValueError(
+                f"PageAllocator is out of pages: n_tokens={n} for rows {rows} needs {total} new pages, "
+                f"{len(self._free)} of n_pages={self.n_pages} are free (free finished rows first)"
+            )
+        before = [(r, len(self._pages[r])) for r in rows]
+        if total:
+            flat, taken = [], []
+            for r, k in zip(rows, need, strict=True):
+                held = self._pages[r]
+                for _ in range(k):
+                    flat.append(r * self.max_pages_per_row + len(held))
+                    held.append(self._free.pop())
+                    taken.append(held[-1])
+            self._set_entries(flat, taken)
+        return before
+
+    def _shrink(self, before: list[tuple[int, int]]) -> None:
+        """Undo :meth:`_grow`: its pages back on the free list in the order they were taken."""
+        flat = []
+        for r, count in reversed(before):
+            held = self._pages[r]
+            flat += [r * self.max_pages_per_row + c for c in range(count, len(held))]
+            self._free.extend(reversed(held[count:]))
+            del held[count:]
+        if flat:
+            self._set_entries(flat, [-1] * len(flat))
+
+    def _set_entries(self, flat: list[int], values: list[int]) -> None:
+        """``block_table.view(-1)[flat] = values``: one host-to-device copy and one index write."""
+        both = torch.tensor([flat, values], dtype=torch.int64).to(self.device)
+        self._table.view(-1).index_copy_(0, both[0], both[1].to(torch.int32))
+
+    def _pool_pages(self, pool: Any) -> int | None:
+        """Pages in ``pool`` by its shape (None: not a 4-dim tensor; append_kv names that)."""
+        if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+            return None
+        if self.kv_layout is None:
+            return pool.shape[2] // self.page_size
+        return pool.shape[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"PageAllocator(n_pages={self.n_pages}, page_size={self.page_size}, max_pages_per_row="
+            f"{self.max_pages_per_row}, batch={self.batch}, device={str(self.device)!r}, "
+            f"kv_layout={self.kv_layout!r}; {self.n_free} pages free)"
+        )
