@@ -187,6 +187,11 @@ def store(key: Hashable, bound: Any, finiteness_matters: bool) -> None:
     entry.plans.setdefault(bound.plan.problem.nonfinite, bound)
 
 
+#: Tags a spec's plain key in a call key: a private object, so no argument a caller passes (a
+#: tuple that looks like a plain key) can compare equal to it and skip validation.
+_PLAIN = object()
+
+
 def _arg_key(value: Any, kind: str) -> Hashable:
     """A ``mask=`` / ``score_mod=`` argument as it takes part in the key.
 
@@ -200,7 +205,7 @@ def _arg_key(value: Any, kind: str) -> Hashable:
     """
     if isinstance(value, Spec):
         plain = value.plain_key()  # compared in C, where specs compare field by field in Python
-        return value if plain is None else ("plain", plain)
+        return value if plain is None else (_PLAIN, plain)
     if value is None:
         return value
     if isinstance(value, str):

@@ -84,10 +84,19 @@ def is_dense_block(t: torch.Tensor) -> bool:
     """Whether 4-D ``t`` is a block cut out of a contiguous tensor whose dims are in the order
     ``[B, H, L, D]`` or ``[B, L, H, D]``: rows of D contiguous, and each dim's stride at least
     the span of the dims inside it, so no two elements share memory (no broadcast, no overlap).
-    Dims of size 1 take any stride."""
+    Dims of size 1 take any stride. On CUDA the start and every other stride must also be
+    16-byte aligned, as the fused kernels' vector loads need (the memory-efficient kernel refuses
+    "query is not correctly aligned (strideM)" otherwise): ``x[..., :64]`` of a bf16 tensor whose
+    last dim is 100 is a dense block, but not an aligned one."""
     shape, strides = t.shape, t.stride()
     if shape[3] > 1 and strides[3] != 1:
         return False
+    if t.is_cuda:
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(
+            n > 1 and s * size % 16 for n, s in zip(shape[:3], strides[:3], strict=True)
+        ):
+            return False
     for order in ((2, 1, 0), (1, 2, 0)):  # innermost first, after D
         span = shape[3]  # elements from a row's first to one past its last
         for dim in order:

@@ -7,6 +7,7 @@ Flex is exact for every spec: the BlockMask only skips blocks the spec proves in
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -111,7 +112,21 @@ class FlexBackend(Backend):
         return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
 
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
-        return self.prepared(p, device).launch
+        # The prepared call is held weakly: CALLS alone keeps prepared calls (and their
+        # BlockMasks) alive, so its bound stays the memory bound however many plans are cached
+        # (a training loop with new document ids per step makes a plan per step). Once CALLS
+        # dropped it, the next launch prepares it again (the BlockMask cache first).
+        ref = weakref.ref(self.prepared(p, device))
+
+        def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+            nonlocal ref
+            call = ref()
+            if call is None:
+                call = self.prepared(p, device)
+                ref = weakref.ref(call)
+            return call.launch(q, k, v, scale)
+
+        return launch
 
     def prepared(self, p: Problem, device: torch.device, block_mask: Any = None) -> FlexCall:
         """What :meth:`run` builds for ``p`` before launching (cached in :data:`CALLS`).

@@ -83,11 +83,11 @@ class SdpaBackend(Backend):
         if self.kernel == "CUDNN_ATTENTION" or (cuda and self.kernel == "FLASH_ATTENTION"):
             return ["takes no attn_mask tensor (masks.Dense / score_mods.Bias) on this kernel"]
         out = []
-        if p.requires_grad and p.score is not None and p.score.captures_grad_tensors():
+        if p.score is not None and p.score.captures_grad_tensors():
             if self.kernel == "FLASH_ATTENTION":
-                out.append(
-                    "torch's CPU flash kernel has no gradient for an attn_mask (the Bias requires grad)"
-                )
+                # In any grad mode: torch 2.13 refuses ("No available kernel") such a mask under
+                # torch.no_grad() too.
+                out.append("torch's CPU flash kernel takes no attn_mask that requires grad (a learned Bias)")
         if cuda and self.kernel == "EFFICIENT_ATTENTION" and call.empty_rows:
             out.append(
                 "the attn_mask may leave a query row seeing no key (or is traced: not read), whose output "
@@ -129,7 +129,7 @@ class SdpaBackend(Backend):
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
         call = _sdpa_call(p)
         assert not isinstance(call, str)  # mask_reasons refused the rest
-        is_causal, chunk, tensor = call.is_causal, call.chunk, call.attn_mask
+        is_causal, chunk, has_tensor = call.is_causal, call.chunk, call.attn_mask is not None
         batch = p.batch
         # cuDNN refuses enable_gqa (H200, 32:8 causal L=8192 with k/v expanded: 4.4 / 15.6 ms
         # fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex, benchmarks/results/nofa4_levers_probe_h200.txt).
@@ -142,11 +142,14 @@ class SdpaBackend(Backend):
         pinned = kernel != UNPINNED
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            attn_mask = tensor
-            if attn_mask is not None:
-                # Per call: a learned bias is the caller's own tensor, updated in place between
-                # steps, so no converted copy of it is kept.
-                attn_mask = attn_mask.to(q.device)
+            attn_mask = None
+            if has_tensor:
+                # Per call: a learned bias is the caller's own tensor, updated in place or given
+                # new data (``param.data = ...``) between steps, so neither a converted copy nor
+                # a view of it (a 2-D bias's ``[None, None]``) is kept.
+                form = _sdpa_call(p)
+                assert not isinstance(form, str) and form.attn_mask is not None
+                attn_mask = form.attn_mask.to(q.device)
                 if attn_mask.dtype != torch.bool:
                     attn_mask = attn_mask.to(q.dtype)  # SDPA takes a float mask in q's dtype (differentiable)
             return F.scaled_dot_product_attention(

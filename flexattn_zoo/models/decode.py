@@ -1097,6 +1097,7 @@ def _one_query_over_prefix(
     own kernel choice -- its math fallback holds only ``B x H x 1 x length`` scores -- for a
     fraction of the host time of a flex launch and its per-step mask update."""
     k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
     check_qkv(q, k, v, enable_gqa=gqa)
     scale = check_scale(scale)
     q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)

@@ -167,18 +167,22 @@ def _strided_views(t: torch.Tensor, which: str) -> torch.Tensor:
         return t.transpose(1, 2)[:, : t.shape[2] // 2 + 3].transpose(1, 2)
     if which == "every_other_row":
         return t[:, :, ::2]
+    if which == "d_slice_unaligned":  # rows of 64 inside rows of 67: not 16-byte aligned, copied
+        return t[..., :64]
     assert which == "d_slice"
     return t[..., : t.shape[3] // 2]
 
 
 @pytest.mark.parametrize("route", SDPA_ROUTES)
-@pytest.mark.parametrize("which", ["cache_prefix", "bshd_prefix", "every_other_row", "d_slice"])
+@pytest.mark.parametrize(
+    "which", ["cache_prefix", "bshd_prefix", "every_other_row", "d_slice", "d_slice_unaligned"]
+)
 @pytest.mark.parametrize("lq", [1, 48])
 def test_sdpa_kernels_on_strided_kv_views(route: str, which: str, lq: int) -> None:
     """Strided k/v views (a cache's live prefix, a slice of every other row or of D) reach the
     fused kernels as they are, forward and backward, and match float64."""
     g = torch.Generator(device=DEV).manual_seed(11)
-    d = 2 * D if which == "d_slice" else D
+    d = {"d_slice": 2 * D, "d_slice_unaligned": 67}.get(which, D)
     # As many k/v heads as q heads: grouped heads would be expanded (copied) by some routes.
     k_full, v_full = (
         torch.randn(B, H, 300, d, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)

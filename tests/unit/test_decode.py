@@ -670,3 +670,15 @@ def test_one_query_steps_take_sdpa_over_the_live_prefix(gqa: bool) -> None:
         decode.decode_step(q.double(), k, v, 7)
     with pytest.raises(ValueError, match="scale"):
         decode.decode_step(q, k, v, 7, scale=float("nan"))
+
+
+def test_one_query_steps_under_autocast_take_mixed_dtypes() -> None:
+    """As fz.attention: under torch.autocast a float32 q (after float32 RoPE) over a bf16 cache
+    runs in the autocast dtype, on the prefix path as on the DecodeMask path."""
+    k, v = (t.bfloat16() for t in _cache(31))
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(32))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = decode.decode_step(q, k, v, 10)
+        other = decode.decode_step(q, k, v, torch.tensor([10] * B))
+    assert out.dtype == other.dtype == torch.bfloat16
+    torch.testing.assert_close(out, other, atol=2e-2, rtol=2e-2)

@@ -10,7 +10,7 @@ import torch
 from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks, plan_cache, score_mods
+from flexattn_zoo import _compat, blockmask, masks, plan_cache, score_mods
 from flexattn_zoo.backends import flex as flex_backend
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.registry import MASKS
@@ -302,3 +302,64 @@ def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
     assert_matches_reference(out, q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
     fz.attention(q, k, v, mask=masks.SlidingWindow(left=6) & masks.Causal())
     assert plans.inserts == inserts + 1
+
+
+def test_a_learned_bias_given_new_data_is_read_anew(plans: LRUCache) -> None:
+    """A cached SDPA call reads a learned bias as it is now: after ``param.data = ...`` (EMA swaps,
+    weight loading) as after an in-place update, never a view of the old storage."""
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.nn.Parameter(torch.randn(8, 8, generator=gen))
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=gen) for _ in range(3))
+    spec = score_mods.Bias(bias=bias)
+    fz.attention(q, k, v, score_mod=spec, backend="sdpa_math")
+    bias.data = torch.zeros(8, 8)
+    out = fz.attention(q, k, v, score_mod=spec, backend="sdpa_math")
+    assert_matches_reference(out.detach(), q, k, v)  # a zero bias: plain attention
+    with torch.no_grad():
+        bias.add_(1.0)  # a constant bias changes nothing either
+    assert_matches_reference(fz.attention(q, k, v, score_mod=spec, backend="sdpa_math").detach(), q, k, v)
+
+
+def test_bound_flex_calls_keep_no_more_block_masks_than_the_prepared_calls_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packed-document training builds a new Document (new ids) every step: a plan per step, but
+    the BlockMasks alive stay within ``backends.flex.CALLS``'s bound (plans hold them weakly)."""
+    import gc
+
+    plans: LRUCache = LRUCache(64)
+    monkeypatch.setattr(plan_cache, "PLANS", plans)
+    monkeypatch.setattr(flex_backend.CALLS, "size", 4)
+    monkeypatch.setattr(blockmask.CACHE, "size", 4)
+    flex_backend.CALLS.clear()
+    blockmask.CACHE.clear()
+    gc.collect()
+    before = {id(o) for o in gc.get_objects() if isinstance(o, _compat.BlockMask)}  # other tests'
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(24):
+            ids = torch.sort(torch.randint(0, 6, (128,), generator=gen)).values
+            q = torch.randn(1, 2, 128, 16, generator=gen)
+            out = fz.attention(q, q, q, mask=masks.Document(doc_ids=ids), backend="flex_cpu")
+    gc.collect()
+    assert len(plans) == 24  # a plan per step
+    alive = sum(isinstance(o, _compat.BlockMask) and id(o) not in before for o in gc.get_objects())
+    assert alive <= 8  # CALLS' and the BlockMask cache's (mostly the same ones)
+    assert_matches_reference(out, q, q, q, mask=masks.Document(doc_ids=ids))
+
+
+def test_arguments_that_look_like_a_plain_key_are_still_refused(plans: LRUCache) -> None:
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask=masks.Causal())
+    for fake in (("plain", (masks.Causal, "top_left")), (masks.Causal, "top_left")):
+        with pytest.raises(TypeError, match="mask must be"):
+            fz.attention(q, k, v, mask=fake)
+
+
+def test_cpu_flash_refuses_a_learned_bias_in_any_grad_mode() -> None:
+    bias = torch.zeros(8, 8, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with torch.no_grad():
+        out = fz.attention(q.requires_grad_(True), k, v, score_mod=score_mods.Bias(bias=bias))
+        assert fz.plan(q, k, v, score_mod=score_mods.Bias(bias=bias)).backend != "sdpa_flash"
+    assert_matches_reference(out, q.detach(), k, v)
