@@ -304,6 +304,21 @@ def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
     assert plans.inserts == inserts + 1
 
 
+def test_a_new_plain_spec_per_call_is_looked_up_without_comparing_specs(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flexattn_zoo.spec import Spec
+
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
+    compared = []
+    original = Spec.__eq__
+    monkeypatch.setattr(Spec, "__eq__", lambda a, b: compared.append(1) or original(a, b))
+    inserts = plans.inserts
+    fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
+    assert plans.inserts == inserts and compared == []
+
+
 def test_a_learned_bias_given_new_data_is_read_anew(plans: LRUCache) -> None:
     """A cached SDPA call reads a learned bias as it is now: after ``param.data = ...`` (EMA swaps,
     weight loading) as after an in-place update, never a view of the old storage."""
