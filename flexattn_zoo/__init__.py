@@ -47,6 +47,7 @@ __all__ = [
     "layers",
     "masks",
     "merge_attention",
+    "pages",
     "plan",
     "presets",
     "score_mods",
@@ -59,9 +60,13 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     # fz.testing is imported on first use: it pulls in test-only helpers users may not need.
-    # fz.decode likewise; fz.hf needs the optional 'hf' extra (transformers), so it is never
+    # fz.decode and fz.pages likewise; fz.hf needs the optional 'hf' extra (transformers), so it is never
     # imported implicitly: ``import flexattn_zoo.hf``.
-    lazy = {"testing": "flexattn_zoo.testing", "decode": "flexattn_zoo.models.decode"}
+    lazy = {
+        "testing": "flexattn_zoo.testing",
+        "decode": "flexattn_zoo.models.decode",
+        "pages": "flexattn_zoo.models.pages",
+    }
     if name in lazy:
         module = importlib.import_module(lazy[name])
         # Kept as a module attribute, so later ``fz.decode`` reads skip this function and the

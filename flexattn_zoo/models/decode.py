@@ -29,8 +29,8 @@ physical page of row ``b``'s logical page ``p``. Pools come in the serving stack
 then lists physical pages (one flex kv block per page) and the ``mask_mod`` maps a physical key
 index back to its logical position through a captured page-to-position table (updated in place
 like the lengths). :func:`append_kv` writes new tokens into the pools through the block table;
-:class:`PageAllocator` (from ``models.pages``) owns a block table and the lengths, hands out pages
-from a free list and writes through ``append_kv``.
+``fz.pages.PageAllocator`` owns a block table and the lengths, hands out pages from a free list
+and writes through ``append_kv``.
 On CUDA with torch >= 2.13, :func:`decode_step_varlen` runs the same paged decode on
 FlashAttention's varlen kernel (``block_table`` + ``seqused_k``) for causal or sliding-window
 patterns.
@@ -77,21 +77,12 @@ from flexattn_zoo.dispatch import _under_autocast, attention, execute_plan, need
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks import Causal
-from flexattn_zoo.models.pages import PageAllocator
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import check_qkv, check_scale, inputs_nonfinite
 
-__all__ = [
-    "DecodeMask",
-    "PageAllocator",
-    "append_kv",
-    "decode_step",
-    "decode_step_varlen",
-    "lowest_key",
-    "pool_view",
-]
+__all__ = ["DecodeMask", "append_kv", "decode_step", "decode_step_varlen", "lowest_key", "pool_view"]
 
 DEFAULT_BLOCK_SIZE = 128
 #: Page layouts ``decode_step(kv_layout=...)`` and :func:`append_kv` take: the serving stacks'

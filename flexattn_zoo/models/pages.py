@@ -1,6 +1,6 @@
 """A page allocator for paged KV caches: the block table and lengths that ``fz.decode`` reads.
 
-:class:`PageAllocator` (also ``fz.decode.PageAllocator``) hands out the pages of a pool of
+:class:`PageAllocator` (also ``fz.pages.PageAllocator``) hands out the pages of a pool of
 ``n_pages`` pages of ``page_size`` tokens to ``batch`` rows (sequences), and owns the two tensors
 :func:`~flexattn_zoo.models.decode.decode_step` and :func:`~flexattn_zoo.models.decode.append_kv`
 take with paged caches:
@@ -52,6 +52,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from flexattn_zoo.models.decode import append_kv
 
 __all__ = ["PageAllocator"]
 
@@ -218,7 +220,6 @@ class PageAllocator:
         place, with ``append_kv``: ``k_new`` / ``v_new`` ``[len(rows), Hkv, n, D]`` (None: every
         row, ``[batch, ...]``) go to each row's last ``n`` positions; ``n`` must be what that
         extend counted. Call once per layer, each with its own pools."""
-        from flexattn_zoo.models.decode import append_kv  # decode re-exports this module
 
         rows_ = self._rows(rows)
         if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:

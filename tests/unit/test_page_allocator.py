@@ -1,4 +1,4 @@
-"""fz.decode.PageAllocator: a generation loop over paged pools vs a dense cache, errors, layers.
+"""fz.pages.PageAllocator: a generation loop over paged pools vs a dense cache, errors, layers.
 
 Every step appends through the allocator (pages taken as rows cross page boundaries, rows freed
 and reused mid-way, pages recycled in another order) and checks
@@ -93,7 +93,7 @@ def _generate(
     decode alone meanwhile), and at step 9 every row appends three tokens (Lq = 3, dense route
     only)."""
     pools = _pools(layout, page, n_pages, seed=page)
-    alloc = fz.decode.PageAllocator(n_pages, page, max_pages, batch=B, kv_layout=layout)
+    alloc = fz.pages.PageAllocator(n_pages, page, max_pages, batch=B, kv_layout=layout)
     dense = _Dense(max_pages * page)
     g = torch.Generator().manual_seed(page + 1)
 
@@ -164,7 +164,7 @@ def test_layers_share_one_allocator() -> None:
     page, n_pages = 5, 12
     layers = [_pools("HND", page, n_pages, seed=s) for s in range(2)]
     dense = [_Dense(MAX_PAGES * page) for _ in layers]
-    alloc = fz.decode.PageAllocator(n_pages, page, MAX_PAGES, batch=B, kv_layout="HND")
+    alloc = fz.pages.PageAllocator(n_pages, page, MAX_PAGES, batch=B, kv_layout="HND")
     g = torch.Generator().manual_seed(0)
     for n in (7, 1, 1, 4):
         alloc.extend(n)
@@ -181,7 +181,7 @@ def test_layers_share_one_allocator() -> None:
 
 
 def test_reserve_takes_pages_ahead_and_extend_uses_them() -> None:
-    alloc = fz.decode.PageAllocator(10, 4, 5, batch=2)
+    alloc = fz.pages.PageAllocator(10, 4, 5, batch=2)
     alloc.reserve(9, rows=1)  # 3 pages for a 9-token request
     assert alloc.pages(1) == [0, 1, 2] and alloc.n_free == 7 and alloc.lengths == [0, 0]
     assert alloc.block_table[1].tolist() == [0, 1, 2, -1, -1]
@@ -214,7 +214,7 @@ def _same(a: tuple, b: tuple) -> bool:  # type: ignore[type-arg]
 
 
 def test_running_out_of_pages_or_table_room_raises_and_changes_nothing() -> None:
-    alloc = fz.decode.PageAllocator(4, 5, 3, batch=2, kv_layout="NHD")
+    alloc = fz.pages.PageAllocator(4, 5, 3, batch=2, kv_layout="NHD")
     pools = _pools("NHD", 5, 4, seed=0)
     alloc.append(*pools, *torch.randn(2, 1, HKV, 12, D), rows=0)  # 3 pages of 4
     before = _state(alloc)
@@ -251,7 +251,7 @@ def test_running_out_of_pages_or_table_room_raises_and_changes_nothing() -> None
     ],
 )
 def test_bad_rows_are_named(rows, exc: type[Exception], match: str) -> None:  # type: ignore[no-untyped-def]
-    alloc = fz.decode.PageAllocator(8, 4, 4, batch=3)
+    alloc = fz.pages.PageAllocator(8, 4, 4, batch=3)
     for call in (lambda: alloc.extend(1, rows), lambda: alloc.free(rows), lambda: alloc.reserve(1, rows)):
         with pytest.raises(exc, match=match):
             call()
@@ -259,7 +259,7 @@ def test_bad_rows_are_named(rows, exc: type[Exception], match: str) -> None:  # 
 
 
 def test_rows_take_ints_of_any_kind() -> None:
-    alloc = fz.decode.PageAllocator(8, 4, 4, batch=3)
+    alloc = fz.pages.PageAllocator(8, 4, 4, batch=3)
     alloc.extend(1, torch.tensor([2, 0]))
     alloc.extend(1, range(1, 2))
     alloc.extend(1, torch.tensor(2))
@@ -281,11 +281,11 @@ def test_rows_take_ints_of_any_kind() -> None:
 def test_bad_constructor_arguments_are_named(kwargs: dict, exc: type[Exception], match: str) -> None:  # type: ignore[type-arg]
     args = {"n_pages": 8, "page_size": 4, "max_pages_per_row": 4, "batch": 2, **kwargs}
     with pytest.raises(exc, match=match):
-        fz.decode.PageAllocator(**args)
+        fz.pages.PageAllocator(**args)
 
 
 def test_bad_writes_are_named_and_an_append_that_fails_changes_nothing() -> None:
-    alloc = fz.decode.PageAllocator(8, 4, 4, batch=2, kv_layout="NHD")
+    alloc = fz.pages.PageAllocator(8, 4, 4, batch=2, kv_layout="NHD")
     pools = _pools("NHD", 4, 8, seed=1)
     k_new, v_new = torch.randn(2, 2, HKV, 3, D)
     with pytest.raises(ValueError, match=r"n_tokens must be >= 0, got -1"):
