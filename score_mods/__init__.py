@@ -10,7 +10,9 @@ from flexattn_zoo.spec import ScoreSpec
 
 from .alibi import Alibi
 from .bias import Bias
+from .graphormer import Graphormer
 from .rel_pos_bias import RelPosBias
+from .sandwich import Sandwich
 from .softcap import SoftCap
 
 get = SCORES.get
@@ -23,7 +25,9 @@ __all__ = [
     "Alibi",
     "Bias",
     "Chain",
+    "Graphormer",
     "RelPosBias",
+    "Sandwich",
     "ScoreSpec",
     "SoftCap",
     "get",
