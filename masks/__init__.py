@@ -20,7 +20,9 @@ from .natten import Natten
 from .padding import KeyPadding
 from .per_document import PerDocument
 from .prefix_lm import PrefixLM
+from .shared_prefix import SharedPrefix
 from .sliding_window import SlidingWindow
+from .tree import Tree
 
 get = MASKS.get
 names = MASKS.names
@@ -42,7 +44,9 @@ __all__ = [
     "Natten",
     "PerDocument",
     "PrefixLM",
+    "SharedPrefix",
     "SlidingWindow",
+    "Tree",
     "get",
     "names",
     "register",
