@@ -9,7 +9,7 @@ import torch
 
 from flexattn_zoo.masks.dense import broadcast_indexer
 from flexattn_zoo.registry import SCORES
-from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, tracing
 
 
 def _spatial_pos(value: object) -> torch.Tensor:
@@ -85,7 +85,8 @@ class Graphormer(ScoreSpec):
     column per query head. Tensors that require grad (learned tables) are kept as given, not
     copied, and compared by identity; their gradients flow on the routes that differentiate score
     mods (``dense`` on the CPU, ``flex`` on CUDA), through one gather of ``spatial_bias`` per
-    score. The indices are checked once, when the spec is built (a read of ``spatial_pos``).
+    score. The indices are checked once, when the spec is built (a read of ``spatial_pos``; not
+    while ``torch.compile`` traces, where out-of-range indices are your responsibility).
 
     Args:
         spatial_pos: integer tensor ``[B, N, N]`` (or ``[N, N]``: one graph for every batch row)
@@ -114,13 +115,17 @@ class Graphormer(ScoreSpec):
         table = _float_table("spatial_bias", table, 2, "[num_spatial, H]")
         num_spatial, heads = table.shape
         _, q_len, kv_len = pos.shape
-        low, high = (int(v) for v in torch.aminmax(pos))
-        if low < 0 or high >= num_spatial:
-            raise ValueError(
-                f"Graphormer(spatial_pos=...) values must lie in [0, num_spatial) = [0, {num_spatial}) "
-                f"(spatial_bias has {num_spatial} rows), got values from {low} to {high}; clip the "
-                "distances first"
-            )
+        # The indices are read once here (one sync), not while torch.compile traces (a model
+        # building the spec per batch inside its forward: the data is not known then) nor on the
+        # meta device (no data).
+        if not tracing() and pos.device.type != "meta":
+            low, high = (int(v) for v in torch.aminmax(pos))
+            if low < 0 or high >= num_spatial:
+                raise ValueError(
+                    f"Graphormer(spatial_pos=...) values must lie in [0, num_spatial) = [0, {num_spatial}) "
+                    f"(spatial_bias has {num_spatial} rows), got values from {low} to {high}; clip the "
+                    "distances first"
+                )
         edge = self.edge_bias
         if edge is not None:
             edge = _float_table("edge_bias", edge, 4, "[B|1, H|1, N, N]")
@@ -144,8 +149,12 @@ class Graphormer(ScoreSpec):
         (the row of ``spatial_bias`` that learns the token's scalar per head) and whose other
         entries are ``spatial_pos``."""
         pos = _spatial_pos(spatial_pos)
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise ValueError(f"Graphormer.add_virtual_node(index=...) must be an int >= 0, got {index!r}")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(
+                f"Graphormer.add_virtual_node(index=...) must be an int, got {type(index).__name__}"
+            )
+        if index < 0:
+            raise ValueError(f"Graphormer.add_virtual_node(index=...) must be >= 0, got {index}")
         b, q_len, kv_len = pos.shape
         out = torch.full((b, q_len + 1, kv_len + 1), index, dtype=torch.int32, device=pos.device)
         out[:, 1:, 1:] = pos

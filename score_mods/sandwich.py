@@ -28,7 +28,7 @@ MAX_LEN_MAX = 1 << 20
 #: Distance tables by ``(dim, max_len, device)``: specs built anew with the same parameters (a
 #: model building its spec per call) share them instead of evaluating the cosines again. Nothing
 #: ever writes to a table.
-_TABLES: LRUCache[tuple[torch.Tensor, torch.Tensor]] = LRUCache(16)
+_TABLES: LRUCache[tuple[torch.Tensor, torch.Tensor]] = LRUCache(8)
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int) -> int:

@@ -17,6 +17,7 @@ from collections import deque
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
@@ -303,8 +304,32 @@ def test_graphormer_graph_token_is_one_more_table_row() -> None:
     want[:, :, 0, :] += t
     torch.testing.assert_close(_mod_bias(spec, 2, heads, 7, 7), want)
     assert Graphormer.add_virtual_node(dist[0], 5).shape == (1, 7, 7)
-    with pytest.raises(ValueError, match="index=...\\) must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"index=...\) must be >= 0, got -1"):
         Graphormer.add_virtual_node(dist, -1)
+    with pytest.raises(TypeError, match=r"index=...\) must be an int, got float"):
+        Graphormer.add_virtual_node(dist, 5.0)  # type: ignore[arg-type]
+
+
+def test_graphormer_built_per_batch_inside_a_compiled_forward() -> None:
+    # Graphs change every batch, so a model builds the spec in its forward: no graph break (the
+    # index check reads data, and is skipped while traced), one graph for both batches, eager's
+    # result. The spec moves to the meta device without reading its (absent) data too.
+    table = torch.randn(4, 2, generator=torch.Generator().manual_seed(2))
+
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return fz.attention(
+            q, k, v, score_mod=Graphormer(spatial_pos=pos, spatial_bias=table), backend="dense"
+        )
+
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(forward, backend=counter, fullgraph=True)
+    for seed in (0, 1):
+        q, k, v = (t.detach().float() for t in _qkv(2, 2, 2, 6, 6, seed=seed))
+        pos = _distances(4) if seed == 0 else _distances(4).flip(1, 2)
+        torch.testing.assert_close(step(q, k, v, pos), forward(q, k, v, pos))
+    assert counter.frame_count == 1
+    moved = Graphormer(spatial_pos=_distances(4), spatial_bias=table).to("meta")
+    assert moved.spatial_pos.device.type == "meta" and moved.spatial_bias.device.type == "meta"
 
 
 def test_graphormer_validate_names_the_mismatch() -> None:
