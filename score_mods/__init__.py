@@ -12,7 +12,6 @@ from .alibi import Alibi
 from .bias import Bias
 from .graphormer import Graphormer
 from .rel_pos_bias import RelPosBias
-from .sandwich import Sandwich
 from .softcap import SoftCap
 
 get = SCORES.get
@@ -27,7 +26,6 @@ __all__ = [
     "Chain",
     "Graphormer",
     "RelPosBias",
-    "Sandwich",
     "ScoreSpec",
     "SoftCap",
     "get",
