@@ -280,27 +280,31 @@ def _sdpa_switches() -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]
 
 
 _SDPA_SWITCHES = _sdpa_switches()
-#: Per SDPBackend name: the enable flags ``sdpa_kernel([that backend])`` sets.
-_SDPA_PINNED: dict[str, tuple[bool, ...]] = (
-    {k: tuple(k == other for other in _SDPA_SWITCHES[2]) for k in _SDPA_SWITCHES[2]}
-    if _SDPA_SWITCHES is not None
-    else {}
-)
 
 
-def pin_sdpa_kernel(kernel: str) -> Any:
-    """Enable SDPA kernel ``kernel`` (an ``SDPBackend`` name) alone, as ``sdpa_kernel([kernel])``
-    does on entry; returns what :func:`restore_sdpa_kernels` needs to undo it. Eager calls only
-    (while tracing use ``sdpa_kernel``, which Dynamo understands); the flags are process-global, so
-    callers serialize pinned calls with a lock.
+@functools.cache
+def _sdpa_flags(kernels: tuple[str, ...]) -> tuple[bool, ...] | None:
+    """The enable flags ``sdpa_kernel([those backends])`` sets (None: unknown kernel or layout)."""
+    if _SDPA_SWITCHES is None or any(k not in _SDPA_SWITCHES[2] for k in kernels):
+        return None
+    return tuple(other in kernels for other in _SDPA_SWITCHES[2])
+
+
+def pin_sdpa_kernel(kernel: str | tuple[str, ...]) -> Any:
+    """Enable SDPA kernel ``kernel`` (an ``SDPBackend`` name, or a tuple of them for SDPA's own
+    choice among those) alone, as ``sdpa_kernel([kernel])`` does on entry; returns what
+    :func:`restore_sdpa_kernels` needs to undo it. Eager calls only (while tracing use
+    ``sdpa_kernel``, which Dynamo understands); the flags are process-global, so callers
+    serialize pinned calls with a lock.
 
     Why not ``sdpa_kernel`` itself: it is a generator context manager that lists, dedups and
     sorts backends and reads and writes every flag by name on entry and exit -- 10-15 us of host
     time per call on a CPU, more than the whole SDPA call on a short problem. This reads the
     flags once and writes only those that differ, with the same effect."""
-    want = _SDPA_PINNED.get(kernel)
+    kernels = (kernel,) if isinstance(kernel, str) else kernel
+    want = _sdpa_flags(kernels)
     if want is None or _SDPA_SWITCHES is None:
-        ctx = sdpa_kernel([getattr(SDPBackend, kernel)])
+        ctx = sdpa_kernel([getattr(SDPBackend, k) for k in kernels])
         ctx.__enter__()
         return ctx
     getters, setters, _ = _SDPA_SWITCHES
@@ -308,7 +312,7 @@ def pin_sdpa_kernel(kernel: str) -> Any:
     for set_flag, was, flag in zip(setters, saved, want, strict=True):
         if was is not flag:
             set_flag(flag)
-    return kernel, saved
+    return want, saved
 
 
 def restore_sdpa_kernels(token: Any) -> None:
@@ -317,8 +321,8 @@ def restore_sdpa_kernels(token: Any) -> None:
         token.__exit__(None, None, None)
         return
     assert _SDPA_SWITCHES is not None
-    kernel, saved = token
-    for set_flag, was, flag in zip(_SDPA_SWITCHES[1], saved, _SDPA_PINNED[kernel], strict=True):
+    want, saved = token
+    for set_flag, was, flag in zip(_SDPA_SWITCHES[1], saved, want, strict=True):
         if was is not flag:
             set_flag(was)
 

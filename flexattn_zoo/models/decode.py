@@ -1079,21 +1079,36 @@ def decode_step(
     return out, lse
 
 
+#: The SDPA kernels a one-query step over a cache prefix may take on CUDA (SDPA's own choice among
+#: them): those without per-shape setup.
+_PREFIX_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
 def _one_query_over_prefix(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int, scale: float | None, gqa: bool
 ) -> torch.Tensor:
     """A causal step of one query per row, every row ``length`` long: the query sits at the last
     position, so it sees exactly the cache's first ``length`` keys, with no mask at all. SDPA
     runs that on the prefix views as they are (no copy: ``backends.base.fused_layout``) with its
-    own kernel choice -- its math fallback holds only ``B x H x 1 x length`` scores -- for a
-    fraction of the host time of a flex launch and its per-step mask update."""
+    own kernel choice (on CUDA among FlashAttention-2, the memory-efficient and the math kernel:
+    cuDNN's per-shape plan would be rebuilt every step) -- its math fallback holds only
+    ``B x H x 1 x length`` scores -- for a fraction of the host time of a flex launch and its
+    per-step mask update."""
     k, v = k_cache[:, :, :length], v_cache[:, :, :length]
     q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
     check_qkv(q, k, v, enable_gqa=gqa)
     scale = check_scale(scale)
     q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        # On CUDA without cuDNN: its SDPA builds an execution plan for every new shape, and a
+        # generation loop meets a new length every step (45 ms per call on the H200 for a new
+        # shape each call, benchmarks/results/host_cost_h200.md, decode-growing).
+        token = _compat.pin_sdpa_kernel(_PREFIX_KERNELS) if q.is_cuda else None
+        try:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        finally:
+            if token is not None:
+                _compat.restore_sdpa_kernels(token)
 
 
 def _attend(
