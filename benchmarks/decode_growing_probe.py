@@ -1,7 +1,8 @@
 """One-query decoding over a KV cache that grows by one token per step, as generation runs it:
 every step meets a cache length it has never seen. Times each step (wall, device synchronized)
 for plain SDPA on the live prefix with torch's own kernel choice, the same with cuDNN disabled,
-and ``fz.decode.decode_step`` with an int ``cache_len``; median over the steps after a warm-up.
+``fz.decode.decode_step`` with an int ``cache_len`` and ``fz.attention`` on the same slices;
+median over the steps after a warm-up.
 
     PYTHONPATH=. python benchmarks/decode_growing_probe.py [--steps 200] [--batch 8] [--start 4000]
 """
@@ -37,6 +38,9 @@ def main() -> None:
         ),
         "F.scaled_dot_product_attention without cuDNN": lambda n: _without(no_cudnn, q, k, v, n),
         "fz.decode.decode_step(cache_len=n)": lambda n: fz.decode.decode_step(q, k, v, n),
+        "fz.attention(q, cache[:, :, :n]) (a plan-cache miss per step)": lambda n: fz.attention(
+            q, k[:, :, :n], v[:, :, :n], enable_gqa=True
+        ),
     }
     length = args.start
     with torch.no_grad():

@@ -126,6 +126,11 @@ class SdpaBackend(Backend):
     def run(self, q, k, v, p, *, scale, block_mask=None):
         return self.bound_run(p, q.device)(q, k, v, scale)
 
+    def launch_kernels(self, p: Problem) -> tuple[str, ...] | None:
+        """The SDPA kernels (``SDPBackend`` names) enabled for ``p``'s call, SDPA choosing among
+        them; None: every kernel, SDPA's own choice as a user calls it."""
+        return None if self.kernel == UNPINNED else (self.kernel,)
+
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
         call = _sdpa_call(p)
         assert not isinstance(call, str)  # mask_reasons refused the rest
@@ -136,10 +141,10 @@ class SdpaBackend(Backend):
         expand = p.gqa and self.expand_gqa
         gqa = p.gqa and not expand
         dropout_p = p.dropout_p  # 0.0 unless the route has dropout here (its reasons refused the rest)
-        kernel = self.kernel
-        fused = kernel != "MATH"
-        chunk_view = chunk and kernel in CHUNK_VIEW_KERNELS
-        pinned = kernel != UNPINNED
+        kernels = self.launch_kernels(p)
+        fused = kernels != ("MATH",)
+        chunk_view = chunk and kernels is not None and len(kernels) == 1 and kernels[0] in CHUNK_VIEW_KERNELS
+        pinned = kernels is not None
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             attn_mask = None
@@ -183,11 +188,13 @@ class SdpaBackend(Backend):
                 # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no
                 # global flags flip when the graph runs), so no lock is needed -- nor could Dynamo
                 # enter one.
-                with _compat.sdpa_kernel([getattr(_compat.SDPBackend, kernel)]):
+                assert kernels is not None
+                with _compat.sdpa_kernel([getattr(_compat.SDPBackend, name) for name in kernels]):
                     out = sdpa(q, k, v, scale)
             else:
+                assert kernels is not None
                 with SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
-                    token = _compat.pin_sdpa_kernel(kernel)
+                    token = _compat.pin_sdpa_kernel(kernels)
                     try:
                         out = sdpa(q, k, v, scale)
                     finally:
@@ -209,7 +216,9 @@ class SdpaChoiceBackend(SdpaBackend):
     from the shapes, and runs grouped-query attention natively where a kernel can (cuDNN, FA2),
     which the pinned routes cannot all do. Accepted only where a fused kernel takes the call (its
     math fallback would hold the ``B x H x Lq x Lkv`` scores); not for reproducible runs (the kernel is not pinned), nor for an ``attn_mask`` that may leave a
-    row seeing no key (kernels differ there).
+    row seeing no key (kernels differ there). On CUDA with at most ``DECODE_QUERIES`` queries per
+    row (decoding) cuDNN is left out of the choice: it plans every new shape, and a generation loop
+    meets a new cache length at every step.
     """
 
     def mask_reasons(self, p: Problem) -> list[str]:
@@ -228,10 +237,21 @@ class SdpaChoiceBackend(SdpaBackend):
             ]
         return []
 
+    def launch_kernels(self, p: Problem) -> tuple[str, ...] | None:
+        # Decoding on CUDA: a generation loop meets a new cache length every step, and cuDNN
+        # builds an execution plan for every new shape (plain SDPA took 57.8 ms per step on the
+        # H200, FlashAttention-2 0.115: benchmarks/results/decode_growing_probe_h200.txt).
+        if p.device_type == "cuda" and p.arch != ROCM and p.q_len <= DECODE_QUERIES:
+            return WITHOUT_CUDNN
+        return None
+
     def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
         if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling():
             return []
-        kernels = ("EFFICIENT_ATTENTION",) if call.attn_mask is not None else FUSED_KERNELS
+        kernels: tuple[str, ...] = ("EFFICIENT_ATTENTION",) if call.attn_mask is not None else FUSED_KERNELS
+        allowed = self.launch_kernels(p)
+        if allowed is not None:
+            kernels = tuple(name for name in kernels if name in allowed)
         refusals = [
             SdpaBackend.torch_reasons(dataclasses.replace(SDPA_EFFICIENT, kernel=kernel), p, call)
             for kernel in kernels
@@ -324,6 +344,10 @@ SDPA_CUDNN = SdpaBackend(
 )
 #: The kernels SDPA chooses among before its math fallback.
 FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+#: Queries per row up to which the route ``sdpa`` leaves cuDNN out on CUDA (decoding).
+DECODE_QUERIES = 16
+#: What it chooses among then.
+WITHOUT_CUDNN = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 SDPA_CHOICE = SdpaChoiceBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa",

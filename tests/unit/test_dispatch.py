@@ -709,3 +709,23 @@ def test_lazy_plans_choose_what_full_plans_choose(arch: str) -> None:
                     assert lazy.candidates == full.candidates
                     seen.add(lazy.backend)
     assert len(seen) >= 3, seen
+
+
+def test_sdpa_route_leaves_cudnn_out_when_decoding_on_cuda() -> None:
+    """The route ``sdpa`` (SDPA's own choice) decoding on CUDA chooses among FlashAttention-2, the
+    memory-efficient and the math kernel: cuDNN plans every new shape, and generation meets a new
+    cache length every step. Longer query blocks keep SDPA's full choice; pinned routes their kernel."""
+    from flexattn_zoo.backends.sdpa import DECODE_QUERIES, SDPA_CHOICE, SDPA_CUDNN, WITHOUT_CUDNN
+
+    decode = _problem(lq=1, lkv=4096, heads=(32, 8), d=128)
+    prefill = _problem(lq=4096, lkv=4096, heads=(32, 8), d=128)
+    assert SDPA_CHOICE.launch_kernels(decode) == WITHOUT_CUDNN
+    assert "CUDNN_ATTENTION" not in WITHOUT_CUDNN
+    assert SDPA_CHOICE.launch_kernels(_problem(lq=DECODE_QUERIES, lkv=4096)) == WITHOUT_CUDNN
+    assert SDPA_CHOICE.launch_kernels(_problem(lq=DECODE_QUERIES + 1, lkv=4096)) is None
+    assert SDPA_CHOICE.launch_kernels(prefill) is None
+    assert (
+        SDPA_CHOICE.launch_kernels(_problem(lq=1, lkv=64, device="cpu", arch="cpu", dtype=torch.float32))
+        is None
+    )
+    assert SDPA_CUDNN.launch_kernels(decode) == ("CUDNN_ATTENTION",)
