@@ -327,7 +327,19 @@ def restore_sdpa_kernels(token: Any) -> None:
             set_flag(was)
 
 
-@functools.lru_cache(maxsize=512)
+#: SDPA kernels whose torch checks read a dense call's sequence lengths only through "is it 0" and
+#: "are the query and key lengths equal" (FlashAttention-2's causal flag wants them equal); cuDNN's
+#: checks read the lengths themselves (divisibility rules that change with its version).
+_LENGTH_BLIND_KERNELS = frozenset({"FLASH_ATTENTION", "EFFICIENT_ATTENTION"})
+
+#: Lengths up to this are asked about as they are; longer ones by their residue mod 8 above it.
+_EXACT_LENGTHS = 128
+
+
+def _length_class(length: int) -> int:
+    return length if length <= _EXACT_LENGTHS else _EXACT_LENGTHS + length % 8
+
+
 def sdpa_torch_refusal(
     kernel: str,
     q_shape: tuple[int, ...],
@@ -343,6 +355,38 @@ def sdpa_torch_refusal(
     """Why torch's own check refuses SDPA ``kernel`` for a CUDA call of these contiguous shapes
     (torch's debug text), or None when it accepts, has no check for that kernel, or cannot
     answer (no CUDA here, or ``arch`` is not the current device's).
+
+    The check builds fake tensors (about a millisecond of host time), so its verdicts are cached.
+    For FlashAttention-2 and the memory-efficient kernel the cache key holds each sequence length
+    by class (itself up to 128, else 128 plus its residue mod 8, keeping equal lengths equal and
+    unequal ones unequal): generation meets a new key length at every step, and must not pay the
+    check each time."""
+    if kernel in _LENGTH_BLIND_KERNELS:
+        q_len, kv_len = q_shape[-2], kv_shape[-2]
+        q_class, kv_class = _length_class(q_len), _length_class(kv_len)
+        if q_len != kv_len and q_class == kv_class:
+            kv_class += 8
+        q_shape = (*q_shape[:-2], q_class, q_shape[-1])
+        kv_shape = (*kv_shape[:-2], kv_class, kv_shape[-1])
+    return _sdpa_torch_refusal_exact(
+        kernel, q_shape, kv_shape, dtype, arch, is_causal, enable_gqa, requires_grad, dropout_p, v_dim
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _sdpa_torch_refusal_exact(
+    kernel: str,
+    q_shape: tuple[int, ...],
+    kv_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    arch: str,
+    is_causal: bool,
+    enable_gqa: bool,
+    requires_grad: bool,
+    dropout_p: float = 0.0,
+    v_dim: int | None = None,
+) -> str | None:
+    """:func:`sdpa_torch_refusal` for these exact shapes.
 
     The check runs on fake tensors (no memory) inside ``sdpa_kernel([kernel])``, so only the
     kernel's own constraints count, not the process's enable flags. Results depend only on the

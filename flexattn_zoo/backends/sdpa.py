@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +107,13 @@ class SdpaBackend(Backend):
         if chunk:
             batch, q_len, kv_len = batch * (q_len // chunk), chunk, chunk
         kv_heads = p.heads if (p.gqa and self.expand_gqa) else p.kv_heads
+        # Asked only when set: torch checks dropout per kernel, and calls without it (or with
+        # equal head dims) are asked, and cached, under the same key as ever.
+        extra: dict[str, Any] = {}
+        if p.dropout_p > 0:
+            extra["dropout_p"] = p.dropout_p
+        if p.v_dim != p.head_dim:
+            extra["v_dim"] = p.v_dim
         with SDPA_LOCK:  # the check pins the kernel through torch's global flags
             why = _compat.sdpa_torch_refusal(
                 self.kernel,
@@ -116,10 +124,7 @@ class SdpaBackend(Backend):
                 is_causal,
                 p.gqa and not self.expand_gqa,
                 p.requires_grad,
-                # Asked only with dropout: torch checks it per kernel, and calls without it are
-                # asked (and cached) exactly as before.
-                **({"dropout_p": p.dropout_p} if p.dropout_p > 0 else {}),
-                **({"v_dim": p.v_dim} if p.v_dim != p.head_dim else {}),
+                **extra,
             )
         return [why] if why else []
 
@@ -252,13 +257,10 @@ class SdpaChoiceBackend(SdpaBackend):
         allowed = self.launch_kernels(p)
         if allowed is not None:
             kernels = tuple(name for name in kernels if name in allowed)
-        refusals = [
-            SdpaBackend.torch_reasons(dataclasses.replace(SDPA_EFFICIENT, kernel=kernel), p, call)
-            for kernel in kernels
-        ]
-        if all(refusals):
-            return ["no fused SDPA kernel takes the call (SDPA would fall back to its math kernel)"]
-        return []
+        for kernel in kernels:  # the first kernel torch accepts settles it
+            if not SdpaBackend.torch_reasons(dataclasses.replace(SDPA_EFFICIENT, kernel=kernel), p, call):
+                return []
+        return ["no fused SDPA kernel takes the call (SDPA would fall back to its math kernel)"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,3 +168,39 @@ def test_this_torch_takes_the_fast_pin() -> None:
     finally:
         _compat.restore_sdpa_kernels(token)
     assert _flags() == before
+
+
+def test_length_blind_kernels_are_asked_once_per_length_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Generation meets a new key length every step: FlashAttention-2 / memory-efficient verdicts
+    # must not be recomputed (fake tensors, ~1 ms) for each; cuDNN's checks read the lengths.
+    asked: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_compat, "_sdpa_torch_refusal_exact", lambda *a: asked.append(a))
+    rest = (torch.bfloat16, "sm90", False, True, False)
+    for kernel in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+        asked.clear()
+        for n in range(4000, 4100):
+            _compat.sdpa_torch_refusal(kernel, (8, 32, 1, 128), (8, 8, n, 128), *rest)
+        assert len({a[2] for a in asked}) == 8  # one class per residue mod 8
+        assert all(a[1][2] == 1 and a[2][2] >= 128 for a in asked)
+    asked.clear()
+    for n in range(4000, 4010):
+        _compat.sdpa_torch_refusal("CUDNN_ATTENTION", (8, 32, 1, 128), (8, 8, n, 128), *rest)
+    assert [a[2][2] for a in asked] == list(range(4000, 4010))
+
+
+@pytest.mark.parametrize(
+    ("q_len", "kv_len"), [(4096, 4096), (200, 208), (208, 200), (1, 129), (64, 64), (0, 300)]
+)
+def test_length_classes_keep_what_torch_checks(
+    monkeypatch: pytest.MonkeyPatch, q_len: int, kv_len: int
+) -> None:
+    # torch's FlashAttention-2 check wants Lq == Lkv with is_causal; both kernels refuse length 0.
+    asked: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_compat, "_sdpa_torch_refusal_exact", lambda *a: asked.append(a))
+    _compat.sdpa_torch_refusal(
+        "FLASH_ATTENTION", (1, 2, q_len, 64), (1, 2, kv_len, 64), torch.bfloat16, "sm90", True, False, False
+    )
+    q_class, kv_class = asked[0][1][2], asked[0][2][2]
+    assert (q_class == kv_class) == (q_len == kv_len)
+    assert (q_class == 0, kv_class == 0) == (q_len == 0, kv_len == 0)
+    assert (q_class, kv_class) == (q_len, kv_len) or max(q_len, kv_len) > 128
