@@ -334,6 +334,11 @@ class _TracksCallable(Spec):
     def _holds_callables(self) -> bool:
         return self.tracked
 
+    def loads_pairs(self) -> bool:
+        # How the function indexes what it captures is unknown, and listing what it captures
+        # walks its closure, which Dynamo cannot trace: any user callable counts.
+        return True
+
     def flex_cpu_hazards(self) -> tuple[str, ...]:
         return tuple(getattr(self, "hazards", ()))
 

@@ -290,6 +290,13 @@ class Spec:
     #: (Dynamo restarts to specialize it). Kernels read such floats through a constant path
     #: (``SoftCap.static_cap``).
     scalar_fields: ClassVar[frozenset[str]] = frozenset()
+    #: Whether this spec's own mod may read one of its tensors at an index that depends on both
+    #: the query and the key (a bias or mask table, a relative-position table). Triton's flex
+    #: kernel streams such a value as a ``[BLOCK_M, BLOCK_N]`` tile through shared memory beside K
+    #: and V, which the flex route's tile choice must leave room for (:meth:`loads_pairs`).
+    #: ``None``: whenever the spec holds tensors of its own (the safe answer); specs whose tensors
+    #: are read per query or per key only (document ids, lengths, flags) set ``False``.
+    pair_loads: ClassVar[bool | None] = None
 
     def _fields(self) -> tuple[Any, ...]:
         return tuple([getattr(self, name) for name in _field_names(self)])
@@ -424,6 +431,23 @@ class Spec:
         if not self._holds_callables():
             object.__setattr__(self, "_tensors_value", tuple(found))
         return found
+
+    def loads_pairs(self) -> bool:
+        """Whether this spec or a part of it reads a tensor per (query, key) pair (see
+        :attr:`pair_loads`; any raw callable counts as one: what it reads is not looked into)."""
+        own = type(self).pair_loads
+        skip = type(self).scalar_fields
+        for name in _field_names(self):
+            if name in skip:
+                continue
+            value = getattr(self, name)
+            for part in value if isinstance(value, tuple) else (value,):
+                if isinstance(part, Spec):
+                    if part.loads_pairs():
+                        return True
+                elif own is None and isinstance(part, torch.Tensor):
+                    return True
+        return bool(own)
 
     def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []

@@ -53,6 +53,8 @@ class Document(MaskSpec):
         doc_ids: integer tensor ``[L]`` or ``[B, L]`` (lists are converted; stored as int64).
     """
 
+    pair_loads = False  # document ids are read per query and per key
+
     doc_ids: torch.Tensor
 
     depends_on_batch = True  # class default; uses_batch() says whether this instance does

@@ -83,6 +83,8 @@ class FlamingoCross(MaskSpec):
         attend: ``"last"`` (default) or ``"all"``.
     """
 
+    pair_loads = False  # its tables are read per query and per key
+
     last_image: torch.Tensor
     key_image: torch.Tensor
     attend: Literal["last", "all"] = "last"

@@ -48,6 +48,8 @@ class GlobalWindow(MaskSpec):
         right: keys visible after the query (``>= 0``; default 0).
     """
 
+    pair_loads = False  # global flags are read per query and per key
+
     is_global: torch.Tensor
     left: int
     right: int = 0

@@ -41,6 +41,8 @@ class KeyPadding(MaskSpec):
     SDPA's ``attn_mask`` as the broadcast view ``valid[:, None, None, :Lkv]`` (no copy, no L x L).
     """
 
+    pair_loads = False  # lengths are read per batch row
+
     valid: torch.Tensor
 
     depends_on_batch = True

@@ -74,6 +74,8 @@ class PerDocument(MaskSpec):
             :meth:`from_lengths`.
     """
 
+    pair_loads = False  # document runs and starts are read per query and per key
+
     inner: MaskSpec
     documents: Document
 

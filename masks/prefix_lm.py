@@ -52,6 +52,8 @@ class PrefixLM(MaskSpec):
             Values ``>= Lkv`` are allowed and mean that every key is visible.
     """
 
+    pair_loads = False  # prefix lengths are read per batch row
+
     prefix_len: int | torch.Tensor
 
     depends_on_batch = True  # class default; uses_batch() says whether this instance does

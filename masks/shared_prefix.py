@@ -66,6 +66,8 @@ class SharedPrefix(MaskSpec):
             (lists are converted; stored as int64; may be empty); see :meth:`from_lengths`.
     """
 
+    pair_loads = False  # its tables are read per query and per key
+
     prefix_len: int
     doc_ids: torch.Tensor
 

@@ -81,6 +81,8 @@ class Tree(MaskSpec):
         q_offset: absolute position of query 0 (``>= 0``, below ``L``; default 0).
     """
 
+    pair_loads = False  # tree numbers are read per query and per key
+
     parents: torch.Tensor
     prefix_len: int = 0
     q_offset: int = 0

@@ -12,6 +12,7 @@ from .alibi import Alibi
 from .bias import Bias
 from .graphormer import Graphormer
 from .rel_pos_bias import RelPosBias
+from .sandwich import Sandwich
 from .softcap import SoftCap
 
 get = SCORES.get
@@ -26,6 +27,7 @@ __all__ = [
     "Chain",
     "Graphormer",
     "RelPosBias",
+    "Sandwich",
     "ScoreSpec",
     "SoftCap",
     "get",

@@ -52,13 +52,27 @@ SM90_FORWARD_TILES = Tuning(
 )
 
 
-def _runs_raw_callables(p: Problem) -> bool:
-    """Whether ``p``'s mask or score mod wraps a user's callable. Measured tiles are pinned (one
-    Triton config, no autotuning) and fit shared memory with little margin: a callable loading
-    captured tensors (transformers' packed-sequence mask under torch.compile) pushed the sm90
-    forward tiles past the H200's limit ("out of resource: ... Required: 233472 Hardware
-    limit: 232448"), so such calls keep torch's autotuned defaults."""
-    return any(s is not None and s._holds_callables() for s in (p.mask, p.score))
+def _loads_pairs(p: Problem) -> bool:
+    """Whether ``p``'s mask or score mod reads a captured tensor per (query, key) pair
+    (``Spec.loads_pairs``: a bias or mask table, a relative-position table, any user callable).
+    Triton's flex kernel streams that value as a ``[BLOCK_M, BLOCK_N]``
+    tile through shared memory beside K and V."""
+    return any(s is not None and s.loads_pairs() for s in (p.mask, p.score))
+
+
+#: Head dims up to which torch's default forward tiles leave no room on sm90 for a pair-loaded
+#: tile, and the pipeline depth that makes it fit: a table[kv - q] or bias[h, q, kv] score mod at
+#: D=64 failed to compile on the H200 with torch's defaults ("out of resource: Required 245760,
+#: Hardware limit 232448") and ran with 2 stages; at D=128 the defaults fit
+#: (benchmarks/gathered_tile_probe.py).
+PAIR_LOAD_SHALLOW_HEAD_DIM = 64
+PAIR_LOAD_STAGES = 2
+
+
+def _pair_load_options(p: Problem) -> dict[str, Any]:
+    if arch.generation(p.arch) == "sm90" and p.head_dim <= PAIR_LOAD_SHALLOW_HEAD_DIM:
+        return {"fwd_num_stages": PAIR_LOAD_STAGES}
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +103,14 @@ class FlexBackend(Backend):
         the route's fixed ones, then the measured ones, then the caller's (``p.kernel_options``,
         which may not contradict the fixed ones: ``kernel_options_reasons``)."""
         opts = dict(self.kernel_options)
-        if not _runs_raw_callables(p):
+        if not _loads_pairs(p):
             opts.update(_tiles_within(self.tuned_options(p), block_mask))
+        elif opts.get("BACKEND", "TRITON") == "TRITON" and not any(name.startswith("fwd_") for name in opts):
+            # The measured tiles (pinned: one Triton config) have no room left for a pair-loaded
+            # tile (a captured table under transformers' packed-sequence mask needed 233472 bytes
+            # of the H200's 232448); torch's defaults do where they fit, shallower pipelines
+            # where they do not.
+            opts.update(_pair_load_options(p))
         opts.update(p.kernel_options or ())
         if "BACKEND" not in opts and _decoding_kernel_chosen(p):
             if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:

@@ -32,7 +32,9 @@ fit ``seq_len``) and prepends ``Document.from_lengths(lengths) &`` to the mask. 
 {min, max, seed}`` draws each batch row's number of real keys in ``[min, max]`` and prepends
 ``KeyPadding(valid) &`` (right padding, as a tokenizer's padded batch). A score entry
 without ``num_heads`` (e.g. ``{name: alibi}``) gets the case's ``heads``. ``mask: causal`` is short
-for ``mask: {name: causal}``.
+for ``mask: {name: causal}``. ``example: [tree]`` (a name or a list) joins each named family's
+``typical_example`` for the case's shape: masks ANDed with ``mask``, score mods chained after
+``score_mod``; for families built from tensors (trees, shared prefixes, bias tables).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ CASE_KEYS = (
     "score_mod",
     "document_lengths",
     "key_padding",
+    "example",
     "goal",
 )
 
@@ -124,6 +127,10 @@ class Case:
     q_len: int | None = None
     #: Value head dim when it differs from ``head_dim`` (DeepSeek-style q/k 192, v 128).
     v_head_dim: int | None = None
+    #: Registry names whose ``typical_example`` for the case's shape joins it: masks ANDed with
+    #: ``mask``, score mods chained after ``score_mod`` (families built from tensors: trees,
+    #: shared prefixes, bias tables, block selections).
+    example: tuple[str, ...] = ()
 
     @property
     def gqa(self) -> bool:
@@ -147,6 +154,15 @@ class Case:
                 "score_mod": _with_heads(self.score_mod, SCORES, self.heads),
             }
         )
+        for name in self.example:  # spec classes (checked at load: _examples)
+            if name in MASKS:
+                family: Any = MASKS.entry(name).factory
+                built = family.typical_example(self.lq, self.seq_len, self.batch, self.heads)
+                mask = built if mask is None else mask & built
+            else:
+                family = SCORES.entry(name).factory
+                built = family.typical_example(self.lq, self.seq_len, self.batch, self.heads)
+                score = built if score is None else score >> built
         if self.document_lengths is not None:
             from flexattn_zoo.masks import Document
 
@@ -291,6 +307,7 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         score_mod=raw.get("score_mod"),
         document_lengths=docs,
         key_padding=padding,
+        example=_examples(where, raw.get("example")),
         goal=goal,
     )
     try:
@@ -298,6 +315,25 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     return case
+
+
+def _examples(where: str, raw: Any) -> tuple[str, ...]:
+    """``example: NAME`` or a list of names, each a registered mask or score mod."""
+    if raw is None:
+        return ()
+    names = raw if isinstance(raw, list) else [raw]
+    valid = [*MASKS.names(), *SCORES.names()]
+    for name in names:
+        if not isinstance(name, str) or name not in valid:
+            raise ValueError(
+                f"{where}.example: unknown {name!r}; valid: {', '.join(valid)}.{did_you_mean(str(name), valid)}"
+            )
+        factory = (MASKS if name in MASKS else SCORES).entry(name).factory
+        if not callable(getattr(factory, "typical_example", None)):
+            raise ValueError(
+                f"{where}.example: {name!r} is a registered function, not a spec class with examples"
+            )
+    return tuple(names)
 
 
 def _length_range(where: str, key: str, raw: Any) -> dict[str, int] | None:

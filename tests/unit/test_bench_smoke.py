@@ -199,6 +199,19 @@ def test_config_errors_name_the_valid_choices() -> None:
     ]
 
 
+def test_example_entries_join_a_familys_typical_example() -> None:
+    (case,) = parse_config(_config(mask={"name": "causal"}, example=["tree", "alibi"], heads=2, kv_heads=2))
+    mask, score = case.specs()
+    tree = masks.Tree.typical_example(case.lq, case.seq_len, case.batch, case.heads)
+    assert mask == masks.Causal() & tree
+    assert isinstance(score, score_mods.Alibi)
+    with pytest.raises(ValueError, match=r"example: unknown 'tre'.*Did you mean 'tree'"):
+        parse_config(_config(example="tre"))
+    # Every zoo row builds, and names a registered family.
+    zoo = load_config("zoo")
+    assert zoo and all(c.specs()[0] is not None or c.specs()[1] is not None for c in zoo)
+
+
 def test_memory_guard_and_resume(tmp_path: Path) -> None:
     cases = parse_config(_config(routes=["sdpa_math", "sdpa_dense_mask"], max_dense_gib=1e-9, modes=["fwd"]))
     data: dict[str, Any] = {"env": {}, "rows": []}
@@ -218,7 +231,7 @@ def test_packaged_configs_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``flexattn-zoo bench h200``: the sweeps ship as package data; benchmarks/configs links there."""
-    assert {"cpu_prefix", "h200", "smoke"} <= set(packaged_configs())
+    assert {"cpu_prefix", "h200", "smoke", "zoo"} <= set(packaged_configs())
     assert SMOKE.resolve().parent == (ROOT / "flexattn_zoo" / "bench" / "configs").resolve()
     monkeypatch.chdir(tmp_path)  # no checkout files in sight
     assert load_config("smoke") == load_config("smoke.yaml") == load_config(SMOKE)
@@ -241,7 +254,7 @@ def test_packaged_configs_by_name(
     assert [r["case"] for r in json.loads(out.read_text())["rows"]] == ["causal"]
     assert cli.main(["bench", "nope"]) == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "neither a file nor a packaged config (cpu_prefix, generalization, h200, smoke)" in err
+    assert "neither a file nor a packaged config (cpu_prefix, generalization, h200, smoke, zoo)" in err
 
 
 def test_cli_bench_delegates(tmp_path: Path) -> None:

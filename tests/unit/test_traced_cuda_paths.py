@@ -4,31 +4,32 @@ traced CUDA path that Dynamo must trace without a break, and the choices they ma
 from __future__ import annotations
 
 import builtins
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
-from flexattn_zoo import blockmask, dispatch, masks
+from flexattn_zoo import blockmask, dispatch, masks, score_mods
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.problem import Problem
 
 
-def _problem(mask: Any) -> Problem:
+def _problem(mask: Any, score: Any = None, head_dim: int = 128) -> Problem:
     return Problem(
         batch=2,
         heads=16,
         kv_heads=16,
         q_len=1024,
         kv_len=1024,
-        head_dim=128,
+        head_dim=head_dim,
         dtype=torch.bfloat16,
         device_type="cuda",
         arch="sm90",
         requires_grad=False,
         mask=mask,
-        score=None,
+        score=score,
         return_lse=False,
     )
 
@@ -42,6 +43,50 @@ def test_measured_flex_tiles_only_for_the_zoos_own_mods() -> None:
     raw = FunctionMask(fn=lambda b, h, q, kv, ids=ids: ids[q] == ids[kv])
     assert "fwd_num_stages" not in (flex.options(_problem(raw)) or {})
     assert "fwd_num_stages" not in (flex.options(_problem(raw & masks.Causal())) or {})
+
+
+def test_specs_say_whether_they_load_a_tensor_per_query_key_pair() -> None:
+    ids = torch.tensor([0, 0, 1, 1])
+    table = torch.zeros(4, 4, dtype=torch.bool)
+    pairs = [
+        masks.Dense(mask=table),
+        score_mods.Bias(bias=torch.zeros(4, 4)),
+        score_mods.RelPosBias.examples(4, 4, 1, 2)[0],
+        score_mods.Sandwich(num_heads=2, max_len=8),
+        FunctionMask(fn=lambda b, h, q, kv: table[q, kv]),
+        masks.Document(doc_ids=ids) & masks.Dense(mask=table),
+        FunctionMask(fn=lambda b, h, q, kv: q >= kv),  # what a callable reads is not looked into
+    ]
+    rows = [
+        masks.Causal(),
+        masks.Document(doc_ids=ids),
+        masks.Document(doc_ids=ids) & masks.Causal(),
+        masks.PrefixLM(prefix_len=torch.tensor([2])),
+        score_mods.SoftCap(cap=30.0),
+    ]
+    assert [s.loads_pairs() for s in pairs] == [True] * len(pairs)
+    assert [s.loads_pairs() for s in rows] == [False] * len(rows)
+
+
+def test_pair_loading_mods_get_flex_tiles_that_fit_sm90() -> None:
+    """A table[kv - q] or bias[h, q, kv] score mod at D=64 failed to compile on the H200 with
+    torch's default forward tiles ("out of resource: Required 245760, Hardware limit 232448"),
+    and compiled with 2 pipeline stages (benchmarks/results/gathered_tile_probe_h200.txt)."""
+    flex, flash = BY_NAME["flex"], BY_NAME["flex_flash"]
+    bias = score_mods.Bias(bias=torch.zeros(1024, 1024))
+    causal = masks.Causal()
+    assert (flex.options(_problem(causal, bias, head_dim=64)) or {}).get("fwd_num_stages") == 2
+    assert (
+        flex.options(_problem(masks.Dense(mask=torch.ones(1024, 1024, dtype=torch.bool)), head_dim=64)) or {}
+    ).get("fwd_num_stages") == 2
+    # At D=128 torch's defaults fit: neither the measured tiles nor fewer stages.
+    assert "fwd_num_stages" not in (flex.options(_problem(causal, bias)) or {})
+    # Mods without pair loads keep what they had; FlashAttention-4's kernel takes no Triton tiles;
+    # the caller's options win.
+    assert "fwd_num_stages" not in (flex.options(_problem(causal, head_dim=64)) or {})
+    assert "fwd_num_stages" not in (flash.options(_problem(causal, bias, head_dim=64)) or {})
+    own = dataclasses.replace(_problem(causal, bias, head_dim=64), kernel_options=(("fwd_num_stages", 1),))
+    assert (flex.options(own) or {})["fwd_num_stages"] == 1
 
 
 def test_a_callables_data_question_traces_without_a_break(monkeypatch: pytest.MonkeyPatch) -> None:

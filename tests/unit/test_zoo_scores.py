@@ -1,7 +1,8 @@
-"""The Graphormer bias against an oracle written here from its paper's definition (independent of
-the spec's ``score_mod`` and of its ``dense``): shortest-path distances found by breadth-first
-search, the graph token, gradients into learned tables, the query head under grouped-query
-attention, and parameter errors.
+"""The Sandwich and Graphormer biases, each against an oracle written here from its paper's
+definition (independent of the spec's ``score_mod`` and of its ``dense``): Sandwich's per-pair sum
+of cosines and its convention next to attention-gym's, Graphormer's shortest-path distances found
+by breadth-first search, the graph token, gradients into learned tables, the query head under
+grouped-query attention, and parameter errors.
 
 The registry-wide tests (``tests/property``) already run every example of these specs through the
 consistency checks, every CPU route and ``torch.compile``; nothing here compiles (the routes are
@@ -11,6 +12,7 @@ consistency checks, every CPU route and ``torch.compile``; nothing here compiles
 from __future__ import annotations
 
 import math
+import pickle
 from collections import deque
 
 import pytest
@@ -19,7 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.score_mods import Graphormer
+from flexattn_zoo.score_mods import Graphormer, Sandwich
 from flexattn_zoo.testing import assert_matches_reference
 from flexattn_zoo.testing.checks import index_grids
 
@@ -46,6 +48,126 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
         s = q[:, h] @ k[:, h // group].transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias[:, h]
         outs.append(torch.softmax(s, dim=-1) @ v[:, h // group])
     return torch.stack(outs, dim=1)
+
+
+# ---- sandwich ----------------------------------------------------------------------------------
+
+
+def _sandwich_loops(dim: int, heads: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """Chi et al.'s bias pair by pair: ``(sum_{k=1..d'/2} cos((i - j) / 10000^(2k/d')) - d'/2) / r_h``
+    with ``r_h = 8 (h + 1) / H``."""
+
+    def shifted(i: int, j: int) -> float:
+        return sum(math.cos((i - j) / 10000 ** (2 * k / dim)) for k in range(1, dim // 2 + 1)) - dim / 2
+
+    base = torch.tensor([[shifted(i, j) for j in range(kv_len)] for i in range(q_len)], dtype=torch.float64)
+    ratios = torch.tensor([8 * (h + 1) / heads for h in range(heads)], dtype=torch.float64)
+    return (base / ratios.view(-1, 1, 1))[None]
+
+
+@pytest.mark.parametrize(
+    ("dim", "heads", "q_len", "kv_len", "max_len"),
+    [(128, 8, 13, 13, 13), (16, 3, 9, 21, 40), (2, 1, 30, 7, 30), (64, 12, 40, 40, 8192)],
+)
+def test_sandwich_is_the_sum_of_cosines(dim: int, heads: int, q_len: int, kv_len: int, max_len: int) -> None:
+    spec = Sandwich(num_heads=heads, dim=dim, max_len=max_len)
+    want = _sandwich_loops(dim, heads, q_len, kv_len)
+    zeros = torch.zeros(1, heads, q_len, kv_len, dtype=torch.float64)
+    torch.testing.assert_close(spec.dense(zeros), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_mod_bias(spec, 1, heads, q_len, kv_len), want, rtol=1e-12, atol=1e-12)
+    # 0 on the diagonal, negative off it (every cosine is at most 1), symmetric in i - j.
+    diag = torch.arange(min(q_len, kv_len))
+    assert bool((want[..., diag, diag] == 0).all())
+    off = torch.arange(kv_len)[None, :] != torch.arange(q_len)[:, None]
+    assert bool((want[..., off] < 0).all())
+    # Float32 scores (what kernels pass) read the float32 table: one rounding of the bias.
+    got32 = spec.score_mod()(torch.zeros(1, heads, q_len, kv_len), *index_grids(1, heads, q_len, kv_len))
+    assert got32.dtype == torch.float32
+    torch.testing.assert_close(got32.double(), want, rtol=3e-7, atol=1e-6)
+
+
+def test_sandwich_picture_values() -> None:
+    # The docstring's row for d' = 128, head 0 of 8 (r = 1), and its far values.
+    row = Sandwich(num_heads=8, max_len=2048).distance_table()[2047:]
+    assert [round(float(row[n]), 2) for n in range(5)] == [0.0, -1.45, -5.2, -9.82, -13.76]
+    assert [round(float(row[n]), 1) for n in (6, 32, 1024)] == [-16.9, -28.2, -50.9]
+    torch.testing.assert_close(row.flip(0), Sandwich(num_heads=8, max_len=2048).distance_table()[:2048])
+
+
+def test_sandwich_convention_next_to_attention_gym() -> None:
+    # attention-gym's generate_sandwich_bias, restated: sum over k = 0 .. d'/2 - 1 of
+    # cos((i - j) / 10000^(2k/d')), times H / (8 (h + 1)), no shift. With the same ratios it is this
+    # spec's bias plus (cos(i - j) - cos((i - j) / 10000) + d'/2) / r_h: the frequency 1 in place
+    # of 1/10000, and a constant per head (which softmax ignores, the log-sum-exp does not).
+    dim, heads, n = 32, 4, 24
+    rel = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).double()
+    gym = sum(torch.cos(rel * 10000.0 ** (-2 * k / dim)) for k in range(dim // 2))
+    ratios = torch.tensor([8 * (h + 1) / heads for h in range(heads)], dtype=torch.float64).view(1, -1, 1, 1)
+    gym = gym / ratios
+    ours = Sandwich(num_heads=heads, dim=dim, max_len=n).dense(
+        torch.zeros(1, heads, n, n, dtype=torch.float64)
+    )
+    extra = (torch.cos(rel) - torch.cos(rel / 10000) + dim / 2) / ratios
+    torch.testing.assert_close(gym, ours + extra, rtol=1e-12, atol=1e-12)
+    assert float((gym - ours - dim / 2 / ratios).abs().max()) > 0.1  # not only a shift
+
+
+def test_sandwich_divides_by_the_query_heads_ratio_under_gqa() -> None:
+    heads, kv_heads, n = 4, 2, 11
+    spec = Sandwich(num_heads=heads, dim=8, max_len=16)
+    q, k, v = _qkv(2, heads, kv_heads, n, n)
+    out = fz.attention(q, k, v, mask=masks.Causal(), score_mod=spec, enable_gqa=True, backend="dense")
+    bias = _sandwich_loops(8, heads, n, n).masked_fill(~masks.Causal().dense(n, n), -math.inf)
+    torch.testing.assert_close(out, _attend(q, k, v, bias))
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert_matches_reference(
+        out, q, k, v, mask=masks.Causal(), score_mod=spec, enable_gqa=True, grads=grads,
+        grad_out=torch.ones_like(out),
+    )  # fmt: skip
+    # Head h's bias is head 0's divided by h + 1.
+    per_head = _mod_bias(spec, 1, heads, n, n)
+    for h in range(heads):
+        torch.testing.assert_close(per_head[:, h] * (h + 1), per_head[:, 0])
+
+
+def test_sandwich_lengths_and_device() -> None:
+    spec = Sandwich(num_heads=2, dim=8, max_len=16)
+    spec.validate(16, 16, 1, 2)  # the table's last entries serve distance 15
+    with pytest.raises(ValueError, match="at most 16 tokens.*max_len >= 17"):
+        spec.validate(17, 5, 1, 2)
+    with pytest.raises(ValueError, match="build it with num_heads=3"):
+        spec.validate(4, 4, 1, 3)
+    q, k, v = _qkv(1, 2, 2, 17, 17)
+    with pytest.raises(ValueError, match="max_len"):
+        fz.attention(q, k, v, score_mod=spec)
+    # Equal parameters: equal specs, one score_mod. Another device: another spec with its table.
+    assert Sandwich(num_heads=2, dim=8, max_len=16) == spec
+    assert Sandwich(num_heads=2, dim=8, max_len=16).score_mod() is spec.score_mod()
+    assert spec.to("cpu") is spec and spec.device == torch.device("cpu")
+    meta = spec.to("meta")
+    assert meta.device == torch.device("meta") and meta.distance_table().device.type == "meta"
+    assert meta != spec and meta.score_mod() is not spec.score_mod() and meta.to("meta") is meta
+    assert meta.to("cpu") == spec
+    assert pickle.loads(pickle.dumps(spec)) == spec
+    assert spec.tensors() == [] and not spec.captures_grad_tensors() and spec.uses_head()
+    assert score_mods.get("sandwich", num_heads=4) == Sandwich(num_heads=4, dim=128, max_len=8192)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"num_heads": 0}, ValueError, r"num_heads=...\) must be in \[1, "),
+        ({"num_heads": 2.0}, TypeError, r"num_heads=...\) must be an int"),
+        ({"num_heads": 2, "dim": 7}, ValueError, "must be even"),
+        ({"num_heads": 2, "dim": 0}, ValueError, r"dim=...\) must be in \[2, 1024\]"),
+        ({"num_heads": 2, "dim": True}, TypeError, r"dim=...\) must be an int"),
+        ({"num_heads": 2, "max_len": 0}, ValueError, r"max_len=...\) must be in \[1, 1048576\]"),
+        ({"num_heads": 2, "max_len": (1 << 20) + 1}, ValueError, "max_len"),
+    ],
+)
+def test_sandwich_parameter_errors(kwargs: dict[str, object], exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        Sandwich(**kwargs)  # type: ignore[arg-type]
 
 
 # ---- graphormer --------------------------------------------------------------------------------
