@@ -13,6 +13,7 @@ from flexattn_zoo.spec import (
     Spec,
     VarlenForm,
     block_ranges,
+    known_true,
     spec_dataclass,
     static_int,
 )
@@ -169,7 +170,7 @@ class VideoSparse(MaskSpec):
         ``VideoSparse(frames=frame_tokens, frame_tokens=frames, kind=<the other kind>, window=window,
         text_len=text_len)``; ``out[..., order.argsort(), :]`` takes the output back. Sink frames do
         not survive the permutation (they become a strided set of keys). Sparse-VideoGen runs its
-        temporal heads so, as block-diagonal spatial heads."""
+        temporal heads so, as banded spatial heads."""
         video = torch.arange(self.video_tokens).view(self.frames, self.frame_tokens).t().reshape(-1)
         return torch.cat([video, torch.arange(self.video_tokens, self.tokens)])
 
@@ -199,7 +200,7 @@ class VideoSparse(MaskSpec):
                 q, k = (q_idx // per_frame, kv_idx // per_frame) if per_frame > 1 else (q_idx, kv_idx)
             else:  # spatial indices within the frame
                 q, k = q_idx % per_frame, kv_idx % per_frame
-            # |q - k| <= window without abs (FA4's code generator in torch 2.11 lacks it).
+            # |q - k| <= window
             out = (q - k <= window) & (k - q <= window)
             if sink:
                 out = out | (kv_idx < sink)
@@ -230,11 +231,12 @@ class VideoSparse(MaskSpec):
         return out[:q_len, :kv_len][None, None]
 
     def _all_visible(self, q_len: int, kv_len: int) -> bool:
-        if kv_len <= self.sink_frames * self.frame_tokens:
+        # Length conditions through known_true: a compiled decode step's lengths may be unknown.
+        if known_true(kv_len <= self.sink_frames * self.frame_tokens):
             return True  # every key is a sink
         if self.kind == "spatial":
-            return (
-                self.window >= self.frames - 1 or max(q_len, kv_len) <= (self.window + 1) * self.frame_tokens
+            return self.window >= self.frames - 1 or known_true(
+                max(q_len, kv_len) <= (self.window + 1) * self.frame_tokens
             )
         return self.window >= self.frame_tokens - 1
 
