@@ -21,8 +21,10 @@ from .padding import KeyPadding
 from .per_document import PerDocument
 from .prefix_lm import PrefixLM
 from .shared_prefix import SharedPrefix
+from .sliding_tile import SlidingTile
 from .sliding_window import SlidingWindow
 from .tree import Tree
+from .video_sparse import VideoSparse
 
 get = MASKS.get
 names = MASKS.names
@@ -45,8 +47,10 @@ __all__ = [
     "PerDocument",
     "PrefixLM",
     "SharedPrefix",
+    "SlidingTile",
     "SlidingWindow",
     "Tree",
+    "VideoSparse",
     "get",
     "names",
     "register",

@@ -28,11 +28,13 @@ from ._blocks import check_int
 _Box = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 
 
-def _ints(name: str, value: Any, minimum: int) -> tuple[int, ...]:
+def axis_ints(name: str, value: Any, minimum: int, owner: str = "Natten") -> tuple[int, ...]:
+    """``value`` (an int or a sequence of ints, one per grid axis) as a tuple of plain ints; TypeError
+    / ValueError naming ``owner(name=...)``."""
     items = (value,) if isinstance(value, int) or hasattr(value, "__index__") else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
-        raise TypeError(f"Natten({name}=...) must be an int or a tuple of 1 to 3 ints, got {value!r}")
-    return tuple(check_int(name, v, minimum=minimum, owner="Natten") for v in items)
+        raise TypeError(f"{owner}({name}=...) must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    return tuple(check_int(name, v, minimum=minimum, owner=owner) for v in items)
 
 
 @MASKS.register
@@ -96,8 +98,8 @@ class Natten(MaskSpec):
     kernel: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        canvas = _ints("canvas", self.canvas, 1)
-        kernel = _ints("kernel", self.kernel, 1)
+        canvas = axis_ints("canvas", self.canvas, 1)
+        kernel = axis_ints("kernel", self.kernel, 1)
         if len(canvas) > 3:
             raise ValueError(f"Natten(canvas=...) has 1 to 3 axes, got {len(canvas)}: {canvas}")
         if len(kernel) == 1 and len(canvas) > 1:
@@ -176,29 +178,9 @@ class Natten(MaskSpec):
     ) -> BlockMap | None:
         q_first, q_last, q_complete = block_ranges(q_len, q_block, device)
         k_first, k_last, k_complete = block_ranges(kv_len, kv_block, device)
-        # Candidate boxes no block uses (most of them when blocks align with rows or slices) are
-        # dropped before the pairwise work; not while torch.compile traces (that reads data).
-        keep = (lambda box: True) if tracing() else (lambda box: bool(box[1].any()))
-        q_boxes = [box for box in _boxes(q_first, q_last, self.canvas) if keep(box)]
-        k_boxes = [box for box in _boxes(k_first, k_last, self.canvas) if keep(box)]
-        n_q, n_kv = q_first.numel(), k_first.numel()
-        any_ = torch.zeros(n_q, n_kv, dtype=torch.bool, device=device)
-        full = q_complete[:, None] & k_complete[None, :]
-        for q_axes, q_valid in q_boxes:
-            for k_axes, k_valid in k_boxes:
-                both = q_valid[:, None] & k_valid[None, :]
-                some, every = both, torch.ones_like(both)
-                for (qa, qb), (ka, kb), size, k in zip(q_axes, k_axes, self.canvas, self.kernel, strict=True):
-                    # Window starts never decrease along an axis and step by at most 1, so the
-                    # queries [qa, qb] of a box together see keys [start(qa), start(qb) + K - 1],
-                    # and each of them sees at least [start(qb), start(qa) + K - 1].
-                    lo = (qa - k // 2).clamp(0, size - k)[:, None]
-                    hi = (qb - k // 2).clamp(0, size - k)[:, None]
-                    some = some & (lo <= kb[None, :]) & (ka[None, :] <= hi + k - 1)
-                    every = every & (hi <= ka[None, :]) & (kb[None, :] <= lo + k - 1)
-                any_ |= some
-                full &= every | ~both
-        return BlockMap(any=any_[None, None], full=full[None, None])
+        some, every = window_block_pairs(q_first, q_last, k_first, k_last, self.canvas, self.kernel)
+        full = every & q_complete[:, None] & k_complete[None, :]
+        return BlockMap(any=some[None, None], full=full[None, None])
 
     @classmethod
     def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
@@ -220,6 +202,60 @@ class Natten(MaskSpec):
             depth = -(-n // 16)
             out.append(cls(canvas=(depth, 4, 4), kernel=(min(3, _odd(depth)), 3, 1)))
         return out
+
+
+def window_block_pairs(
+    q_first: torch.Tensor,
+    q_last: torch.Tensor,
+    k_first: torch.Tensor,
+    k_last: torch.Tensor,
+    canvas: tuple[int, ...],
+    kernel: tuple[int, ...],
+    *,
+    q_valid: torch.Tensor | None = None,
+    k_valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NATTEN's window rule between runs of cells of a row-major grid, ``[n_q, n_kv]`` each.
+
+    Query run ``r`` is the cells ``q_first[r] .. q_last[r]`` (flat indices into ``canvas``), key
+    run ``c`` likewise; ``q_valid`` / ``k_valid`` (default: all) say which runs exist. ``some[r, c]``:
+    some cell of run ``r`` has some cell of run ``c`` in its ``kernel`` window; ``every[r, c]``: every
+    cell of ``r`` has every cell of ``c`` in it (True when either run does not exist). Exact for
+    any runs: every cell of a run is a query (or key) of its block, so the block pair is decided by
+    these cell sets alone (``Natten`` passes positions, ``SlidingTile`` the tiles its blocks touch).
+    """
+    device = q_first.device
+    # Candidate boxes no run uses (most of them when runs align with rows or slices) are dropped
+    # before the pairwise work; not while torch.compile traces (that reads data).
+    keep = (lambda box: True) if tracing() else (lambda box: bool(box[1].any()))
+    q_boxes = [
+        (axes, valid if q_valid is None else valid & q_valid)
+        for axes, valid in _boxes(q_first, q_last, canvas)
+    ]
+    k_boxes = [
+        (axes, valid if k_valid is None else valid & k_valid)
+        for axes, valid in _boxes(k_first, k_last, canvas)
+    ]
+    q_boxes = [box for box in q_boxes if keep(box)]
+    k_boxes = [box for box in k_boxes if keep(box)]
+    n_q, n_kv = q_first.numel(), k_first.numel()
+    some_all = torch.zeros(n_q, n_kv, dtype=torch.bool, device=device)
+    every_all = torch.ones(n_q, n_kv, dtype=torch.bool, device=device)
+    for q_axes, q_ok in q_boxes:
+        for k_axes, k_ok in k_boxes:
+            both = q_ok[:, None] & k_ok[None, :]
+            some, every = both, torch.ones_like(both)
+            for (qa, qb), (ka, kb), size, k in zip(q_axes, k_axes, canvas, kernel, strict=True):
+                # Window starts never decrease along an axis and step by at most 1, so the
+                # queries [qa, qb] of a box together see keys [start(qa), start(qb) + K - 1],
+                # and each of them sees at least [start(qb), start(qa) + K - 1].
+                lo = (qa - k // 2).clamp(0, size - k)[:, None]
+                hi = (qb - k // 2).clamp(0, size - k)[:, None]
+                some = some & (lo <= kb[None, :]) & (ka[None, :] <= hi + k - 1)
+                every = every & (hi <= ka[None, :]) & (kb[None, :] <= lo + k - 1)
+            some_all |= some
+            every_all &= every | ~both
+    return some_all, every_all
 
 
 def _odd(size: int) -> int:
