@@ -54,18 +54,20 @@ __all__ = [
     "testing",
     "tune",
     "varlen_attention",
+    "viz",
 ]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
     # fz.testing is imported on first use: it pulls in test-only helpers users may not need.
-    # fz.decode and fz.pages likewise; fz.hf needs the optional 'hf' extra (transformers), so it is never
-    # imported implicitly: ``import flexattn_zoo.hf``.
+    # fz.decode, fz.pages and fz.viz likewise; fz.hf needs the optional 'hf' extra
+    # (transformers), so it is never imported implicitly: ``import flexattn_zoo.hf``.
     lazy = {
         "testing": "flexattn_zoo.testing",
         "decode": "flexattn_zoo.models.decode",
         "pages": "flexattn_zoo.models.pages",
+        "viz": "flexattn_zoo.viz",
     }
     if name in lazy:
         module = importlib.import_module(lazy[name])

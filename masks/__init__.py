@@ -8,6 +8,7 @@ from flexattn_zoo.registry import MASKS
 
 from .band import Band
 from .block_diffusion import BlockDiffusion
+from .block_select import BlockSelect
 from .causal import Causal
 from .chunked import Chunked
 from .dense import Dense
@@ -34,6 +35,7 @@ register_function = MASKS.register_function
 __all__ = [
     "Band",
     "BlockDiffusion",
+    "BlockSelect",
     "Causal",
     "Chunked",
     "Dense",

@@ -1,7 +1,7 @@
 """Build the API reference (HTML, from the docstrings) with pdoc into ``build/api/``.
 
 Documents the public modules: ``flexattn_zoo`` (``fz``) with the subpackages it exports
-(``masks``, ``score_mods``, ``testing``), and the modules it exports under other names
+(``masks``, ``score_mods``, ``testing``, ``viz``), and the modules it exports under other names
 (``fz.layers``, ``fz.presets``, ``fz.decode``, ``fz.tune``) plus ``flexattn_zoo.hf`` (needs the
 ``hf`` extra). Docstrings are read as Google style (``Args:``/``Returns:``) over reStructuredText
 (````literal````, ``:class:`` roles), as they are written.
@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The public modules, as importable names. ``flexattn_zoo`` takes its subpackages from its
-#: ``__all__`` (masks, score_mods, testing); the others are exported under another name.
+#: ``__all__`` (masks, score_mods, testing, viz); the others are exported under another name.
 MODULES = (
     "flexattn_zoo",
     "flexattn_zoo.models.layers",
@@ -48,6 +48,7 @@ REQUIRED = (
     "flexattn_zoo.masks",
     "flexattn_zoo.score_mods",
     "flexattn_zoo.testing",
+    "flexattn_zoo.viz",
     "flexattn_zoo.models.decode",
 )
 

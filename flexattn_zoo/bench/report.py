@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from flexattn_zoo.cli.viz import MissingDependency
+from flexattn_zoo.viz import MissingDependency
 
 #: Routes left out of "best" when comparing auto with the fastest other route.
 NOT_BEST = frozenset({"auto"})

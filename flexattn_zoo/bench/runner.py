@@ -48,8 +48,8 @@ from flexattn_zoo.bench.config import (
 from flexattn_zoo.bench.env import block_fa4, collect_env
 from flexattn_zoo.bench.report import markdown, rich_table, write_pngs
 from flexattn_zoo.bench.timing import free_memory, visible_pairs
-from flexattn_zoo.cli.viz import MissingDependency
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.viz import MissingDependency
 
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x forward
 COMMAND_ENV = "FLEXATTN_ZOO_BENCH_COMMAND"  # recorded instead of argv (e.g. by run_h200.sh)

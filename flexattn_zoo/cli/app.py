@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flexattn_zoo.cli import viz
+from flexattn_zoo import viz
 from flexattn_zoo.cli.info import cmd_env, cmd_show
 from flexattn_zoo.cli.params import CliError, build_specs, describe_params, describe_spec, split_options
 

@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 import flexattn_zoo
+from flexattn_zoo import viz
 from flexattn_zoo.bench.env import dist_version
-from flexattn_zoo.cli import viz
 from flexattn_zoo.cli.params import CliError, build_specs, describe_spec
 
 if TYPE_CHECKING:
@@ -30,6 +30,9 @@ def cmd_show(args: argparse.Namespace, params: list[tuple[str, str | None]], con
 
     q_len = args.length
     kv_len = args.kv_len or q_len
+    for option, length in (("--len", q_len), ("--kv-len", kv_len)):
+        if length > viz.MAX_LENGTH:
+            raise ValueError(f"{option} must be at most 2**52 ({viz.MAX_LENGTH}) to draw, got {length}")
     first = args.name.split("+")[0].strip()
     is_mask = first in MASKS
     if not is_mask and first not in SCORES:
@@ -100,7 +103,7 @@ def _show_mask(
             big = viz.mask_cells(
                 spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512
             )
-            viz.write_png(
+            viz.write_cells_png(
                 args.png,
                 f"{args.name} (Lq={q_len}, Lkv={kv_len})",
                 big.frac,
@@ -125,7 +128,7 @@ def _show_mask(
         big = viz.mask_cells(
             spec, q_len, kv_len, batch=args.batch, heads=heads, head_index=args.head, max_cells=512
         )
-        viz.write_png(
+        viz.write_cells_png(
             args.png,
             f"{args.name} (Lq={q_len}, Lkv={kv_len})",
             big.frac,
@@ -143,7 +146,7 @@ def _show_score(
     spec.validate(q_len, kv_len, args.batch, heads)
     if q_len * kv_len > viz.DENSE_LIMIT:
         raise ValueError(f"score mod pictures are dense: keep len * kv_len <= {viz.DENSE_LIMIT}")
-    bias = viz.score_bias(spec, q_len, kv_len, heads=heads, head_index=args.head)
+    bias = viz.score_matrix(spec, q_len, kv_len, head_index=args.head, batch=args.batch, heads=heads)
     if bool((bias == 0).all()):
         console.print("adds no position-dependent bias (a zero score stays 0 everywhere)")
     elif q_len <= 16 and kv_len <= 16:
@@ -168,7 +171,7 @@ def _show_score(
             table.add_row(f"{x:g}", f"{y:.4g}")
         console.print(table)
     if args.png:
-        viz.write_png(
+        viz.write_cells_png(
             args.png, f"{args.name} bias, head {args.head}", bias, cell_label="bias", cmap="viridis"
         )
         console.print(f"wrote {args.png}")
