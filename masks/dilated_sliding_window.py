@@ -121,6 +121,11 @@ class DilatedSlidingWindow(MaskSpec):
         # drops at every multiple of the dilation, and a bound must never decrease.
         return None
 
+    # No visible_fraction bound (the base's 1.0): at the bound, (left + right) // dilation + 1 keys
+    # per query, an 8K problem falls under the dispatcher's short-problem rule, which puts Triton
+    # flex first, and its forward+backward measured 1.8x slower than flex_flash's on the H200
+    # (benchmarks/results/zoo_h200.json). The rule needs a mask-aware threshold first.
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

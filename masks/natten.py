@@ -173,6 +173,10 @@ class Natten(MaskSpec):
         (size,), (k,) = self.canvas, self.kernel
         return (q_idx - k // 2).clamp(0, size - k)
 
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        # A query sees at most its kernel's box of keys.
+        return min(1.0, math.prod(self.kernel) / max(1, kv_len))
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

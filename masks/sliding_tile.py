@@ -253,6 +253,11 @@ class SlidingTile(MaskSpec):
         (n,), (w,) = self.grid, self.window
         return (torch.div(q_idx, per_tile, rounding_mode="floor") - w // 2).clamp(0, n - w) * per_tile
 
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        # A video query sees its window of whole tiles and the text; a text query sees everything.
+        seen = math.prod(self.window) * math.prod(self.tile) + self.text_len
+        return min(1.0, seen / max(1, kv_len) + self.text_len / max(1, q_len))
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

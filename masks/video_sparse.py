@@ -259,6 +259,14 @@ class VideoSparse(MaskSpec):
         frame = torch.div(q_idx, per_frame, rounding_mode="floor")
         return (frame - self.window).clamp(min=0) * per_frame
 
+    def visible_fraction(self, q_len: int, kv_len: int) -> float:
+        # A video query sees its window (whole frames, or one spatial range per frame), the sink
+        # frames and the text; a text query sees everything.
+        span = 2 * self.window + 1
+        window = span * self.frame_tokens if self.kind == "spatial" else span * self.frames
+        seen = window + self.sink_frames * self.frame_tokens + self.text_len
+        return min(1.0, seen / max(1, kv_len) + self.text_len / max(1, q_len))
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

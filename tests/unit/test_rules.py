@@ -14,6 +14,7 @@ from flexattn_zoo import masks
 from flexattn_zoo.arch import RULES
 from flexattn_zoo.bench import replay
 from flexattn_zoo.bench.config import load_config
+from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import lower_triangle_fraction
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -65,6 +66,26 @@ def test_visible_fraction_bounds_the_mask(mask, lq: int, lkv: int) -> None:  # t
     assert dense <= bound + 1e-12 and bound <= 1.0
     if isinstance(mask, masks.Causal):
         assert bound == pytest.approx(dense, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", masks.names())
+def test_every_familys_visible_fraction_bounds_its_examples(name: str) -> None:
+    """The size rules read ``visible_fraction``: every registered family's bound holds on its own
+    examples (a bound of 1.0, "unknown", always does)."""
+    family = MASKS.entry(name).factory
+    for lq, lkv, batch, heads in ((64, 64, 2, 2), (48, 80, 1, 2)):
+        try:
+            examples = family.examples(lq, lkv, batch, heads)
+        except (TypeError, ValueError):
+            continue  # a family that needs Lq == Lkv, or other shapes
+        for spec in examples:
+            try:
+                spec.validate(lq, lkv, batch, heads)
+            except ValueError:
+                continue
+            dense = spec.dense(lq, lkv, batch=batch, heads=heads).double().mean().item()
+            bound = spec.visible_fraction(lq, lkv)
+            assert dense <= bound + 1e-12 and bound <= 1.0, (spec, lq, lkv)
 
 
 def test_replay_of_the_sweep_improves_on_the_measured_order() -> None:
