@@ -114,6 +114,16 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
     return clamp_int(as_int, -INDEX_LIMIT, INDEX_LIMIT)
 
 
+def spec_cached(spec: Any, key: tuple[Any, ...], make: Any) -> Any:
+    """``make()``, computed once per ``key`` for ``spec``: data-dependent facts about a spec's
+    tensors (each a device sync), kept in the per-instance ``_cache`` dict the spec sets up in
+    ``__post_init__``. Specs are immutable, so an entry never goes stale."""
+    cache: dict[tuple[Any, ...], Any] = spec.__dict__["_cache"]
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
 def _canonical_device(device: torch.device | str | None) -> torch.device:
     dev = torch.device("cpu" if device is None else device)
     if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must be one key

@@ -19,7 +19,7 @@ from flexattn_zoo.spec import (
     tracing,
 )
 
-from ._blocks import sorted_label_block_map
+from ._blocks import sorted_label_block_map, spec_cached
 
 _IntRows = Sequence[int] | Sequence[Sequence[int]] | torch.Tensor
 
@@ -242,10 +242,7 @@ class Document(MaskSpec):
             )
 
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
-        cache: dict[tuple[Any, ...], Any] = self.__dict__["_cache"]
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
+        return spec_cached(self, key, make)
 
 
 def _int32_labels(ids: torch.Tensor) -> torch.Tensor:

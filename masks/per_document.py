@@ -22,7 +22,7 @@ from flexattn_zoo.spec import (
     tracing,
 )
 
-from ._blocks import evaluate_blocks
+from ._blocks import evaluate_blocks, spec_cached
 from .causal import Causal
 from .document import Document
 from .prefix_lm import PrefixLM
@@ -351,7 +351,4 @@ class PerDocument(MaskSpec):
         return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
 
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
-        cache: dict[tuple[Any, ...], Any] = self.__dict__["_cache"]
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
+        return spec_cached(self, key, make)

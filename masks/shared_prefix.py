@@ -20,7 +20,7 @@ from flexattn_zoo.spec import (
     tracing,
 )
 
-from ._blocks import INDEX_LIMIT, check_int
+from ._blocks import INDEX_LIMIT, check_int, spec_cached
 from .document import _int_vector
 
 
@@ -249,10 +249,7 @@ class SharedPrefix(MaskSpec):
             )
 
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
-        cache: dict[tuple[Any, ...], Any] = self.__dict__["_cache"]
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
+        return spec_cached(self, key, make)
 
 
 def _one_run_each(ids: torch.Tensor) -> bool:
