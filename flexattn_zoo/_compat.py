@@ -361,6 +361,7 @@ def sdpa_torch_refusal(
     by class (itself up to 128, else 128 plus its residue mod 8, keeping equal lengths equal and
     unequal ones unequal): generation meets a new key length at every step, and must not pay the
     check each time."""
+    call_q, call_kv = q_shape, kv_shape
     if kernel in _LENGTH_BLIND_KERNELS:
         q_len, kv_len = q_shape[-2], kv_shape[-2]
         q_class, kv_class = _length_class(q_len), _length_class(kv_len)
@@ -368,9 +369,12 @@ def sdpa_torch_refusal(
             kv_class += 8
         q_shape = (*q_shape[:-2], q_class, q_shape[-1])
         kv_shape = (*kv_shape[:-2], kv_class, kv_shape[-1])
-    return _sdpa_torch_refusal_exact(
+    why = _sdpa_torch_refusal_exact(
         kernel, q_shape, kv_shape, dtype, arch, is_causal, enable_gqa, requires_grad, dropout_p, v_dim
     )
+    if why is not None and (q_shape, kv_shape) != (call_q, call_kv):
+        why += f" (torch was asked about q / k shapes {q_shape} / {kv_shape}, this call's length class)"
+    return why
 
 
 @functools.lru_cache(maxsize=512)

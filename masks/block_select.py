@@ -134,7 +134,7 @@ class BlockSelect(MaskSpec):
 
         ``scores`` is a float tensor ``[n_q_blocks, n_kv_blocks]`` or ``[B|1, H|1, n_q_blocks,
         n_kv_blocks]`` (e.g. pooled queries against pooled keys, VSA's coarse stage); a score of
-        ``-inf`` is never selected (mask future blocks that way for causal selection), and rows
+        ``-inf`` (or NaN) is never selected (mask future blocks that way for causal selection), and rows
         with fewer than ``topk`` finite scores are padded with ``-1``. ``topk`` above
         ``n_kv_blocks`` selects every block. ``num_kv_blocks`` is ``n_kv_blocks``.
         """
@@ -148,7 +148,9 @@ class BlockSelect(MaskSpec):
                 f"[B|1, H|1, n_q_blocks, n_kv_blocks], non-empty; got {tuple(scores.shape)}"
             )
         k = min(check_int("topk", topk, minimum=1, owner=owner), scores.shape[-1])
-        values, picked = scores.detach().topk(k, dim=-1)
+        # NaN would rank first in topk: it is no score, so it is never selected, like -inf.
+        clean = scores.detach().nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        values, picked = clean.topk(k, dim=-1)
         picked = torch.where(torch.isneginf(values), -1, picked)
         return cls(indices=picked, block_size=block_size, num_kv_blocks=scores.shape[-1])
 
@@ -238,10 +240,11 @@ class BlockSelect(MaskSpec):
         gen = torch.Generator().manual_seed(7907 * q_len + 31 * kv_len + batch)
 
         def selection(
-            b: int, h: int, size_q: int, size_kv: int, k: int, unused: float = 0.25
+            b: int, h: int, size_q: int, size_kv: int, k: int, unused: float = 0.25, past_end: int = 0
         ) -> torch.Tensor:
             n_q, n_kv = -(-q_len // size_q), -(-kv_len // size_kv)
-            picked = torch.randint(0, n_kv, (b, h, n_q, k), generator=gen)  # duplicates happen
+            # Duplicates happen; past_end draws indices that far past the keys' end too.
+            picked = torch.randint(0, n_kv + past_end, (b, h, n_q, k), generator=gen)
             return torch.where(torch.rand(b, h, n_q, k, generator=gen) < unused, -1, picked)
 
         return [
@@ -251,7 +254,7 @@ class BlockSelect(MaskSpec):
             cls(indices=selection(1, 1, 16, 16, 6, 0.5), block_size=16, num_kv_blocks=-(-kv_len // 16)),
             # Per batch row and head, uneven blocks, indices past the keys' end (a wider table).
             cls(
-                indices=selection(batch, heads, 8, 24, 2),
+                indices=selection(batch, heads, 8, 24, 2, past_end=2),
                 block_size=(8, 24),
                 num_kv_blocks=-(-kv_len // 24) + 2,
             ),
@@ -310,6 +313,11 @@ def _index_tensor(value: Any, owner: str) -> torch.Tensor:
             idx = torch.as_tensor(idx)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise TypeError(f"{what} must be an integer tensor [n_q_blocks, k]: {exc}") from exc
+    if idx.numel() == 0:  # before the dtype: an empty list converts to float32
+        raise ValueError(
+            f"{what} must have shape [n_q_blocks, k] or [B|1, H|1, n_q_blocks, k] with every size "
+            f">= 1, got {tuple(idx.shape)}"
+        )
     if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
         raise TypeError(f"{what} must be an integer tensor of key block numbers, got dtype {idx.dtype}")
     if idx.dim() == 3:

@@ -74,7 +74,7 @@ class PerDocument(MaskSpec):
             :meth:`from_lengths`.
     """
 
-    pair_loads = False  # document runs and starts are read per query and per key
+    pair_loads = False  # its own runs and starts are read per query and per key (loads_pairs)
 
     inner: MaskSpec
     documents: Document
@@ -349,6 +349,11 @@ class PerDocument(MaskSpec):
             return rows[0]
         width = max(r.numel() for r in rows)
         return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+
+    def loads_pairs(self) -> bool:
+        # The inner mask reads its indices shifted by the query's document start: a table it
+        # reads per key (flags[kv], ids[kv]) is read at kv - start[q], per (query, key) pair.
+        return self.inner.loads_pairs() or bool(self.inner.tensors())
 
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
         return spec_cached(self, key, make)

@@ -68,6 +68,8 @@ class PackedSequences(MaskSpec):
         right: keys visible after it, ``-1`` unbounded (``0``: causal).
     """
 
+    pair_loads = False  # its tables are read per query row and per key row; inner answers for itself
+
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     q_total: int
@@ -182,6 +184,8 @@ class PackedScore(ScoreSpec):
         cu_seqlens_q, cu_seqlens_k, q_total, kv_total, max_seqlen_q, max_seqlen_k: as for
             :class:`PackedSequences`.
     """
+
+    pair_loads = False  # its tables are read per query row and per key row; inner answers for itself
 
     inner: ScoreSpec
     cu_seqlens_q: torch.Tensor

@@ -13,6 +13,7 @@ import torch
 from flexattn_zoo import blockmask, dispatch, masks, score_mods
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.functions import FunctionMask
+from flexattn_zoo.packed.specs import PackedSequences
 from flexattn_zoo.problem import Problem
 
 
@@ -56,6 +57,11 @@ def test_specs_say_whether_they_load_a_tensor_per_query_key_pair() -> None:
         FunctionMask(fn=lambda b, h, q, kv: table[q, kv]),
         masks.Document(doc_ids=ids) & masks.Dense(mask=table),
         FunctionMask(fn=lambda b, h, q, kv: q >= kv),  # what a callable reads is not looked into
+        # A per-document inner mask reads its per-key flags at kv - start[q]: per pair.
+        masks.PerDocument(
+            inner=masks.GlobalWindow(is_global=torch.tensor([1, 0, 0, 0], dtype=torch.bool), left=1),
+            documents=masks.Document(doc_ids=ids),
+        ),
     ]
     rows = [
         masks.Causal(),
@@ -63,6 +69,16 @@ def test_specs_say_whether_they_load_a_tensor_per_query_key_pair() -> None:
         masks.Document(doc_ids=ids) & masks.Causal(),
         masks.PrefixLM(prefix_len=torch.tensor([2])),
         score_mods.SoftCap(cap=30.0),
+        masks.PerDocument(inner=masks.PrefixLM(prefix_len=1), documents=masks.Document(doc_ids=ids)),
+        PackedSequences(
+            cu_seqlens_q=torch.tensor([0, 2, 4]),
+            cu_seqlens_k=torch.tensor([0, 2, 4]),
+            q_total=4,
+            kv_total=4,
+            max_seqlen_q=2,
+            max_seqlen_k=2,
+            inner=masks.Causal(),
+        ),  # fmt: skip
     ]
     assert [s.loads_pairs() for s in pairs] == [True] * len(pairs)
     assert [s.loads_pairs() for s in rows] == [False] * len(rows)

@@ -248,6 +248,7 @@ def test_attention_flex_cpu_matches_the_reference() -> None:
         ({"indices": torch.zeros(2, 3, 4, dtype=torch.int64), "block_size": 4}, ValueError, "ambiguous"),
         ({"indices": [0, 1], "block_size": 4}, ValueError, r"\[n_q_blocks, k\]"),
         ({"indices": torch.zeros(3, 0, dtype=torch.int64), "block_size": 4}, ValueError, "every size"),
+        ({"indices": [], "block_size": 4}, ValueError, "every size"),  # not a dtype complaint
         ({"indices": [[0, -2]], "block_size": 4}, ValueError, r"\[0, num_kv_blocks = 1\) or -1.*got -2"),
         ({"indices": [[0, 5]], "block_size": 4, "num_kv_blocks": 5}, ValueError, "got 5"),
         ({"indices": [[0]], "block_size": 0}, ValueError, r"block_size=\.\.\.\) must be an int >= 1"),
@@ -306,3 +307,9 @@ def test_visible_fraction_is_an_upper_bound() -> None:
     share = float(spec.dense(61, 70, heads=2).float().mean(dim=(2, 3)).max())
     assert share <= spec.visible_fraction(61, 70) <= 1.0
     assert spec.visible_fraction(61, 70) == pytest.approx(2 * 20 / 70)
+
+
+def test_nan_block_scores_are_never_selected() -> None:
+    # torch's topk ranks NaN first; a NaN is no score, so it is passed over like -inf.
+    spec = masks.BlockSelect.from_block_scores(torch.tensor([[float("nan"), 1.0, 0.5]]), 1, block_size=2)
+    assert spec.indices.flatten().tolist() == [1]
