@@ -539,3 +539,22 @@ def test_attention_on_cpu_routes_matches_the_reference(name: str) -> None:
         assert_matches_reference(fz.attention(q, k, v, mask=spec), q, k, v, mask=spec)
         flex = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
         assert_matches_reference(flex, q, k, v, mask=spec)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        masks.SlidingTile(canvas=(4, 8), tile=(2, 2), window=(1, 3), text_len=5),
+        masks.SlidingTile(canvas=(2, 4, 4), tile=(1, 2, 2), window=(1, 1, 1)),
+        masks.VideoSparse(frames=4, frame_tokens=6, kind="spatial", window=1, sink_frames=1, text_len=3),
+        masks.VideoSparse(frames=4, frame_tokens=6, kind="temporal", window=1, sink_frames=1, text_len=3),
+        masks.Natten(canvas=(6, 6), kernel=(3, 3)),
+    ],
+)
+def test_visible_fraction_bounds_shorter_and_uneven_problems(spec) -> None:  # type: ignore[no-untyped-def]
+    # The dispatcher's size rules read the bound: it must hold for every length the spec accepts,
+    # problems shorter than the layout and Lq != Lkv included.
+    tokens = spec.tokens
+    for lq, lkv in [(tokens, tokens), (tokens // 2, tokens), (tokens, tokens // 3), (1, tokens), (7, 5)]:
+        share = spec.dense(lq, lkv).double().mean().item()
+        assert share <= spec.visible_fraction(lq, lkv) + 1e-12, (lq, lkv)
