@@ -369,16 +369,7 @@ class Spec:
         """Whether this spec or a part of it wraps a raw callable whose captured state is tracked."""
         cached = self.__dict__.get("_holds_callables_value")
         if cached is None:
-            cached = False
-            skip = type(self).scalar_fields  # numbers only; reading them while traced costs a retrace
-            for name in _field_names(self):
-                if name in skip:
-                    continue
-                value = getattr(self, name)
-                parts = value if isinstance(value, tuple) else (value,)
-                if any(isinstance(v, Spec) and v._holds_callables() for v in parts):
-                    cached = True
-                    break
+            cached = any(isinstance(v, Spec) and v._holds_callables() for v in self._parts())
             object.__setattr__(self, "_holds_callables_value", cached)
         return bool(cached)
 
@@ -432,40 +423,38 @@ class Spec:
             object.__setattr__(self, "_tensors_value", tuple(found))
         return found
 
+    def _parts(self) -> list[Any]:
+        """The values of this spec's fields, a tuple field's elements one by one; ``scalar_fields``
+        (numbers only) are skipped: reading them while traced costs a retrace. A list, not a
+        generator: Dynamo traces it (``tensors()`` and ``_holds_callables()`` run while traced)."""
+        skip = type(self).scalar_fields
+        parts: list[Any] = []
+        for name in _field_names(self):
+            if name in skip:
+                continue
+            value = getattr(self, name)
+            parts.extend(value if isinstance(value, tuple) else (value,))
+        return parts
+
     def loads_pairs(self) -> bool:
         """Whether this spec or a part of it reads a tensor per (query, key) pair (see
         :attr:`pair_loads`; any raw callable counts as one: what it reads is not looked into)."""
         own = type(self).pair_loads
-        skip = type(self).scalar_fields
-        for name in _field_names(self):
-            if name in skip:
-                continue
-            value = getattr(self, name)
-            for part in value if isinstance(value, tuple) else (value,):
-                if isinstance(part, Spec):
-                    if part.loads_pairs():
-                        return True
-                elif own is None and isinstance(part, torch.Tensor):
+        for part in self._parts():
+            if isinstance(part, Spec):
+                if part.loads_pairs():
                     return True
+            elif own is None and isinstance(part, torch.Tensor):
+                return True
         return bool(own)
 
     def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []
-        skip = type(self).scalar_fields
-        for name in _field_names(self):
-            if name in skip:
-                continue
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-            elif isinstance(value, Spec):
-                found.extend(value.tensors())
-            elif isinstance(value, tuple):
-                for v in value:
-                    if isinstance(v, Spec):
-                        found.extend(v.tensors())
-                    elif isinstance(v, torch.Tensor):
-                        found.append(v)
+        for part in self._parts():
+            if isinstance(part, torch.Tensor):
+                found.append(part)
+            elif isinstance(part, Spec):
+                found.extend(part.tensors())
         return found
 
     def to(self, device: torch.device | str) -> Self:
