@@ -314,7 +314,8 @@ def _problem(
         requires_grad=requires_grad,
         mask=mask_spec,
         score=score_spec,
-        return_lse=return_lse,
+        # Activation attention runs through the route's lse (Backend.execute rescales by it).
+        return_lse=return_lse or (score_spec is not None and score_spec.is_activation()),
         user_block_mask=user_bm is not None,
         deterministic=det,
         nonfinite=nonfinite,

@@ -10,6 +10,9 @@ Conventions (the same on every route):
 * Attention sinks (``sinks=``, one learned logit ``s_h`` per query head, as in gpt-oss): the
   softmax of every row gets one extra logit ``s_h`` whose value vector is zero. It takes part in
   the normaliser only, so the lse includes it and a row that sees no key still outputs 0.
+* Activation attention (a score spec with ``is_activation()``, e.g. ``score_mods.Sigmoid``): the
+  modified scores are log-weights and the output is ``sum_j w_ij v_j`` with ``w = exp(score)``,
+  unnormalised, computed here directly; the lse is ``log sum_j w_ij``. Sinks are refused with it.
 * Dropout (SDPA's ``dropout_p``) acts on the softmax probabilities: each is zeroed or kept and the
   kept ones scaled by ``1 / (1 - dropout_p)``; the lse is that of the undropped scores. The
   reference takes the keep-mask as an argument (``dropout_mask``), it never draws one.
@@ -165,6 +168,19 @@ def dense_attention(
             .to(scores.device)
         )
         scores = scores.masked_fill(~visible, float("-inf"))
+    if score_spec is not None and score_spec.is_activation():
+        if sinks is not None:
+            raise ValueError(
+                f"sinks take part in a softmax; score_mod {type(score_spec).__name__} is activation "
+                "attention (unnormalised weights), which has none"
+            )
+        # The weights themselves, not the out * exp(lse) identity the routes use: tests compare
+        # the two. exp(-inf) = 0 hides masked keys.
+        weights = torch.exp(scores)
+        if keep is not None:
+            weights = weights * keep.to(weights.device, dtype)
+        out = torch.matmul(weights, vc)
+        return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out
     if sinks is not None:
         # The sink is literally one more column of logits (value vector 0): written as a concat,
         # not through the out * sigmoid(lse - s) identity the layers use, so tests compare the two.

@@ -756,6 +756,10 @@ class ScoreSpec(Spec):
     """Base class of every score spec. Subclasses implement ``_make_score_mod`` and ``dense``."""
 
     depends_on_head: ClassVar[bool] = False
+    #: True for activation (non-softmax) attention, e.g. ``score_mods.Sigmoid``: the score mod and
+    #: ``dense`` give log-weights ``log w_ij`` and the attention is ``sum_j w_ij v_j``, unnormalised
+    #: (see :meth:`is_activation`).
+    activation: ClassVar[bool] = False
 
     def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.
@@ -784,6 +788,18 @@ class ScoreSpec(Spec):
     def has_fast_variant(self) -> bool:
         """True when ``score_mod(fast=True)`` may differ from the exact one (an opted-in approximation)."""
         return False
+
+    def is_activation(self) -> bool:
+        """Whether this spec or a part of it is activation attention (:attr:`activation`).
+
+        Such a call runs on any route that returns the lse: the route computes the softmax of the
+        log-weights, ``out = sum_j w_ij v_j / sum_j w_ij`` with ``lse_i = log sum_j w_ij``, and
+        ``fz.attention`` returns ``out * exp(lse)``. Chained after another score spec the weights
+        are those of the chain's final scores (``Alibi() >> Sigmoid()``: ``sigmoid(s + bias_alibi)``).
+        """
+        if type(self).activation:
+            return True
+        return any(isinstance(part, ScoreSpec) and part.is_activation() for part in self._parts())
 
     def uses_head(self) -> bool:
         """Whether the score may depend on the head index (composites and user functions override)."""

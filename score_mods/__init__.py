@@ -8,6 +8,7 @@ from flexattn_zoo.compose import Chain
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreSpec
 
+from .activation import Relu, Sigmoid
 from .alibi import Alibi
 from .bias import Bias
 from .graphormer import Graphormer
@@ -27,8 +28,10 @@ __all__ = [
     "Chain",
     "Graphormer",
     "RelPosBias",
+    "Relu",
     "Sandwich",
     "ScoreSpec",
+    "Sigmoid",
     "SoftCap",
     "get",
     "names",

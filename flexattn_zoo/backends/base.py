@@ -261,7 +261,12 @@ class Backend:
         if p.score is not None and not self.score_mods:
             out.append("cannot apply a score_mod")
         if p.return_lse and not self.lse:
-            out.append("cannot return lse")
+            activation = p.score is not None and p.score.is_activation()
+            out.append(
+                "cannot return the lse activation attention runs through"
+                if activation
+                else "cannot return lse"
+            )
         if p.requires_grad and not self.backward:
             out.append("has no backward (inputs require grad)")
         if p.gqa and not self.gqa:
@@ -303,12 +308,16 @@ class Backend:
         scale: float,
         block_mask: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``run``, with the backward under torch's deterministic mode when ``p`` asks for it."""
+        """``run``, with the backward under torch's deterministic mode when ``p`` asks for it, and
+        activation attention's ``out * exp(lse)`` (:func:`activation_output`) applied."""
         if self._deterministic_backward(p):
             run = lambda a, b, c: self.run(a, b, c, p, scale=scale, block_mask=block_mask)  # noqa: E731
             out, lse = _DeterministicBackward.apply(run, q, k, v)
-            return out, lse
-        return self.run(q, k, v, p, scale=scale, block_mask=block_mask)
+        else:
+            out, lse = self.run(q, k, v, p, scale=scale, block_mask=block_mask)
+        if p.score is not None and p.score.is_activation():
+            return activation_output(out, lse)
+        return out, lse
 
     def _deterministic_backward(self, p: Problem) -> bool:
         """Whether ``execute`` must replay ``p``'s backward under torch's deterministic mode."""
@@ -324,13 +333,13 @@ class Backend:
         function of ``(q, k, v, scale)`` with what the route derives from ``p`` alone worked out
         once. The dispatcher's plan cache keeps one beside each cached plan: its key pins
         everything ``p`` holds, so a repeated call goes straight to the kernel."""
-        if self._deterministic_backward(p):
+        if self._deterministic_backward(p) or (p.score is not None and p.score.is_activation()):
             execute = self.execute
 
-            def deterministic(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+            def executed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
                 return execute(q, k, v, p, scale=scale)
 
-            return deterministic
+            return executed
         return self.bound_run(p, device)
 
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
@@ -359,6 +368,21 @@ class Backend:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Compute ``(out, lse or None)``; only called when ``reasons(p)`` is empty."""
         raise NotImplementedError
+
+
+def activation_output(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation attention from a route's softmax of the log-weights: ``(out * exp(lse), lse)``.
+
+    ``out [B, H, Lq, Dv]`` is ``sum_j w_ij v_j / W_i`` and ``lse [B, H, Lq]`` is ``log W_i``, so the
+    product is ``sum_j w_ij v_j``; computed in float32 (float64 for float64 ``out``), returned in
+    ``out``'s dtype, with the lse as float32 (the API's lse dtype; a route may hand a float64 one
+    in). A row with no weight has ``out = 0`` and ``lse = -inf``: ``0 * 0 = 0``.
+    """
+    if lse is None:  # the problem asked the route for it (Problem.return_lse)
+        raise RuntimeError("activation attention needs the route's lse, which it did not return")
+    compute = torch.float64 if out.dtype == torch.float64 else torch.float32
+    total = torch.exp(lse.to(compute)).unsqueeze(-1)
+    return (out.to(compute) * total).to(out.dtype), lse.float()
 
 
 class _DeterministicBackward(torch.autograd.Function):

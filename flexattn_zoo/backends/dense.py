@@ -153,7 +153,12 @@ class DenseBackend(Backend):
             keep = dropout_keep_mask(probs.shape, p.dropout_p, q.device)
             probs = probs * keep.to(probs.dtype) * (1.0 / (1.0 - p.dropout_p))
         out = torch.matmul(probs, vc).to(q.dtype)
-        return out, (lse.squeeze(-1).float() if p.return_lse else None)
+        if not p.return_lse:
+            return out, None
+        # Activation attention multiplies out by exp(lse) (base.activation_output, which returns
+        # the lse as float32): a float32 lse here would cost float64 inputs their precision.
+        keep_compute = p.score is not None and p.score.is_activation()
+        return out, (lse.squeeze(-1) if keep_compute else lse.squeeze(-1).float())
 
 
 DENSE = DenseBackend(

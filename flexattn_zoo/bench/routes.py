@@ -10,6 +10,8 @@
   one case is still caught and noted. Its mask_mod and score_mod are the ones the flex routes run
   (e.g. int32 document labels, ALiBi without ``abs`` under a causal mask, as hand-written causal
   ALiBi usually is), so the comparison measures kernels, options and BlockMasks, not spelling.
+  Activation attention (``score_mods.Sigmoid``) by hand asks flex for the lse and returns
+  ``out * exp(lse)``, as the library does.
 * ``plain_sdpa``: ``F.scaled_dot_product_attention`` as a user calls it (``is_causal``,
   ``enable_gqa``; SDPA picks its kernel), for problems it expresses without a mask tensor.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
@@ -177,6 +179,17 @@ def prepare_raw_flex(
         past = mask is not None and mask.hides_future_keys(case.lq, case.seq_len)
         score_mod = score.score_mod(future_keys_hidden=past)
     gqa = case.gqa
+    if score is not None and score.is_activation():
+        # Activation attention by hand: the softmax of the log-weights times exp(lse).
+        aux = _compat.flex_aux_request(True)
+
+        def activation_call() -> torch.Tensor:
+            res = flex(x.q, x.k, x.v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa, **aux)
+            out, lse = _compat.unpack_flex_output(res, True)
+            assert lse is not None
+            return (out.float() * lse.exp().unsqueeze(-1)).to(out.dtype)
+
+        return Prepared(call=activation_call, blockmask_s=build_s, blockmask_compile_s=build_compile_s)
 
     def call() -> torch.Tensor:
         return flex(x.q, x.k, x.v, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)

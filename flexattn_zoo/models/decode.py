@@ -906,6 +906,11 @@ def decode_step(
     score = None if score_mod is None else as_score_spec(score_mod)
     if score is not None:
         score = score.live()
+        if score.is_activation():
+            raise ValueError(
+                f"decode_step runs softmax attention; score_mod {type(score).__name__} is activation "
+                "attention (unnormalised weights): call fz.attention over the cache instead"
+            )
     paged = block_table is not None
     n_pages: int | None = None  # pages in a kv_layout pool (its view counts page slots instead)
     slot_stride = 1  # page p of a kv_layout pool is page slot p * slot_stride of its view

@@ -133,6 +133,12 @@ def _run(
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
     check_sinks(sinks, q.shape[1], q.device)
+    score = as_score_spec(la.score_mod)
+    if score is not None and score.is_activation():
+        raise ValueError(
+            f"sinks take part in a softmax; score_mod {type(score).__name__} is activation attention "
+            "(unnormalised weights), which has none: drop sinks= or the activation score_mod"
+        )
     out, lse = attention(q, k, v, return_lse=True, **kwargs)
     out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

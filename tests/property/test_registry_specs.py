@@ -62,9 +62,10 @@ def test_chained_score_spec_matches_oracle(shape: strategies.ProblemShape, data:
     )
 
 
-def straightforward_attention(q, k, v, visible, score_fn, scale):  # type: ignore[no-untyped-def]
+def straightforward_attention(q, k, v, visible, score_fn, scale, activation=False):  # type: ignore[no-untyped-def]
     """Per query head, with an explicit kv-head map and a max-subtracted softmax: a different
-    code path from the reference (which repeats kv heads and uses logsumexp)."""
+    code path from the reference (which repeats kv heads and uses logsumexp). ``activation``:
+    the scores are log-weights and the output is unnormalised, ``sum_j exp(s_ij) v_j``."""
     b, hq, lq, _ = q.shape
     hkv = k.shape[1]
     out = torch.zeros(b, hq, lq, v.shape[-1], dtype=torch.float64)
@@ -81,6 +82,8 @@ def straightforward_attention(q, k, v, visible, score_fn, scale):  # type: ignor
         e = torch.where(vis, torch.exp(s - m), 0.0)
         total = e.sum(dim=-1, keepdim=True)
         p = torch.where(row_any.unsqueeze(-1), e / total.clamp_min(1e-300), 0.0)
+        if activation:  # the weights themselves, unnormalised
+            p = torch.where(vis, torch.exp(s), 0.0)
         out[:, h] = p @ v[:, kv_head]
         lse[:, h] = torch.where(row_any, m.squeeze(-1) + torch.log(total.squeeze(-1)), -math.inf)
     return out, lse
@@ -110,7 +113,13 @@ def test_reference_agrees_with_straightforward_computation(
         return score.dense(full)[:, h]
 
     want, want_lse = straightforward_attention(
-        q.detach(), k.detach(), v.detach(), visible, score_fn, shape.head_dim**-0.5
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        visible,
+        score_fn,
+        shape.head_dim**-0.5,
+        activation=score is not None and score.is_activation(),
     )
     torch.testing.assert_close(out.detach(), want, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(lse.detach(), want_lse, rtol=1e-9, atol=1e-10)

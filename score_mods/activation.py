@@ -1,0 +1,183 @@
+"""``sigmoid`` and ``relu``: activation (non-softmax) attention, computed through the lse.
+
+Activation attention weighs each visible key by an elementwise function of its scaled score and
+does not normalise the weights::
+
+    out_i = sum_j w(s_ij) v_j          (softmax attention: exp(s_ij) v_j / sum_j exp(s_ij))
+
+No attention kernel computes that, but every kernel that returns the log-sum-exp serves it
+exactly. The spec's ``score_mod`` returns the log-weight ``log w(s)``; the kernel's softmax of the
+log-weights is ``out_i = sum_j w_ij v_j / W_i`` with ``lse_i = log W_i``, ``W_i = sum_j w_ij``, so
+``out_i * exp(lse_i)`` is the activation output. ``fz.attention`` asks the route for the lse and
+returns that product (computed in float32; float64 for float64 inputs); gradients reach q, k and v
+through both factors, so the route's lse must be differentiable (the flex routes and ``dense``
+are). ``return_lse=True`` returns ``log W_i`` (its log total weight). A row that sees no key, or
+whose weights are all 0 (ReLU), gives 0. Partial results of one row over disjoint key sets add up
+(``fz.merge_attention`` is for softmax partials).
+
+Both families ship with the oracle the tests use (``dense``: the log-weights in float64 from an
+independent formula); the reference attention (``fz.testing``) computes ``sum_j w_ij v_j``
+directly, not through the lse.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+
+from flexattn_zoo.registry import SCORES
+from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.validation import check_score_factor
+
+
+def _keep_text(spec: ScoreSpec, name: str, value: float) -> None:
+    """Store ``value`` on ``spec`` as a float field and as its exact text (see :func:`_static`)."""
+    object.__setattr__(spec, name, value)
+    object.__setattr__(spec, f"_{name}_text", repr(value))
+
+
+def _static(spec: ScoreSpec, name: str) -> float:
+    """The float field ``name``, read so that ``torch.compile`` sees a constant: under dynamic
+    shapes Dynamo makes floats read from an object symbolic, which a flex ``score_mod`` cannot
+    capture; a str it guards on by value (``repr`` of a float round-trips exactly)."""
+    text = spec.__dict__.get(f"_{name}_text")
+    return float(getattr(spec, name)) if text is None else float(text)
+
+
+@SCORES.register(name="sigmoid")
+@spec_dataclass
+class Sigmoid(ScoreSpec):
+    """Sigmoid attention: ``out_i = sum_j sigmoid(s_ij + bias) v_j`` over the visible keys.
+
+    ``s_ij`` is the scaled score (after any score spec chained before this one). The weights are
+    not normalised; the sigmoid attention literature (Ramapuram et al., 2024, FlashSigmoid) takes
+    ``bias = -log(n)`` for ``n`` keys, so that the weights of a row start near a total of 1:
+    :meth:`for_length` builds that.
+
+    Weight against score for ``bias = 0``::
+
+        w
+        1 |                  ______
+          |              .-''
+      0.5 +-----------.'-------------
+          |       _.-'
+        0 |______'
+          -6            0            6   s
+
+    Args:
+        bias: a finite real number added to every score before the sigmoid (default 0).
+
+    Runs through the lse (see the module docstring): the score mod is
+    ``log sigmoid(s + bias) = min(x, 0) - log1p(exp(-|x|))``, ``x = s + bias``, finite for every
+    finite score.
+    """
+
+    bias: float = 0.0
+
+    activation = True
+    scalar_fields = frozenset({"bias"})
+
+    def __post_init__(self) -> None:
+        bias = check_score_factor("Sigmoid(bias=...)", self.bias)
+        # Sigmoid(bias=-2) and Sigmoid(bias=-2.0) must be the same spec (same hash, same score_mod).
+        _keep_text(self, "bias", float(bias))
+
+    @classmethod
+    def for_length(cls, n_keys: int) -> Sigmoid:
+        """``Sigmoid(bias=-log(n_keys))``, the bias FlashSigmoid recommends for ``n_keys`` keys."""
+        if isinstance(n_keys, bool) or not isinstance(n_keys, int) or n_keys < 1:
+            raise ValueError(f"Sigmoid.for_length(n_keys=...) must be an int >= 1, got {n_keys!r}")
+        return cls(bias=-math.log(n_keys))
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        bias = _static(self, "bias")
+
+        def log_sigmoid(score, b, h, q_idx, kv_idx):
+            x = score + bias
+            return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
+
+        return log_sigmoid
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.logsigmoid(scores + self.bias)
+
+    @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        return cls.for_length(max(kv_len, 1))
+
+    @classmethod
+    def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
+        # No bias (weights near 1/2 for unit-scale scores) and the length bias.
+        return [cls(), cls.for_length(max(kv_len, 1))]
+
+
+@SCORES.register(name="relu")
+@spec_dataclass
+class Relu(ScoreSpec):
+    """ReLU attention: ``out_i = sum_j relu(s_ij + offset) ** power / divisor * v_j``.
+
+    ``s_ij`` is the scaled score. ``divisor`` rescales every weight: ReLU attention for vision
+    transformers (Wortsman et al., 2023) divides by the sequence length, ``divisor = n``; squared
+    ReLU (``power = 2``) is another common choice. Keys whose shifted score is <= 0 get weight 0.
+
+    Args:
+        power: a real number > 0 (default 1).
+        offset: a finite real number added to every score before the ReLU (default 0).
+        divisor: a real number > 0 every weight is divided by (default 1).
+
+    Runs through the lse (see the module docstring): the score mod is
+    ``power * log(s + offset) - log(divisor)`` where ``s + offset > 0``, else ``-inf`` (weight 0;
+    its gradient is 0, as ReLU's).
+    """
+
+    power: float = 1.0
+    offset: float = 0.0
+    divisor: float = 1.0
+
+    activation = True
+    scalar_fields = frozenset({"power", "offset", "divisor"})
+
+    def __post_init__(self) -> None:
+        for name in ("power", "divisor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise TypeError(f"Relu({name}=...) must be a real number, got {type(value).__name__}")
+            if not (math.isfinite(value) and float(value) > 0):
+                raise ValueError(f"Relu({name}=...) must be finite and > 0, got {value!r}")
+        power = check_score_factor("Relu(power=...)", self.power, reciprocal=True)
+        divisor = check_score_factor("Relu(divisor=...)", self.divisor, reciprocal=True)
+        offset = check_score_factor("Relu(offset=...)", self.offset)
+        for name, value in (("power", power), ("offset", offset), ("divisor", divisor)):
+            _keep_text(self, name, float(value))
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        power, offset = _static(self, "power"), _static(self, "offset")
+        log_divisor = math.log(_static(self, "divisor"))
+
+        def log_relu(score, b, h, q_idx, kv_idx):
+            x = score + offset
+            positive = x > 0
+            # log of x where x > 0 only: the other branch's log(1) = 0 keeps its gradient finite.
+            log_x = torch.log(torch.where(positive, x, torch.ones_like(x)))
+            return torch.where(positive, power * log_x - log_divisor, torch.full_like(x, -math.inf))
+
+        return log_relu
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        relu = torch.clamp(scores + self.offset, min=0.0)
+        positive = relu > 0
+        # -inf where the weight is 0 (the reference hides the key); the log is taken of positive
+        # values only, so its gradient is finite everywhere (log(0)' would give 0 * inf = NaN).
+        weights = torch.where(positive, relu, torch.ones_like(relu)) ** self.power / self.divisor
+        return torch.where(positive, torch.log(weights), torch.full_like(relu, -math.inf))
+
+    @classmethod
+    def typical_example(cls, q_len: int, kv_len: int, batch: int, heads: int) -> Spec:
+        return cls(divisor=float(max(kv_len, 1)))
+
+    @classmethod
+    def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
+        # Plain ReLU divided by the length, and a shifted squared ReLU.
+        return [cls(divisor=float(max(kv_len, 1))), cls(power=2.0, offset=0.5)]
