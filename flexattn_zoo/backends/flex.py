@@ -69,6 +69,29 @@ PAIR_LOAD_SHALLOW_HEAD_DIM = 64
 PAIR_LOAD_STAGES = 2
 
 
+#: Below this share of visible pairs (``MaskSpec.visible_fraction``, an upper bound) torch's default
+#: forward tiles beat the pinned ones: the blocks are mostly partial, where a narrower tile wastes
+#: less of the mask_mod's work. H200, forward ms pinned / default, best of 4 interleaved rounds
+#: (benchmarks/flex_options_probe.py, results/flex_options_probe_c_h200.txt): NATTEN 2-D 4K at 1.2%
+#: visible 0.362 / 0.318, sliding tile 6400 at 2.2% 0.712 / 0.587; at 12.5% (sliding window 1024
+#: of 8K) 0.521 / 0.530 and above it the pinned tiles win or tie (causal 1.468 / 1.523, document
+#: & causal 0.737 / 0.788).
+PINNED_TILES_MIN_VISIBLE = 1 / 16
+
+
+def _default_tiles_faster(p: Problem) -> bool:
+    """Problems whose forward runs faster on torch's default tiles than on the measured pinned ones:
+    very sparse masks (:data:`PINNED_TILES_MIN_VISIBLE`), and activation attention
+    (``ScoreSpec.is_activation``), whose score mod adds a log and an exp per score -- causal 8K
+    with ``Sigmoid``: 3.922 ms pinned vs 3.652 default (same probe; a cheap score mod, soft-capping,
+    keeps the pinned tiles ahead, 2.987 vs 3.073)."""
+    if _decoding_kernel_chosen(p):
+        return False  # measured for the main kernel; the decoding kernel keeps its tuned tiles
+    if p.score is not None and p.score.is_activation():
+        return True
+    return p.mask is not None and p.mask.visible_fraction(p.q_len, p.kv_len) < PINNED_TILES_MIN_VISIBLE
+
+
 def _pair_load_options(p: Problem) -> dict[str, Any]:
     if arch.generation(p.arch) == "sm90" and p.head_dim <= PAIR_LOAD_SHALLOW_HEAD_DIM:
         return {"fwd_num_stages": PAIR_LOAD_STAGES}
@@ -104,7 +127,8 @@ class FlexBackend(Backend):
         which may not contradict the fixed ones: ``kernel_options_reasons``)."""
         opts = dict(self.kernel_options)
         if not _loads_pairs(p):
-            opts.update(_tiles_within(self.tuned_options(p), block_mask))
+            if not _default_tiles_faster(p):
+                opts.update(_tiles_within(self.tuned_options(p), block_mask))
         elif opts.get("BACKEND", "TRITON") == "TRITON" and not any(name.startswith("fwd_") for name in opts):
             # The measured tiles (pinned: one Triton config) have no room left for a pair-loaded
             # tile (a captured table under transformers' packed-sequence mask needed 233472 bytes

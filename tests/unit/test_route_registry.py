@@ -3,10 +3,12 @@ names exactly the registered routes that ``backend="auto"`` may pick."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from flexattn_zoo import _compat
+from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.arch import PRIORITY, ROCM, RULES, ordered_routes, parse_arch
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import FLOATS, Backend, Requirement
@@ -155,3 +157,16 @@ def test_flex_kernel_options_live_with_the_route() -> None:
         assert FLEX.tuned_options(p) == {}
     assert FLEX_FLASH.options(_p("sm90")) == {"BACKEND": "FLASH"}  # the tiles are Triton's
     assert FLEX_CPU.tuned_options(_p("sm90")) == {}
+
+
+def test_pinned_tiles_skip_very_sparse_masks_and_activation_attention() -> None:
+    # Measured on the H200 (flexattn_zoo.backends.flex._default_tiles_faster): torch's default
+    # forward tiles win there, so the route passes none of the pinned ones.
+    base = _p("sm90")
+    window = masks.SlidingWindow(left=7)  # 8 keys of 256: ~3% visible
+    assert window.bind(256, 256).visible_fraction(256, 256) < 1 / 16
+    wide = masks.SlidingWindow(left=63)  # 64 keys of 256: 25%
+    assert FLEX.options(dataclasses.replace(base, mask=window)) is None
+    assert FLEX.options(dataclasses.replace(base, mask=wide))["fwd_BLOCK_M"] == 128  # type: ignore[index]
+    assert FLEX.options(dataclasses.replace(base, score=score_mods.Sigmoid(), return_lse=True)) is None
+    assert FLEX.options(dataclasses.replace(base, score=score_mods.SoftCap(cap=30.0)))["fwd_BLOCK_N"] == 128  # type: ignore[index]
