@@ -96,7 +96,8 @@ class Sigmoid(ScoreSpec):
 
         def log_sigmoid(score, b, h, q_idx, kv_idx):
             x = score + bias
-            return torch.minimum(x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
+            # min(x, 0) written as a where: FA4's CuTe code generator has no minimum.
+            return torch.where(x < 0, x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
 
         return log_sigmoid
 
