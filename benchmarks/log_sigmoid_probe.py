@@ -1,6 +1,6 @@
 """Spellings of log(sigmoid(x)) as a flex score_mod, timed side by side (H200, bf16, causal 8K).
 
-    PYTHONPATH=. python3 benchmarks/log_sigmoid_probe.py   # -> results/log_sigmoid_probe_h200.txt
+PYTHONPATH=. python3 benchmarks/log_sigmoid_probe.py   # -> results/log_sigmoid_probe_h200.txt
 """
 
 import math
@@ -43,7 +43,13 @@ flex = torch.compile(flex_attention)
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
 ref = None
-for name, mod in [("plain", plain), ("log1p", log1p_form), ("log", log_form), ("softplus", softplus_form), ("logsigmoid", logsigmoid_form)]:
+for name, mod in [
+    ("plain", plain),
+    ("log1p", log1p_form),
+    ("log", log_form),
+    ("softplus", softplus_form),
+    ("logsigmoid", logsigmoid_form),
+]:
     try:
         for _ in range(3):
             out = flex(q, k, v, score_mod=mod, block_mask=bm)
@@ -59,6 +65,8 @@ for name, mod in [("plain", plain), ("log1p", log1p_form), ("log", log_form), ("
         if name == "log1p":
             ref = out.float()
         err = float((out.float() - ref).abs().max()) if ref is not None else float("nan")
-        print(f"{name:12s} fwd median {sorted(times)[10]:.3f} ms  max|out - log1p form| {err:.2e}", flush=True)
+        print(
+            f"{name:12s} fwd median {sorted(times)[10]:.3f} ms  max|out - log1p form| {err:.2e}", flush=True
+        )
     except Exception as exc:  # noqa: BLE001
         print(f"{name:12s} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)

@@ -130,7 +130,8 @@ class Relu(ScoreSpec):
 
     Runs through the lse (see the module docstring): the score mod is
     ``power * log(s + offset) - log(divisor)`` where ``s + offset > 0``, else ``-inf`` (weight 0;
-    its gradient is 0, as ReLU's).
+    its gradient is 0, as ReLU's). The three numbers are constants of the compiled kernel: under
+    ``torch.compile`` a divisor that follows the sequence length compiles once per length.
     """
 
     power: float = 1.0
@@ -180,5 +181,5 @@ class Relu(ScoreSpec):
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
-        # Plain ReLU divided by the length, and a shifted squared ReLU.
-        return [cls(divisor=float(max(kv_len, 1))), cls(power=2.0, offset=0.5)]
+        # A shifted squared ReLU, and plain ReLU divided by the length.
+        return [cls(power=2.0, offset=0.5), cls(divisor=float(max(kv_len, 1)))]

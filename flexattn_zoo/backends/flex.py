@@ -89,7 +89,11 @@ def _default_tiles_faster(p: Problem) -> bool:
         return False  # measured for the main kernel; the decoding kernel keeps its tuned tiles
     if p.score is not None and p.score.is_activation():
         return True
-    return p.mask is not None and p.mask.visible_fraction(p.q_len, p.kv_len) < PINNED_TILES_MIN_VISIBLE
+    if p.mask is None or _compat.is_compiling():
+        # Traced, lengths may be symbolic (Dynamo reports a SymInt as an int) and a share computed
+        # from them would become a float guard: traced calls keep the measured tiles.
+        return False
+    return p.mask.visible_fraction(p.q_len, p.kv_len) < PINNED_TILES_MIN_VISIBLE
 
 
 def _pair_load_options(p: Problem) -> dict[str, Any]:
@@ -127,8 +131,9 @@ class FlexBackend(Backend):
         which may not contradict the fixed ones: ``kernel_options_reasons``)."""
         opts = dict(self.kernel_options)
         if not _loads_pairs(p):
-            if not _default_tiles_faster(p):
-                opts.update(_tiles_within(self.tuned_options(p), block_mask))
+            tuned = self.tuned_options(p)
+            if tuned and not _default_tiles_faster(p):
+                opts.update(_tiles_within(tuned, block_mask))
         elif opts.get("BACKEND", "TRITON") == "TRITON" and not any(name.startswith("fwd_") for name in opts):
             # The measured tiles (pinned: one Triton config) have no room left for a pair-loaded
             # tile (a captured table under transformers' packed-sequence mask needed 233472 bytes
