@@ -792,9 +792,9 @@ class ScoreSpec(Spec):
     def is_activation(self) -> bool:
         """Whether this spec or a part of it is activation attention (:attr:`activation`).
 
-        Such a call runs on any route that returns the lse: the route computes the softmax of the
-        log-weights, ``out = sum_j w_ij v_j / sum_j w_ij`` with ``lse_i = log sum_j w_ij``, and
-        ``fz.attention`` returns ``out * exp(lse)``. Chained after another score spec the weights
+        Such a call runs on the routes that apply the score mod and return the lse: the route
+        computes the softmax of the log-weights, ``out = sum_j w_ij v_j / sum_j w_ij`` with
+        ``lse_i = log sum_j w_ij``, and ``fz.attention`` returns ``out * exp(lse)``. Chained after another score spec the weights
         are those of the chain's final scores (``Alibi() >> Sigmoid()``: ``sigmoid(s + bias_alibi)``).
         """
         if type(self).activation:

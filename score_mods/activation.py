@@ -5,15 +5,17 @@ does not normalise the weights::
 
     out_i = sum_j w(s_ij) v_j          (softmax attention: exp(s_ij) v_j / sum_j exp(s_ij))
 
-No attention kernel computes that, but every kernel that returns the log-sum-exp serves it
-exactly. The spec's ``score_mod`` returns the log-weight ``log w(s)``; the kernel's softmax of the
-log-weights is ``out_i = sum_j w_ij v_j / W_i`` with ``lse_i = log W_i``, ``W_i = sum_j w_ij``, so
-``out_i * exp(lse_i)`` is the activation output. ``fz.attention`` asks the route for the lse and
-returns that product (computed in float32; float64 for float64 inputs); gradients reach q, k and v
-through both factors, so the route's lse must be differentiable (the flex routes and ``dense``
-are). ``return_lse=True`` returns ``log W_i`` (its log total weight). A row that sees no key, or
-whose weights are all 0 (ReLU), gives 0. Partial results of one row over disjoint key sets add up
-(``fz.merge_attention`` is for softmax partials).
+No attention kernel computes that, but a kernel that runs the score mod and returns the
+log-sum-exp serves it exactly. The spec's ``score_mod`` returns the log-weight ``log w(s)``; the
+kernel's softmax of the log-weights is ``out_i = sum_j w_ij v_j / W_i`` with ``lse_i = log W_i``,
+``W_i = sum_j w_ij``, so ``out_i * exp(lse_i)`` is the activation output. ``fz.attention`` asks
+the route for the lse and returns that product (computed in float32; float64 for float64 inputs).
+Gradients reach q, k and v through both factors, so training needs a route whose lse is
+differentiable: Triton ``flex`` on CUDA and ``dense`` (``flex_flash``'s backward has no lse
+gradient and refuses training calls; SDPA, ``varlen`` and ``fa4`` apply no such score mod;
+``flex_cpu`` returns no lse). ``return_lse=True`` returns ``log W_i`` (the row's log total
+weight). A row that sees no key, or whose weights are all 0 (ReLU), gives 0. Partial results of
+one row over disjoint key sets add up (``fz.merge_attention`` is for softmax partials).
 
 Both families ship with the oracle the tests use (``dense``: the log-weights in float64 from an
 independent formula); the reference attention (``fz.testing``) computes ``sum_j w_ij v_j``
@@ -70,8 +72,8 @@ class Sigmoid(ScoreSpec):
         bias: a finite real number added to every score before the sigmoid (default 0).
 
     Runs through the lse (see the module docstring): the score mod is
-    ``log sigmoid(s + bias) = min(x, 0) - log1p(exp(-|x|))``, ``x = s + bias``, finite for every
-    finite score.
+    ``log sigmoid(x) = min(x, 0) - log1p(exp(-|x|))``, ``x = s + bias``, finite for every finite
+    score, with the derivative ``sigmoid(-x)`` everywhere (``1/2`` at ``x = 0``).
     """
 
     bias: float = 0.0
@@ -96,8 +98,13 @@ class Sigmoid(ScoreSpec):
 
         def log_sigmoid(score, b, h, q_idx, kv_idx):
             x = score + bias
-            # min(x, 0) written as a where: FA4's CuTe code generator has no minimum.
-            return torch.where(x < 0, x, torch.zeros_like(x)) - torch.log1p(torch.exp(-torch.abs(x)))
+            # log sigmoid(x) = neg - log1p(exp(neg - pos)) with pos = max(x, 0), neg = x - pos
+            # (so neg - pos = -|x| <= 0: no overflow). Written with a where, not minimum/abs: FA4's
+            # CuTe code generator has no minimum, and with pos taking x at 0 the derivative there
+            # is sigmoid(0) = 1/2 (abs' and a where on x < 0 would both give 0 at x = 0).
+            pos = torch.where(x < 0, torch.zeros_like(x), x)
+            neg = x - pos
+            return neg - torch.log1p(torch.exp(neg - pos))
 
         return log_sigmoid
 

@@ -399,6 +399,11 @@ class FlexFlashBackend(FlexBackend):
             out.append("FLASH cannot capture tensors that require grad in score_mod")
         if p.return_lse and not _compat.FLASH_LSE_TRUSTWORTHY:
             out.append("FLASH lse is off by a factor ln 2 on this torch (< 2.13)")
+        elif p.return_lse and p.requires_grad:
+            # torch's FLASH backward raises NotImplementedError for a gradient through the lse
+            # (torch 2.13, Inductor's flex_attention_backward), which sinks and activation
+            # attention give it: that error would come in backward(), past any fallback.
+            out.append("FLASH backward has no gradient through the lse (sinks, activation attention)")
         if p.requires_grad and p.gqa and p.score is not None and p.score.uses_head():
             # H200, torch 2.11, flash-attn-4 4.0.0b36 (benchmarks/flex_flash_grad_probe.py): with
             # GQA, a score_mod that reads h (ALiBi) gets dQ wrong by ~50x; the forward, GQA without

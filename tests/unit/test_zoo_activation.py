@@ -170,3 +170,39 @@ def test_equal_values_are_one_spec() -> None:
     assert Sigmoid(bias=-2) == Sigmoid(bias=-2.0) and hash(Sigmoid(bias=-2)) == hash(Sigmoid(bias=-2.0))
     assert Relu(power=2) == Relu(power=2.0)
     assert {"sigmoid", "relu"} <= set(score_mods.names())
+
+
+def test_sigmoid_gradient_at_a_zero_score_is_one_half() -> None:
+    # Zero queries give scores of exactly 0 (a zero-initialised projection): d log sigmoid / dx
+    # there is sigmoid(0) = 1/2, not the 0 a where/abs spelling gives at its kink.
+    x = torch.zeros(3, requires_grad=True)
+    Sigmoid().score_mod()(x, 0, 0, 0, 0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 0.5))
+    q = torch.zeros(1, 1, 4, 8, requires_grad=True)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 1, 4, 8, generator=g).requires_grad_() for _ in range(2))
+    out = fz.attention(q, k, v, score_mod=Sigmoid())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert float(grads[0].abs().max()) > 0
+    assert_matches_reference(out, q, k, v, score_mod=Sigmoid(), grads=grads, grad_out=torch.ones_like(out))
+
+
+def test_flex_flash_refuses_training_through_the_lse() -> None:
+    """torch's FLASH backward raises for a gradient through the lse (sinks, activation
+    attention), after the forward ran: the route refuses such calls up front."""
+    import dataclasses
+
+    from flexattn_zoo import _compat
+    from flexattn_zoo.backends.flex import FLEX_FLASH
+    from flexattn_zoo.problem import Problem
+
+    p = Problem(2, 4, 4, 256, 256, 64, torch.bfloat16, "cuda", "sm90", requires_grad=True,
+                mask=masks.Causal(), score=Sigmoid(), return_lse=True)  # fmt: skip
+    reasons = FLEX_FLASH.mask_reasons(p)
+    if _compat.FLASH_LSE_TRUSTWORTHY:
+        assert any("no gradient through the lse" in r for r in reasons), reasons
+    else:
+        assert any("off by a factor ln 2" in r for r in reasons), reasons
+    assert not any(
+        "lse" in r for r in FLEX_FLASH.mask_reasons(dataclasses.replace(p, score=None, return_lse=False))
+    )
