@@ -39,6 +39,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from flexattn_zoo.coercion import as_score_spec, tensor_args
 from flexattn_zoo.reference import dense_attention, reference_attention
 from flexattn_zoo.testing.checks import assert_mask_consistent, assert_score_consistent, spec_examples
 
@@ -120,15 +121,29 @@ def eager_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense attention computed in ``q.dtype`` throughout (scores, softmax, output), autograd-able.
 
-    Same code and conventions as :func:`reference_attention` (fully masked rows give 0 and lse
-    -inf); only the precision differs, which makes its error the yardstick for low-precision routes.
+    The conventions of :func:`reference_attention` (fully masked rows give 0 and lse -inf), with
+    the score spec evaluated as the routes evaluate it, through its ``score_mod`` (e.g. a table
+    lookup where the reference uses the spec's own oracle), so its error against the float64
+    reference is the yardstick for what a route can reach in this precision. Activation attention
+    (a score spec with ``is_activation()``) is computed as the routes compute it too, the softmax
+    of the log-weights times ``exp(lse)`` (the reference sums the weights directly).
     """
+    _, score = tensor_args(mask, score_mod)
+    spec = as_score_spec(score)
+    kernel_mod = None if spec is None else spec.to(q.device).score_mod()
+    if spec is not None and spec.is_activation():
+        out, lse = dense_attention(
+            q, k, v, mask=mask, score_mod=kernel_mod, scale=scale, enable_gqa=enable_gqa,
+            return_lse=True, dtype=q.dtype,
+        )  # fmt: skip
+        out = out * torch.exp(lse).unsqueeze(-1)
+        return (out, lse) if return_lse else out
     return dense_attention(
         q,
         k,
         v,
         mask=mask,
-        score_mod=score_mod,
+        score_mod=kernel_mod,
         scale=scale,
         enable_gqa=enable_gqa,
         return_lse=return_lse,
