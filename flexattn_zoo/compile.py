@@ -17,7 +17,6 @@ the body can only execute eagerly if Dynamo refused to compile it — exactly th
 from __future__ import annotations
 
 import itertools
-import math
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -48,7 +47,7 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
         k: torch.Tensor,
         v: torch.Tensor,
         block_mask: _compat.BlockMask,
-        scale: float | None,
+        scale: float,
         score_mod: Callable[..., Any] | None,
     ) -> Any:
         if not is_compiling():
@@ -98,14 +97,10 @@ class CompiledFlex:
         k: torch.Tensor,
         v: torch.Tensor,
         block_mask: Any,
-        scale: float | None,
+        scale: float,
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
-        if scale == 1.0 / math.sqrt(q.shape[-1]):
-            # flex_attention's own default, the same float: None spares Dynamo a float input per
-            # call, which it wraps as a tensor (host time; benchmarks/README.md, host cost).
-            scale = None
         out = self._fn(q, k, v, block_mask, scale, score_mod)
         return _compat.unpack_flex_output(out, self.lse)
 

@@ -266,18 +266,3 @@ def test_pickled_specs_rehash_in_the_receiving_process() -> None:
     back = pickle.loads(pickle.dumps(m))
     assert "_hash_value" not in back.__dict__  # string hashes differ between processes
     assert back == m and hash(back) == hash(m)
-
-
-def test_compiled_flex_passes_the_default_scale_as_none() -> None:
-    """flex_attention's default scale is 1/sqrt(D), the same float the dispatcher computes: the
-    compiled entry gets None for it (no float input for Dynamo to wrap per call), and any other
-    scale as it is."""
-    from flexattn_zoo.compile import CompiledFlex
-
-    entry = CompiledFlex(0, None, lse=False, gqa=False)
-    seen: list[object] = []
-    entry._fn = lambda q, k, v, bm, scale, score_mod: seen.append(scale) or q  # type: ignore[method-assign]
-    q = torch.zeros(1, 1, 4, 16)
-    entry(q, q, q, None, 0.25)
-    entry(q, q, q, None, 0.3)
-    assert seen == [None, 0.3]
