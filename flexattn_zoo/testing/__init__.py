@@ -1,8 +1,9 @@
 """Testing toolkit for users and for our own tests (``fz.testing``).
 
 * :func:`reference_attention` -- the float64 oracle (re-exported from :mod:`flexattn_zoo.reference`).
-* :func:`eager_attention` -- the same math done eagerly in the *input* precision: the baseline
-  that says how much error a low-precision computation of this problem is expected to have.
+* :func:`eager_attention` -- the same math done eagerly in the *input* precision, with score mods
+  evaluated as the routes evaluate them: the baseline that says how much error a computation of
+  this problem in that precision is expected to have.
 * :func:`assert_matches_reference` -- the tolerance rule of the project (docs/testing.md):
 
       max|route - ref64|  <=  ratio * max|eager - ref64|  +  floor          (ratio = 2)
