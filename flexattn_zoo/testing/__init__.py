@@ -129,7 +129,7 @@ def eager_attention(
     (a score spec with ``is_activation()``) is computed as the routes compute it too, the softmax
     of the log-weights times ``exp(lse)`` (the reference sums the weights directly).
     """
-    _, score = tensor_args(mask, score_mod)
+    mask, score = tensor_args(mask, score_mod)  # a float mask tensor is a Bias score
     spec = as_score_spec(score)
     kernel_mod = None if spec is None else spec.to(q.device).score_mod()
     if spec is not None and spec.is_activation():

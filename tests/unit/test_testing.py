@@ -135,3 +135,14 @@ def test_reference_is_reexported_and_strategies_are_lazy() -> None:
     assert fzt.strategies.shapes is not None
     with pytest.raises(AttributeError):
         fzt.no_such_thing  # noqa: B018
+
+
+def test_eager_attention_takes_sdpa_style_mask_tensors() -> None:
+    """A float ``mask`` tensor is an additive bias (``score_mods.Bias``), a bool one a ``Dense``
+    mask, as in ``fz.attention``: the eager yardstick evaluates both."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(3))
+    for mask in (torch.randn(1, 2, 8, 8, generator=g), torch.rand(8, 8, generator=g) > 0.3):
+        got = eager_attention(q, k, v, mask=mask)
+        want = reference_attention(q.double(), k.double(), v.double(), mask=mask)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
