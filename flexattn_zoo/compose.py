@@ -182,6 +182,8 @@ class And(_Combined):
         segmented = [f for f in forms if f.segments is not None]
         if len(segmented) > 1:
             return None  # intersecting two segmentations has no cheap exact form here
+        if len(forms) > 1 and any(f.kv_segments is not None for f in forms):
+            return None  # its window is bottom-right aligned per segment; the others' are not
         left, right = -1, -1
         for f in forms:
             fl, fr = f.window
@@ -189,7 +191,7 @@ class And(_Combined):
             right = fr if right < 0 else (right if fr < 0 else min(right, fr))
         if not segmented:
             return VarlenForm(segments=None, window=(left, right))
-        return VarlenForm(segments=segmented[0].segments, window=(left, right), uniform=segmented[0].uniform)
+        return dataclasses.replace(segmented[0], window=(left, right))
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "&")
@@ -459,9 +461,7 @@ class MaskOnShard(MaskSpec):
         form = self.part.varlen_form(q_len, kv_len, self.total[0])
         if form is None or form.segments is None or form.segments.dim() == 1:
             return form  # the same segments for every row
-        return VarlenForm(
-            segments=form.segments[self.batch[0] : self.batch[1]], window=form.window, uniform=form.uniform
-        )
+        return dataclasses.replace(form, segments=form.segments[self.batch[0] : self.batch[1]])
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.part.hides_future_keys(q_len, kv_len)

@@ -35,7 +35,9 @@ def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLay
     if found is not None:
         return found
     form = mask.varlen_form(length, length, batch)
-    return None if form is None else LAYOUT_CACHE.put(key, _layout(form, length))
+    if form is None or form.kv_segments is not None:
+        return None  # keys segmented apart from queries: only a varlen kernel with two offset lists
+    return LAYOUT_CACHE.put(key, _layout(form, length))
 
 
 def _layout(form: VarlenForm, length: int) -> SegmentLayout:

@@ -506,7 +506,14 @@ class VarlenForm:
 
     ``segments`` holds, per batch row, the lengths of consecutive segments that tile ``[0, L)``
     (``None`` means one segment per row). ``window`` is ``(left, right)`` with -1 for unbounded,
-    relative to the diagonal inside each segment. Only offered when Lq == Lkv.
+    relative to the diagonal inside each segment. Offered when Lq == Lkv, and for packed calls
+    (one row, B = 1) whose key segments differ from the query segments (``kv_segments``).
+
+    With ``kv_segments``, segment ``i`` is ``segments[i]`` queries and ``kv_segments[i]`` keys
+    (every length positive; each tiles its own axis), and the window is bottom-right aligned as in
+    FlashAttention: query ``r`` of a segment with ``Lq_i`` queries and ``Lk_i`` keys sits at key
+    position ``r + Lk_i - Lq_i``. Only offered when every query row sees at least one key (a
+    varlen kernel's lse of an empty row is not the library's ``-inf``).
     """
 
     segments: torch.Tensor | None  # int64 [B, S] padded with 0, or [S] shared by every row
@@ -514,6 +521,9 @@ class VarlenForm:
     #: The length of every segment, when the spec knows it without reading ``segments`` (the
     #: last one may be shorter); lets a traced call see equal chunks (see ``tracing``).
     uniform: int | None = None
+    #: int64 ``[S]`` key lengths, one per entry of a 1-D ``segments``, when keys are segmented
+    #: differently from queries (then Lq may differ from Lkv); None: the same as ``segments``.
+    kv_segments: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,10 +88,15 @@ class FlashAttn4Backend(Backend):
         # FA4 takes [batch, seq, heads, dim]; ours are [B, H, L, D] views of either layout.
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         if kind == "packed":
-            cu, max_len, _ = cu_seqlens(p.mask, b, lq, str(q.device))
+            seqs = cu_seqlens(p.mask, b, lq, lq, str(q.device))
             packed = [t.reshape(b * lq, t.shape[2], t.shape[3]) for t in (qt, kt, vt)]
             out, lse = fa4_attention(
-                *packed, scale=scale, softcap=softcap, window=window, cu_seqlens=cu, max_seqlen=max_len
+                *packed,
+                scale=scale,
+                softcap=softcap,
+                window=window,
+                cu_seqlens=seqs.cu_q,
+                max_seqlen=seqs.max_q,
             )
             out = out.view(b, lq, h, out.shape[-1]).transpose(1, 2)
             return out, (lse.view(h, b, lq).transpose(0, 1) if p.return_lse else None)

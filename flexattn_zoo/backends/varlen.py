@@ -8,6 +8,7 @@ to ``[B*L, H, D]``; each batch row contributes its own segments.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -17,37 +18,61 @@ from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, VarlenForm
 
+
+class CuSeqlens(NamedTuple):
+    """A packed call's segments as a varlen kernel takes them."""
+
+    cu_q: torch.Tensor  # int32 [S + 1]: 0, then the running total of query lengths
+    cu_k: torch.Tensor  # the same for keys (the same tensor unless keys are segmented differently)
+    max_q: int  # the longest query segment
+    max_k: int
+    window: tuple[int, int]  # (left, right), -1 unbounded; bottom-right aligned per segment
+
+
 #: Upper bound of cached cu_seqlens (least recently used dropped first).
 CU_SEQLENS_CACHE_SIZE = 64
 #: Thread-safe LRU; ``CU_SEQLENS_CACHE.size`` is its bound.
-CU_SEQLENS_CACHE: LRUCache[tuple[torch.Tensor, int, tuple[int, int]]] = LRUCache(CU_SEQLENS_CACHE_SIZE)
+CU_SEQLENS_CACHE: LRUCache[CuSeqlens] = LRUCache(CU_SEQLENS_CACHE_SIZE)
 
 
-CuSeqlens = tuple[torch.Tensor, int, tuple[int, int]]
+def cu_seqlens(mask: MaskSpec | None, batch: int, q_len: int, kv_len: int, device: str) -> CuSeqlens:
+    """The offsets of every segment of every row (row-major), from the mask's ``varlen_form``.
 
-
-def cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> CuSeqlens:
-    """Cumulative offsets of every segment of every row, the longest segment, and the window.
-
-    Keyed by the (value-hashed) spec, so repeated calls with an equal spec reuse the offsets.
+    Keyed by the (value-hashed) spec and the call's sizes, so repeated calls with an equal spec
+    reuse the offsets. The mask must have a varlen form for these sizes.
     """
-    key = (mask, batch, length, device)
-    build = lambda: _build_cu_seqlens(mask, batch, length, device)  # noqa: E731
+    key = (mask, batch, q_len, kv_len, device)
+    build = lambda: _build_cu_seqlens(mask, batch, q_len, kv_len, device)  # noqa: E731
     return CU_SEQLENS_CACHE.get_or_create(key, build)
 
 
-def _build_cu_seqlens(mask: MaskSpec | None, batch: int, length: int, device: str) -> CuSeqlens:
-    form = mask.varlen_form(length, length, batch) if mask is not None else VarlenForm(None)
-    assert form is not None
-    if form.segments is None:
-        seg = torch.full((batch, 1), length, dtype=torch.int64)
-    else:
-        seg = form.segments.detach().to("cpu", torch.int64)
-        seg = seg.expand(batch, -1) if seg.dim() == 1 else seg
-    lengths = seg[seg > 0]  # row-major: row 0's segments, then row 1's...
+def _offsets(seg: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """int64 lengths of every non-empty segment, row 0's first; one segment per row when None."""
+    if seg is None:
+        return torch.full((batch,), length, dtype=torch.int64)
+    seg = seg.detach().to("cpu", torch.int64)
+    seg = seg.expand(batch, -1) if seg.dim() == 1 else seg
+    return seg[seg > 0]  # row-major: row 0's segments, then row 1's...
+
+
+def _cumulative(lengths: torch.Tensor, device: str) -> torch.Tensor:
     cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     cu[1:] = lengths.cumsum(0)
-    return cu.to(device), int(lengths.max()), form.window
+    return cu.to(device)
+
+
+def _build_cu_seqlens(mask: MaskSpec | None, batch: int, q_len: int, kv_len: int, device: str) -> CuSeqlens:
+    form = mask.varlen_form(q_len, kv_len, batch) if mask is not None else VarlenForm(None)
+    assert form is not None
+    lengths_q = _offsets(form.segments, batch, q_len)
+    cu_q = _cumulative(lengths_q, device)
+    if form.kv_segments is None:
+        max_q = int(lengths_q.max())
+        return CuSeqlens(cu_q, cu_q, max_q, max_q, form.window)
+    # Every pair has a positive length on both sides (VarlenForm's contract): no pair is dropped.
+    lengths_k = form.kv_segments.detach().to("cpu", torch.int64)
+    cu_k = _cumulative(lengths_k, device)
+    return CuSeqlens(cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), form.window)
 
 
 #: ``torch.nn.attention.varlen``, which older torch builds lack.
@@ -67,36 +92,41 @@ class VarlenBackend(Backend):
             out.append("this torch's varlen_attn has no enable_gqa (added after 2.11)")
         if p.user_block_mask:
             out.append("takes no BlockMask")
-        elif p.q_len != p.kv_len:
-            out.append("needs Lq == Lkv")
         elif p.mask is None:
-            pass
+            if p.q_len != p.kv_len:
+                out.append(
+                    "needs Lq == Lkv without a mask (packed sequences of other lengths: fz.varlen_attention)"
+                )
         elif p.mask.varlen_form(p.q_len, p.kv_len, p.batch) is None:
-            out.append(f"mask {type(p.mask).__name__} has no exact varlen form (segments + window)")
+            out.append(
+                f"mask {type(p.mask).__name__} has no exact varlen form (segments + window"
+                + (", Lq == Lkv unless packed by fz.varlen_attention)" if p.q_len != p.kv_len else ")")
+            )
         return out
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
-        cu, max_len, window = cu_seqlens(p.mask, p.batch, p.q_len, str(q.device))
-        b, h, length, d = q.shape
+        seqs = cu_seqlens(p.mask, p.batch, p.q_len, p.kv_len, str(q.device))
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            return t.transpose(1, 2).reshape(b * length, t.shape[1], t.shape[3])
+        def pack(t: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B * L, H, D]
+            b, h, length, d = t.shape
+            return t.transpose(1, 2).reshape(b * length, h, d)
 
-        kwargs: dict[str, object] = {"scale": scale, "window_size": window}
+        kwargs: dict[str, object] = {"scale": scale, "window_size": seqs.window}
         if p.gqa:
             kwargs["enable_gqa"] = True
         kwargs.update(_compat.varlen_aux_request(p.return_lse))
         fn = _compat.varlen_attn_fn()
         assert fn is not None  # the TORCH_VARLEN requirement refuses this route otherwise
-        res = fn(pack(q), pack(k), pack(v), cu, cu, max_len, max_len, **kwargs)
+        res = fn(pack(q), pack(k), pack(v), seqs.cu_q, seqs.cu_k, seqs.max_q, seqs.max_k, **kwargs)
         out, lse = res if p.return_lse else (res, None)
-        out = out.view(b, length, h, d).transpose(1, 2)
+        b, h, lq, _ = q.shape
+        out = out.view(b, lq, h, out.shape[-1]).transpose(1, 2)
         if lse is not None:
             # varlen returns lse per packed token; bring it back to [B, H, L].
             lse = (
-                lse.view(h, b, length).transpose(0, 1)
+                lse.view(h, b, lq).transpose(0, 1)
                 if lse.shape[0] == h
-                else lse.view(b, length, h).transpose(1, 2)
+                else lse.view(b, lq, h).transpose(1, 2)
             )
         return out, lse
 

@@ -138,7 +138,9 @@ def varlen_attention(
     Routes: with ``cu_seqlens_q`` equal to ``cu_seqlens_k`` and ``mask`` None / ``Full`` /
     ``Causal`` / ``SlidingWindow`` / ``Band``, the call is ``fz.attention`` with a
     ``masks.Document`` mask (the varlen and FA4 routes can take it on GPUs); otherwise with a
-    mask over (query sequence, key sequence) pairs, which the flex routes run with block sparsity
+    mask over (query sequence, key sequence) pairs, which the flex routes run with block sparsity,
+    the ``varlen`` route runs as FlashAttention's own varlen call (two offset lists; when no
+    ``mask`` is given and every query row sees a key, e.g. a chunked prefill with ``Lq_i <= Lk_i``)
     and the dense route runs by materializing ``Tq x Tk`` scores (on the CPU with grad, that is
     the route). Nothing else builds anything ``T x T``.
 

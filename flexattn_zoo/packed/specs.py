@@ -24,9 +24,11 @@ from flexattn_zoo.spec import (
     MaskSpec,
     ScoreMod,
     ScoreSpec,
+    VarlenForm,
     block_ranges,
     spec_dataclass,
     static_int,
+    tracing,
 )
 
 
@@ -149,6 +151,24 @@ class PackedSequences(MaskSpec):
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         _check_packed_call("PackedSequences", (self.q_total, self.kv_total), q_len, kv_len, batch)
+
+    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
+        # The sequences with their bottom-right window are FlashAttention's varlen call itself,
+        # when no inner mask is left and every query sees a key. Reads the offsets' data, so not
+        # while tracing; sequences with no queries and no keys take no part.
+        if self.inner is not None or tracing() or (q_len, kv_len, batch) != (self.q_total, self.kv_total, 1):
+            return None
+        lengths_q = (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).cpu()
+        lengths_k = (self.cu_seqlens_k[1:] - self.cu_seqlens_k[:-1]).cpu()
+        used = (lengths_q > 0) | (lengths_k > 0)
+        lengths_q, lengths_k = lengths_q[used].to(torch.int64), lengths_k[used].to(torch.int64)
+        if bool(((lengths_q == 0) | (lengths_k == 0)).any()):
+            return None  # queries without keys (or keys without queries): rows a kernel leaves empty
+        if self.right >= 0 and bool((lengths_q > lengths_k + self.right).any()):
+            return None  # the first queries of such a sequence see no key
+        if bool((lengths_q == lengths_k).all()):
+            return VarlenForm(segments=lengths_q, window=(self.left, self.right))
+        return VarlenForm(segments=lengths_q, window=(self.left, self.right), kv_segments=lengths_k)
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

@@ -107,8 +107,11 @@ def block_mask_map(block_mask: BlockMask, n_kv: int) -> tuple[torch.Tensor, torc
     return partial | full, full
 
 
-def varlen_dense(form: VarlenForm, length: int, batch: int) -> torch.Tensor:
-    """The ``[B|1, 1, L, L]`` mask a :class:`VarlenForm` describes."""
+def varlen_dense(form: VarlenForm, length: int, batch: int, kv_len: int | None = None) -> torch.Tensor:
+    """The ``[B|1, 1, L, Lkv]`` mask a :class:`VarlenForm` describes (``Lkv = kv_len``, default
+    ``L``; only a form with ``kv_segments`` describes ``Lkv != L``)."""
+    if form.kv_segments is not None:
+        return _cross_varlen_dense(form, length, length if kv_len is None else kv_len)
     segs = form.segments
     if segs is None:
         ids = torch.zeros(1, length, dtype=torch.long)
@@ -126,6 +129,38 @@ def varlen_dense(form: VarlenForm, length: int, batch: int) -> torch.Tensor:
     if right >= 0:
         visible = visible & (j <= i + right)
     return visible[:, None]
+
+
+def _cross_varlen_dense(form: VarlenForm, q_len: int, kv_len: int) -> torch.Tensor:
+    """``[1, 1, Lq, Lkv]``: segment ``i`` pairs ``segments[i]`` queries with ``kv_segments[i]``
+    keys, the window bottom-right aligned inside it."""
+    assert form.segments is not None and form.kv_segments is not None
+    lengths_q, lengths_k = form.segments.cpu().long(), form.kv_segments.cpu().long()
+    if lengths_q.dim() != 1 or lengths_q.shape != lengths_k.shape:
+        raise AssertionError(
+            f"VarlenForm kv_segments {lengths_k.tolist()} do not pair with segments {lengths_q.tolist()}"
+        )
+    if (
+        int(lengths_q.sum()) != q_len
+        or int(lengths_k.sum()) != kv_len
+        or bool((lengths_q <= 0).any() | (lengths_k <= 0).any())
+    ):
+        raise AssertionError(
+            f"VarlenForm segments {lengths_q.tolist()} / kv_segments {lengths_k.tolist()} do not tile "
+            f"{q_len} x {kv_len} with positive lengths"
+        )
+    seq_q = torch.repeat_interleave(torch.arange(lengths_q.numel()), lengths_q)
+    seq_k = torch.repeat_interleave(torch.arange(lengths_k.numel()), lengths_k)
+    start_q, start_k = lengths_q.cumsum(0) - lengths_q, lengths_k.cumsum(0) - lengths_k
+    pos = torch.arange(q_len) - start_q[seq_q] + (lengths_k - lengths_q)[seq_q]  # bottom-right position
+    col = torch.arange(kv_len) - start_k[seq_k]
+    visible = seq_q[:, None] == seq_k[None, :]
+    left, right = form.window
+    if left >= 0:
+        visible = visible & (col[None, :] >= pos[:, None] - left)
+    if right >= 0:
+        visible = visible & (col[None, :] <= pos[:, None] + right)
+    return visible[None, None]
 
 
 def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
@@ -357,10 +392,12 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
         _require_equal(f"sdpa_form {sdpa}", want.expand_as(dense), dense, spec)
     varlen = spec.varlen_form(q_len, kv_len, batch)
     if varlen is not None:
-        if q_len != kv_len:
-            raise AssertionError(f"{spec!r}: varlen_form offered for q_len {q_len} != kv_len {kv_len}")
+        if q_len != kv_len and varlen.kv_segments is None:
+            raise AssertionError(
+                f"{spec!r}: varlen_form without kv_segments offered for q_len {q_len} != kv_len {kv_len}"
+            )
         _require_equal(
-            f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch).expand_as(dense), dense, spec
+            f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch, kv_len).expand_as(dense), dense, spec
         )
     split = spec.split_form(q_len, kv_len)
     if split is not None:

@@ -232,6 +232,10 @@ def test_value_head_dim_coverage() -> None:
 
 LENS_Q = [5, 170, 0, 93, 40, 3]
 LENS_K = [5, 230, 3, 93, 20, 0]
+#: Chunked prefill: every sequence has at least as many keys (cache + new tokens) as queries.
+PREFILL_Q = [5, 170, 93, 20, 3]
+PREFILL_K = [5, 230, 93, 64, 40]
+VARLEN_LENGTHS = {"square": (LENS_Q, LENS_Q), "mixed": (LENS_Q, LENS_K), "prefill": (PREFILL_Q, PREFILL_K)}
 
 
 VARLEN_CASES = {
@@ -246,10 +250,10 @@ VARLEN_ROUTES = ["auto", "varlen", "flex", "fa4", "flex_flash"]
 
 @pytest.mark.parametrize("route", VARLEN_ROUTES)
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
-@pytest.mark.parametrize("square", [True, False])
-def test_varlen_attention_per_sequence(route: str, case: str, square: bool) -> None:
+@pytest.mark.parametrize("lengths", list(VARLEN_LENGTHS))
+def test_varlen_attention_per_sequence(route: str, case: str, lengths: str) -> None:
     kw, local = VARLEN_CASES[case]
-    lens_q, lens_k = (LENS_Q, LENS_Q) if square else (LENS_Q, LENS_K)
+    lens_q, lens_k = VARLEN_LENGTHS[lengths]
     g = torch.Generator(device=DEV).manual_seed(1)
     q, k, v = (
         torch.randn(sum(n), H, D, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
@@ -259,11 +263,12 @@ def test_varlen_attention_per_sequence(route: str, case: str, square: bool) -> N
     try:
         out = fz.varlen_attention(*args, backend=route, **kw)
     except ValueError as exc:
-        # The varlen route runs packs whose q and k sequences have equal lengths.
+        # The varlen route runs FlashAttention's own conventions (no mask= or score_mod=) on
+        # packs where every query sees a key; "mixed" has queries without keys.
         if (
             "cannot run this call" not in str(exc)
             or route in ("auto", "flex")
-            or (route == "varlen" and square and not {"score_mod", "mask"} & set(kw))
+            or (route == "varlen" and lengths != "mixed" and not {"score_mod", "mask"} & set(kw))
         ):
             raise
         pytest.skip(f"{route} refuses: {exc}")

@@ -166,11 +166,12 @@ def test_compile_keys_compare_by_value_with_their_hash_kept() -> None:
 def test_cu_seqlens_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(varlen, "CU_SEQLENS_CACHE", LRUCache(2))
     doc = masks.Document.from_lengths([3, 5, 8])
-    got = [varlen.cu_seqlens(doc, 2, 16, "cpu") for _ in range(2)]
+    got = [varlen.cu_seqlens(doc, 2, 16, 16, "cpu") for _ in range(2)]
     assert got[0] is got[1]  # cached
-    assert got[0][0].tolist() == [0, 3, 8, 16, 19, 24, 32] and got[0][1] == 8
+    assert got[0].cu_q.tolist() == [0, 3, 8, 16, 19, 24, 32] and got[0].max_q == 8
+    assert got[0].cu_k is got[0].cu_q and got[0].max_k == 8
     for n in (8, 12, 20, 24):
-        varlen.cu_seqlens(masks.Chunked(size=4), 1, n, "cpu")
+        varlen.cu_seqlens(masks.Chunked(size=4), 1, n, n, "cpu")
         assert len(varlen.CU_SEQLENS_CACHE) <= 2
 
 

@@ -151,12 +151,12 @@ def test_colliding_layouts_get_their_own_block_masks_and_offsets() -> None:
     buf = first.clone()
     a = masks.Document(doc_ids=buf)
     bm_a = fz.block_mask(a, 16, 16, block_size=16)
-    cu_a = varlen.cu_seqlens(a, 1, 16, "cpu")[0]
+    cu_a = varlen.cu_seqlens(a, 1, 16, 16, "cpu").cu_q
     buf.copy_(second)
     b = masks.Document(doc_ids=buf)
     assert a != b and hash(a) == hash(b)  # a true fingerprint collision, told apart by value
     assert fz.block_mask(b, 16, 16, block_size=16) is not bm_a
-    cu_b = varlen.cu_seqlens(b, 1, 16, "cpu")[0]
+    cu_b = varlen.cu_seqlens(b, 1, 16, 16, "cpu").cu_q
     assert torch.equal(cu_a, torch.tensor([0, *first.bincount().cumsum(0).tolist()], dtype=torch.int32))
     assert torch.equal(cu_b, torch.tensor([0, *second.bincount().cumsum(0).tolist()], dtype=torch.int32))
 

@@ -12,9 +12,13 @@ from zoo_oracles import cu_seqlens, flash_visible
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
+from flexattn_zoo.backends import BY_NAME, varlen
+from flexattn_zoo.compose import And
 from flexattn_zoo.packed import PackedSequences
-from flexattn_zoo.testing import reference_attention
-from flexattn_zoo.testing.checks import dense_block_map
+from flexattn_zoo.problem import Problem
+from flexattn_zoo.segments import segment_layout
+from flexattn_zoo.testing import assert_mask_consistent, reference_attention
+from flexattn_zoo.testing.checks import dense_block_map, varlen_dense
 
 H, D = 4, 16
 # Unequal lengths, an empty query sequence, an empty key sequence, Lq_i > Lk_i and Lq_i < Lk_i.
@@ -306,6 +310,76 @@ def test_packed_spec_oracle_and_block_map_agree_with_its_mask_mod(
         assert torch.equal(bmap.full[0, 0], full)  # and without inner parts, every full one is
 
 
+def _packed(
+    lens_q: list[int], lens_k: list[int], window: tuple[int, int], inner: Any = None
+) -> PackedSequences:
+    return PackedSequences(
+        cu_seqlens_q=cu_seqlens(lens_q, torch.int64), cu_seqlens_k=cu_seqlens(lens_k, torch.int64),
+        q_total=sum(lens_q), kv_total=sum(lens_k), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+        inner=inner, left=window[0], right=window[1],
+    )  # fmt: skip
+
+
+PREFILL_Q, PREFILL_K = [5, 17, 9, 1, 3], [5, 23, 9, 6, 40]  # every sequence: at least as many keys
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (4, 2), (0, 0)])
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k"), [(PREFILL_Q, PREFILL_K), ([4, 0, 6], [2, 0, 9]), (SQUARE, SQUARE)]
+)
+def test_packed_spec_offers_the_varlen_call_with_two_offset_lists(
+    window: tuple[int, int], lens_q: list[int], lens_k: list[int]
+) -> None:
+    spec = _packed(lens_q, lens_k, window)
+    tq, tk = sum(lens_q), sum(lens_k)
+    form = spec.varlen_form(tq, tk, 1)
+    if window[1] >= 0 and any(lq > lk + window[1] for lq, lk in zip(lens_q, lens_k, strict=True)):
+        assert form is None  # a query row would see no key
+        return
+    assert form is not None and form.window == window
+    kept = [(lq, lk) for lq, lk in zip(lens_q, lens_k, strict=True) if lq or lk]
+    assert form.segments is not None and form.segments.tolist() == [lq for lq, _ in kept]
+    if lens_q == lens_k:
+        assert form.kv_segments is None  # equal sequences: the plain form
+    else:
+        assert form.kv_segments is not None and form.kv_segments.tolist() == [lk for _, lk in kept]
+    # The form describes the spec's own oracle exactly (and the library's form check agrees).
+    assert torch.equal(varlen_dense(form, tq, 1, tk)[0, 0], spec.dense(tq, tk)[0, 0])
+    assert_mask_consistent(spec, q_len=tq, kv_len=tk, exact_blocks=False)  # windows: superset blocks
+    seqs = varlen.cu_seqlens(spec, 1, tq, tk, "cpu")
+    assert seqs.cu_q.tolist() == cu_seqlens([lq for lq, _ in kept]).tolist()
+    assert seqs.cu_k.tolist() == cu_seqlens([lk for _, lk in kept]).tolist()
+    assert (seqs.max_q, seqs.max_k, seqs.window) == (max(lens_q), max(lens_k), window)
+    # Kernels that take one offset list for both (SDPA's chunks, FA4's own) see no layout.
+    assert segment_layout(spec, 1, tq) is None or lens_q == lens_k
+
+
+def test_packed_spec_has_no_varlen_form_with_rows_a_kernel_would_leave_empty() -> None:
+    # A sequence with queries but no keys, or keys but no queries, and an inner mask.
+    assert _packed(LENS_Q, LENS_K, (-1, -1)).varlen_form(sum(LENS_Q), sum(LENS_K), 1) is None
+    assert _packed([3, 4], [0, 4], (-1, -1)).varlen_form(7, 4, 1) is None
+    assert _packed([0, 4], [3, 4], (-1, -1)).varlen_form(4, 7, 1) is None
+    causal = masks.Causal()
+    assert (
+        _packed(PREFILL_Q, PREFILL_K, (-1, -1), inner=causal).varlen_form(sum(PREFILL_Q), sum(PREFILL_K), 1)
+        is None
+    )
+    # A call of other sizes than the pack it was built for.
+    assert _packed(PREFILL_Q, PREFILL_K, (-1, -1)).varlen_form(sum(PREFILL_Q), sum(PREFILL_Q), 1) is None
+
+
+def test_a_form_with_other_key_segments_combines_with_no_other_form() -> None:
+    # Equal totals, unequal sequences: Causal's window is the global diagonal, the pack's is
+    # bottom-right per sequence, so their intersection has no varlen form.
+    spec = _packed([3, 5], [5, 3], (-1, -1))
+    form = spec.varlen_form(8, 8, 1)
+    assert form is not None and form.kv_segments is not None
+    assert (spec & masks.Causal()).varlen_form(8, 8, 1) is None
+    alone = And(parts=(spec,)).varlen_form(8, 8, 1)  # alone it keeps its key segments
+    assert alone is not None and alone.kv_segments is not None and alone.window == form.window
+    assert torch.equal(alone.kv_segments, form.kv_segments)
+
+
 def test_bottom_right_mask_spec_binds_when_every_offset_agrees() -> None:
     lens_q, lens_k = [2, 3], [4, 5]  # Lk_i - Lq_i = 2 for both
     q, k, v = _inputs(lens_q, lens_k)
@@ -443,3 +517,22 @@ def test_a_length_dependent_mask_is_refused_while_traced() -> None:
     )
     with pytest.raises(Exception, match="not known while torch.compile traces"):
         fn(q, k, v, cu_seqlens([2, 3]), cu_seqlens([4, 5]))
+
+
+def test_the_varlen_route_takes_packs_of_other_key_lengths() -> None:
+    """The route's own checks (the kernel is CUDA-only: the GPU suite runs it)."""
+    spec = _packed(PREFILL_Q, PREFILL_K, (-1, 0))
+
+    def problem(mask: Any, q_len: int, kv_len: int) -> Problem:
+        return Problem(
+            batch=1, heads=H, kv_heads=H, q_len=q_len, kv_len=kv_len, head_dim=64, dtype=torch.bfloat16,
+            device_type="cuda", arch="sm90", requires_grad=True, mask=mask, score=None, return_lse=False,
+        )  # fmt: skip
+
+    tq, tk = sum(PREFILL_Q), sum(PREFILL_K)
+    assert BY_NAME["varlen"].mask_reasons(problem(spec, tq, tk)) == []
+    assert "needs Lq == Lkv when a mask is given" in BY_NAME["fa4"].mask_reasons(problem(spec, tq, tk))
+    assert any("Lq == Lkv" in r for r in BY_NAME["varlen"].mask_reasons(problem(None, tq, tk)))
+    mixed = _packed(LENS_Q, LENS_K, (-1, -1))
+    (reason,) = BY_NAME["varlen"].mask_reasons(problem(mixed, sum(LENS_Q), sum(LENS_K)))
+    assert "no exact varlen form" in reason and "fz.varlen_attention" in reason
