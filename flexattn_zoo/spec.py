@@ -288,7 +288,7 @@ class Spec:
     #: ``tensors()`` skips. While ``torch.compile`` traces with dynamic shapes, reading a float field
     #: makes it a symbolic graph input, and an unused one costs a second trace of the whole call
     #: (Dynamo restarts to specialize it). Kernels read such floats through a constant path
-    #: (``SoftCap.static_cap``).
+    #: (``static_float``).
     scalar_fields: ClassVar[frozenset[str]] = frozenset()
     #: Whether this spec's own mod may read one of its tensors at an index that depends on both
     #: the query and the key (a bias or mask table, a relative-position table). Triton's flex
@@ -620,6 +620,25 @@ def tracing() -> bool:
 #: to compile a ``mask_mod`` closing over one (C++ errors, torch 2.13). A spec's parameters never
 #: vary within a model, so specializing them costs nothing but a guard.
 static_int = _compat.static_int
+
+
+def keep_static_float(spec: Spec, name: str, value: float) -> None:
+    """Set the float field ``name`` of a frozen spec to ``value``, and keep its exact text for
+    :func:`static_float` (call from ``__post_init__``)."""
+    object.__setattr__(spec, name, value)
+    object.__setattr__(spec, f"_{name}_text", repr(value))
+
+
+def static_float(spec: Spec, name: str) -> float:
+    """The float field ``name``, read so that ``torch.compile`` sees a constant: under dynamic
+    shapes Dynamo makes every float it reads from an object symbolic, which a flex ``score_mod``
+    cannot capture (nor Inductor's CPU flex kernel load as a tensor); a str it never does, and it
+    guards on its value. ``repr`` of a float round-trips exactly. Falls back to the field itself
+    for a spec pickled before its text was kept (see :func:`keep_static_float`)."""
+    text = spec.__dict__.get(f"_{name}_text")
+    return float(getattr(spec, name)) if text is None else float(text)
+
+
 #: Decisions on position parameters that may be data-dependent while a compiled decode step
 #: traces (see ``_compat.known_true``): offered forms need ``known_true``; the safe side of a
 #: choice between exact specs, ``maybe_true``; clamps, ``clamp_int``.
@@ -872,6 +891,8 @@ __all__ = [
     "VarlenForm",
     "as_4d",
     "block_ranges",
+    "keep_static_float",
     "spec_dataclass",
+    "static_float",
     "static_int",
 ]

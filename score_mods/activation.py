@@ -30,22 +30,8 @@ from numbers import Real
 import torch
 
 from flexattn_zoo.registry import SCORES
-from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, keep_static_float, spec_dataclass, static_float
 from flexattn_zoo.validation import check_score_factor
-
-
-def _keep_text(spec: ScoreSpec, name: str, value: float) -> None:
-    """Store ``value`` on ``spec`` as a float field and as its exact text (see :func:`_static`)."""
-    object.__setattr__(spec, name, value)
-    object.__setattr__(spec, f"_{name}_text", repr(value))
-
-
-def _static(spec: ScoreSpec, name: str) -> float:
-    """The float field ``name``, read so that ``torch.compile`` sees a constant: under dynamic
-    shapes Dynamo makes floats read from an object symbolic, which a flex ``score_mod`` cannot
-    capture; a str it guards on by value (``repr`` of a float round-trips exactly)."""
-    text = spec.__dict__.get(f"_{name}_text")
-    return float(getattr(spec, name)) if text is None else float(text)
 
 
 @SCORES.register(name="sigmoid")
@@ -84,7 +70,7 @@ class Sigmoid(ScoreSpec):
     def __post_init__(self) -> None:
         bias = check_score_factor("Sigmoid(bias=...)", self.bias)
         # Sigmoid(bias=-2) and Sigmoid(bias=-2.0) must be the same spec (same hash, same score_mod).
-        _keep_text(self, "bias", float(bias))
+        keep_static_float(self, "bias", float(bias))
 
     @classmethod
     def for_length(cls, n_keys: int) -> Sigmoid:
@@ -94,7 +80,7 @@ class Sigmoid(ScoreSpec):
         return cls(bias=-math.log(n_keys))
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        bias = _static(self, "bias")
+        bias = static_float(self, "bias")
 
         def log_sigmoid(score, b, h, q_idx, kv_idx):
             x = score + bias
@@ -159,11 +145,11 @@ class Relu(ScoreSpec):
         divisor = check_score_factor("Relu(divisor=...)", self.divisor, reciprocal=True)
         offset = check_score_factor("Relu(offset=...)", self.offset)
         for name, value in (("power", power), ("offset", offset), ("divisor", divisor)):
-            _keep_text(self, name, float(value))
+            keep_static_float(self, name, float(value))
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
-        power, offset = _static(self, "power"), _static(self, "offset")
-        log_divisor = math.log(_static(self, "divisor"))
+        power, offset = static_float(self, "power"), static_float(self, "offset")
+        log_divisor = math.log(static_float(self, "divisor"))
 
         def log_relu(score, b, h, q_idx, kv_idx):
             x = score + offset

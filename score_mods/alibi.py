@@ -135,7 +135,7 @@ class Alibi(ScoreSpec):
             )
 
     def static_slopes(self) -> tuple[float, ...] | None:
-        """``slopes``, read so that ``torch.compile`` sees constants (as ``SoftCap.static_cap``:
+        """``slopes``, read so that ``torch.compile`` sees constants (as ``spec.static_float``:
         Dynamo makes floats read from an object symbolic under dynamic shapes, never a str)."""
         if "_slopes_text" not in self.__dict__:  # pickled before it was kept
             return self.slopes

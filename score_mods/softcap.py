@@ -9,7 +9,15 @@ from numbers import Real
 import torch
 
 from flexattn_zoo.registry import SCORES
-from flexattn_zoo.spec import ScoreMod, ScoreSpec, SoftCapForm, Spec, spec_dataclass
+from flexattn_zoo.spec import (
+    ScoreMod,
+    ScoreSpec,
+    SoftCapForm,
+    Spec,
+    keep_static_float,
+    spec_dataclass,
+    static_float,
+)
 from flexattn_zoo.validation import check_score_factor
 
 
@@ -55,17 +63,11 @@ class SoftCap(ScoreSpec):
         if not isinstance(self.approx, bool):
             raise TypeError(f"SoftCap(approx=...) must be a bool, got {type(self.approx).__name__}")
         # SoftCap(cap=30) and SoftCap(cap=30.0) must be the same spec (same hash, same score_mod).
-        object.__setattr__(self, "cap", float(cap))
-        object.__setattr__(self, "_cap_text", repr(float(cap)))
+        keep_static_float(self, "cap", float(cap))
 
     def static_cap(self) -> float:
-        """``cap``, read so that ``torch.compile`` sees a constant: under dynamic shapes Dynamo
-        makes every float it reads from an object symbolic, which a flex ``score_mod`` cannot
-        capture (nor Inductor's CPU flex kernel load as a tensor); a str it never does, and it
-        guards on its value. ``repr`` of a float round-trips exactly. (No text: a spec pickled
-        before it was kept.)"""
-        text = self.__dict__.get("_cap_text")
-        return self.cap if text is None else float(text)
+        """``cap``, read so that ``torch.compile`` sees a constant (``spec.static_float``)."""
+        return static_float(self, "cap")
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         cap = self.static_cap()
