@@ -7,6 +7,12 @@ by own time per call, in microseconds (cProfile's overhead inflates every functi
 rows, not totals with benchmarks/host_cost.py).
 
     PYTHONPATH=. python benchmarks/host_profile_probe.py [--device cuda] [--calls 3000]
+
+With ``--example NAME`` (a registered mask, at ``--shape B,H,L,D``): that zoo entry's typical
+example on the flex route next to the same compiled flex call with a BlockMask prebuilt from its
+mask_mod, instead of the default pairs.
+
+    PYTHONPATH=. python benchmarks/host_profile_probe.py --device cuda --example natten --shape 2,16,4096,128
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks
+from flexattn_zoo import masks, registry
 
 
 def profile(name: str, call, calls: int, top: int) -> None:  # type: ignore[no-untyped-def]
@@ -42,14 +48,44 @@ def profile(name: str, call, calls: int, top: int) -> None:  # type: ignore[no-u
     print()
 
 
+def profile_example(name: str, shape: tuple[int, ...], dev: torch.device, dtype: torch.dtype, args) -> None:  # type: ignore[no-untyped-def]
+    b, h, length, d = shape
+    spec = registry.MASKS.entry(name).factory.typical_example(length, length, b, h)
+    q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
+    route = "flex" if dev.type == "cuda" else "flex_cpu"
+    mod = spec.mask_mod()
+    bm = create_block_mask(
+        mod, b if spec.uses_batch() else None, h if spec.uses_head() else None, length, length, device=dev
+    )
+    compiled = torch.compile(flex_attention)
+    print(f"# {name}: {spec!r} at B={b} H={h} L={length} D={d} {dtype} on {dev}\n")
+    profile(
+        "torch.compile(flex_attention), prebuilt BlockMask",
+        lambda: compiled(q, k, v, block_mask=bm),
+        args.calls,
+        args.top,
+    )
+    profile(
+        f'fz.attention(backend="{route}")',
+        lambda: fz.attention(q, k, v, mask=spec, backend=route),
+        args.calls,
+        args.top,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--example", default=None, help="a registered mask: profile its typical example")
+    p.add_argument("--shape", default="2,16,4096,128", help="B,H,L,D for --example")
     args = p.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.example is not None:
+        profile_example(args.example, tuple(int(n) for n in args.shape.split(",")), dev, dtype, args)
+        return
     q, k, v = (torch.randn(1, 8, 512, 64, device=dev, dtype=dtype) for _ in range(3))
     spec = masks.SlidingWindow(left=128) & masks.Causal()
     route = "flex" if dev.type == "cuda" else "flex_cpu"
