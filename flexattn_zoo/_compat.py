@@ -478,6 +478,44 @@ def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling()) and _tracing_in_this_thread()
 
 
+#: What Dynamo raises when a compiled function is called while torch's FX tracing flag is set.
+_NESTED_FX_TRACE = "symbolically trace a dynamo-optimized function"
+#: How long :func:`call_compiled` waits for another thread's trace to end (torch without
+#: ``force_compile_during_fx_trace``), in seconds.
+NESTED_FX_WAIT_S = 600.0
+
+
+def _can_force_compile_during_fx_trace() -> bool:
+    return hasattr(torch._dynamo.config, "force_compile_during_fx_trace")
+
+
+def call_compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for a ``torch.compile``'d ``fn`` called eagerly.
+
+    torch keeps "an FX trace is running" in one process-wide flag, which a compile in *another*
+    thread sets while AOTAutograd traces its graph; Dynamo then refuses any compiled call,
+    before running it, as a nested FX trace (found by the multi-threaded GPU soak). Such a call is
+    retried with Dynamo told to run the compiled code anyway (``force_compile_during_fx_trace``),
+    or, on a torch without that option, once the other thread's trace has ended. The first try
+    costs nothing more than a plain call."""
+    try:
+        return fn(*args)
+    except RuntimeError as exc:
+        if _NESTED_FX_TRACE not in str(exc):
+            raise
+    if _can_force_compile_during_fx_trace():
+        with torch._dynamo.config.patch(force_compile_during_fx_trace=True):
+            return fn(*args)
+    import time
+
+    from torch.fx import _symbolic_trace
+
+    deadline = time.monotonic() + NESTED_FX_WAIT_S
+    while getattr(_symbolic_trace, "_is_fx_tracing_flag", False) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return fn(*args)
+
+
 def static_int(value: Any) -> int:
     """``value`` as a plain int while ``torch.compile`` traces with dynamic shapes: a ``SymInt``
     (a tensor size, or an int Dynamo chose to make symbolic) is specialized to the value it

@@ -101,7 +101,7 @@ class CompiledFlex:
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
-        out = self._fn(q, k, v, block_mask, scale, score_mod)
+        out = _compat.call_compiled(self._fn, q, k, v, block_mask, scale, score_mod)
         return _compat.unpack_flex_output(out, self.lse)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import FLOATS, Backend
 from flexattn_zoo.functions import check_mask_function, evaluate_as_flex
 from flexattn_zoo.problem import Problem
@@ -93,10 +94,15 @@ def block_mask_visible(bm: Any, p: Problem, device: torch.device) -> torch.Tenso
     # The probe every raw callable gets decides how to evaluate it: a mod written for flex's 0-d
     # indices may fail on broadcast grids, or run there and compute something else (a reduction
     # then sums over the whole grid).
-    try:
-        scalar = check_mask_function(bm.mask_mod, "the BlockMask's mask_mod").scalar
-    except TypeError as exc:
-        raise ValueError(str(exc)) from exc
+    if _compat.is_compiling():
+        # Traced: evaluate it as flex does (exact for any mask_mod flex takes); the probe walks
+        # the callable's Python objects, which Dynamo cannot trace.
+        scalar = True
+    else:
+        try:
+            scalar = check_mask_function(bm.mask_mod, "the BlockMask's mask_mod").scalar
+        except TypeError as exc:
+            raise ValueError(str(exc)) from exc
     grids = (b, h, qi, kj)
     mod = (
         evaluate_as_flex(bm.mask_mod, grids)

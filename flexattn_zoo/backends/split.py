@@ -84,7 +84,8 @@ def _compiled_merge() -> Callable[..., Any]:
     # two-part formula this function had before it called merge_core). Default (automatic)
     # dynamic shapes: a second prefix length or batch compiles one shape-generic kernel, not one
     # per shape.
-    return torch.compile(_merge, fullgraph=True)
+    compiled = torch.compile(_merge, fullgraph=True)
+    return functools.partial(_compat.call_compiled, compiled)
 
 
 def _rows(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:

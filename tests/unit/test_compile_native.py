@@ -11,6 +11,7 @@ fixed, so each case is one compile.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -190,3 +191,42 @@ def test_the_route_op_lands_in_the_callers_graph(mask: Any, op: str) -> None:
     q, k, v = _inputs(grad=False)
     ops = _graph_ops(lambda a, b, c: fz.attention(a, b, c, mask=mask), q, k, v)
     assert any(op in t for t in ops), ops
+
+
+@pytest.mark.parametrize("force_option", [True, False])
+def test_a_trace_in_another_thread_does_not_refuse_eager_compiled_calls(
+    monkeypatch: pytest.MonkeyPatch, force_option: bool
+) -> None:
+    """torch's "an FX trace is running" flag is process-wide: while another thread's compile
+    traces, Dynamo refused every compiled call as a nested FX trace (found by the GPU soak). The
+    flag is set here as that thread would; without torch's force option the call waits for it."""
+    from torch.fx import _symbolic_trace
+
+    from flexattn_zoo import _compat
+
+    q, k, v = _inputs(grad=False)
+    spec = masks.SlidingWindow(left=8) & masks.Causal()
+    want = fz.attention(q, k, v, mask=spec, backend="flex_cpu")  # compiled before the flag is set
+    monkeypatch.setattr(_compat, "_can_force_compile_during_fx_trace", lambda: force_option)
+    monkeypatch.setattr(_symbolic_trace, "_is_fx_tracing_flag", True)
+    if not force_option:  # the other thread's trace ends a little later
+        threading.Timer(0.2, lambda: setattr(_symbolic_trace, "_is_fx_tracing_flag", False)).start()
+    torch.testing.assert_close(fz.attention(q, k, v, mask=spec, backend="flex_cpu"), want)
+
+
+def test_a_prebuilt_block_mask_compiles_on_the_dense_route() -> None:
+    """The dense route reads a user BlockMask's mask_mod on index grids. Eagerly it probes the
+    callable first; traced it evaluates it as flex does (the probe walks Python objects Dynamo
+    cannot trace: the H200 saw a graph break, torch 2.13 an internal Dynamo error)."""
+    doc = masks.Document.from_lengths([[20, 28], [12, 36]]) & masks.Causal()
+    bm = fz.block_mask(doc, L, L, batch=B, heads=H, device="cpu")
+    q, k, v = _inputs(grad=True)
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, mask=bm, backend="dense")
+
+    assert torch._dynamo.explain(call)(q, k, v).graph_break_count == 0
+    torch._dynamo.reset()
+    out = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert_matches_reference(out, q, k, v, mask=doc, grads=grads, grad_out=torch.ones_like(out))
