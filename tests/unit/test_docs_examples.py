@@ -211,7 +211,9 @@ def test_markers_are_attached() -> None:
 
 def test_readme_keeps_the_ci_test_command() -> None:
     # .ci/run runs exactly this command; the README tells users to run the same.
-    assert 'python -m pytest -m "not gpu and not slow" -q' in (ROOT / "README.md").read_text()
+    command = 'python -m pytest -m "not gpu and not slow" -q -n auto'
+    assert command in (ROOT / "README.md").read_text()
+    assert command in (ROOT / ".ci" / "run").read_text()
 
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
