@@ -22,6 +22,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flexattn_zoo as fz
 from flexattn_zoo import registry
+from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.backends.flex import FlexBackend
 
 
 def _chunk(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
@@ -40,7 +42,7 @@ def _chunk(fn: Callable[[], Any], calls: int) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--names", default="natten,sliding_tile,sliding_window,document")
+    p.add_argument("--names", default="natten,sliding_tile,sliding_window")
     p.add_argument("--shape", default="2,16,4096,128")
     p.add_argument("--route", default="flex")
     p.add_argument("--rounds", type=int, default=15)
@@ -59,8 +61,14 @@ def main() -> None:
             spec.mask_mod(), b if spec.uses_batch() else None, h if spec.uses_head() else None, length, length,
             device="cuda",
         )  # fmt: skip
+        plan = fz.plan(q, k, v, mask=spec, backend=args.route)
+        route = BY_NAME[plan.backend]
+        opts = route.options(plan.problem, bm) if isinstance(route, FlexBackend) else None
         calls = {
             "compiled flex_attention, prebuilt BlockMask": lambda bm=bm: compiled(q, k, v, block_mask=bm),
+            f"the same with the route's kernel_options {opts}": (
+                lambda bm=bm, opts=opts: compiled(q, k, v, block_mask=bm, kernel_options=opts)
+            ),
             f'fz.attention(backend="{args.route}")': lambda spec=spec: fz.attention(q, k, v, mask=spec, backend=args.route),
         }  # fmt: skip
         times: dict[str, list[tuple[float, float]]] = {c: [] for c in calls}
