@@ -56,7 +56,7 @@ def main() -> None:
     )
     print("| entry | call | host us | device us |\n|---|---|---:|---:|")
     for name in args.names.split(","):
-        spec = registry.MASKS.entry(name).factory.typical_example(length, length, b, h)
+        spec = registry.MASKS.entry(name).factory.typical_example(length, length, b, h).to("cuda")
         bm = create_block_mask(
             spec.mask_mod(), b if spec.uses_batch() else None, h if spec.uses_head() else None, length, length,
             device="cuda",
