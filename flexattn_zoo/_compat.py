@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import operator
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -506,8 +507,6 @@ def call_compiled(fn: Callable[..., Any], *args: Any) -> Any:
     if _can_force_compile_during_fx_trace():
         with torch._dynamo.config.patch(force_compile_during_fx_trace=True):
             return fn(*args)
-    import time
-
     from torch.fx import _symbolic_trace
 
     deadline = time.monotonic() + NESTED_FX_WAIT_S
