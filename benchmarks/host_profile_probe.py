@@ -57,20 +57,21 @@ def profile_example(name: str, shape: tuple[int, ...], dev: torch.device, dtype:
     bm = create_block_mask(
         mod, b if spec.uses_batch() else None, h if spec.uses_head() else None, length, length, device=dev
     )
-    compiled = torch.compile(flex_attention)
     print(f"# {name}: {spec!r} at B={b} H={h} L={length} D={d} {dtype} on {dev}\n")
+    profile_flex_pair((q, k, v), bm, spec, route, f'fz.attention(backend="{route}")', args)
+
+
+def profile_flex_pair(qkv, bm, spec, route: str, label: str, args) -> None:  # type: ignore[no-untyped-def]
+    """Compiled flex on the prebuilt BlockMask ``bm``, then ``fz.attention`` with ``spec`` on ``route``."""
+    q, k, v = qkv
+    compiled = torch.compile(flex_attention)
     profile(
         "torch.compile(flex_attention), prebuilt BlockMask",
         lambda: compiled(q, k, v, block_mask=bm),
         args.calls,
         args.top,
     )
-    profile(
-        f'fz.attention(backend="{route}")',
-        lambda: fz.attention(q, k, v, mask=spec, backend=route),
-        args.calls,
-        args.top,
-    )
+    profile(label, lambda: fz.attention(q, k, v, mask=spec, backend=route), args.calls, args.top)
 
 
 def main() -> None:
@@ -94,19 +95,8 @@ def main() -> None:
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= 128)
 
     bm = create_block_mask(mask_mod, None, None, 512, 512, device=dev)
-    compiled = torch.compile(flex_attention)
-    profile(
-        "torch.compile(flex_attention), prebuilt BlockMask",
-        lambda: compiled(q, k, v, block_mask=bm),
-        args.calls,
-        args.top,
-    )
-    profile(
-        f'fz.attention(mask=SlidingWindow & Causal, backend="{route}")',
-        lambda: fz.attention(q, k, v, mask=spec, backend=route),
-        args.calls,
-        args.top,
-    )
+    label = f'fz.attention(mask=SlidingWindow & Causal, backend="{route}")'
+    profile_flex_pair((q, k, v), bm, spec, route, label, args)
     profile(
         "F.scaled_dot_product_attention(is_causal=True)",
         lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
