@@ -12,6 +12,9 @@ entry about to reach the recompile limit is replaced by a fresh one.
 Why fallback is impossible: the wrapper raises :class:`UnfusedFallbackError` when its body runs
 outside Dynamo. Compiled, ``is_compiling()`` is constant-folded to True and the check vanishes;
 the body can only execute eagerly if Dynamo refused to compile it — exactly the silent fallback.
+A graph break *inside* the trace (a score_mod Dynamo cannot trace) would run flex eagerly in the
+rest of the frame instead; the body turns it into an error (torch's ``error_on_graph_break``, or
+``fullgraph=True`` on a torch without it).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
     aux = _compat.flex_aux_request(lse)
     flex = _compat.flex_attention
     is_compiling = _compat.is_compiling
+    no_graph_breaks = _compat.no_graph_breaks
 
     # score_mod is an argument, like the mask_mod inside block_mask, never a captured value: calls
     # that share this entry (equal mod_key) may close over *different* tensors (decode offsets, a
@@ -56,19 +60,23 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
                 "graph break), so it would run unfused and materialize Lq x Lkv. flexattn_zoo "
                 "refuses; please report this with the shapes and spec."
             )
-        # arg-type ignored: torch annotates kernel_options as its FlexKernelOptions TypedDict; ours
-        # is the plain dict[str, Any] the backends build, which flex_attention accepts.
-        return flex(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=gqa,
-            kernel_options=kernel_options,  # type: ignore[arg-type]
-            **aux,
-        )
+        # A graph break while tracing flex (a score_mod Dynamo cannot trace) would run flex
+        # eagerly, unfused, in the rest of the frame: an error instead (compiled, the context
+        # manager is gone from the code that runs).
+        with no_graph_breaks():
+            # arg-type ignored: torch annotates kernel_options as its FlexKernelOptions TypedDict;
+            # ours is the plain dict[str, Any] the backends build, which flex_attention accepts.
+            return flex(
+                q,
+                k,
+                v,
+                score_mod=score_mod,
+                block_mask=block_mask,
+                scale=scale,
+                enable_gqa=gqa,
+                kernel_options=kernel_options,  # type: ignore[arg-type]
+                **aux,
+            )
 
     return flexattn_zoo_flex
 
@@ -89,7 +97,9 @@ class CompiledFlex:
             self.compiles += 1
             return inductor(gm, example_inputs)
 
-        self._fn = torch.compile(unique, backend=counting_backend, fullgraph=True)
+        # Not fullgraph=True where torch has error_on_graph_break (the body enters it): the same
+        # one graph, without fullgraph's host time on every call.
+        self._fn = torch.compile(unique, backend=counting_backend, fullgraph=_compat.FULLGRAPH_NEEDED)
 
     def __call__(
         self,

@@ -76,6 +76,15 @@ def _merge(
     return merge_core((out_a, out_b), (lse_a, lse_b))
 
 
+def _merge_one_graph(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_merge` for ``torch.compile``: a graph break in it is an error (one fused kernel).
+    Only ever run compiled: torch's flag behind ``no_graph_breaks`` is process-wide eagerly."""
+    with _compat.no_graph_breaks():
+        return _merge(out_a, lse_a, out_b, lse_b)
+
+
 @functools.cache
 def _compiled_merge() -> Callable[..., Any]:
     # Eager, the merge is several passes over float32 copies of the outputs; compiled it is one
@@ -84,7 +93,7 @@ def _compiled_merge() -> Callable[..., Any]:
     # two-part formula this function had before it called merge_core). Default (automatic)
     # dynamic shapes: a second prefix length or batch compiles one shape-generic kernel, not one
     # per shape.
-    compiled = torch.compile(_merge, fullgraph=True)
+    compiled = torch.compile(_merge_one_graph, fullgraph=_compat.FULLGRAPH_NEEDED)
     return functools.partial(_compat.call_compiled, compiled)
 
 

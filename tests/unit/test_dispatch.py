@@ -386,6 +386,29 @@ def test_unfused_fallback_is_refused() -> None:
             fz.attention(q, q, q, mask=masks.SlidingWindow(left=3), backend="flex_cpu")
 
 
+def test_a_graph_break_inside_the_compiled_flex_call_is_an_error_not_an_unfused_run() -> None:
+    """A score_mod Dynamo cannot trace breaks the graph inside flex's trace; compiled without
+    fullgraph and without the body's no-graph-breaks guard, torch then runs flex eagerly,
+    unfused (it did on torch 2.13). The entry must raise instead, and a later call of the same
+    entry with a traceable score_mod must still compile and run fused."""
+    from flexattn_zoo.compile import CompiledFlex
+
+    q = torch.randn(1, 2, 64, 16)
+    bm = fz.block_mask(masks.Causal(), 64, 64)
+
+    def breaking(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        torch._dynamo.graph_break()
+        return score
+
+    entry = CompiledFlex(10_000, None, False, False)
+    with pytest.raises(Exception, match="graph_break"):
+        entry(q, q, q, bm, 0.25, breaking)
+    assert entry.compiles == 0  # nothing ran: no partial graph was compiled around an eager flex
+    out, _ = entry(q, q, q, bm, 0.25, None)
+    assert entry.compiles == 1
+    assert_matches_reference(out, q, q, q, mask=masks.Causal(), scale=0.25)
+
+
 def test_user_block_mask_path() -> None:
     q = torch.randn(1, 2, 100, 16)
     bm = fz.block_mask(masks.SlidingWindow(left=9, right=1), 100, 100)

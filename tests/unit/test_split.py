@@ -8,7 +8,7 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
-from flexattn_zoo.backends.split import _merge
+from flexattn_zoo.backends.split import _compiled_merge, _merge
 from flexattn_zoo.testing import assert_matches_reference
 
 
@@ -62,6 +62,18 @@ def test_merge_of_rows_that_see_nothing() -> None:
     out, lse = _merge(out_a, lse_a, out_b, lse_b)
     assert torch.equal(out[0, 0, 0], out_a[0, 0, 0]) and torch.equal(out[0, 0, 1], out_b[0, 0, 1])
     assert torch.equal(out[0, 0, 2], torch.zeros(4)) and lse.tolist() == [[[0.5, 1.5, float("-inf")]]]
+
+
+def test_the_compiled_merge_equals_the_eager_one() -> None:
+    """The merge CUDA calls run compiled (one graph, no graph break allowed); compiled on the
+    CPU it gives what the eager merge gives, rows that see nothing included."""
+    g = torch.Generator().manual_seed(0)
+    out_a, out_b = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(2))
+    lse_a, lse_b = (torch.randn(2, 3, 5, generator=g) for _ in range(2))
+    lse_a[0, 0, 0] = lse_b[0, 0, 0] = float("-inf")
+    got, want = _compiled_merge()(out_a, lse_a, out_b, lse_b), _merge(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
 
 
 @pytest.mark.parametrize(
