@@ -87,6 +87,11 @@ class CompiledFlex:
     def __init__(self, serial: int, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> None:
         self.compiles = 0
         self.calls = 0
+        #: Set once this entry has one graph fewer than Dynamo's recompile limit: one call adds at
+        #: most one graph, so the cache replaces it by a fresh code object before the limit (and
+        #: with it torch's unfused fallback) is reached. Checked when a graph is compiled, which is
+        #: the only time the count changes (no config read per call).
+        self.retired = False
         self.lse = lse
         fn = _template(kernel_options, lse, gqa)
         code = fn.__code__.replace(co_name=f"flexattn_zoo_flex_{serial}")
@@ -95,6 +100,8 @@ class CompiledFlex:
 
         def counting_backend(gm: Any, example_inputs: Any) -> Any:
             self.compiles += 1
+            if self.compiles >= _compat.recompile_limit() - 1:
+                self.retired = True
             return inductor(gm, example_inputs)
 
         # Not fullgraph=True where torch has error_on_graph_break (the body enters it): the same
@@ -243,12 +250,19 @@ class CompileCache:
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries.put(key, CompiledFlex(next(self._serial), kernel_options, lse, gqa))
-        # One call adds at most one graph. An entry one graph short of Dynamo's recompile limit is
-        # retired for a fresh code object (one more compile) so the limit, and with it torch's
-        # unfused fallback, is never reached.
-        if entry.compiles >= _compat.recompile_limit() - 1:
+        if entry.retired:  # one graph short of Dynamo's recompile limit: a fresh code object
             entry = self._entries.replace(key, CompiledFlex(next(self._serial), kernel_options, lse, gqa))
         return entry
+
+    def retire_if_over_limit(self, key: Hashable, entry: CompiledFlex) -> bool:
+        """After ``entry`` refused a call (:class:`UnfusedFallbackError`): whether the reason is
+        torch's recompile limit, lowered since the entry last compiled (an entry checks it only
+        when it compiles); if so the entry is retired, and the next :meth:`get_keyed` of ``key``
+        gives a fresh one."""
+        if entry.compiles < _compat.recompile_limit():
+            return False
+        entry.retired = True
+        return True
 
     def entries(self) -> list[CompiledFlex]:
         return self._entries.values()

@@ -15,7 +15,7 @@ import torch
 from flexattn_zoo import _compat, arch
 from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, BoundCall, flash_cute_lock
 from flexattn_zoo.blockmask import block_mask as build_block_mask
-from flexattn_zoo.compile import CACHE
+from flexattn_zoo.compile import CACHE, UnfusedFallbackError
 from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
@@ -284,8 +284,17 @@ class FlexCall:
         if self.detach and (q.requires_grad or k.requires_grad or v.requires_grad):
             q, k, v = q.detach(), k.detach(), v.detach()
         q, k, v = _canonical_layout(q, k, v)
+        mask = self.block_mask if block_mask is None else block_mask
         entry = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
-        return entry(q, k, v, self.block_mask if block_mask is None else block_mask, scale, self.score_mod)
+        try:
+            return entry(q, k, v, mask, scale, self.score_mod)
+        except UnfusedFallbackError:
+            if not CACHE.retire_if_over_limit(self.key, entry):
+                raise
+        # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
+        return CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)(
+            q, k, v, mask, scale, self.score_mod
+        )
 
 
 #: Per (route, problem, device), and for a caller's BlockMask also its mask_mod and block size: a

@@ -478,6 +478,23 @@ def test_entry_near_recompile_limit_is_replaced_not_run_unfused(monkeypatch: pyt
         assert_matches_reference(out, q, q, q, mask=spec)
 
 
+def test_a_recompile_limit_lowered_below_an_entrys_graphs_gets_a_fresh_entry() -> None:
+    """Entries check torch's recompile limit when they compile. Lowered afterwards below an
+    entry's graph count, the entry's next new graph is refused by Dynamo (the body would run
+    eagerly: UnfusedFallbackError); the call then runs on a fresh entry instead of failing."""
+    spec = masks.SlidingWindow(left=7, right=2)
+    for length in (64, 96):  # two graphs: static, then dynamic
+        q = torch.randn(1, 2, length, 16)
+        fz.attention(q, q, q, mask=spec, backend="flex_cpu")
+    before = len(COMPILE_CACHE)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        # The projections' [B, L, H, D] layout (kept as a view): new strides, a third graph.
+        q = torch.randn(1, 80, 2, 16).transpose(1, 2)
+        out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
+    assert_matches_reference(out, q, q, q, mask=spec)
+    assert len(COMPILE_CACHE) >= before  # replaced in place, or one entry more
+
+
 @pytest.mark.parametrize(
     ("lq", "heads", "q_block", "forced"),
     [
