@@ -264,8 +264,9 @@ class FlexBackend(Backend):
 @dataclasses.dataclass(frozen=True)
 class FlexCall:
     """What a flex route builds for one problem before launching: its BlockMask, score_mod,
-    kernel options and compiled-entry key (the entry itself is looked up per call, since entries
-    are retired near Dynamo's recompile limit), and the lse / GQA flags of that entry."""
+    kernel options and compiled-entry key, and the lse / GQA flags of that entry. The entry
+    itself is held once looked up (the compile cache's LRU lookup cost host time on every call)
+    and looked up again once it is retired (near Dynamo's recompile limit)."""
 
     block_mask: Any
     score_mod: Any
@@ -275,6 +276,8 @@ class FlexCall:
     gqa: bool
     #: Launch detached views of inputs that require grad (``FlexBackend.detaches_inputs``).
     detach: bool = False
+    #: ``[entry]``: the compiled entry of ``key`` last used (None before the first launch).
+    held: list[Any] = dataclasses.field(default_factory=lambda: [None], compare=False, repr=False)
 
     def launch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
@@ -285,16 +288,18 @@ class FlexCall:
             q, k, v = q.detach(), k.detach(), v.detach()
         q, k, v = _canonical_layout(q, k, v)
         mask = self.block_mask if block_mask is None else block_mask
-        entry = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
+        held = self.held
+        entry = held[0]
+        if entry is None or entry.retired:
+            entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
         try:
             return entry(q, k, v, mask, scale, self.score_mod)
         except UnfusedFallbackError:
             if not CACHE.retire_if_over_limit(self.key, entry):
                 raise
         # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
-        return CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)(
-            q, k, v, mask, scale, self.score_mod
-        )
+        entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
+        return entry(q, k, v, mask, scale, self.score_mod)
 
 
 #: Per (route, problem, device), and for a caller's BlockMask also its mask_mod and block size: a
