@@ -36,6 +36,10 @@ TORCH_VERSION: tuple[int, int] = (_MAJOR, _MINOR)
 
 #: torch 2.11's FLASH flex backend returns lse scaled by ln 2 (fixed in 2.13): never expose it there.
 FLASH_LSE_TRUSTWORTHY = TORCH_VERSION >= (2, 13)
+#: Inductor's CPU flex kernel before torch 2.13 refuses one tensor passed as two of q, k, v
+#: ("Unsupported for now if query, key, value are the same buffer", pytorch issue 157612): a
+#: compiled call sees one graph input where self-attention passes q as k and v.
+FLEX_CPU_NEEDS_DISTINCT_INPUTS = TORCH_VERSION < (2, 13)
 
 
 def make_block_mask(

@@ -287,6 +287,8 @@ class FlexCall:
         if self.detach and (q.requires_grad or k.requires_grad or v.requires_grad):
             q, k, v = q.detach(), k.detach(), v.detach()
         q, k, v = _canonical_layout(q, k, v)
+        if _compat.FLEX_CPU_NEEDS_DISTINCT_INPUTS and (k is q or v is q or v is k) and q.device.type == "cpu":
+            q, k, v = _distinct_objects(q, k, v)
         mask = self.block_mask if block_mask is None else block_mask
         held = self.held
         entry = held[0]
@@ -380,6 +382,17 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
         # for at batch 64); the kernel reads it through the zero batch stride.
         return ts
     return tuple(t.contiguous() for t in ts)
+
+
+def _distinct_objects(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v with a repeated tensor replaced by a view of itself (no copy, same autograd graph):
+    three tensor objects, so a compiled call sees three graph inputs
+    (:data:`_compat.FLEX_CPU_NEEDS_DISTINCT_INPUTS`)."""
+    if k is q:
+        k = k.view(k.shape)
+    if v is q or v is k:
+        v = v.view(v.shape)
+    return q, k, v
 
 
 def _batch_broadcast(t: torch.Tensor) -> bool:

@@ -400,13 +400,38 @@ def test_a_graph_break_inside_the_compiled_flex_call_is_an_error_not_an_unfused_
         torch._dynamo.graph_break()
         return score
 
+    k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
     entry = CompiledFlex(10_000, None, False, False)
     with pytest.raises(Exception, match="graph_break"):
-        entry(q, q, q, bm, 0.25, breaking)
+        entry(q, k, v, bm, 0.25, breaking)
     assert entry.compiles == 0  # nothing ran: no partial graph was compiled around an eager flex
-    out, _ = entry(q, q, q, bm, 0.25, None)
+    out, _ = entry(q, k, v, bm, 0.25, None)
     assert entry.compiles == 1
-    assert_matches_reference(out, q, q, q, mask=masks.Causal(), scale=0.25)
+    assert_matches_reference(out, q, k, v, mask=masks.Causal(), scale=0.25)
+
+
+def test_self_attention_reaches_the_cpu_flex_kernel_as_three_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before torch 2.13 Inductor's CPU flex kernel refuses q passed again as k / v (one graph
+    input for two): the flex route then launches views, three tensor objects, same values."""
+    from flexattn_zoo import _compat
+    from flexattn_zoo.compile import CompiledFlex
+
+    monkeypatch.setattr(_compat, "FLEX_CPU_NEEDS_DISTINCT_INPUTS", True)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    call = CompiledFlex.__call__
+
+    def spy(self, q, k, v, *rest):  # type: ignore[no-untyped-def]
+        seen.append((q, k, v))
+        return call(self, q, k, v, *rest)
+
+    monkeypatch.setattr(CompiledFlex, "__call__", spy)
+    x = torch.randn(1, 2, 64, 16)
+    spec = masks.SlidingWindow(left=5, right=0)
+    out = fz.attention(x, x, x, mask=spec, backend="flex_cpu")
+    assert_matches_reference(out, x, x, x, mask=spec)
+    q, k, v = seen[-1]
+    assert q is not k and q is not v and k is not v
+    assert all(t.data_ptr() == x.data_ptr() for t in (q, k, v))  # views, not copies
 
 
 def test_user_block_mask_path() -> None:
