@@ -108,6 +108,16 @@ class CompiledFlex:
         # one graph, without fullgraph's host time on every call.
         self._fn = torch.compile(unique, backend=counting_backend, fullgraph=_compat.FULLGRAPH_NEEDED)
 
+    def retire_if_over_limit(self) -> bool:
+        """After this entry refused a call (:class:`UnfusedFallbackError`): whether the reason is
+        torch's recompile limit, lowered since the entry last compiled (it is checked only when
+        the entry compiles); if so the entry is retired, and the cache's next lookup of its key
+        gives a fresh one."""
+        if self.compiles < _compat.recompile_limit():
+            return False
+        self.retired = True
+        return True
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -253,16 +263,6 @@ class CompileCache:
         if entry.retired:  # one graph short of Dynamo's recompile limit: a fresh code object
             entry = self._entries.replace(key, CompiledFlex(next(self._serial), kernel_options, lse, gqa))
         return entry
-
-    def retire_if_over_limit(self, key: Hashable, entry: CompiledFlex) -> bool:
-        """After ``entry`` refused a call (:class:`UnfusedFallbackError`): whether the reason is
-        torch's recompile limit, lowered since the entry last compiled (an entry checks it only
-        when it compiles); if so the entry is retired, and the next :meth:`get_keyed` of ``key``
-        gives a fresh one."""
-        if entry.compiles < _compat.recompile_limit():
-            return False
-        entry.retired = True
-        return True
 
     def entries(self) -> list[CompiledFlex]:
         return self._entries.values()

@@ -297,7 +297,7 @@ class FlexCall:
         try:
             return entry(q, k, v, mask, scale, self.score_mod)
         except UnfusedFallbackError:
-            if not CACHE.retire_if_over_limit(self.key, entry):
+            if not entry.retire_if_over_limit():
                 raise
         # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
         entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
