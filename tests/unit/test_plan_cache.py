@@ -128,6 +128,43 @@ def test_flex_calls_prepared_once(plans: LRUCache, monkeypatch: pytest.MonkeyPat
         assert_matches_reference(out, q, k, v, mask=spec)
 
 
+def test_a_flex_hit_looks_nothing_up_in_the_compile_cache_nor_reads_dynamos_config(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A repeated flex call runs its held compiled entry: no compile-cache lookup and no read of
+    Dynamo's recompile limit per call (each cost host time on every call); the entry is looked
+    up again only once it is retired."""
+    from flexattn_zoo.compile import CACHE
+
+    monkeypatch.setattr(flex_backend, "CALLS", LRUCache(4))
+    q, k, v = _qkv()
+    spec = masks.SlidingWindow(left=11, right=0)
+    with torch.no_grad():
+        fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+        counts = {"get_keyed": 0, "recompile_limit": 0}
+        get_keyed, limit = CACHE.get_keyed, _compat.recompile_limit
+
+        def counted_get_keyed(*args, **kwargs):  # type: ignore[no-untyped-def]
+            counts["get_keyed"] += 1
+            return get_keyed(*args, **kwargs)
+
+        def counted_limit() -> int:
+            counts["recompile_limit"] += 1
+            return limit()
+
+        monkeypatch.setattr(CACHE, "get_keyed", counted_get_keyed)
+        monkeypatch.setattr(_compat, "recompile_limit", counted_limit)
+        for _ in range(3):
+            out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+        assert counts == {"get_keyed": 0, "recompile_limit": 0}
+        assert_matches_reference(out, q, k, v, mask=spec)
+        (call,) = flex_backend.CALLS.values()
+        entry = call.held[0]
+        entry.retired = True  # as its last compile does one graph short of the limit
+        fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+    assert counts["get_keyed"] == 1
+
+
 def test_equal_learned_tensors_keep_their_own_gradients(plans: LRUCache) -> None:
     """Two layers whose learned biases start equal (zeros) are different parameters: each gets
     its own gradient, although every cache (mods, plans) keys by spec."""
