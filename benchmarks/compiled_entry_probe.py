@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from host_layers_probe import measure  # the same interleaved timing
 
 from flexattn_zoo import _compat, masks
 from flexattn_zoo.backends import BY_NAME
@@ -100,21 +100,7 @@ def main() -> None:
         "library entry (CompiledFlex._fn)": lambda: entry._fn(q, k, v, bm, scale, None),
     }
     fns = [raw, raw_full, raw_cb, tmpl_ind, tmpl_lib, entry._fn]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for call in calls.values():
-        for _ in range(50):
-            call()
-    sync()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    clock = time.perf_counter
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            out = samples[name]
-            for _ in range(args.chunk):
-                t0 = clock()
-                call()
-                out.append((clock() - t0) * 1e6)
-            sync()
+    samples = measure(calls, device, args.rounds, args.chunk)
     print(f"# torch {torch.__version__}, {device}, {args.shape} {dtype}, options {opts}")
     print(f"{'variant':<50} {'median':>8} {'p10':>8} {'graphs':>7}")
     for (name, values), fn in zip(samples.items(), fns, strict=True):
