@@ -10,7 +10,10 @@ Variants: torch flex with the BlockMask built eagerly and passed in (the control
 graph from ids captured / passed as an input / computed in the graph from position ids (what
 transformers does for packed sequences), each with int32 and int64 ids; fz.attention traced with
 its own builders in the graph (the data-mask escape switched off), with the spec built outside
-(int32 labels) or inside the graph (the ids' own dtype).
+(int32 labels) or inside the graph (the ids' own dtype). Then the variants that locate the fault:
+the builders compiled alone (their BlockMask tensors against the eager ones: "max err" is then
+the number of tensors that differ), one batch row instead of two, the BlockMask tensors cloned
+in the graph, and the block ordering run as an opaque custom op (the block map stays in the graph).
 
     python benchmarks/compile_docmask_probe.py            # CUDA
 """
@@ -29,7 +32,10 @@ B, H, L, D = 2, 4, 384, 64
 LENGTHS = [[100, 150, 134], [20, 364]]
 
 
-def _setup(dev: str) -> tuple[torch.Tensor, ...]:
+def _setup(dev: str, one_row: bool = False) -> tuple[torch.Tensor, ...]:
+    global B, LENGTHS
+    if one_row:
+        B, LENGTHS = 1, [[20, 364]]
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
     ids = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in LENGTHS], device=dev)
@@ -50,7 +56,7 @@ def _variants(dev: str) -> dict[str, Callable[[], tuple[torch.Tensor, Any]]]:
     import flexattn_zoo as fz
     from flexattn_zoo import masks
 
-    q, k, v, ids64, pos = _setup(dev)
+    q, k, v, ids64, pos = _setup(dev, one_row=B == 1)
     spec = masks.Document(doc_ids=ids64) & masks.Causal()
     out: dict[str, Callable[[], tuple[torch.Tensor, Any]]] = {}
     for dtype in (torch.int32, torch.int64):
@@ -103,14 +109,91 @@ def _variants(dev: str) -> dict[str, Callable[[], tuple[torch.Tensor, Any]]]:
 
     out["fz traced flex in graph, spec built outside (int32 labels)"] = lambda: fz_in_graph(True)
     out["fz traced flex in graph, spec built inside (int64 ids)"] = lambda: fz_in_graph(False)
+
+    def builders_alone(torch_builder: bool) -> tuple[torch.Tensor, Any]:
+        from flexattn_zoo.blockmask import block_mask
+
+        def build(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            if torch_builder:
+                m = create_block_mask(_doc_causal(ids), B, None, L, L, device=dev)
+            else:
+                m = block_mask(masks.Document(doc_ids=ids) & masks.Causal(), L, L, batch=B, device=dev)
+            return tuple(t for t in m.as_tuple()[2:10])
+
+        eager = build(ids64)
+        traced = torch.compile(build, fullgraph=True)(ids64)
+        names = (
+            "kv_num",
+            "kv_idx",
+            "full_kv_num",
+            "full_kv_idx",
+            "q_num",
+            "q_idx",
+            "full_q_num",
+            "full_q_idx",
+        )
+        bad = []
+        for name, a, b in zip(names, eager, traced, strict=True):
+            if a is None or b is None:
+                if (a is None) != (b is None):
+                    bad.append(f"{name}: None in one")
+                continue
+            if a.shape != b.shape:
+                bad.append(f"{name}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+                continue
+            # indices past a row's count are unused: compare only the counted ones
+            diff = (a != b).nonzero()
+            if diff.numel():
+                bad.append(f"{name}: {diff.shape[0]} differ, first {diff[0].tolist()} strides {b.stride()}")
+        return torch.tensor(float(len(bad))), "; ".join(bad) or "all equal"
+
+    out["torch create_block_mask compiled alone vs eager"] = lambda: builders_alone(True)
+    out["fz builders compiled alone vs eager"] = lambda: builders_alone(False)
+
+    def fz_patched(patch: str) -> tuple[torch.Tensor, Any]:
+        from flexattn_zoo import _compat, blockmask
+
+        if patch == "clone":
+            make = _compat.make_block_mask
+
+            def cloned(seq, *tensors_and_rest: Any) -> Any:
+                *tensors, bs, mod = tensors_and_rest
+                return make(seq, *(t.clone() if t is not None else None for t in tensors), bs, mod)
+
+            _compat.make_block_mask = cloned
+        elif patch == "opaque":
+            eager_ordered = blockmask._ordered
+
+            @torch.library.custom_op("fz_probe::ordered", mutates_args=())
+            def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                num, order = eager_ordered(m)
+                return num.clone(), order.clone()
+
+            @ordered.register_fake
+            def _(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return m.new_empty(m.shape[:-1], dtype=torch.int32), m.new_empty(m.shape, dtype=torch.int32)
+
+            blockmask._ordered = lambda m: ordered(m.contiguous())
+        return fz_in_graph(False)
+
+    out["fz in graph, BlockMask tensors cloned in the graph"] = lambda: fz_patched("clone")
+    out["fz in graph, block ordering an opaque custom op"] = lambda: fz_patched("opaque")
+    out["fz in graph, one batch row"] = lambda: fz_in_graph(False)
+    out["fz builders compiled alone vs eager, one batch row"] = lambda: builders_alone(False)
     return out
+
+
+ONE_ROW = ("fz in graph, one batch row", "fz builders compiled alone vs eager, one batch row")
 
 
 def _one(name: str, dev: str) -> None:
     from flexattn_zoo.reference import reference_attention
 
-    q, k, v, *_ = _setup(dev)
+    q, k, v, *_ = _setup(dev, one_row=name in ONE_ROW)
     got, spec = _variants(dev)[name]()
+    if isinstance(spec, str):  # a builder comparison: the number of differing tensors, and which
+        print(f"max err {int(got.item())} ({spec})")
+        return
     err = (got.double() - reference_attention(q, k, v, mask=spec)).abs()
     worst = (err == err.max()).nonzero()[0].tolist()
     print(f"max err {err.max().item():.3g} at {worst}")
@@ -120,12 +203,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--variant", help="run one variant in this process")
+    parser.add_argument("--only", default="", help="run the variants whose name contains this")
     args = parser.parse_args()
     if args.variant:
         _one(args.variant, args.device)
         return
     print(f"# torch {torch.__version__}; {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}")
-    for name in _variants(args.device):
+    for name in [n for n in _variants(args.device) if args.only in n]:
         run = subprocess.run(
             [sys.executable, __file__, "--device", args.device, "--variant", name],
             capture_output=True,

@@ -53,13 +53,10 @@ releases have ignored ``softcap`` silently. Gemma 2's reference is therefore HF
 ``flex_attention`` (then ``eager``, which materialises B x H x L x L logits in float32 and is not
 in the default ``--impls``); Llama's and Mistral's is HF ``sdpa``.
 
-flexattn_zoo rows also record which route each attention layer takes as traced: after the timed
-steps one more (eager) forward runs with the route's execution replaced by zeros and the HF mask
-reader told it is tracing, so the mask it reads is the one the compiled graph got (transformers'
-sliding-window closures cannot be read while tracing: those layers run transformers' own mask
-function as a ``mask_mod``, and on CUDA such a mask leaves the graph -- one break per layer,
-marked "outside the graph"; with a transformers release other than the one the reader was
-tested with, every layer's mask is read that way).
+flexattn_zoo rows also record which route and specs each attention layer's call got as traced:
+the first (compiling) call records them as Dynamo traces it (``FunctionMask(transformers_mask)``
+is transformers' mask function run as an opaque ``mask_mod``: what a transformers release other
+than the one the mask reader was tested with gets).
 
 Output: ``--json`` merges the rows into an existing file (a row replaces the one with the same
 model, shape, impl, mode and ``fa4``), so a full table can be built from several runs of <= 10
@@ -296,42 +293,37 @@ def softcap_probe(impl_name: str, family: str, device: torch.device) -> str:
 
 
 def _describe_spec(spec: Any) -> str:
+    """The spec's classes, composites with their parts (no repr: this runs while Dynamo traces)."""
+    from flexattn_zoo.spec import Spec
+
     if spec is None:
         return "none"
     label = getattr(spec, "label", None)
-    return f"{type(spec).__name__}({label})" if isinstance(label, str) else type(spec).__name__
+    name = f"{type(spec).__name__}({label})" if isinstance(label, str) else type(spec).__name__
+    parts = (
+        [_describe_spec(x) for x in spec._parts() if isinstance(x, Spec)] if isinstance(spec, Spec) else []
+    )
+    return f"{name}({', '.join(parts)})" if parts else name
 
 
 @contextlib.contextmanager
 def recording_routes(found: list[str]) -> Iterator[None]:
-    """Eager calls of ``fz.attention`` record their plan instead of running it (zeros come
-    back), with the HF mask reader in its traced mode (the mask a compiled graph gets)."""
+    """Record the route and specs of each ``fz.attention`` call traced meanwhile (the first call
+    of a compiled model: what its graph holds), running the call unchanged."""
     from flexattn_zoo import dispatch
-    from flexattn_zoo.hf import mask_reader
 
-    def fake_execute(chosen: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **_: Any) -> Any:
+    run = dispatch.execute_plan
+
+    def recording(chosen: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
         p = chosen.problem
-        # dispatch.attention's rule for a traced CUDA call: a mask built from tensors or
-        # callables leaves the graph and runs eagerly.
-        outside = q.device.type == "cuda" and dispatch._holds_data(p.mask)
-        found.append(
-            f"{chosen.backend} [mask {_describe_spec(p.mask)}, score {_describe_spec(p.score)}]"
-            + (" outside the graph" if outside else "")
-        )
-        return q.new_zeros(*q.shape[:-1], v.shape[-1]), None
+        found.append(f"{chosen.backend} [mask {_describe_spec(p.mask)}, score {_describe_spec(p.score)}]")
+        return run(chosen, q, k, v, **kw)
 
-    with (
-        mock.patch.object(dispatch, "execute_plan", fake_execute),
-        mock.patch.object(mask_reader, "tracing", lambda: True),
-    ):
+    with mock.patch.object(dispatch, "execute_plan", recording):
         yield
 
 
-def traced_routes(model: Any, ids: torch.Tensor, mode: str, extra: dict[str, Any]) -> list[str]:
-    found: list[str] = []
-    grad = torch.enable_grad() if mode == "train" else torch.no_grad()
-    with recording_routes(found), grad:
-        model(input_ids=ids, use_cache=False, **extra)
+def count_routes(found: list[str]) -> list[str]:
     unique: dict[str, int] = {}
     for item in found:
         unique[item] = unique.get(item, 0) + 1
@@ -579,8 +571,10 @@ def _measure(
                 return compiled(input_ids=ids, use_cache=False, **extra).logits  # type: ignore[no-any-return]
 
     sync(device)
+    found: list[str] = []
     t0 = time.perf_counter()
-    step()
+    with recording_routes(found) if with_routes else contextlib.nullcontext():
+        step()
     sync(device)
     row["first_call_s"] = time.perf_counter() - t0
     for _ in range(args.warmup):
@@ -613,10 +607,7 @@ def _measure(
     row["check"] = check
     read_dynamo_counters(row)
     if with_routes:
-        try:
-            row["routes"] = traced_routes(model, ids, mode, extra)
-        except Exception as exc:  # noqa: BLE001 - the routes are a note, not the measurement
-            row["notes"].append(f"route listing failed: {short_error(exc)}")
+        row["routes"] = count_routes(found)
 
 
 def _finite_view(check: dict[str, Any]) -> list[float]:

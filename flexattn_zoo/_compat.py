@@ -98,11 +98,19 @@ def varlen_aux_request(lse: bool) -> dict[str, Any]:
     return {"return_aux": AuxRequest(lse=True)}
 
 
-@functools.cache
+def _varlen_parameters() -> frozenset[str]:
+    fn = varlen_attn_fn()
+    return frozenset() if fn is None else frozenset(inspect.signature(fn).parameters)
+
+
+#: The parameters this torch's ``varlen_attn`` takes, read once at import: plan choices ask while
+#: ``torch.compile`` traces, where a cached function is traced through (Dynamo warns on each).
+VARLEN_PARAMETERS = _varlen_parameters()
+
+
 def varlen_supports(param: str) -> bool:
     """Whether this torch's ``varlen_attn`` takes ``param`` (2.11 lacks enable_gqa, seqused_k...)."""
-    fn = varlen_attn_fn()
-    return fn is not None and param in inspect.signature(fn).parameters
+    return param in VARLEN_PARAMETERS
 
 
 @functools.cache

@@ -33,18 +33,16 @@ BLOCK_MASK_CACHE_SIZE = 64
 GENERIC_CHUNK_ELEMENTS = 1 << 24
 
 
-def _ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ordered_eager(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row counts and full-width column order (True columns first, ascending) of a bool map.
 
     Same result as ``argsort(m, descending=True, stable=True)`` but O(n): each column's rank is
     read off a running count, then columns are scattered into place. Counts run in int16 when the
-    row fits (halves the memory traffic, which dominates at 1M tokens), except inside a compiled
-    graph: Inductor's CUDA scan over int16 with symbolic lengths fails to compile (Triton
-    "Cannot bitcast data-type of size 32 to data-type of size 16", torch 2.11 on an H200).
+    row fits (halves the memory traffic, which dominates at 1M tokens).
     """
     m = m.contiguous()
     n = m.shape[-1]
-    small = torch.int16 if n < 2**15 and not tracing() else torch.int32
+    small = torch.int16 if n < 2**15 else torch.int32
     count = m.cumsum(-1, dtype=small)
     num = count[..., -1:]
     cols = torch.arange(n, device=m.device, dtype=small)
@@ -52,6 +50,32 @@ def _ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     order = torch.empty(m.shape, device=m.device, dtype=torch.int32)
     order.scatter_(-1, rank.long(), cols.to(torch.int32).expand(m.shape))
     return num.squeeze(-1).to(torch.int32), order
+
+
+@torch.library.custom_op("flexattn_zoo::block_order", mutates_args=())
+def block_order(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ordered_eager` as one opaque op of a compiled graph: ``(counts, order)``, int32,
+    ``m.shape[:-1]`` and ``m.shape``, contiguous.
+
+    Inside a caller's ``torch.compile`` the BlockMask of a mask holding data (document ids) is
+    built in the graph. Traced as plain ops, the ranking and scatter compiled together with the
+    flex kernel that reads them gave wrong rows on CUDA for every batch row but the first
+    (torch 2.11, H200; the same ops compiled alone, without the kernel, were right); as one op
+    Inductor cannot fuse or re-lay them out, and the flex kernel reads the indices exactly.
+    """
+    return _ordered_eager(m)
+
+
+@block_order.register_fake
+def _block_order_fake(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return m.new_empty(m.shape[:-1], dtype=torch.int32), m.new_empty(m.shape, dtype=torch.int32)
+
+
+def _ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ordered_eager`, through :func:`block_order` while ``torch.compile`` traces."""
+    if tracing():
+        return block_order(m.contiguous())
+    return _ordered_eager(m)
 
 
 def from_block_map(

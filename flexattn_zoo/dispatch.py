@@ -634,15 +634,6 @@ def attention(
     if _compat.is_compiling():
         scale_checked = check_traced_scale(scale)  # a float Dynamo made symbolic is checked too
         q, k, v = _under_autocast(q, k, v)
-        if q.device.type == "cuda" and _holds_data(mask):
-            # Traced on CUDA, a mask reading captured tensors (document & causal) gave wrong rows
-            # on the H200 (benchmarks/README.md, gpu_tests_r11c): until that is understood, such
-            # calls leave the graph and run eagerly, exact as before (one graph break).
-            return _EAGER_ATTENTION(
-                q, k, v, mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa,
-                backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
-                kernel_options=kernel_options, dropout_p=dropout,
-            )  # fmt: skip
         return _traced_attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune,
             options, dropout,
@@ -778,16 +769,6 @@ def _finiteness_matters(chosen: Plan, device: torch.device) -> bool:
     return other.backend != chosen.backend
 
 
-def _holds_data(mask: Any) -> bool:
-    """A mask whose BlockMask would be built from tensors: a spec holding some, or a raw callable
-    (which may capture some). A BlockMask passed in is built already (it runs in the graph)."""
-    if isinstance(mask, Spec):
-        # Callables first: listing a callable's captured tensors walks its closure (id() of
-        # Python objects), which Dynamo cannot trace.
-        return mask._holds_callables() or bool(mask.tensors())
-    return mask is not None and not isinstance(mask, (str, _compat.BlockMask))
-
-
 def _traced_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -866,7 +847,3 @@ class BoundPlan:
     @classmethod
     def of(cls, plan: Plan, device: torch.device) -> BoundPlan:
         return cls(plan, BY_NAME[plan.backend].bind(plan.problem, device), default_scale(plan.problem))
-
-
-#: ``attention`` run outside any graph (see its CUDA branch for traced calls).
-_EAGER_ATTENTION = torch.compiler.disable(attention)

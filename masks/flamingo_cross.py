@@ -32,7 +32,7 @@ def _labels(value: Any, name: str) -> torch.Tensor:
         raise ValueError(
             f"FlamingoCross({name}=...) must have shape [L] or [B, L] with L, B >= 1, got {tuple(t.shape)}"
         )
-    if bool((t < -1).any()):
+    if not tracing() and bool((t < -1).any()):  # traced, values are unknown until run
         raise ValueError(
             f"FlamingoCross({name}=...) holds image indices >= 0, or -1 for none; got {int(t.min())}"
         )

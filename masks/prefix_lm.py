@@ -18,6 +18,7 @@ from flexattn_zoo.spec import (
     block_ranges,
     spec_dataclass,
     static_int,
+    tracing,
 )
 
 from ._blocks import check_int, complete_pairs
@@ -74,7 +75,8 @@ class PrefixLM(MaskSpec):
                 f"PrefixLM(prefix_len=...) tensor must have shape [B] with B >= 1 (use an int to share "
                 f"one length), got shape {tuple(value.shape)}"
             )
-        if bool((value < 0).any()):
+        # Traced (a spec made or moved inside torch.compile), values are unknown until run.
+        if not tracing() and bool((value < 0).any()):
             raise ValueError(f"PrefixLM(prefix_len=...) must be >= 0, got {value.tolist()[:8]}")
         object.__setattr__(self, "prefix_len", value.to(torch.int64))
 

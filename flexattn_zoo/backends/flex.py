@@ -157,6 +157,10 @@ class FlexBackend(Backend):
         if _compat.is_compiling():
             if self.detaches_inputs:  # eager launches detach in FlexCall.launch
                 q, k, v = q.detach(), k.detach(), v.detach()
+            if _compat.FLEX_CPU_NEEDS_DISTINCT_INPUTS and q.device.type == "cpu":
+                # Inside a graph the refusal is about buffers: q, k, v as views of one projection
+                # (a fused qkv Linear) are one buffer to Inductor. Copies make three.
+                q, k, v = q.clone(), k.clone(), v.clone()
             return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
         return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
 
@@ -214,10 +218,9 @@ class FlexBackend(Backend):
         tensors, e.g. document ids, are graph inputs, so new values each step reuse the
         compiled graph)."""
         if block_mask is None and p.mask is not None:
-            # The eager builders, traced into the graph. On CUDA only masks that read no tensors
-            # get here (dispatch sends the others out of the graph: torch 2.11 fails to build a
-            # BlockMask over a captured [B, L] tensor inside a compiled CUDA graph); on the CPU,
-            # torch's create_block_mask hit an Inductor C++ codegen error where these do not.
+            # The eager builders, traced into the graph, their block ordering one opaque op
+            # (blockmask.block_order: fused with this kernel it gave wrong rows on CUDA); on the
+            # CPU, torch's create_block_mask hit an Inductor C++ codegen error where these do not.
             block_mask = build_block_mask(
                 p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
             )

@@ -10,7 +10,14 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.dispatch import attention
-from flexattn_zoo.hf.mask_reader import HFMask, dense_mask_spec, masking_utils, translate
+from flexattn_zoo.hf import factories
+from flexattn_zoo.hf.mask_reader import (
+    HFMask,
+    dense_mask_spec,
+    masking_utils,
+    structural_reader_enabled,
+    translate,
+)
 from flexattn_zoo.hf.mask_reader import transformers_module as _transformers
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
@@ -46,7 +53,8 @@ def _mask_builder(
         padding = attention_mask.padding
     elif attention_mask is not None:
         padding = attention_mask.to(torch.bool)
-        if bool(padding.all()):
+        # Traced, whether anything is padded is unknown until run: the padding is kept (exact).
+        if not _compat.is_compiling() and bool(padding.all()):
             padding = None
     if mask_function is None:
         mask_function = masking_utils().causal_mask_function
@@ -134,6 +142,11 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
+
+    if structural_reader_enabled():
+        # Inside a compiled model the mask functions are made in the graph: let the reader read
+        # them there too (see flexattn_zoo.hf.factories).
+        factories.install(masking_utils())
 
     def flexattn_zoo_attention(
         module: Any,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo.hf import factories
 from flexattn_zoo.masks import Causal, Chunked, Dense, Document, SlidingWindow
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
@@ -114,25 +115,26 @@ _CODES: dict[str, Any] | None = None
 
 
 def _codes() -> dict[str, Any]:
-    """Code objects of transformers' mask-function closures, taken from live instances."""
+    """Code objects of transformers' mask-function closures, taken from live instances (eagerly:
+    :func:`factories.install` has given Dynamo stand-ins for these factories)."""
     global _CODES
     if _CODES is None:
         mu = masking_utils()
         t = torch.zeros(1, 1, dtype=torch.long)
-        makers: dict[str, Callable[[], Any]] = {
-            "and": lambda: mu.and_masks(mu.causal_mask_function),
-            "or": lambda: mu.or_masks(mu.causal_mask_function),
-            "sliding": lambda: mu.sliding_window_overlay(1),
-            "sliding_bidirectional": lambda: mu.sliding_window_bidirectional_overlay(1),
-            "chunked": lambda: mu.chunked_overlay(1, t[0]),
-            "packed": lambda: mu.packed_sequence_mask_function(t),
-            "remap": lambda: mu.remap_positions_for_packed_sequence(mu.causal_mask_function, t),
-            "padding": lambda: mu.padding_mask_function(t),
+        example_args: dict[str, tuple[Any, ...]] = {
+            "and": (mu.causal_mask_function,),
+            "or": (mu.causal_mask_function,),
+            "sliding": (1,),
+            "sliding_bidirectional": (1,),
+            "chunked": (1, t[0]),
+            "packed": (t,),
+            "remap": (mu.causal_mask_function, t),
+            "padding": (t,),
         }
         codes = {}
-        for key, make in makers.items():
+        for kind, name in factories.FACTORIES.items():
             try:
-                codes[key] = make().__code__
+                codes[kind] = getattr(mu, name)(*example_args[kind]).__code__
             except (AttributeError, TypeError):  # absent in this transformers version
                 continue
         _CODES = codes
@@ -141,6 +143,22 @@ def _codes() -> dict[str, Any]:
 
 def _cells(fn: Any) -> dict[str, Any]:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
+
+
+def _factory(fn: Any) -> tuple[str, dict[str, Any]]:
+    """Which of transformers' factories made the closure ``fn``, and its arguments (by name)."""
+    found = factories.recorded(fn)
+    if found is not None:
+        return found
+    name = getattr(fn, "__qualname__", repr(fn))
+    if tracing():
+        # A closure made in the graph by no stand-in: Dynamo cannot read its cells.
+        raise _Unknown(f"{name} (made inside the compiled graph)")
+    code = getattr(fn, "__code__", None)
+    kind = next((k for k, c in _codes().items() if c is code), None)
+    if kind is None:
+        raise _Unknown(name)
+    return kind, _cells(fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +174,7 @@ def _read(fn: Any) -> Any:
         return _BandNode(None, 0)
     if fn is getattr(mu, "bidirectional_mask_function", None):
         return _BandNode(None, None)
-    code = getattr(fn, "__code__", None)
-    kind = next((k for k, c in _codes().items() if c is code), None)
-    if kind is None:
-        raise _Unknown(getattr(fn, "__qualname__", repr(fn)))
-    cells = _cells(fn)
+    kind, cells = _factory(fn)
     if kind in ("and", "or"):
         return (kind, [_read(f) for f in cells["mask_functions"]])
     if kind == "sliding":  # kv > q - W
@@ -289,7 +303,8 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
         size, left_padding = node[1], torch.as_tensor(node[2])
         if maybe_true(m.q_offset != 0) or maybe_true(m.kv_offset != 0):
             raise _Unknown("chunked attention with a cache offset")
-        if not bool(left_padding.any()):
+        # Traced, the padding's values are unknown: the chunk-id form, exact for any of them.
+        if not tracing() and not bool(left_padding.any()):
             return Chunked(size=size)
         # transformers counts chunks from each row's first real token: chunk id
         # (p - left_padding[b]) // size, sorted along the row, so a Document of chunk ids.
@@ -339,15 +354,6 @@ def structural_reader_enabled() -> bool:
 
 def translate(m: HFMask) -> MaskSpec | None:
     """The zoo spec equal to transformers' mask ``m`` (pattern, offsets and padding)."""
-    mu = masking_utils()
-    plain = m.mask_function in (
-        getattr(mu, "causal_mask_function", None),
-        getattr(mu, "bidirectional_mask_function", None),
-    )
-    if tracing() and not plain:
-        # Reading a closure's cells is not traceable (Dynamo raises on a closure made in the
-        # graph), so a compiled model runs transformers' own mask function: exact, flex route.
-        return _generic(m)
     try:
         if not structural_reader_enabled():
             version = getattr(transformers_module(), "__version__", "?")

@@ -66,10 +66,8 @@ def _inputs(grad: bool) -> tuple[torch.Tensor, ...]:
 PARAMS = [(c, r, False) for c in CASES for r in CUDA_ROUTES] + [(c, "auto", True) for c in CASES]
 
 
-#: Masks that read tensors (document ids, [B] prefix lengths). Traced on CUDA they leave the graph
-#: (one break, exact): torch 2.11 fails to build their BlockMask inside a CUDA graph
-#: (benchmarks/results/compile_docmask_probe_h200.txt). The 0-break pattern is a BlockMask built
-#: outside the compiled region and passed in, checked here on the routes that take one.
+#: Masks that read tensors (document ids, [B] prefix lengths, different in each batch row): their
+#: BlockMask is built inside the graph (a wrong build shows as wrong rows after the first).
 DATA_CASES = {"document_causal", "prefix_lm_tensor"}
 #: Refusals that apply only inside a compiled graph (the route runs the same call eagerly).
 TRACED_ONLY = "inside a torch.compile'd graph"
@@ -81,9 +79,6 @@ TRACED_ONLY = "inside a torch.compile'd graph"
 def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
     kw = CASES[case]()
     q, k, v = _inputs(grad)
-    spec = kw.get("mask")
-    if case in DATA_CASES:
-        kw = dict(kw, mask=fz.block_mask(spec, L, L, batch=B, heads=H, device=DEV))
     try:
         plan = fz.plan(q, k, v, backend=route, **kw)
     except ValueError as err:
@@ -101,26 +96,48 @@ def test_fullgraph_per_route(case: str, route: str, grad: bool) -> None:
     assert explained.graph_break_count == 0, (plan.backend, explained.break_reasons)
     torch._dynamo.reset()
     out = torch.compile(call, fullgraph=True)(q, k, v)
-    ref_kw = dict(kw, mask=spec) if case in DATA_CASES else kw
     if not grad:
-        assert_matches_reference(out, q, k, v, **ref_kw)
+        assert_matches_reference(out, q, k, v, **kw)
         return
     # Gradients through the compiled graph against float64, by fz.testing's budget rule.
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert_matches_reference(out, q, k, v, **ref_kw, grads=grads, grad_out=grad_out)
+    assert_matches_reference(out, q, k, v, **kw, grads=grads, grad_out=grad_out)
 
 
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
-def test_data_masks_leave_the_graph_exactly(case: str) -> None:
-    """A data-reading spec traced on CUDA: one graph break around the call, exact result."""
-    kw = CASES[case]()
+def test_data_masks_take_new_values_without_a_recompile(case: str) -> None:
+    """Document ids passed into the compiled step (as a training loop does): new ids each step,
+    one compile, every batch row exact."""
     q, k, v = _inputs(False)
-    call = lambda a, b, c: fz.attention(a * 1.0, b, c, **kw) * 1.0  # noqa: E731  # ops around it
-    explained = torch._dynamo.explain(call)(q, k, v)
-    assert explained.graph_break_count == 1, explained.break_reasons
+    counter = CompileCounterWithBackend("inductor")
+
+    if case == "document_causal":
+        rows = ([[100, 150, 134], [20, 364]], [[384], [200, 84, 100]], [[1] * 128 + [256], [383, 1]])
+        values = [masks.Document.from_lengths(r, device=DEV).doc_ids for r in rows]
+        make = lambda t: masks.Document(doc_ids=t) & masks.Causal()  # noqa: E731
+    else:
+        values = [torch.tensor(x, device=DEV) for x in ([40, 300], [384, 1], [0, 129])]
+        make = lambda t: masks.PrefixLM(prefix_len=t)  # noqa: E731
+
+    step = torch.compile(
+        lambda a, b, c, t: fz.attention(a, b, c, mask=make(t)), backend=counter, fullgraph=True
+    )
+    for t in values:
+        assert_matches_reference(step(q, k, v, t), q, k, v, mask=make(t))
+    assert counter.frame_count == 1, counter.frame_count
+
+
+@pytest.mark.parametrize("case", sorted(DATA_CASES))
+def test_a_block_mask_built_outside_the_graph(case: str) -> None:
+    """The other pattern: a BlockMask built eagerly and passed into the compiled call."""
+    spec = CASES[case]()["mask"]
+    q, k, v = _inputs(False)
+    bm = fz.block_mask(spec, L, L, batch=B, heads=H, device=DEV)
+    call = lambda a, b, c: fz.attention(a, b, c, mask=bm)  # noqa: E731
+    assert torch._dynamo.explain(call)(q, k, v).graph_break_count == 0
     torch._dynamo.reset()
-    assert_matches_reference(torch.compile(call)(q, k, v), q, k, v, **kw)
+    assert_matches_reference(torch.compile(call, fullgraph=True)(q, k, v), q, k, v, mask=spec)
 
 
 #: Routes compiled with dynamic shapes: auto and the kernels it picks among on CUDA.
@@ -160,17 +177,15 @@ def test_dynamic_shapes_one_graph_for_every_length(case: str, route: str) -> Non
 
 @pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal"])
 def test_reduce_overhead_replays(case: str) -> None:
-    """CUDA graphs through torch.compile: three replays give the eager result."""
+    """CUDA graphs through torch.compile: three replays give the eager result (a document mask's
+    BlockMask is built inside the captured graph)."""
     kw = CASES[case]()
     q, k, v = _inputs(False)
-    spec = kw.get("mask")
-    if case in DATA_CASES:
-        kw = dict(kw, mask=fz.block_mask(spec, L, L, batch=B, heads=H, device=DEV))
     step = torch.compile(lambda a, b, c: fz.attention(a, b, c, **kw), mode="reduce-overhead", fullgraph=True)
     with torch.no_grad():
         for _ in range(3):
             out = step(q, k, v).clone()
-        assert_matches_reference(out, q, k, v, **dict(kw, mask=spec))
+        assert_matches_reference(out, q, k, v, **kw)
 
 
 class _Block(torch.nn.Module):
@@ -182,7 +197,7 @@ class _Block(torch.nn.Module):
         return fz.attention(q, k, v, **self.kw)
 
 
-@pytest.mark.parametrize("case", ["causal", "sliding_causal"])
+@pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal"])
 @pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
 def test_export(case: str, strict: bool) -> None:
     kw = CASES[case]()

@@ -500,3 +500,53 @@ def test_compiled_model_has_no_graph_break(family: str, reader: str, monkeypatch
         # Same float32 computation through Inductor instead of eager kernels: rounding only.
         torch.testing.assert_close(compiled, logits(ids), atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
+
+
+def _mask_kinds(mask: object) -> list[str]:
+    """The spec classes in ``mask`` (traceable: no repr, which Dynamo cannot run on a spec)."""
+    from flexattn_zoo.spec import Spec
+
+    if not isinstance(mask, Spec):
+        return [type(mask).__name__]
+    out = [type(mask).__name__]
+    for part in mask._parts():
+        if isinstance(part, Spec):
+            out += _mask_kinds(part)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "llama4"])
+def test_compiled_models_get_the_specs_eager_ones_get(
+    family: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside ``torch.compile`` transformers builds each layer's mask function in the graph (where
+    Dynamo cannot read a closure's captured values); the reader still reads it structurally: the
+    traced calls get zoo specs (here with packed sequences, so ``Document`` too), never
+    transformers' function as an opaque ``mask_mod``, and the logits match eager mode's."""
+    from flexattn_zoo import dispatch
+
+    if not structural_reader_enabled():
+        pytest.skip("the structural reader is off for this transformers release")
+    seen: list[list[str]] = []
+    traced = dispatch._traced_attention
+
+    def spy(q, k, v, mask, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(_mask_kinds(mask))
+        return traced(q, k, v, mask, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "_traced_attention", spy)
+    model = _model(family)
+    model.set_attn_implementation(name)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, L), generator=torch.Generator().manual_seed(5))
+
+    def logits(i: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=i, position_ids=pos, use_cache=False).logits
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(logits, backend="aot_eager", fullgraph=True)(ids, PACKED_POSITIONS)
+        torch.testing.assert_close(compiled, logits(ids, PACKED_POSITIONS), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    kinds = {k for call in seen for k in call}
+    assert seen and "FunctionMask" not in kinds, seen
+    assert "Document" in kinds, seen

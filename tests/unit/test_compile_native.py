@@ -230,3 +230,50 @@ def test_a_prebuilt_block_mask_compiles_on_the_dense_route() -> None:
     out = torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert_matches_reference(out, q, k, v, mask=doc, grads=grads, grad_out=torch.ones_like(out))
+
+
+def test_tracing_a_gqa_call_warns_nothing() -> None:
+    """Choosing a route while traced reads no ``functools.cache`` d function: Dynamo traces through
+    those and warns once per call site, which a compiled model's user sees as noise."""
+    import warnings
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 4, 32, 16)
+    k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    call = lambda a, b, c: fz.attention(a, b, c, mask=masks.Causal(), enable_gqa=True)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # A fresh warn-once record, so a test run before this one cannot hide the warning.
+        torch._dynamo.utils.warn_once_cache.clear()
+        torch.compile(call, backend="eager", fullgraph=True)(q, k, v)
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind", ["prefix_lm", "document"])
+def test_data_specs_made_inside_the_graph_take_new_values_without_a_recompile(kind: str) -> None:
+    """A spec built inside the compiled step from tensors passed in (a [B] prefix length, document
+    ids): its constructor's checks of the values run eagerly only (traced, a check reading the
+    values would break the graph), and new values reuse the compiled graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    q, k, v = _inputs(False)
+
+    def make(t: torch.Tensor) -> Any:
+        return (
+            masks.PrefixLM(prefix_len=t)
+            if kind == "prefix_lm"
+            else masks.Document(doc_ids=t) & masks.Causal()
+        )
+
+    if kind == "prefix_lm":
+        values = [torch.tensor(x) for x in ([5, 40], [48, 0], [1, 17])]
+    else:
+        values = [masks.Document.from_lengths(r).doc_ids for r in ([[20, 28], [48]], [[1, 47], [24, 24]])]
+    torch._dynamo.reset()
+    step = torch.compile(
+        lambda a, b, c, t: fz.attention(a, b, c, mask=make(t)), backend=counter, fullgraph=True
+    )
+    for t in values:
+        assert_matches_reference(step(q, k, v, t), q, k, v, mask=make(t))
+    assert counter.frame_count == 1

@@ -105,27 +105,11 @@ def test_pair_loading_mods_get_flex_tiles_that_fit_sm90() -> None:
     assert (flex.options(own) or {})["fwd_num_stages"] == 1
 
 
-def test_a_callables_data_question_traces_without_a_break(monkeypatch: pytest.MonkeyPatch) -> None:
-    """dispatch._holds_data on a callable capturing a tensor, inside fullgraph: answered by the
-    callable itself, never by walking its closure (Dynamo on torch 2.11 cannot trace the walk's
-    id() of Python objects: a graph break per attention layer)."""
-    ids = torch.zeros(64, dtype=torch.int64)
-    spec = FunctionMask(fn=lambda b, h, q, kv: ids[q] == ids[kv])
-
-    def no_walk(self: Any) -> list[torch.Tensor]:
-        raise AssertionError("walked the callable's closure")
-
-    monkeypatch.setattr(FunctionMask, "tensors", no_walk)
-
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return x + 1 if dispatch._holds_data(spec) else x
-
-    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)), torch.ones(2))
-
-
-def test_block_mask_counts_are_int32_inside_a_graph() -> None:
-    """Inductor's CUDA scan over int16 with symbolic lengths fails to compile (torch 2.11): the
-    traced builder counts in int32 (the eager one keeps int16 below 2**15 columns)."""
+def test_the_traced_builder_orders_blocks_in_one_opaque_op() -> None:
+    """Compiled into one graph with the flex kernel that reads them, the block ranking's cumsum
+    and scatter gave wrong rows on CUDA for batch rows after the first (torch 2.11, H200): traced,
+    the builder runs them as the ``flexattn_zoo::block_order`` op, which the graph holds as one
+    node, with the eager result (int32 counts and indices)."""
     graphs: list[torch.fx.GraphModule] = []
 
     def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
@@ -138,7 +122,33 @@ def test_block_mask_counts_are_int32_inside_a_graph() -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, traced, strict=True))
     assert eager[1].dtype == traced[1].dtype == torch.int32
     code = "\n".join(gm.code for gm in graphs)
-    assert "cumsum" in code and "torch.int16" not in code
+    assert "flexattn_zoo.block_order" in code and "scatter" not in code and "cumsum" not in code
+    # The op's fake implementation gives the shapes and dtypes the real one returns.
+    torch.library.opcheck(blockmask.block_order, (m,))
+
+
+def test_a_document_mask_traces_into_one_graph_with_its_block_mask() -> None:
+    """A spec holding document ids, traced by fz.attention: no graph break, the BlockMask built in
+    the graph (new ids next step reuse it), each batch row exact."""
+    from flexattn_zoo.testing import assert_matches_reference
+
+    torch.compiler.reset()
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    q, k, v = (torch.randn(2, 2, 96, 16) for _ in range(3))
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return dispatch.attention(
+            a, b, c, mask=masks.Document(doc_ids=ids) & masks.Causal(), backend="flex_cpu"
+        )
+
+    step = torch.compile(call, backend=counter, fullgraph=True)
+    for lengths in ([[40, 56], [10, 86]], [[96], [30, 30, 36]]):
+        spec = masks.Document.from_lengths(lengths)
+        out = step(q, k, v, spec.doc_ids)
+        assert_matches_reference(out, q, k, v, mask=spec & masks.Causal())
+    assert counter.frame_count == 1
 
 
 def test_transformers_is_not_imported_again_inside_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
