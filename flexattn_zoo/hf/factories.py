@@ -44,15 +44,15 @@ _INSTALLED: set[int] = set()
 def _recording(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """The stand-in for ``original``: its result, with the arguments recorded on it."""
     # A copy, not ``original`` itself: Dynamo would send a call of the original to this stand-in.
-    code = original.__code__  # type: ignore[attr-defined]
+    code = original.__code__
     copy = types.FunctionType(
         code,
-        original.__globals__,  # type: ignore[attr-defined]
+        original.__globals__,
         original.__name__,
-        original.__defaults__,  # type: ignore[attr-defined]
-        original.__closure__,  # type: ignore[attr-defined]
+        original.__defaults__,
+        original.__closure__,
     )
-    copy.__kwdefaults__ = original.__kwdefaults__  # type: ignore[attr-defined]
+    copy.__kwdefaults__ = original.__kwdefaults__
     params = list(inspect.signature(original).parameters.values())
     names = tuple(p.name for p in params)
     variadic = bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
