@@ -54,6 +54,11 @@ bypasses the builder. A boolean one (or a float one holding only 0 and the dtype
 exactly (SDPA's ``attn_mask``, flex with the tensor captured, dense). Any other float (a learned
 bias) raises ``ValueError``.
 
+Inside ``torch.compile`` transformers builds the mask functions in the graph, where Dynamo cannot
+read a closure's captured values; :func:`register` gives Dynamo a stand-in for each mask factory
+that records its arguments (:mod:`flexattn_zoo.hf.factories`), so compiled models get the same
+specs, with no graph break.
+
 ``generate`` with a static cache builds masks ahead of the forward and hands them back to the
 model, which may pass them into transformers' mask creation again: :class:`HFMask` answers the
 few tensor attributes transformers reads there, and the builder rebuilds a handed-back HFMask for
