@@ -550,3 +550,23 @@ def test_compiled_models_get_the_specs_eager_ones_get(
     kinds = {k for call in seen for k in call}
     assert seen and "FunctionMask" not in kinds, seen
     assert "Document" in kinds, seen
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex_attention"])
+def test_transformers_own_attention_compiles_as_before_after_register(impl: str) -> None:
+    """register() gives Dynamo stand-ins for transformers' mask factories, process-wide: a model
+    compiled with transformers' own attention in the same process still gives its eager logits
+    (packed sequences, so the packed-sequence factory is traced too)."""
+    zhf.register()
+    model = _model("mistral")
+    model.set_attn_implementation(impl)
+    ids = torch.randint(1, COMMON["vocab_size"], (2, L), generator=torch.Generator().manual_seed(6))
+
+    def logits(i: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=i, position_ids=pos, use_cache=False).logits
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(logits, backend="aot_eager")(ids, PACKED_POSITIONS)
+        torch.testing.assert_close(compiled, logits(ids, PACKED_POSITIONS), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
