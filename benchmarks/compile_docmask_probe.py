@@ -9,11 +9,12 @@ all and prints one line each): the max abs error of the output against float64, 
 Variants: torch flex with the BlockMask built eagerly and passed in (the control); built in the
 graph from ids captured / passed as an input / computed in the graph from position ids (what
 transformers does for packed sequences), each with int32 and int64 ids; fz.attention traced with
-its own builders in the graph (the data-mask escape switched off), with the spec built outside
-(int32 labels) or inside the graph (the ids' own dtype). Then the variants that locate the fault:
-the builders compiled alone (their BlockMask tensors against the eager ones: "max err" is then
-the number of tensors that differ), one batch row instead of two, the BlockMask tensors cloned
-in the graph, and the block ordering run as an opaque custom op (the block map stays in the graph).
+its own builders in the graph (their block ordering the ``flexattn_zoo::block_order`` op), with
+the spec built outside (int32 labels) or inside the graph (the ids' own dtype). Then the variants
+that locate the fault, with the ordering traced as plain ops (as before the op): in one graph with
+the kernel, the builders compiled alone (their BlockMask tensors against the eager ones: "max err"
+is then the number of tensors that differ), one batch row instead of two, and the BlockMask
+tensors cloned in the graph.
 
     python benchmarks/compile_docmask_probe.py            # CUDA
 """
@@ -99,7 +100,6 @@ def _variants(dev: str) -> dict[str, Callable[[], tuple[torch.Tensor, Any]]]:
         )
 
     def fz_in_graph(outside: bool) -> tuple[torch.Tensor, Any]:
-        fz.dispatch._holds_data = lambda mask: False  # type: ignore[attr-defined]  # stay in the graph
 
         def call(a: Any, b: Any, c: Any, ids: torch.Tensor) -> Any:
             m = spec if outside else masks.Document(doc_ids=ids) & masks.Causal()
@@ -111,7 +111,10 @@ def _variants(dev: str) -> dict[str, Callable[[], tuple[torch.Tensor, Any]]]:
     out["fz traced flex in graph, spec built inside (int64 ids)"] = lambda: fz_in_graph(False)
 
     def builders_alone(torch_builder: bool) -> tuple[torch.Tensor, Any]:
+        from flexattn_zoo import blockmask
         from flexattn_zoo.blockmask import block_mask
+
+        blockmask._ordered = blockmask._ordered_eager  # the ordering traced as plain ops
 
         def build(ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
             if torch_builder:
@@ -150,40 +153,31 @@ def _variants(dev: str) -> dict[str, Callable[[], tuple[torch.Tensor, Any]]]:
     out["torch create_block_mask compiled alone vs eager"] = lambda: builders_alone(True)
     out["fz builders compiled alone vs eager"] = lambda: builders_alone(False)
 
-    def fz_patched(patch: str) -> tuple[torch.Tensor, Any]:
+    def fz_plain_ordering(clone: bool = False) -> tuple[torch.Tensor, Any]:
         from flexattn_zoo import _compat, blockmask
 
-        if patch == "clone":
+        blockmask._ordered = blockmask._ordered_eager  # the ordering traced as plain ops
+        if clone:
             make = _compat.make_block_mask
 
-            def cloned(seq, *tensors_and_rest: Any) -> Any:
+            def cloned(seq: Any, *tensors_and_rest: Any) -> Any:
                 *tensors, bs, mod = tensors_and_rest
                 return make(seq, *(t.clone() if t is not None else None for t in tensors), bs, mod)
 
             _compat.make_block_mask = cloned
-        elif patch == "opaque":
-            eager_ordered = blockmask._ordered
-
-            @torch.library.custom_op("fz_probe::ordered", mutates_args=())
-            def ordered(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                num, order = eager_ordered(m)
-                return num.clone(), order.clone()
-
-            @ordered.register_fake
-            def _(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                return m.new_empty(m.shape[:-1], dtype=torch.int32), m.new_empty(m.shape, dtype=torch.int32)
-
-            blockmask._ordered = lambda m: ordered(m.contiguous())
         return fz_in_graph(False)
 
-    out["fz in graph, BlockMask tensors cloned in the graph"] = lambda: fz_patched("clone")
-    out["fz in graph, block ordering an opaque custom op"] = lambda: fz_patched("opaque")
-    out["fz in graph, one batch row"] = lambda: fz_in_graph(False)
+    out["fz in graph, ordering as plain ops"] = lambda: fz_plain_ordering()
+    out["fz in graph, ordering as plain ops, BlockMask tensors cloned"] = lambda: fz_plain_ordering(True)
+    out["fz in graph, ordering as plain ops, one batch row"] = lambda: fz_plain_ordering()
     out["fz builders compiled alone vs eager, one batch row"] = lambda: builders_alone(False)
     return out
 
 
-ONE_ROW = ("fz in graph, one batch row", "fz builders compiled alone vs eager, one batch row")
+ONE_ROW = (
+    "fz in graph, ordering as plain ops, one batch row",
+    "fz builders compiled alone vs eager, one batch row",
+)
 
 
 def _one(name: str, dev: str) -> None:

@@ -63,7 +63,10 @@ def block_order(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (torch 2.11, H200; the same ops compiled alone, without the kernel, were right); as one op
     Inductor cannot fuse or re-lay them out, and the flex kernel reads the indices exactly.
     """
-    return _ordered_eager(m)
+    num, order = _ordered_eager(m)
+    # The counts may be a strided view of the running count (int32 already from 2**15 columns):
+    # the op returns what its fake implementation promises, a fresh contiguous tensor.
+    return num.clone(memory_format=torch.contiguous_format), order
 
 
 @block_order.register_fake

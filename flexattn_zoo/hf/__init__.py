@@ -56,8 +56,9 @@ bias) raises ``ValueError``.
 
 Inside ``torch.compile`` transformers builds the mask functions in the graph, where Dynamo cannot
 read a closure's captured values; :func:`register` gives Dynamo a stand-in for each mask factory
-that records its arguments (:mod:`flexattn_zoo.hf.factories`), so compiled models get the same
-specs, with no graph break.
+that records its arguments (:mod:`flexattn_zoo.hf.factories`), so compiled models get specs too,
+with no graph break (the general exact ones where a value is known only at run time: packed
+sequence ids, padding that may pad nothing, Llama 4's chunks as document labels).
 
 ``generate`` with a static cache builds masks ahead of the forward and hands them back to the
 model, which may pass them into transformers' mask creation again: :class:`HFMask` answers the

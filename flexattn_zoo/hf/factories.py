@@ -17,11 +17,15 @@ implementations traced in the same process get the same closures, with that one 
 from __future__ import annotations
 
 import inspect
+import logging
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 #: The attribute the stand-ins set on the closures they return.
 ATTRIBUTE = "fz_factory"
@@ -37,29 +41,59 @@ FACTORIES = {
     "padding": "padding_mask_function",
 }
 
+
+#: Arguments that make a sample closure of each factory (``masking_utils`` -> positional args):
+#: :func:`install` checks on it that the closure holds exactly its arguments, and the eager reader
+#: takes the closure's code object from it.
+def example_args(masking_utils: Any) -> dict[str, tuple[Any, ...]]:
+    t = torch.zeros(1, 1, dtype=torch.long)
+    causal = masking_utils.causal_mask_function
+    return {
+        "and": (causal,),
+        "or": (causal,),
+        "sliding": (1,),
+        "sliding_bidirectional": (1,),
+        "chunked": (1, t[0]),
+        "packed": (t,),
+        "remap": (causal, t),
+        "padding": (t,),
+    }
+
+
 #: The functions already substituted (Dynamo takes one stand-in per function, for the process).
 _INSTALLED: set[int] = set()
+_LOCK = threading.Lock()
+
+
+def _parameters(original: Callable[..., Any]) -> tuple[tuple[str, ...], bool, dict[str, Any]]:
+    """Parameter names, whether the first is ``*args``, and the defaults."""
+    params = list(inspect.signature(original).parameters.values())
+    names = tuple(p.name for p in params)
+    variadic = bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return names, variadic, defaults
 
 
 def _recording(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
     """The stand-in for ``original``: its result, with the arguments recorded on it."""
     # A copy, not ``original`` itself: Dynamo would send a call of the original to this stand-in.
-    code = original.__code__
     copy = types.FunctionType(
-        code,
+        original.__code__,
         original.__globals__,
         original.__name__,
         original.__defaults__,
         original.__closure__,
     )
     copy.__kwdefaults__ = original.__kwdefaults__
-    params = list(inspect.signature(original).parameters.values())
-    names = tuple(p.name for p in params)
-    variadic = bool(params) and params[0].kind is inspect.Parameter.VAR_POSITIONAL
+    names, variadic, defaults = _parameters(original)
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         fn = copy(*args, **kwargs)
-        recorded = {names[0]: args} if variadic else dict(zip(names[: len(args)], args, strict=True))
+        recorded = dict(defaults)
+        if variadic:
+            recorded[names[0]] = args
+        else:
+            recorded.update(zip(names[: len(args)], args, strict=True))
         recorded.update(kwargs)
         fn.fz_factory = (kind, recorded)
         return fn
@@ -67,14 +101,53 @@ def _recording(kind: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return recording
 
 
-def install(masking_utils: Any) -> None:
-    """Substitute the stand-ins for the factories this ``transformers.masking_utils`` has (once each)."""
-    for kind, name in FACTORIES.items():
-        original = getattr(masking_utils, name, None)
-        if not isinstance(original, types.FunctionType) or id(original) in _INSTALLED:
-            continue
-        torch.compiler.substitute_in_graph(original, skip_signature_check=True)(_recording(kind, original))
-        _INSTALLED.add(id(original))
+def _captures_its_arguments(original: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    """Whether the closure ``original(*args)`` holds exactly the arguments, under their parameter
+    names (what the recorded arguments stand for: the values the closure computes with)."""
+    names, variadic, _ = _parameters(original)
+    given = {names[0]: args} if variadic else dict(zip(names, args, strict=False))
+    fn = original(*args)
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None or set(code.co_freevars) - set(given):
+        return False
+    held = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True))
+
+    def same(a: Any, b: Any) -> bool:  # *args arrive as a new tuple of the same objects
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+        return a is b
+
+    return all(same(value, given[name]) for name, value in held.items())
+
+
+def install(masking_utils: Any) -> list[str]:
+    """Substitute the stand-ins for the factories this ``transformers.masking_utils`` has (once
+    each) and return the names left out: a factory whose closure does not hold exactly its
+    arguments, or one another library already substituted (its closures then stay unreadable
+    while traced, and take the exact generic path)."""
+    skipped = []
+    samples = example_args(masking_utils)
+    with _LOCK:
+        for kind, name in FACTORIES.items():
+            original = getattr(masking_utils, name, None)
+            if not isinstance(original, types.FunctionType) or id(original) in _INSTALLED:
+                continue
+            try:
+                if not _captures_its_arguments(original, samples[kind]):
+                    skipped.append(name)
+                    continue
+                torch.compiler.substitute_in_graph(original, skip_signature_check=True)(
+                    _recording(kind, original)
+                )
+            except (TypeError, ValueError):  # another stand-in registered, or a changed signature
+                skipped.append(name)
+                continue
+            _INSTALLED.add(id(original))
+    if skipped:
+        log.warning(
+            "flexattn_zoo.hf: transformers mask factories not read inside compiled models: %s", skipped
+        )
+    return skipped
 
 
 def recorded(fn: Any) -> tuple[str, dict[str, Any]] | None:
@@ -82,4 +155,4 @@ def recorded(fn: Any) -> tuple[str, dict[str, Any]] | None:
     return getattr(fn, ATTRIBUTE, None)
 
 
-__all__ = ["ATTRIBUTE", "FACTORIES", "install", "recorded"]
+__all__ = ["ATTRIBUTE", "FACTORIES", "example_args", "install", "recorded"]

@@ -120,17 +120,7 @@ def _codes() -> dict[str, Any]:
     global _CODES
     if _CODES is None:
         mu = masking_utils()
-        t = torch.zeros(1, 1, dtype=torch.long)
-        example_args: dict[str, tuple[Any, ...]] = {
-            "and": (mu.causal_mask_function,),
-            "or": (mu.causal_mask_function,),
-            "sliding": (1,),
-            "sliding_bidirectional": (1,),
-            "chunked": (1, t[0]),
-            "packed": (t,),
-            "remap": (mu.causal_mask_function, t),
-            "padding": (t,),
-        }
+        example_args = factories.example_args(mu)
         codes = {}
         for kind, name in factories.FACTORIES.items():
             try:
@@ -150,9 +140,10 @@ def _factory(fn: Any) -> tuple[str, dict[str, Any]]:
     found = factories.recorded(fn)
     if found is not None:
         return found
-    name = getattr(fn, "__qualname__", repr(fn))
-    if tracing():
-        # A closure made in the graph by no stand-in: Dynamo cannot read its cells.
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__  # no repr(): Dynamo cannot run it
+    if torch.compiler.is_dynamo_compiling():
+        # A closure made in the graph by no stand-in: Dynamo cannot read its cells. (Non-strict
+        # export traces without Dynamo: there closures are Python objects, read as eagerly.)
         raise _Unknown(f"{name} (made inside the compiled graph)")
     code = getattr(fn, "__code__", None)
     kind = next((k for k, c in _codes().items() if c is code), None)
@@ -175,20 +166,26 @@ def _read(fn: Any) -> Any:
     if fn is getattr(mu, "bidirectional_mask_function", None):
         return _BandNode(None, None)
     kind, cells = _factory(fn)
+
+    def cell(name: str) -> Any:
+        if name not in cells:  # another release's closure, or an argument not recorded
+            raise _Unknown(f"{kind} closure without {name}")
+        return cells[name]
+
     if kind in ("and", "or"):
-        return (kind, [_read(f) for f in cells["mask_functions"]])
+        return (kind, [_read(f) for f in cell("mask_functions")])
     if kind == "sliding":  # kv > q - W
-        return _BandNode(1 - int(cells["sliding_window"]), None)
+        return _BandNode(1 - int(cell("sliding_window")), None)
     if kind == "sliding_bidirectional":  # |q - kv| <= W
-        w = int(cells["sliding_window"])
+        w = int(cell("sliding_window"))
         return _BandNode(-w, w)
     if kind == "chunked":
-        return ("chunked", int(cells["chunk_size"]), cells["left_padding"])
+        return ("chunked", int(cell("chunk_size")), cell("left_padding"))
     if kind == "packed":
-        return ("packed", cells["packed_sequence_mask"])
+        return ("packed", cell("packed_sequence_mask"))
     if kind == "remap":
-        return ("remap", _read(cells["mask_function"]), cells["position_ids"])
-    return ("padding", cells["padding_mask"])
+        return ("remap", _read(cell("mask_function")), cell("position_ids"))
+    return ("padding", cell("padding_mask"))
 
 
 def _difference_only(node: Any) -> bool:

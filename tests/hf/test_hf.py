@@ -516,7 +516,7 @@ def _mask_kinds(mask: object) -> list[str]:
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "llama4"])
-def test_compiled_models_get_the_specs_eager_ones_get(
+def test_compiled_models_read_their_masks_into_specs(
     family: str, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inside ``torch.compile`` transformers builds each layer's mask function in the graph (where

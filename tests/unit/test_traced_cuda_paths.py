@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from flexattn_zoo import blockmask, dispatch, masks, score_mods
+from flexattn_zoo import blockmask, masks, score_mods
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.packed.specs import PackedSequences
@@ -123,32 +123,10 @@ def test_the_traced_builder_orders_blocks_in_one_opaque_op() -> None:
     assert eager[1].dtype == traced[1].dtype == torch.int32
     code = "\n".join(gm.code for gm in graphs)
     assert "flexattn_zoo.block_order" in code and "scatter" not in code and "cumsum" not in code
-    # The op's fake implementation gives the shapes and dtypes the real one returns.
+    # The op's fake implementation gives the shapes, dtypes and layout the real one returns, also
+    # from 2**15 columns on (where the eager counts are int32 views of the running count).
     torch.library.opcheck(blockmask.block_order, (m,))
-
-
-def test_a_document_mask_traces_into_one_graph_with_its_block_mask() -> None:
-    """A spec holding document ids, traced by fz.attention: no graph break, the BlockMask built in
-    the graph (new ids next step reuse it), each batch row exact."""
-    from flexattn_zoo.testing import assert_matches_reference
-
-    torch.compiler.reset()
-    from torch._dynamo.testing import CompileCounter
-
-    counter = CompileCounter()
-    q, k, v = (torch.randn(2, 2, 96, 16) for _ in range(3))
-
-    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return dispatch.attention(
-            a, b, c, mask=masks.Document(doc_ids=ids) & masks.Causal(), backend="flex_cpu"
-        )
-
-    step = torch.compile(call, backend=counter, fullgraph=True)
-    for lengths in ([[40, 56], [10, 86]], [[96], [30, 30, 36]]):
-        spec = masks.Document.from_lengths(lengths)
-        out = step(q, k, v, spec.doc_ids)
-        assert_matches_reference(out, q, k, v, mask=spec & masks.Causal())
-    assert counter.frame_count == 1
+    torch.library.opcheck(blockmask.block_order, (torch.rand(1, 1, 3, 2**15) > 0.5,))
 
 
 def test_transformers_is_not_imported_again_inside_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
