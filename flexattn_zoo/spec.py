@@ -606,6 +606,27 @@ def lower_triangle_fraction(q_len: int, kv_len: int, offset: int) -> float:
     return (partial + (q_len - last) * kv_len) / max(1, q_len * kv_len)
 
 
+@torch.library.custom_op("flexattn_zoo::materialize", mutates_args=())
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` as one opaque op of a compiled graph (see :func:`cpu_flex_capture`)."""
+    return t.clone()
+
+
+@materialize.register_fake
+def _materialize_fake(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+def cpu_flex_capture(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a ``mask_mod`` / ``score_mod`` should capture it: itself, except while traced on
+    the CPU, where a tensor computed in the graph by pointwise ops (a padding mask cast from the
+    model's ``attention_mask``) is copied by one opaque op: Inductor's CPU flex kernel (torch 2.13)
+    fuses such ops into its template and then finds no kernel choice ("NoValidChoicesError")."""
+    if t.device.type == "cpu" and tracing():
+        return materialize(t)
+    return t
+
+
 def tracing() -> bool:
     """Whether ``torch.compile`` is tracing the current call. Spec methods that would read the
     *data* of a tensor they hold (a form derived from document ids) return None then: Dynamo can

@@ -12,6 +12,7 @@ from flexattn_zoo.spec import (
     SdpaForm,
     Spec,
     block_ranges,
+    cpu_flex_capture,
     spec_dataclass,
     tracing,
 )
@@ -71,7 +72,7 @@ class KeyPadding(MaskSpec):
             raise ValueError(f"KeyPadding(valid=...) covers {length} keys but Lkv = {kv_len}")
 
     def _make_mask_mod(self) -> MaskMod:
-        valid = self.valid
+        valid = cpu_flex_capture(self.valid)
 
         def key_padding_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

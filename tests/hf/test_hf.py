@@ -599,3 +599,26 @@ def test_transformers_own_attention_compiles_as_before_after_register(impl: str)
     (before, err_before), (after, err_after) = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert after == before
     assert err_before < 1e-5 and err_after < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_compiled_model_with_a_padding_mask(family: str) -> None:
+    """A left-padded batch inside ``torch.compile(fullgraph=True)`` (Inductor, CPU): the padding
+    mask, cast from ``attention_mask`` inside the graph, compiles into the CPU flex kernel (which
+    found no kernel choice when the cast was fused into it) and gives the eager logits."""
+    name = zhf.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation=name).eval()
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(7))
+    attention_mask = torch.ones(2, 48, dtype=torch.long)
+    attention_mask[0, :10] = 0
+
+    def logits(i: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=i, attention_mask=a, use_cache=False).logits
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(logits, fullgraph=True)(ids, attention_mask)
+        real = attention_mask.bool()
+        torch.testing.assert_close(compiled[real], logits(ids, attention_mask)[real], atol=1e-4, rtol=1e-4)
+    torch._dynamo.reset()

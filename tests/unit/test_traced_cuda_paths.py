@@ -127,6 +127,10 @@ def test_the_traced_builder_orders_blocks_in_one_opaque_op() -> None:
     # from 2**15 columns on (where the eager counts are int32 views of the running count).
     torch.library.opcheck(blockmask.block_order, (m,))
     torch.library.opcheck(blockmask.block_order, (torch.rand(1, 1, 3, 2**15) > 0.5,))
+    # The same for the copy a CPU mask_mod captures while traced (spec.cpu_flex_capture).
+    from flexattn_zoo.spec import materialize
+
+    torch.library.opcheck(materialize, (torch.rand(2, 5) > 0.5,))
 
 
 def test_transformers_is_not_imported_again_inside_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
