@@ -42,10 +42,9 @@ FACTORIES = {
 }
 
 
-#: Arguments that make a sample closure of each factory (``masking_utils`` -> positional args):
-#: :func:`install` checks on it that the closure holds exactly its arguments, and the eager reader
-#: takes the closure's code object from it.
 def example_args(masking_utils: Any) -> dict[str, tuple[Any, ...]]:
+    """Positional arguments that make a sample closure of each factory: :func:`install` checks on
+    it that the closure holds exactly its arguments, and the eager reader takes its code object."""
     t = torch.zeros(1, 1, dtype=torch.long)
     causal = masking_utils.causal_mask_function
     return {
@@ -60,8 +59,10 @@ def example_args(masking_utils: Any) -> dict[str, tuple[Any, ...]]:
     }
 
 
-#: The functions already substituted (Dynamo takes one stand-in per function, for the process).
+#: The functions already substituted (Dynamo takes one stand-in per function, for the process),
+#: and those left out (so a later install neither checks nor warns again).
 _INSTALLED: set[int] = set()
+_SKIPPED: set[int] = set()
 _LOCK = threading.Lock()
 
 
@@ -122,7 +123,7 @@ def _captures_its_arguments(original: Callable[..., Any], args: tuple[Any, ...])
 
 def install(masking_utils: Any) -> list[str]:
     """Substitute the stand-ins for the factories this ``transformers.masking_utils`` has (once
-    each) and return the names left out: a factory whose closure does not hold exactly its
+    each) and return the names newly left out: a factory whose closure does not hold exactly its
     arguments, or one another library already substituted (its closures then stay unreadable
     while traced, and take the exact generic path)."""
     skipped = []
@@ -130,17 +131,19 @@ def install(masking_utils: Any) -> list[str]:
     with _LOCK:
         for kind, name in FACTORIES.items():
             original = getattr(masking_utils, name, None)
-            if not isinstance(original, types.FunctionType) or id(original) in _INSTALLED:
+            if not isinstance(original, types.FunctionType) or id(original) in _INSTALLED | _SKIPPED:
                 continue
             try:
-                if not _captures_its_arguments(original, samples[kind]):
-                    skipped.append(name)
-                    continue
-                torch.compiler.substitute_in_graph(original, skip_signature_check=True)(
-                    _recording(kind, original)
-                )
+                fits = _captures_its_arguments(original, samples[kind])
+                if fits:
+                    torch.compiler.substitute_in_graph(original, skip_signature_check=True)(
+                        _recording(kind, original)
+                    )
             except (TypeError, ValueError):  # another stand-in registered, or a changed signature
+                fits = False
+            if not fits:
                 skipped.append(name)
+                _SKIPPED.add(id(original))
                 continue
             _INSTALLED.add(id(original))
     if skipped:

@@ -72,6 +72,7 @@ def test_a_factory_whose_closure_holds_other_values_is_left_out() -> None:
 
     mu = _module(sliding_window_overlay=sliding_window_overlay)
     assert factories.install(mu) == ["sliding_window_overlay"]
+    assert factories.install(mu) == []  # checked and reported once
     assert _traced_record(lambda: mu.sliding_window_overlay(4)) is None
 
 
