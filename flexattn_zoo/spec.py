@@ -459,24 +459,31 @@ class Spec:
 
     def to(self, device: torch.device | str) -> Self:
         """A copy with every captured tensor on ``device`` (``self`` if nothing moves)."""
+        dev = torch.device(device)
+        return self.map_tensors(lambda t: t if t.device == dev else t.to(dev))
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        """A copy with ``fn(t)`` for every captured tensor ``t``, nested specs included (``self``
+        where ``fn`` returns every tensor unchanged)."""
         changes: dict[str, Any] = {}
-        skip = type(self).scalar_fields  # nothing to move there (see scalar_fields)
+        skip = type(self).scalar_fields  # no tensor there (see scalar_fields)
         for f in dataclasses.fields(self):  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses
             if f.name in skip:
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.device != torch.device(device):
-                # A fresh tensor (or the learned tensor's non-leaf copy): the new spec owns it as is.
-                moved_tensor = value.to(device)
-                changes[f.name] = moved_tensor if moved_tensor.requires_grad else _mark_owned(moved_tensor)
+            if isinstance(value, torch.Tensor):
+                new = fn(value)
+                if new is not value:
+                    # A fresh tensor (or a learned tensor's non-leaf copy): the new spec owns it as is.
+                    changes[f.name] = new if new.requires_grad else _mark_owned(new)
             elif isinstance(value, Spec):
-                moved = value.to(device)
-                if moved is not value:
-                    changes[f.name] = moved
+                mapped = value.map_tensors(fn)
+                if mapped is not value:
+                    changes[f.name] = mapped
             elif isinstance(value, tuple) and any(isinstance(v, Spec) for v in value):
-                moved_t = tuple(v.to(device) if isinstance(v, Spec) else v for v in value)
-                if any(a is not b for a, b in zip(moved_t, value, strict=True)):
-                    changes[f.name] = moved_t
+                mapped_t = tuple(v.map_tensors(fn) if isinstance(v, Spec) else v for v in value)
+                if any(a is not b for a, b in zip(mapped_t, value, strict=True)):
+                    changes[f.name] = mapped_t
         return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]  # as above
 
 
@@ -604,27 +611,6 @@ def lower_triangle_fraction(q_len: int, kv_len: int, offset: int) -> float:
     last = min(q_len, max(first, kv_len - offset))  # rows from it on see every key
     partial = (last - first) * (offset + 1) + (first + last - 1) * (last - first) // 2
     return (partial + (q_len - last) * kv_len) / max(1, q_len * kv_len)
-
-
-@torch.library.custom_op("flexattn_zoo::materialize", mutates_args=())
-def materialize(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` as one opaque op of a compiled graph (see :func:`cpu_flex_capture`)."""
-    return t.clone()
-
-
-@materialize.register_fake
-def _materialize_fake(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t)
-
-
-def cpu_flex_capture(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a ``mask_mod`` / ``score_mod`` should capture it: itself, except while traced on
-    the CPU, where a tensor computed in the graph by pointwise ops (a padding mask cast from the
-    model's ``attention_mask``) is copied by one opaque op: Inductor's CPU flex kernel (torch 2.13)
-    fuses such ops into its template and then finds no kernel choice ("NoValidChoicesError")."""
-    if t.device.type == "cpu" and tracing():
-        return materialize(t)
-    return t
 
 
 def tracing() -> bool:

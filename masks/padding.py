@@ -12,7 +12,6 @@ from flexattn_zoo.spec import (
     SdpaForm,
     Spec,
     block_ranges,
-    cpu_flex_capture,
     spec_dataclass,
     tracing,
 )
@@ -72,7 +71,7 @@ class KeyPadding(MaskSpec):
             raise ValueError(f"KeyPadding(valid=...) covers {length} keys but Lkv = {kv_len}")
 
     def _make_mask_mod(self) -> MaskMod:
-        valid = cpu_flex_capture(self.valid)
+        valid = self.valid
 
         def key_padding_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor

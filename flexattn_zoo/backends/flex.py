@@ -217,17 +217,21 @@ class FlexBackend(Backend):
         in the graph by the same closed-form or block-by-block builders as eagerly (a spec's
         tensors, e.g. document ids, are graph inputs, so new values each step reuse the
         compiled graph)."""
-        if block_mask is None and p.mask is not None:
+        mask, score = p.mask, p.score
+        if q.device.type == "cpu":
+            mask = None if mask is None else mask.map_tensors(_cpu_flex_capture)
+            score = None if score is None else score.map_tensors(_cpu_flex_capture)
+        if block_mask is None and mask is not None:
             # The eager builders, traced into the graph, their block ordering one opaque op
             # (blockmask.block_order: fused with this kernel it gave wrong rows on CUDA); on the
             # CPU, torch's create_block_mask hit an Inductor C++ codegen error where these do not.
             block_mask = build_block_mask(
-                p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
+                mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
             )
         score_mod = None
-        if p.score is not None:
-            past = p.mask is not None and p.mask.hides_future_keys(p.q_len, p.kv_len)
-            score_mod = p.score.to(q.device).score_mod(fast=self.fast_score_mods, future_keys_hidden=past)
+        if score is not None:
+            past = mask is not None and mask.hides_future_keys(p.q_len, p.kv_len)
+            score_mod = score.to(q.device).score_mod(fast=self.fast_score_mods, future_keys_hidden=past)
         out = _compat.flex_attention(
             q,
             k,
@@ -385,6 +389,28 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
         # for at batch 64); the kernel reads it through the zero batch stride.
         return ts
     return tuple(t.contiguous() for t in ts)
+
+
+@torch.library.custom_op("flexattn_zoo::materialize", mutates_args=())
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` as one opaque op of a compiled graph (see :func:`_cpu_flex_capture`)."""
+    return t.clone()
+
+
+@materialize.register_fake
+def _materialize_fake(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+def _cpu_flex_capture(t: torch.Tensor) -> torch.Tensor:
+    """A tensor a spec gives the traced CPU flex kernel: copied by one opaque op, so that a tensor
+    computed in the graph by pointwise ops (a padding mask cast from a model's ``attention_mask``,
+    document ids divided, a scaled bias) is a buffer of its own. Fused into Inductor's CPU flex
+    template those ops leave it no kernel choice ("NoValidChoicesError", or an assertion that
+    every buffer of the mask / score subgraph be a kernel input; torch 2.13). A tensor that
+    requires grad is left as it is: the copy has no backward (a learned parameter is a graph
+    input anyway)."""
+    return t if t.requires_grad else materialize(t)
 
 
 def _distinct_objects(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -277,3 +277,47 @@ def test_data_specs_made_inside_the_graph_take_new_values_without_a_recompile(ki
     for t in values:
         assert_matches_reference(step(q, k, v, t), q, k, v, mask=make(t))
     assert counter.frame_count == 1
+
+
+#: Specs made in the graph from tensors computed there by pointwise ops (a cast, a division, a
+#: scale), each with the tensor it is made from.
+COMPUTED_TENSOR_SPECS: dict[str, tuple[Any, torch.Tensor]] = {
+    "padding_cast": (
+        lambda t: {"mask": masks.KeyPadding(valid=t.to(torch.bool)) & masks.Causal()},
+        torch.ones(B, L),
+    ),
+    "prefix_scaled": (lambda t: {"mask": masks.PrefixLM(prefix_len=t * 3)}, torch.tensor([5, 9])),
+    "document_divided": (
+        lambda t: {"mask": masks.Document(doc_ids=t // 16) & masks.Causal()},
+        torch.arange(L).expand(B, L).contiguous(),
+    ),
+    "dense_compared": (lambda t: {"mask": masks.Dense(mask=t > 0) & masks.Causal()}, torch.randn(1, 1, L, L)),
+    "bias_scaled": (
+        lambda t: {"mask": masks.Causal(), "score_mod": score_mods.Bias(bias=t * 0.5)},
+        torch.randn(1, 1, L, L),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPUTED_TENSOR_SPECS))
+def test_specs_of_tensors_computed_in_the_graph_compile_on_the_cpu_flex_kernel(case: str) -> None:
+    """Inductor's CPU flex template fused the pointwise ops that made a spec's tensor and then
+    found no kernel choice (or asserted that every mask / score buffer be a kernel input): the
+    traced CPU flex route hands the kernel copies of the spec's tensors made by one opaque op.
+    q, k, v come from a projection, as in a model."""
+    make, t = COMPUTED_TENSOR_SPECS[case]
+    t = t.clone()
+    if case == "padding_cast":
+        t[0, :10] = 0
+
+    def block(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ W_IN).view(B, L, 3, H, D).unbind(2)
+        out = fz.attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend="flex_cpu", **make(t)
+        )
+        return out.transpose(1, 2).reshape(B, L, H * D)
+
+    x = torch.randn(B, L, H * D, generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)(x, t)
+    torch.testing.assert_close(compiled, block(x, t), atol=1e-5, rtol=1e-5)

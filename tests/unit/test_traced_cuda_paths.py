@@ -127,8 +127,8 @@ def test_the_traced_builder_orders_blocks_in_one_opaque_op() -> None:
     # from 2**15 columns on (where the eager counts are int32 views of the running count).
     torch.library.opcheck(blockmask.block_order, (m,))
     torch.library.opcheck(blockmask.block_order, (torch.rand(1, 1, 3, 2**15) > 0.5,))
-    # The same for the copy a CPU mask_mod captures while traced (spec.cpu_flex_capture).
-    from flexattn_zoo.spec import materialize
+    # The same for the copy of a spec's tensors the traced CPU flex route makes.
+    from flexattn_zoo.backends.flex import materialize
 
     torch.library.opcheck(materialize, (torch.rand(2, 5) > 0.5,))
 
