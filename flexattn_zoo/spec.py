@@ -290,6 +290,10 @@ class Spec:
     #: (Dynamo restarts to specialize it). Kernels read such floats through a constant path
     #: (``static_float``).
     scalar_fields: ClassVar[frozenset[str]] = frozenset()
+    #: Whether constructing this spec reads its tensors' values in Python (``Tree`` derives its
+    #: ancestor table from ``parents``), so it cannot be constructed again while ``torch.compile``
+    #: traces: :meth:`map_tensors` leaves it as it is there.
+    built_from_values: ClassVar[bool] = False
     #: Whether this spec's own mod may read one of its tensors at an index that depends on both
     #: the query and the key (a bias or mask table, a relative-position table). Triton's flex
     #: kernel streams such a value as a ``[BLOCK_M, BLOCK_N]`` tile through shared memory beside K
@@ -463,8 +467,11 @@ class Spec:
         return self.map_tensors(lambda t: t if t.device == dev else t.to(dev))
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
-        """A copy with ``fn(t)`` for every captured tensor ``t``, nested specs included (``self``
-        where ``fn`` returns every tensor unchanged)."""
+        """A copy, constructed again, with ``fn(t)`` for every captured tensor ``t``, nested specs
+        included (``self`` where ``fn`` returns every tensor unchanged, and, while traced, for a
+        spec :attr:`built_from_values`)."""
+        if type(self).built_from_values and tracing():
+            return self
         changes: dict[str, Any] = {}
         skip = type(self).scalar_fields  # no tensor there (see scalar_fields)
         for f in dataclasses.fields(self):  # type: ignore[arg-type]  # mixin: concrete specs are dataclasses

@@ -81,6 +81,8 @@ class Tree(MaskSpec):
         q_offset: absolute position of query 0 (``>= 0``, below ``L``; default 0).
     """
 
+    built_from_values = True  # __post_init__ reads parents (see Spec.built_from_values)
+
     pair_loads = False  # tree numbers are read per query and per key
 
     parents: torch.Tensor
