@@ -69,6 +69,9 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         _take_ownership(self)
+        if _compat.is_compiling():
+            # Made inside a graph being traced: see graph_memo.
+            object.__setattr__(self, "_graph_memo", {})
 
     klass.__init__ = __init__  # type: ignore[method-assign]
     return klass
@@ -618,6 +621,20 @@ def lower_triangle_fraction(q_len: int, kv_len: int, offset: int) -> float:
     last = min(q_len, max(first, kv_len - offset))  # rows from it on see every key
     partial = (last - first) * (offset + 1) + (first + last - 1) * (last - first) // 2
     return (partial + (q_len - last) * kv_len) / max(1, q_len * kv_len)
+
+
+def graph_memo(spec: Any) -> dict[Hashable, Any] | None:
+    """Where a trace keeps what it derived from ``spec`` (its BlockMask) for the rest of the
+    trace, or None (not tracing, or ``spec`` was made outside the graph).
+
+    A model builds one mask spec in its forward and hands it to every layer: without this, the
+    graph built its BlockMask once per layer. Only a spec made while tracing has one, a fresh
+    object of that trace: writing to a spec made outside would be a side effect Dynamo replays
+    after the graph (and guards on next call). Specs are immutable, so what is kept stays true.
+    """
+    if not _compat.is_compiling():
+        return None
+    return getattr(spec, "_graph_memo", None)
 
 
 def tracing() -> bool:

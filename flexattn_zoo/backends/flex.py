@@ -19,6 +19,7 @@ from flexattn_zoo.compile import CACHE, UnfusedFallbackError
 from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
+from flexattn_zoo.spec import graph_memo
 
 #: torch's Triton flex-*decoding* template fails to compile (an int32/int64 type clash in its
 #: 64-bit indexing) when an input spans this many elements or more; the main flex template runs
@@ -225,9 +226,7 @@ class FlexBackend(Backend):
             # The eager builders, traced into the graph, their block ordering one opaque op
             # (blockmask.block_order: fused with this kernel it gave wrong rows on CUDA); on the
             # CPU, torch's create_block_mask hit an Inductor C++ codegen error where these do not.
-            block_mask = build_block_mask(
-                mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=q.device
-            )
+            block_mask = _traced_block_mask(p, mask, q.device)
         score_mod = None
         if score is not None:
             past = mask is not None and mask.hides_future_keys(p.q_len, p.kv_len)
@@ -266,6 +265,24 @@ class FlexBackend(Backend):
             _block_size(block_mask),
         )
         return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs)
+
+
+def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
+    """The BlockMask of ``p`` built in the graph being traced, once per trace for a spec made in
+    that graph (a model's layers share the spec its forward built; see ``spec.graph_memo``).
+
+    ``mask`` is ``p.mask`` as the route runs it (on the CPU, a copy). Sizes are compared with
+    ``==``, never hashed: under dynamic shapes they are symbols, equal in every layer of a model
+    without a guard, where hashing one would specialize it."""
+    memo = graph_memo(p.mask)
+    sizes = (p.q_len, p.kv_len, p.batch, p.heads)
+    built: list[tuple[str, tuple[Any, ...], Any]] = [] if memo is None else memo.setdefault("block_masks", [])
+    for where, seen, block_mask in built:
+        if where == str(device) and all(a == b for a, b in zip(seen, sizes, strict=True)):
+            return block_mask
+    block_mask = build_block_mask(mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
+    built.append((str(device), sizes, block_mask))
+    return block_mask
 
 
 @dataclasses.dataclass(frozen=True)

@@ -321,3 +321,65 @@ def test_specs_of_tensors_computed_in_the_graph_compile_on_the_cpu_flex_kernel(c
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True)(x, t)
     torch.testing.assert_close(compiled, block(x, t), atol=1e-5, rtol=1e-5)
+
+
+def _block_order_calls(gm: torch.fx.GraphModule) -> int:
+    return sum(node.target is torch.ops.flexattn_zoo.block_order.default for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_spec_made_in_the_graph_builds_its_block_mask_once_for_every_layer(dynamic: bool) -> None:
+    """A model builds its mask spec in the forward and hands it to every layer: the graph builds
+    the BlockMask once, not once per layer (under dynamic shapes too: the layers' symbolic lengths
+    are compared, never hashed, so no recompile), and every layer's output is the eager one."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def layers(n: int) -> Any:
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            mask = masks.Document(doc_ids=ids) & masks.Causal()
+            for _ in range(n):
+                q = fz.attention(q, k, v, mask=mask, backend="flex_cpu")
+            return q
+
+        return run
+
+    calls = {}
+    for n in (1, 4):
+        graphs.clear()
+        torch._dynamo.reset()
+        step = torch.compile(layers(n), backend=backend, fullgraph=True, dynamic=dynamic)
+        for length in (48, 40) if dynamic else (48,):
+            q, k, v = (torch.randn(B, H, length, D) for _ in range(3))
+            ids = masks.Document.from_lengths([[length - 30, 30], [length]]).doc_ids
+            torch.testing.assert_close(step(q, k, v, ids), layers(n)(q, k, v, ids), atol=1e-5, rtol=1e-5)
+        assert len(graphs) == 1
+        calls[n] = _block_order_calls(graphs[0])
+    assert calls[1] > 0
+    assert calls[4] == calls[1]
+
+
+def test_a_spec_made_outside_the_graph_is_not_written_to_by_a_trace() -> None:
+    """A spec passed into the compiled function keeps nothing from the trace (a write would be a
+    side effect replayed after the graph, guarded on at the next call): it is built per layer as
+    before, and a second call reuses the graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    mask = masks.Document.from_lengths([[20, 28], [48]]) & masks.Causal()
+    q, k, v = _inputs(False)
+
+    def two_layers(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, m: Any) -> torch.Tensor:
+        return fz.attention(
+            fz.attention(a, b, c, mask=m, backend="flex_cpu"), b, c, mask=m, backend="flex_cpu"
+        )
+
+    torch._dynamo.reset()
+    step = torch.compile(two_layers, backend=counter, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(step(q, k, v, mask), two_layers(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    assert counter.frame_count == 1
+    assert "_graph_memo" not in vars(mask)
