@@ -11,7 +11,10 @@ noisy host moves them alike), on a tiny problem whose kernel is short next to th
   pins, the bound call, and ``fz.attention``;
 * the dispatcher alone: ``fz.attention`` whose cached bound call is replaced by a no-op;
 * a decode step (one query against a cache, a new length each call): SDPA on the live prefix and
-  ``fz.decode.decode_step``.
+  ``fz.decode.decode_step``;
+* what a decode step could launch instead (``decode-kernels``, CUDA): the two prefix slices alone,
+  SDPA under the kernel pin ``decode_step`` sets, and torch's FlashAttention-2 and
+  memory-efficient SDPA ops called directly on the slices.
 
 Prints the median and the 10th percentile of per-call wall time (us) per layer, and each layer's
 increment over the one below it.
@@ -35,6 +38,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, plan_cache
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.compile import CACHE
+from flexattn_zoo.models.decode import _PREFIX_KERNELS as PREFIX_KERNELS
 
 
 def _hit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
@@ -92,6 +96,39 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         n = next_len()
         return F.scaled_dot_product_attention(q1, k_cache[:, :, :n], v_cache[:, :, :n])
 
+    aten = torch.ops.aten
+
+    def decode_pinned() -> Any:
+        n = next_len()
+        token = _compat.pin_sdpa_kernel(PREFIX_KERNELS)
+        try:
+            return F.scaled_dot_product_attention(q1, k_cache[:, :, :n], v_cache[:, :, :n])
+        finally:
+            _compat.restore_sdpa_kernels(token)
+
+    def decode_slices() -> Any:
+        n = next_len()
+        return k_cache[:, :, :n], v_cache[:, :, :n]
+
+    def decode_flash_op() -> Any:
+        n = next_len()
+        return aten._scaled_dot_product_flash_attention.default(q1, k_cache[:, :, :n], v_cache[:, :, :n])
+
+    def decode_efficient_op() -> Any:
+        n = next_len()
+        return aten._scaled_dot_product_efficient_attention.default(
+            q1, k_cache[:, :, :n], v_cache[:, :, :n], None, False
+        )
+
+    decode_kernels: dict[str, Callable[[], Any]] = {}
+    if device.type == "cuda":
+        decode_kernels = {
+            "decode-kernels: the two prefix slices alone": decode_slices,
+            "decode-kernels: F.scaled_dot_product_attention under decode_step's pin": decode_pinned,
+            "decode-kernels: aten._scaled_dot_product_flash_attention on the slices": decode_flash_op,
+            "decode-kernels: aten._scaled_dot_product_efficient_attention on the slices": decode_efficient_op,
+        }
+
     return {
         f"flex: torch.compile(flex_attention) [{hit.plan.backend}'s BlockMask, options]": lambda: raw(
             q, k, v, block_mask=bm, scale=scale, kernel_options=opts
@@ -113,6 +150,7 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         "decode: fz.decode.decode_step(q1, cache, cache, n)": lambda: fz.decode.decode_step(
             q1, k_cache, v_cache, next_len()
         ),
+        **decode_kernels,
     }
 
 

@@ -142,6 +142,50 @@ def test_data_masks_take_new_values_without_a_recompile(case: str) -> None:
     assert counter.frame_count == 1, counter.frame_count
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwdbwd"])
+def test_layers_sharing_a_spec_made_in_the_graph(grad: bool) -> None:
+    """A model's forward builds one document mask from the ids passed in and hands it to each of
+    its layers: the graph builds the BlockMask once for all of them (``flexattn_zoo::block_order``
+    appears once per build), new ids take no new compile, and every layer, forward and backward,
+    matches the float64 reference."""
+    q, k, v = _inputs(grad)
+    graphs: list[Any] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
+
+    def layers(
+        a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, ids: torch.Tensor, n: int = 3
+    ) -> torch.Tensor:
+        mask = masks.Document(doc_ids=ids) & masks.Causal()
+        return torch.stack([fz.attention(a * 2.0**i, b, c, mask=mask) for i in range(n)])
+
+    step = torch.compile(layers, backend=backend, fullgraph=True)
+    for rows in ([[100, 150, 134], [20, 364]], [[384], [200, 84, 100]]):
+        ids = masks.Document.from_lengths(rows, device=DEV).doc_ids
+        mask = masks.Document(doc_ids=ids) & masks.Causal()
+        out = step(q, k, v, ids)
+        for i in range(3):
+            if not grad:
+                assert_matches_reference(out[i], q * 2.0**i, k, v, mask=mask)
+                continue
+            # Layer i's gradients, through the graph that runs all three.
+            qi = (q.detach() * 2.0**i).requires_grad_(True)
+            ki, vi = k.detach().requires_grad_(True), v.detach().requires_grad_(True)
+            one = step(qi / 2.0**i, ki, vi, ids)[i]  # powers of two: exact in bf16
+            grad_out = torch.randn_like(one)
+            grads = torch.autograd.grad(one, (qi, ki, vi), grad_out)
+            assert_matches_reference(one, qi, ki, vi, mask=mask, grads=grads, grad_out=grad_out)
+    assert len(graphs) == 1, len(graphs)
+    torch.compile(lambda a, b, c, ids: layers(a, b, c, ids, 1), backend=backend, fullgraph=True)(q, k, v, ids)
+
+    def builds(gm: Any) -> int:
+        return sum(n.target is torch.ops.flexattn_zoo.block_order.default for n in gm.graph.nodes)
+
+    assert builds(graphs[0]) == builds(graphs[1]) > 0, [builds(g) for g in graphs]  # three layers, one build
+
+
 @pytest.mark.parametrize("case", sorted(DATA_CASES))
 def test_a_block_mask_built_outside_the_graph(case: str) -> None:
     """The other pattern: a BlockMask built eagerly and passed into the compiled call."""
