@@ -8,6 +8,11 @@ caches filled), then timed in rounds that visit every case in turn, so slow drif
 machine hits all cases alike. Reported: median, p10 and p90 of the per-call times in us, the
 difference to the case's baseline (median - median) and the ratio.
 
+Calls are timed back to back by default, which keeps the host's caches warm for whichever call
+repeats (the flatter the call, the more it gains). With ``--in-layer`` the rest of a transformer
+layer runs, untimed, before each timed call, as in a model: every case, baselines included, then
+starts from the state a model leaves.
+
 Groups, each against its own baseline:
 
 * ``sdpa``: ``F.scaled_dot_product_attention(is_causal=True)`` vs ``fz.attention(mask="causal")``
@@ -39,6 +44,7 @@ the difference is the library's own host time.
 
     PYTHONPATH=. python benchmarks/host_cost.py --device cpu --threads 1 --out benchmarks/results/host_cost_cpu.md
     PYTHONPATH=. python benchmarks/host_cost.py --device cuda --out benchmarks/results/host_cost_h200.md
+    PYTHONPATH=. python benchmarks/host_cost.py --device cuda --in-layer --out benchmarks/results/host_cost_h200_layer.md
 """
 
 from __future__ import annotations
@@ -259,7 +265,15 @@ def _decode_floor(
     )
 
 
-def measure(cases: list[Case], device: torch.device, warmup: int, rounds: int, chunk: int) -> None:
+def measure(
+    cases: list[Case],
+    device: torch.device,
+    warmup: int,
+    rounds: int,
+    chunk: int,
+    between: Callable[[], Any] | None = None,
+) -> None:
+    """Time every case's calls; ``between`` (untimed) runs before each timed call."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for case in cases:
         for _ in range(warmup):
@@ -271,10 +285,36 @@ def measure(cases: list[Case], device: torch.device, warmup: int, rounds: int, c
             samples = case.samples
             call = case.call
             for _ in range(chunk):
+                if between is not None:
+                    between()
                 t0 = clock()
                 call()
                 samples.append((clock() - t0) * 1e6)
             sync()
+
+
+def layer_ops(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int]
+) -> Callable[[], Any]:
+    """The rest of a transformer layer around its attention call, as a model runs it between two
+    attention calls: an output projection, a residual add, an RMS norm, a gated MLP and the next
+    layer's q/k/v projections, on one token row per query (``--in-layer``)."""
+    b, h, length, d = shape
+    width = h * d
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(b, length, width, generator=gen).to(device, dtype)
+    w_o, w_gate, w_up, w_qkv = (
+        (torch.randn(width, n * width, generator=gen) / width**0.5).to(device, dtype) for n in (1, 2, 2, 3)
+    )
+    w_down = (torch.randn(2 * width, width, generator=gen) / width**0.5).to(device, dtype)
+    norm = torch.nn.RMSNorm(width, device=device, dtype=dtype)
+
+    def rest() -> Any:
+        y = norm(x + x @ w_o)
+        y = y + (torch.nn.functional.silu(y @ w_gate) * (y @ w_up)) @ w_down
+        return y @ w_qkv
+
+    return rest
 
 
 def report(
@@ -323,6 +363,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--chunk", type=int, default=50, help="calls per case per round")
     p.add_argument("--out", default=None, help="write the markdown report here")
+    p.add_argument(
+        "--in-layer",
+        action="store_true",
+        help="run the rest of a transformer layer (untimed) before each timed call, as a model does",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     if args.threads:
@@ -346,6 +391,13 @@ def main() -> None:
         f"{args.rounds} rounds x {args.chunk} calls per case after {args.warmup} warm-up calls.",
         "",
     ]
+    if args.in_layer:
+        out += [
+            "In a layer: before each timed call, the rest of a transformer layer ran (untimed: output",
+            "projection, residual, RMS norm, gated MLP, next q/k/v projections), as between two",
+            "attention calls of a model; baselines and library calls alike.",
+            "",
+        ]
     if device.type == "cpu":
         out += [
             "CPU: every call runs its kernel before it returns, so these times include the kernel;",
@@ -355,7 +407,8 @@ def main() -> None:
     for text in shapes.split(","):
         shape = _parse_shape(text)
         cases = build_cases(device, dtype, shape)
-        measure(cases, device, args.warmup, args.rounds, args.chunk)
+        between = layer_ops(device, dtype, shape) if args.in_layer else None
+        measure(cases, device, args.warmup, args.rounds, args.chunk, between)
         out += report(cases, shape, dtype, device) + [""]
         print("\n".join(report(cases, shape, dtype, device)), flush=True)
         print()
