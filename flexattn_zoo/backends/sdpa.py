@@ -90,10 +90,7 @@ class SdpaBackend(Backend):
                 # torch.no_grad() too.
                 out.append("torch's CPU flash kernel takes no attn_mask that requires grad (a learned Bias)")
         if cuda and self.kernel == "EFFICIENT_ATTENTION" and call.empty_rows:
-            out.append(
-                "the attn_mask may leave a query row seeing no key (or is traced: not read), whose output "
-                "this kernel is not checked to give as 0"
-            )
+            out.append(_empty_rows_reason("this kernel is not checked to give such a row's output as 0"))
         return out
 
     def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
@@ -236,10 +233,7 @@ class SdpaChoiceBackend(SdpaBackend):
 
     def attn_mask_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
         if call.empty_rows:
-            return [
-                "the attn_mask may leave a query row seeing no key (or is traced: not read), and "
-                "SDPA's kernels differ on such rows"
-            ]
+            return [_empty_rows_reason("SDPA's kernels differ on such rows")]
         return []
 
     def launch_kernels(self, p: Problem) -> tuple[str, ...] | None:
@@ -297,6 +291,18 @@ def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
     if layout is None or layout[0] != "chunks" or layout[2] not in ((-1, -1), (-1, 0)):
         return _NO_FORM.format(name)
     return SdpaCall(is_causal=layout[2] == (-1, 0), chunk=layout[1])
+
+
+def _empty_rows_reason(consequence: str) -> str:
+    """A refusal for an attn_mask that may leave a query row seeing no key: while traced a
+    data mask's rows are not read (its verdict is unknown there, so the reason says it is the
+    graph's), eagerly they were and some row may see none."""
+    if _compat.is_compiling():
+        return (
+            "cannot read the attn_mask's rows inside a torch.compile'd graph, so a query row may "
+            f"see no key, and {consequence}"
+        )
+    return f"the attn_mask may leave a query row seeing no key, and {consequence}"
 
 
 def _sdpa_call(p: Problem) -> SdpaCall | str:

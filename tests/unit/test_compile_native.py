@@ -383,3 +383,17 @@ def test_a_spec_made_outside_the_graph_is_not_written_to_by_a_trace() -> None:
         torch.testing.assert_close(step(q, k, v, mask), two_layers(q, k, v, mask), atol=1e-5, rtol=1e-5)
     assert counter.frame_count == 1
     assert "_graph_memo" not in vars(mask)
+
+
+def test_the_empty_rows_refusal_names_the_graph_only_while_traced() -> None:
+    """The CUDA SDPA routes refuse an attn_mask that may leave a row seeing no key; traced, a data
+    mask's rows are unread, and the reason must say the graph is why (a named route that runs the
+    call eagerly refuses it only there; tests/gpu/test_compile_gpu.py runs the routes)."""
+    from flexattn_zoo.backends import sdpa
+
+    eager = sdpa._empty_rows_reason("kernels differ")
+    traced = torch.compile(
+        lambda t: (t + 1, sdpa._empty_rows_reason("kernels differ")), backend="eager", fullgraph=True
+    )(torch.ones(1))[1]
+    assert "inside a torch.compile'd graph" in traced
+    assert "torch.compile" not in eager and "may leave a query row seeing no key" in eager
