@@ -170,6 +170,21 @@ def _verdicts(problem: Problem) -> list[Candidate]:
     return out
 
 
+#: How refusals that hold only inside a compiled graph name it.
+GRAPH = "inside a torch.compile'd graph"
+#: Added to a named route's refusal while traced when the call's mask or score holds tensors:
+#: forms read from their values (document segments, whether a row sees a key) are unknown in the
+#: graph, which is often why a route that runs the call eagerly refuses it there.
+TRACED_DATA_NOTE = (
+    f"{GRAPH} the mask's and score's tensors are not read, so no form built from their values "
+    "(document segments, rows that see no key) is available there"
+)
+
+
+def _holds_tensors(problem: Problem) -> bool:
+    return any(spec is not None and bool(spec.tensors()) for spec in (problem.mask, problem.score))
+
+
 def plan_problem(
     problem: Problem,
     backend: str = "auto",
@@ -198,7 +213,10 @@ def plan_problem(
     if backend != "auto":
         chosen = by_name[backend]
         if not chosen.accepted:
-            raise ValueError(f"backend {backend!r} cannot run this call: {'; '.join(chosen.reasons)}")
+            reasons = list(chosen.reasons)
+            if _compat.is_compiling() and _holds_tensors(problem) and not any(GRAPH in r for r in reasons):
+                reasons.append(TRACED_DATA_NOTE)
+            raise ValueError(f"backend {backend!r} cannot run this call: {'; '.join(reasons)}")
         return Plan(backend, backend, problem, tuple(cands))
     ranked = [c for c in sorted(cands, key=lambda c: (c.rank is None, c.rank or 0)) if c.rank is not None]
     accepted = tuple(c.name for c in ranked if c.accepted)

@@ -6,6 +6,7 @@ CPU compiles cost seconds each, so flex_cpu runs only a handful of specs here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -794,3 +795,58 @@ def test_sdpa_route_leaves_cudnn_out_when_decoding_on_cuda() -> None:
         is None
     )
     assert SDPA_CUDNN.launch_kernels(decode) == ("CUDNN_ATTENTION",)
+
+
+def _reasons_while_traced(backend: Any, p: Problem) -> list[str]:
+    """``backend.mask_reasons(p)`` computed inside a compiled function (as a traced call plans)."""
+    found: list[list[str]] = []
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        found.append(backend.mask_reasons(p))
+        return t + 1
+
+    torch._dynamo.reset()
+    torch.compile(probe, backend="eager", fullgraph=True)(torch.ones(1))
+    return found[0]
+
+
+def test_flex_flash_refuses_forward_only_graphs() -> None:
+    """In a forward-only compiled graph Inductor's CuTe flex template failed (inputs computed in
+    the graph, tensors the mask captures): flex_flash refuses there, naming the graph, and keeps
+    training graphs and eager calls."""
+    from flexattn_zoo.backends.flex import FLEX, FLEX_FLASH
+
+    reason = "inside a torch.compile'd graph without gradients"
+    doc = masks.Document(doc_ids=torch.zeros(256, dtype=torch.long)) & masks.Causal()
+    for mask in (doc, masks.SlidingWindow(left=64)):
+        inference, training = _problem(mask, lq=256), _problem(mask, lq=256, grad=True)
+        assert any(reason in r for r in _reasons_while_traced(FLEX_FLASH, inference))
+        assert not any(reason in r for r in _reasons_while_traced(FLEX_FLASH, training))
+        assert not any(reason in r for r in FLEX_FLASH.mask_reasons(inference))
+        assert not any(reason in r for r in _reasons_while_traced(FLEX, inference))
+
+
+def test_a_named_route_refusing_a_data_mask_in_a_graph_names_the_graph() -> None:
+    """A named route's refusal while traced, for a call whose mask holds tensors, says that the
+    graph does not read them (forms built from their values are why routes accept such calls
+    eagerly); without tensors, or eagerly, the refusal is the route's own."""
+    from flexattn_zoo.dispatch import TRACED_DATA_NOTE
+
+    doc = masks.Document(doc_ids=torch.zeros(256, dtype=torch.long)) & masks.Causal()
+    errors: list[str] = []
+
+    def probe(t: torch.Tensor, mask: Any) -> torch.Tensor:
+        try:
+            plan_problem(_problem(mask, lq=256), "sdpa_flash")
+        except ValueError as err:
+            errors.append(str(err))
+        return t + 1
+
+    for mask in (doc, masks.SlidingWindow(left=64)):
+        torch._dynamo.reset()
+        torch.compile(lambda t, m=mask: probe(t, m), backend="eager", fullgraph=True)(torch.ones(1))
+        with pytest.raises(ValueError) as eager:
+            plan_problem(_problem(mask, lq=256), "sdpa_flash")
+        assert TRACED_DATA_NOTE not in str(eager.value)
+    assert TRACED_DATA_NOTE in errors[0]
+    assert TRACED_DATA_NOTE not in errors[1]
