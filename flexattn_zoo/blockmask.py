@@ -238,11 +238,18 @@ def block_mask(
     return CACHE.put(key, built)
 
 
+def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
+    """The ``mask_mod`` that :func:`block_mask` puts in the BlockMask of ``spec`` for these sizes
+    on ``device`` (to assemble that BlockMask again from its tensors)."""
+    return as_mask_spec(spec, arg="spec").live().bind(q_len, kv_len).to(_device(device)).mask_mod()
+
+
 __all__ = [
     "BLOCK_MASK_CACHE_SIZE",
     "CACHE",
     "DEFAULT_BLOCK_SIZE",
     "block_mask",
     "block_ranges",
+    "bound_mask_mod",
     "from_block_map",
 ]

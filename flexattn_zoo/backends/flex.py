@@ -15,6 +15,7 @@ import torch
 from flexattn_zoo import _compat, arch
 from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, BoundCall, flash_cute_lock
 from flexattn_zoo.blockmask import block_mask as build_block_mask
+from flexattn_zoo.blockmask import bound_mask_mod
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
 from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
@@ -267,21 +268,42 @@ class FlexBackend(Backend):
         return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs)
 
 
+#: What :func:`_traced_block_mask` keeps of a BlockMask: the arguments our builders give its
+#: constructor (``_compat.make_block_mask``) but the ``mask_mod``.
+_BLOCK_MASK_PARTS = (
+    "seq_lengths",
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+    "BLOCK_SIZE",
+)
+
+
 def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
     """The BlockMask of ``p`` built in the graph being traced, once per trace for a spec made in
     that graph (a model's layers share the spec its forward built; see ``spec.graph_memo``).
 
     ``mask`` is ``p.mask`` as the route runs it (on the CPU, a copy). Sizes are compared with
     ``==``, never hashed: under dynamic shapes they are symbols, equal in every layer of a model
-    without a guard, where hashing one would specialize it."""
+    without a guard, where hashing one would specialize it. The spec keeps the BlockMask's
+    tensors and sizes, not the BlockMask: a spec that leaves the graph (returned, or live across a
+    graph break) is rebuilt by Dynamo, which can rebuild tensors but not a BlockMask or a
+    ``mask_mod`` made in the graph; the ``mask_mod`` is made again from the spec."""
     memo = graph_memo(p.mask)
     sizes = (p.q_len, p.kv_len, p.batch, p.heads)
-    built: list[tuple[str, tuple[Any, ...], Any]] = [] if memo is None else memo.setdefault("block_masks", [])
-    for where, seen, block_mask in built:
+    built: list[tuple[str, tuple[Any, ...], tuple[Any, ...]]] = (
+        [] if memo is None else memo.setdefault("block_masks", [])
+    )
+    for where, seen, parts in built:
         if where == str(device) and all(a == b for a, b in zip(seen, sizes, strict=True)):
-            return block_mask
+            return _compat.make_block_mask(*parts, bound_mask_mod(mask, p.q_len, p.kv_len, device))
     block_mask = build_block_mask(mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
-    built.append((str(device), sizes, block_mask))
+    built.append((str(device), sizes, tuple(getattr(block_mask, name) for name in _BLOCK_MASK_PARTS)))
     return block_mask
 
 

@@ -397,3 +397,41 @@ def test_the_empty_rows_refusal_names_the_graph_only_while_traced() -> None:
     )(torch.ones(1))[1]
     assert "inside a torch.compile'd graph" in traced
     assert "torch.compile" not in eager and "may leave a query row seeing no key" in eager
+
+
+def test_a_spec_made_in_the_graph_can_leave_it() -> None:
+    """What a trace keeps on a spec made in it is rebuildable by Dynamo: the spec can be returned
+    from a ``fullgraph`` compile (static and dynamic shapes), and one live across a graph break
+    passes its BlockMask to the graph after the break (built once, two graphs, as without it)."""
+    q, k, v = _inputs(False)
+    ids = masks.Document.from_lengths([[20, 28], [48]]).doc_ids
+
+    def returns_spec(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> Any:
+        mask = masks.Document(doc_ids=t) & masks.Causal()
+        return fz.attention(a, b, c, mask=mask, backend="flex_cpu"), mask
+
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        out, mask = torch.compile(returns_spec, fullgraph=True, backend="aot_eager", dynamic=dynamic)(
+            q, k, v, ids
+        )
+        assert mask == masks.Document(doc_ids=ids) & masks.Causal()
+        assert_matches_reference(out, q, k, v, mask=mask)
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def two_layers_and_a_break(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> Any:
+        mask = masks.Document(doc_ids=t) & masks.Causal()
+        a = fz.attention(a, b, c, mask=mask, backend="flex_cpu")
+        torch._dynamo.graph_break()
+        return fz.attention(a, b, c, mask=mask, backend="flex_cpu")
+
+    torch._dynamo.reset()
+    out = torch.compile(two_layers_and_a_break, backend=backend)(q, k, v, ids)
+    torch.testing.assert_close(out, two_layers_and_a_break(q, k, v, ids), atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 2
+    assert _block_order_calls(graphs[0]) > 0 and _block_order_calls(graphs[1]) == 0
