@@ -241,7 +241,10 @@ def block_mask(
 def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
     """The ``mask_mod`` that :func:`block_mask` puts in the BlockMask of ``spec`` for these sizes
     on ``device`` (to assemble that BlockMask again from its tensors)."""
-    return as_mask_spec(spec, arg="spec").live().bind(q_len, kv_len).to(_device(device)).mask_mod()
+    mask_spec = as_mask_spec(spec, arg="spec")
+    if mask_spec is None:
+        raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
+    return mask_spec.live().bind(q_len, kv_len).to(_device(device)).mask_mod()
 
 
 __all__ = [

@@ -301,7 +301,7 @@ def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
     )
     for where, seen, parts in built:
         if where == str(device) and all(a == b for a, b in zip(seen, sizes, strict=True)):
-            return _compat.make_block_mask(*parts, bound_mask_mod(mask, p.q_len, p.kv_len, device))
+            return _compat.make_block_mask(*parts, bound_mask_mod(mask, p.q_len, p.kv_len, device))  # type: ignore[call-arg]  # the constructor's arguments, in order
     block_mask = build_block_mask(mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
     built.append((str(device), sizes, tuple(getattr(block_mask, name) for name in _BLOCK_MASK_PARTS)))
     return block_mask
