@@ -624,8 +624,9 @@ def lower_triangle_fraction(q_len: int, kv_len: int, offset: int) -> float:
 
 
 def graph_memo(spec: Any) -> dict[Hashable, Any] | None:
-    """Where a trace keeps what it derived from ``spec`` (its BlockMask) for the rest of the
-    trace, or None (not tracing, or ``spec`` was made outside the graph).
+    """Where a trace keeps what it derived from ``spec`` (its BlockMask's tensors) for the rest
+    of the trace, or None (not tracing, or ``spec`` was made outside the graph). What is kept
+    must be something Dynamo can rebuild (tensors, ints, tuples): a spec may leave the graph.
 
     A model builds one mask spec in its forward and hands it to every layer: without this, the
     graph built its BlockMask once per layer. Only a spec made while tracing has one, a fresh
