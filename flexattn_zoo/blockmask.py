@@ -205,10 +205,7 @@ def block_mask(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     qb, kvb = _block_size(block_size)
     device = _device(device)
-    # live(): a raw callable's captured tensors are part of the key (see functions.capture_state),
-    # so an in-place write to them rebuilds the BlockMask instead of pairing stale block sparsity
-    # with the live mask_mod.
-    mask_spec = mask_spec.live().bind(q_len, kv_len)
+    mask_spec = _bound(mask_spec, q_len, kv_len)
     for name, size, needed in (
         ("batch", batch, mask_spec.uses_batch()),
         ("heads", heads, mask_spec.uses_head()),
@@ -244,7 +241,15 @@ def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | st
     mask_spec = as_mask_spec(spec, arg="spec")
     if mask_spec is None:
         raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
-    return mask_spec.live().bind(q_len, kv_len).to(_device(device)).mask_mod()
+    return _bound(mask_spec, q_len, kv_len).to(_device(device)).mask_mod()
+
+
+def _bound(mask_spec: Any, q_len: int, kv_len: int) -> Any:
+    """``mask_spec`` as :func:`block_mask` keys and builds it: live and bound to the sizes."""
+    # live(): a raw callable's captured tensors are part of the key (see functions.capture_state),
+    # so an in-place write to them rebuilds the BlockMask instead of pairing stale block sparsity
+    # with the live mask_mod.
+    return mask_spec.live().bind(q_len, kv_len)
 
 
 __all__ = [

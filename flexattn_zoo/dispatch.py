@@ -24,6 +24,7 @@ import torch
 from flexattn_zoo import _compat, plan_cache, sharding, tuning
 from flexattn_zoo.arch import Sizes, detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
+from flexattn_zoo.backends.base import IN_GRAPH
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, check_kernel_options, tensor_args, with_causal
 from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
@@ -170,13 +171,11 @@ def _verdicts(problem: Problem) -> list[Candidate]:
     return out
 
 
-#: How refusals that hold only inside a compiled graph name it.
-GRAPH = "inside a torch.compile'd graph"
 #: Added to a named route's refusal while traced when the call's mask or score holds tensors:
 #: forms read from their values (document segments, whether a row sees a key) are unknown in the
 #: graph, which is often why a route that runs the call eagerly refuses it there.
 TRACED_DATA_NOTE = (
-    f"{GRAPH} the mask's and score's tensors are not read, so no form built from their values "
+    f"{IN_GRAPH} the mask's and score's tensors are not read, so no form built from their values "
     "(document segments, rows that see no key) is available there"
 )
 
@@ -214,7 +213,7 @@ def plan_problem(
         chosen = by_name[backend]
         if not chosen.accepted:
             reasons = list(chosen.reasons)
-            if _compat.is_compiling() and _holds_tensors(problem) and not any(GRAPH in r for r in reasons):
+            if _compat.is_compiling() and _holds_tensors(problem) and not any(IN_GRAPH in r for r in reasons):
                 reasons.append(TRACED_DATA_NOTE)
             raise ValueError(f"backend {backend!r} cannot run this call: {'; '.join(reasons)}")
         return Plan(backend, backend, problem, tuple(cands))

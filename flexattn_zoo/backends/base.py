@@ -24,6 +24,9 @@ BoundCall = Callable[
 ]
 
 LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
+#: How a refusal that holds only while ``torch.compile`` traces names the graph (the dispatcher
+#: recognises such reasons by it).
+IN_GRAPH = "inside a torch.compile'd graph"
 FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend
+from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Backend
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
@@ -64,10 +64,7 @@ class FlashAttn4Backend(Backend):
                 out.append(f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window)")
             elif layout[0] == "packed" and _compat.is_compiling():
                 # cu_seqlens and max_seqlen are read from the segments (data-dependent shapes).
-                out.append(
-                    "unequal segments need cu_seqlens built from the mask's data: not inside a "
-                    "torch.compile'd graph"
-                )
+                out.append(f"unequal segments need cu_seqlens built from the mask's data: not {IN_GRAPH}")
         return out
 
     def run(

@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat, arch
-from flexattn_zoo.backends.base import FLASH_CUTE, LOW_PRECISION, Backend, BoundCall, flash_cute_lock
+from flexattn_zoo.backends.base import (
+    FLASH_CUTE,
+    IN_GRAPH,
+    LOW_PRECISION,
+    Backend,
+    BoundCall,
+    flash_cute_lock,
+)
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.blockmask import bound_mask_mod
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
@@ -510,7 +517,7 @@ class FlexFlashBackend(FlexBackend):
             # the graph, and freed a tensor the mask captures before the kernel read it; training
             # graphs (which keep both for the backward) ran and matched the reference.
             out.append(
-                "inside a torch.compile'd graph without gradients, Inductor's CuTe flex template "
+                f"{IN_GRAPH} without gradients, Inductor's CuTe flex template "
                 "fails on inputs computed in the graph and on tensors the mask captures"
             )
         if p.mask is not None and p.mask.bind(p.q_len, p.kv_len).reads_scalar_tensors():

@@ -35,6 +35,7 @@ from flexattn_zoo import _compat
 from flexattn_zoo.arch import ROCM
 from flexattn_zoo.backends.base import (
     FLOATS,
+    IN_GRAPH,
     LOW_PRECISION,
     Backend,
     BoundCall,
@@ -299,8 +300,7 @@ def _empty_rows_reason(consequence: str) -> str:
     graph's), eagerly they were and some row may see none."""
     if _compat.is_compiling():
         return (
-            "cannot read the attn_mask's rows inside a torch.compile'd graph, so a query row may "
-            f"see no key, and {consequence}"
+            f"cannot read the attn_mask's rows {IN_GRAPH}, so a query row may see no key, and {consequence}"
         )
     return f"the attn_mask may leave a query row seeing no key, and {consequence}"
 

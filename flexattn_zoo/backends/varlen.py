@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.base import LOW_PRECISION, Backend, Requirement
+from flexattn_zoo.backends.base import IN_GRAPH, LOW_PRECISION, Backend, Requirement
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, VarlenForm
@@ -87,7 +87,7 @@ class VarlenBackend(Backend):
         out = []
         if _compat.is_compiling():
             # cu_seqlens and max_seqlen are read from the segments (data-dependent shapes).
-            out.append("builds cu_seqlens from the mask's data: not inside a torch.compile'd graph")
+            out.append(f"builds cu_seqlens from the mask's data: not {IN_GRAPH}")
         if p.gqa and not _compat.varlen_supports("enable_gqa"):
             out.append("this torch's varlen_attn has no enable_gqa (added after 2.11)")
         if p.user_block_mask:
