@@ -296,8 +296,9 @@ _SDPA_SWITCHES = _sdpa_switches()
 
 
 @functools.cache
-def _sdpa_flags(kernels: tuple[str, ...]) -> tuple[bool, ...] | None:
+def _sdpa_flags(kernel: str | tuple[str, ...]) -> tuple[bool, ...] | None:
     """The enable flags ``sdpa_kernel([those backends])`` sets (None: unknown kernel or layout)."""
+    kernels = (kernel,) if isinstance(kernel, str) else kernel
     if _SDPA_SWITCHES is None or any(k not in _SDPA_SWITCHES[2] for k in kernels):
         return None
     return tuple(other in kernels for other in _SDPA_SWITCHES[2])
@@ -313,30 +314,30 @@ def pin_sdpa_kernel(kernel: str | tuple[str, ...]) -> Any:
     Why not ``sdpa_kernel`` itself: it is a generator context manager that lists, dedups and
     sorts backends and reads and writes every flag by name on entry and exit -- 10-15 us of host
     time per call on a CPU, more than the whole SDPA call on a short problem. This reads the
-    flags once and writes only those that differ, with the same effect."""
-    kernels = (kernel,) if isinstance(kernel, str) else kernel
-    want = _sdpa_flags(kernels)
+    flags once and, when they differ from the pin, writes them all (a flag's setter is cheaper
+    than comparing it in Python), with the same effect."""
+    want = _sdpa_flags(kernel)
     if want is None or _SDPA_SWITCHES is None:
+        kernels = (kernel,) if isinstance(kernel, str) else kernel
         ctx = sdpa_kernel([getattr(SDPBackend, k) for k in kernels])
         ctx.__enter__()
         return ctx
     getters, setters, _ = _SDPA_SWITCHES
     saved = tuple([get() for get in getters])
-    for set_flag, was, flag in zip(setters, saved, want, strict=True):
-        if was is not flag:
+    if saved != want:
+        for set_flag, flag in zip(setters, want):  # noqa: B905 (one length: both from _SDPA_SWITCHES)
             set_flag(flag)
     return want, saved
 
 
 def restore_sdpa_kernels(token: Any) -> None:
     """Undo :func:`pin_sdpa_kernel` (``token`` is what it returned)."""
-    if not isinstance(token, tuple):
+    if type(token) is not tuple:
         token.__exit__(None, None, None)
         return
-    assert _SDPA_SWITCHES is not None
     want, saved = token
-    for set_flag, was, flag in zip(_SDPA_SWITCHES[1], saved, want, strict=True):
-        if was is not flag:
+    if saved != want:
+        for set_flag, was in zip(_SDPA_SWITCHES[1], saved):  # type: ignore[index]  # noqa: B905
             set_flag(was)
 
 

@@ -80,7 +80,7 @@ from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.validation import check_qkv, check_scale, inputs_nonfinite
+from flexattn_zoo.validation import SUPPORTED_DTYPES, check_qkv, check_scale, inputs_nonfinite
 
 __all__ = ["DecodeMask", "append_kv", "decode_step", "decode_step_varlen", "lowest_key", "pool_view"]
 
@@ -885,21 +885,11 @@ def decode_step(
         and type(q) is torch.Tensor
         and type(k_cache) is torch.Tensor
         and type(v_cache) is torch.Tensor
-        and q.dim() == 4
-        and k_cache.dim() == 4
-        and v_cache.dim() == 4
-        and q.shape[2] == 1
-        and q.shape[0] == k_cache.shape[0]
-        and k_cache.shape[:3] == v_cache.shape[:3]
-        and 1 <= cache_len <= k_cache.shape[2]
-        and not needs_grad((q, k_cache, v_cache), None)
-        and not _compat.is_compiling()
-        and not sharding.context_parallel_active()
     ):
-        # A plain generation step, checked in a few comparisons (the rest by check_qkv below);
-        # anything else takes the general path, which names what is wrong.
-        gqa_flag = q.shape[1] != k_cache.shape[1] if enable_gqa is None else enable_gqa
-        return _one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, gqa_flag)
+        # Perhaps a plain generation step: one query per row over an int length (None: it is not).
+        out = _one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, enable_gqa)
+        if out is not None:
+            return out
     spec = _CAUSAL if mask is None else as_mask_spec(mask)
     if spec is not None:
         spec = spec.live()  # a raw callable's captured tensors now
@@ -1090,30 +1080,91 @@ _PREFIX_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
 def _one_query_over_prefix(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: int, scale: float | None, gqa: bool
-) -> torch.Tensor:
-    """A causal step of one query per row, every row ``length`` long: the query sits at the last
-    position, so it sees exactly the cache's first ``length`` keys, with no mask at all. SDPA
-    runs that on the prefix views as they are (no copy: ``backends.base.fused_layout``) with its
-    own kernel choice (on CUDA among FlashAttention-2, the memory-efficient and the math kernel:
-    cuDNN's per-shape plan would be rebuilt every step) -- its math fallback holds only
-    ``B x H x 1 x length`` scores -- for a fraction of the host time of a flex launch and its
-    per-step mask update."""
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: int,
+    scale: float | None,
+    enable_gqa: bool | None,
+) -> torch.Tensor | None:
+    """A causal step of one query per row, every row ``length`` long, that records no gradient,
+    outside a traced graph and torch's context_parallel; None for any other step (the general
+    path takes it and names what is wrong). The query sits at the last position, so it sees
+    exactly the cache's first ``length`` keys, with no mask at all. SDPA runs that on the prefix
+    views as they are (no copy: ``backends.base.fused_layout``) with its own kernel choice (on
+    CUDA among FlashAttention-2, the memory-efficient and the math kernel: cuDNN's per-shape plan
+    would be rebuilt every step) -- its math fallback holds only ``B x H x 1 x length`` scores --
+    for a fraction of the host time of a flex launch and its per-step mask update. Checked in a
+    few comparisons: a decode step's whole host time is a few tens of microseconds."""
+    q_shape, k_shape = q.shape, k_cache.shape
+    if not (
+        len(q_shape) == 4
+        and len(k_shape) == 4
+        and v_cache.dim() == 4
+        and q_shape[2] == 1
+        and q_shape[0] == k_shape[0]
+        and v_cache.shape[:3] == k_shape[:3]
+        and 1 <= length <= k_shape[2]
+        and not (
+            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
+        )
+        and not _compat.is_compiling()
+        and not sharding.context_parallel_active()
+    ):
+        return None
+    gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
     k, v = k_cache[:, :, :length], v_cache[:, :, :length]
     q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
-    check_qkv(q, k, v, enable_gqa=gqa)
+    if not _plain_step_inputs(q, k, v, gqa):
+        check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong (or passes what the quick check left out)
     scale = check_scale(scale)
-    q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
+    q = fused_layout(q)
+    k = k if _prefix_is_dense_block(k, k_cache) else fused_layout(k)
+    v = v if _prefix_is_dense_block(v, v_cache) else fused_layout(v)
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
+        if not q.is_cuda:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         # On CUDA without cuDNN: its SDPA builds an execution plan for every new shape, and a
         # generation loop meets a new length every step (45 ms per call on the H200 for a new
         # shape each call, benchmarks/results/host_cost_h200.md, decode-growing).
-        token = _compat.pin_sdpa_kernel(_PREFIX_KERNELS) if q.is_cuda else None
+        token = _compat.pin_sdpa_kernel(_PREFIX_KERNELS)
         try:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         finally:
-            if token is not None:
-                _compat.restore_sdpa_kernels(token)
+            _compat.restore_sdpa_kernels(token)
+
+
+def _plain_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: Any) -> bool:
+    """What ``check_qkv`` accepts, for a one-query step whose ranks, batch sizes and k/v head
+    counts and lengths ``_one_query_over_prefix`` already compared: one supported dtype and
+    device, dense tensors, equal q/k head dims, positive sizes and a head ratio ``enable_gqa``
+    allows. False sends the step through ``check_qkv`` itself, which names the problem."""
+    dtype, device = q.dtype, q.device
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
+    return (
+        type(gqa) is bool
+        and dtype in SUPPORTED_DTYPES
+        and k.dtype == dtype
+        and v.dtype == dtype
+        and k.device == device
+        and v.device == device
+        and not (q.is_sparse or k.is_sparse or v.is_sparse or q.is_nested or k.is_nested or v.is_nested)
+        and k.shape[3] == dim
+        and min(q.shape[0], heads, kv_heads, dim) > 0
+        and (heads == kv_heads or (gqa and heads % kv_heads == 0))
+    )
+
+
+def _prefix_is_dense_block(prefix: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether ``prefix`` (``cache[:, :, :n]``, or what autocast made of it) is a dense block
+    (``backends.base.is_dense_block``) by the cache alone: a prefix of a contiguous cache is one
+    (same start and strides, a shorter length), aligned on CUDA when the cache's start and a row of
+    D are 16-byte aligned (every stride is a multiple of D). False: ``fused_layout`` decides."""
+    if prefix.data_ptr() != cache.data_ptr() or not cache.is_contiguous():
+        return False
+    return not cache.is_cuda or (
+        cache.data_ptr() % 16 == 0 and cache.shape[3] * cache.element_size() % 16 == 0
+    )
 
 
 def _attend(

@@ -332,3 +332,30 @@ def test_one_query_steps_run_sdpa_over_the_live_prefix(dtype: torch.dtype) -> No
             out = decode.decode_step(q, k, v, n)
             assert_decode_matches(out, q, k, v, [n] * B, masks.Causal())
     assert decode.CACHE.inserts == 0
+
+
+def test_one_query_steps_over_caches_of_every_layout() -> None:
+    """A one-query step uses a prefix of a contiguous cache as it is when the cache's start and a
+    row of D are 16-byte aligned; on CUDA caches of other layouts and alignments (a bf16 cache with
+    D = 100 cut to 64, a cache starting one element in, a [B, L, H, D] cache) the shortcut must
+    agree with the full check, and every step must match the float64 reference."""
+    from flexattn_zoo.backends.base import is_dense_block
+
+    g = torch.Generator(device="cpu").manual_seed(5)
+    wide = torch.randn(2, 2, 300, 100, generator=g).to(DEV, torch.bfloat16)
+    flat = torch.randn(2 * 2 * 300 * 64 + 1, generator=g).to(DEV, torch.bfloat16)
+    caches = {
+        "contiguous": torch.randn(2, 2, 300, 64, generator=g).to(DEV, torch.bfloat16),
+        "d cut": wide[..., :64],
+        "offset start": flat[1:].view(2, 2, 300, 64),
+        "bshd": torch.randn(2, 300, 2, 64, generator=g).to(DEV, torch.bfloat16).transpose(1, 2),
+    }
+    q = torch.randn(2, 8, 1, 64, generator=g).to(DEV, torch.bfloat16)
+    for name, cache in caches.items():
+        for n in (1, 77, 300):
+            prefix = cache[:, :, :n]
+            if decode._prefix_is_dense_block(prefix, cache):
+                assert is_dense_block(prefix), name
+            with torch.no_grad():
+                out = decode.decode_step(q, cache, cache, n)
+            assert_decode_matches(out, q, cache, cache, torch.tensor([n, n]), masks.Causal())
