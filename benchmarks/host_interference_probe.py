@@ -17,8 +17,9 @@ interleaved round by round on one tiny problem (the kernel short next to the hos
   objects, and after one that walks a large list (which evicts the CPU caches): whether any
   Python work slows the call after it, or only work with a large memory footprint.
 
-Prints the median per-call time (us) and, per row, the difference to ``bound call`` plus the
-parts it adds when timed alone.
+Last, the bound call's own time measured from inside: timed around its ``run`` when
+``fz.attention`` calls it, and when a loop calls it. Prints the median and 10th percentile of
+the per-chunk mean time per call (us); the last two rows: of the per-chunk median.
 
     PYTHONPATH=. python benchmarks/host_interference_probe.py --device cuda
     PYTHONPATH=. python benchmarks/host_interference_probe.py --device cpu --threads 1 --shape 1x2x64x16
@@ -157,6 +158,60 @@ def rows(
     }
 
 
+def inner_times(
+    device: torch.device, dtype: torch.dtype, shape: tuple[int, ...], rounds: int, chunk: int
+) -> tuple[list[float], list[float]]:
+    """The bound call's own time (us, median per chunk) when ``fz.attention`` calls it, and when
+    called in a loop of its own: the cached entry is swapped for one that times its ``run``."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
+    sliding = masks.SlidingWindow(left=shape[2] // 4, right=0) & masks.Causal()
+    fz.attention(q, k, v, mask=sliding)
+    det = _compat.strict_deterministic_mode()
+    key = plan_cache.call_key(q, k, v, sliding, None, False, False, det, "auto", None, None, None, 0.0)
+    hit = plan_cache.lookup(key, q, k, v)
+    assert hit is not None
+    clock = time.perf_counter
+    took: list[float] = []
+
+    class _Timed:
+        plan = hit.plan
+        scale = hit.scale
+
+        def run(self, *args: Any) -> Any:
+            t0 = clock()
+            out = hit.run(*args)
+            took.append(clock() - t0)
+            return out
+
+    timed = _Timed()
+    entry = plan_cache.PLANS.get(key)
+    if isinstance(entry, plan_cache.ByFiniteness):
+        entry.plans[False] = timed
+    else:
+        plan_cache.PLANS.replace(key, timed)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    inside: list[float] = []
+    alone: list[float] = []
+    for _ in range(rounds):
+        for out, call in (
+            (inside, lambda: fz.attention(q, k, v, mask=sliding)),
+            (alone, lambda: timed.run(q, k, v, hit.scale)),
+        ):
+            for _ in range(5):
+                call()
+            took.clear()
+            for _ in range(chunk):
+                call()
+            out.append(statistics.median(took) * 1e6)
+            sync()
+    if isinstance(entry, plan_cache.ByFiniteness):
+        entry.plans[False] = hit
+    else:
+        plan_cache.PLANS.replace(key, hit)
+    return inside, alone
+
+
 def measure(
     table: dict[str, tuple[Callable[[], Any], Any]], device: torch.device, rounds: int, chunk: int
 ) -> dict[str, list[float]]:
@@ -201,6 +256,9 @@ def main() -> None:
         f"# interference probe, torch {torch.__version__}, {name}, {args.shape} {dtype}, {args.rounds} rounds x {args.chunk} calls"
     )
     print(f"{'row':<48} {'median':>8} {'p10':>8}")
+    inside, alone = inner_times(device, dtype, shape, args.rounds, args.chunk)
+    samples["bound call's own time, called by fz.attention"] = inside
+    samples["bound call's own time, called in a loop"] = alone
     for row, values in samples.items():
         ordered = sorted(values)
         print(f"{row:<48} {statistics.median(values):8.1f} {ordered[len(ordered) // 10]:8.1f}")
