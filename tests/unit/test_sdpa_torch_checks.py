@@ -99,8 +99,9 @@ def _set_flags(flags: tuple[bool, ...]) -> None:
         set_flag(flag)
 
 
-@pytest.mark.parametrize("kernel", _KERNELS)
-def test_pin_has_sdpa_kernels_effect_and_restores_any_prior_state(kernel: str) -> None:
+@pytest.mark.parametrize("kernel", [*_KERNELS, ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")])
+def test_pin_has_sdpa_kernels_effect_and_restores_any_prior_state(kernel: str | tuple[str, ...]) -> None:
+    kernels = (kernel,) if isinstance(kernel, str) else kernel
     original = _flags()
     n = len(original)
     try:
@@ -111,7 +112,7 @@ def test_pin_has_sdpa_kernels_effect_and_restores_any_prior_state(kernel: str) -
             tuple(i == 3 for i in range(n)),
         ):
             _set_flags(prior)
-            with _compat.sdpa_kernel([getattr(_compat.SDPBackend, kernel)]):
+            with _compat.sdpa_kernel([getattr(_compat.SDPBackend, name) for name in kernels]):
                 expected = _flags()
             assert _flags() == prior
             token = _compat.pin_sdpa_kernel(kernel)
