@@ -78,7 +78,13 @@ def fused_layout(t: torch.Tensor) -> torch.Tensor:
     returned wrong results for broadcast (stride-0) k/v (pytorch#191937), and torch's CPU flash
     kernel returned garbage for a ``q`` whose rows overlap (an ``unfold`` view).
     """
-    if t.is_contiguous() or is_dense_block(t):
+    if t.is_contiguous():
+        if t.is_cuda and t.data_ptr() % 16:
+            # A contiguous view that starts off a 16-byte boundary (``flat[1:].view(...)``): the
+            # fused kernels' vector loads fault on it (CUDA "misaligned address"), so copy it.
+            return t.clone()
+        return t
+    if is_dense_block(t):
         return t
     return t.contiguous()
 

@@ -73,6 +73,24 @@ def _bool_masks() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_inputs_starting_off_a_16_byte_boundary(route: str, mask: str | None) -> None:
+    """Contiguous q/k/v that start 2 bytes past an allocation's start (``flat[1:].view(...)``):
+    the fused SDPA kernels' vector loads faulted on them ("misaligned address"); every route must
+    copy or otherwise run them, forward and backward, and match float64."""
+    g = torch.Generator(device=DEV).manual_seed(12)
+    n = B * H * L * D
+
+    def shifted() -> torch.Tensor:
+        flat = torch.randn(n + 1, device=DEV, dtype=torch.bfloat16, generator=g)
+        return flat[1:].view(B, H, L, D).detach().requires_grad_(True)
+
+    q, k, v = shifted(), shifted(), shifted()
+    assert q.is_contiguous() and q.data_ptr() % 16 != 0
+    _fwd_bwd_check(q, k, v, route, mask=mask)
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("which", ["full", "key_padding", "two_d", "causal_tensor"])
 def test_bool_tensor_masks(route: str, which: str) -> None:
     m = _bool_masks()[which]
