@@ -1,8 +1,10 @@
-"""The one bounded, thread-safe LRU map behind every cache of the library.
+"""The bounded, thread-safe maps behind every cache of the library.
 
-Used for mod identity (``spec``), BlockMasks (``blockmask``), compiled flex entries (``compile``),
-varlen offsets (``backends.varlen``) and decode masks (``decode``); each module documents its
-size. When two threads build the same key at once, the first value stored wins and both get it,
+:class:`LRUCache` (least recently used dropped first) is used for mod identity (``spec``),
+BlockMasks (``blockmask``), compiled flex entries (``compile``), varlen offsets
+(``backends.varlen``) and decode masks (``decode``); :class:`ClockCache`, the same map with an
+approximate recency order whose hits take no lock, for the dispatcher's plans (``plan_cache``),
+read on every eager call. Each module documents its size. When two threads build the same key at once, the first value stored wins and both get it,
 so identity-based reuse (mask_mod objects, compiled kernels) stays stable.
 
 While ``torch.compile`` traces a call, every cache is transparent: ``get`` misses and ``put``
@@ -86,3 +88,73 @@ class LRUCache(Generic[V]):
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+class ClockCache(LRUCache[V]):
+    """An :class:`LRUCache` whose hits are a dict lookup and a flag write, without its lock: the
+    CLOCK (second chance) approximation of least-recently-used. A hit marks its entry used; when
+    an insert overflows ``size``, entries are examined oldest first, and a used one is unmarked
+    and moved to the newest end instead of being dropped, so the entry dropped is one not hit
+    since the previous sweep passed it. Writes (``put``, ``replace``, ``clear``) take the lock as
+    in :class:`LRUCache`; a hit races only with them, and each single dict operation is atomic.
+
+    For keys that compare in C (tuples of plain values): a hit leaves the stored key in place, so
+    later lookups compare against it (:class:`LRUCache` re-stores the caller's key instead, for
+    keys holding objects that compare in Python)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self._entries: dict[Hashable, list[object]] = {}  # key -> [value, used since last sweep]
+
+    def get(self, key: Hashable) -> V | None:
+        if _compat.is_compiling():
+            return None  # see the module docstring: a traced call neither reads nor stores
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        entry[1] = True
+        return entry[0]  # type: ignore[return-value]
+
+    def put(self, key: Hashable, value: V) -> V:
+        """Store ``value`` unless another thread stored one first; return the stored value."""
+        if _compat.is_compiling():
+            return value
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = [value, True]
+                self.inserts += 1
+                self._sweep()
+            else:
+                entry[1] = True
+            return entry[0]  # type: ignore[return-value]
+
+    def _sweep(self) -> None:
+        entries = self._entries
+        while len(entries) > self.size:
+            oldest = next(iter(entries))
+            entry = entries.pop(oldest)
+            if entry[1]:  # used since the last pass: a second chance, at the newest end
+                entry[1] = False
+                entries[oldest] = entry
+        # Each pass over a used entry unmarks it, so the loop ends within two rounds of the map.
+
+    def replace(self, key: Hashable, value: V) -> V:
+        """Store ``value`` under ``key`` even if one is cached (counts as an insert)."""
+        if _compat.is_compiling():
+            return value
+        with self._lock:
+            self._entries.pop(key, None)
+        return self.put(key, value)
+
+    def values(self) -> list[V]:
+        with self._lock:
+            return [entry[0] for entry in self._entries.values()]  # type: ignore[misc]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.inserts = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)

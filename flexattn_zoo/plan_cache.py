@@ -47,13 +47,14 @@ from flexattn_zoo import _compat, tuning
 from flexattn_zoo.arch import ARCH_ENV
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.functions import capture_state
-from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.lru import ClockCache
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import ScoreSpec, Spec
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
-#: Bound plans (``dispatch.BoundPlan``) by call key; a model has a handful of attention call kinds, a sweep a few hundred.
-PLANS: LRUCache[Any] = LRUCache(256)
+#: Bound plans (``dispatch.BoundPlan``) by call key; a model has a handful of attention call kinds, a sweep a
+#: few hundred. Read on every eager call, so hits take no lock (``lru.ClockCache``); keys compare in C.
+PLANS: ClockCache[Any] = ClockCache(256)
 #: Environment variables the dispatcher or a route reads (routes declare theirs: ``Backend.env_vars``).
 ENV_VARS = (
     ARCH_ENV,

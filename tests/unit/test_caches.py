@@ -267,3 +267,54 @@ def test_pickled_specs_rehash_in_the_receiving_process() -> None:
     back = pickle.loads(pickle.dumps(m))
     assert "_hash_value" not in back.__dict__  # string hashes differ between processes
     assert back == m and hash(back) == hash(m)
+
+
+def test_plan_cache_drops_an_entry_not_hit_since_the_last_sweep() -> None:
+    """``plan_cache.PLANS`` is a ClockCache: bounded, and an entry hit since the sweep last passed
+    it gets a second chance, so a model's hot call kinds outlive a burst of one-off calls."""
+    from flexattn_zoo.lru import ClockCache
+
+    cache: ClockCache[int] = ClockCache(4)
+    for i in range(4):
+        cache.put(i, i)
+    assert cache.inserts == 4 and len(cache) == 4
+    cache.put(4, 4)  # every entry was used on insert: one sweep unmarks them all, then drops 0
+    assert cache.get(0) is None and len(cache) == 4
+    assert cache.get(1) == 1  # hit: marked
+    cache.put(5, 5)  # 1 is oldest but marked: moved to the newest end; 2 is dropped
+    assert cache.get(1) == 1 and cache.get(2) is None
+    for i in range(6, 30):
+        cache.put(i, i)
+        cache.get(1)  # a hot entry, hit between one-off inserts
+        assert len(cache) <= 4
+    assert cache.get(1) == 1
+    assert cache.put(1, 99) == 1  # the first stored value wins
+    assert cache.replace(1, 7) == 7 and cache.get(1) == 7
+    assert len(cache.values()) == len(cache) and 7 in cache.values()
+    cache.clear()
+    assert len(cache) == 0 and cache.inserts == 0 and cache.get(1) is None
+
+
+def test_plan_cache_under_concurrent_hits_and_inserts() -> None:
+    """Hits take no lock: threads reading while others insert and sweep never see a wrong value,
+    an error, or more entries than the bound."""
+    from flexattn_zoo.lru import ClockCache
+
+    cache: ClockCache[tuple[int, int]] = ClockCache(32)
+    errors: list[str] = []
+
+    def reader(seed: int) -> None:
+        for i in range(20000):
+            key = (seed * 7 + i) % 100
+            found = cache.get(key)
+            if found is not None and found != (key, key * key):
+                errors.append(f"{key}: {found}")
+
+    def writer(seed: int) -> None:
+        for i in range(5000):
+            key = (seed * 13 + i * 3) % 100
+            cache.put(key, (key, key * key))
+
+    _in_threads([lambda s=s: reader(s) for s in range(3)] + [lambda s=s: writer(s) for s in range(3)])  # type: ignore[misc]
+    assert not errors, errors[:5]
+    assert len(cache) <= 32
