@@ -679,6 +679,8 @@ def attention(
         )
     )  # fmt: skip
     hit = plan_cache.lookup(key, q, k, v) if key is not None else None
+    if hit is plan_cache.UNHASHABLE:  # an unhashable mask/score argument: the full path says what is wrong
+        key = hit = None
     if hit is not None:
         log.debug("flexattn_zoo route %s", hit.plan.backend)
         out, maybe_lse = hit.run(q, k, v, hit.scale if scale_checked is None else scale_checked)

@@ -81,7 +81,8 @@ def call_key(
     kernel_options: tuple[tuple[str, Any], ...] | None = None,
     dropout_p: float = 0.0,
 ) -> Hashable | None:
-    """The plan-cache key of a call, or None when the call must be planned in full.
+    """The plan-cache key of a call, or None when the call must be planned in full (so may a key
+    holding an unhashable argument: :func:`lookup` returns :data:`UNHASHABLE` for it).
 
     ``kernel_options`` is the checked tuple (``coercion.check_kernel_options``): part of the key.
 
@@ -148,11 +149,7 @@ def call_key(
     )
     if dropout_p > 0:
         key = (*key, ("dropout_p", dropout_p))
-    try:
-        hash(key)
-    except TypeError:  # an unhashable mask/score argument: the full path says what is wrong
-        return None
-    return key
+    return key  # may hold an unhashable argument: ``lookup`` tells (hashing twice costs host time)
 
 
 class ByFiniteness:
@@ -165,11 +162,19 @@ class ByFiniteness:
         self.plans: dict[bool, Any] = {}
 
 
+#: What :func:`lookup` returns for a key holding an unhashable mask/score argument: such a call
+#: is planned in full (which says what is wrong) and not stored.
+UNHASHABLE = object()
+
+
 def lookup(key: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
     """The cached ``dispatch.BoundPlan`` of a call with ``key`` (from :func:`call_key`), or None:
     the entry itself, or for a :class:`ByFiniteness` entry the one of these inputs' NaN/inf
-    verdict."""
-    found = PLANS.get(key)
+    verdict; :data:`UNHASHABLE` when the key cannot be hashed."""
+    try:
+        found = PLANS.get(key)
+    except TypeError:
+        return UNHASHABLE
     if type(found) is ByFiniteness:
         return found.plans.get(inputs_nonfinite(q, k, v))
     return found
@@ -268,6 +273,7 @@ __all__ = [
     "ENV_VARS",
     "PLANS",
     "REQUIREMENTS",
+    "UNHASHABLE",
     "ByFiniteness",
     "call_key",
     "lookup",

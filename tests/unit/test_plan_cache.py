@@ -415,3 +415,14 @@ def test_cpu_flash_refuses_a_learned_bias_in_any_grad_mode() -> None:
         out = fz.attention(q.requires_grad_(True), k, v, score_mod=score_mods.Bias(bias=bias))
         assert fz.plan(q, k, v, score_mod=score_mods.Bias(bias=bias)).backend != "sdpa_flash"
     assert_matches_reference(out, q.detach(), k, v)
+
+
+def test_an_unhashable_argument_is_planned_in_full_and_not_stored(plans: LRUCache) -> None:
+    """The key is hashed once, by the cache lookup: a key holding an unhashable mask argument
+    comes back as ``UNHASHABLE`` and the call takes the full path, which names the argument."""
+    q = torch.randn(1, 2, 8, 4)
+    key = plan_cache.call_key(q, q, q, [1, 2], None, False, False, False, "auto")
+    assert key is not None and plan_cache.lookup(key, q, q, q) is plan_cache.UNHASHABLE
+    with pytest.raises(TypeError, match="mask must be"):
+        fz.attention(q, q, q, mask=[1, 2])  # type: ignore[arg-type]
+    assert len(plans) == 0
