@@ -79,7 +79,7 @@ def fused_layout(t: torch.Tensor) -> torch.Tensor:
     kernel returned garbage for a ``q`` whose rows overlap (an ``unfold`` view).
     """
     if t.is_contiguous():
-        if t.is_cuda and t.data_ptr() % 16:
+        if t.is_cuda and not _compat.is_compiling() and t.data_ptr() % 16:
             # A contiguous view that starts off a 16-byte boundary (``flat[1:].view(...)``): the
             # fused kernels' vector loads fault on it (CUDA "misaligned address"), so copy it.
             return t.clone()
@@ -96,13 +96,14 @@ def is_dense_block(t: torch.Tensor) -> bool:
     Dims of size 1 take any stride. On CUDA the start and every other stride must also be
     16-byte aligned, as the fused kernels' vector loads need (the memory-efficient kernel refuses
     "query is not correctly aligned (strideM)" otherwise): ``x[..., :64]`` of a bf16 tensor whose
-    last dim is 100 is a dense block, but not an aligned one."""
+    last dim is 100 is a dense block, but not an aligned one. While torch.compile traces, the start
+    is not read: Dynamo cannot trace ``data_ptr`` (a traced call keeps what the graph gives it)."""
     shape, strides = t.shape, t.stride()
     if shape[3] > 1 and strides[3] != 1:
         return False
     if t.is_cuda:
         size = t.element_size()
-        if t.data_ptr() % 16 or any(
+        if (not _compat.is_compiling() and t.data_ptr() % 16) or any(
             n > 1 and s * size % 16 for n, s in zip(shape[:3], strides[:3], strict=True)
         ):
             return False

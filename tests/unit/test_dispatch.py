@@ -850,3 +850,25 @@ def test_a_named_route_refusing_a_data_mask_in_a_graph_names_the_graph() -> None
         assert TRACED_DATA_NOTE not in str(eager.value)
     assert TRACED_DATA_NOTE in errors[0]
     assert TRACED_DATA_NOTE not in errors[1]
+
+
+def test_the_layout_checks_read_no_data_pointer_while_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused SDPA routes check a CUDA input's start for 16-byte alignment (the kernels fault
+    on a misaligned one) -- but not while torch.compile traces them, where ``data_ptr`` cannot be
+    traced (Dynamo stops: here it raises, on fake CUDA tensors): a graph must not break there."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from flexattn_zoo import _compat
+    from flexattn_zoo.backends.base import fused_layout, is_dense_block
+
+    def traced_data_ptr(self: torch.Tensor) -> int:
+        raise RuntimeError("data_ptr read while traced")  # Dynamo: "Unsupported"
+
+    monkeypatch.setattr(_compat, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "data_ptr", traced_data_ptr)
+    monkeypatch.setattr(FakeTensor, "data_ptr", traced_data_ptr, raising=False)
+    with FakeTensorMode():
+        contiguous = torch.empty(2, 3, 8, 16, device="cuda", dtype=torch.bfloat16)
+        bshd = torch.empty(2, 8, 3, 16, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        assert fused_layout(contiguous) is contiguous
+        assert is_dense_block(bshd) and fused_layout(bshd) is bshd
