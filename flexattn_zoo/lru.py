@@ -4,8 +4,9 @@
 BlockMasks (``blockmask``), compiled flex entries (``compile``), varlen offsets
 (``backends.varlen``) and decode masks (``decode``); :class:`ClockCache`, the same map with an
 approximate recency order whose hits take no lock, for the dispatcher's plans (``plan_cache``),
-read on every eager call. Each module documents its size. When two threads build the same key at once, the first value stored wins and both get it,
-so identity-based reuse (mask_mod objects, compiled kernels) stays stable.
+read on every eager call. Each module documents its size. When two threads build the same key
+at once, the first value stored wins and both get it, so identity-based reuse (mask_mod
+objects, compiled kernels) stays stable.
 
 While ``torch.compile`` traces a call, every cache is transparent: ``get`` misses and ``put``
 stores nothing. Dynamo cannot enter a lock, and a traced call needs no cache: what it builds
@@ -98,9 +99,9 @@ class ClockCache(LRUCache[V]):
     since the previous sweep passed it. Writes (``put``, ``replace``, ``clear``) take the lock as
     in :class:`LRUCache`; a hit races only with them, and each single dict operation is atomic.
 
-    For keys that compare in C (tuples of plain values): a hit leaves the stored key in place, so
-    later lookups compare against it (:class:`LRUCache` re-stores the caller's key instead, for
-    keys holding objects that compare in Python)."""
+    A hit leaves the stored key in place, so later lookups compare against it: made for keys that
+    compare in C, or whose Python-compared parts a caller passes again as the same objects
+    (compared by identity). :class:`LRUCache` re-stores the caller's key on a hit instead."""
 
     def __init__(self, size: int) -> None:
         super().__init__(size)

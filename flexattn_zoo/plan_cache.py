@@ -53,7 +53,7 @@ from flexattn_zoo.spec import ScoreSpec, Spec
 from flexattn_zoo.validation import SUPPORTED_DTYPES, inputs_nonfinite
 
 #: Bound plans (``dispatch.BoundPlan``) by call key; a model has a handful of attention call kinds, a sweep a
-#: few hundred. Read on every eager call, so hits take no lock (``lru.ClockCache``); keys compare in C.
+#: few hundred. Read on every eager call, so hits take no lock (``lru.ClockCache``).
 PLANS: ClockCache[Any] = ClockCache(256)
 #: Environment variables the dispatcher or a route reads (routes declare theirs: ``Backend.env_vars``).
 ENV_VARS = (
