@@ -27,7 +27,6 @@ the per-chunk mean time per call (us); the last two rows: of the per-chunk media
 
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
@@ -36,9 +35,10 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from host_layers_probe import plan_cache_entry, probe_args, sliding_problem  # a sibling script
 
 import flexattn_zoo as fz
-from flexattn_zoo import _compat, dispatch, masks, plan_cache
+from flexattn_zoo import _compat, dispatch, plan_cache
 from flexattn_zoo.backends import BY_NAME
 
 
@@ -65,14 +65,8 @@ def rows(
     device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> dict[str, tuple[Callable[[], Any], Any]]:
     """``name -> (call, context factory)``: the context is entered around each timed chunk."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
-    sliding = masks.SlidingWindow(left=shape[2] // 4, right=0) & masks.Causal()
-    fz.attention(q, k, v, mask=sliding)
-    det = _compat.strict_deterministic_mode()
-    key = plan_cache.call_key(q, k, v, sliding, None, False, False, det, "auto", None, None, None, 0.0)
-    hit = plan_cache.lookup(key, q, k, v)
-    assert hit is not None, "no plan-cache hit: the probe's key differs from the dispatcher's"
+    q, k, v, sliding = sliding_problem(device, dtype, shape)
+    key, hit = plan_cache_entry(q, k, v, sliding)
     scale = hit.scale
     prepared = BY_NAME[hit.plan.backend].prepared(hit.plan.problem, device)
     bm, opts = prepared.block_mask, prepared.options
@@ -163,14 +157,8 @@ def inner_times(
 ) -> tuple[list[float], list[float]]:
     """The bound call's own time (us, median per chunk) when ``fz.attention`` calls it, and when
     called in a loop of its own: the cached entry is swapped for one that times its ``run``."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
-    sliding = masks.SlidingWindow(left=shape[2] // 4, right=0) & masks.Causal()
-    fz.attention(q, k, v, mask=sliding)
-    det = _compat.strict_deterministic_mode()
-    key = plan_cache.call_key(q, k, v, sliding, None, False, False, det, "auto", None, None, None, 0.0)
-    hit = plan_cache.lookup(key, q, k, v)
-    assert hit is not None
+    q, k, v, sliding = sliding_problem(device, dtype, shape)
+    key, hit = plan_cache_entry(q, k, v, sliding)
     clock = time.perf_counter
     took: list[float] = []
 
@@ -237,18 +225,7 @@ def measure(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shape", default="1x8x512x64", help="BxHxLxD")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--chunk", type=int, default=50)
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = tuple(int(x) for x in args.shape.split("x"))
+    args, device, dtype, shape = probe_args(__doc__.split("\n\n")[0], rounds=40)
     table = rows(device, dtype, shape)
     samples = measure(table, device, args.rounds, args.chunk)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -41,20 +41,49 @@ from flexattn_zoo.compile import CACHE
 from flexattn_zoo.models.decode import _PREFIX_KERNELS as PREFIX_KERNELS
 
 
-def _hit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
-    """The plan cache's entry of ``fz.attention(q, k, v, mask=mask)`` (after one call)."""
+def plan_cache_entry(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> tuple[Any, Any]:
+    """``(key, bound plan)`` of ``fz.attention(q, k, v, mask=mask)`` in the plan cache (after one call)."""
     fz.attention(q, k, v, mask=mask)
     det = _compat.strict_deterministic_mode()
     key = plan_cache.call_key(q, k, v, mask, None, False, False, det, "auto")
     hit = plan_cache.lookup(key, q, k, v)
     assert hit is not None, "no plan-cache hit: the probe's key differs from the dispatcher's"
-    return hit
+    return key, hit
+
+
+def _hit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any) -> Any:
+    return plan_cache_entry(q, k, v, mask)[1]
+
+
+def sliding_problem(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """``q, k, v`` (seeded) and the flex route's mask the probes time: a window of L/4, causal."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
+    return q, k, v, masks.SlidingWindow(left=shape[2] // 4, right=0) & masks.Causal()
+
+
+def probe_args(
+    description: str, rounds: int
+) -> tuple[argparse.Namespace, torch.device, torch.dtype, tuple[int, ...]]:
+    """The host probes' command line (device, shape, threads, rounds, chunk), applied: ``(args,
+    device, dtype, shape)``; bf16 on CUDA, float32 on the CPU."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", default="1x8x512x64", help="BxHxLxD")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--chunk", type=int, default=50)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return args, device, dtype, tuple(int(x) for x in args.shape.split("x"))
 
 
 def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> dict[str, Callable[[], Any]]:
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(3))
-    sliding = masks.SlidingWindow(left=shape[2] // 4, right=0) & masks.Causal()
+    q, k, v, sliding = sliding_problem(device, dtype, shape)
+    gen = torch.Generator(device="cpu").manual_seed(1)
 
     hit = _hit(q, k, v, sliding)
     scale = hit.scale
@@ -176,18 +205,7 @@ def measure(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--shape", default="1x8x512x64", help="BxHxLxD")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--rounds", type=int, default=30)
-    p.add_argument("--chunk", type=int, default=50)
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = tuple(int(x) for x in args.shape.split("x"))
+    args, device, dtype, shape = probe_args(__doc__.split("\n\n")[0], rounds=30)
     calls = layers(device, dtype, shape)
     samples = measure(calls, device, args.rounds, args.chunk)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

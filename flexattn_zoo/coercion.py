@@ -110,7 +110,10 @@ def tensor_args(mask: Any, score_mod: Any) -> tuple[Any, Any]:
     ``mask`` becomes ``masks.Dense``, a floating ``score_mod`` ``score_mods.Bias``, and a floating
     ``mask`` (SDPA's additive ``attn_mask``) moves to ``score_mod`` as a ``Bias``. Anything else
     is returned as given (and coerced later)."""
-    if isinstance(mask, torch.Tensor) and mask.is_floating_point():
+    mask_is_tensor = isinstance(mask, torch.Tensor)
+    if not mask_is_tensor and not isinstance(score_mod, torch.Tensor):
+        return mask, score_mod  # no tensor argument (most calls): nothing to turn into a spec
+    if mask_is_tensor and mask.is_floating_point():
         if score_mod is not None:
             raise ValueError(
                 "mask got a floating tensor, an additive mask (SDPA's float attn_mask, added to the scaled "
@@ -119,7 +122,7 @@ def tensor_args(mask: Any, score_mod: Any) -> tuple[Any, Any]:
                 "pass a bool mask (True = attend)"
             )
         return None, as_score_spec(mask, arg="mask")
-    if isinstance(mask, torch.Tensor):
+    if mask_is_tensor:
         mask = as_mask_spec(mask)
     if isinstance(score_mod, torch.Tensor):
         score_mod = as_score_spec(score_mod)

@@ -441,13 +441,11 @@ def plan(
     For DTensor inputs: the plan of this rank's local call (see :mod:`flexattn_zoo.sharding`).
     """
     q, k, v = as_bhsd(q, k, v, layout)
-    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
-        mask, score_mod = tensor_args(mask, score_mod)
+    mask, score_mod = tensor_args(mask, score_mod)
     mask = with_causal(mask, is_causal)
     options = check_kernel_options(kernel_options)
     dropout = check_dropout_p(dropout_p)
-    plain_tensors = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain_tensors and sharding.holds_dtensor(q, k, v):  # a DTensor is a Tensor subclass
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         q, k, v = local.q, local.k, local.v
@@ -627,13 +625,11 @@ def attention(
             backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
             is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
-    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
-        mask, score_mod = tensor_args(mask, score_mod)
+    mask, score_mod = tensor_args(mask, score_mod)
     mask = with_causal(mask, is_causal)
     options = check_kernel_options(kernel_options)
     dropout = check_dropout_p(dropout_p)
-    plain_tensors = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain_tensors and sharding.holds_dtensor(q, k, v):  # a DTensor is a Tensor subclass
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         result = attention(

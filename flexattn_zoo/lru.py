@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from flexattn_zoo import _compat
 
@@ -26,44 +26,24 @@ V = TypeVar("V")
 _MISSING = object()
 
 
-class LRUCache(Generic[V]):
-    """``size`` entries at most (least recently used dropped first); ``inserts`` counts new
-    entries since the last ``clear()`` (tests use it to prove a step built nothing)."""
+class _BoundedCache(Generic[V]):
+    """What both caches share: ``size`` entries at most in ``_data`` (a dict the subclass fills in
+    its own order), a lock for writes; ``inserts`` counts new entries since the last ``clear()``
+    (tests use it to prove a step built nothing)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, data: Any) -> None:
         if size < 1:
             raise ValueError(f"LRU size must be >= 1, got {size}")
         self.size = size
         self.inserts = 0
-        self._data: OrderedDict[Hashable, V] = OrderedDict()
+        self._data: Any = data  # the subclass's dict (an OrderedDict, or key -> [value, flag])
         self._lock = threading.RLock()
 
     def get(self, key: Hashable) -> V | None:
-        if _compat.is_compiling():
-            return None  # see the module docstring: a traced call neither reads nor stores
-        with self._lock:
-            # Taken out and put back at the end under the caller's key (equal to the stored one):
-            # one comparison of a new key with the stored one instead of two (``get`` then
-            # ``move_to_end``; a spec in a key compares in Python), and a caller that passes the
-            # same objects again (a spec it holds) finds them by identity next time.
-            value = self._data.pop(key, _MISSING)
-            if value is _MISSING:
-                return None
-            self._data[key] = value  # type: ignore[assignment]
-            return value  # type: ignore[return-value]
+        raise NotImplementedError
 
     def put(self, key: Hashable, value: V) -> V:
-        """Store ``value`` unless another thread stored one first; return the stored value."""
-        if _compat.is_compiling():
-            return value
-        with self._lock:
-            if key not in self._data:
-                self._data[key] = value
-                self.inserts += 1
-            self._data.move_to_end(key)
-            while len(self._data) > self.size:
-                self._data.popitem(last=False)
-            return self._data[key]
+        raise NotImplementedError
 
     def replace(self, key: Hashable, value: V) -> V:
         """Store ``value`` under ``key`` even if one is cached (counts as an insert)."""
@@ -78,10 +58,6 @@ class LRUCache(Generic[V]):
         found = self.get(key)
         return found if found is not None else self.put(key, make())
 
-    def values(self) -> list[V]:
-        with self._lock:
-            return list(self._data.values())
-
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
@@ -91,47 +67,84 @@ class LRUCache(Generic[V]):
         return len(self._data)
 
 
-class ClockCache(LRUCache[V]):
-    """An :class:`LRUCache` whose hits are a dict lookup and a flag write, without its lock: the
-    CLOCK (second chance) approximation of least-recently-used. A hit marks its entry used; when
-    an insert overflows ``size``, entries are examined oldest first, and a used one is unmarked
-    and moved to the newest end instead of being dropped, so the entry dropped is one not hit
-    since the previous sweep passed it. Writes (``put``, ``replace``, ``clear``) take the lock as
-    in :class:`LRUCache`; a hit races only with them, and each single dict operation is atomic.
-
-    A hit leaves the stored key in place, so later lookups compare against it: made for keys that
-    compare in C, or whose Python-compared parts a caller passes again as the same objects
-    (compared by identity). :class:`LRUCache` re-stores the caller's key on a hit instead."""
+class LRUCache(_BoundedCache[V]):
+    """``size`` entries at most, least recently used dropped first."""
 
     def __init__(self, size: int) -> None:
-        super().__init__(size)
-        self._entries: dict[Hashable, list[object]] = {}  # key -> [value, used since last sweep]
+        super().__init__(size, OrderedDict())
 
     def get(self, key: Hashable) -> V | None:
         if _compat.is_compiling():
             return None  # see the module docstring: a traced call neither reads nor stores
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        entry[1] = True
-        return entry[0]  # type: ignore[return-value]
+        with self._lock:
+            # Taken out and put back at the end under the caller's key (equal to the stored one):
+            # one comparison of a new key with the stored one instead of two (``get`` then
+            # ``move_to_end``; a spec in a key compares in Python), and a caller that passes the
+            # same objects again (a spec it holds) finds them by identity next time.
+            value = self._data.pop(key, _MISSING)
+            if value is _MISSING:
+                return None
+            self._data[key] = value
+            return value
 
     def put(self, key: Hashable, value: V) -> V:
         """Store ``value`` unless another thread stored one first; return the stored value."""
         if _compat.is_compiling():
             return value
         with self._lock:
-            entry = self._entries.get(key)
+            if key not in self._data:
+                self._data[key] = value
+                self.inserts += 1
+            self._data.move_to_end(key)
+            while len(self._data) > self.size:
+                self._data.popitem(last=False)
+            return self._data[key]
+
+    def values(self) -> list[V]:
+        with self._lock:
+            return list(self._data.values())
+
+
+class ClockCache(_BoundedCache[V]):
+    """A bounded map like :class:`LRUCache` whose hits are a dict lookup and a flag write, without
+    the lock: the CLOCK (second chance) approximation of least-recently-used. A hit marks its
+    entry used; when an insert overflows ``size``, entries are examined oldest first, and a used
+    one is unmarked and moved to the newest end instead of being dropped, so the entry dropped is
+    one not hit since the previous sweep passed it. Writes (``put``, ``replace``, ``clear``) take
+    the lock; a hit races only with them, and each single dict operation is atomic.
+
+    A hit leaves the stored key in place, so later lookups compare against it: made for keys that
+    compare in C, or whose Python-compared parts a caller passes again as the same objects
+    (compared by identity). :class:`LRUCache` re-stores the caller's key on a hit instead."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, {})  # key -> [value, used since the last sweep]
+
+    def get(self, key: Hashable) -> V | None:
+        if _compat.is_compiling():
+            return None  # see the module docstring: a traced call neither reads nor stores
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        entry[1] = True
+        return entry[0]
+
+    def put(self, key: Hashable, value: V) -> V:
+        """Store ``value`` unless another thread stored one first; return the stored value."""
+        if _compat.is_compiling():
+            return value
+        with self._lock:
+            entry = self._data.get(key)
             if entry is None:
-                entry = self._entries[key] = [value, True]
+                entry = self._data[key] = [value, True]
                 self.inserts += 1
                 self._sweep()
             else:
                 entry[1] = True
-            return entry[0]  # type: ignore[return-value]
+            return entry[0]
 
     def _sweep(self) -> None:
-        entries = self._entries
+        entries = self._data
         while len(entries) > self.size:
             oldest = next(iter(entries))
             entry = entries.pop(oldest)
@@ -140,22 +153,6 @@ class ClockCache(LRUCache[V]):
                 entries[oldest] = entry
         # Each pass over a used entry unmarks it, so the loop ends within two rounds of the map.
 
-    def replace(self, key: Hashable, value: V) -> V:
-        """Store ``value`` under ``key`` even if one is cached (counts as an insert)."""
-        if _compat.is_compiling():
-            return value
-        with self._lock:
-            self._entries.pop(key, None)
-        return self.put(key, value)
-
     def values(self) -> list[V]:
         with self._lock:
-            return [entry[0] for entry in self._entries.values()]  # type: ignore[misc]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.inserts = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
+            return [entry[0] for entry in self._data.values()]

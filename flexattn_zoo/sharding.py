@@ -65,7 +65,13 @@ def _dtensor_class() -> type | None:
 
 
 def holds_dtensor(*tensors: object) -> bool:
-    """Whether any argument is a DTensor (one dict lookup when DTensor was never imported)."""
+    """Whether any argument is a DTensor (a subclass of Tensor: none when every argument is a
+    plain Tensor, checked first; else one dict lookup when DTensor was never imported)."""
+    for t in tensors:
+        if type(t) is not torch.Tensor:
+            break
+    else:
+        return False
     cls = _dtensor_class()
     if cls is None:
         return False

@@ -197,6 +197,34 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
     return Shape(batch=b, heads=hq, kv_heads=hk, q_len=lq, kv_len=lk, head_dim=d, v_dim=dv)
 
 
+def qkv_acceptable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: object) -> bool:
+    """Whether :func:`check_qkv` accepts these tensors (``type(x) is torch.Tensor`` each), as a
+    few comparisons without building messages or sizes: for paths whose whole host time is a few
+    tens of microseconds (a decode step). Call :func:`check_qkv` when it is False, to raise with
+    the reason."""
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
+    if not (len(q_shape) == 4 and len(k_shape) == 4 and len(v_shape) == 4):
+        return False
+    dtype, device = q.dtype, q.device
+    batch, heads, _, dim = q_shape
+    kv_heads = k_shape[1]
+    return (
+        type(enable_gqa) is bool
+        and dtype in SUPPORTED_DTYPES
+        and k.dtype == dtype
+        and v.dtype == dtype
+        and k.device == device
+        and v.device == device
+        and not (q.is_sparse or k.is_sparse or v.is_sparse or q.is_nested or k.is_nested or v.is_nested)
+        and batch == k_shape[0] == v_shape[0]
+        and kv_heads == v_shape[1]
+        and k_shape[2] == v_shape[2]
+        and k_shape[3] == dim
+        and min(batch, heads, kv_heads, dim) > 0
+        and (heads == kv_heads or (enable_gqa and heads % kv_heads == 0))
+    )
+
+
 def inputs_nonfinite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether q/k/v are known to hold NaN/inf: checked on the CPU only, where it costs no device
     synchronization (on CUDA, and while torch.compile traces us, where the data-dependent branch

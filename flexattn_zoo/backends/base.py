@@ -120,6 +120,18 @@ def is_dense_block(t: torch.Tensor) -> bool:
     return False
 
 
+def prefix_is_dense_block(prefix: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether ``prefix`` (``cache[:, :, :n]``, or what autocast made of it) is a dense block
+    (:func:`is_dense_block`) by the cache alone: a prefix of a contiguous cache is one
+    (same start and strides, a shorter length), aligned on CUDA when the cache's start and a row of
+    D are 16-byte aligned (every stride is a multiple of D). False: ``fused_layout`` decides."""
+    if prefix.data_ptr() != cache.data_ptr() or not cache.is_contiguous():
+        return False
+    return not cache.is_cuda or (
+        cache.data_ptr() % 16 == 0 and cache.shape[3] * cache.element_size() % 16 == 0
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Requirement:
     """Something a route needs installed on this machine (an optional package, a torch feature).

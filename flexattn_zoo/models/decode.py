@@ -69,7 +69,7 @@ import torch
 
 from flexattn_zoo import _compat, sharding
 from flexattn_zoo.backends import BACKENDS, BY_NAME
-from flexattn_zoo.backends.base import fused_layout
+from flexattn_zoo.backends.base import fused_layout, prefix_is_dense_block
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall
 from flexattn_zoo.backends.sdpa import SDPA_LOCK
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
@@ -80,7 +80,7 @@ from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.validation import SUPPORTED_DTYPES, check_qkv, check_scale, inputs_nonfinite
+from flexattn_zoo.validation import check_qkv, check_scale, inputs_nonfinite, qkv_acceptable
 
 __all__ = ["DecodeMask", "append_kv", "decode_step", "decode_step_varlen", "lowest_key", "pool_view"]
 
@@ -1105,9 +1105,7 @@ def _one_query_over_prefix(
         and q_shape[0] == k_shape[0]
         and v_cache.shape[:3] == k_shape[:3]
         and 1 <= length <= k_shape[2]
-        and not (
-            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
-        )
+        and not needs_grad((q, k_cache, v_cache), None)
         and not _compat.is_compiling()
         and not sharding.context_parallel_active()
     ):
@@ -1115,12 +1113,12 @@ def _one_query_over_prefix(
     gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
     k, v = k_cache[:, :, :length], v_cache[:, :, :length]
     q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
-    if not _plain_step_inputs(q, k, v, gqa):
-        check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong (or passes what the quick check left out)
+    if not qkv_acceptable(q, k, v, gqa):
+        check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
     scale = check_scale(scale)
     q = fused_layout(q)
-    k = k if _prefix_is_dense_block(k, k_cache) else fused_layout(k)
-    v = v if _prefix_is_dense_block(v, v_cache) else fused_layout(v)
+    k = k if prefix_is_dense_block(k, k_cache) else fused_layout(k)
+    v = v if prefix_is_dense_block(v, v_cache) else fused_layout(v)
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
         if not q.is_cuda:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
@@ -1132,39 +1130,6 @@ def _one_query_over_prefix(
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
         finally:
             _compat.restore_sdpa_kernels(token)
-
-
-def _plain_step_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: Any) -> bool:
-    """What ``check_qkv`` accepts, for a one-query step whose ranks, batch sizes and k/v head
-    counts and lengths ``_one_query_over_prefix`` already compared: one supported dtype and
-    device, dense tensors, equal q/k head dims, positive sizes and a head ratio ``enable_gqa``
-    allows. False sends the step through ``check_qkv`` itself, which names the problem."""
-    dtype, device = q.dtype, q.device
-    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[3]
-    return (
-        type(gqa) is bool
-        and dtype in SUPPORTED_DTYPES
-        and k.dtype == dtype
-        and v.dtype == dtype
-        and k.device == device
-        and v.device == device
-        and not (q.is_sparse or k.is_sparse or v.is_sparse or q.is_nested or k.is_nested or v.is_nested)
-        and k.shape[3] == dim
-        and min(q.shape[0], heads, kv_heads, dim) > 0
-        and (heads == kv_heads or (gqa and heads % kv_heads == 0))
-    )
-
-
-def _prefix_is_dense_block(prefix: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether ``prefix`` (``cache[:, :, :n]``, or what autocast made of it) is a dense block
-    (``backends.base.is_dense_block``) by the cache alone: a prefix of a contiguous cache is one
-    (same start and strides, a shorter length), aligned on CUDA when the cache's start and a row of
-    D are 16-byte aligned (every stride is a multiple of D). False: ``fused_layout`` decides."""
-    if prefix.data_ptr() != cache.data_ptr() or not cache.is_contiguous():
-        return False
-    return not cache.is_cuda or (
-        cache.data_ptr() % 16 == 0 and cache.shape[3] * cache.element_size() % 16 == 0
-    )
 
 
 def _attend(

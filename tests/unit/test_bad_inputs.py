@@ -801,3 +801,79 @@ def test_nonfinite_check_is_exact(dtype: torch.dtype) -> None:
     both = q.clone()
     both[0, 0, 0, :2] = torch.tensor([float("inf"), -float("inf")])
     assert inputs_nonfinite(both, q, q)
+
+
+def _drawn_qkv(draw: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[type-arg]
+    """q, k, v with the drawn batch sizes, head counts, lengths, head dims, dtypes and layout."""
+    q = torch.zeros(draw["b"], draw["hq"], 1, draw["dq"], dtype=draw["q_dtype"])
+    k = torch.zeros(draw["b"], draw["hk"], 6, draw["dk"], dtype=draw["k_dtype"])
+    v = torch.zeros(draw["bv"], draw["hv"], draw["lv"], draw["dv"], dtype=draw["v_dtype"])
+    if draw["rank3"]:
+        q = q[0]
+    if draw["sparse"]:
+        k = k.to_sparse()
+    return q, k, v
+
+
+def test_the_quick_qkv_check_accepts_only_what_check_qkv_accepts() -> None:
+    """``validation.qkv_acceptable`` (a decode step's check, a few comparisons) must never pass
+    what ``check_qkv`` refuses -- else a bad call would reach a kernel unchecked -- and must pass
+    the valid calls it is there for."""
+    from flexattn_zoo.validation import check_qkv, qkv_acceptable
+
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.int32]
+    g = torch.Generator().manual_seed(0)
+    passed = refused = 0
+    for _ in range(800):
+        pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
+        dtype = pick(dtypes[:3])
+        hk = pick([1, 2, 4])
+        b = pick([1, 2])
+        draw = {
+            "b": b,
+            "bv": b,
+            "hq": 4,
+            "hk": hk,
+            "hv": hk,
+            "lv": 6,
+            "dq": 16,
+            "dk": 16,
+            "dv": pick([8, 16]),
+        }
+        draw.update(q_dtype=dtype, k_dtype=dtype, v_dtype=dtype, sparse=False, rank3=False)
+        fields = [
+            "hq",
+            "hk",
+            "hv",
+            "bv",
+            "lv",
+            "dq",
+            "dk",
+            "q_dtype",
+            "k_dtype",
+            "v_dtype",
+            "sparse",
+            "rank3",
+        ]
+        field = pick([None, None, None, *fields])
+        if field is not None:  # one thing off (or not: some draws land on valid values)
+            options = {
+                "hq": [0, 2, 6],
+                "hk": [0, 3],
+                "hv": [1, 3],
+                "bv": [3],
+                "lv": [5],
+                "dq": [0, 8],
+                "dk": [8, 24],
+                "sparse": [True],
+                "rank3": [True],
+            }.get(field, dtypes)
+            draw[field] = pick(options)
+        gqa = pick([True, True, False, 1, None])
+        q, k, v = _drawn_qkv(draw)
+        if qkv_acceptable(q, k, v, gqa):
+            passed += 1
+            check_qkv(q, k, v, enable_gqa=gqa)  # type: ignore[arg-type]
+        else:
+            refused += 1
+    assert passed > 50 and refused > 50  # both sides were exercised

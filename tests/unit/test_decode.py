@@ -689,54 +689,10 @@ def test_one_query_steps_under_autocast_take_mixed_dtypes() -> None:
     torch.testing.assert_close(out, other, atol=2e-2, rtol=2e-2)
 
 
-def _step_inputs(draw: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # type: ignore[type-arg]
-    """q, k, v of a one-query step, each with the drawn dtype, head count, head dim and layout."""
-    q = torch.zeros(draw["b"], draw["hq"], 1, draw["dq"], dtype=draw["q_dtype"])
-    k = torch.zeros(draw["b"], draw["hk"], 6, draw["dk"], dtype=draw["k_dtype"])
-    v = torch.zeros(draw["b"], draw["hk"], 6, draw["dv"], dtype=draw["v_dtype"])
-    if draw["sparse"]:
-        k = k.to_sparse()
-    return q, k, v
-
-
-def test_the_plain_step_check_accepts_only_what_check_qkv_accepts() -> None:
-    """A one-query step over a prefix checks q/k/v by a quick form of ``check_qkv``'s rules
-    (host time); whatever it passes, ``check_qkv`` must pass too (else a bad call would reach SDPA
-    unchecked), and on the inputs every real step has it passes."""
-    from flexattn_zoo.validation import check_qkv
-
-    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.int32]
-    g = torch.Generator().manual_seed(0)
-    passed = refused = 0
-    for _ in range(600):
-        pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=g))]  # noqa: E731
-        dtype = pick(dtypes[:3])
-        draw = {"b": pick([1, 2]), "hq": 4, "hk": pick([1, 2, 4]), "dq": 16, "dk": 16, "dv": pick([8, 16])}
-        draw.update(q_dtype=dtype, k_dtype=dtype, v_dtype=dtype, sparse=False)
-        field = pick([None, None, "hq", "hk", "dq", "dk", "q_dtype", "k_dtype", "v_dtype", "sparse"])
-        if field is not None:  # one thing off (or not: some draws land on valid values)
-            options = {
-                "hq": [0, 2, 6],
-                "hk": [0, 3],
-                "dq": [0, 8],
-                "dk": [8, 24],
-                "sparse": [True],
-            }.get(field, dtypes)
-            draw[field] = pick(options)
-        gqa = pick([True, True, False, 1, None])
-        q, k, v = _step_inputs(draw)
-        if decode._plain_step_inputs(q, k, v, gqa):
-            passed += 1
-            check_qkv(q, k, v, enable_gqa=gqa)  # type: ignore[arg-type]
-        else:
-            refused += 1
-    assert passed > 50 and refused > 50  # both sides were exercised
-
-
 def test_prefix_layout_by_the_cache_agrees_with_is_dense_block() -> None:
     """A prefix of a contiguous cache is used as it is without the per-step layout check; where the
     shortcut says so, the full check (``is_dense_block``) must agree, on caches of every layout."""
-    from flexattn_zoo.backends.base import is_dense_block
+    from flexattn_zoo.backends.base import is_dense_block, prefix_is_dense_block
 
     base = torch.zeros(2, 3, 40, 16)
     caches = [
@@ -754,10 +710,8 @@ def test_prefix_layout_by_the_cache_agrees_with_is_dense_block() -> None:
     for cache in caches:
         for n in (1, 2, 17, cache.shape[2]):
             prefix = cache[:, :, :n]
-            if decode._prefix_is_dense_block(prefix, cache):
+            if prefix_is_dense_block(prefix, cache):
                 seen += 1
                 assert is_dense_block(prefix), (cache.shape, cache.stride(), n)
-            assert not decode._prefix_is_dense_block(
-                prefix.contiguous().clone(), cache
-            )  # a copy is not the prefix
+            assert not prefix_is_dense_block(prefix.contiguous().clone(), cache)  # a copy is not the prefix
     assert seen >= 8
