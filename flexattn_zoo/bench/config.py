@@ -53,8 +53,9 @@ from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes the harness adds to the dispatcher's: a user's hand-written flex, SDPA with a dense mask,
-#: and plain SDPA as a user calls it (its own kernel choice, ``is_causal`` / ``enable_gqa``).
-EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "plain_sdpa")
+#: plain SDPA as a user calls it (its own kernel choice, ``is_causal`` / ``enable_gqa``) and
+#: FlashAttention-4's ``flash_attn_func`` as a user calls it (``bench.routes`` says what each runs).
+EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "plain_sdpa", "fa4_direct")
 MODES = ("fwd", "fwdbwd")
 DTYPES = {
     "bf16": torch.bfloat16,

@@ -23,9 +23,9 @@ from flexattn_zoo.arch import RULES, Rule, Sizes, priority
 from flexattn_zoo.bench.config import Case
 
 #: Routes that need flash-attn-4; dropped from the rows for the no-FA4 view.
-FA4_ROUTES = frozenset({"fa4", "flex_flash"})
+FA4_ROUTES = frozenset({"fa4", "flex_flash", "fa4_direct"})
 #: Rows that are baselines, not routes ``auto`` can take.
-BASELINES = frozenset({"auto", "plain_sdpa", "raw_flex", "sdpa_dense_mask"})
+BASELINES = frozenset({"auto", "plain_sdpa", "raw_flex", "sdpa_dense_mask", "fa4_direct"})
 
 
 @dataclasses.dataclass

@@ -14,6 +14,11 @@
   ``out * exp(lse)``, as the library does.
 * ``plain_sdpa``: ``F.scaled_dot_product_attention`` as a user calls it (``is_causal``,
   ``enable_gqa``; SDPA picks its kernel), for problems it expresses without a mask tensor.
+* ``fa4_direct``: FlashAttention-4's own ``flash_attn_func`` as a user calls it (``causal`` /
+  ``window_size`` / ``softcap``, GQA by fewer k/v heads, its own autograd), for problems it expresses
+  on whole sequences: no mask, or a mask whose varlen form is one window per row (causal, sliding
+  windows) with ``Lq == Lkv``, and no score mod or ``SoftCap(approx=True)``. Inputs are the sweep's
+  ``[B, H, L, D]`` tensors viewed as FA4's ``[B, L, H, D]`` (no copy).
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
   a float bias when the score mod is additive: it offers a ``linear_bias_form()``, like ALiBi); k/v
   are expanded for GQA so SDPA can use its memory-efficient kernel.
@@ -32,10 +37,12 @@ import flexattn_zoo as fz
 from flexattn_zoo import _compat
 from flexattn_zoo import blockmask as fz_blockmask
 from flexattn_zoo.backends import BACKENDS
+from flexattn_zoo.backends.fa4 import fa4_window
 from flexattn_zoo.backends.flex import FlexBackend
 from flexattn_zoo.bench.config import Case
 from flexattn_zoo.bench.timing import GIB, dense_bias, dense_mask, measure, timed, torch_warnings
 from flexattn_zoo.dispatch import problem_traits
+from flexattn_zoo.segments import segment_layout
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes that run flex with a BlockMask built by ``fz.block_mask`` (its build time is reported).
@@ -275,6 +282,48 @@ def prepare_plain_sdpa(case: Case, mask: MaskSpec | None, score: ScoreSpec | Non
 
 
 # ---------------------------------------------------------------------------------------------
+# fa4_direct: FlashAttention-4's public function called by hand
+
+
+def fa4_direct_arguments(
+    case: Case, mask: MaskSpec | None, score: ScoreSpec | None
+) -> tuple[tuple[int | None, int | None], float]:
+    """``(window_size, softcap)`` of ``flash_attn_func`` for the case, or :class:`Unsupported`
+    naming what FA4's own function cannot express."""
+    softcap = 0.0
+    if score is not None:
+        form = score.softcap_form()
+        if form is None or not form.approx:
+            raise Unsupported("FA4's own score mod is soft-capping with its tanh: SoftCap(approx=True) only")
+        softcap = form.cap
+    if mask is None:
+        return (None, None), softcap
+    if case.lq != case.seq_len:
+        raise Unsupported("FA4 direct aligns masks bottom-right: measured at Lq == Lkv only")
+    layout = segment_layout(mask.bind(case.lq, case.seq_len), case.batch, case.lq)
+    if layout is None or layout[0] != "rows" or layout[1] != case.lq:
+        raise Unsupported(f"mask {type(mask).__name__} is not one window per whole row")
+    return fa4_window(layout[2]), softcap
+
+
+def prepare_fa4_direct(case: Case, mask: MaskSpec | None, score: ScoreSpec | None, x: Inputs) -> Prepared:
+    """``flash_attn.cute.flash_attn_func`` on ``[B, L, H, D]`` views of the inputs, with the window
+    and soft-cap the problem needs (see the module docstring for what it expresses)."""
+    window, softcap = fa4_direct_arguments(case, mask, score)
+    if not _compat.flash_cute_available() or x.q.device.type != "cuda":
+        raise Unsupported("FA4 direct needs flash_attn.cute (flash-attn-4) and a CUDA device")
+    from flash_attn.cute import flash_attn_func
+
+    def call() -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (x.q, x.k, x.v))
+        res = flash_attn_func(q, k, v, window_size=window, softcap=softcap)
+        out = res[0] if isinstance(res, tuple) else res
+        return out.transpose(1, 2)
+
+    return Prepared(call=call)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def prepare(
@@ -284,6 +333,8 @@ def prepare(
     chosen, plan = route, None
     if route == "plain_sdpa":
         return prepare_plain_sdpa(case, mask, score, x)
+    if route == "fa4_direct":
+        return prepare_fa4_direct(case, mask, score, x)
     if route == "sdpa_dense_mask":
         if case.lq != case.seq_len:
             raise Unsupported("the dense-mask baseline is measured at Lq == Lkv only")

@@ -7,6 +7,7 @@ give ``error``/``OOM`` rows, never a crash.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -365,3 +366,41 @@ def test_decode_value_dim_and_padding_cases() -> None:
     assert rows[("mla", "plain_sdpa")]["max_err"] < 1e-5
     assert rows[("pad", "auto")]["traits"] == [] and "dense" in rows[("pad", "auto")]["accepted"]
     assert rows[("pad", "sdpa_dense_mask")]["max_err"] < 1e-5
+
+
+def test_fa4_direct_baseline_arguments() -> None:
+    """The FA4-direct baseline passes FA4's ``window_size`` / ``softcap`` for what its own function
+    expresses (whole rows, one window, approximate soft-cap) and refuses the rest by name."""
+    cases = {
+        c.name: c
+        for c in parse_config(
+            {
+                "defaults": {"dtype": "bf16", "device": "cpu", "modes": ["fwd"]},
+                "cases": [
+                    {"name": "square", "batch": 2, "heads": 4, "seq_len": 256, "head_dim": 64},
+                    {"name": "decode", "batch": 2, "heads": 4, "q_len": 1, "seq_len": 256, "head_dim": 64},
+                ],
+            }
+        )
+    }
+    square, decode = cases["square"], cases["decode"]
+    args = routes.fa4_direct_arguments
+    assert args(square, None, None) == ((None, None), 0.0)
+    assert args(decode, None, None) == ((None, None), 0.0)
+    assert args(square, masks.Causal(), None) == ((None, 0), 0.0)
+    gemma = masks.SlidingWindow(left=127, right=0) & masks.Causal()
+    assert args(square, gemma, score_mods.SoftCap(cap=50.0, approx=True)) == ((127, 0), 50.0)
+    assert args(square, masks.SlidingWindow(left=31, right=7), None) == ((31, 7), 0.0)
+    refusals = [
+        (square, None, score_mods.SoftCap(cap=50.0), "SoftCap(approx=True)"),
+        (square, None, score_mods.Alibi(num_heads=4), "SoftCap(approx=True)"),
+        (decode, masks.Causal(), None, "Lq == Lkv"),
+        (square, masks.Document(doc_ids=torch.tensor([0] * 100 + [1] * 156)), None, "whole row"),
+        (square, masks.Chunked(size=64), None, "whole row"),
+    ]
+    for case, mask, score, why in refusals:
+        with pytest.raises(routes.Unsupported, match=re.escape(why)):
+            args(case, mask, score)
+    inputs = routes.Inputs.make(square, "fwd", torch.device("cpu"))
+    with pytest.raises(routes.Unsupported, match="CUDA device"):
+        routes.prepare_fa4_direct(square, masks.Causal(), None, inputs)
