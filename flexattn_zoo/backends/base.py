@@ -120,12 +120,13 @@ def is_dense_block(t: torch.Tensor) -> bool:
     return False
 
 
-def prefix_is_dense_block(prefix: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether ``prefix`` (``cache[:, :, :n]``, or what autocast made of it) is a dense block
-    (:func:`is_dense_block`) by the cache alone: a prefix of a contiguous cache is one
-    (same start and strides, a shorter length), aligned on CUDA when the cache's start and a row of
-    D are 16-byte aligned (every stride is a multiple of D). False: ``fused_layout`` decides."""
-    if prefix.data_ptr() != cache.data_ptr() or not cache.is_contiguous():
+def prefixes_are_dense_blocks(cache: torch.Tensor) -> bool:
+    """Whether every prefix ``cache.narrow(2, 0, n)`` of a ``[B, H, capacity, D]`` cache is a dense
+    block (:func:`is_dense_block`) by the cache alone: a prefix of a contiguous cache is one (same
+    start and strides, a shorter length), aligned on CUDA when the cache's start and a row of D are
+    16-byte aligned (every stride is a multiple of D). False: ``fused_layout`` decides per prefix.
+    Not for traced calls (reads the start)."""
+    if not cache.is_contiguous():
         return False
     return not cache.is_cuda or (
         cache.data_ptr() % 16 == 0 and cache.shape[3] * cache.element_size() % 16 == 0

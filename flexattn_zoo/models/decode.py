@@ -69,7 +69,7 @@ import torch
 
 from flexattn_zoo import _compat, sharding
 from flexattn_zoo.backends import BACKENDS, BY_NAME
-from flexattn_zoo.backends.base import fused_layout, prefix_is_dense_block
+from flexattn_zoo.backends.base import fused_layout, prefixes_are_dense_blocks
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall
 from flexattn_zoo.backends.sdpa import SDPA_LOCK
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
@@ -1111,14 +1111,23 @@ def _one_query_over_prefix(
     ):
         return None
     gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
-    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
-    q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
-    if not qkv_acceptable(q, k, v, gqa):
-        check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
+    if not torch._C._is_any_autocast_enabled() and qkv_acceptable(q, k_cache, v_cache, gqa):
+        # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and
+        # D; equal lengths), and a prefix of a contiguous, aligned cache needs no layout check:
+        # what the cache says holds every step, so no per-step slice is inspected.
+        q = fused_layout(q)
+        k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+        if not prefixes_are_dense_blocks(k_cache):
+            k = fused_layout(k)
+        if not prefixes_are_dense_blocks(v_cache):
+            v = fused_layout(v)
+    else:
+        k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+        q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
+        if not qkv_acceptable(q, k, v, gqa):
+            check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
+        q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
     scale = check_scale(scale)
-    q = fused_layout(q)
-    k = k if prefix_is_dense_block(k, k_cache) else fused_layout(k)
-    v = v if prefix_is_dense_block(v, v_cache) else fused_layout(v)
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
         if not q.is_cuda:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)

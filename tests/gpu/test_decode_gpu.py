@@ -339,7 +339,7 @@ def test_one_query_steps_over_caches_of_every_layout() -> None:
     row of D are 16-byte aligned; on CUDA caches of other layouts and alignments (a bf16 cache with
     D = 100 cut to 64, a cache starting one element in, a [B, L, H, D] cache) the shortcut must
     agree with the full check, and every step must match the float64 reference."""
-    from flexattn_zoo.backends.base import is_dense_block, prefix_is_dense_block
+    from flexattn_zoo.backends.base import is_dense_block, prefixes_are_dense_blocks
 
     g = torch.Generator(device="cpu").manual_seed(5)
     wide = torch.randn(2, 2, 300, 100, generator=g).to(DEV, torch.bfloat16)
@@ -353,9 +353,8 @@ def test_one_query_steps_over_caches_of_every_layout() -> None:
     q = torch.randn(2, 8, 1, 64, generator=g).to(DEV, torch.bfloat16)
     for name, cache in caches.items():
         for n in (1, 77, 300):
-            prefix = cache[:, :, :n]
-            if prefix_is_dense_block(prefix, cache):
-                assert is_dense_block(prefix), name
+            if prefixes_are_dense_blocks(cache):
+                assert is_dense_block(cache[:, :, :n]), name
             with torch.no_grad():
                 out = decode.decode_step(q, cache, cache, n)
             assert_decode_matches(out, q, cache, cache, torch.tensor([n, n]), masks.Causal())
