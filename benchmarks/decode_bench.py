@@ -4,7 +4,12 @@ One decode step reads the whole live KV cache once, so its speed of light is
 ``bytes(K and V of the live cache) / HBM bandwidth``; the report prints that fraction
 (``--hbm-tbps``, default 4.3 TB/s, about what an H200 sustains in a copy). Routes:
 
-* ``flex``        ``fz.decode.decode_step`` on a contiguous cache (BlockMask updated in place);
+* ``flex``        ``fz.decode.decode_step`` on a contiguous cache with a ``[B]`` lengths tensor
+  (torch's flex-decoding kernel, BlockMask updated in place);
+* ``decode_int``  ``fz.decode.decode_step`` with the length as an int (every row equally long, no
+  mask beyond causal): the plain one-query step, SDPA over the live prefix;
+* ``attention``   ``fz.attention(q, k[:, :, :L], v[:, :, :L], enable_gqa=True)``: the library's
+  general entry on the live prefix, as a model without ``decode_step`` calls it;
 * ``flex_graph``  the same step captured once in a CUDA graph and replayed (the lengths tensor
   is read in the graph, so one capture serves every step): what a serving loop that graphs its
   step pays, without Python and launch overhead;
@@ -38,6 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import flexattn_zoo as fz  # noqa: E402
 from flexattn_zoo import _compat, masks  # noqa: E402
 from flexattn_zoo.models import decode  # noqa: E402
 
@@ -121,6 +127,16 @@ def run_case(
 
             def step():  # type: ignore[no-untyped-def]
                 return decode.decode_step(q, k, v, lens, mask=mask)
+        elif route == "decode_int":
+
+            def step():  # type: ignore[no-untyped-def]
+                return decode.decode_step(q, k, v, length, mask=mask)
+        elif route == "attention":
+            if window:
+                return {"route": route, "skipped": "the prefix call is measured without a window"}
+
+            def step():  # type: ignore[no-untyped-def]
+                return fz.attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
         else:  # sdpa baseline: full attention over the live cache (exact only without a window)
             if window:
                 return {"route": route, "skipped": "no sliding window in the SDPA baseline"}
@@ -156,7 +172,7 @@ def main() -> int:
     p.add_argument("--heads", default="32,8", help="H,HKV")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--window", type=int, default=None)
-    p.add_argument("--routes", default="flex,flex_graph,flex_paged,varlen_paged,sdpa")
+    p.add_argument("--routes", default="flex,flex_graph,flex_paged,varlen_paged,decode_int,attention,sdpa")
     p.add_argument("--hbm-tbps", type=float, default=4.3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
