@@ -165,6 +165,13 @@ class Sizes:
     #: Upper bound on the share of (query, key) pairs the mask leaves visible (1.0: no mask, or
     #: unknown without evaluating it; ``MaskSpec.visible_fraction``).
     visible: float = 1.0
+    #: Key/value heads (None: ``heads``, no grouped-query attention).
+    kv_heads: int | None = None
+
+    @property
+    def kv_rows(self) -> int:
+        """``B * Hkv``: the (batch, kv head) rows a decoding kernel spreads over the GPU."""
+        return self.batch * (self.heads if self.kv_heads is None else self.kv_heads)
 
     @property
     def work(self) -> float:
@@ -197,23 +204,39 @@ class Rule:
     #: Inclusive upper bound on the q/k head dim (None: no bound): the head dims the evidence
     #: covers, where kernels' relative speed changes with it.
     max_head_dim: int | None = None
+    #: Inclusive upper bound on the queries per row (None: no bound): decoding rules.
+    max_q_len: int | None = None
+    #: Inclusive lower bounds on the keys per row and on ``Sizes.kv_rows`` (None: no bound).
+    min_kv_len: int | None = None
+    min_kv_rows: int | None = None
 
     def applies(self, gen: str, mode: str, traits: frozenset[str], sizes: Sizes | None) -> bool:
         if gen != self.generation or mode not in self.modes or not self.traits <= traits:
             return False
-        if self.max_work is None and self.max_head_dim is None:
+        bounds = (self.max_work, self.max_head_dim, self.max_q_len, self.min_kv_len, self.min_kv_rows)
+        if all(b is None for b in bounds):
             return True
         if sizes is None:  # size rules need sizes
             return False
-        if self.max_work is not None and not sizes.work <= self.max_work:
-            return False
-        return self.max_head_dim is None or sizes.head_dim <= self.max_head_dim
+        return (
+            (self.max_work is None or sizes.work <= self.max_work)
+            and (self.max_head_dim is None or sizes.head_dim <= self.max_head_dim)
+            and (self.max_q_len is None or sizes.q_len <= self.max_q_len)
+            and (self.min_kv_len is None or sizes.kv_len >= self.min_kv_len)
+            and (self.min_kv_rows is None or sizes.kv_rows >= self.min_kv_rows)
+        )
 
 
 BOTH = ("fwd", "fwdbwd")
 #: SDPA's routes in the order short problems prefer them: SDPA's own choice, then the pinned
 #: kernels, then the routes with masks SDPA cannot take; FlashAttention-4 (fa4, flex_flash) last.
 _SHORT_FIRST = ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_split", "flex", "varlen")
+
+#: Decoding sizes from which FlashAttention-2 leaves HBM bandwidth unused and a kernel that splits
+#: the keys (or packs query heads) wins: keys per row, and (batch x kv head) rows (the last rule
+#: below; ``fz.decode.decode_step`` takes its flex path from the same sizes).
+SPLIT_DECODE_MIN_KV_LEN = 8192
+SPLIT_DECODE_MIN_KV_ROWS = 256
 
 # Measured exceptions, applied in order (later rules win). Traits (``dispatch.problem_traits``):
 # "score_mod", "fast_score_mod" (one allowing an approximation, e.g. SoftCap(approx=True)),
@@ -270,6 +293,22 @@ RULES: tuple[Rule, ...] = (
             "decode_b1_128k/fwd",
             "decode_qwen25_7b_b64_1k/fwd",
         ),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwd",),
+        max_q_len=1,
+        min_kv_len=SPLIT_DECODE_MIN_KV_LEN,
+        min_kv_rows=SPLIT_DECODE_MIN_KV_ROWS,
+        front=("fa4", "flex"),
+        why="decoding one query over long caches with 256 or more (batch x kv head) rows: "
+        "FlashAttention-2 (SDPA's choice without cuDNN) reads the cache at about 55% of HBM bandwidth "
+        "there, FA4 with packed query heads and Triton's flex-decoding kernel (split over the keys) "
+        "near all of it (B=32, 32:8 heads, 8K keys: fa4 0.24 ms, flex 0.25, FA2 0.39; decode_h200_r23: "
+        "32K keys, flex 0.98 ms vs FA2 1.76; at 4K keys or 64 rows FA2 ties or wins). cuDNN, as fast, "
+        "builds an execution plan per cache length, so a generation loop would plan every step",
+        benchmark="h200.json",
+        evidence=("decode_gqa/fwd",),
     ),
 )
 

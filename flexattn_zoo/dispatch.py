@@ -143,7 +143,13 @@ def _visible(p: Problem) -> float:
 def _order(problem: Problem) -> tuple[str, ...]:
     """``auto``'s order of routes for ``problem`` (``arch.priority`` with its size rules)."""
     sizes = Sizes(
-        problem.batch, problem.heads, problem.q_len, problem.kv_len, problem.head_dim, _visible(problem)
+        problem.batch,
+        problem.heads,
+        problem.q_len,
+        problem.kv_len,
+        problem.head_dim,
+        _visible(problem),
+        problem.kv_heads,
     )
     return tuple(priority(problem.arch, problem.mode, problem_traits(problem), sizes))
 

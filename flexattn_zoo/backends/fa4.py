@@ -15,6 +15,11 @@ evaluates ``tanh`` with the hardware approximation (``tanh.approx.f32``), which 
 ``approx=True`` allows and nothing else does.
 FA4's lse is the natural-log log-sum-exp, ``[B, H, Lq]`` for batched calls (``[H, tokens]`` packed).
 
+Head dims: per GPU generation, the q/k head dims the kernels matched the float64 reference at,
+and a value head dim of its own only for the pairs in :data:`VALUE_DIM_PAIRS` (DeepSeek-style q/k
+192 with v 128 on sm90: forward with any heads, backward without grouped-query attention, where
+FA4's backward asserts equal head dims).
+
 The kernels are called through the torch ops of :mod:`flexattn_zoo.backends.fa4_op`
 (``flexattn_zoo::fa4_fwd`` / ``fa4_bwd``), with fake implementations and an autograd formula, so
 the route also runs inside a caller's ``torch.compile`` graph and in ``torch.export`` ed programs
@@ -29,6 +34,7 @@ import dataclasses
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.arch import generation
 from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Backend
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
@@ -44,8 +50,28 @@ def _softcap(p: Problem) -> float:
     return form.cap
 
 
+#: ``(q/k head dim, value head dim)`` pairs with ``Dv != Dqk`` the route runs, per GPU generation.
+VALUE_DIM_PAIRS: dict[str, frozenset[tuple[int, int]]] = {"sm90": frozenset({(192, 128)})}
+
+
 @dataclasses.dataclass(frozen=True)
 class FlashAttn4Backend(Backend):
+    def reasons(self, p: Problem) -> list[str]:
+        out = super().reasons(p)
+        if p.v_dim is not None and p.v_dim != p.head_dim and p.device_type == "cuda":
+            gen = generation(p.arch)
+            pairs = VALUE_DIM_PAIRS.get(gen, frozenset())
+            if (p.head_dim, p.v_dim) not in pairs:
+                listed = ", ".join(f"{a}/{b}" for a, b in sorted(pairs)) or "none"
+                out.append(
+                    f"q/k head dim {p.head_dim} with value head dim {p.v_dim}: on {gen} the kernels run {listed}"
+                )
+            elif p.requires_grad and p.gqa:
+                out.append(
+                    "FA4's backward with fewer k/v heads than q heads needs the value head dim equal to q/k's"
+                )
+        return out
+
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
         form = p.score.softcap_form() if p.score is not None else None
@@ -112,7 +138,7 @@ class FlashAttn4Backend(Backend):
         return out, lse
 
 
-__all__ = ["FA4", "FlashAttn4Backend", "fa4_window"]
+__all__ = ["FA4", "VALUE_DIM_PAIRS", "FlashAttn4Backend", "fa4_window"]
 
 
 FA4 = FlashAttn4Backend(
@@ -129,6 +155,7 @@ FA4 = FlashAttn4Backend(
     ),
     min_cc=(9, 0),
     max_cc=(10, 9),
+    value_dims=True,  # only the pairs of VALUE_DIM_PAIRS (FlashAttn4Backend.reasons)
     score_mods=True,
     lse=True,
     requires=(FLASH_CUTE,),

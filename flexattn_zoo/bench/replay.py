@@ -49,7 +49,7 @@ class Group:
     def sizes(self) -> Sizes:
         r = next(iter(self.rows.values()))
         lq = r.get("q_len") or r["seq_len"]
-        return Sizes(r["batch"], r["heads"], lq, r["seq_len"], r["head_dim"], self.visible)
+        return Sizes(r["batch"], r["heads"], lq, r["seq_len"], r["head_dim"], self.visible, r.get("kv_heads"))
 
     def traits(self) -> frozenset[str]:
         auto = self.auto

@@ -50,8 +50,10 @@ cache of >= 2**31 elements is decoded a slice of rows at a time (see
 Routes: one query per row under the default causal pattern with an int ``cache_len`` (no score
 mod, sinks, lse, pages or gradients: a plain generation step) is SDPA over the cache's live
 prefix ``cache[:, :, :cache_len]``, which that query sees exactly, read in place, no DecodeMask
-(eager host time of a plain SDPA call instead of a flex launch and a mask update). Otherwise
-CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
+(eager host time of a plain SDPA call instead of a flex launch and a mask update), except on
+CUDA over long caches with many rows (8192 keys and 256 (batch x kv head) rows or more), where
+FlashAttention-2 leaves half of HBM bandwidth unused and the flex kernel, splitting the keys,
+does not. Otherwise CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
 no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
 the cache (the pages gathered for paged caches): exact, but it materialises ``Lq x cache_len``.
 Pages smaller than a device's flex minimum (:data:`MIN_FLEX_PAGE`: 16 keys on CUDA) take that
@@ -68,6 +70,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flexattn_zoo import _compat, sharding
+from flexattn_zoo.arch import SPLIT_DECODE_MIN_KV_LEN, SPLIT_DECODE_MIN_KV_ROWS
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import fused_layout, prefixes_are_dense_blocks
 from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall
@@ -857,8 +860,8 @@ def decode_step(
             numbers are checked when it is a CPU tensor.
         backend: ``"auto"``, ``"flex"``, ``"flex_cpu"`` or ``"dense"`` (the routes with
             ``decode=True``). ``"auto"``: SDPA over the live prefix for a plain one-query step (see
-            the module docstring), else on CUDA ``"flex"`` (torch's flex-decoding kernel for short
-            ``Lq``).
+            the module docstring) but on CUDA from 8192 keys with 256 or more (batch x kv head)
+            rows, else on CUDA ``"flex"`` (torch's flex-decoding kernel for short ``Lq``).
         block_size: kv block size, and the page size of paged caches (None: 128; with
             ``kv_layout``, the pools' page size, which it must equal if given).
         kv_layout: None, or the page layout of the pools a ``block_table`` points into, as
@@ -1095,7 +1098,10 @@ def _one_query_over_prefix(
     CUDA among FlashAttention-2, the memory-efficient and the math kernel: cuDNN's per-shape plan
     would be rebuilt every step) -- its math fallback holds only ``B x H x 1 x length`` scores --
     for a fraction of the host time of a flex launch and its per-step mask update. Checked in a
-    few comparisons: a decode step's whole host time is a few tens of microseconds."""
+    few comparisons: a decode step's whole host time is a few tens of microseconds. On CUDA, from
+    ``arch.SPLIT_DECODE_MIN_KV_LEN`` keys with ``arch.SPLIT_DECODE_MIN_KV_ROWS`` (batch x kv head)
+    rows on, None: FlashAttention-2 reads such caches at about half of HBM bandwidth, the flex
+    path's kernel (split over the keys) near all of it."""
     q_shape, k_shape = q.shape, k_cache.shape
     if not (
         len(q_shape) == 4
@@ -1110,6 +1116,12 @@ def _one_query_over_prefix(
         and not sharding.context_parallel_active()
     ):
         return None
+    if (
+        length >= SPLIT_DECODE_MIN_KV_LEN
+        and q_shape[0] * k_shape[1] >= SPLIT_DECODE_MIN_KV_ROWS
+        and q.is_cuda
+    ):
+        return None  # a long cache over many rows: the flex path (see the docstring)
     gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
     if not torch._C._is_any_autocast_enabled() and qkv_acceptable(q, k_cache, v_cache, gqa):
         # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and

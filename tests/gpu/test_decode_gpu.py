@@ -358,3 +358,35 @@ def test_one_query_steps_over_caches_of_every_layout() -> None:
             with torch.no_grad():
                 out = decode.decode_step(q, cache, cache, n)
             assert_decode_matches(out, q, cache, cache, torch.tensor([n, n]), masks.Causal())
+
+
+def test_long_caches_over_many_rows_take_the_split_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain one-query step over 8192 keys with 256 (batch x kv head) rows leaves the SDPA
+    prefix path (FlashAttention-2 reads such caches at half of HBM bandwidth) for flex, and
+    matches float64; one key less stays on the prefix path."""
+    g = torch.Generator(device="cpu").manual_seed(9)
+    b, hq, hkv, n, d = 32, 16, 8, 8192, 64
+    k_cache = torch.randn(b, hkv, n, d, generator=g).to(DEV, torch.bfloat16)
+    v_cache = torch.randn(b, hkv, n, d, generator=g).to(DEV, torch.bfloat16)
+    q = torch.randn(b, hq, 1, d, generator=g).to(DEV, torch.bfloat16)
+    seen = []
+    prefix = decode._one_query_over_prefix
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = prefix(*args, **kwargs)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode, "_one_query_over_prefix", spy)
+    for length, on_prefix in ((n, False), (n - 1, True)):
+        with torch.no_grad():
+            out = decode.decode_step(q, k_cache, v_cache, length)
+        assert seen[-1] is on_prefix, length
+        # The last query sees exactly the first ``length`` keys: unmasked attention over them.
+        k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+        ref = reference_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+        eager = eager_attention(q, k, v, enable_gqa=True)
+        err = float((out.double() - ref).abs().max())
+        eager_err = float((eager.double() - ref).abs().max())
+        floor = float(ref.abs().max()) * torch.finfo(q.dtype).eps
+        assert err <= 2 * eager_err + floor, (length, err, eager_err)

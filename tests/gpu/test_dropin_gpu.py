@@ -240,6 +240,29 @@ def test_fa4_head_dims(d: int, case: str) -> None:
     assert out.shape == (B, H, L, d)
 
 
+@pytest.mark.parametrize("case", ["causal", "window_softcap"])
+def test_fa4_value_head_dim(case: str) -> None:
+    """FA4's own kernels at q/k 192 with v 128 (DeepSeek-style), forward and backward against
+    float64 without GQA, forward with GQA (its grouped backward asserts equal dims: refused)."""
+    if not _compat.flash_cute_available():
+        pytest.skip("flash_attn.cute (FA4) is not installed")
+    kw: dict[str, Any] = {"mask": "causal"}
+    if case == "window_softcap":
+        kw = {
+            "mask": masks.SlidingWindow(left=64) & masks.Causal(),
+            "score_mod": score_mods.SoftCap(cap=5.0, approx=True),
+        }
+    q, k, v = _qkv(d=192, dv=128)
+    out = _fwd_bwd_check(q, k, v, "fa4", **kw)
+    assert out.shape == (B, H, L, 128)
+    q, k, v = _qkv(hkv=2, d=192, dv=128)
+    with torch.no_grad():
+        out = fz.attention(q, k, v, backend="fa4", enable_gqa=True, **kw)
+    assert_matches_reference(out, q.detach(), k.detach(), v.detach(), enable_gqa=True, **kw)
+    with pytest.raises(ValueError, match="value head dim equal"):
+        fz.attention(q, k, v, backend="fa4", enable_gqa=True, **kw)
+
+
 def test_value_head_dim_coverage() -> None:
     q, k, v = _qkv(d=192, dv=128)
     for route in ("auto", "flex", "sdpa_math", "sdpa", "sdpa_cudnn"):

@@ -872,3 +872,39 @@ def test_the_layout_checks_read_no_data_pointer_while_traced(monkeypatch: pytest
         bshd = torch.empty(2, 8, 3, 16, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         assert fused_layout(contiguous) is contiguous
         assert is_dense_block(bshd) and fused_layout(bshd) is bshd
+
+
+def test_fa4_takes_deepseek_value_dims_on_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k 192 with v 128: FA4's kernels run it on sm90 (forward with any heads, backward without
+    grouped-query attention); other pairs and generations are refused by name, and with FA4
+    installed auto takes it for the long causal case (DeepSeek-style attention)."""
+    from flexattn_zoo.backends.fa4 import FA4
+
+    monkeypatch.setattr(_compat, "flash_cute_available", lambda: True)
+    mla = dict(d=192, v_dim=128, batch=2, lq=8192, mask=masks.Causal())
+    assert FA4.reasons(_problem(**mla)) == []
+    assert FA4.reasons(_problem(**mla, grad=True)) == []
+    assert FA4.reasons(_problem(**mla, heads=(16, 4))) == []
+    grouped = FA4.reasons(_problem(**mla, heads=(16, 4), grad=True))
+    assert any("value head dim equal" in r for r in grouped), grouped
+    other = FA4.reasons(_problem(mask=masks.Causal(), d=256, v_dim=128))
+    assert any("q/k head dim 256 with value head dim 128" in r for r in other), other
+    blackwell = FA4.reasons(_problem(**mla, arch="sm100"))
+    assert any("value head dim" in r for r in blackwell), blackwell
+    assert plan_problem(_problem(**mla)).backend == "fa4"
+    assert plan_problem(_problem(**mla, grad=True)).backend == "fa4"
+
+
+@pytest.mark.parametrize("fa4", [False, True])
+def test_long_decoding_over_many_rows_takes_a_split_kernel(
+    fa4: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One query over 8K+ keys with 256+ (batch x kv head) rows: fa4 (FA4 installed) or Triton flex
+    before SDPA's FlashAttention-2; at 4K keys or 64 rows, still SDPA."""
+    monkeypatch.setattr(_compat, "flash_cute_available", lambda: fa4)
+    split = "fa4" if fa4 else "flex"
+    assert plan_problem(_problem(None, lq=1, lkv=8192, batch=32, heads=(32, 8))).backend == split
+    assert plan_problem(_problem(None, lq=1, lkv=32768, batch=64, heads=(32, 8))).backend == split
+    assert plan_problem(_problem(None, lq=1, lkv=4096, batch=32, heads=(32, 8))).backend == "sdpa"
+    assert plan_problem(_problem(None, lq=1, lkv=32768, batch=8, heads=(32, 8))).backend == "sdpa"
+    assert plan_problem(_problem(None, lq=2, lkv=8192, batch=32, heads=(32, 8))).backend == "sdpa"
