@@ -174,11 +174,18 @@ class FlexBackend(Backend):
         return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
 
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
-        # The prepared call is held weakly: CALLS alone keeps prepared calls (and their
+        # A prepared call with a BlockMask is held weakly: CALLS alone keeps those (and their
         # BlockMasks) alive, so its bound stays the memory bound however many plans are cached
         # (a training loop with new document ids per step makes a plan per step). Once CALLS
-        # dropped it, the next launch prepares it again (the BlockMask cache first).
-        ref = weakref.ref(self.prepared(p, device))
+        # dropped it, the next launch prepares it again (the BlockMask cache first). One without
+        # a BlockMask (no mask: decoding, full attention) holds nothing CALLS must bound, so the
+        # plan keeps it: calls cycling over more shapes than CALLS holds (decoding over a set of
+        # cache lengths) would otherwise prepare again on every call.
+        prepared = self.prepared(p, device)
+        if prepared.block_mask is None:
+            return prepared.launch
+        ref = weakref.ref(prepared)
+        del prepared
 
         def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
             nonlocal ref

@@ -426,3 +426,36 @@ def test_an_unhashable_argument_is_planned_in_full_and_not_stored(plans: LRUCach
     with pytest.raises(TypeError, match="mask must be"):
         fz.attention(q, q, q, mask=[1, 2])  # type: ignore[arg-type]
     assert len(plans) == 0
+
+
+def test_unmasked_flex_plans_cycling_over_more_shapes_than_calls_holds_prepare_once(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decoding through ``fz.attention`` over a set of cache lengths larger than
+    ``backends.flex.CALLS``: with no mask the bound plans keep their prepared calls (there is no
+    BlockMask to bound), so no call prepares again once every length has been seen (the prepared
+    calls' LRU evicted each one just before its next use: a prepare on every call)."""
+    monkeypatch.setattr(flex_backend, "CALLS", LRUCache(4))
+    prepares = [0]
+    prepare = flex_backend.FlexBackend._prepare
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        prepares[0] += 1
+        return prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(flex_backend.FlexBackend, "_prepare", counted)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    k_cache, v_cache = torch.randn(2, 2, 48, 16, generator=g), torch.randn(2, 2, 48, 16, generator=g)
+    lengths = range(30, 38)  # 8 shapes, twice CALLS' size
+    with torch.no_grad():
+        for length in lengths:
+            fz.attention(
+                q, k_cache[:, :, :length], v_cache[:, :, :length], enable_gqa=True, backend="flex_cpu"
+            )
+        assert prepares[0] == len(lengths)
+        for length in lengths:
+            k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+            out = fz.attention(q, k, v, enable_gqa=True, backend="flex_cpu")
+            assert_matches_reference(out, q, k, v, enable_gqa=True)
+    assert prepares[0] == len(lengths)
