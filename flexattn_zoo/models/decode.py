@@ -1123,7 +1123,7 @@ def _one_query_over_prefix(
     ):
         return None  # a long cache over many rows: the flex path (see the docstring)
     gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
-    if not torch._C._is_any_autocast_enabled() and qkv_acceptable(q, k_cache, v_cache, gqa):
+    if not _compat.any_autocast_enabled() and qkv_acceptable(q, k_cache, v_cache, gqa):
         # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and
         # D; equal lengths), and a prefix of a contiguous, aligned cache needs no layout check:
         # what the cache says holds every step, so no per-step slice is inspected.
