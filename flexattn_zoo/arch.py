@@ -313,6 +313,17 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+def applied_rules(
+    arch: str,
+    mode: str,
+    traits: frozenset[str] = frozenset(),
+    sizes: Sizes | None = None,
+) -> tuple[Rule, ...]:
+    """The rules of ``RULES`` that :func:`priority` applies for such a problem, in order."""
+    gen = generation(arch)
+    return tuple(rule for rule in RULES if rule.applies(gen, mode, traits, sizes))
+
+
 def priority(
     arch: str,
     mode: str,

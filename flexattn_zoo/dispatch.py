@@ -22,7 +22,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flexattn_zoo import _compat, plan_cache, sharding, tuning
-from flexattn_zoo.arch import Sizes, detect_arch, generation, priority
+from flexattn_zoo.arch import Sizes, applied_rules, detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import IN_GRAPH
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, check_kernel_options, tensor_args, with_causal
@@ -100,6 +100,7 @@ class Plan:
         if self.tuning is not None:
             lines.append(self.tuning.describe(self.backend))
             lines.append(f"signature: {self.tuning.signature.describe()}")
+        lines.extend(self._order_source())
         ranked = sorted(self.candidates, key=lambda c: (c.rank is None, c.rank or 0))
         for c in ranked:
             rank = f"#{c.rank + 1}" if c.rank is not None else "--"
@@ -111,6 +112,23 @@ class Plan:
                 verdict = "refused: " + "; ".join(c.reasons)
             lines.append(f"  {rank:>3} {c.name:<15} {verdict}")
         return "\n".join(lines)
+
+    def _order_source(self) -> list[str]:
+        """Where ``auto``'s order of routes came from: the arch's table and each measured rule
+        (``arch.RULES``) that moved routes to its front, with the benchmark rows behind it."""
+        p = self.problem
+        if self.requested != "auto":
+            return [f"order: none asked (route {self.requested!r} named)"]
+        gen = generation(p.arch)
+        rules = applied_rules(p.arch, p.mode, problem_traits(p), _sizes(p))
+        if not rules:
+            return [f"order: the {gen} table for {p.mode}, no measured rule applies"]
+        out = [f"order: the {gen} table for {p.mode}, then these measured rules (arch.RULES; the last wins):"]
+        for rule in rules:
+            what = rule.why.split(":")[0]  # the why's first clause names the problems it covers
+            rows = f"{len(rule.evidence)} row{'s' if len(rule.evidence) > 1 else ''} of {rule.benchmark}"
+            out.append(f"  {', '.join(rule.front)} first: {what} ({rows})")
+        return out
 
     def __str__(self) -> str:
         return self.explain()
@@ -140,9 +158,9 @@ def _visible(p: Problem) -> float:
     return p.mask.visible_fraction(p.q_len, p.kv_len)
 
 
-def _order(problem: Problem) -> tuple[str, ...]:
-    """``auto``'s order of routes for ``problem`` (``arch.priority`` with its size rules)."""
-    sizes = Sizes(
+def _sizes(problem: Problem) -> Sizes:
+    """The sizes ``arch.RULES`` select on, of ``problem``."""
+    return Sizes(
         problem.batch,
         problem.heads,
         problem.q_len,
@@ -151,7 +169,11 @@ def _order(problem: Problem) -> tuple[str, ...]:
         _visible(problem),
         problem.kv_heads,
     )
-    return tuple(priority(problem.arch, problem.mode, problem_traits(problem), sizes))
+
+
+def _order(problem: Problem) -> tuple[str, ...]:
+    """``auto``'s order of routes for ``problem`` (``arch.priority`` with its size rules)."""
+    return tuple(priority(problem.arch, problem.mode, problem_traits(problem), _sizes(problem)))
 
 
 def _first_accepted(problem: Problem, backend: str) -> str | None:

@@ -908,3 +908,16 @@ def test_long_decoding_over_many_rows_takes_a_split_kernel(
     assert plan_problem(_problem(None, lq=1, lkv=4096, batch=32, heads=(32, 8))).backend == "sdpa"
     assert plan_problem(_problem(None, lq=1, lkv=32768, batch=8, heads=(32, 8))).backend == "sdpa"
     assert plan_problem(_problem(None, lq=2, lkv=8192, batch=32, heads=(32, 8))).backend == "sdpa"
+
+
+def test_explain_says_where_the_order_came_from() -> None:
+    """``Plan.explain()`` names the arch's table and every measured rule that reordered it (with
+    the benchmark its rows are in), or says none applied, or that the caller named the route."""
+    decoding = plan_problem(_problem(None, lq=1, lkv=8192, batch=32, heads=(32, 8))).explain()
+    assert "order: the sm90 table for fwd, then these measured rules" in decoding
+    assert "fa4, flex first: decoding one query over long caches" in decoding
+    assert "1 row of h200.json" in decoding and "short problems" in decoding
+    plain = plan_problem(_problem(masks.Causal())).explain()
+    assert "order: the sm90 table for fwd, no measured rule applies" in plain
+    named = plan_problem(_problem(masks.Causal()), "flex").explain()
+    assert "order: none asked (route 'flex' named)" in named
