@@ -35,7 +35,13 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
-from host_layers_probe import plan_cache_entry, probe_args, sliding_problem  # a sibling script
+from host_layers_probe import (  # a sibling script
+    header,
+    median_p10,
+    plan_cache_entry,
+    probe_args,
+    sliding_problem,
+)
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, dispatch, plan_cache
@@ -228,17 +234,14 @@ def main() -> None:
     args, device, dtype, shape = probe_args(__doc__.split("\n\n")[0], rounds=40)
     table = rows(device, dtype, shape)
     samples = measure(table, device, args.rounds, args.chunk)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(
-        f"# interference probe, torch {torch.__version__}, {name}, {args.shape} {dtype}, {args.rounds} rounds x {args.chunk} calls"
-    )
+    print(header("interference probe", args, device, dtype))
     print(f"{'row':<48} {'median':>8} {'p10':>8}")
     inside, alone = inner_times(device, dtype, shape, args.rounds, args.chunk)
     samples["bound call's own time, called by fz.attention"] = inside
     samples["bound call's own time, called in a loop"] = alone
     for row, values in samples.items():
-        ordered = sorted(values)
-        print(f"{row:<48} {statistics.median(values):8.1f} {ordered[len(ordered) // 10]:8.1f}")
+        med, p10 = median_p10(values)
+        print(f"{row:<48} {med:8.1f} {p10:8.1f}")
 
 
 if __name__ == "__main__":

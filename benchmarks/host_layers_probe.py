@@ -204,21 +204,30 @@ def measure(
     return samples
 
 
+def header(title: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> str:
+    """The first line of a host probe's report: what was measured, on which torch and device."""
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    return (
+        f"# {title}, torch {torch.__version__}, {name}, {args.shape} {dtype}, "
+        f"{args.rounds} rounds x {args.chunk} calls"
+    )
+
+
+def median_p10(values: list[float]) -> tuple[float, float]:
+    """Median and 10th percentile of a probe's samples (us)."""
+    return statistics.median(values), statistics.quantiles(values, n=10)[0]
+
+
 def main() -> None:
     args, device, dtype, shape = probe_args(__doc__.split("\n\n")[0], rounds=30)
     calls = layers(device, dtype, shape)
     samples = measure(calls, device, args.rounds, args.chunk)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(
-        f"# host time per call, torch {torch.__version__}, {name}, {args.shape} {dtype}, "
-        f"{args.rounds} rounds x {args.chunk} calls, interleaved"
-    )
+    print(header("host time per call", args, device, dtype) + ", interleaved")
     print(f"{'layer':<72} {'median':>8} {'p10':>8} {'+median':>8}")
     previous: dict[str, float] = {}
     for layer, values in samples.items():
         group = layer.split(":")[0]
-        med = statistics.median(values)
-        p10 = statistics.quantiles(values, n=10)[0]
+        med, p10 = median_p10(values)
         step = f"{med - previous[group]:+8.1f}" if group in previous else ""
         previous[group] = med
         print(f"{layer:<72} {med:8.1f} {p10:8.1f} {step:>8}")

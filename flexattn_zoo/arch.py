@@ -318,10 +318,14 @@ def applied_rules(
     mode: str,
     traits: frozenset[str] = frozenset(),
     sizes: Sizes | None = None,
+    rules: Iterable[Rule] | None = None,
 ) -> tuple[Rule, ...]:
-    """The rules of ``RULES`` that :func:`priority` applies for such a problem, in order."""
+    """The rules (``RULES``, or ``rules``) that :func:`priority` applies for such a problem, in
+    order."""
     gen = generation(arch)
-    return tuple(rule for rule in RULES if rule.applies(gen, mode, traits, sizes))
+    return tuple(
+        rule for rule in (RULES if rules is None else rules) if rule.applies(gen, mode, traits, sizes)
+    )
 
 
 def priority(
@@ -336,11 +340,9 @@ def priority(
     ``rules``: another rule set than ``RULES`` (the benchmark replay compares rule sets)."""
     if mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
-    gen = generation(arch)
-    order = PRIORITY[gen][mode]
-    for rule in RULES if rules is None else rules:
-        if rule.applies(gen, mode, traits, sizes):
-            order = rule.front + tuple(r for r in order if r not in rule.front)
+    order = PRIORITY[generation(arch)][mode]
+    for rule in applied_rules(arch, mode, traits, sizes, rules):
+        order = rule.front + tuple(r for r in order if r not in rule.front)
     return order
 
 

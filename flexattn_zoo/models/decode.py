@@ -1123,18 +1123,17 @@ def _one_query_over_prefix(
     ):
         return None  # a long cache over many rows: the flex path (see the docstring)
     gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
+    k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
     if not _compat.any_autocast_enabled() and qkv_acceptable(q, k_cache, v_cache, gqa):
         # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and
         # D; equal lengths), and a prefix of a contiguous, aligned cache needs no layout check:
         # what the cache says holds every step, so no per-step slice is inspected.
         q = fused_layout(q)
-        k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
         if not prefixes_are_dense_blocks(k_cache):
             k = fused_layout(k)
         if not prefixes_are_dense_blocks(v_cache):
             v = fused_layout(v)
     else:
-        k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
         q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
         if not qkv_acceptable(q, k, v, gqa):
             check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
