@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The twenty-fourth session's GPU measurements, one step per argument, each under its own time
+# limit so a call of the device tool (10 minutes at most) always returns what it measured.
+# FA4 must be importable (PYTHONPATH as in benchmarks/README.md, "Re-running"); every output goes
+# into $OUT/r24/ and is packed into $OUT/r24_STEP.tar at the end (a call brings back few files).
+#
+#   bash benchmarks/gpu_session_r24.sh verify      # GPU tests of the code not yet run on a GPU,
+#                                                  # auto re-measured on mla_d192 / decode_gqa,
+#                                                  # host layers, decode probes
+#   bash benchmarks/gpu_session_r24.sh sweep 470   # the generalization sweep, resumed from
+#                                                  # /root/gen.json (seeded from results/)
+set -uo pipefail
+step="${1:?usage: $0 verify|sweep [BUDGET_S]}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:?set OUT}/r24"
+mkdir -p "$out"
+export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
+
+run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
+  local name="$1" limit="$2"
+  shift 2
+  echo "\$ $*" > "$out/$name.txt"
+  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
+  echo "rc=$?" >> "$out/$name.txt"
+}
+
+case "$step" in
+  verify)
+    run gpu_tests_r24 240 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_dropin_gpu.py \
+      tests/gpu/test_decode_gpu.py -k "fa4_value_head_dim or fa4_head_dims or long_caches or every_layout"
+    OUT="$out" run run_h200_fa4 90 bash benchmarks/run_h200.sh fa4 --resume --rerun --routes auto \
+      --cases mla_d192,decode_gqa --quiet
+    OUT="$out" run run_h200_nofa4 90 bash benchmarks/run_h200.sh nofa4 --resume --rerun --routes auto \
+      --cases mla_d192,decode_gqa --quiet
+    run host_layers_h200_r24 60 python3 benchmarks/host_layers_probe.py --device cuda
+    run decode_kernel_probe_h200_r24 60 python3 benchmarks/decode_kernel_probe.py --rounds 3 --steps 100 \
+      --only flash,sdpa,decode_step,flex,fa4 --shapes 32:32:8:8192:128,8:32:8:8192:128
+    ;;
+  sweep)
+    [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
+    run generalization_sweep_r24 "${2:-470}" python3 -m flexattn_zoo.bench generalization \
+      --out /root/gen.json --resume --time-budget "$(( ${2:-470} - 60 ))" --quiet
+    cp /root/gen.json "$out/generalization_h200.json"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+tar cf "${OUT}/r24_${step}.tar" -C "$out" .
+ls -la "$out"
