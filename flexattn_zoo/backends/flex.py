@@ -423,13 +423,16 @@ def _decode_kernel_has_no_config(p: Problem, block_mask: Any) -> bool:
 
 
 def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v in one of two layouts: all contiguous ``[B, H, L, D]``, or all ``[B, L, H, D]``
-    viewed with ``transpose(1, 2)`` (what projections produce; kept to avoid a copy on GPUs).
+    """q, k, v in one of a few layouts: all contiguous ``[B, H, L, D]``, all ``[B, L, H, D]``
+    viewed with ``transpose(1, 2)`` (what projections produce; kept to avoid a copy on GPUs), or
+    q contiguous with k/v read where they lie in a KV cache (a pool shared by the batch, or the
+    live prefix of a contiguous cache). Anything else is copied contiguous.
 
     The kernels take any strides, but Dynamo guards on them: every new stride pattern
     (expanded, sliced, transposed...) is a recompile of the same code object, and past
     ``recompile_limit`` (8) flex would run unfused -- measured: six layouts took six of the
-    eight slots. Two canonical layouts bound that; the copy is O(L*D), small next to attention.
+    eight slots. A few layouts bound that; the copy is O(L*D), small next to attention over
+    many queries, but not next to a decoding step's (hence the cache layouts).
     """
     ts = (q, k, v)
     if q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
@@ -441,7 +444,26 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
         # expanded to [B, ...]). Copying it would allocate B x the pool (measured: 512 GiB asked
         # for at batch 64); the kernel reads it through the zero batch stride.
         return ts
+    if q.is_contiguous() and _cache_prefix(k) and _cache_prefix(v):
+        # A fourth: k/v the live prefix of a contiguous KV cache (``cache[:, :, :n]``, one
+        # decoding step). A copy would read and write the cache once more than attention reads
+        # it (three times the step's memory traffic); the strides stay those of the cache, so a
+        # generation loop's new lengths make one dynamic-length graph, not a graph per length.
+        return ts
     return tuple(t.contiguous() for t in ts)
+
+
+def _cache_prefix(t: torch.Tensor) -> bool:
+    """Whether ``t`` is ``cache[:, :, :n]`` of a contiguous ``[B, H, capacity, D]`` cache: each
+    head's n rows of D consecutive, heads spaced by the capacity, batch rows by the heads."""
+    batch, heads, n, d = t.shape
+    s_batch, s_head, s_row, s_col = t.stride()
+    return (
+        (s_col == 1 or d == 1)
+        and s_row == d
+        and s_head >= n * d
+        and (batch == 1 or s_batch == heads * s_head)
+    )
 
 
 @torch.library.custom_op("flexattn_zoo::materialize", mutates_args=())

@@ -57,7 +57,9 @@ class Group:
 
     def accepted(self, fa4: bool = True, sdpa_stand_in: bool = False) -> set[str]:
         auto = self.auto or {}
-        names = set(auto.get("accepted") or (r for r in self.rows if r not in BASELINES and self.ms(r)))
+        # The routes the auto row saw accept the problem, and every route measured since (a
+        # resumed sweep adds routes that did not exist when the auto row ran).
+        names = set(auto.get("accepted") or ()) | {r for r in self.rows if r not in BASELINES}
         names = {n for n in names if self.ms(n) is not None}
         if not sdpa_stand_in:
             names.discard("sdpa")  # the order as it was before the route existed

@@ -215,6 +215,31 @@ def test_sdpa_kernels_on_strided_kv_views(route: str, which: str, lq: int) -> No
     assert_matches_reference(out, q, k, v, grads=grads, grad_out=grad_out)
 
 
+FLEX_ROUTES = ["auto", "flex", "flex_flash", "fa4"]
+
+
+@pytest.mark.parametrize("route", FLEX_ROUTES)
+@pytest.mark.parametrize("hkv", [H, 1])
+@pytest.mark.parametrize("lq", [1, 48])
+def test_flex_routes_on_cache_prefixes(route: str, hkv: int, lq: int) -> None:
+    """The flex routes read a cache's live prefix ``cache[:, :, :n]`` where it lies (no copy),
+    the length changing call to call (one dynamic-length graph), forward and backward, against
+    float64; with and without grouped heads."""
+    g = torch.Generator(device=DEV).manual_seed(12)
+    k_cache, v_cache = (
+        torch.randn(B, hkv, 300, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+    q = torch.randn(B, H, lq, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    for n in (150, 151, 203):
+        k, v = k_cache[:, :, :n], v_cache[:, :, :n]
+        _planned(q, k, v, route, enable_gqa=hkv != H)
+        out = fz.attention(q, k, v, backend=route, enable_gqa=hkv != H)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_matches_reference(out, q, k, v, grads=grads, grad_out=grad_out, enable_gqa=hkv != H)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_value_head_dim_192_128(route: str) -> None:
     """DeepSeek-style heads: q/k 192, v 128."""

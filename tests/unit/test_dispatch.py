@@ -17,7 +17,7 @@ from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.compile import UnfusedFallbackError
 from flexattn_zoo.dispatch import Problem, plan_problem
-from flexattn_zoo.testing import assert_matches_reference
+from flexattn_zoo.testing import assert_matches_reference, reference_attention
 
 
 def _problem(
@@ -554,6 +554,40 @@ def test_a_kv_pool_shared_by_the_batch_is_not_copied() -> None:
     assert all(a is b for a, b in zip(out, (q, k, v), strict=True))
     sliced = torch.randn(4, 2, 64, 32)[..., :16]  # other strided inputs still become contiguous
     assert all(t.is_contiguous() for t in _canonical_layout(sliced, sliced, sliced))
+
+
+def test_the_live_prefix_of_a_kv_cache_is_not_copied() -> None:
+    """A decoding step's ``cache[:, :, :n]`` is read where it lies: a contiguous copy per step
+    read and wrote the cache once more than attention reads it (measured on the H200: 1486 us
+    per step against 245 for SDPA at B=32, 8K keys). Views that are not a cache prefix (rows
+    not dense, heads out of order) are still copied."""
+    from flexattn_zoo.backends.flex import _canonical_layout
+
+    q = torch.randn(4, 8, 1, 16)
+    cache = torch.randn(4, 2, 256, 16)
+    k, v = cache[:, :, :100], cache[:, :, :100]
+    out = _canonical_layout(q, k, v)
+    assert all(a is b for a, b in zip(out, (q, k, v), strict=True))
+    one_row = torch.randn(1, 1, 256, 16)[:, :, :7]
+    assert _canonical_layout(q, one_row, one_row)[1] is one_row
+    for other in (
+        torch.randn(4, 2, 100, 32)[..., :16],  # rows of D not consecutive
+        torch.randn(2, 4, 256, 16).transpose(0, 1)[:, :, :100],  # batch rows not spaced by the heads
+    ):
+        assert all(t.is_contiguous() for t in _canonical_layout(q, other, other)[1:])
+
+
+def test_flex_over_cache_prefixes_matches_the_reference() -> None:
+    """The flex route on live prefixes of one cache, the length changing every step (one
+    dynamic-length graph), against float64."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    k_cache, v_cache = (torch.randn(2, 2, 96, 16, generator=gen) for _ in range(2))
+    for n in (40, 41, 77, 96):
+        k, v = k_cache[:, :, :n], v_cache[:, :, :n]
+        out = fz.attention(q, k, v, enable_gqa=True, backend="flex_cpu")
+        ref = reference_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_flex_kernel_options_for_the_decoding_kernel() -> None:

@@ -132,3 +132,19 @@ def test_evidence_check_rejects_a_rule_its_rows_contradict() -> None:
     slowest = max(timed)[1]
     ok, why = replay.evidence_holds(dataclasses.replace(rule, front=(slowest,)), g)
     assert not ok, why
+
+
+def test_replay_counts_routes_measured_after_the_auto_row() -> None:
+    """A resumed sweep adds rows for routes that did not exist when a case's ``auto`` row ran;
+    the replay counts them (it took only the auto row's list of accepting routes before, and so
+    replayed ``sdpa`` as absent where it had been measured)."""
+    row = {"case": "c", "mode": "fwd", "status": "ok", "batch": 1, "heads": 1, "seq_len": 64, "head_dim": 64}
+    rows = [
+        {**row, "route": "auto", "ms": 2.0, "chosen": "fa4", "accepted": ["fa4", "sdpa_flash"]},
+        {**row, "route": "fa4", "ms": 2.0},
+        {**row, "route": "sdpa_flash", "ms": 3.0},
+        {**row, "route": "sdpa", "ms": 1.0},  # measured later, in a resumed run
+    ]
+    (g,) = replay.groups(rows)
+    assert g.accepted(fa4=True, sdpa_stand_in=True) == {"fa4", "sdpa_flash", "sdpa"}
+    assert replay.replay(g).best == "sdpa"
