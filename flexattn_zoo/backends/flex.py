@@ -20,6 +20,7 @@ from flexattn_zoo.backends.base import (
     Backend,
     BoundCall,
     flash_cute_lock,
+    is_dense_block,
 )
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.blockmask import bound_mask_mod
@@ -454,16 +455,10 @@ def _canonical_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tupl
 
 
 def _cache_prefix(t: torch.Tensor) -> bool:
-    """Whether ``t`` is ``cache[:, :, :n]`` of a contiguous ``[B, H, capacity, D]`` cache: each
-    head's n rows of D consecutive, heads spaced by the capacity, batch rows by the heads."""
-    batch, heads, n, d = t.shape
-    s_batch, s_head, s_row, s_col = t.stride()
-    return (
-        (s_col == 1 or d == 1)
-        and s_row == d
-        and s_head >= n * d
-        and (batch == 1 or s_batch == heads * s_head)
-    )
+    """Whether ``t`` is the live prefix of a ``[B, H, capacity, D]`` cache (``cache[:, :, :n]``):
+    a dense block (:func:`~flexattn_zoo.backends.base.is_dense_block`, aligned on CUDA) whose
+    rows of D follow each other within a head."""
+    return t.stride(2) == t.shape[3] and is_dense_block(t)
 
 
 @torch.library.custom_op("flexattn_zoo::materialize", mutates_args=())
