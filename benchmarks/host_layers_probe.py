@@ -109,6 +109,20 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     noop = plan_cache.lookup(noop_key, q, k, v)
     noop.run = lambda q_, k_, v_, s_: (q_, None)  # the dispatcher alone: its hit runs nothing
     causal_spec = masks.Causal()
+    # The same for the flex route's mask (``SlidingWindow & Causal``) on half-length inputs (their
+    # own plan-cache entry, so the flex layers above keep their real run): the dispatcher alone.
+    det = _compat.strict_deterministic_mode()
+    qh, kh, vh = (t[:, :, : shape[2] // 2].contiguous() for t in (q, k, v))
+    fz.attention(qh, kh, vh, mask=sliding)
+    sliding_noop = plan_cache.lookup(
+        plan_cache.call_key(qh, kh, vh, sliding, None, False, False, det, "auto"), qh, kh, vh
+    )
+    sliding_noop.run = lambda q_, k_, v_, s_: (q_, None)
+
+    def sliding_key_lookup() -> Any:
+        return plan_cache.lookup(
+            plan_cache.call_key(q, k, v, sliding, None, False, False, det, "auto"), q, k, v
+        )
 
     capacity = 4 * shape[2]
     k_cache, v_cache = (
@@ -175,6 +189,10 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         "sdpa: bound call (plan-cache hit's run)": lambda: sdpa_hit.run(q, k, v, sdpa_hit.scale),
         'sdpa: fz.attention(mask="causal")': lambda: fz.attention(q, k, v, mask="causal"),
         "dispatcher: fz.attention, no-op route": lambda: fz.attention(q, k, v, mask=causal_spec),
+        "dispatcher: call_key + lookup, SlidingWindow & Causal": sliding_key_lookup,
+        "dispatcher: fz.attention(SlidingWindow & Causal), no-op route": lambda: fz.attention(
+            qh, kh, vh, mask=sliding
+        ),
         "decode: F.scaled_dot_product_attention(q1, cache[:, :, :n])": decode_sdpa,
         "decode: fz.decode.decode_step(q1, cache, cache, n)": lambda: fz.decode.decode_step(
             q1, k_cache, v_cache, next_len()

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The twenty-fifth session's GPU measurements, one step per argument, each under its own time
+# limit so a call of the device tool (10 minutes at most) always returns what it measured.
+# Outputs go into $OUT/r25/ and are packed into $OUT/r25_STEP.tar after every sub-step (a call
+# brings back few files, and one cut short by its limit still brings back what it finished).
+#
+#   bash benchmarks/gpu_session_r25.sh probe 520   # the flex routes on cache prefixes (test), the
+#                                                  # cycling decode probe (B=32, B=8), the host
+#                                                  # layers, then `auto` and `sdpa` over the
+#                                                  # generalization sweep without FA4 (--no-fa4)
+#                                                  # until the budget ends (/root/gen_nofa4_auto.json)
+#   bash benchmarks/gpu_session_r25.sh auto 540    # FA4 importable: `auto` and `sdpa` measured again
+#                                                  # over the whole sweep (/root/gen.json, seeded
+#                                                  # from results/); run again to resume
+#   bash benchmarks/gpu_session_r25.sh sweep 540   # FA4 importable: the other routes of the sweep's
+#                                                  # missing cases, resumed from /root/gen.json
+set -uo pipefail
+step="${1:?usage: $0 probe|sweep|auto [BUDGET_S]}"
+budget="${2:-520}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:?set OUT}/r25"
+mkdir -p "$out"
+export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
+start=$(date +%s)
+
+pack() { tar cf "${OUT}/r25_${step}.tar" -C "$out" .; }
+run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
+  local name="$1" limit="$2"
+  shift 2
+  echo "\$ $*" > "$out/$name.txt"
+  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
+  echo "rc=$?" >> "$out/$name.txt"
+  pack
+}
+left() { echo $(( budget - ($(date +%s) - start) )); }  # seconds of the budget left
+
+sweep_rows() {  # sweep_rows JSON NAME [ARGS...]: the sweep resumed into JSON until the budget ends
+  local json="$1" name="$2"
+  shift 2
+  local b
+  b=$(( $(left) - 30 ))
+  if [ "$b" -gt 60 ]; then
+    run "$name" "$(( b + 20 ))" python3 -m flexattn_zoo.bench generalization --out "$json" --resume \
+      --time-budget "$(( b - 40 ))" --quiet "$@"
+  fi
+  cp "$json" "$out/" 2>/dev/null
+  pack
+}
+
+case "$step" in
+  probe)
+    run gpu_tests_r25_prefix 150 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_dropin_gpu.py -k cache_prefixes
+    run cycling_host_probe_h200_b32 120 python3 benchmarks/cycling_host_probe.py --batch 32 --route flex
+    run cycling_host_probe_h200_b8 100 python3 benchmarks/cycling_host_probe.py --batch 8 --route flex
+    run host_layers_h200_r25 60 python3 benchmarks/host_layers_probe.py --device cuda
+    sweep_rows /root/gen_nofa4_auto.json generalization_nofa4_auto_r25 --no-fa4 --routes auto,sdpa,plain_sdpa
+    ;;
+  sweep)
+    [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
+    sweep_rows /root/gen.json generalization_sweep_r25
+    ;;
+  auto)
+    [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
+    # The rows of `auto` and `sdpa` measured with the rules of this tree; --rerun drops the old
+    # ones first, so a run cut short leaves the rest missing (a later --resume adds them).
+    [ -f /root/auto_rerun_started ] || {
+      touch /root/auto_rerun_started
+      sweep_rows /root/gen.json generalization_auto_r25 --rerun --routes auto,sdpa
+      exit 0
+    }
+    sweep_rows /root/gen.json generalization_auto_r25 --routes auto,sdpa
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+ls -la "$out"
