@@ -14,8 +14,11 @@
 #                                                  # from results/); run again to resume
 #   bash benchmarks/gpu_session_r25.sh sweep 540   # FA4 importable: the other routes of the sweep's
 #                                                  # missing cases, resumed from /root/gen.json
+#   bash benchmarks/gpu_session_r25.sh tuned 300   # FA4 importable: `auto_tuned` (measured route
+#                                                  # choice from an empty table) on the cases where
+#                                                  # the static order was furthest from the fastest
 set -uo pipefail
-step="${1:?usage: $0 probe|sweep|auto [BUDGET_S]}"
+step="${1:?usage: $0 probe|auto|sweep|tuned [BUDGET_S]}"
 budget="${2:-520}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:?set OUT}/r25"
@@ -69,6 +72,11 @@ case "$step" in
       exit 0
     }
     sweep_rows /root/gen.json generalization_auto_r25 --routes auto,sdpa
+    ;;
+  tuned)
+    [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
+    sweep_rows /root/gen.json generalization_tuned_r25 --routes auto_tuned --cases \
+      llama2_13b_l4096_b1,decode_llama2_7b_b16_2k,alibi_bidir_l2048_b8_d64,bert_base_l512_b32,modernbert_l8192_local
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

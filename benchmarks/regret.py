@@ -5,7 +5,8 @@
 
 writes ``generalization_h200.md`` and ``generalization_h200-nofa4.{json,md}`` next to the input.
 The no-FA4 view is derived from the same rows (every route was timed in one process): the FA4
-routes are dropped and the dispatcher's order is replayed (flexattn_zoo.bench.replay).
+routes are dropped and the dispatcher's order is replayed (flexattn_zoo.bench.replay); with
+``--nofa4-auto FILE`` (a sweep run with ``--no-fa4``) its ``auto`` rows are that view's measured auto.
 """
 
 from __future__ import annotations
@@ -37,18 +38,43 @@ def _summary_rows(label: str, s: dict[str, Any]) -> str:
     )
 
 
-def report(data: dict[str, Any], fa4: bool, source: str, config: str) -> tuple[str, dict[str, Any]]:
+def report(
+    data: dict[str, Any],
+    fa4: bool,
+    source: str,
+    config: str,
+    auto_rows: tuple[str, list[dict[str, Any]]] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The Markdown report and its JSON summary; ``auto_rows``: ``(file, rows)`` whose ``auto`` rows
+    replace the source's (for the no-FA4 view: ``auto`` measured in a run without FA4)."""
     groups = replay.groups(data["rows"], load_config(config))
-    old = [replay.measured(g) if fa4 else None for g in groups]
+    if auto_rows is not None:
+        groups = replay.with_rows(groups, auto_rows[1], ["auto"])
+    old = [replay.measured(g, "auto", fa4) if fa4 or auto_rows else None for g in groups]
+    tuned = [replay.measured(g, "auto_tuned", fa4) for g in groups]
     stand_in = [replay.replay(g, fa4=fa4, sdpa_stand_in=True) for g in groups]
     without = [replay.replay(g, fa4=fa4, sdpa_stand_in=False) for g in groups]
     sums = {
         "measured_auto": replay.summary(old),
+        "measured_auto_tuned": replay.summary(tuned),
         "rules_sdpa_as_plain": replay.summary(stand_in),
         "rules_without_sdpa_route": replay.summary(without),
     }
     view = "with FA4" if fa4 else "without FA4 (FA4 routes dropped from the same rows)"
     env = data.get("env", {})
+    history = [*env.get("previous_commands", []), f"{env.get('command', '?')} @ {env.get('git', '?')}"]
+    if not fa4 and auto_rows is None:
+        measured_line = "* measured auto: not measured without FA4 (no `--nofa4-auto` file given)."
+    elif auto_rows is not None:
+        measured_line = (
+            f"* measured auto: the `auto` rows of `{auto_rows[0]}` (a run without FA4), each timed by"
+            " the chosen route's own row in the source, as every other route is."
+        )
+    else:
+        measured_line = (
+            "* measured auto: the `auto` rows as run (by the latest command below that measured"
+            " them), each timed by the chosen route's own row, as every other route is."
+        )
     lines = [
         f"# Generalization sweep on the {env.get('gpu', 'GPU')}: regret of `auto`, {view}",
         "",
@@ -58,35 +84,46 @@ def report(data: dict[str, Any], fa4: bool, source: str, config: str) -> tuple[s
         "",
         "Ratio = fastest route's time / chosen route's time (1.00: auto took the fastest). The",
         "fastest is over the routes `auto` may take that ran (not the baselines `plain_sdpa`,",
-        "`raw_flex`, `sdpa_dense_mask`).",
+        "`raw_flex`, `sdpa_dense_mask`, `fa4_direct`).",
         "",
-        "* measured auto: the `auto` rows as run (the route order before the size rules).",
-        "* rules, sdpa as plain: the current `arch.RULES` replayed; the route `sdpa` (SDPA's own kernel",
-        "  choice, added after these rows were measured) timed as the `plain_sdpa` row, i.e. without",
-        "  the library's host time per call: an upper bound.",
+        measured_line,
+        "* measured auto_tuned: the same for `auto` with measured route choice (`tune=True` from an",
+        "  empty table), where the source has such rows.",
+        "* rules, sdpa as plain: the current `arch.RULES` replayed; where a case has no `sdpa` row",
+        "  (SDPA's own kernel choice through the library, a route added after its rows were measured)",
+        "  the `plain_sdpa` row stands in, i.e. without the library's host time per call: an upper bound.",
         "* rules without sdpa: the same order with route `sdpa` absent: a lower bound.",
         "",
         "| view | n | median | p10 | worst | within 5% | within 10% |",
         "|---|---|---|---|---|---|---|",
     ]
-    labels = ("measured auto", "rules, sdpa as plain", "rules without sdpa")
+    labels = ("measured auto", "measured auto_tuned", "rules, sdpa as plain", "rules without sdpa")
     lines += [_summary_rows(label, s) for label, s in zip(labels, sums.values(), strict=True)]
+    lines += ["", "Commands that measured the source's rows, oldest first:", ""]
+    lines += [f"* `{c}`" for c in history]
+    any_tuned = any(t is not None for t in tuned)
     lines += [
         "",
-        "| case | mode | shape | measured auto (ms) | rules pick (ms) | rules w/o sdpa (ms) | fastest (ms) "
-        "| ratio measured / rules / w/o sdpa | plain_sdpa | raw_flex |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | mode | shape | measured auto (ms) | "
+        + ("auto_tuned (ms) | " if any_tuned else "")
+        + "rules pick (ms) | rules w/o sdpa (ms) | fastest (ms) | ratio measured / "
+        + ("tuned / " if any_tuned else "")
+        + "rules / w/o sdpa | plain_sdpa | raw_flex |",
+        "|---|---|---|---|" + ("---|" if any_tuned else "") + "---|---|---|---|---|---|",
     ]
-    for g, o, s, w in zip(groups, old, stand_in, without, strict=True):
+    for g, o, t, s, w in zip(groups, old, tuned, stand_in, without, strict=True):
         sz = g.sizes()
         r0 = next(iter(g.rows.values()))
         heads = f"{r0['heads']}:{r0['kv_heads']}" if r0["kv_heads"] != r0["heads"] else str(r0["heads"])
         shape = f"{sz.batch}x{heads}x{sz.q_len}/{sz.kv_len}x{sz.head_dim}"
         measured = f"{o.chosen} {_fmt(o.chosen_ms)}" if o else "-"
+        tuned_cell = (f"{t.chosen} {_fmt(t.chosen_ms)} | " if t else "- | ") if any_tuned else ""
+        tuned_ratio = f"{_ratio(t)} / " if any_tuned else ""
         lines.append(
-            f"| {g.case} | {g.mode} | {shape} | {measured} | {s.chosen} {_fmt(s.chosen_ms)} | "
+            f"| {g.case} | {g.mode} | {shape} | {measured} | {tuned_cell}{s.chosen} {_fmt(s.chosen_ms)} | "
             f"{w.chosen} {_fmt(w.chosen_ms)} | {s.best} {_fmt(s.best_ms)} | "
-            f"{_ratio(o)} / {_ratio(s)} / {_ratio(w)} | {_fmt(g.ms('plain_sdpa'))} | {_fmt(g.ms('raw_flex'))} |"
+            f"{_ratio(o)} / {tuned_ratio}{_ratio(s)} / {_ratio(w)} | {_fmt(g.ms('plain_sdpa'))} | "
+            f"{_fmt(g.ms('raw_flex'))} |"
         )
     if fa4:
         lines += ["", "## Rules and the rows that justify them", ""]
@@ -105,6 +142,8 @@ def report(data: dict[str, Any], fa4: bool, source: str, config: str) -> tuple[s
                     ok, why = replay.evidence_holds(rule, g)
                     lines.append(f"  - {'holds' if ok else 'DOES NOT HOLD'}: {why}")
     verdicts = {
+        "measured_auto": [vars(v) | {"ratio": v.ratio} for v in old if v is not None],
+        "measured_auto_tuned": [vars(v) | {"ratio": v.ratio} for v in tuned if v is not None],
         "rules_sdpa_as_plain": [vars(v) | {"ratio": v.ratio} for v in stand_in],
         "rules_without_sdpa_route": [vars(v) | {"ratio": v.ratio} for v in without],
     }
@@ -115,12 +154,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", type=Path)
     ap.add_argument("--config", default="generalization", help="the sweep config the rows came from")
+    ap.add_argument(
+        "--nofa4-auto",
+        type=Path,
+        default=None,
+        help="a sweep JSON measured with --no-fa4: its auto rows are the no-FA4 view's measured auto",
+    )
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     stem, folder = args.results.stem, args.results.parent
     md, _ = report(data, True, str(args.results), args.config)
     (folder / f"{stem}.md").write_text(md)
-    md, derived = report(data, False, str(args.results), args.config)
+    nofa4 = args.nofa4_auto
+    auto_rows = (str(nofa4), json.loads(nofa4.read_text())["rows"]) if nofa4 else None
+    md, derived = report(data, False, str(args.results), args.config, auto_rows)
     (folder / f"{stem}-nofa4.md").write_text(md)
     (folder / f"{stem}-nofa4.json").write_text(json.dumps(derived, indent=1) + "\n")
     print(f"wrote {folder / stem}.md, {stem}-nofa4.md, {stem}-nofa4.json")

@@ -54,8 +54,9 @@ from flexattn_zoo.spec import MaskSpec, ScoreSpec
 
 #: Routes the harness adds to the dispatcher's: a user's hand-written flex, SDPA with a dense mask,
 #: plain SDPA as a user calls it (its own kernel choice, ``is_causal`` / ``enable_gqa``) and
-#: FlashAttention-4's ``flash_attn_func`` as a user calls it (``bench.routes`` says what each runs).
-EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "plain_sdpa", "fa4_direct")
+#: FlashAttention-4's ``flash_attn_func`` as a user calls it, and ``auto`` with measured route
+#: choice (``bench.routes`` says what each runs).
+EXTRA_ROUTES = ("raw_flex", "sdpa_dense_mask", "plain_sdpa", "fa4_direct", "auto_tuned")
 MODES = ("fwd", "fwdbwd")
 DTYPES = {
     "bf16": torch.bfloat16,

@@ -25,7 +25,7 @@ from flexattn_zoo.bench.config import Case
 #: Routes that need flash-attn-4; dropped from the rows for the no-FA4 view.
 FA4_ROUTES = frozenset({"fa4", "flex_flash", "fa4_direct"})
 #: Rows that are baselines, not routes ``auto`` can take.
-BASELINES = frozenset({"auto", "plain_sdpa", "raw_flex", "sdpa_dense_mask", "fa4_direct"})
+BASELINES = frozenset({"auto", "auto_tuned", "plain_sdpa", "raw_flex", "sdpa_dense_mask", "fa4_direct"})
 
 
 @dataclasses.dataclass
@@ -131,16 +131,38 @@ def replay(
     )
 
 
-def measured(g: Group) -> Verdict | None:
-    """The route the ``auto`` row took (the order at the time), timed by that route's own row as
-    every other route is (an ``auto`` row's own time differs by run-to-run noise only)."""
-    auto = g.auto
-    if auto is None or auto["status"] != "ok":
+def measured(g: Group, route: str = "auto", fa4: bool = True) -> Verdict | None:
+    """The route the ``route`` row (``auto``, or ``auto_tuned``: auto with measured route choice)
+    took, timed by that route's own row as every other route is (an ``auto`` row's own time
+    differs by run-to-run noise only), against the fastest route measured (``fa4=False``: of the
+    routes that run without FA4)."""
+    row = g.rows.get(route)
+    if row is None or row["status"] != "ok":
         return None
-    timed = {r: g.ms(r) for r in g.rows if r not in BASELINES and g.ms(r) is not None}
+    skip = BASELINES if fa4 else BASELINES | FA4_ROUTES
+    timed = {r: g.ms(r) for r in g.rows if r not in skip and g.ms(r) is not None}
     best = min(timed, key=lambda r: timed[r] or 0.0, default=None)
-    chosen_ms = g.ms(auto["chosen"]) or auto["ms"]
-    return Verdict(g.case, g.mode, auto["chosen"], chosen_ms, best, timed.get(best) if best else None)
+    chosen_ms = g.ms(row["chosen"]) or row["ms"]
+    return Verdict(g.case, g.mode, row["chosen"], chosen_ms, best, timed.get(best) if best else None)
+
+
+def with_rows(groups: Iterable[Group], rows: Iterable[dict[str, Any]], routes: Iterable[str]) -> list[Group]:
+    """``groups`` with their rows of ``routes`` replaced by those in ``rows`` (e.g. the ``auto``
+    rows of a run without FA4), groups that have none of them keeping their own."""
+    wanted = frozenset(routes)
+    extra: dict[tuple[str, str], dict[str, dict[str, Any]]] = collections.defaultdict(dict)
+    for r in rows:
+        if r["route"] in wanted:
+            extra[(r["case"], r["mode"])][r["route"]] = r
+    out = []
+    for g in groups:
+        new = extra.get((g.case, g.mode))
+        if new is None:
+            out.append(g)
+            continue
+        kept = {name: row for name, row in g.rows.items() if name not in wanted}
+        out.append(dataclasses.replace(g, rows={**kept, **new}))
+    return out
 
 
 def summary(verdicts: Iterable[Verdict | None]) -> dict[str, Any]:

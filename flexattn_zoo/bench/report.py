@@ -12,7 +12,7 @@ from rich.table import Table
 from flexattn_zoo.viz import MissingDependency
 
 #: Routes left out of "best" when comparing auto with the fastest other route.
-NOT_BEST = frozenset({"auto"})
+NOT_BEST = frozenset({"auto", "auto_tuned"})
 
 
 def fmt_tflops(value: float | None) -> str:
@@ -202,7 +202,8 @@ def markdown(data: dict[str, Any], title: str = "flexattn_zoo benchmark") -> str
         "TFLOP/s on visible work only: forward 4·B·H·visible_pairs·D, forward+backward 3.5x that "
         "(backward counted as 2.5x forward). Median of the timed runs after warm-up "
         "(CUDA events on GPU). `n/a`: the route cannot run the case exactly (reasons below); "
-        "`auto/best`: auto's TFLOP/s over the fastest other route's (named); it and `auto/raw_flex` "
+        "`auto/best`: auto's TFLOP/s over the fastest other route's (named; `auto_tuned`, auto with "
+        "measured route choice, is not a route of its own); it and `auto/raw_flex` "
         f"say `below` where auto misses the rules ({AUTO_VS_BEST:g} and {AUTO_VS_RAW_FLEX:g}x); "
         f"`auto host-bound`: auto's host time per call was at least {HOST_BOUND:g} of its time, so that "
         "row measured the host (see `host ms` below)."

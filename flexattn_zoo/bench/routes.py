@@ -19,6 +19,11 @@
   on whole sequences: no mask, or a mask whose varlen form is one window per row (causal, sliding
   windows) with ``Lq == Lkv``, and no score mod or ``SoftCap(approx=True)``. Inputs are the sweep's
   ``[B, H, L, D]`` tensors viewed as FA4's ``[B, L, H, D]`` (no copy).
+* ``auto_tuned``: ``fz.attention(..., tune=True)``: measured route choice from an empty tuning
+  table (a fresh cache directory per process, unless ``FLEXATTN_ZOO_CACHE_DIR`` is set). The
+  tuning runs while the route is prepared (the first call of the signature, in the row's mode);
+  its seconds are in the row's notes, apart from the timed calls; ``chosen`` is the route the
+  table then gives.
 * ``sdpa_dense_mask``: SDPA with a boolean ``[B|1, H|1, L, L]`` mask materialized from the spec (or
   a float bias when the score mod is additive: it offers a ``linear_bias_form()``, like ALiBi); k/v
   are expanded for GQA so SDPA can use its memory-efficient kernel.
@@ -27,6 +32,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import flexattn_zoo as fz
-from flexattn_zoo import _compat
+from flexattn_zoo import _compat, tuning
 from flexattn_zoo import blockmask as fz_blockmask
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends.fa4 import fa4_window
@@ -147,6 +154,32 @@ def prepare_fz(
     if chosen in BLOCKMASK_ROUTES and mask is not None:
         prep.blockmask_s = _time_fz_block_mask(case, mask, device)
     return prep
+
+
+def prepare_tuned(case: Case, mode: str, mask: Any, score: Any, x: Inputs, device: torch.device) -> Prepared:
+    """``auto_tuned``: tune the signature now (its first call, in ``mode``), then time the winner."""
+    _fresh_tuning_dir()
+    kwargs = {"mask": mask, "score_mod": score, "enable_gqa": case.gqa, "tune": True}
+    grad = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
+
+    def call() -> torch.Tensor:
+        return fz.attention(x.q, x.k, x.v, **kwargs)
+
+    _plan("auto", case, mask, score, x)  # Unsupported when no route accepts the call
+    with grad:
+        _, seconds = timed(call, device)
+        plan = fz.plan(x.q, x.k, x.v, **kwargs)
+    entry = plan.tuning.entry if plan.tuning is not None else None
+    timings = ", ".join(f"{n} {ms:.3f}" for n, ms in entry.ms) if entry is not None else "nothing measured"
+    note = f"tuning: {seconds:.1f} s; static {entry.static if entry else '-'}; ms {timings}"
+    return Prepared(call=call, chosen=plan.backend, notes=[note])
+
+
+def _fresh_tuning_dir() -> None:
+    # Tuning from an empty table: a caller's persisted measurements would make the row a cache read.
+    if os.environ.get(tuning.store.CACHE_DIR_ENV) is None:
+        # The table's next read loads this empty directory, dropping entries read from another.
+        os.environ[tuning.store.CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +368,8 @@ def prepare(
         return prepare_plain_sdpa(case, mask, score, x)
     if route == "fa4_direct":
         return prepare_fa4_direct(case, mask, score, x)
+    if route == "auto_tuned":
+        return prepare_tuned(case, mode, mask, score, x, device)
     if route == "sdpa_dense_mask":
         if case.lq != case.seq_len:
             raise Unsupported("the dense-mask baseline is measured at Lq == Lkv only")

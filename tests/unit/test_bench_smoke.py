@@ -7,6 +7,7 @@ give ``error``/``OOM`` rows, never a crash.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -404,3 +405,29 @@ def test_fa4_direct_baseline_arguments() -> None:
     inputs = routes.Inputs.make(square, "fwd", torch.device("cpu"))
     with pytest.raises(routes.Unsupported, match="CUDA device"):
         routes.prepare_fa4_direct(square, masks.Causal(), None, inputs)
+
+
+def test_auto_tuned_route_measures_from_an_empty_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto_tuned`` tunes the case's signature in the row's mode from an empty table (a fresh
+    cache directory, not the caller's measurements) and times the route the table then gives."""
+    from flexattn_zoo import tuning
+
+    monkeypatch.delenv(tuning.store.CACHE_DIR_ENV, raising=False)
+    try:
+        cases = parse_config(_config(routes=["auto", "auto_tuned"], modes=["fwd"], iters=2))
+        data: dict[str, Any] = {"env": {}, "rows": []}
+        assert bench.run_sweep(cases, data, quiet=True) is True
+        auto, tuned = data["rows"]
+        assert tuned["route"] == "auto_tuned" and tuned["status"] == "ok", tuned
+        fresh = os.environ[tuning.store.CACHE_DIR_ENV]
+        assert Path(fresh).name.startswith("flexattn_zoo_bench_tune_")
+        (note,) = [n for n in tuned["notes"] if n.startswith("tuning:")]
+        timed = dict(re.findall(r"(\w+) (\d+\.\d+)", note.split("; ms ")[1]))
+        assert len(timed) >= 2 and tuned["chosen"] in timed, note  # routes were measured here
+        entries = tuning.table()
+        assert len(entries) == 1 and next(iter(entries.values())).winner == tuned["chosen"]
+        assert tuned["chosen"] in auto["accepted"]
+        assert tuning.cache_path("cpu").is_relative_to(fresh)
+    finally:
+        tuning.clear()  # the measurement and its file (in the fresh directory)
+        os.environ.pop(tuning.store.CACHE_DIR_ENV, None)
