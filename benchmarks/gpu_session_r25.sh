@@ -53,10 +53,13 @@ sweep_rows() {  # sweep_rows JSON NAME [ARGS...]: the sweep resumed into JSON un
 case "$step" in
   probe)
     run gpu_tests_r25_prefix 150 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_dropin_gpu.py -k cache_prefixes
-    run cycling_host_probe_h200_b32 120 python3 benchmarks/cycling_host_probe.py --batch 32 --route flex
-    run cycling_host_probe_h200_b8 100 python3 benchmarks/cycling_host_probe.py --batch 8 --route flex
-    run host_layers_h200_r25 60 python3 benchmarks/host_layers_probe.py --device cuda
+    bash "$0" probes
     sweep_rows /root/gen_nofa4_auto.json generalization_nofa4_auto_r25 --no-fa4 --routes auto,sdpa,plain_sdpa
+    ;;
+  probes)  # the probes import the checkout alone (without FA4: the flex routes are what they time)
+    PYTHONPATH="$PWD" run cycling_host_probe_h200_b32 120 python3 benchmarks/cycling_host_probe.py --batch 32 --route flex
+    PYTHONPATH="$PWD" run cycling_host_probe_h200_b8 100 python3 benchmarks/cycling_host_probe.py --batch 8 --route flex
+    PYTHONPATH="$PWD" run host_layers_h200_r25 60 python3 benchmarks/host_layers_probe.py --device cuda
     ;;
   sweep)
     [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
