@@ -110,6 +110,7 @@ class Outcome:
     out: torch.Tensor | None  # first fwd output, for the error check
     notes: list[str]
     host_ms: float | None = None
+    timed_iters: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,4 +429,5 @@ def run(route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, dev
         first[0] if first else None,
         [*prep.notes, *notes],
         t.host_ms,
+        len(t.times_ms),
     )

@@ -1,8 +1,14 @@
 """Timing, memory and visible-work counting for :mod:`flexattn_zoo.bench`.
 
 Timing follows the usual GPU recipe: one first call timed on the wall clock (it includes
-compilation), ``warmup`` untimed calls, then ``iters`` calls each bracketed by CUDA events; the
-median is reported. On CPU the events are ``time.perf_counter`` around ``torch.cpu.synchronize``.
+compilation), untimed warm-up calls, then timed calls each bracketed by CUDA events; the median is
+reported. On CPU the events are ``time.perf_counter`` around ``torch.cpu.synchronize``.
+
+The counts are minimums, as in Triton's ``do_bench``: at least ``warmup`` warm-up calls and
+:data:`MIN_WARMUP_S` of them, then at least ``iters`` timed calls and as many as fill
+:data:`MIN_TIMED_S` (at most :data:`MAX_ITERS`), so a short call is timed over many repetitions
+(a median of 8 calls of 0.1 ms moves by tens of percent with the host's jitter) while a long one
+keeps its configured count. ``Timing.times_ms`` holds every timed call.
 
 The timed calls run back to back, as in a model: when a call's host work (Python, launches)
 takes longer than its kernels, the GPU waits and the events measure the host. ``host_ms`` (median
@@ -26,6 +32,12 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskSpec
+
+#: Least seconds of warm-up calls, and of timed calls, per row (the configured counts are minimums).
+MIN_WARMUP_S = 0.025
+MIN_TIMED_S = 0.1
+#: Most timed calls per row, however short the call.
+MAX_ITERS = 1000
 
 #: Mask elements evaluated at once when counting visible pairs or materializing a dense mask.
 SLAB_ELEMENTS = 1 << 26
@@ -97,10 +109,32 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
+def _warm(step: Callable[[], Any], device: torch.device, warmup: int) -> float:
+    """Run at least ``warmup`` calls and :data:`MIN_WARMUP_S` of them (in growing batches, each
+    synchronized, so no more than about twice that time is queued); returns the seconds per call
+    of the last batch (of the first call when ``warmup`` is 0 and the first call took long)."""
+    batch, spent, per_call = max(warmup, 1), 0.0, 0.0
+    done = 0
+    while done < warmup or (spent < MIN_WARMUP_S and done < MAX_ITERS):
+        start = time.perf_counter()
+        for _ in range(batch):
+            step()
+        sync(device)
+        took = time.perf_counter() - start
+        spent, done, per_call = spent + took, done + batch, took / batch
+        batch = min(2 * batch, MAX_ITERS)
+    return per_call
+
+
+def timed_iters(iters: int, per_call_s: float) -> int:
+    """Timed calls for a call of ``per_call_s`` seconds: ``iters`` or as many as fill
+    :data:`MIN_TIMED_S`, whichever is more, at most :data:`MAX_ITERS` (never below ``iters``)."""
+    fill = int(MIN_TIMED_S / per_call_s) + 1 if per_call_s > 0 else MAX_ITERS
+    return max(iters, min(fill, MAX_ITERS))
+
+
 def _steady(step: Callable[[], Any], device: torch.device, warmup: int, iters: int, first: float) -> Timing:
-    for _ in range(warmup):
-        step()
-    sync(device)
+    iters = timed_iters(iters, _warm(step, device, warmup))
     peak = base = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -431,3 +431,29 @@ def test_auto_tuned_route_measures_from_an_empty_table(monkeypatch: pytest.Monke
     finally:
         tuning.clear()  # the measurement and its file (in the fresh directory)
         os.environ.pop(tuning.store.CACHE_DIR_ENV, None)
+
+
+def test_timing_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short calls are timed over many repetitions (at least MIN_TIMED_S of them, at most
+    MAX_ITERS), long ones keep the configured count; warm-up runs at least its count and
+    MIN_WARMUP_S."""
+    from flexattn_zoo.bench import timing
+
+    assert timing.timed_iters(8, 1e-3) == int(timing.MIN_TIMED_S / 1e-3) + 1
+    assert timing.timed_iters(8, 1e-7) == timing.MAX_ITERS
+    assert timing.timed_iters(8, 1.0) == 8
+    assert timing.timed_iters(2000, 1e-7) == 2000  # never below the configured count
+    calls = []
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def step() -> None:  # each call takes 1 ms of the fake clock
+        calls.append(1)
+        clock[0] += 1e-3
+
+    result = timing.measure(step, torch.device("cpu"), warmup=2, iters=3)
+    warm = int(timing.MIN_WARMUP_S / 1e-3)
+    timed = int(timing.MIN_TIMED_S / 1e-3) + 1
+    assert abs(len(result.times_ms) - timed) <= 1 and result.median_ms == pytest.approx(1.0)  # float rounding
+    # first call + warm-up batches (2, 4, 8, 16: the first total >= MIN_WARMUP_S) + timed calls
+    assert warm <= len(calls) - 1 - len(result.times_ms) <= 2 * warm + 2
