@@ -45,13 +45,17 @@ def report(
     config: str,
     auto_rows: tuple[str, list[dict[str, Any]]] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """The Markdown report and its JSON summary; ``auto_rows``: ``(file, rows)`` whose ``auto`` rows
-    replace the source's (for the no-FA4 view: ``auto`` measured in a run without FA4)."""
+    """The Markdown report and its JSON summary; ``auto_rows``: ``(file, rows)`` of a run without
+    FA4, whose ``auto`` / ``auto_tuned`` rows are the no-FA4 view's measured ones."""
     groups = replay.groups(data["rows"], load_config(config))
-    if auto_rows is not None:
-        groups = replay.with_rows(groups, auto_rows[1], ["auto"])
-    old = [replay.measured(g, "auto", fa4) if fa4 or auto_rows else None for g in groups]
-    tuned = [replay.measured(g, "auto_tuned", fa4) for g in groups]
+    # The measured choices of a run with FA4 say nothing about a machine without it: the no-FA4
+    # view reads them from the run without FA4 (the replays below keep the source's auto rows,
+    # which record the problem's traits).
+    seen = (
+        groups if fa4 else replay.with_rows(groups, auto_rows[1] if auto_rows else [], ["auto", "auto_tuned"])
+    )
+    old = [replay.measured(g, "auto", fa4) for g in seen]
+    tuned = [replay.measured(g, "auto_tuned", fa4) for g in seen]
     stand_in = [replay.replay(g, fa4=fa4, sdpa_stand_in=True) for g in groups]
     without = [replay.replay(g, fa4=fa4, sdpa_stand_in=False) for g in groups]
     sums = {
@@ -88,7 +92,7 @@ def report(
         "",
         measured_line,
         "* measured auto_tuned: the same for `auto` with measured route choice (`tune=True` from an",
-        "  empty table), where the source has such rows.",
+        "  empty table), where the run has such rows.",
         "* rules, sdpa as plain: the current `arch.RULES` replayed; where a case has no `sdpa` row",
         "  (SDPA's own kernel choice through the library, a route added after its rows were measured)",
         "  the `plain_sdpa` row stands in, i.e. without the library's host time per call: an upper bound.",

@@ -147,8 +147,8 @@ def measured(g: Group, route: str = "auto", fa4: bool = True) -> Verdict | None:
 
 
 def with_rows(groups: Iterable[Group], rows: Iterable[dict[str, Any]], routes: Iterable[str]) -> list[Group]:
-    """``groups`` with their rows of ``routes`` replaced by those in ``rows`` (e.g. the ``auto``
-    rows of a run without FA4), groups that have none of them keeping their own."""
+    """``groups`` with their rows of ``routes`` taken from ``rows`` instead (e.g. the ``auto`` rows
+    of a run without FA4): a group's own rows of those routes are dropped, present in ``rows`` or not."""
     wanted = frozenset(routes)
     extra: dict[tuple[str, str], dict[str, dict[str, Any]]] = collections.defaultdict(dict)
     for r in rows:
@@ -156,12 +156,8 @@ def with_rows(groups: Iterable[Group], rows: Iterable[dict[str, Any]], routes: I
             extra[(r["case"], r["mode"])][r["route"]] = r
     out = []
     for g in groups:
-        new = extra.get((g.case, g.mode))
-        if new is None:
-            out.append(g)
-            continue
         kept = {name: row for name, row in g.rows.items() if name not in wanted}
-        out.append(dataclasses.replace(g, rows={**kept, **new}))
+        out.append(dataclasses.replace(g, rows={**kept, **extra.get((g.case, g.mode), {})}))
     return out
 
 

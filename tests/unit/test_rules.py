@@ -148,3 +148,40 @@ def test_replay_counts_routes_measured_after_the_auto_row() -> None:
     (g,) = replay.groups(rows)
     assert g.accepted(fa4=True, sdpa_stand_in=True) == {"fa4", "sdpa_flash", "sdpa"}
     assert replay.replay(g).best == "sdpa"
+
+
+def test_long_decoding_without_fa4_keeps_flashattention_before_flex() -> None:
+    """One query over 8192+ keys with 256+ (batch x kv head) rows: FA4 first, but flex not ahead of
+    SDPA's kernels (in a generation loop the length changes every call and flex's dynamic-shape
+    kernel is slower than FlashAttention-2; only ``decode_step`` keeps flex's shapes fixed)."""
+    from flexattn_zoo.arch import Sizes, priority
+
+    order = priority("sm90", "fwd", frozenset(), Sizes(32, 32, 1, 8192, 128, 1.0, 8))
+    assert order[0] == "fa4"
+    assert order.index("sdpa") < order.index("flex") and order.index("sdpa_flash") < order.index("flex")
+
+
+def test_measured_views_read_the_run_they_describe() -> None:
+    """``measured`` times a row's choice by the chosen route's own row against the fastest route
+    (without FA4: of the routes that run without it); ``with_rows`` takes the ``auto`` /
+    ``auto_tuned`` rows of another run (the no-FA4 view) and drops a group's own, so a choice
+    made with FA4 never stands for a machine without it."""
+    row = {"case": "c", "mode": "fwd", "status": "ok", "batch": 1, "heads": 1, "seq_len": 64, "head_dim": 64}
+    rows = [
+        {**row, "route": "auto", "ms": 1.1, "chosen": "fa4", "accepted": ["fa4", "sdpa_flash", "flex"]},
+        {**row, "route": "auto_tuned", "ms": 1.0, "chosen": "fa4"},
+        {**row, "route": "fa4", "ms": 1.0},
+        {**row, "route": "sdpa_flash", "ms": 2.0},
+        {**row, "route": "flex", "ms": 4.0},
+    ]
+    (g,) = replay.groups(rows)
+    v = replay.measured(g)
+    assert (v.chosen, v.chosen_ms, v.best, v.ratio) == ("fa4", 1.0, "fa4", 1.0)  # type: ignore[union-attr]
+    assert replay.measured(g, "auto_tuned").ratio == 1.0  # type: ignore[union-attr]
+    other = [{**row, "route": "auto", "ms": 4.1, "chosen": "flex"}]
+    (h,) = replay.with_rows([g], other, ["auto", "auto_tuned"])
+    assert replay.measured(h, "auto_tuned") is None
+    v = replay.measured(h, "auto", fa4=False)
+    assert (v.chosen, v.chosen_ms, v.best, v.ratio) == ("flex", 4.0, "sdpa_flash", 0.5)  # type: ignore[union-attr]
+    (empty,) = replay.with_rows([g], [], ["auto", "auto_tuned"])
+    assert replay.measured(empty, "auto", fa4=False) is None
