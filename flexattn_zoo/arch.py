@@ -242,9 +242,10 @@ BOTH = ("fwd", "fwdbwd")
 #: kernels, then the routes with masks SDPA cannot take; FlashAttention-4 (fa4, flex_flash) last.
 _SHORT_FIRST = ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_split", "flex", "varlen")
 
-#: Decoding sizes from which FlashAttention-2 leaves HBM bandwidth unused and a kernel that splits
-#: the keys (or packs query heads) wins: keys per row, and (batch x kv head) rows (the last rule
-#: below; ``fz.decode.decode_step`` takes its flex path from the same sizes).
+#: Decoding sizes from which FlashAttention-2 leaves HBM bandwidth unused and a kernel that packs
+#: query heads (FA4) or reads the cache in wider tiles (flex at static shapes) wins: keys per row,
+#: and (batch x kv head) rows (the last rule below; ``fz.decode.decode_step``, whose shapes stay
+#: the same from step to step, takes its flex path from the same sizes).
 SPLIT_DECODE_MIN_KV_LEN = 8192
 SPLIT_DECODE_MIN_KV_ROWS = 256
 
@@ -326,13 +327,14 @@ RULES: tuple[Rule, ...] = (
         max_q_len=1,
         min_kv_len=SPLIT_DECODE_MIN_KV_LEN,
         min_kv_rows=SPLIT_DECODE_MIN_KV_ROWS,
-        front=("fa4", "flex"),
+        front=("fa4",),
         why="decoding one query over long caches with 256 or more (batch x kv head) rows: "
         "FlashAttention-2 (SDPA's choice without cuDNN) reads the cache at about 55% of HBM bandwidth "
-        "there, FA4 with packed query heads and Triton's flex-decoding kernel (split over the keys) "
-        "near all of it (B=32, 32:8 heads, 8K keys: fa4 0.24 ms, flex 0.25, FA2 0.39; decode_h200_r23: "
-        "32K keys, flex 0.98 ms vs FA2 1.76; at 4K keys or 64 rows FA2 ties or wins). cuDNN, as fast, "
-        "builds an execution plan per cache length, so a generation loop would plan every step",
+        "there, FA4 with packed query heads near all of it, at any cache length (B=32, 32:8 heads, "
+        "8K keys: fa4 0.24 ms, FA2 0.39; at 4K keys or 64 rows FA2 ties or wins). Not flex: 0.25 ms "
+        "at one fixed length, but in a generation loop, where the length changes every call, its "
+        "compiled kernel is the dynamic-shape one and takes 0.6 ms (cycling_host_probe_h200_b32). "
+        "Not cuDNN: as fast with a warm plan, it builds an execution plan per cache length",
         benchmark="h200.json",
         evidence=("decode_gqa/fwd",),
     ),
