@@ -7,7 +7,7 @@ and print the table.
 CONFIG is a benchmark sweep (:mod:`flexattn_zoo.bench.config`: cases with shapes, mask, score mod,
 dtype, device, modes). For each case and mode the inputs are made as the benchmark makes them and
 ``fz.attention(..., tune=True)`` is called once: a signature not yet measured is timed (a case's
-``warmup`` and ``iters`` are the measurement's warm-up calls and repetitions), one already in the
+``warmup`` and ``iters`` are the measurement's least warm-up calls and repetitions), one already in the
 cache file is read (``--force`` measures it again). ``routes`` is ignored: tuning compares the
 routes ``backend="auto"`` may take. Each row gives the signature, the route ``auto`` now takes,
 the static order's choice, the median milliseconds and the first-call compile seconds of every

@@ -27,9 +27,10 @@ Conventions:
   caller's tensors, their ``.grad`` and version counters are never touched; in ``fwdbwd`` mode
   each step is forward + ``torch.autograd.grad`` with a fixed random output gradient drawn from a
   private generator). The first call is the warm-up (and compile); its seconds, less one steady
-  call, are reported as ``compile_s``. Then ``warmup`` untimed calls and the median of ``reps``
-  timed ones (CUDA events on GPUs, ``perf_counter`` around a synchronize elsewhere). A route that
-  raises is left out, its error recorded.
+  call, are reported as ``compile_s``. Then at least ``warmup`` untimed calls and the median of
+  at least ``reps`` timed ones, both raised for short calls to fill :data:`MIN_WARMUP_S` and
+  :data:`MIN_TIMED_S` (CUDA events on GPUs, ``perf_counter`` around a synchronize elsewhere). A
+  route that raises is left out, its error recorded.
 * **Decision** (:func:`decide`, deterministic given the timings): the fastest route, ties broken by
   the static order; it displaces the static order's choice only when faster by more than
   ``margin`` (default 5%), so timing noise does not flip between equal kernels. A measured winner
@@ -527,7 +528,8 @@ class TuneInfo:
         comp = ", ".join(f"{n} {t:.3g} s" for n, t in e.compile_s)
         failed = "".join(f"; {n} failed: {m}" for n, m in e.errors)
         return (
-            f"tuning: chosen by measurement ({e.date}, median of {e.reps} after {e.warmup} warm-ups): "
+            f"tuning: chosen by measurement ({e.date}, median of >= {e.reps} calls after >= {e.warmup} "
+            "warm-ups): "
             f"{ms}; first-call compile {comp}{failed}; static order: {e.static}"
         )
 
@@ -749,16 +751,34 @@ def _sync(device: torch.device) -> None:
         torch.cpu.synchronize()
 
 
+#: Least seconds of warm-up calls and of timed calls per route: ``warmup`` and ``reps`` are minimum
+#: counts, raised for short calls (whose time is mostly host time, which a median of ten calls
+#: does not pin down) up to :data:`MAX_REPS` timed calls.
+MIN_WARMUP_S = 0.01
+MIN_TIMED_S = 0.05
+MAX_REPS = 500
+
+
 def time_step(step: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, float]:
-    """``(median ms of reps calls, seconds of the first call)`` of ``step`` (warm-ups between)."""
+    """``(median ms of the timed calls, seconds of the first call)`` of ``step``: the first call,
+    at least ``warmup`` untimed calls and :data:`MIN_WARMUP_S` of them, then at least ``reps`` timed
+    calls and as many as fill :data:`MIN_TIMED_S` (at most :data:`MAX_REPS`)."""
     _sync(device)
     start = time.perf_counter()
     step()
     _sync(device)
     first = time.perf_counter() - start
-    for _ in range(warmup):
-        step()
-    _sync(device)
+    done, spent, per_call = 0, 0.0, first
+    while done < warmup or (spent < MIN_WARMUP_S and done < MAX_REPS):
+        batch = max(1, warmup - done) if done < warmup else max(1, done)  # doubling after the count
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            step()
+        _sync(device)
+        took = time.perf_counter() - t0
+        done, spent, per_call = done + batch, spent + took, took / batch
+    if per_call > 0:
+        reps = max(reps, min(MAX_REPS, int(MIN_TIMED_S / per_call) + 1))
     if device.type == "cuda":
         events = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)

@@ -651,3 +651,28 @@ def test_tune_cli_no_save_writes_nothing(
     assert cli.main(["tune", str(config), "--modes", "fwd", "--no-save", "--quiet"]) == 0
     assert not tuned.exists()
     assert tuning.settings().persist  # restored
+
+
+def test_time_step_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short call is warmed for MIN_WARMUP_S and timed over MIN_TIMED_S (at most MAX_REPS calls);
+    a long one keeps the configured counts."""
+    clock = [0.0]
+    calls = [0]
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+
+    def stepping(seconds: float) -> Callable[[], None]:
+        def step() -> None:
+            calls[0] += 1
+            clock[0] += seconds
+
+        return step
+
+    median, first = tuning.time_step(stepping(1e-4), torch.device("cpu"), warmup=2, reps=10)
+    assert median == pytest.approx(0.1) and first == pytest.approx(1e-4)
+    timed = int(tuning.MIN_TIMED_S / 1e-4) + 1
+    assert min(timed, tuning.MAX_REPS) == tuning.MAX_REPS  # capped
+    warm = calls[0] - 1 - tuning.MAX_REPS
+    assert int(tuning.MIN_WARMUP_S / 1e-4) <= warm <= 2 * int(tuning.MIN_WARMUP_S / 1e-4) + 2
+    calls[0] = 0
+    median, _ = tuning.time_step(stepping(1.0), torch.device("cpu"), warmup=2, reps=3)
+    assert median == pytest.approx(1000.0) and calls[0] == 1 + 2 + 3
