@@ -24,7 +24,8 @@ The kernels are called through the torch ops of :mod:`flexattn_zoo.backends.fa4_
 (``flexattn_zoo::fa4_fwd`` / ``fa4_bwd``), with fake implementations and an autograd formula, so
 the route also runs inside a caller's ``torch.compile`` graph and in ``torch.export`` ed programs
 (rows and chunks; packed documents need ``cu_seqlens`` read from the mask's data, so a traced
-call refuses them). Gradients flow through both the output and the lse.
+call refuses them). Gradients flow through both the output and the lse. Plain eager calls run
+the same implementations and formula without the ops' dispatch (less host time per call).
 """
 
 from __future__ import annotations

@@ -34,6 +34,10 @@ when the lse has a gradient: eagerly when it was used, and under ``torch.compile
 lse is an output of the compiled function (AOTAutograd passes a tangent for it, zeros if unused).
 No double backward.
 
+Plain eager calls of :func:`fa4_attention` skip the ops' dispatch (an ``autograd.Function``
+around the same implementations and formula: less host time per call); traced calls, tensor
+subclasses and calls under a torch function / dispatch mode or a functorch transform take the ops.
+
 The real implementations call the module attributes ``_fwd_kernel`` / ``_bwd_kernel`` (FA4,
 under :func:`~flexattn_zoo.backends.base.flash_cute_lock`); tests substitute a CPU reference.
 The ops are registered for every device (the route only ever sends CUDA tensors).
@@ -232,9 +236,7 @@ def fa4_fwd(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    with flash_cute_lock():
-        out, lse = _fwd_kernel(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
-    return out.contiguous(), lse.float().contiguous()
+    return fa4_fwd_eager(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
 
 
 @fa4_fwd.register_fake
@@ -269,11 +271,9 @@ def fa4_bwd(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    with flash_cute_lock():
-        dq, dk, dv = _bwd_kernel(
-            dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right
-        )
-    return _as_grad_of(dq, q), _as_grad_of(dk, k), _as_grad_of(dv, v)
+    return fa4_bwd_eager(
+        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right
+    )
 
 
 @fa4_bwd.register_fake
@@ -302,6 +302,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.scalars = (max_seqlen, scale, softcap, window_left, window_right)
+    ctx.eager = False  # the op's own formula (traceable); _EagerFA4 sets True
     ctx.set_materialize_grads(False)  # an unused out or lse gives None: no work for it
 
 
@@ -313,6 +314,7 @@ def _lse_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     rest: tuple[Any, ...],
+    bwd: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dk)`` of ``sum(g_lse * lse)``, by one ``fa4_bwd`` call (module docstring).
 
@@ -329,24 +331,115 @@ def _lse_backward(
     d_out = torch.nn.functional.pad(-torch.stack(parts, dim=-1), (0, pad))
     ones = torch.ones(*g.shape, len(parts), dtype=q.dtype, device=q.device)
     o = torch.nn.functional.pad(ones, (0, pad))
-    dq, dk, _ = torch.ops.flexattn_zoo.fa4_bwd(d_out, q, k, torch.zeros_like(v), o, lse, *rest)
+    dq, dk, _ = bwd(d_out, q, k, torch.zeros_like(v), o, lse, *rest)
     return dq, dk
 
 
 def _backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> tuple[Any, ...]:
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     rest = (cu_seqlens, *ctx.scalars)
+    # Eager only when the forward was and the backward is (compiled autograd traces backwards).
+    bwd = fa4_bwd_eager if ctx.eager and _plain_eager(g_out, g_lse) else torch.ops.flexattn_zoo.fa4_bwd
     if g_out is not None:
-        dq, dk, dv = torch.ops.flexattn_zoo.fa4_bwd(g_out, q, k, v, out, lse, *rest)
+        dq, dk, dv = bwd(g_out, q, k, v, out, lse, *rest)
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if g_lse is not None:
-        lq, lk = _lse_backward(g_lse, q, k, v, out, lse, rest)
+        lq, lk = _lse_backward(g_lse, q, k, v, out, lse, rest, bwd)
         dq, dk = dq + lq, dk + lk
     return dq, dk, dv, None, None, None, None, None, None
 
 
 fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the eager path -----------------------------------------------------------------------------
+#
+# A custom op costs host time on every eager call (the dispatcher, schema checks, autograd
+# registration: about 20 us per forward and 40 us per forward + backward on a CPU), which FA4's
+# host-bound calls pay on top of FA4's own Python. Plain eager calls therefore run the same
+# implementations and the same autograd formula through an ``autograd.Function``; anything that
+# needs the op as a graph node takes the op: torch.compile / export tracing, tensor subclasses
+# (FakeTensor, DTensor), and any active TorchFunctionMode, TorchDispatchMode or functorch
+# transform (they intercept ops, e.g. FLOP counters, vmap and grad).
+
+
+def fa4_fwd_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``flexattn_zoo::fa4_fwd`` computes, called as a Python function (no autograd)."""
+    with flash_cute_lock():
+        out, lse = _fwd_kernel(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
+    return out.contiguous(), lse.float().contiguous()
+
+
+def fa4_bwd_eager(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int,
+    scale: float,
+    softcap: float,
+    window_left: int,
+    window_right: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``flexattn_zoo::fa4_bwd`` computes, called as a Python function."""
+    with flash_cute_lock():
+        dq, dk, dv = _bwd_kernel(
+            dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right
+        )
+    return _as_grad_of(dq, q), _as_grad_of(dk, k), _as_grad_of(dv, v)
+
+
+class _EagerFA4(torch.autograd.Function):
+    """``flexattn_zoo::fa4_fwd`` with its autograd formula, without the op's dispatch."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        max_seqlen: int,
+        scale: float,
+        softcap: float,
+        window_left: int,
+        window_right: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = fa4_fwd_eager(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
+        _setup_context(
+            ctx, (q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right), (out, lse)
+        )
+        ctx.eager = True
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> tuple[Any, ...]:
+        return _backward(ctx, g_out, g_lse)
+
+
+def _plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call may skip the op: eager, plain tensors, and nothing intercepting ops."""
+    return (
+        all(t is None or type(t) is torch.Tensor for t in tensors)
+        and not torch.compiler.is_compiling()
+        and not torch._C._is_torch_function_mode_enabled()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.peek_interpreter_stack() is None
+    )
 
 
 def fa4_attention(
@@ -361,10 +454,13 @@ def fa4_attention(
     max_seqlen: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``flexattn_zoo::fa4_fwd`` with the window as a ``VarlenForm`` pair: ``(out, lse)`` in FA4's
-    layouts (module docstring), differentiable through both."""
-    out, lse = torch.ops.flexattn_zoo.fa4_fwd(
-        q, k, v, cu_seqlens, max_seqlen, scale, softcap, window[0], window[1]
-    )
+    layouts (module docstring), differentiable through both. Plain eager calls run the op's
+    implementation and autograd formula without the op's dispatch (see "the eager path")."""
+    args = (q, k, v, cu_seqlens, max_seqlen, scale, softcap, window[0], window[1])
+    if _plain_eager(q, k, v, cu_seqlens):
+        out, lse = _EagerFA4.apply(*args)
+    else:
+        out, lse = torch.ops.flexattn_zoo.fa4_fwd(*args)
     return out, lse
 
 

@@ -188,9 +188,16 @@ CASES: dict[str, tuple[int, int, float, Any]] = {
 }
 
 
+@pytest.mark.parametrize("path", ["eager", "op"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("use", ["out", "lse", "both"])
-def test_gradients_through_out_and_lse(emulated: None, case: str, use: str) -> None:
+def test_gradients_through_out_and_lse(
+    emulated: None, case: str, use: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways a call runs: plain eager calls (the ``autograd.Function``) and the op (what
+    traced calls and calls under a mode take), forward and backward against float64."""
+    if path == "op":
+        monkeypatch.setattr(fa4_op, "_plain_eager", lambda *tensors: False)
     wl, wr, cap, mask = CASES[case]
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 24, 4, 16, generator=g, dtype=torch.float64, requires_grad=True)  # FA4 layout
@@ -232,6 +239,39 @@ def test_unused_lse_costs_no_second_backward(emulated: None, monkeypatch: pytest
     out, _ = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
     out.sum().backward()
     assert len(calls) == 1
+
+
+def test_plain_eager_calls_skip_the_op_and_modes_see_it(emulated: None) -> None:
+    """A plain eager call (forward and backward) runs the kernels without dispatching the ops;
+    under a TorchDispatchMode (as FLOP counters, FakeTensor tracing) both ops are dispatched."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    seen = Seen()
+    with seen:
+        out, _ = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
+        out.sum().backward()
+    assert any("fa4_fwd" in op for op in seen.ops) and any("fa4_bwd" in op for op in seen.ops)
+    calls: list[str] = []
+    real_fwd, real_bwd = torch.ops.flexattn_zoo.fa4_fwd, torch.ops.flexattn_zoo.fa4_bwd
+    try:
+        fa4_op.torch.ops.flexattn_zoo.fa4_fwd = lambda *a: calls.append("fwd")  # type: ignore[assignment]
+        fa4_op.torch.ops.flexattn_zoo.fa4_bwd = lambda *a: calls.append("bwd")  # type: ignore[assignment]
+        q.grad = None
+        out, _ = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
+        out.sum().backward()
+    finally:
+        torch.ops.flexattn_zoo.fa4_fwd, torch.ops.flexattn_zoo.fa4_bwd = real_fwd, real_bwd  # type: ignore[assignment]
+    assert calls == [] and q.grad is not None
 
 
 # -- the route's layouts (rows, chunks, packed), on CPU tensors --------------------------------
