@@ -9,7 +9,9 @@ noisy host moves them alike), on a tiny problem whose kernel is short next to th
   the plan cache's bound call, and ``fz.attention``;
 * SDPA route (``mask="causal"``): ``F.scaled_dot_product_attention`` with the kernel the route
   pins, the bound call, and ``fz.attention``;
-* the dispatcher alone: ``fz.attention`` whose cached bound call is replaced by a no-op;
+* the dispatcher alone: ``fz.attention`` whose cached bound call is replaced by a no-op (for
+  ``Causal`` and, on an entry of its own, the flex route's mask kind), and the call key with its
+  lookup;
 * a decode step (one query against a cache, a new length each call): SDPA on the live prefix and
   ``fz.decode.decode_step``;
 * what a decode step could launch instead (``decode-kernels``, CUDA): the two prefix slices alone,
@@ -109,13 +111,15 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     noop = plan_cache.lookup(noop_key, q, k, v)
     noop.run = lambda q_, k_, v_, s_: (q_, None)  # the dispatcher alone: its hit runs nothing
     causal_spec = masks.Causal()
-    # The same for the flex route's mask (``SlidingWindow & Causal``) on half-length inputs (their
-    # own plan-cache entry, so the flex layers above keep their real run): the dispatcher alone.
+    # The same for the flex route's mask kind (``SlidingWindow & Causal``) with a window one key
+    # wider: its own plan-cache entry and compiled entry at the same shapes, so the flex layers
+    # above keep their real run and their static-shape graph (a second shape for the same entry
+    # would switch it to Dynamo's dynamic-shape graph, which costs more host time per call).
     det = _compat.strict_deterministic_mode()
-    qh, kh, vh = (t[:, :, : shape[2] // 2].contiguous() for t in (q, k, v))
-    fz.attention(qh, kh, vh, mask=sliding)
+    wider = masks.SlidingWindow(left=shape[2] // 4 + 1, right=0) & masks.Causal()
+    fz.attention(q, k, v, mask=wider)
     sliding_noop = plan_cache.lookup(
-        plan_cache.call_key(qh, kh, vh, sliding, None, False, False, det, "auto"), qh, kh, vh
+        plan_cache.call_key(q, k, v, wider, None, False, False, det, "auto"), q, k, v
     )
     sliding_noop.run = lambda q_, k_, v_, s_: (q_, None)
 
@@ -191,7 +195,7 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         "dispatcher: fz.attention, no-op route": lambda: fz.attention(q, k, v, mask=causal_spec),
         "dispatcher: call_key + lookup, SlidingWindow & Causal": sliding_key_lookup,
         "dispatcher: fz.attention(SlidingWindow & Causal), no-op route": lambda: fz.attention(
-            qh, kh, vh, mask=sliding
+            q, k, v, mask=wider
         ),
         "decode: F.scaled_dot_product_attention(q1, cache[:, :, :n])": decode_sdpa,
         "decode: fz.decode.decode_step(q1, cache, cache, n)": lambda: fz.decode.decode_step(
