@@ -8,8 +8,9 @@
 #   bash benchmarks/gpu_session_r26.sh verify 540   # the fa4 route's eager path (GPU tests of the
 #                                                   # route, its compile / export / CUDA-graph tests,
 #                                                   # the cache-prefix test with FA4), the host
-#                                                   # layers (static-shape flex entry again), the
-#                                                   # decoding row without FA4 under the new rule
+#                                                   # layers (static-shape flex entry again), a flex
+#                                                   # entry's static against its dynamic-shape graph,
+#                                                   # the decoding row without FA4 under the new rule
 #   bash benchmarks/gpu_session_r26.sh short 540    # the sweep's short, host-bound cases again with
 #                                                   # every route, under the harness's time-filled
 #                                                   # counts (/root/gen.json, seeded from results/)
@@ -58,6 +59,7 @@ case "$step" in
     run gpu_tests_r26_fa4 300 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_routes_gpu.py \
       tests/gpu/test_compile_gpu.py tests/gpu/test_dropin_gpu.py -k "fa4 or cache_prefixes"
     PYTHONPATH="$PWD" run host_layers_h200_r26 60 python3 benchmarks/host_layers_probe.py --device cuda
+    PYTHONPATH="$PWD" run static_dynamic_probe_h200 150 python3 benchmarks/static_dynamic_probe.py
     OUT="$out" run run_h200_nofa4_decode 120 bash benchmarks/run_h200.sh nofa4 --resume --rerun \
       --routes auto,flex,sdpa,plain_sdpa --cases decode_gqa --quiet
     ;;
