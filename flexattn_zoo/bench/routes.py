@@ -188,9 +188,10 @@ def _fresh_tuning_dir() -> None:
 
 
 def _raw_compiled() -> tuple[Any, Any]:
-    # A fresh Dynamo per (case, mode): see the module docstring. Our own compiled entries lose
-    # their graphs too; they recompile on their next call, outside any timed region. A limit hit
-    # inside one case still reaches the row's notes (bench.timing catches Dynamo's log).
+    # A fresh Dynamo per (case, mode): see the module docstring (the runner resets it per case as
+    # well, for every route). Our own compiled entries lose their graphs too; they recompile on
+    # their next call, outside any timed region. A limit hit inside one case still reaches the
+    # row's notes (bench.timing catches Dynamo's log).
     torch.compiler.reset()
     return torch.compile(_compat.flex_attention), torch.compile(_compat.create_block_mask)
 

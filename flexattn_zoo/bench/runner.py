@@ -11,7 +11,8 @@ and a status: ``ok``, ``unsupported`` (with the dispatcher's reasons), ``OOM`` (
 the dense-memory estimate) or ``error`` (the exception, never a crash). Rows are written to
 ``--out`` after every route, so a sweep that is killed keeps what it measured; ``--resume`` skips
 rows already there (``--rerun``: the selected cases/routes/modes are measured again), and
-``--time-budget`` stops starting new rows after S seconds (exit code 3).
+``--time-budget`` stops starting new rows after S seconds (exit code 3). Each case starts from
+no compiled graphs (:func:`fresh_compiles`), as a process running only that case would.
 ``--report-only`` rewrites the Markdown/PNGs from an existing ``--out`` JSON.
 
 Exit codes: 0 done, 1 matplotlib missing for ``--png``, 2 bad input, 3 stopped by the time budget.
@@ -193,6 +194,15 @@ def _line(row: dict[str, Any]) -> str:
     return f"{what}: {row['status']}: {row['reason']}"
 
 
+def fresh_compiles() -> None:
+    """Forget every compiled graph (Dynamo's caches; the library's compiled entries compile again
+    on their next call, outside any timed region), so a case runs as in a process that only ever
+    ran its shapes. Without it a flex entry shared by two cases of different lengths would run
+    Dynamo's dynamic-shape graph in the second one (its automatic dynamic shapes), which is slower
+    on the host and in the kernel than the static-shape graph a one-shape process compiles."""
+    torch.compiler.reset()
+
+
 def run_sweep(
     cases: Sequence[Case],
     data: dict[str, Any],
@@ -214,6 +224,7 @@ def run_sweep(
         for case in cases:
             if not todo[case.name]:
                 continue
+            fresh_compiles()
             device = case_device(case)
             try:
                 mask, score = case.specs(device)

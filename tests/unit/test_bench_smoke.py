@@ -457,3 +457,47 @@ def test_timing_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.Mon
     assert abs(len(result.times_ms) - timed) <= 1 and result.median_ms == pytest.approx(1.0)  # float rounding
     # first call + warm-up batches (2, 4, 8, 16: the first total >= MIN_WARMUP_S) + timed calls
     assert warm <= len(calls) - 1 - len(result.times_ms) <= 2 * warm + 2
+
+
+def test_each_case_runs_on_static_shape_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two cases with one flex mask at two lengths: each compiles a static-shape graph (the
+    runner forgets compiled graphs per case), as two one-case processes would; without that the
+    second case ran Dynamo's dynamic-shape graph (symbolic sizes among its inputs)."""
+    from flexattn_zoo import _compat
+    from flexattn_zoo.compile import CACHE
+
+    dynamic: list[bool] = []
+    real = _compat.inductor_backend
+
+    def spying_backend() -> Any:
+        backend = real()
+
+        def compile_graph(gm: Any, example_inputs: Any) -> Any:
+            dynamic.append(any(isinstance(x, torch.SymInt) for x in example_inputs))
+            return backend(gm, example_inputs)
+
+        return compile_graph
+
+    monkeypatch.setattr(_compat, "inductor_backend", spying_backend)
+    case = {"batch": 1, "heads": 3, "head_dim": 8, "mask": {"name": "sliding_window", "left": 9}}
+    config = {
+        "defaults": {
+            "dtype": "fp32",
+            "device": "cpu",
+            "warmup": 0,
+            "iters": 1,
+            "modes": ["fwd"],
+            "routes": ["flex_cpu"],
+        },
+        "cases": [{"name": "a", "seq_len": 72, **case}, {"name": "b", "seq_len": 136, **case}],
+    }
+    for reset, expect_dynamic in ((True, False), (False, True)):
+        CACHE.clear()
+        torch.compiler.reset()
+        dynamic.clear()
+        if not reset:
+            monkeypatch.setattr(bench, "fresh_compiles", lambda: None)
+        data: dict[str, Any] = {"env": {}, "rows": []}
+        assert bench.run_sweep(parse_config(config), data, quiet=True) is True
+        assert [r["status"] for r in data["rows"]] == ["ok", "ok"], data["rows"]
+        assert dynamic and any(dynamic) is expect_dynamic, (reset, dynamic)
