@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.backends.base import flash_cute_lock
 
 FWD_SCHEMA = (
@@ -355,13 +356,14 @@ fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # -- the eager path -----------------------------------------------------------------------------
 #
-# A custom op costs host time on every eager call (the dispatcher, schema checks, autograd
-# registration: about 20 us per forward and 40 us per forward + backward on a CPU), which FA4's
-# host-bound calls pay on top of FA4's own Python. Plain eager calls therefore run the same
-# implementations and the same autograd formula through an ``autograd.Function``; anything that
-# needs the op as a graph node takes the op: torch.compile / export tracing, tensor subclasses
-# (FakeTensor, DTensor), and any active TorchFunctionMode, TorchDispatchMode or functorch
-# transform (they intercept ops, e.g. FLOP counters, vmap and grad).
+# A custom op costs host time on every eager call (the dispatcher, schema checks, its autograd
+# wrapper: with stub kernels on a CPU, 5-9 us more per forward and 80-120 us more per forward +
+# backward than this path; benchmarks/fa4_op_overhead_probe.py), which FA4's host-bound calls pay
+# on top of FA4's own Python. Plain eager calls therefore run the same implementations and the
+# same autograd formula through an ``autograd.Function``; anything that needs the op as a graph
+# node takes the op: torch.compile / export / jit tracing, tensor subclasses (FakeTensor,
+# DTensor, nn.Parameter), and any active TorchFunctionMode, TorchDispatchMode or functorch
+# transform (they intercept ops, e.g. FLOP counters, ``with torch.device(...)``, vmap and grad).
 
 
 def fa4_fwd_eager(
@@ -427,6 +429,7 @@ class _EagerFA4(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # no double backward, as the op (which raises)
     def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> tuple[Any, ...]:
         return _backward(ctx, g_out, g_lse)
 
@@ -435,7 +438,8 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     """Whether a call may skip the op: eager, plain tensors, and nothing intercepting ops."""
     return (
         all(t is None or type(t) is torch.Tensor for t in tensors)
-        and not torch.compiler.is_compiling()
+        and not _compat.is_compiling()
+        and not torch.jit.is_tracing()
         and not torch._C._is_torch_function_mode_enabled()
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.peek_interpreter_stack() is None

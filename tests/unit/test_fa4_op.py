@@ -7,7 +7,9 @@ not by autograd), so the lse-gradient call is checked against the reference for 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -241,37 +243,71 @@ def test_unused_lse_costs_no_second_backward(emulated: None, monkeypatch: pytest
     assert len(calls) == 1
 
 
-def test_plain_eager_calls_skip_the_op_and_modes_see_it(emulated: None) -> None:
-    """A plain eager call (forward and backward) runs the kernels without dispatching the ops;
-    under a TorchDispatchMode (as FLOP counters, FakeTensor tracing) both ops are dispatched."""
+@contextlib.contextmanager
+def _recorded_ops() -> Iterator[list[str]]:
+    """Record calls of ``torch.ops.flexattn_zoo.fa4_fwd`` / ``fa4_bwd`` (still run)."""
+    calls: list[str] = []
+    real = {name: getattr(torch.ops.flexattn_zoo, name) for name in ("fa4_fwd", "fa4_bwd")}
+
+    def recording(name: str) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(name)
+            return real[name](*args)
+
+        return call
+
+    try:
+        for name in real:
+            setattr(torch.ops.flexattn_zoo, name, recording(name))
+        yield calls
+    finally:
+        for name, op in real.items():
+            setattr(torch.ops.flexattn_zoo, name, op)
+
+
+def _step(q: torch.Tensor) -> None:
+    out, _ = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
+    out.sum().backward()
+
+
+def test_plain_eager_calls_skip_the_op(emulated: None) -> None:
+    """A plain eager call, forward and backward, runs the kernels without dispatching the ops."""
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    with _recorded_ops() as calls:
+        _step(q)
+    assert calls == [] and q.grad is not None
+
+
+@pytest.mark.parametrize("where", ["dispatch_mode", "function_mode", "parameter"])
+def test_modes_and_subclasses_take_the_ops(emulated: None, where: str) -> None:
+    """Under a TorchDispatchMode (FLOP counters, FakeTensor tracing) or a TorchFunctionMode
+    (``with torch.device(...)``), and for tensor subclasses (``nn.Parameter``), both ops run."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: list[str] = []
-
+    class Passthrough(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
     q = torch.randn(1, 8, 2, 16, requires_grad=True)
-    seen = Seen()
-    with seen:
-        out, _ = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
-        out.sum().backward()
-    assert any("fa4_fwd" in op for op in seen.ops) and any("fa4_bwd" in op for op in seen.ops)
-    calls: list[str] = []
-    real_fwd, real_bwd = torch.ops.flexattn_zoo.fa4_fwd, torch.ops.flexattn_zoo.fa4_bwd
-    try:
-        fa4_op.torch.ops.flexattn_zoo.fa4_fwd = lambda *a: calls.append("fwd")  # type: ignore[assignment]
-        fa4_op.torch.ops.flexattn_zoo.fa4_bwd = lambda *a: calls.append("bwd")  # type: ignore[assignment]
-        q.grad = None
-        out, _ = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
-        out.sum().backward()
-    finally:
-        torch.ops.flexattn_zoo.fa4_fwd, torch.ops.flexattn_zoo.fa4_bwd = real_fwd, real_bwd  # type: ignore[assignment]
-    assert calls == [] and q.grad is not None
+    if where == "parameter":
+        q = torch.nn.Parameter(q.detach())
+    context = {"dispatch_mode": Passthrough(), "function_mode": torch.device("cpu")}.get(where)
+    with _recorded_ops() as calls, context or contextlib.nullcontext():
+        _step(q)
+    assert "fa4_fwd" in calls and "fa4_bwd" in calls, calls
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_no_double_backward(emulated: None, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Second-order gradients are refused on both paths (FA4 has no double backward), never
+    returned partial."""
+    if path == "op":
+        monkeypatch.setattr(fa4_op, "_plain_eager", lambda *tensors: False)
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64, requires_grad=True)
+    out, lse = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
+    (g,) = torch.autograd.grad(out.sum() + lse.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.sum(), q)
 
 
 # -- the route's layouts (rows, chunks, packed), on CPU tensors --------------------------------
