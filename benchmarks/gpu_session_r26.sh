@@ -60,7 +60,7 @@ case "$step" in
       tests/gpu/test_compile_gpu.py tests/gpu/test_dropin_gpu.py -k "fa4 or cache_prefixes"
     PYTHONPATH="$PWD" run host_layers_h200_r26 60 python3 benchmarks/host_layers_probe.py --device cuda
     PYTHONPATH="$PWD" run static_dynamic_probe_h200 150 python3 benchmarks/static_dynamic_probe.py
-    OUT="$out" run run_h200_nofa4_decode 120 bash benchmarks/run_h200.sh nofa4 --resume --rerun \
+    run run_h200_nofa4_decode 120 env OUT="$out" bash benchmarks/run_h200.sh nofa4 --resume --rerun \
       --routes auto,flex,sdpa,plain_sdpa --cases decode_gqa --quiet
     ;;
   short) sweep_rows generalization_short_r26 --rerun --cases "$SHORT" ;;

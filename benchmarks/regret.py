@@ -44,9 +44,11 @@ def report(
     source: str,
     config: str,
     auto_rows: tuple[str, list[dict[str, Any]]] | None = None,
+    nofa4_file: str | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """The Markdown report and its JSON summary; ``auto_rows``: ``(file, rows)`` of a run without
-    FA4, whose ``auto`` / ``auto_tuned`` rows are the no-FA4 view's measured ones."""
+    FA4, whose ``auto`` / ``auto_tuned`` rows are the no-FA4 view's measured ones; ``nofa4_file``:
+    that file as the report's command line names it."""
     groups = replay.groups(data["rows"], load_config(config))
     # The measured choices of a run with FA4 say nothing about a machine without it: the no-FA4
     # view reads them from the run without FA4 (the replays below keep the source's auto rows,
@@ -84,7 +86,8 @@ def report(
         "",
         f"Source: `{source}` ({len(data['rows'])} rows, {len(groups)} (case, mode) pairs of "
         "flexattn_zoo/bench/configs/generalization.yaml); report: `python benchmarks/regret.py "
-        f"{source}`. torch {env.get('torch', '?')}, FA4 importable: {env.get('flash_attn_cute', '?')}.",
+        f"{source}{f' --nofa4-auto {nofa4_file}' if nofa4_file else ''}`. torch {env.get('torch', '?')}, "
+        f"FA4 importable: {env.get('flash_attn_cute', '?')}.",
         "",
         "Ratio = fastest route's time / chosen route's time (1.00: auto took the fastest). The",
         "fastest is over the routes `auto` may take that ran (not the baselines `plain_sdpa`,",
@@ -167,11 +170,12 @@ def main() -> None:
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     stem, folder = args.results.stem, args.results.parent
-    md, _ = report(data, True, str(args.results), args.config)
-    (folder / f"{stem}.md").write_text(md)
     nofa4 = args.nofa4_auto
+    named = str(nofa4) if nofa4 else None
+    md, _ = report(data, True, str(args.results), args.config, nofa4_file=named)
+    (folder / f"{stem}.md").write_text(md)
     auto_rows = (str(nofa4), json.loads(nofa4.read_text())["rows"]) if nofa4 else None
-    md, derived = report(data, False, str(args.results), args.config, auto_rows)
+    md, derived = report(data, False, str(args.results), args.config, auto_rows, named)
     (folder / f"{stem}-nofa4.md").write_text(md)
     (folder / f"{stem}-nofa4.json").write_text(json.dumps(derived, indent=1) + "\n")
     print(f"wrote {folder / stem}.md, {stem}-nofa4.md, {stem}-nofa4.json")

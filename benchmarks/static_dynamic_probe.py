@@ -31,8 +31,9 @@ from flexattn_zoo import masks
 from flexattn_zoo.backends import BY_NAME
 from flexattn_zoo.compile import CompiledFlex
 
-#: name: (B, Hq, Hkv, Lq, Lkv, D, mask, other length); the other length differs by a block of 128
-#: keys (or queries), as two batches of a training run or two prefill lengths would.
+#: name: (B, Hq, Hkv, Lq, Lkv, D, mask, other length): the length the "dynamic" entry sees first,
+#: a block of 128 shorter for training shapes (two batches of a run, two prefill lengths), one key
+#: shorter for decoding (the previous step's cache).
 CASES: dict[str, tuple[int, int, int, int, int, int, Any, int]] = {
     "causal 8K, 32:8, D=128": (1, 32, 8, 8192, 8192, 128, masks.Causal(), 8064),
     "sliding 4096 + causal 8K, 16:8, D=128": (

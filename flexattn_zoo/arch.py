@@ -330,8 +330,8 @@ RULES: tuple[Rule, ...] = (
         front=("fa4",),
         why="decoding one query over long caches with 256 or more (batch x kv head) rows: "
         "FlashAttention-2 (SDPA's choice without cuDNN) reads the cache at about 55% of HBM bandwidth "
-        "there, FA4 with packed query heads near all of it, at any cache length (B=32, 32:8 heads, "
-        "8K keys: fa4 0.24 ms, FA2 0.39; at 4K keys or 64 rows FA2 ties or wins). Not flex: 0.25 ms "
+        "there, FA4 with packed query heads near all of it, also when the length changes every call "
+        "(B=32, 32:8 heads, 8K keys: fa4 0.24 ms, FA2 0.39; at 4K keys or 64 rows FA2 ties or wins). Not flex: 0.25 ms "
         "at one fixed length, but in a generation loop, where the length changes every call, its "
         "compiled kernel is the dynamic-shape one and takes 0.6 ms (cycling_host_probe_h200_b32). "
         "Not cuDNN: as fast with a warm plan, it builds an execution plan per cache length",

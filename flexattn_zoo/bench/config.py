@@ -5,8 +5,8 @@ Schema (``defaults`` keys may also be given per case, where they win)::
     defaults:
       dtype: bf16            # bf16 | fp16 | fp32 | fp64
       device: auto           # auto (cuda when available) | cuda | cpu
-      warmup: 5              # untimed calls after the first (compiling) call
-      iters: 20              # timed calls; the median is reported
+      warmup: 5              # least untimed calls after the first (compiling) one (and >= 25 ms)
+      iters: 20              # least timed calls (more to fill 100 ms, <= 1000); the median is reported
       modes: [fwd, fwdbwd]   # fwd: torch.no_grad inference; fwdbwd: forward + backward
       routes: [auto, sdpa_cudnn, flex, raw_flex, sdpa_dense_mask]
       max_dense_gib: 60      # routes whose dense-memory estimate exceeds this are skipped as OOM

@@ -288,8 +288,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--routes", help=f"comma-separated routes, overriding the config ({', '.join(all_routes())})"
     )
     p.add_argument("--modes", help="comma-separated modes: fwd, fwdbwd")
-    p.add_argument("--iters", type=int, help="override timed iterations")
-    p.add_argument("--warmup", type=int, help="override warm-up iterations")
+    p.add_argument("--iters", type=int, help="override the least timed calls per row (more fill 100 ms)")
+    p.add_argument("--warmup", type=int, help="override the least warm-up calls per row (and 25 ms)")
     p.add_argument(
         "--resume", action="store_true", help="keep the rows already in --out and run only the others"
     )

@@ -32,6 +32,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskSpec
+from flexattn_zoo.tuning import fill_count, warm_up
 
 #: Least seconds of warm-up calls, and of timed calls, per row (the configured counts are minimums).
 MIN_WARMUP_S = 0.025
@@ -109,32 +110,14 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _warm(step: Callable[[], Any], device: torch.device, warmup: int) -> float:
-    """Run at least ``warmup`` calls and :data:`MIN_WARMUP_S` of them (in growing batches, each
-    synchronized, so no more than about twice that time is queued); returns the seconds per call
-    of the last batch (of the first call when ``warmup`` is 0 and the first call took long)."""
-    batch, spent, per_call = max(warmup, 1), 0.0, 0.0
-    done = 0
-    while done < warmup or (spent < MIN_WARMUP_S and done < MAX_ITERS):
-        start = time.perf_counter()
-        for _ in range(batch):
-            step()
-        sync(device)
-        took = time.perf_counter() - start
-        spent, done, per_call = spent + took, done + batch, took / batch
-        batch = min(2 * batch, MAX_ITERS)
-    return per_call
-
-
 def timed_iters(iters: int, per_call_s: float) -> int:
     """Timed calls for a call of ``per_call_s`` seconds: ``iters`` or as many as fill
     :data:`MIN_TIMED_S`, whichever is more, at most :data:`MAX_ITERS` (never below ``iters``)."""
-    fill = int(MIN_TIMED_S / per_call_s) + 1 if per_call_s > 0 else MAX_ITERS
-    return max(iters, min(fill, MAX_ITERS))
+    return fill_count(iters, per_call_s, MIN_TIMED_S, MAX_ITERS)
 
 
 def _steady(step: Callable[[], Any], device: torch.device, warmup: int, iters: int, first: float) -> Timing:
-    iters = timed_iters(iters, _warm(step, device, warmup))
+    iters = timed_iters(iters, warm_up(step, device, warmup, MIN_WARMUP_S, MAX_ITERS))
     peak = base = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -60,7 +60,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--cases", help="comma-separated case names (default: all)")
     p.add_argument("--modes", help="comma-separated modes: fwd, fwdbwd (default: the config's)")
     p.add_argument("--reps", type=int, help="timed calls per route (default: the case's iters)")
-    p.add_argument("--warmup", type=int, help="untimed calls after the first (default: the case's warmup)")
+    p.add_argument(
+        "--warmup", type=int, help="least untimed calls after the first (default: the case's warmup)"
+    )
     p.add_argument("--force", action="store_true", help="measure again signatures already in the cache")
     p.add_argument("--no-save", action="store_true", help="keep measurements in memory: write no cache file")
     p.add_argument("--quiet", action="store_true", help="print no table")

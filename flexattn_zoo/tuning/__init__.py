@@ -759,6 +759,30 @@ MIN_TIMED_S = 0.05
 MAX_REPS = 500
 
 
+def warm_up(step: Callable[[], Any], device: torch.device, count: int, min_s: float, max_calls: int) -> float:
+    """Run ``step`` at least ``count`` times and for at least ``min_s`` seconds (at most
+    ``max_calls`` times past ``count``), in batches that double after the first, each followed by
+    a device synchronize (so little more than ``min_s`` of work is ever queued); returns the
+    seconds per call of the last batch."""
+    done, spent, per_call, batch = 0, 0.0, 0.0, max(count, 1)
+    while done < count or (spent < min_s and done < max_calls):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            step()
+        _sync(device)
+        took = time.perf_counter() - t0
+        done, spent, per_call = done + batch, spent + took, took / batch
+        batch = min(2 * batch, max_calls)
+    return per_call
+
+
+def fill_count(count: int, per_call_s: float, min_s: float, max_calls: int) -> int:
+    """Calls to time for a call of ``per_call_s`` seconds: ``count``, raised to as many as fill
+    ``min_s`` seconds, at most ``max_calls`` (never below ``count``)."""
+    fill = int(min_s / per_call_s) + 1 if per_call_s > 0 else max_calls
+    return max(count, min(fill, max_calls))
+
+
 def time_step(step: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, float]:
     """``(median ms of the timed calls, seconds of the first call)`` of ``step``: the first call,
     at least ``warmup`` untimed calls and :data:`MIN_WARMUP_S` of them, then at least ``reps`` timed
@@ -768,17 +792,8 @@ def time_step(step: Callable[[], Any], device: torch.device, warmup: int, reps: 
     step()
     _sync(device)
     first = time.perf_counter() - start
-    done, spent, per_call = 0, 0.0, first
-    while done < warmup or (spent < MIN_WARMUP_S and done < MAX_REPS):
-        batch = max(1, warmup - done) if done < warmup else max(1, done)  # doubling after the count
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            step()
-        _sync(device)
-        took = time.perf_counter() - t0
-        done, spent, per_call = done + batch, spent + took, took / batch
-    if per_call > 0:
-        reps = max(reps, min(MAX_REPS, int(MIN_TIMED_S / per_call) + 1))
+    per_call = warm_up(step, device, warmup, MIN_WARMUP_S, MAX_REPS)
+    reps = fill_count(reps, per_call, MIN_TIMED_S, MAX_REPS)
     if device.type == "cuda":
         events = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
@@ -906,6 +921,7 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
+    "fill_count",
     "is_enabled",
     "settings",
     "signature",
@@ -913,4 +929,5 @@ __all__ = [
     "table",
     "time_route",
     "time_step",
+    "warm_up",
 ]

@@ -669,9 +669,7 @@ def test_time_step_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.
 
     median, first = tuning.time_step(stepping(1e-4), torch.device("cpu"), warmup=2, reps=10)
     assert median == pytest.approx(0.1) and first == pytest.approx(1e-4)
-    timed = int(tuning.MIN_TIMED_S / 1e-4) + 1
-    assert min(timed, tuning.MAX_REPS) == tuning.MAX_REPS  # capped
-    warm = calls[0] - 1 - tuning.MAX_REPS
+    warm = calls[0] - 1 - tuning.MAX_REPS  # 0.1 ms calls: MIN_TIMED_S would need more than the cap
     assert int(tuning.MIN_WARMUP_S / 1e-4) <= warm <= 2 * int(tuning.MIN_WARMUP_S / 1e-4) + 2
     calls[0] = 0
     median, _ = tuning.time_step(stepping(1.0), torch.device("cpu"), warmup=2, reps=3)
