@@ -20,7 +20,7 @@
   windows) with ``Lq == Lkv``, and no score mod or ``SoftCap(approx=True)``. Inputs are the sweep's
   ``[B, H, L, D]`` tensors viewed as FA4's ``[B, L, H, D]`` (no copy).
 * ``auto_tuned``: ``fz.attention(..., tune=True)``: measured route choice from an empty tuning
-  table (a fresh cache directory per process, unless ``FLEXATTN_ZOO_CACHE_DIR`` is set). The
+  table (a fresh cache directory per row, unless the caller set ``FLEXATTN_ZOO_CACHE_DIR``). The
   tuning runs while the route is prepared (the first call of the signature, in the row's mode);
   its seconds are in the row's notes, apart from the timed calls; ``chosen`` is the route the
   table then gives.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -166,7 +167,6 @@ def prepare_tuned(case: Case, mode: str, mask: Any, score: Any, x: Inputs, devic
     def call() -> torch.Tensor:
         return fz.attention(x.q, x.k, x.v, **kwargs)
 
-    _plan("auto", case, mask, score, x)  # Unsupported when no route accepts the call
     with grad:
         _, seconds = timed(call, device)
         plan = fz.plan(x.q, x.k, x.v, **kwargs)
@@ -176,11 +176,22 @@ def prepare_tuned(case: Case, mode: str, mask: Any, score: Any, x: Inputs, devic
     return Prepared(call=call, chosen=plan.backend, notes=[note])
 
 
+#: The tuning cache directories ``auto_tuned`` rows made (each row gets a new, empty one).
+_TUNING_DIRS: list[str] = []
+
+
 def _fresh_tuning_dir() -> None:
-    # Tuning from an empty table: a caller's persisted measurements would make the row a cache read.
-    if os.environ.get(tuning.store.CACHE_DIR_ENV) is None:
-        # The table's next read loads this empty directory, dropping entries read from another.
-        os.environ[tuning.store.CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_")
+    """Point the tuning table at a new empty directory for this row (the table's next read drops
+    the entries read from another), unless the caller set ``FLEXATTN_ZOO_CACHE_DIR`` to a directory
+    of their own: then the row measures what that table lacks and reads the rest. The previous
+    row's directory is removed."""
+    current = os.environ.get(tuning.store.CACHE_DIR_ENV)
+    if current is not None and current not in _TUNING_DIRS:
+        return
+    _TUNING_DIRS.append(tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_"))
+    os.environ[tuning.store.CACHE_DIR_ENV] = _TUNING_DIRS[-1]
+    if current is not None:
+        shutil.rmtree(current, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,8 +381,6 @@ def prepare(
         return prepare_plain_sdpa(case, mask, score, x)
     if route == "fa4_direct":
         return prepare_fa4_direct(case, mask, score, x)
-    if route == "auto_tuned":
-        return prepare_tuned(case, mode, mask, score, x, device)
     if route == "sdpa_dense_mask":
         if case.lq != case.seq_len:
             raise Unsupported("the dense-mask baseline is measured at Lq == Lkv only")
@@ -380,7 +389,9 @@ def prepare(
                 f"score_mod {type(score).__name__} is not an additive bias; SDPA cannot express it"
             )
     elif route != "raw_flex":
-        plan = _plan(route, case, mask, score, x)
+        # auto_tuned: the static choice (the memory guard below reads it; tuning never picks a
+        # route that holds Lq x Lkv unless the static order does).
+        plan = _plan("auto" if route == "auto_tuned" else route, case, mask, score, x)
         chosen = plan.backend
     need = max(
         dense_estimate_bytes(route, case, mode, mask, score),
@@ -392,6 +403,8 @@ def prepare(
         return prepare_raw_flex(case, mask, score, x, device)
     if route == "sdpa_dense_mask":
         return prepare_dense_mask(case, mask, score, x, device)
+    if route == "auto_tuned":
+        return prepare_tuned(case, mode, mask, score, x, device)
     assert plan is not None  # every other route was planned above
     return prepare_fz(route, plan, case, mask, score, x, device)
 

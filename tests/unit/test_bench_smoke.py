@@ -409,23 +409,35 @@ def test_fa4_direct_baseline_arguments() -> None:
 
 def test_auto_tuned_route_measures_from_an_empty_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto_tuned`` tunes the case's signature in the row's mode from an empty table (a fresh
-    cache directory, not the caller's measurements) and times the route the table then gives."""
+    cache directory per row, not the caller's measurements nor an earlier row's) and times the
+    route the table then gives."""
     from flexattn_zoo import tuning
 
     monkeypatch.delenv(tuning.store.CACHE_DIR_ENV, raising=False)
+    timed: list[str] = []
+    real = tuning.time_route
+
+    def counting(name: str, *args: Any) -> Any:
+        timed.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(tuning, "time_route", counting)
     try:
-        cases = parse_config(_config(routes=["auto", "auto_tuned"], modes=["fwd"], iters=2))
+        config = _config(routes=["auto", "auto_tuned"], modes=["fwd"], iters=2)
+        config["cases"].append({**config["cases"][0], "name": "same_signature"})
         data: dict[str, Any] = {"env": {}, "rows": []}
-        assert bench.run_sweep(cases, data, quiet=True) is True
-        auto, tuned = data["rows"]
-        assert tuned["route"] == "auto_tuned" and tuned["status"] == "ok", tuned
+        assert bench.run_sweep(parse_config(config), data, quiet=True) is True
+        auto, tuned, _, tuned_again = data["rows"]
+        assert tuned["route"] == tuned_again["route"] == "auto_tuned" and tuned["status"] == "ok", tuned
+        # both rows measured (the second row's signature is the first's): twice the routes timed
+        assert len(timed) >= 4 and timed[: len(timed) // 2] == timed[len(timed) // 2 :], timed
         fresh = os.environ[tuning.store.CACHE_DIR_ENV]
         assert Path(fresh).name.startswith("flexattn_zoo_bench_tune_")
-        (note,) = [n for n in tuned["notes"] if n.startswith("tuning:")]
-        timed = dict(re.findall(r"(\w+) (\d+\.\d+)", note.split("; ms ")[1]))
-        assert len(timed) >= 2 and tuned["chosen"] in timed, note  # routes were measured here
+        (note,) = [n for n in tuned_again["notes"] if n.startswith("tuning:")]
+        ms = dict(re.findall(r"(\w+) (\d+\.\d+)", note.split("; ms ")[1]))
+        assert len(ms) >= 2 and tuned_again["chosen"] in ms, note
         entries = tuning.table()
-        assert len(entries) == 1 and next(iter(entries.values())).winner == tuned["chosen"]
+        assert len(entries) == 1 and next(iter(entries.values())).winner == tuned_again["chosen"]
         assert tuned["chosen"] in auto["accepted"]
         assert tuning.cache_path("cpu").is_relative_to(fresh)
     finally:
