@@ -2,8 +2,10 @@
 
 ``fz.attention(q, cache[:, :, :n], ...)`` on a flex route costs about 0.25 ms per step at one
 fixed length on the H200 (B=32, 32:8 heads, 8K keys) but 0.6-0.74 ms when the length cycles over
-64 values (``decode_kernel_probe_h200_r24_prefix.txt``), at B=8 as at B=32, i.e. host time. This
-probe times, for a fixed and for a cycling length, each layer of that call side by side:
+64 values (``decode_kernel_probe_h200_r24_prefix.txt``). Its run on the H200
+(``cycling_host_probe_h200_b32.txt``) found that to be kernel time: once the entry has seen a
+second length, its dynamic-shape graph's kernel takes 0.6 ms at every length. This probe times,
+for a fixed and for a cycling length, each layer of that call side by side:
 
 * ``fz.attention(backend=ROUTE)`` on the prefix;
 * the plan cache's bound call (the route's launch for the problem);
