@@ -19,6 +19,7 @@ from typing import Any
 from flexattn_zoo.arch import RULES
 from flexattn_zoo.bench import replay
 from flexattn_zoo.bench.config import load_config
+from flexattn_zoo.bench.report import HOST_BOUND, host_bound
 
 
 def _fmt(ms: float | None) -> str:
@@ -27,6 +28,11 @@ def _fmt(ms: float | None) -> str:
 
 def _ratio(v: replay.Verdict | None) -> str:
     return "-" if v is None or v.ratio is None else f"{v.ratio:.2f}"
+
+
+def _hb(g: replay.Group, route: str | None) -> str:
+    """`` (h)`` when ``route``'s row in ``g`` was host-bound (its time is mostly host time)."""
+    return " (h)" if route is not None and host_bound(g.rows.get(route)) else ""
 
 
 def _summary_rows(label: str, s: dict[str, Any]) -> str:
@@ -100,6 +106,8 @@ def report(
         "  (SDPA's own kernel choice through the library, a route added after its rows were measured)",
         "  the `plain_sdpa` row stands in, i.e. without the library's host time per call: an upper bound.",
         "* rules without sdpa: the same order with route `sdpa` absent: a lower bound.",
+        f"* `(h)`: the chosen route's row was host-bound (issuing a call took at least {HOST_BOUND:g} of",
+        "  the call's time), so its time is mostly this machine's host time, which varies run to run.",
         "",
         "| view | n | median | p10 | worst | within 5% | within 10% |",
         "|---|---|---|---|---|---|---|",
@@ -123,7 +131,7 @@ def report(
         r0 = next(iter(g.rows.values()))
         heads = f"{r0['heads']}:{r0['kv_heads']}" if r0["kv_heads"] != r0["heads"] else str(r0["heads"])
         shape = f"{sz.batch}x{heads}x{sz.q_len}/{sz.kv_len}x{sz.head_dim}"
-        measured = f"{o.chosen} {_fmt(o.chosen_ms)}" if o else "-"
+        measured = f"{o.chosen} {_fmt(o.chosen_ms)}{_hb(g, o.chosen)}" if o else "-"
         tuned_cell = (f"{t.chosen} {_fmt(t.chosen_ms)} | " if t else "- | ") if any_tuned else ""
         tuned_ratio = f"{_ratio(t)} / " if any_tuned else ""
         lines.append(
