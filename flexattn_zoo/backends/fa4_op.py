@@ -225,8 +225,7 @@ def _lse_shape(q: torch.Tensor, packed: bool) -> tuple[int, ...]:
 # -- the ops ----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flexattn_zoo::fa4_fwd", mutates_args=(), schema=FWD_SCHEMA)
-def fa4_fwd(
+def fa4_fwd_eager(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -237,7 +236,14 @@ def fa4_fwd(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return fa4_fwd_eager(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
+    """``flexattn_zoo::fa4_fwd``'s implementation (FA4 under the lock; contiguous ``out``, float32
+    ``lse``), also called directly by the eager path."""
+    with flash_cute_lock():
+        out, lse = _fwd_kernel(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
+    return out.contiguous(), lse.float().contiguous()
+
+
+fa4_fwd = torch.library.custom_op("flexattn_zoo::fa4_fwd", mutates_args=(), schema=FWD_SCHEMA)(fa4_fwd_eager)
 
 
 @fa4_fwd.register_fake
@@ -257,8 +263,7 @@ def _fa4_fwd_fake(
     return out, lse
 
 
-@torch.library.custom_op("flexattn_zoo::fa4_bwd", mutates_args=(), schema=BWD_SCHEMA)
-def fa4_bwd(
+def fa4_bwd_eager(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,9 +277,16 @@ def fa4_bwd(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return fa4_bwd_eager(
-        dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right
-    )
+    """``flexattn_zoo::fa4_bwd``'s implementation (FA4 under the lock; gradients laid out as
+    :func:`_grad_like`), also called directly by the eager path."""
+    with flash_cute_lock():
+        dq, dk, dv = _bwd_kernel(
+            dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right
+        )
+    return _as_grad_of(dq, q), _as_grad_of(dk, k), _as_grad_of(dv, v)
+
+
+fa4_bwd = torch.library.custom_op("flexattn_zoo::fa4_bwd", mutates_args=(), schema=BWD_SCHEMA)(fa4_bwd_eager)
 
 
 @fa4_bwd.register_fake
@@ -366,65 +378,13 @@ fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 # transform (they intercept ops, e.g. FLOP counters, ``with torch.device(...)``, vmap and grad).
 
 
-def fa4_fwd_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    max_seqlen: int,
-    scale: float,
-    softcap: float,
-    window_left: int,
-    window_right: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``flexattn_zoo::fa4_fwd`` computes, called as a Python function (no autograd)."""
-    with flash_cute_lock():
-        out, lse = _fwd_kernel(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
-    return out.contiguous(), lse.float().contiguous()
-
-
-def fa4_bwd_eager(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    max_seqlen: int,
-    scale: float,
-    softcap: float,
-    window_left: int,
-    window_right: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What ``flexattn_zoo::fa4_bwd`` computes, called as a Python function."""
-    with flash_cute_lock():
-        dq, dk, dv = _bwd_kernel(
-            dout, q, k, v, out, lse, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right
-        )
-    return _as_grad_of(dq, q), _as_grad_of(dk, k), _as_grad_of(dv, v)
-
-
 class _EagerFA4(torch.autograd.Function):
     """``flexattn_zoo::fa4_fwd`` with its autograd formula, without the op's dispatch."""
 
     @staticmethod
-    def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor | None,
-        max_seqlen: int,
-        scale: float,
-        softcap: float,
-        window_left: int,
-        window_right: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = fa4_fwd_eager(q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right)
-        _setup_context(
-            ctx, (q, k, v, cu_seqlens, max_seqlen, scale, softcap, window_left, window_right), (out, lse)
-        )
+    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fa4_fwd's arguments
+        out, lse = fa4_fwd_eager(*args)
+        _setup_context(ctx, args, (out, lse))
         ctx.eager = True
         return out, lse
 
