@@ -176,8 +176,8 @@ def prepare_tuned(case: Case, mode: str, mask: Any, score: Any, x: Inputs, devic
     return Prepared(call=call, chosen=plan.backend, notes=[note])
 
 
-#: The tuning cache directories ``auto_tuned`` rows made (each row gets a new, empty one).
-_TUNING_DIRS: list[str] = []
+#: The tuning cache directory the last ``auto_tuned`` row made (each row gets a new, empty one).
+_TUNING_DIR: list[str | None] = [None]
 
 
 def _fresh_tuning_dir() -> None:
@@ -186,10 +186,10 @@ def _fresh_tuning_dir() -> None:
     of their own: then the row measures what that table lacks and reads the rest. The previous
     row's directory is removed."""
     current = os.environ.get(tuning.store.CACHE_DIR_ENV)
-    if current is not None and current not in _TUNING_DIRS:
+    if current is not None and current != _TUNING_DIR[0]:
         return
-    _TUNING_DIRS.append(tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_"))
-    os.environ[tuning.store.CACHE_DIR_ENV] = _TUNING_DIRS[-1]
+    _TUNING_DIR[0] = tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_")
+    os.environ[tuning.store.CACHE_DIR_ENV] = _TUNING_DIR[0]
     if current is not None:
         shutil.rmtree(current, ignore_errors=True)
 
