@@ -188,8 +188,8 @@ def _fresh_tuning_dir() -> None:
     current = os.environ.get(tuning.store.CACHE_DIR_ENV)
     if current is not None and current != _TUNING_DIR[0]:
         return
-    _TUNING_DIR[0] = tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_")
-    os.environ[tuning.store.CACHE_DIR_ENV] = _TUNING_DIR[0]
+    made = _TUNING_DIR[0] = tempfile.mkdtemp(prefix="flexattn_zoo_bench_tune_")
+    os.environ[tuning.store.CACHE_DIR_ENV] = made
     if current is not None:
         shutil.rmtree(current, ignore_errors=True)
 
