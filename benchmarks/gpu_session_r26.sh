@@ -5,19 +5,20 @@
 # benchmarks/README.md, "Re-running"). Outputs go into $OUT/r26/, packed into $OUT/r26_STEP.tar
 # after every sub-step.
 #
-#   bash benchmarks/gpu_session_r26.sh verify 540   # the fa4 route's eager path (GPU tests of the
+#   bash benchmarks/gpu_session_r26.sh probes 400   # (FA4 not needed) the host layers (static-shape
+#                                                   # flex entry again), a flex entry's static
+#                                                   # against its dynamic-shape graph, the decoding
+#                                                   # row without FA4 under the new rule
+#   bash benchmarks/gpu_session_r26.sh fa4tests 300 # the fa4 route's eager path (GPU tests of the
 #                                                   # route, its compile / export / CUDA-graph tests,
-#                                                   # the cache-prefix test with FA4), the host
-#                                                   # layers (static-shape flex entry again), a flex
-#                                                   # entry's static against its dynamic-shape graph,
-#                                                   # the decoding row without FA4 under the new rule
+#                                                   # the cache-prefix test with FA4)
 #   bash benchmarks/gpu_session_r26.sh short 540    # the sweep's short, host-bound cases again with
 #                                                   # every route, under the harness's time-filled
 #                                                   # counts (/root/gen.json, seeded from results/)
 #   bash benchmarks/gpu_session_r26.sh finish 540   # the sweep's cases still missing routes
 #   bash benchmarks/gpu_session_r26.sh tuned 540    # auto_tuned on the pairs auto misses most
 set -uo pipefail
-step="${1:?usage: $0 verify|short|finish|tuned [BUDGET_S]}"
+step="${1:?usage: $0 probes|fa4tests|short|finish|tuned [BUDGET_S]}"
 budget="${2:-520}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:?set OUT}/r26"
@@ -55,9 +56,11 @@ sweep_rows() {  # sweep_rows NAME [ARGS...]: the sweep resumed into /root/gen.js
 SHORT=llama3_8b_l128_b64,bert_base_l128_b128,bert_base_l512_b32,vit_b16_l197_b64,decode_llama3_8b_b1_32k,decode_llama2_7b_b16_2k,gpt2_l1024_b16,qwen25_05b_l1024_b16,vit_h14_l257_b16_d80,decode_qwen25_7b_b64_1k
 
 case "$step" in
-  verify)
-    run gpu_tests_r26_fa4 300 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_routes_gpu.py \
+  fa4tests)
+    run gpu_tests_r26_fa4 "$(left)" python3 -m pytest -m gpu -q -rfEs tests/gpu/test_routes_gpu.py \
       tests/gpu/test_compile_gpu.py tests/gpu/test_dropin_gpu.py -k "fa4 or cache_prefixes"
+    ;;
+  probes)
     PYTHONPATH="$PWD" run host_layers_h200_r26 60 python3 benchmarks/host_layers_probe.py --device cuda
     PYTHONPATH="$PWD" run static_dynamic_probe_h200 150 python3 benchmarks/static_dynamic_probe.py
     run run_h200_nofa4_decode 120 env OUT="$out" bash benchmarks/run_h200.sh nofa4 --resume --rerun \
