@@ -1,13 +1,16 @@
 """A flex route's compiled kernel with static shapes against the dynamic-shape graph Dynamo
-compiles once the same entry has seen a second shape (its automatic dynamic shapes).
+compiles once the same code has seen a second shape (its automatic dynamic shapes).
 
 The flex routes keep one compiled entry per kernel (mask / score-mod code, options), shared by
-every length, so a process that runs a mask at two lengths runs its dynamic-shape graph from then
-on, at every length. Measured on the H200 so far: one-query decoding over 8K keys takes 0.6 ms on
+every length. With Dynamo's automatic dynamic shapes alone, a process that runs a mask at two
+lengths would run its dynamic-shape graph from then on, at every length; an entry now compiles
+static graphs for its first ``STATIC_SHAPES`` shapes and only later shapes share a dynamic one. Measured on the H200 so far: one-query decoding over 8K keys takes 0.6 ms on
 that graph against 0.25 at static shapes (``cycling_host_probe_h200_b32.txt``), and the host issues
 a small call about 35 us slower (``host_layers_h200_r25.txt``). This probe measures it per
-problem: two fresh entries with the route's BlockMask and kernel options, one called at the
-problem's shape only (static), one first called at another length (dynamic), timed interleaved:
+problem: three fresh entries with the route's BlockMask and kernel options, one called at the
+problem's shape only (static), one first called at one other length (two lengths: the entry's
+policy should keep it static), one first called at ``STATIC_SHAPES + 1`` other lengths (dynamic),
+timed interleaved:
 CUDA-event milliseconds per call (median) and the host's time to issue a call, forward and
 forward + backward.
 
@@ -29,7 +32,7 @@ import torch
 import flexattn_zoo as fz
 from flexattn_zoo import masks
 from flexattn_zoo.backends import BY_NAME
-from flexattn_zoo.compile import CompiledFlex
+from flexattn_zoo.compile import STATIC_SHAPES, CompiledFlex
 
 #: name: (B, Hq, Hkv, Lq, Lkv, D, mask, other length): the length the "dynamic" entry sees first,
 #: a block of 128 shorter for training shapes (two batches of a run, two prefill lengths), one key
@@ -51,7 +54,7 @@ CASES: dict[str, tuple[int, int, int, int, int, int, Any, int]] = {
 }
 #: Small versions for a run of the probe's logic on the CPU (``--device cpu``; flex_cpu, float32).
 CPU_CASES: dict[str, tuple[int, int, int, int, int, int, Any, int]] = {
-    "causal 256, 4:2, D=16": (1, 4, 2, 256, 256, 16, masks.Causal(), 128),
+    "causal 256, 4:2, D=16": (1, 4, 2, 256, 256, 16, masks.Causal(), 224),
     "decode, 1 query, 256 keys, 4:2": (2, 4, 2, 1, 256, 16, None, 255),
 }
 
@@ -101,20 +104,22 @@ def _entries(
     device: torch.device,
     serial: Any,
 ) -> dict[str, Any]:
-    """The two calls to compare: a fresh entry that only ever sees the problem's shape, and one
-    that saw the other length first (so Dynamo compiled its dynamic-shape graph)."""
+    """The calls to compare: a fresh entry that only ever sees the problem's shape, one that saw
+    one other length first, and one that saw ``STATIC_SHAPES + 1`` other lengths first (so the
+    problem's shape runs on the dynamic-shape graph)."""
     b, hq, hkv, lq, lkv, d, mask, other = problem
     q, k, v = _inputs(b, hq, hkv, lq, lkv, d, grad, device)
-    q2, k2, v2 = _inputs(b, hq, hkv, other if lq == lkv else lq, other, d, grad, device)
     gqa = hq != hkv
     scale = d**-0.5
     calls: dict[str, Any] = {}
-    for label in ("static", "dynamic"):
+    for label, earlier in (("static", 0), ("two lengths", 1), ("dynamic", STATIC_SHAPES + 1)):
         prep = BY_NAME[route].prepared(
             fz.plan(q, k, v, mask=mask, enable_gqa=gqa, backend=route).problem, device
         )
         entry = CompiledFlex(next(serial), prep.options, prep.lse, prep.gqa)
-        if label == "dynamic":
+        for i in range(earlier):
+            n = lkv - (lkv - other) * (i + 1)
+            q2, k2, v2 = _inputs(b, hq, hkv, n if lq == lkv else lq, n, d, grad, device)
             plan2 = fz.plan(q2, k2, v2, mask=mask, enable_gqa=gqa, backend=route)
             _call(entry, BY_NAME[route].prepared(plan2.problem, device), scale, (q2, k2, v2), grad)
         call = functools.partial(_call, entry, prep, scale, (q, k, v), grad)
@@ -140,8 +145,8 @@ def main() -> None:
         "calls, interleaved"
     )
     print(
-        f"{'problem':42} {'mode':7} {'static ms':>10} {'dynamic ms':>11} {'ratio':>6} {'host s/d us':>14} "
-        "graphs s/d"
+        f"{'problem':42} {'mode':7} {'static ms':>10} {'2 lengths':>10} {'dynamic ms':>11} {'ratio':>6} "
+        f"{'host s/2/d us':>16} {'dyn. graphs s/2/d':>18}"
     )
     for name, problem in (CASES if cuda else CPU_CASES).items():
         for mode in ("fwd", "fwdbwd") if cuda else ("fwd",):
@@ -155,11 +160,12 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for label, call in calls.items():
                         ms[label] += _timed(call, args.calls, cuda, host[label])
-            st, dy = statistics.median(ms["static"]), statistics.median(ms["dynamic"])
-            hs, hd = statistics.median(host["static"]), statistics.median(host["dynamic"])
-            graphs = f"{calls['static'].entry.compiles}/{calls['dynamic'].entry.compiles}"
+            st, two, dy = (statistics.median(ms[label]) for label in calls)
+            hs, h2, hd = (statistics.median(host[label]) for label in calls)
+            graphs = "/".join(str(call.entry.dynamic_graphs) for call in calls.values())
             print(
-                f"{name:42} {mode:7} {st:10.3f} {dy:11.3f} {dy / st:6.2f} {hs:6.0f}/{hd:<7.0f} {graphs}",
+                f"{name:42} {mode:7} {st:10.3f} {two:10.3f} {dy:11.3f} {dy / st:6.2f} "
+                f"{hs:5.0f}/{h2:.0f}/{hd:<6.0f} {graphs:>18}",
                 flush=True,
             )
 

@@ -294,8 +294,8 @@ RULES: tuple[Rule, ...] = (
         benchmark="generalization_h200.json",
         evidence=(
             "bert_base_l128_b128/fwd",
-            "bert_base_l512_b32/fwdbwd",
             "llama3_8b_l512_b32/fwd",
+            "llama3_8b_l512_b32/fwdbwd",
             "llama32_1b_l512_b64/fwdbwd",
             "vit_l14_l577_b32/fwdbwd",
             "dinov2_g_l1370_b8/fwd",

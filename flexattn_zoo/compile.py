@@ -4,10 +4,20 @@ Why a code object per key: Dynamo keeps its compiled-graph cache on the *code ob
 up after ``recompile_limit`` (8) entries, silently running flex unfused (which asked for 64 GiB at
 L=32K in our baseline). If every spec shared one compiled function, eight specs would exhaust it.
 Each key here gets its own copy of a small wrapper's code object, so its cache only ever holds
-the variations of *one* kernel: grad mode, and shapes (static first, then one dynamic-shape graph
-once a second length is seen, by Dynamo's automatic dynamic shapes). The key (:func:`mod_key`)
+the variations of *one* kernel: grad mode and shapes. The key (:func:`mod_key`)
 ignores the *values* of captured tensors, so new document ids each step reuse the kernel; an
 entry about to reach the recompile limit is replaced by a fresh one.
+
+Why static graphs first: a graph compiled with symbolic sizes runs the same kernel slower than
+one compiled for the sizes it meets (on an H200, 1.24-1.39x per call for causal and sliding-window
+attention at 2K-8K, forward and backward, and ~35 us more host time per call). Dynamo's automatic
+dynamic shapes would compile that graph as soon as a second length is seen, and a model that
+trains at one length and evaluates at another would run both on it. So each entry compiles one
+static graph per input shape for its first :data:`STATIC_SHAPES` shapes, and sends later shapes
+to a second code object left to automatic dynamic shapes (a static graph for the first of them,
+then one dynamic-shape graph for the rest): a model with a few lengths runs them all static, and
+a generation loop meeting a new cache length every step compiles ``STATIC_SHAPES + 2`` graphs
+per grad mode, then none.
 
 Why fallback is impossible: the wrapper raises :class:`UnfusedFallbackError` when its body runs
 outside Dynamo. Compiled, ``is_compiling()`` is constant-folded to True and the check vanishes;
@@ -31,6 +41,11 @@ from flexattn_zoo.lru import LRUCache
 
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
 COMPILE_CACHE_SIZE = 128
+
+#: Distinct input shapes (q / k sizes and strides) whose static graphs one entry keeps on its
+#: first code object. Each shape may take two graphs there (with and without grad), so this stays
+#: below half of Dynamo's recompile limit (8).
+STATIC_SHAPES = 2
 
 
 class UnfusedFallbackError(RuntimeError):
@@ -82,37 +97,59 @@ def _template(kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> Ca
 
 
 class CompiledFlex:
-    """A compiled flex call for one key; ``compiles`` counts graphs Dynamo built for it."""
+    """A compiled flex call for one key; ``compiles`` counts graphs Dynamo built for it.
+
+    Two code objects, each with its own Dynamo cache: one compiled with static shapes, for the
+    first :data:`STATIC_SHAPES` input shapes the entry is called with, and one left to Dynamo's
+    automatic dynamic shapes (made when a later shape first arrives), for all others.
+    ``dynamic_graphs`` counts the graphs compiled with symbolic sizes."""
 
     def __init__(self, serial: int, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> None:
         self.compiles = 0
+        self.dynamic_graphs = 0
         self.calls = 0
-        #: Set once this entry has one graph fewer than Dynamo's recompile limit: one call adds at
-        #: most one graph, so the cache replaces it by a fresh code object before the limit (and
-        #: with it torch's unfused fallback) is reached. Checked when a graph is compiled, which is
-        #: the only time the count changes (no config read per call).
+        #: Set once either code object has one graph fewer than Dynamo's recompile limit: one
+        #: call adds at most one graph, so the cache replaces the entry by a fresh one before the
+        #: limit (and with it torch's unfused fallback) is reached. Checked when a graph is
+        #: compiled, which is the only time the counts change (no config read per call).
         self.retired = False
         self.lse = lse
-        fn = _template(kernel_options, lse, gqa)
-        code = fn.__code__.replace(co_name=f"flexattn_zoo_flex_{serial}")
+        self._serial = serial
+        self._template = (kernel_options, lse, gqa)
+        #: The input shapes the static code object compiles for (at most STATIC_SHAPES).
+        self.static_shapes: set[Hashable] = set()
+        self._later: Callable[..., Any] | None = None
+        self._fn = self._compiled("static", dynamic=False)
+
+    def _compiled(self, kind: str, dynamic: bool | None) -> Callable[..., Any]:
+        fn = _template(*self._template)
+        code = fn.__code__.replace(co_name=f"flexattn_zoo_flex_{self._serial}_{kind}")
         unique = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         inductor = _compat.inductor_backend()
+        graphs = 0
 
         def counting_backend(gm: Any, example_inputs: Any) -> Any:
+            nonlocal graphs
+            graphs += 1
             self.compiles += 1
-            if self.compiles >= _compat.recompile_limit() - 1:
+            if any(_symbolic(x) for x in example_inputs):
+                self.dynamic_graphs += 1
+            if graphs >= _compat.recompile_limit() - 1:
                 self.retired = True
             return inductor(gm, example_inputs)
 
         # Not fullgraph=True where torch has error_on_graph_break (the body enters it): the same
         # one graph, without fullgraph's host time on every call.
-        self._fn = torch.compile(unique, backend=counting_backend, fullgraph=_compat.FULLGRAPH_NEEDED)
+        return torch.compile(
+            unique, backend=counting_backend, fullgraph=_compat.FULLGRAPH_NEEDED, dynamic=dynamic
+        )
 
     def retire_if_over_limit(self) -> bool:
         """After this entry refused a call (:class:`UnfusedFallbackError`): whether the reason is
         torch's recompile limit, lowered since the entry last compiled (it is checked only when
         the entry compiles); if so the entry is retired, and the cache's next lookup of its key
-        gives a fresh one."""
+        gives a fresh one. (Counted over both code objects: a limit at or below the total may be
+        the one that refused.)"""
         if self.compiles < _compat.recompile_limit():
             return False
         self.retired = True
@@ -128,8 +165,25 @@ class CompiledFlex:
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
-        out = _compat.call_compiled(self._fn, q, k, v, block_mask, scale, score_mod)
+        shape = (q.shape, k.shape, q.stride(), k.stride())
+        shapes = self.static_shapes
+        if shape in shapes or len(shapes) < STATIC_SHAPES:
+            shapes.add(shape)
+            fn = self._fn
+        else:
+            later = self._later
+            if later is None:
+                later = self._later = self._compiled("later", dynamic=None)
+            fn = later
+        out = _compat.call_compiled(fn, q, k, v, block_mask, scale, score_mod)
         return _compat.unpack_flex_output(out, self.lse)
+
+
+def _symbolic(x: Any) -> bool:
+    """Whether a graph input is, or has, a symbolic size."""
+    if isinstance(x, torch.SymInt):
+        return True
+    return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
 
 
 def mod_key(fn: Any) -> Hashable:

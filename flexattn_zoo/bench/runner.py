@@ -211,11 +211,15 @@ def run_sweep(
     time_budget: float | None = None,
     console: Console | None = None,
     quiet: bool = False,
+    rerun: bool = False,
 ) -> bool:
-    """Run every missing row of ``cases`` into ``data["rows"]``; False if the time budget stopped it."""
+    """Run every missing row of ``cases`` into ``data["rows"]``; False if the time budget stopped it.
+
+    ``rerun``: every row of ``cases``, each measured row replacing its earlier one, so a run that
+    the budget (or a crash) stops keeps the earlier rows it did not reach."""
     console = console or Console(stderr=True, highlight=False)
     rows: list[dict[str, Any]] = data.setdefault("rows", [])
-    done = {(r["case"], r["route"], r["mode"]) for r in rows}
+    done = set() if rerun else {(r["case"], r["route"], r["mode"]) for r in rows}
     todo = {c.name: [(m, r) for m in c.modes for r in c.routes if (c.name, r, m) not in done] for c in cases}
     start = time.monotonic()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -257,6 +261,10 @@ def run_sweep(
                         row["status"] = "OOM" if "OutOfMemory" in failure else "error"
                     else:
                         run_one(row, case, mask, score, x, device, ref)
+                    if rerun:
+                        rows[:] = [
+                            r for r in rows if (r["case"], r["route"], r["mode"]) != (case.name, route, mode)
+                        ]
                     rows.append(row)
                     _save(out, data)
                     if not quiet:
@@ -323,10 +331,6 @@ def _select(cases: list[Case], args: argparse.Namespace) -> list[Case]:
     return [dataclasses.replace(c, **changes) for c in cases]
 
 
-def _selected(row: dict[str, Any], cases: list[Case]) -> bool:
-    return any(row["case"] == c.name and row["route"] in c.routes and row["mode"] in c.modes for c in cases)
-
-
 def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Summary tables are wide: don't squeeze them into 80 columns when stdout is a file or pipe.
@@ -364,8 +368,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
                 if last and previous.get("git"):
                     last = f"{last} @ {previous['git']}"
                 history = [*previous.get("previous_commands", []), last]
-                if args.rerun:
-                    data["rows"] = [r for r in data.get("rows", []) if not _selected(r, cases)]
             else:
                 history = []
             env = collect_env(case_device(cases[0]), command)
@@ -373,7 +375,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
             if history:
                 env["previous_commands"] = [h for h in history if h]
             data["env"] = env
-            complete = run_sweep(cases, data, out=args.out, time_budget=args.time_budget, quiet=args.quiet)
+            complete = run_sweep(
+                cases, data, out=args.out, time_budget=args.time_budget, quiet=args.quiet, rerun=args.rerun
+            )
             _save(args.out, data)
         # The goals are targets for a machine with every route installed (H200 with FA4).
         data["goals"] = {} if data.get("env", {}).get("no_fa4") else goals(cases)

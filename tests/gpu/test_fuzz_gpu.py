@@ -3,7 +3,8 @@ larger bucketed shapes, bf16, routes ``flex`` and ``auto``, forward and backward
 
 Bounding compiles: every distinct (mask_mod, score_mod) is one Triton compile (10-30 s), so specs
 come from a fixed pool of composites (drawn once, deterministically) while shapes, data and the
-pool index are fuzzed; Dynamo's automatic dynamic shapes then serve all lengths from one graph.
+pool index are fuzzed; each entry then serves all lengths from a few static graphs and one
+dynamic-shape graph.
 Use ``HYPOTHESIS_PROFILE=gpu`` (100 examples) for a long run.
 """
 
@@ -22,6 +23,7 @@ from flexattn_zoo import masks, score_mods
 from flexattn_zoo.arch import PRIORITY, ordered_routes
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.compile import STATIC_SHAPES
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
 from flexattn_zoo.testing import assert_matches_reference, strategies
 from flexattn_zoo.testing.strategies import LENGTH_BUCKETS, ProblemShape
@@ -111,8 +113,9 @@ def test_short_gqa_queries_on_flex(index: int, q_len: int) -> None:
 
 
 def test_gpu_fuzz_compiles_stay_bounded() -> None:
-    # Per compiled entry: grad modes x (static, dynamic) x GQA on/off is far below Dynamo's 8.
-    assert all(e.compiles <= 6 for e in COMPILE_CACHE.entries()), [
+    # Per compiled entry: grad modes x (STATIC_SHAPES static graphs, then the later code object's
+    # static and dynamic graph); GQA on/off are separate entries.
+    assert all(e.compiles <= 2 * (STATIC_SHAPES + 2) for e in COMPILE_CACHE.entries()), [
         e.compiles for e in COMPILE_CACHE.entries()
     ]
 

@@ -16,7 +16,7 @@ from flexattn_zoo.arch import PRIORITY, ordered_routes
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.flex import FlexBackend
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
-from flexattn_zoo.compile import UnfusedFallbackError
+from flexattn_zoo.compile import STATIC_SHAPES, UnfusedFallbackError
 from flexattn_zoo.testing import assert_matches_reference
 
 pytestmark = [
@@ -282,8 +282,9 @@ def test_no_recompiles_for_equal_specs_grad_toggles_and_length_sweep() -> None:
         for length in (640, 1000, 1500, 2048, 3000, 4096, 5000, 8192, 9000, 12000):
             q2, k2, v2 = (t.detach()[:, :, :1].expand(-1, -1, length, -1).contiguous() for t in (q, k, v))
             fz.attention(q2, k2, v2, mask=spec, backend="flex")
-    # Ten lengths (more than Dynamo's recompile limit of 8): at most one dynamic-shape graph more.
-    assert COMPILE_CACHE.total_compiles() - base <= 1, COMPILE_CACHE.total_compiles() - base
+    # Ten lengths (more than Dynamo's recompile limit of 8): the entry's second static shape, the
+    # later code object's first (static) graph, then one dynamic-shape graph for the rest.
+    assert COMPILE_CACHE.total_compiles() - base <= STATIC_SHAPES + 1, COMPILE_CACHE.total_compiles() - base
 
 
 def test_unfused_fallback_guard_on_gpu() -> None:

@@ -297,6 +297,13 @@ def test_cli_bench_delegates(tmp_path: Path) -> None:
     assert after.keys() == {"sdpa_math", "sdpa_flash"} and after["sdpa_flash"] == before["sdpa_flash"]
     assert after["sdpa_math"]["wall_s"] != before["sdpa_math"]["wall_s"]  # measured again
     assert cli.main([*args, "--out", str(out), "--rerun"]) == 2  # needs --resume
+    # A rerun the time budget stops keeps the earlier rows it did not reach (it had dropped every
+    # selected row before measuring).
+    both = [*args[:4], "--modes", "fwd", "--routes", "sdpa_math,sdpa_flash", "--quiet", "--out", str(out)]
+    assert cli.main([*both, "--resume", "--rerun", "--time-budget", "0"]) == 3
+    kept = {r["route"]: r for r in json.loads(out.read_text())["rows"]}
+    assert kept.keys() == {"sdpa_math", "sdpa_flash"}, kept.keys()
+    assert kept["sdpa_flash"] == after["sdpa_flash"]
 
 
 def test_png_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -473,10 +480,15 @@ def test_timing_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.Mon
 
 def test_each_case_runs_on_static_shape_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two cases with one flex mask at two lengths: each compiles a static-shape graph (the
-    runner forgets compiled graphs per case), as two one-case processes would; without that the
-    second case ran Dynamo's dynamic-shape graph (symbolic sizes among its inputs)."""
+    runner forgets compiled graphs per case), as two one-case processes would; without that a
+    later case could run Dynamo's dynamic-shape graph (symbolic sizes among its inputs). The
+    library's entries keep their first shapes static (``STATIC_SHAPES``); at 0 here, the second
+    length is the one an entry sends to its dynamic-shape graph."""
     from flexattn_zoo import _compat
+    from flexattn_zoo import compile as compile_module
     from flexattn_zoo.compile import CACHE
+
+    monkeypatch.setattr(compile_module, "STATIC_SHAPES", 0)
 
     dynamic: list[bool] = []
     real = _compat.inductor_backend

@@ -15,7 +15,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
-from flexattn_zoo.compile import UnfusedFallbackError
+from flexattn_zoo.compile import STATIC_SHAPES, UnfusedFallbackError
 from flexattn_zoo.dispatch import Problem, plan_problem
 from flexattn_zoo.testing import assert_matches_reference
 
@@ -365,18 +365,30 @@ def test_flex_cpu_score_mod_chain_and_document() -> None:
 
 
 def test_compile_cache_reuses_graphs_across_equal_specs_and_lengths() -> None:
+    """A value-equal spec reuses the entry's graphs; its first two lengths get static graphs (a
+    dynamic-shape graph runs the same kernel slower), later lengths share one dynamic-shape graph,
+    and the static ones keep serving their lengths."""
+
     def run(spec, length):  # type: ignore[no-untyped-def]
         q = torch.randn(1, 2, length, 16)
         out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
         assert_matches_reference(out, q, q, q, mask=spec)
 
+    def graphs() -> tuple[int, int]:
+        entries = COMPILE_CACHE.entries()
+        return sum(e.compiles for e in entries), sum(e.dynamic_graphs for e in entries)
+
+    assert STATIC_SHAPES == 2
+    start = graphs()
     run(masks.SlidingWindow(left=9, right=1), 100)
-    before = COMPILE_CACHE.total_compiles()
+    before = graphs()
     run(masks.SlidingWindow(left=9, right=1), 100)  # a value-equal spec: same mod, same graph
-    assert COMPILE_CACHE.total_compiles() == before
-    for length in (130, 170, 260, 333):  # a length sweep: one dynamic-shape graph serves all
+    assert graphs() == before
+    run(masks.SlidingWindow(left=9, right=1), 130)
+    assert graphs() == (start[0] + 2, start[1])  # two lengths, two static graphs
+    for length in (170, 260, 333, 100, 130):  # the third length's own graph, then one dynamic one
         run(masks.SlidingWindow(left=9, right=1), length)
-    assert COMPILE_CACHE.total_compiles() - before <= 1
+    assert graphs() == (start[0] + 4, start[1] + 1)
 
 
 def test_unfused_fallback_is_refused() -> None:
