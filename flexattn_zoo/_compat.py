@@ -693,6 +693,13 @@ def no_graph_breaks() -> Any:
 FULLGRAPH_NEEDED = ERROR_ON_GRAPH_BREAK is None
 
 
+def static_shape_compiles() -> Any:
+    """A context manager under which Dynamo compiles graphs for the sizes it sees (no automatic
+    dynamic shapes): what ``torch.compile(dynamic=False)`` sets around *every* call of the
+    function it returns (microseconds of host time per call), for the one call that compiles."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True)
+
+
 def inductor_backend() -> Any:
     """The callable torch.compile uses for ``backend="inductor"`` (wrapped to count compiles)."""
     from torch._dynamo.backends.registry import lookup_backend

@@ -116,12 +116,15 @@ class CompiledFlex:
         self.lse = lse
         self._serial = serial
         self._template = (kernel_options, lse, gqa)
-        #: The input shapes the static code object compiles for (at most STATIC_SHAPES).
+        #: The (q, k) shapes the first code object compiles static graphs for (STATIC_SHAPES at most).
         self.static_shapes: set[Hashable] = set()
+        #: (q shape, k shape, grad mode) of the calls the first code object has run: calls with one
+        #: of these go straight to it, without the static-shape setting (their graph exists).
+        self._static_seen: set[Hashable] = set()
         self._later: Callable[..., Any] | None = None
-        self._fn = self._compiled("static", dynamic=False)
+        self._fn = self._compiled("static")
 
-    def _compiled(self, kind: str, dynamic: bool | None) -> Callable[..., Any]:
+    def _compiled(self, kind: str) -> Callable[..., Any]:
         fn = _template(*self._template)
         code = fn.__code__.replace(co_name=f"flexattn_zoo_flex_{self._serial}_{kind}")
         unique = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
@@ -139,10 +142,10 @@ class CompiledFlex:
             return inductor(gm, example_inputs)
 
         # Not fullgraph=True where torch has error_on_graph_break (the body enters it): the same
-        # one graph, without fullgraph's host time on every call.
-        return torch.compile(
-            unique, backend=counting_backend, fullgraph=_compat.FULLGRAPH_NEEDED, dynamic=dynamic
-        )
+        # one graph, without fullgraph's host time on every call. Not dynamic=False either: torch
+        # would set its static-shape config around every call; the first code object's first call
+        # of each signature sets it instead (``__call__``).
+        return torch.compile(unique, backend=counting_backend, fullgraph=_compat.FULLGRAPH_NEEDED)
 
     def retire_if_over_limit(self) -> bool:
         """After this entry refused a call (:class:`UnfusedFallbackError`): whether the reason is
@@ -165,18 +168,28 @@ class CompiledFlex:
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
-        shape = (q.shape, k.shape, q.stride(), k.stride())
-        shapes = self.static_shapes
-        if shape in shapes or len(shapes) < STATIC_SHAPES:
-            shapes.add(shape)
-            fn = self._fn
+        signature = (q.shape, k.shape, torch.is_grad_enabled())
+        if signature in self._static_seen:
+            out = _compat.call_compiled(self._fn, q, k, v, block_mask, scale, score_mod)
         else:
-            later = self._later
-            if later is None:
-                later = self._later = self._compiled("later", dynamic=None)
-            fn = later
-        out = _compat.call_compiled(fn, q, k, v, block_mask, scale, score_mod)
+            out = self._first_call(signature, q, k, v, block_mask, scale, score_mod)
         return _compat.unpack_flex_output(out, self.lse)
+
+    def _first_call(self, signature: tuple[Any, ...], *args: Any) -> Any:
+        """A call whose signature the first code object has not run: there, under the static-shape
+        setting (it may compile), if its shapes are among, or still fit in, ``STATIC_SHAPES``; else
+        on the later code object, left to automatic dynamic shapes."""
+        shapes = signature[:2]
+        if shapes in self.static_shapes or len(self.static_shapes) < STATIC_SHAPES:
+            self.static_shapes.add(shapes)
+            with _compat.static_shape_compiles():
+                out = _compat.call_compiled(self._fn, *args)
+            self._static_seen.add(signature)  # after the call: a concurrent first call compiles static too
+            return out
+        later = self._later
+        if later is None:
+            later = self._later = self._compiled("later")
+        return _compat.call_compiled(later, *args)
 
 
 def _symbolic(x: Any) -> bool:

@@ -455,8 +455,9 @@ def test_generating_tokens_compiles_a_bounded_number_of_kernels(cache: str | Non
     generating 8 tokens with Llama compiled 7 kernels (33 s on a CPU). Offsets are captured
     tensors now: the prefill's graph, and for all the steps the decode entry's static graphs of
     its first cache lengths and one dynamic-shape graph (``STATIC_SHAPES + 2`` at most)."""
-    from flexattn_zoo.compile import STATIC_SHAPES
     from torch._dynamo.utils import counters
+
+    from flexattn_zoo.compile import STATIC_SHAPES
 
     impl = zhf.register("flexattn_zoo_auto", backend="auto")
     torch.manual_seed(0)
