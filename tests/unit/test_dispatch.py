@@ -391,6 +391,26 @@ def test_compile_cache_reuses_graphs_across_equal_specs_and_lengths() -> None:
     assert graphs() == (start[0] + 4, start[1] + 1)
 
 
+def test_a_known_shape_in_the_other_grad_mode_compiles_a_static_graph() -> None:
+    """Grad mode is part of the graph (a guard): a shape the entry has run, met again in the
+    other grad mode, compiles under the static-shape setting as well, not Dynamo's automatic
+    dynamic shapes (which would make it symbolic: the entry has seen two lengths)."""
+    spec = masks.SlidingWindow(left=11, right=2)
+
+    def graphs() -> tuple[int, int]:
+        entries = COMPILE_CACHE.entries()
+        return sum(e.compiles for e in entries), sum(e.dynamic_graphs for e in entries)
+
+    start = graphs()
+    for grad in (True, False):
+        for length in (64, 96):
+            q = torch.randn(1, 2, length, 16)
+            with torch.set_grad_enabled(grad):
+                out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
+            assert_matches_reference(out, q, q, q, mask=spec)
+    assert graphs() == (start[0] + 4, start[1])
+
+
 def test_unfused_fallback_is_refused() -> None:
     """If torch ever ran our flex call outside a compiled graph, we raise instead."""
     q = torch.randn(1, 2, 64, 16)
