@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,7 +148,13 @@ class SdpaBackend(Backend):
         kernels = self.launch_kernels(p)
         fused = kernels != ("MATH",)
         chunk_view = chunk and kernels is not None and len(kernels) == 1 and kernels[0] in CHUNK_VIEW_KERNELS
-        pinned = kernels is not None
+        # Decoding on SDPA's own choice: cuDNN joins it from this bound call's second call (the
+        # plan-cache key holds the exact shapes, so a shape met for the third time): a repeated
+        # shape's execution plan is built once and then reused; a growing cache never repeats one.
+        repeated = self.repeated_shape_kernels(p)
+        adaptive = repeated != kernels
+        seen = [0]  # calls of this bound call (eager, not captured)
+        warm = [False]  # whether ``repeated`` ran eagerly (so a CUDA graph may capture it)
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             attn_mask = None
@@ -181,30 +188,55 @@ class SdpaBackend(Backend):
                 q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
             if fused and not view_ok:
                 q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
-            if not pinned:
-                if _compat.is_compiling():
-                    out = sdpa(q, k, v, scale)
-                else:
-                    with SDPA_LOCK:  # never under another thread's pin of ours
-                        out = sdpa(q, k, v, scale)
-            elif _compat.is_compiling():
-                # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no
-                # global flags flip when the graph runs), so no lock is needed -- nor could Dynamo
-                # enter one.
-                assert kernels is not None
-                with _compat.sdpa_kernel([getattr(_compat.SDPBackend, name) for name in kernels]):
-                    out = sdpa(q, k, v, scale)
-            else:
-                assert kernels is not None
-                with SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
-                    token = _compat.pin_sdpa_kernel(kernels)
-                    try:
-                        out = sdpa(q, k, v, scale)
-                    finally:
-                        _compat.restore_sdpa_kernels(token)
+            enabled = kernels
+            if adaptive and not _compat.is_compiling():
+                capturing = _capturing(q)
+                if seen[0] >= 1 and (warm[0] or not capturing):
+                    enabled = repeated
+                    warm[0] = warm[0] or not capturing
+                if not capturing:
+                    seen[0] += 1
+            out = _launch_sdpa(sdpa, q, k, v, scale, enabled)
             return (from_chunks(out, batch) if chunk else out), None
 
         return launch
+
+    def repeated_shape_kernels(self, p: Problem) -> tuple[str, ...] | None:
+        """The kernels :meth:`launch_kernels` would enable once a bound call of ``p`` runs its exact
+        shape again (None: every kernel, SDPA's own choice); by default the same."""
+        return self.launch_kernels(p)
+
+
+def _capturing(q: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``q``'s device's current stream."""
+    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_sdpa(
+    sdpa: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    kernels: tuple[str, ...] | None,
+) -> torch.Tensor:
+    """``sdpa(q, k, v, scale)`` with only ``kernels`` enabled (None: SDPA's own choice)."""
+    if kernels is None:
+        if _compat.is_compiling():
+            return sdpa(q, k, v, scale)
+        with SDPA_LOCK:  # never under another thread's pin of ours
+            return sdpa(q, k, v, scale)
+    if _compat.is_compiling():
+        # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
+        # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
+        with _compat.sdpa_kernel([getattr(_compat.SDPBackend, name) for name in kernels]):
+            return sdpa(q, k, v, scale)
+    with SDPA_LOCK:  # see the module docstring; sdpa_kernel's effect, for less host time
+        token = _compat.pin_sdpa_kernel(kernels)
+        try:
+            return sdpa(q, k, v, scale)
+        finally:
+            _compat.restore_sdpa_kernels(token)
 
 
 #: ``SdpaBackend.kernel`` of the route that lets SDPA choose its kernel itself.
@@ -220,8 +252,11 @@ class SdpaChoiceBackend(SdpaBackend):
     which the pinned routes cannot all do. Accepted only where a fused kernel takes the call (its
     math fallback would hold the ``B x H x Lq x Lkv`` scores); not for reproducible runs (the kernel is not pinned), nor for an ``attn_mask`` that may leave a
     row seeing no key (kernels differ there). On CUDA with at most ``DECODE_QUERIES`` queries per
-    row (decoding) cuDNN is left out of the choice: it plans every new shape, and a generation loop
-    meets a new cache length at every step.
+    row (decoding) cuDNN is left out of the choice at first: it builds an execution plan for every
+    new shape (tens of milliseconds), and a generation loop meets a new cache length at every step.
+    A shape called again (its plan-cache entry's second call: a fixed-size cache, cross-attention
+    over an encoder's output, lengths that cycle) lets SDPA choose cuDNN too, which decodes faster
+    once its plan exists; a CUDA graph captures it only after it ran eagerly.
     """
 
     def mask_reasons(self, p: Problem) -> list[str]:
@@ -243,6 +278,13 @@ class SdpaChoiceBackend(SdpaBackend):
         # H200, FlashAttention-2 0.115: benchmarks/results/decode_growing_probe_h200.txt).
         if p.device_type == "cuda" and p.arch != ROCM and p.q_len <= DECODE_QUERIES:
             return WITHOUT_CUDNN
+        return None
+
+    def repeated_shape_kernels(self, p: Problem) -> tuple[str, ...] | None:
+        # A repeated decoding shape: cuDNN with a warm plan (H200, one query over 8K keys, B=32,
+        # 32:8 heads: 0.24 ms against FlashAttention-2's 0.39-0.47, benchmarks/results/
+        # decode_kernel_probe_h200_r21.txt; plain SDPA 1.6-1.9x faster than FA2 on the decoding
+        # rows of benchmarks/results/generalization_h200.json).
         return None
 
     def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:

@@ -225,6 +225,35 @@ def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:
         fz.plan(q, kv, kv, enable_gqa=True, backend="sdpa_cudnn")
 
 
+@pytest.mark.parametrize("hkv", [H, 2])
+@pytest.mark.parametrize("lq", [1, 16])
+def test_sdpa_route_decoding_a_repeated_shape(hkv: int, lq: int) -> None:
+    """The ``sdpa`` route decoding one exact shape again and again: FA2 / memory-efficient at
+    first, SDPA's full choice (cuDNN where it takes the call) from the shape's third call; every
+    call against float64, forward and backward, then captured in a CUDA graph and replayed."""
+    g = torch.Generator(device=DEV).manual_seed(3)
+    q = torch.randn(B, H, lq, 128, device=DEV, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, hkv, 777, 128, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(2))
+    gqa = hkv != H
+    for _ in range(4):
+        qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out = fz.attention(qg, kg, vg, enable_gqa=gqa, backend="sdpa")
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (qg, kg, vg), grad_out)
+        assert_matches_reference(out, qg, kg, vg, grads=grads, grad_out=grad_out, enable_gqa=gqa)
+    with torch.no_grad():
+        for _ in range(3):
+            eager = fz.attention(q, k, v, enable_gqa=gqa, backend="sdpa")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fz.attention(q, k, v, enable_gqa=gqa, backend="sdpa")
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(captured, q, k, v, enable_gqa=gqa)
+        assert not torch.equal(captured, eager)
+
+
 SDPA_ROUTES = ["sdpa", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"]
 
 

@@ -862,6 +862,61 @@ def test_sdpa_route_leaves_cudnn_out_when_decoding_on_cuda() -> None:
     assert SDPA_CUDNN.launch_kernels(decode) == ("CUDNN_ATTENTION",)
 
 
+def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bound decoding call (one per exact shape in the plan cache) runs without cuDNN at first
+    and with SDPA's full choice from its second call on (cuDNN's plan for a repeated shape is
+    built once); never under torch.compile, and a CUDA graph captures cuDNN only after it ran
+    eagerly. Prefill calls keep SDPA's full choice from the first call."""
+    from flexattn_zoo.backends import sdpa as sdpa_module
+    from flexattn_zoo.backends.sdpa import SDPA_CHOICE, WITHOUT_CUDNN
+
+    enabled: list[Any] = []
+    capturing = [False]
+
+    def recording(sdpa, q, k, v, scale, kernels):  # type: ignore[no-untyped-def]
+        enabled.append(kernels)
+        return q
+
+    monkeypatch.setattr(sdpa_module, "_launch_sdpa", recording)
+    monkeypatch.setattr(sdpa_module, "_capturing", lambda q: capturing[0])
+    q = torch.zeros(2, 4, 1, 8)
+    kv = torch.zeros(2, 4, 64, 8)
+    decode = _problem(lq=1, lkv=64, heads=(4, 4), d=8, batch=2)
+    run = SDPA_CHOICE.bound_run(decode, torch.device("cpu"))
+    for _ in range(3):
+        run(q, kv, kv, 0.5)
+    assert enabled == [WITHOUT_CUDNN, None, None]
+
+    enabled.clear()
+    run = SDPA_CHOICE.bound_run(decode, torch.device("cpu"))
+    capturing[0] = True
+    for _ in range(3):  # captured before cuDNN ever ran eagerly: never cuDNN, and not counted
+        run(q, kv, kv, 0.5)
+    capturing[0] = False
+    run(q, kv, kv, 0.5)
+    run(q, kv, kv, 0.5)  # the second eager call: cuDNN joins, eagerly
+    capturing[0] = True
+    run(q, kv, kv, 0.5)  # now it may be captured
+    assert enabled == [WITHOUT_CUDNN] * 4 + [None, None]
+
+    enabled.clear()
+    prefill = _problem(lq=64, lkv=64, heads=(4, 4), d=8, batch=2)
+    run = SDPA_CHOICE.bound_run(prefill, torch.device("cpu"))
+    capturing[0] = False
+    run(kv, kv, kv, 0.5)
+    assert enabled == [None]
+
+    enabled.clear()
+    compiling = torch.compile(
+        lambda a, b: SDPA_CHOICE.bound_run(decode, torch.device("cpu"))(a, b, b, 0.5)[0],
+        backend="eager",
+        fullgraph=True,
+    )
+    for _ in range(3):
+        compiling(q, kv)
+    assert enabled and all(kernels == WITHOUT_CUDNN for kernels in enabled)
+
+
 def _reasons_while_traced(backend: Any, p: Problem) -> list[str]:
     """``backend.mask_reasons(p)`` computed inside a compiled function (as a traced call plans)."""
     found: list[list[str]] = []
