@@ -42,7 +42,7 @@ from flexattn_zoo.lru import LRUCache
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
 COMPILE_CACHE_SIZE = 128
 
-#: Distinct input shapes (q / k sizes and strides) whose static graphs one entry keeps on its
+#: Distinct input shapes (q and k sizes) whose static graphs one entry keeps on its
 #: first code object. Each shape may take two graphs there (with and without grad), so this stays
 #: below half of Dynamo's recompile limit (8).
 STATIC_SHAPES = 2
