@@ -112,6 +112,8 @@ class Outcome:
     notes: list[str]
     host_ms: float | None = None
     timed_iters: int | None = None
+    #: The timed call, warm (for :func:`flexattn_zoo.bench.timing.interleaved`).
+    step: Callable[[], Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,4 +446,5 @@ def run(route: str, case: Case, mode: str, mask: Any, score: Any, x: Inputs, dev
         [*prep.notes, *notes],
         t.host_ms,
         len(t.times_ms),
+        step,
     )

@@ -13,6 +13,9 @@ keeps its configured count. ``Timing.times_ms`` holds every timed call.
 The timed calls run back to back, as in a model: when a call's host work (Python, launches)
 takes longer than its kernels, the GPU waits and the events measure the host. ``host_ms`` (median
 wall time for the host to return from one call, no synchronization) shows when that happens.
+Host time drifts over a sweep process (two rows of one route, a few rows apart, differed by up to
+1.5x), so the rows of such a case are timed again by :func:`interleaved`: in rounds, each round
+timing every route in turn, so that drift moves them alike.
 """
 
 from __future__ import annotations
@@ -143,6 +146,50 @@ def _steady(step: Callable[[], Any], device: torch.device, warmup: int, iters: i
             sync(device)
             times.append((time.perf_counter() - t0) * 1e3)
     return Timing(first, statistics.median(times), times, peak, base)
+
+
+#: Rounds of :func:`interleaved`.
+INTERLEAVED_ROUNDS = 5
+
+
+def interleaved(
+    steps: dict[str, tuple[Callable[[], Any], int]], device: torch.device, rounds: int = INTERLEAVED_ROUNDS
+) -> dict[str, Timing]:
+    """Time several warm calls together: ``steps`` maps a name to ``(step, calls)``; in each of
+    ``rounds`` rounds every step runs ``ceil(calls / rounds)`` timed calls in turn. One
+    :class:`Timing` per name over all its calls (``first_s`` 0: no first call here)."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    host: dict[str, list[float]] = {name: [] for name in steps}
+    cuda = device.type == "cuda"
+    with _no_gc():
+        for _ in range(rounds):
+            for name, (step, calls) in steps.items():
+                n = max(1, -(-calls // rounds))
+                if cuda:
+                    events = [
+                        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(n)
+                    ]
+                    for begin, end in events:
+                        begin.record()
+                        t0 = time.perf_counter()
+                        step()
+                        host[name].append((time.perf_counter() - t0) * 1e3)
+                        end.record()
+                    torch.cuda.synchronize(device)
+                    times[name] += [begin.elapsed_time(end) for begin, end in events]
+                else:
+                    for _ in range(n):
+                        t0 = time.perf_counter()
+                        step()
+                        sync(device)
+                        times[name].append((time.perf_counter() - t0) * 1e3)
+    return {
+        name: Timing(
+            0.0, statistics.median(t), t, None, None, statistics.median(host[name]) if cuda else None
+        )
+        for name, t in times.items()
+    }
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:

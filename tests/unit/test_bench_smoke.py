@@ -478,6 +478,32 @@ def test_timing_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.Mon
     assert warm <= len(calls) - 1 - len(result.times_ms) <= 2 * warm + 2
 
 
+def test_rows_of_a_host_bound_case_are_timed_again_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host time drifts over a sweep process, so when a row of a case measured the host, the rows
+    of that case and mode are timed again in interleaved rounds; each keeps its first median as
+    ``ms_alone``. Rows of other cases (none host-bound) keep theirs, as does ``auto_tuned``."""
+    bound = {"a"}
+    monkeypatch.setattr(bench, "host_bound", lambda row: row is not None and row["case"] in bound)
+    case = {"batch": 1, "heads": 2, "head_dim": 8, "seq_len": 32, "mask": {"name": "causal"}}
+    config = {
+        "defaults": {"dtype": "fp32", "device": "cpu", "warmup": 0, "iters": 2, "modes": ["fwd"]},
+        "cases": [
+            {"name": "a", "routes": ["sdpa_math", "sdpa_flash", "auto_tuned"], **case},
+            {"name": "b", "routes": ["sdpa_math", "sdpa_flash"], **case},
+        ],
+    }
+    data: dict[str, Any] = {"env": {}, "rows": []}
+    assert bench.run_sweep(parse_config(config), data, quiet=True) is True
+    rows = {(r["case"], r["route"]): r for r in data["rows"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    for route in ("sdpa_math", "sdpa_flash"):
+        again = rows[("a", route)]
+        assert again["ms_alone"] > 0 and again["ms"] > 0 and again["ms"] != again["ms_alone"]
+        assert any("interleaved" in note for note in again["notes"])
+        assert "ms_alone" not in rows[("b", route)]
+    assert "ms_alone" not in rows[("a", "auto_tuned")]
+
+
 def test_each_case_runs_on_static_shape_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two cases with one flex mask at two lengths: each compiles a static-shape graph (the
     runner forgets compiled graphs per case), as two one-case processes would; without that a
