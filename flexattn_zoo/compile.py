@@ -16,8 +16,9 @@ trains at one length and evaluates at another would run both on it. So each entr
 static graph per input shape for its first :data:`STATIC_SHAPES` shapes, and sends later shapes
 to a second code object left to automatic dynamic shapes (a static graph for the first of them,
 then one dynamic-shape graph for the rest): a model with a few lengths runs them all static, and
-a generation loop meeting a new cache length every step compiles ``STATIC_SHAPES + 2`` graphs
-per grad mode, then none.
+a generation loop meeting a new cache length every step compiles a few graphs per grad mode, then
+none (``STATIC_SHAPES + 2``, and one more when a size Dynamo specializes at 1, such as a count of
+key blocks, passes 1).
 
 Why fallback is impossible: the wrapper raises :class:`UnfusedFallbackError` when its body runs
 outside Dynamo. Compiled, ``is_compiling()`` is constant-folded to True and the check vanishes;
@@ -30,6 +31,7 @@ rest of the frame instead; the body turns it into an error (torch's ``error_on_g
 from __future__ import annotations
 
 import itertools
+import threading
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -41,6 +43,9 @@ from flexattn_zoo.lru import LRUCache
 
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
 COMPILE_CACHE_SIZE = 128
+
+#: Held by an entry's call of a new signature (which may compile), see ``CompiledFlex``.
+_FIRST_CALLS = threading.Lock()
 
 #: Distinct input shapes (q and k sizes) whose static graphs one entry keeps on its
 #: first code object. Each shape may take two graphs there (with and without grad), so this stays
@@ -118,8 +123,9 @@ class CompiledFlex:
         self._template = (kernel_options, lse, gqa)
         #: The (q, k) shapes the first code object compiles static graphs for (STATIC_SHAPES at most).
         self.static_shapes: set[Hashable] = set()
-        #: (q shape, k shape, grad mode) of the calls the first code object has run: calls with one
-        #: of these go straight to it, without the static-shape setting (their graph exists).
+        #: Signatures (shapes, strides, grad mode and flags: what Dynamo's guards check of the
+        #: inputs) of the calls the first code object has run: calls with one of these go straight
+        #: to it, without the static-shape setting (their graph exists).
         self._static_seen: set[Hashable] = set()
         self._later: Callable[..., Any] | None = None
         self._fn = self._compiled("static")
@@ -168,7 +174,10 @@ class CompiledFlex:
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.calls += 1
-        signature = (q.shape, k.shape, torch.is_grad_enabled())
+        signature = (
+            q.shape, k.shape, q.stride(), k.stride(), v.stride(), torch.is_grad_enabled(),
+            q.requires_grad, k.requires_grad, v.requires_grad,
+        )  # fmt: skip
         if signature in self._static_seen:
             out = _compat.call_compiled(self._fn, q, k, v, block_mask, scale, score_mod)
         else:
@@ -180,15 +189,19 @@ class CompiledFlex:
         setting (it may compile), if its shapes are among, or still fit in, ``STATIC_SHAPES``; else
         on the later code object, left to automatic dynamic shapes."""
         shapes = signature[:2]
-        if shapes in self.static_shapes or len(self.static_shapes) < STATIC_SHAPES:
-            self.static_shapes.add(shapes)
-            with _compat.static_shape_compiles():
-                out = _compat.call_compiled(self._fn, *args)
-            self._static_seen.add(signature)  # after the call: a concurrent first call compiles static too
-            return out
-        later = self._later
-        if later is None:
-            later = self._later = self._compiled("later")
+        with _FIRST_CALLS:
+            static = shapes in self.static_shapes or len(self.static_shapes) < STATIC_SHAPES
+            if static:
+                self.static_shapes.add(shapes)
+                # Under the lock: before torch 2.12 Dynamo's config is process-wide, and two
+                # overlapping patches could restore it in the wrong order.
+                with _compat.static_shape_compiles():
+                    out = _compat.call_compiled(self._fn, *args)
+                self._static_seen.add(signature)
+                return out
+            later = self._later
+            if later is None:
+                later = self._later = self._compiled("later")
         return _compat.call_compiled(later, *args)
 
 

@@ -189,14 +189,16 @@ class SdpaBackend(Backend):
             if fused and not view_ok:
                 q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
             enabled = kernels
+            capturing = False
             if adaptive and not _compat.is_compiling():
                 capturing = _capturing(q)
                 if seen[0] >= 1 and (warm[0] or not capturing):
                     enabled = repeated
-                    warm[0] = warm[0] or not capturing
                 if not capturing:
                     seen[0] += 1
             out = _launch_sdpa(sdpa, q, k, v, scale, enabled)
+            if enabled is not kernels and not capturing:
+                warm[0] = True  # after the call: its plan exists now
             return (from_chunks(out, batch) if chunk else out), None
 
         return launch
@@ -208,7 +210,7 @@ class SdpaBackend(Backend):
 
 
 def _capturing(q: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on ``q``'s device's current stream."""
+    """Whether ``q`` is a CUDA tensor and a CUDA graph is being captured on the current stream."""
     return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -254,9 +256,10 @@ class SdpaChoiceBackend(SdpaBackend):
     row seeing no key (kernels differ there). On CUDA with at most ``DECODE_QUERIES`` queries per
     row (decoding) cuDNN is left out of the choice at first: it builds an execution plan for every
     new shape (tens of milliseconds), and a generation loop meets a new cache length at every step.
-    A shape called again (its plan-cache entry's second call: a fixed-size cache, cross-attention
-    over an encoder's output, lengths that cycle) lets SDPA choose cuDNN too, which decodes faster
-    once its plan exists; a CUDA graph captures it only after it ran eagerly.
+    On sm90, without gradients, a shape called a third time (its plan-cache entry's second call: a
+    fixed-size cache, cross-attention over an encoder's output, lengths that cycle) lets SDPA
+    choose cuDNN too, which decodes faster once its plan exists; a CUDA graph captures it only
+    after it ran eagerly.
     """
 
     def mask_reasons(self, p: Problem) -> list[str]:
@@ -281,11 +284,16 @@ class SdpaChoiceBackend(SdpaBackend):
         return None
 
     def repeated_shape_kernels(self, p: Problem) -> tuple[str, ...] | None:
-        # A repeated decoding shape: cuDNN with a warm plan (H200, one query over 8K keys, B=32,
-        # 32:8 heads: 0.24 ms against FlashAttention-2's 0.39-0.47, benchmarks/results/
-        # decode_kernel_probe_h200_r21.txt; plain SDPA 1.6-1.9x faster than FA2 on the decoding
-        # rows of benchmarks/results/generalization_h200.json).
-        return None
+        # A repeated decoding shape, forward only, on sm90: cuDNN with a warm plan (H200, one
+        # query over 8K keys, B=32, 32:8 heads: 0.24 ms against FlashAttention-2's 0.39-0.47,
+        # benchmarks/results/decode_kernel_probe_h200_r21.txt; plain SDPA 1.6-1.9x faster than FA2
+        # on the decoding rows of benchmarks/results/generalization_h200.json). Not elsewhere:
+        # measured only there, and torch reports cuDNN decoding wrong on sm100 with fewer than 8
+        # kv heads (pytorch/pytorch#193893) and its backward for one query row giving NaN
+        # (NVIDIA/cudnn-frontend#1072).
+        if p.arch == "sm90" and not p.requires_grad:
+            return None
+        return self.launch_kernels(p)
 
     def torch_reasons(self, p: Problem, call: SdpaCall) -> list[str]:
         if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling():

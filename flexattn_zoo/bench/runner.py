@@ -200,9 +200,14 @@ def retime_interleaved(
     another would compare the drift. Each row keeps its first median as ``ms_alone``."""
     if len(kept) < 2 or not any(host_bound(row) for row, _ in kept.values()):
         return
-    timings = interleaved(
-        {route: (step, row.get("timed_iters") or 1) for route, (row, step) in kept.items()}, device
-    )
+    try:
+        timings = interleaved(
+            {route: (step, row.get("timed_iters") or 1) for route, (row, step) in kept.items()}, device
+        )
+    except Exception as exc:  # the rows keep their first timings; the sweep goes on
+        for row, _ in kept.values():
+            row["notes"].append(f"not timed again interleaved: {_message(exc)}")
+        return
     for route, t in timings.items():
         row = kept[route][0]
         row["ms_alone"] = row["ms"]
@@ -312,7 +317,8 @@ def run_sweep(
                     if not quiet:
                         progress.console.print(_line(row), markup=False, highlight=False)
                     progress.advance(task)
-                retime_interleaved(kept, device)
+                if time_budget is None or time.monotonic() - start <= time_budget:
+                    retime_interleaved(kept, device)
                 _save(out, data)
                 del x, ref, kept
                 free_memory(device)

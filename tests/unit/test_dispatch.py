@@ -379,6 +379,7 @@ def test_compile_cache_reuses_graphs_across_equal_specs_and_lengths() -> None:
         return sum(e.compiles for e in entries), sum(e.dynamic_graphs for e in entries)
 
     assert STATIC_SHAPES == 2
+    COMPILE_CACHE.clear()  # sums over the entries: none evicted by this test's own (LRU)
     start = graphs()
     run(masks.SlidingWindow(left=9, right=1), 100)
     before = graphs()
@@ -401,6 +402,7 @@ def test_a_known_shape_in_the_other_grad_mode_compiles_a_static_graph() -> None:
         entries = COMPILE_CACHE.entries()
         return sum(e.compiles for e in entries), sum(e.dynamic_graphs for e in entries)
 
+    COMPILE_CACHE.clear()  # sums over the entries: none evicted by this test's own (LRU)
     start = graphs()
     for grad in (True, False):
         for length in (64, 96):
@@ -409,6 +411,26 @@ def test_a_known_shape_in_the_other_grad_mode_compiles_a_static_graph() -> None:
                 out = fz.attention(q, q, q, mask=spec, backend="flex_cpu")
             assert_matches_reference(out, q, q, q, mask=spec)
     assert graphs() == (start[0] + 4, start[1])
+
+
+def test_a_known_shape_in_another_layout_compiles_a_static_graph() -> None:
+    """Dynamo's guards check strides too: a shape the entry has run, met again in another layout
+    (a projection's transposed view), compiles under the static-shape setting as well, not as a
+    dynamic-shape graph (the entry has seen two lengths by then)."""
+    from flexattn_zoo.compile import CompiledFlex
+
+    entry = CompiledFlex(20_000, None, False, False)
+    g = torch.Generator().manual_seed(5)
+    for length, transposed in ((128, False), (256, False), (128, True)):
+        q, k, v = (
+            torch.randn(1, length, 2, 16, generator=g).transpose(1, 2)
+            if transposed
+            else torch.randn(1, 2, length, 16, generator=g)
+            for _ in range(3)
+        )
+        out, _ = entry(q, k, v, fz.block_mask(masks.Causal(), length, length), 0.25, None)
+        assert_matches_reference(out, q, k, v, mask=masks.Causal(), scale=0.25)
+    assert (entry.compiles, entry.dynamic_graphs) == (3, 0)
 
 
 def test_unfused_fallback_is_refused() -> None:
@@ -864,9 +886,9 @@ def test_sdpa_route_leaves_cudnn_out_when_decoding_on_cuda() -> None:
 
 def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A bound decoding call (one per exact shape in the plan cache) runs without cuDNN at first
-    and with SDPA's full choice from its second call on (cuDNN's plan for a repeated shape is
-    built once); never under torch.compile, and a CUDA graph captures cuDNN only after it ran
-    eagerly. Prefill calls keep SDPA's full choice from the first call."""
+    and, on sm90 without gradients, with SDPA's full choice from its second call on (cuDNN's plan
+    for a repeated shape is built once); never under torch.compile, and a CUDA graph captures
+    cuDNN only after it ran eagerly. Prefill calls keep SDPA's full choice from the first call."""
     from flexattn_zoo.backends import sdpa as sdpa_module
     from flexattn_zoo.backends.sdpa import SDPA_CHOICE, WITHOUT_CUDNN
 
@@ -898,6 +920,16 @@ def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest
     capturing[0] = True
     run(q, kv, kv, 0.5)  # now it may be captured
     assert enabled == [WITHOUT_CUDNN] * 4 + [None, None]
+
+    for other in (  # measured on sm90 forward only; cuDNN decoding bugs reported elsewhere
+        _problem(lq=1, lkv=64, heads=(4, 4), d=8, batch=2, arch="sm100"),
+        _problem(lq=1, lkv=64, heads=(4, 4), d=8, batch=2, grad=True),
+    ):
+        enabled.clear()
+        run = SDPA_CHOICE.bound_run(other, torch.device("cpu"))
+        for _ in range(3):
+            run(q, kv, kv, 0.5)
+        assert enabled == [WITHOUT_CUDNN] * 3
 
     enabled.clear()
     prefill = _problem(lq=64, lkv=64, heads=(4, 4), d=8, batch=2)
