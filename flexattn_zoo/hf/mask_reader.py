@@ -333,7 +333,7 @@ _WARNED: set[str] = set()
 #: tested against (tests/hf runs whole models against ``eager``). The closures are private to
 #: transformers and change between releases (5.23's sliding-window closures read differently
 #: and gave wrong chunked-prefill logits), so any other release takes the exact generic path.
-TESTED_TRANSFORMERS = frozenset({(5, 24)})
+TESTED_TRANSFORMERS = frozenset({(5, 24), (5, 25)})
 
 
 def _release(version: str) -> tuple[int, int] | None:
