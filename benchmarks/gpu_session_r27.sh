@@ -9,20 +9,9 @@ set -uo pipefail
 step="${1:?usage: $0 static [BUDGET_S]}"
 budget="${2:-480}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:?set OUT}/r27"
-mkdir -p "$out"
 start=$(date +%s)
-
-pack() { tar cf "${OUT}/r27_${step}.tar" -C "$out" .; }
-run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
-  local name="$1" limit="$2"
-  shift 2
-  echo "\$ $*" > "$out/$name.txt"
-  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
-  echo "rc=$?" >> "$out/$name.txt"
-  pack
-}
-left() { echo $(( budget - ($(date +%s) - start) )); }
+session=r27
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 
 case "$step" in
   static)

@@ -15,21 +15,10 @@ set -uo pipefail
 step="${1:?usage: $0 nofa4|fa4rows [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:?set OUT}/r28"
-mkdir -p "$out"
 export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
 start=$(date +%s)
-
-pack() { tar cf "${OUT}/r28_${step}.tar" -C "$out" .; }
-run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
-  local name="$1" limit="$2"
-  shift 2
-  echo "\$ $*" > "$out/$name.txt"
-  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
-  echo "rc=$?" >> "$out/$name.txt"
-  pack
-}
-left() { echo $(( budget - ($(date +%s) - start) )); }
+session=r28
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 
 case "$step" in
   nofa4)

@@ -1,0 +1,17 @@
+# Helpers shared by the gpu_session_rNN.sh step scripts (sourced, not run). The caller sets
+# `session` (e.g. r28), `step`, `budget` (seconds) and `start` (epoch seconds), and `OUT`.
+# Outputs go into $OUT/$session/, packed into $OUT/${session}_${step}.tar after every sub-step
+# (a device call brings back only a few files).
+out="${OUT:?set OUT}/${session:?set session}"
+mkdir -p "$out"
+
+pack() { tar cf "${OUT}/${session}_${step}.tar" -C "$out" .; }
+run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
+  local name="$1" limit="$2"
+  shift 2
+  echo "\$ $*" > "$out/$name.txt"
+  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
+  echo "rc=$?" >> "$out/$name.txt"
+  pack
+}
+left() { echo $(( budget - ($(date +%s) - start) )); }
