@@ -20,6 +20,7 @@ import inspect
 import logging
 import threading
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,9 +61,10 @@ def example_args(masking_utils: Any) -> dict[str, tuple[Any, ...]]:
 
 
 #: The functions already substituted (Dynamo takes one stand-in per function, for the process),
-#: and those left out (so a later install neither checks nor warns again).
-_INSTALLED: set[int] = set()
-_SKIPPED: set[int] = set()
+#: and those left out (so a later install neither checks nor warns again). The functions
+#: themselves, held weakly, not their ids: a new function may live at a collected one's address.
+_INSTALLED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+_SKIPPED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 _LOCK = threading.Lock()
 
 
@@ -131,7 +133,7 @@ def install(masking_utils: Any) -> list[str]:
     with _LOCK:
         for kind, name in FACTORIES.items():
             original = getattr(masking_utils, name, None)
-            if not isinstance(original, types.FunctionType) or id(original) in _INSTALLED | _SKIPPED:
+            if not isinstance(original, types.FunctionType) or original in _INSTALLED or original in _SKIPPED:
                 continue
             try:
                 fits = _captures_its_arguments(original, samples[kind])
@@ -143,9 +145,9 @@ def install(masking_utils: Any) -> list[str]:
                 fits = False
             if not fits:
                 skipped.append(name)
-                _SKIPPED.add(id(original))
+                _SKIPPED.add(original)
                 continue
-            _INSTALLED.add(id(original))
+            _INSTALLED.add(original)
     if skipped:
         log.warning(
             "flexattn_zoo.hf: transformers mask factories not read inside compiled models: %s", skipped

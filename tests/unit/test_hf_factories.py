@@ -3,6 +3,7 @@ what the stand-ins record while Dynamo traces, and what install() leaves out."""
 
 from __future__ import annotations
 
+import gc
 import types
 from typing import Any
 
@@ -90,3 +91,21 @@ def test_a_factory_another_library_substituted_is_left_out_without_raising() -> 
     assert factories.install(_module(padding_mask_function=padding_mask_function)) == [
         "padding_mask_function"
     ]
+
+
+def test_a_new_factory_at_a_collected_one_s_address_is_checked_again() -> None:
+    """install() remembers the functions it has seen, not their addresses: CPython puts a new
+    function where a collected one lived, and that one must still be checked and reported."""
+    reported = []
+    for window in range(20):
+
+        def sliding_window_overlay(sliding_window: int, w: int = window) -> Any:
+            def inner_mask(b: Any, h: Any, q: Any, kv: Any) -> Any:
+                return kv > q - w  # holds something other than its argument: left out
+
+            return inner_mask
+
+        reported.append(factories.install(_module(sliding_window_overlay=sliding_window_overlay)))
+        del sliding_window_overlay
+        gc.collect()
+    assert reported == [["sliding_window_overlay"]] * 20
