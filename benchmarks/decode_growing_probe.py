@@ -4,7 +4,7 @@ for plain SDPA on the live prefix with torch's own kernel choice, the same with 
 ``fz.decode.decode_step`` with an int ``cache_len`` and ``fz.attention`` on the same slices;
 median over the steps after a warm-up.
 
-    PYTHONPATH=. python benchmarks/decode_growing_probe.py [--steps 200] [--batch 8] [--start 4000]
+    PYTHONPATH=. python benchmarks/decode_growing_probe.py [--steps 200] [--batch 8] [--start 4000] [--routes sdpa,fa4]
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--start", type=int, default=4000)
+    p.add_argument("--routes", default="", help="also fz.attention(backend=ROUTE) for each, e.g. sdpa,fa4")
     args = p.parse_args()
     dev, dt = "cuda", torch.bfloat16
     b, h, hkv, d = args.batch, 32, 8, 128
@@ -42,10 +43,19 @@ def main() -> None:
             q, k[:, :, :n], v[:, :, :n], enable_gqa=True
         ),
     }
+    for route in args.routes.split(",") if args.routes else ():
+        calls[f"fz.attention(backend={route!r})"] = lambda n, r=route: fz.attention(
+            q, k[:, :, :n], v[:, :, :n], enable_gqa=True, backend=r
+        )
     length = args.start
     with torch.no_grad():
         for name, call in calls.items():
             times = []
+            try:
+                call(length)
+            except Exception as exc:  # a route this machine lacks (fa4 without FA4)
+                print(f"{name}: unavailable ({type(exc).__name__}: {str(exc)[:120]})")
+                continue
             for step in range(args.steps):
                 length += 1  # a length no call has seen
                 torch.cuda.synchronize()

@@ -8,9 +8,11 @@
 #                                                   # CUDA graph; the decode_gqa row without FA4),
 #                                                   # the host layers after the entries' signature
 #                                                   # change, the compile-counting GPU tests
-#   bash benchmarks/gpu_session_r28.sh fa4rows 540  # (FA4 installed) the fa4 rows of the sweep's
-#                                                   # cases where auto or auto_tuned took fa4, on
-#                                                   # the route's cheaper eager call
+#   bash benchmarks/gpu_session_r28.sh fa4rows 540  # (FA4 installed) the decode_gqa rows with FA4,
+#                                                   # a growing-cache decode (B=32, 8K+ keys) per
+#                                                   # route, then the fa4 rows of the sweep's cases
+#                                                   # where auto or auto_tuned took fa4, on the
+#                                                   # route's cheaper eager call
 set -uo pipefail
 step="${1:?usage: $0 nofa4|fa4rows [BUDGET_S]}"
 budget="${2:-300}"
@@ -29,6 +31,10 @@ case "$step" in
     PYTHONPATH="$PWD" run host_layers_h200_r28 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda
     ;;
   fa4rows)
+    run run_h200_fa4_decode_r28 150 env OUT="$out" bash benchmarks/run_h200.sh fa4 --resume --rerun \
+      --routes auto,fa4,flex_flash,sdpa,plain_sdpa --cases decode_gqa --quiet
+    PYTHONPATH="$PWD" run decode_growing_probe_h200_r28 120 python3 benchmarks/decode_growing_probe.py \
+      --batch 32 --start 8000 --steps 150 --routes sdpa,fa4
     [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
     run generalization_fa4rows_r28 "$(( $(left) - 20 ))" python3 -m flexattn_zoo.bench generalization \
       --out /root/gen.json --resume --rerun --time-budget "$(( $(left) - 90 ))" --quiet --routes auto,fa4,sdpa \

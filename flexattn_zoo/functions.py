@@ -394,13 +394,18 @@ class FunctionMask(_TracksCallable, MaskSpec):
     def tensors(self) -> list[torch.Tensor]:
         return captured_tensors(self.fn)
 
+    def index_offsets(self) -> tuple[int, int]:
+        """What the query and key indices are shifted by before ``fn`` reads them (none here)."""
+        return 0, 0
+
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
         # Evaluated where the tensors the function indexes live (e.g. CUDA document ids), returned
         # on the CPU like the other specs' oracles (composites combine them).
         device = _captured_device(self.fn)
         b, h, q, kv = (g.to(device) for g in _grids(batch, heads, q_len, kv_len))
+        q_offset, kv_offset = self.index_offsets()
         fn = _scalar_mask_mod(self.fn) if self.scalar else self.fn
-        out = torch.as_tensor(fn(b, h, q, kv)).cpu()
+        out = torch.as_tensor(fn(b, h, q + q_offset, kv + kv_offset)).cpu()
         return torch.broadcast_to(out, (batch, heads, q_len, kv_len))
 
 

@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.hf import factories
 from flexattn_zoo.masks import Causal, Chunked, Dense, Document, SlidingWindow
+from flexattn_zoo.masks._blocks import CapturedOffsets, check_int
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.masks.padding import KeyPadding
-from flexattn_zoo.spec import MaskSpec, maybe_true, tracing
+from flexattn_zoo.spec import MaskMod, MaskSpec, maybe_true, spec_dataclass, tracing
 
 log = logging.getLogger(__name__)
 
@@ -374,20 +376,59 @@ def translate(m: HFMask) -> MaskSpec | None:
     return _and([pattern, KeyPadding(valid=_key_slice(m.padding, m))])
 
 
+@spec_dataclass
+class ShiftedFunctionMask(CapturedOffsets, FunctionMask):
+    """``fn(b, h, q_idx + q_offset, kv_idx + kv_offset)``: a mask function over absolute positions
+    (transformers' patterns) applied to the queries and keys of a cache step.
+
+    The offsets are captured 0-d tensors in the ``mask_mod`` (see ``CapturedOffsets``), so the
+    steps of a generation loop, whose offsets move every token, share one compiled kernel; a
+    closure over the Python ints compiled one per token.
+    """
+
+    q_offset: int = 0
+    kv_offset: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("q_offset", "kv_offset"):
+            object.__setattr__(
+                self, name, check_int(name, getattr(self, name), minimum=None, owner="ShiftedFunctionMask")
+            )
+        self._set_device()
+
+    def index_offsets(self) -> tuple[int, int]:
+        return self.q_offset, self.kv_offset
+
+    def _make_mask_mod(self) -> MaskMod:
+        inner = super()._make_mask_mod()
+        q_offset = self._offset_tensor(self.q_offset)
+        kv_offset = self._offset_tensor(self.kv_offset)
+
+        def shifted_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return inner(b, h, q_idx + q_offset, kv_idx + kv_offset)
+
+        return shifted_mask
+
+
 def _generic(m: HFMask) -> MaskSpec:
-    """transformers' own mask function (plus padding and offsets) as a mask_mod: always exact."""
-    fn, qo, kvo = m.mask_function, m.q_offset, m.kv_offset
-    padding = None if m.padding is None else _key_slice(m.padding, m)
-
-    def hf_mask(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        out = fn(b, h, q_idx + qo, kv_idx + kvo)
-        if padding is not None:
-            out = out & padding[b, kv_idx]
-        return out
-
-    from flexattn_zoo.functions import FunctionMask
-
-    return FunctionMask(fn=hf_mask, label="transformers_mask")
+    """transformers' own mask function (at the step's offsets) and the padding as ``KeyPadding``:
+    always exact. The padding stays a spec of its own so that every route reads it as one (an
+    SDPA ``attn_mask``; on the compiled CPU flex kernel a copied buffer, where a cast fused into
+    the kernel leaves Inductor no kernel choice)."""
+    label = "transformers_mask"
+    pattern: MaskSpec
+    if maybe_true(m.q_offset != 0) or maybe_true(m.kv_offset != 0):
+        pattern = ShiftedFunctionMask(
+            fn=m.mask_function, label=label, q_offset=m.q_offset, kv_offset=m.kv_offset
+        )
+    else:
+        pattern = FunctionMask(fn=m.mask_function, label=label)
+    if m.padding is None:
+        return pattern
+    return pattern & KeyPadding(valid=_key_slice(m.padding, m))
 
 
 # ---------------------------------------------------------------------------------------------

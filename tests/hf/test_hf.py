@@ -449,15 +449,23 @@ def test_prepared_masks_answer_what_transformers_asks_of_them() -> None:
     assert torch.equal(ours, _hf_dense(mu.causal_mask_function, 2, 1, 10, 9, 0, PAD))
 
 
+@pytest.mark.parametrize("reader", ["tested", "untested"])
 @pytest.mark.parametrize("cache", [None, "static"], ids=["dynamic", "static"])
-def test_generating_tokens_compiles_a_bounded_number_of_kernels(cache: str | None) -> None:
+def test_generating_tokens_compiles_a_bounded_number_of_kernels(
+    cache: str | None, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each decode step's mask was ``OffsetCausal(step)`` with the step baked into the mask_mod:
     generating 8 tokens with Llama compiled 7 kernels (33 s on a CPU). Offsets are captured
     tensors now: the prefill's graph, and for all the steps the decode entry's static graphs of
-    its first cache lengths and one dynamic-shape graph (``STATIC_SHAPES + 2`` at most)."""
+    its first cache lengths and one dynamic-shape graph (``STATIC_SHAPES + 2`` at most). The
+    same on the generic path of a transformers release the reader was not tested with
+    (transformers' mask function at offsets it closed over as ints compiled 7 graphs)."""
     from torch._dynamo.utils import counters
 
     from flexattn_zoo.compile import STATIC_SHAPES
+
+    if reader == "untested":
+        monkeypatch.setattr(mask_reader, "TESTED_TRANSFORMERS", frozenset())
 
     impl = zhf.register("flexattn_zoo_auto", backend="auto")
     torch.manual_seed(0)
@@ -604,11 +612,18 @@ def test_transformers_own_attention_compiles_as_before_after_register(impl: str)
     assert err_before < 1e-5 and err_after < 1e-5
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_compiled_model_with_a_padding_mask(family: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "reader"), [("llama", "tested"), ("mistral", "tested"), ("llama", "untested")]
+)
+def test_compiled_model_with_a_padding_mask(
+    family: str, reader: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A left-padded batch inside ``torch.compile(fullgraph=True)`` (Inductor, CPU): the padding
     mask, cast from ``attention_mask`` inside the graph, compiles into the CPU flex kernel (which
-    found no kernel choice when the cast was fused into it) and gives the eager logits."""
+    found no kernel choice when the cast was fused into it) and gives the eager logits; also on
+    the generic path (where the padding was read inside transformers' mask function's closure)."""
+    if reader == "untested":
+        monkeypatch.setattr(mask_reader, "TESTED_TRANSFORMERS", frozenset())
     name = zhf.register()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](), attn_implementation=name).eval()
