@@ -3,7 +3,6 @@ what the stand-ins record while Dynamo traces, and what install() leaves out."""
 
 from __future__ import annotations
 
-import gc
 import types
 from typing import Any
 
@@ -97,7 +96,7 @@ def test_a_new_factory_at_a_collected_one_s_address_is_checked_again() -> None:
     """install() remembers the functions it has seen, not their addresses: CPython puts a new
     function where a collected one lived, and that one must still be checked and reported."""
     reported = []
-    for window in range(20):
+    for window in range(5):
 
         def sliding_window_overlay(sliding_window: int, w: int = window) -> Any:
             def inner_mask(b: Any, h: Any, q: Any, kv: Any) -> Any:
@@ -106,6 +105,5 @@ def test_a_new_factory_at_a_collected_one_s_address_is_checked_again() -> None:
             return inner_mask
 
         reported.append(factories.install(_module(sliding_window_overlay=sliding_window_overlay)))
-        del sliding_window_overlay
-        gc.collect()
-    assert reported == [["sliding_window_overlay"]] * 20
+        del sliding_window_overlay  # freed here (no cycle): the next one may take its address
+    assert reported == [["sliding_window_overlay"]] * 5
