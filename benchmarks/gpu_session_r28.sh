@@ -25,7 +25,7 @@ source benchmarks/gpu_session_lib.sh  # the repository root is the working direc
 case "$step" in
   nofa4)
     run gpu_tests_r28_decode_repeat 120 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_routes_gpu.py \
-      -k "repeated_shape or no_recompiles"
+      -k "repeated_shape or no_recompiles or very_negative"
     run run_h200_nofa4_decode_r28 120 env OUT="$out" bash benchmarks/run_h200.sh nofa4 --resume --rerun \
       --routes auto,sdpa,plain_sdpa --cases decode_gqa --quiet
     PYTHONPATH="$PWD" run host_layers_h200_r28 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda

@@ -244,6 +244,33 @@ def _launch_sdpa(
 #: ``SdpaBackend.kernel`` of the route that lets SDPA choose its kernel itself.
 UNPINNED = "UNPINNED"
 
+#: Lengths (mod this) at which cuDNN's SDPA backward with an ``attn_mask`` can give NaN dQ.
+CUDNN_MASKED_BACKWARD_TILE = 128
+CUDNN_MASKED_BACKWARD_REMAINDER = 64
+
+
+def cudnn_masked_backward_hazard(p: Problem) -> bool:
+    """Whether SDPA's own choice must leave cuDNN out of ``p``: a call that will run backward,
+    with an ``attn_mask`` tensor, at a length of 64 mod 128, on CUDA with torch 2.11 or later.
+
+    There cuDNN's backward (SDPA's pick on sm90) scores the padded half of the last 128-wide key
+    tile as 0 rather than -inf, and a query row whose logsumexp is below about -88.7 (all its
+    scores strongly negative, as in heads with massive activations) gets NaN in dQ
+    (pytorch/pytorch#196678: forward, dK and dV are right; ``is_causal`` without a mask tensor,
+    FlashAttention-2 and the memory-efficient kernel are not affected). Such calls take the
+    memory-efficient kernel instead; at other lengths, without gradients or without a mask
+    tensor cuDNN stays in the choice. Both lengths are checked (the report's lengths are equal).
+    """
+    if p.device_type != "cuda" or p.arch == ROCM or not p.requires_grad or _compat.TORCH_VERSION < (2, 11):
+        return False
+    call = _sdpa_call(p)
+    if isinstance(call, str) or call.attn_mask is None:
+        return False
+    return any(
+        _compat.maybe_true(n % CUDNN_MASKED_BACKWARD_TILE == CUDNN_MASKED_BACKWARD_REMAINDER)
+        for n in (p.q_len, p.kv_len)
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class SdpaChoiceBackend(SdpaBackend):
@@ -259,7 +286,8 @@ class SdpaChoiceBackend(SdpaBackend):
     On sm90, without gradients, a shape called a third time (its plan-cache entry's second call: a
     fixed-size cache, cross-attention over an encoder's output, lengths that cycle) lets SDPA
     choose cuDNN too, which decodes faster once its plan exists; a CUDA graph captures it only
-    after it ran eagerly.
+    after it ran eagerly. Training calls with a mask tensor at a length of 64 mod 128 leave cuDNN
+    out (:func:`cudnn_masked_backward_hazard`).
     """
 
     def mask_reasons(self, p: Problem) -> list[str]:
@@ -280,6 +308,8 @@ class SdpaChoiceBackend(SdpaBackend):
         # builds an execution plan for every new shape (plain SDPA took 57.8 ms per step on the
         # H200, FlashAttention-2 0.115: benchmarks/results/decode_growing_probe_h200.txt).
         if p.device_type == "cuda" and p.arch != ROCM and p.q_len <= DECODE_QUERIES:
+            return WITHOUT_CUDNN
+        if cudnn_masked_backward_hazard(p):
             return WITHOUT_CUDNN
         return None
 

@@ -1074,3 +1074,30 @@ def test_explain_says_where_the_order_came_from() -> None:
     assert "order: the sm90 table for fwd, no measured rule applies" in plain
     named = plan_problem(_problem(masks.Causal()), "flex").explain()
     assert "order: none asked (route 'flex' named)" in named
+
+
+def test_sdpa_route_leaves_cudnn_out_of_masked_training_at_lengths_64_mod_128() -> None:
+    """cuDNN's SDPA backward with an attn_mask gives NaN dQ at lengths of 64 mod 128 when a row's
+    logsumexp is very negative (pytorch/pytorch#196678, torch 2.11 and later): SDPA's own choice
+    runs such calls without cuDNN; other lengths, forward-only calls and calls without a mask
+    tensor keep the full choice."""
+    from flexattn_zoo.backends.sdpa import SDPA_CHOICE, WITHOUT_CUDNN
+
+    def padded(n: int) -> masks.KeyPadding:
+        valid = torch.ones(2, n, dtype=torch.bool)
+        valid[0, -5:] = False
+        return masks.KeyPadding(valid=valid)
+
+    def kernels(mask: Any, lq: int, lkv: int | None = None, grad: bool = True) -> Any:
+        return SDPA_CHOICE.launch_kernels(
+            _problem(mask, lq=lq, lkv=lkv, grad=grad, batch=2, heads=(4, 4), d=64)
+        )
+
+    for n in (64, 192, 704, 2112):
+        assert kernels(padded(n), n) == WITHOUT_CUDNN
+    assert kernels(padded(704), 512, 704) == WITHOUT_CUDNN  # the key length alone
+    assert kernels(padded(512), 704, 512) == WITHOUT_CUDNN  # the query length alone
+    for n in (128, 640, 768, 700):
+        assert kernels(padded(n), n) is None
+    assert kernels(padded(704), 704, grad=False) is None
+    assert kernels(masks.Causal(), 704) is None  # is_causal, no mask tensor
