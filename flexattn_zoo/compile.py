@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
 
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
@@ -240,7 +241,9 @@ def _captured_key(value: Any) -> Hashable:
     try:
         hash(value)
     except TypeError:
-        return ("id", id(value))  # unhashable and unknown: never shared
+        # Unhashable and unknown: shared only by calls capturing this very object (a reference
+        # to it, not its id, which a new object may reuse once this one is collected).
+        return ("id", _Ref(value))
     return (type(value).__name__, value)
 
 

@@ -238,6 +238,11 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 _NESTED = (torch.Tensor, tuple, list)
 
 
+def _storage_of(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[str, int], ...]:
+    """``(device, data pointer)`` of each tensor: what :meth:`Spec._learned_storage` records."""
+    return tuple((str(t.device), t.data_ptr()) for t in tensors)
+
+
 def _field_names(spec: Any) -> tuple[str, ...]:
     """The dataclass field names of ``spec``, looked up once per class (``dataclasses.fields``
     filters every attribute of the class on each call). Not while torch.compile traces: Dynamo
@@ -271,12 +276,23 @@ def _memo_key(a: object, b: object) -> tuple[int, int]:
     return (id(a), id(b)) if id(a) < id(b) else (id(b), id(a))
 
 
+#: The two finalizers of each ``_EQ_MEMO`` entry (one per spec): the first to run detaches the
+#: other, so a long-lived spec compared with many short-lived equal ones keeps no finalizer per
+#: comparison.
+_EQ_FINALIZERS: dict[tuple[int, int], tuple[weakref.finalize[Any, Any], ...]] = {}
+
+
 def _remember_equal(a: object, b: object, verdict: bool) -> None:
     key = _memo_key(a, b)
     if key not in _EQ_MEMO:
         _EQ_MEMO[key] = verdict
-        for obj in (a, b):
-            weakref.finalize(obj, _EQ_MEMO.pop, key, None)
+        _EQ_FINALIZERS[key] = tuple(weakref.finalize(obj, _forget_equal, key) for obj in (a, b))
+
+
+def _forget_equal(key: tuple[int, int]) -> None:
+    _EQ_MEMO.pop(key, None)
+    for finalizer in _EQ_FINALIZERS.pop(key, ()):
+        finalizer.detach()
 
 
 _LiveT = TypeVar("_LiveT", bound="Spec")
@@ -306,7 +322,44 @@ class Spec:
     pair_loads: ClassVar[bool | None] = None
 
     def _fields(self) -> tuple[Any, ...]:
-        return tuple([getattr(self, name) for name in _field_names(self)])
+        values = [getattr(self, name) for name in _field_names(self)]
+        if self._holds_learned():
+            values.append(self._learned_storage())
+        return tuple(values)
+
+    def _own_learned(self) -> tuple[torch.Tensor, ...]:
+        """The tensors of this spec's own fields (not its parts') that require grad: learned
+        tensors, held as the caller's objects (see :func:`_owned`)."""
+        return tuple(v for v in self._parts() if isinstance(v, torch.Tensor) and v.requires_grad)
+
+    def _holds_learned(self) -> bool:
+        """Whether this spec or a part of it holds a learned tensor (cached per instance)."""
+        cached = self.__dict__.get("_holds_learned_value")
+        if cached is None:
+            cached = any(
+                (isinstance(v, torch.Tensor) and v.requires_grad)
+                or (isinstance(v, Spec) and v._holds_learned())
+                for v in self._parts()
+            )
+            if not _compat.is_compiling():
+                object.__setattr__(self, "_holds_learned_value", cached)
+        return bool(cached)
+
+    def _learned_storage(self) -> tuple[Any, ...]:
+        """Where this spec's own learned tensors kept their data when the spec was first used
+        (``(device, data pointer)`` each), recorded once per instance and part of its equality.
+
+        A learned tensor stays the caller's object, and the mods built from it read views of its
+        storage: an optimizer's in-place step is seen, but ``param.data = new`` (an EMA swap, a
+        re-initialization, ``module.to(...)``) gives the object new storage, which those views
+        never see. :meth:`live` returns a copy of the spec when the storage moved, and the copy,
+        unequal to the old one, misses every cache keyed by it. Empty while traced."""
+        cached = self.__dict__.get("_learned_storage_value")
+        if cached is None:
+            cached = () if _compat.is_compiling() else _storage_of(self._own_learned())
+            if not _compat.is_compiling():
+                object.__setattr__(self, "_learned_storage_value", cached)
+        return cached
 
     def __eq__(self, other: object) -> bool:
         if type(self) is not type(other):
@@ -342,9 +395,11 @@ class Spec:
         possibly inside a composite) records the versions of the tensors the callable captures when
         it is built. After an in-place write to one of them, ``live()`` returns an equal-but-for-that
         spec with the new versions, so every cache keyed by the spec misses and rebuilds (the
-        BlockMask above all). Specs without callables return ``self`` at the cost of one lookup.
+        BlockMask above all). The same when a learned tensor in it got new storage
+        (``param.data = ...``; see :meth:`_learned_storage`). Specs without callables or learned
+        tensors return ``self`` at the cost of one lookup.
         """
-        if not self._holds_callables():
+        if not self._holds_callables() and not self._holds_learned():
             return self
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
@@ -357,7 +412,12 @@ class Spec:
                 fresh_t = tuple(v.live() if isinstance(v, Spec) else v for v in value)
                 if any(a is not b for a, b in zip(fresh_t, value, strict=True)):
                     changes[f.name] = fresh_t
-        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
+        if changes:
+            return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+        own = self._own_learned()
+        if own and not _compat.is_compiling() and _storage_of(own) != self._learned_storage():
+            return dataclasses.replace(self)  # type: ignore[type-var]  # records the new storage
+        return self
 
     def plain_key(self) -> Hashable | None:
         """``(class, parameter values)`` when every parameter is a Python number, string, None, a
@@ -400,6 +460,7 @@ class Spec:
         state = dict(self.__dict__)
         state.pop("_hash_value", None)
         state.pop("_tensors_value", None)  # rebuilt on use (from the unpickled fields)
+        state.pop("_learned_storage_value", None)  # this process's addresses
         return state
 
     @classmethod

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import gc
 import pickle
+import weakref
 from typing import Any
 
 import numpy as np
@@ -175,6 +176,34 @@ def test_equality_memo_never_outlives_a_value() -> None:
     d = masks.Document(doc_ids=buf)
     e = masks.Document(doc_ids=torch.tensor(TWO_DOCS))
     assert d != e
+
+
+def test_a_long_lived_spec_compared_with_many_equal_ones_keeps_no_finalizer_each() -> None:
+    """Each remembered verdict registers a finalizer on both specs; when either is collected the
+    other's is dropped too (a layer's spec compared with a new equal spec per step kept one
+    finalizer per step)."""
+    kept = masks.Document(doc_ids=torch.tensor(TWO_DOCS))
+    gc.collect()
+    before = len(weakref.finalize._registry)  # type: ignore[attr-defined]
+    for _ in range(50):
+        assert kept == masks.Document(doc_ids=torch.tensor(TWO_DOCS))
+    gc.collect()
+    assert len(weakref.finalize._registry) - before <= 2  # type: ignore[attr-defined]
+
+
+def test_compile_keys_of_unhashable_captures_never_match_a_collected_ones() -> None:
+    """An unhashable captured value keys a mod by identity: a new value at a collected one's
+    address gets a key of its own (the compile cache shares an entry only between equal keys)."""
+    from flexattn_zoo.compile import mod_key
+
+    def make(table: dict[str, int]) -> Any:
+        return lambda b, h, q, kv: q >= kv + table["shift"]
+
+    for shift in range(10):
+        first = {"shift": shift}
+        key = mod_key(make(first))
+        del first  # freed here (no cycle): the next dict may take its address
+        assert mod_key(make({"shift": shift + 1})) != key
 
 
 def test_per_instance_layout_caches_follow_the_value() -> None:
@@ -600,3 +629,61 @@ def test_spec_live_is_identity_for_plain_specs() -> None:
     ):
         assert s.live() is s
     assert isinstance(masks.Causal(), Spec)
+
+
+def _new_storage(param: torch.nn.Parameter, scale: float) -> None:
+    param.data = torch.randn(param.shape) * scale  # an EMA swap, a re-initialization
+
+
+@pytest.mark.parametrize("route", ["dense", "flex_cpu"])
+def test_a_learned_bias_given_new_storage_is_read_anew(route: str) -> None:
+    """``param.data = ...`` gives a learned tensor new storage: the score_mods built from views of
+    the old storage (cached per spec, learned specs comparing by identity) must not be reused.
+    Checked through fz.attention, an fz.Attention layer and a Graphormer edge bias."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    bias = torch.nn.Parameter(torch.randn(1, 2, 32, 32))
+    edge = torch.nn.Parameter(torch.randn(1, 2, 32, 32))
+    pos, table = torch.randint(0, 4, (1, 32, 32)), torch.randn(4, 2)
+    layer = fz.Attention(score_mod=bias, backend=route)
+    calls = {
+        "fz.attention": (lambda: fz.attention(q, k, v, score_mod=bias, backend=route), bias),
+        "fz.Attention": (lambda: layer(q, k, v), bias),
+        "graphormer": (
+            lambda: fz.attention(
+                q, k, v, score_mod=score_mods.Graphormer(spatial_pos=pos, spatial_bias=table, edge_bias=edge),
+                backend=route,
+            ),
+            edge,
+        ),
+    }  # fmt: skip
+    with torch.no_grad():
+        for name, (call, param) in calls.items():
+            call()  # builds and caches the score_mod
+            _new_storage(param, 5.0)
+            got = call()
+            frozen = param.detach().clone()
+            if param is edge:
+                want = reference_attention(
+                    q,
+                    k,
+                    v,
+                    score_mod=score_mods.Graphormer(spatial_pos=pos, spatial_bias=table, edge_bias=frozen),
+                )
+            else:
+                want = reference_attention(q, k, v, score_mod=frozen)
+            torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_a_learned_spec_is_kept_while_its_storage_stays() -> None:
+    """An optimizer's in-place step keeps the storage: ``live()`` returns the spec itself (its
+    mods read the storage, so every cache entry stays valid)."""
+    bias = torch.nn.Parameter(torch.randn(8, 8))
+    spec_ = score_mods.Bias(bias=bias)
+    assert spec_.live() is spec_
+    with torch.no_grad():
+        bias.add_(1.0)
+    assert spec_.live() is spec_
+    _new_storage(bias, 1.0)
+    fresh = spec_.live()
+    assert fresh is not spec_ and fresh != spec_ and fresh.bias is bias and fresh.live() is fresh
