@@ -195,7 +195,14 @@ def _reachable(fn: Any) -> Iterator[Any]:
             continue
         visited.add((id(value), expand))
         if isinstance(value, Spec):
-            continue  # owns its tensors (specs are immutable)
+            # A spec owns its tensors (specs are immutable), but not the raw callables it wraps
+            # (``FunctionMask``), whose captured state is the user's: those are walked.
+            if value._holds_callables():
+                parts = value._parts()
+                stack.extend(
+                    (part, expand) for part in reversed(parts) if isinstance(part, Spec) or callable(part)
+                )
+            continue
         if isinstance(value, torch.Tensor) or (
             callable(value) and not isinstance(value, (type, types.BuiltinFunctionType))
         ):
@@ -260,7 +267,8 @@ def invalidate(fn: Any = None) -> None:
     In-place writes to tensors a callable captures are seen without this (their version counters
     are part of every cache key derived from the callable). Call it after changing anything else
     it reads: a captured Python list or dict, an attribute of a captured object other than its own
-    tensors, a tensor written through ``.data`` or NumPy. Every BlockMask, plan and call entry
+    tensors, a tensor written through ``.data`` or NumPy or received by a ``torch.distributed``
+    collective (``broadcast``, ``all_reduce``: no version bump). Every BlockMask, plan and call entry
     built for ``fn`` (also inside composites, ``fz.Attention`` layers and other callables that
     capture it) is rebuilt on next use. Passing a new function object does the same.
     ``invalidate()`` with no argument does it for every callable.
@@ -348,9 +356,16 @@ class _TracksCallable(Spec):
         state = capture_state(self.fn)
         if state == self.state:
             return self
-        fresh = dataclasses.replace(self)  # type: ignore[type-var]
+        # What the callable captures changed (an in-place write, ``fz.invalidate``): how it must
+        # be evaluated may have too, so it is probed again, as a callable passed anew would be.
+        probed = self._probe()
+        fresh = dataclasses.replace(self, scalar=probed.scalar, hazards=probed.hazards)  # type: ignore[type-var]
         object.__setattr__(fresh, "state", state)  # what __post_init__ just walked for again
         return fresh
+
+    def _probe(self) -> Probed:
+        """The probe's verdict on ``fn`` now (:func:`check_mask_function` / :func:`check_score_function`)."""
+        raise NotImplementedError
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -381,6 +396,9 @@ class FunctionMask(_TracksCallable, MaskSpec):
     #: (:data:`REDUCES`, :data:`READS_GATHERED_ROW`): the ``flex_cpu`` route refuses it.
     hazards: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     state: Hashable = dataclasses.field(default=(), init=False, repr=False)
+
+    def _probe(self) -> Probed:
+        return check_mask_function(self.fn)
 
     def uses_batch(self) -> bool:
         return _reads_argument(self.fn, 0)
@@ -421,6 +439,9 @@ class FunctionScore(_TracksCallable, ScoreSpec):
     scalar: bool = dataclasses.field(default=False, repr=False)
     hazards: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     state: Hashable = dataclasses.field(default=(), init=False, repr=False)
+
+    def _probe(self) -> Probed:
+        return check_score_function(self.fn)
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         return _scalar_score_mod(self.fn) if self.scalar else self.fn

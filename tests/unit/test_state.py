@@ -687,3 +687,53 @@ def test_a_learned_spec_is_kept_while_its_storage_stays() -> None:
     _new_storage(bias, 1.0)
     fresh = spec_.live()
     assert fresh is not spec_ and fresh != spec_ and fresh.bias is bias and fresh.live() is fresh
+
+
+def test_a_callable_reaching_a_spec_that_wraps_a_callable_is_tracked_through_it() -> None:
+    """capture_state skips the tensors a spec owns, but walks the raw callables a spec wraps: a
+    user mask_mod (here a bound method) reading a composite over another callable sees an in-place
+    write to that callable's tensor, and the cached BlockMask is not reused."""
+    from flexattn_zoo.coercion import as_mask_spec
+
+    ids = torch.tensor([0] * 128 + [1] * 128)
+
+    class Packer:
+        def __init__(self) -> None:
+            self.spec = masks.Causal() & as_mask_spec(lambda b, h, q, kv: ids[q] == ids[kv])
+
+        def mask(self, b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return self.spec.mask_mod()(b, h, q, kv)
+
+    packer = Packer()
+    before = capture_state(packer.mask)
+    first = fz.block_mask(packer.mask, 256, 256, batch=1, heads=2)
+    ids[:] = 0  # one document now
+    assert capture_state(packer.mask) != before
+    assert fz.block_mask(packer.mask, 256, 256, batch=1, heads=2) is not first
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    with torch.no_grad():
+        out = fz.attention(q, k, v, mask=packer.mask, backend="flex_cpu")
+    assert_matches_reference(out, q, k, v, mask=masks.Causal())
+
+
+def test_a_layers_callable_is_probed_again_when_its_state_changes() -> None:
+    """``live()`` of a spec over a callable whose state changed (``fz.invalidate``) probes it again:
+    a layer built while it evaluated elementwise keeps up when it starts reducing over a captured
+    tensor (then evaluated as flex does, per index), as a callable passed anew would."""
+    mode = {"parity": False}
+    marks_ = torch.tensor([0])
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if mode["parity"]:
+            return (q_idx >= kv_idx) & ((marks_ <= q_idx).sum() % 2 == 0)
+        return q_idx >= kv_idx
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    layer = fz.Attention(mask=mask_mod, backend="dense")
+    layer(q, k, v)
+    mode["parity"] = True
+    fz.invalidate(mask_mod)
+    want = reference_attention(q, k, v, mask=mask_mod)
+    torch.testing.assert_close(layer(q, k, v), want.float(), atol=1e-5, rtol=1e-5)
