@@ -36,6 +36,7 @@ from flexattn_zoo.validation import (
     check_device,
     check_dropout_p,
     check_flag,
+    check_learned_devices,
     check_qkv,
     check_scale,
     check_traced_scale,
@@ -340,9 +341,10 @@ def _problem(
     score_spec = as_score_spec(score_mod)
     if user_bm is not None:
         _check_user_block_mask(user_bm, shape.batch, shape.heads, shape.q_len, shape.kv_len, q.device)
-    for spec in (mask_spec, score_spec):
+    for arg, spec in (("mask", mask_spec), ("score_mod", score_spec)):
         if spec is not None:
             spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
+            check_learned_devices(arg, spec, q.device)
     requires_grad = needs_grad((q, k, v), score_spec)
     nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(

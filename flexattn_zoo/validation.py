@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 from numbers import Real
+from typing import Any
 
 import torch
 
@@ -152,6 +153,18 @@ def check_device(t: torch.Tensor) -> None:
         raise ValueError(
             f"q, k, v are on device {t.device.type!r}; flexattn_zoo runs on: {', '.join(SUPPORTED_DEVICES)}"
         )
+
+
+def check_learned_devices(arg: str, spec: Any, device: torch.device) -> None:
+    """Refuse a learned tensor (one that requires grad) of ``spec`` on a device other than q's:
+    the routes would run on a copy made once, which the optimizer's updates of the caller's
+    tensor never reach. Other spec tensors are immutable snapshots, copied once to q's device."""
+    for t in spec.tensors():
+        if t.requires_grad and t.device != device:
+            raise ValueError(
+                f"{arg}: {type(spec).__name__} holds a learned tensor (requires_grad) on {t.device}, "
+                f"q is on {device}: move the tensor to q's device (a copy would not follow its updates)"
+            )
 
 
 def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> Shape:

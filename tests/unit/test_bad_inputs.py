@@ -877,3 +877,16 @@ def test_the_quick_qkv_check_accepts_only_what_check_qkv_accepts() -> None:
         else:
             refused += 1
     assert passed > 50 and refused > 50  # both sides were exercised
+
+
+def test_a_learned_tensor_on_another_device_than_q_is_refused() -> None:
+    """A route would run on a copy of it on q's device, made once, which the optimizer's updates
+    of the caller's tensor never reach: refused, naming the argument and both devices. A tensor
+    that does not require grad (an immutable snapshot) is copied."""
+    q = torch.randn(1, 2, 8, 16)
+    learned = torch.nn.Parameter(torch.empty(8, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"score_mod: Bias holds a learned tensor .* on meta, q is on cpu"):
+        fz.attention(q, q, q, score_mod=learned)
+    with pytest.raises(ValueError, match="learned tensor"):
+        fz.Attention(score_mod=learned)(q, q, q)
+    assert fz.attention(q, q, q, score_mod=torch.nn.Parameter(torch.randn(8, 8))).shape == q.shape
