@@ -344,7 +344,8 @@ def _problem(
     for arg, spec in (("mask", mask_spec), ("score_mod", score_spec)):
         if spec is not None:
             spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
-            check_learned_devices(arg, spec, q.device)
+            if not traced:  # listing a callable's tensors walks its closure, which Dynamo cannot
+                check_learned_devices(arg, spec, q.device)
     requires_grad = needs_grad((q, k, v), score_spec)
     nonfinite = inputs_nonfinite(q, k, v)
     problem = Problem(
