@@ -15,17 +15,9 @@
 set -uo pipefail
 step="${1:?usage: $0 verify|sweep|final [BUDGET_S]}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:?set OUT}/r24"
-mkdir -p "$out"
 export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
-
-run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
-  local name="$1" limit="$2"
-  shift 2
-  echo "\$ $*" > "$out/$name.txt"
-  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
-  echo "rc=$?" >> "$out/$name.txt"
-}
+session=r24 budget=0 start=$(date +%s)
+source benchmarks/gpu_session_lib.sh  # out, pack, run (left: unused here)
 
 case "$step" in
   verify)

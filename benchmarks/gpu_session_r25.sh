@@ -21,21 +21,10 @@ set -uo pipefail
 step="${1:?usage: $0 probe|auto|sweep|tuned [BUDGET_S]}"
 budget="${2:-520}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-out="${OUT:?set OUT}/r25"
-mkdir -p "$out"
 export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
 start=$(date +%s)
-
-pack() { tar cf "${OUT}/r25_${step}.tar" -C "$out" .; }
-run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
-  local name="$1" limit="$2"
-  shift 2
-  echo "\$ $*" > "$out/$name.txt"
-  timeout "$limit" "$@" >> "$out/$name.txt" 2>&1
-  echo "rc=$?" >> "$out/$name.txt"
-  pack
-}
-left() { echo $(( budget - ($(date +%s) - start) )); }  # seconds of the budget left
+session=r25
+source benchmarks/gpu_session_lib.sh  # out, pack, run, left
 
 sweep_rows() {  # sweep_rows JSON NAME [ARGS...]: the sweep resumed into JSON until the budget ends
   local json="$1" name="$2"
