@@ -526,14 +526,22 @@ class Spec:
         return found
 
     def to(self, device: torch.device | str) -> Self:
-        """A copy with every captured tensor on ``device`` (``self`` if nothing moves)."""
+        """A copy with every captured tensor on ``device`` (``self`` if nothing moves).
+
+        Nested specs move through their own ``to``: a part that keeps state on a device besides
+        its tensor fields (a captured offset, a precomputed table) moves that state too."""
         dev = torch.device(device)
-        return self.map_tensors(lambda t: t if t.device == dev else t.to(dev))
+        return self._rebuilt(lambda t: t if t.device == dev else t.to(dev), lambda part: part.to(dev))
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
         """A copy, constructed again, with ``fn(t)`` for every captured tensor ``t``, nested specs
         included (``self`` where ``fn`` returns every tensor unchanged, and, while traced, for a
         spec :attr:`built_from_values`)."""
+        return self._rebuilt(fn, lambda part: part.map_tensors(fn))
+
+    def _rebuilt(self, fn: Callable[[torch.Tensor], torch.Tensor], nested: Callable[[Spec], Spec]) -> Self:
+        """This spec with ``fn`` applied to its tensor fields and ``nested`` to its spec fields
+        (alone or in a tuple); ``self`` where nothing changes."""
         if type(self).built_from_values and tracing():
             return self
         changes: dict[str, Any] = {}
@@ -548,11 +556,11 @@ class Spec:
                     # A fresh tensor (or a learned tensor's non-leaf copy): the new spec owns it as is.
                     changes[f.name] = new if new.requires_grad else _mark_owned(new)
             elif isinstance(value, Spec):
-                mapped = value.map_tensors(fn)
+                mapped = nested(value)
                 if mapped is not value:
                     changes[f.name] = mapped
             elif isinstance(value, tuple) and any(isinstance(v, Spec) for v in value):
-                mapped_t = tuple(v.map_tensors(fn) if isinstance(v, Spec) else v for v in value)
+                mapped_t = tuple(nested(v) if isinstance(v, Spec) else v for v in value)
                 if any(a is not b for a, b in zip(mapped_t, value, strict=True)):
                     changes[f.name] = mapped_t
         return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]  # as above

@@ -32,6 +32,12 @@ def _doc() -> masks.Document:
     return masks.Document.from_lengths([[100, 150, 83], [20, 313]])
 
 
+def _left_padded(length: int) -> masks.KeyPadding:
+    valid = torch.ones(B, length, dtype=torch.bool)
+    valid[1, :37] = False
+    return masks.KeyPadding(valid=valid)
+
+
 PRESETS = {
     "full": (lambda: None, None),
     "causal": (lambda: masks.Causal(), None),
@@ -49,6 +55,12 @@ PRESETS = {
     "softcap_causal": (lambda: masks.Causal(), "softcap"),
     "softcap_approx_causal": (lambda: masks.Causal(), "softcap_approx"),
     "fully_masked_rows": (lambda: masks.Causal(align="bottom_right"), (333, 200)),
+    # A part that binds to one holding its offset in a tensor on its own device (OffsetCausal),
+    # inside a composite: moving the composite to the GPU must move that tensor too.
+    "causal_br_padded_lq_lt_lkv": (
+        lambda: masks.Causal(align="bottom_right") & _left_padded(333),
+        (200, 333),
+    ),
 }
 #: Every registered route that auto may pick on some GPU generation, in registration order (dense,
 #: never picked there, is checked against the reference on the CPU).
@@ -139,7 +151,7 @@ def test_route_coverage() -> None:
     if _compat.flash_cute_available():
         # Every preset but those whose mask reads captured 0-d offsets (bottom-right causal with
         # Lq != Lkv binds to OffsetCausal): FA4's CuTe mask codegen cannot load them on torch 2.11.
-        offsets = {"causal_br_lq_lt_lkv", "fully_masked_rows"}
+        offsets = {"causal_br_lq_lt_lkv", "fully_masked_rows", "causal_br_padded_lq_lt_lkv"}
         assert set(PRESETS) - offsets == accepted["flex_flash"], accepted["flex_flash"]
         fa4 = {"full", "causal", "sliding", "document_causal", "softcap_approx_causal"} | chunks
         assert fa4 == accepted["fa4"], accepted["fa4"]

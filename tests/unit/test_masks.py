@@ -467,6 +467,23 @@ def test_composites_built_directly_keep_their_parts_tensors() -> None:
     assert both.to("meta").parts[1].doc_ids.device.type == "meta"
 
 
+def test_moving_a_composite_moves_the_device_state_of_its_parts() -> None:
+    # Band and OffsetCausal keep their offsets in tensors made on their own device, not in tensor
+    # fields: moving a composite that holds one must move it too, or a CUDA kernel would be
+    # handed the CPU tensors its mask_mod captures. The device is part of a spec's value.
+    chunks = Chunked(size=2)
+    for part in (Band(lo=-2, hi=1), OffsetCausal(offset=3)):
+        on_meta = part.to("meta")
+        assert on_meta != part
+        assert And(parts=(part, chunks)).to("meta") == And(parts=(on_meta, chunks))
+        assert Or(parts=(chunks, part)).to("meta") == Or(parts=(chunks, on_meta))
+        assert Not(part=part).to("meta") == Not(part=on_meta)
+        assert Not(part=part).map_tensors(lambda t: t) == Not(part=part)  # nothing to map: unchanged
+    docs = Document(doc_ids=[0, 0, 1, 1, 1, 2])
+    moved = (Band(lo=-2, hi=1) & docs).to("meta")
+    assert [p.to("meta") is p for p in moved.parts] == [True, True]
+
+
 def test_document_constructors_put_ids_on_the_device_asked_for() -> None:
     assert Document.from_lengths(torch.tensor([3, 2]), device="meta").doc_ids.device.type == "meta"
     assert Document.from_cu_seqlens(torch.tensor([0, 3, 5]), device="meta").doc_ids.device.type == "meta"

@@ -148,6 +148,9 @@ def test_sandwich_lengths_and_device() -> None:
     assert meta.device == torch.device("meta") and meta.distance_table().device.type == "meta"
     assert meta != spec and meta.score_mod() is not spec.score_mod() and meta.to("meta") is meta
     assert meta.to("cpu") == spec
+    # In a chain too: the chain moves its parts through their own `to`, tables included.
+    chained = (spec >> score_mods.SoftCap(cap=30.0)).to("meta")
+    assert chained.mods[0].distance_table().device.type == "meta"
     assert pickle.loads(pickle.dumps(spec)) == spec
     assert spec.tensors() == [] and not spec.captures_grad_tensors() and spec.uses_head()
     assert score_mods.get("sandwich", num_heads=4) == Sandwich(num_heads=4, dim=128, max_len=8192)
