@@ -217,7 +217,9 @@ class FlexBackend(Backend):
             call = CALLS.put(key, call)
         return call
 
-    def caller_mask_call(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall | None:
+    def caller_mask_call(
+        self, p: Problem, device: torch.device, block_mask: Any
+    ) -> FlexCall | PaddedFlexCall | None:
         """:meth:`prepared` for a caller's BlockMask, for a caller that launches it itself on
         every call with that BlockMask's mask_mod and block size (``fz.decode``: one lookup less
         per step); None where :meth:`run` must be called instead: a route that wraps it (a lock,
@@ -552,8 +554,73 @@ class FlexFlashBackend(FlexBackend):
         return out
 
 
+#: Head dims below which the CPU flex kernel gets q/k/v padded with zeros to this width. torch's
+#: compiled CPU flex kernel (torch 2.13, on an AVX2 machine) returned wrong values, NaN among them,
+#: at head dim 8 and 16 for key lengths 24, 40, 56, 72, ... (measured with torch's own
+#: ``torch.compile(flex_attention)`` too; 24 and up matched float64 at every length tried).
+#: Padding is exact: zero columns add nothing to ``q . k``, the zero columns of ``v`` give zero
+#: output columns, which are cut off, and the scale is the caller's (``1/sqrt(D)`` of the real D).
+CPU_FLEX_MIN_HEAD_DIM = 32
+
+
+def _pad_head_dims(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v with their last dims padded with zeros to :data:`CPU_FLEX_MIN_HEAD_DIM` where shorter."""
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        short = CPU_FLEX_MIN_HEAD_DIM - t.shape[-1]
+        return torch.nn.functional.pad(t, (0, short)) if short > 0 else t
+
+    return pad(q), pad(k), pad(v)
+
+
+def _needs_padding(p: Problem) -> bool:
+    return min(p.head_dim, p.head_dim if p.v_dim is None else p.v_dim) < CPU_FLEX_MIN_HEAD_DIM
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedFlexCall:
+    """A :class:`FlexCall` launched on q/k/v padded to :data:`CPU_FLEX_MIN_HEAD_DIM`, its output
+    cut back to v's head dim (what ``FlexCpuBackend.run`` does, for callers that launch)."""
+
+    inner: FlexCall
+
+    def launch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, lse = self.inner.launch(*_pad_head_dims(q, k, v), scale, block_mask)
+        return out[..., : v.shape[-1]], lse
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexCpuBackend(FlexBackend):
+    """Head dims below :data:`CPU_FLEX_MIN_HEAD_DIM` run padded with zeros to it (exact; see
+    there why)."""
+
+    def run(self, q, k, v, p, *, scale, block_mask=None):
+        if not _needs_padding(p):
+            return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
+        out, lse = super().run(*_pad_head_dims(q, k, v), p, scale=scale, block_mask=block_mask)
+        return out[..., : v.shape[-1]], lse
+
+    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        launch = super().bound_run(p, device)
+        if not _needs_padding(p):
+            return launch
+
+        def padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+            out, lse = launch(*_pad_head_dims(q, k, v), scale)
+            return out[..., : v.shape[-1]], lse
+
+        return padded
+
+    def caller_mask_call(
+        self, p: Problem, device: torch.device, block_mask: Any
+    ) -> FlexCall | PaddedFlexCall | None:
+        call = self.prepared(p, device, block_mask)
+        return PaddedFlexCall(call) if _needs_padding(p) else call
+
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:
             # Measured (torch 2.13): a NaN in q row i gave a *finite* row i, and a NaN key reached
