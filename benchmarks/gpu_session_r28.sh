@@ -25,15 +25,15 @@ source benchmarks/gpu_session_lib.sh  # the repository root is the working direc
 case "$step" in
   nofa4)
     run gpu_tests_r28_decode_repeat 120 python3 -m pytest -m gpu -q -rfEs tests/gpu/test_routes_gpu.py \
-      -k "repeated_shape or no_recompiles or very_negative"
+      -k "repeated_shape or no_recompiles or very_negative or causal_br_padded or route_coverage"
     run run_h200_nofa4_decode_r28 120 env OUT="$out" bash benchmarks/run_h200.sh nofa4 --resume --rerun \
       --routes auto,sdpa,plain_sdpa --cases decode_gqa --quiet
-    PYTHONPATH="$PWD" run host_layers_h200_r28 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" run host_layers_h200_r28 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda
     ;;
   fa4rows)
     run run_h200_fa4_decode_r28 150 env OUT="$out" bash benchmarks/run_h200.sh fa4 --resume --rerun \
       --routes auto,fa4,flex_flash,sdpa,plain_sdpa --cases decode_gqa --quiet
-    PYTHONPATH="$PWD" run decode_growing_probe_h200_r28 120 python3 benchmarks/decode_growing_probe.py \
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" run decode_growing_probe_h200_r28 120 python3 benchmarks/decode_growing_probe.py \
       --batch 32 --start 8000 --steps 150 --routes sdpa,fa4
     [ -f /root/gen.json ] || cp benchmarks/results/generalization_h200.json /root/gen.json
     run generalization_fa4rows_r28 "$(( $(left) - 20 ))" python3 -m flexattn_zoo.bench generalization \

@@ -13,6 +13,12 @@ example on the flex route next to the same compiled flex call with a BlockMask p
 mask_mod, instead of the default pairs.
 
     PYTHONPATH=. python benchmarks/host_profile_probe.py --device cuda --example natten --shape 2,16,4096,128
+
+With ``--fa4 B,H,HKV,LQ,LKV,D`` (CUDA, flash-attn-4 installed): FA4's own ``flash_attn_func`` on
+``[B, L, H, D]`` views beside ``fz.attention(backend="fa4")``, no mask, forward without grad, then
+forward + backward (``--fa4-grad``).
+
+    PYTHONPATH=. python benchmarks/host_profile_probe.py --fa4 32,32,8,1,8192,128
 """
 
 from __future__ import annotations
@@ -74,6 +80,33 @@ def profile_flex_pair(qkv, bm, spec, route: str, label: str, args) -> None:  # t
     profile(label, lambda: fz.attention(q, k, v, mask=spec, backend=route), args.calls, args.top)
 
 
+def profile_fa4(shape: tuple[int, ...], grad: bool, args) -> None:  # type: ignore[no-untyped-def]
+    from flash_attn.cute import flash_attn_func
+
+    b, h, hkv, lq, lkv, d = shape
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    q = torch.randn(b, h, lq, d, device=dev, dtype=dtype, requires_grad=grad)
+    k, v = (torch.randn(b, hkv, lkv, d, device=dev, dtype=dtype, requires_grad=grad) for _ in range(2))
+    gqa = h != hkv
+    print(
+        f"# fa4: B={b} H={h}:{hkv} Lq={lq} Lkv={lkv} D={d} {dtype}, {'forward + backward' if grad else 'forward'}\n"
+    )
+
+    def run(call):  # type: ignore[no-untyped-def]
+        if not grad:
+            with torch.no_grad():
+                return call()
+        out = call()
+        out = out[0] if isinstance(out, tuple) else out
+        out.sum().backward()
+        return out
+
+    direct = lambda: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # noqa: E731
+    ours = lambda: fz.attention(q, k, v, backend="fa4", enable_gqa=gqa)  # noqa: E731
+    profile("flash_attn.cute.flash_attn_func", lambda: run(direct), args.calls, args.top)
+    profile('fz.attention(backend="fa4")', lambda: run(ours), args.calls, args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -81,7 +114,12 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--example", default=None, help="a registered mask: profile its typical example")
     p.add_argument("--shape", default="2,16,4096,128", help="B,H,L,D for --example")
+    p.add_argument("--fa4", default=None, help="B,H,HKV,LQ,LKV,D: FA4's own call beside the fa4 route")
+    p.add_argument("--fa4-grad", action="store_true", help="with --fa4: forward + backward")
     args = p.parse_args()
+    if args.fa4 is not None:
+        profile_fa4(tuple(int(n) for n in args.fa4.split(",")), args.fa4_grad, args)
+        return
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.example is not None:

@@ -209,6 +209,8 @@ class Rule:
     #: Inclusive upper bound on the q/k head dim (None: no bound): the head dims the evidence
     #: covers, where kernels' relative speed changes with it.
     max_head_dim: int | None = None
+    #: Inclusive lower bound on the q/k head dim (None: no bound).
+    min_head_dim: int | None = None
     #: Inclusive upper bound on the queries per row (None: no bound): decoding rules.
     max_q_len: int | None = None
     #: Inclusive upper bound on ``Sizes.q_rows`` (None: no bound).
@@ -221,7 +223,8 @@ class Rule:
         if gen != self.generation or mode not in self.modes or not self.traits <= traits:
             return False
         bounds = (
-            self.max_work, self.max_head_dim, self.max_q_len, self.max_q_rows, self.min_kv_len, self.min_kv_rows,
+            self.max_work, self.max_head_dim, self.min_head_dim, self.max_q_len, self.max_q_rows,
+            self.min_kv_len, self.min_kv_rows,
         )  # fmt: skip
         if all(b is None for b in bounds):
             return True
@@ -230,6 +233,7 @@ class Rule:
         return (
             (self.max_work is None or sizes.work <= self.max_work)
             and (self.max_head_dim is None or sizes.head_dim <= self.max_head_dim)
+            and (self.min_head_dim is None or sizes.head_dim >= self.min_head_dim)
             and (self.max_q_len is None or sizes.q_len <= self.max_q_len)
             and (self.max_q_rows is None or sizes.q_rows <= self.max_q_rows)
             and (self.min_kv_len is None or sizes.kv_len >= self.min_kv_len)
@@ -242,10 +246,12 @@ BOTH = ("fwd", "fwdbwd")
 #: kernels, then the routes with masks SDPA cannot take; FlashAttention-4 (fa4, flex_flash) last.
 _SHORT_FIRST = ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_split", "flex", "varlen")
 
-#: Decoding sizes from which FlashAttention-2 leaves HBM bandwidth unused and a kernel that packs
-#: query heads (FA4) or reads the cache in wider tiles (flex at static shapes) wins: keys per row,
-#: and (batch x kv head) rows (the last rule below; ``fz.decode.decode_step``, whose shapes stay
-#: the same from step to step, takes its flex path from the same sizes).
+#: Decoding sizes from which FlashAttention-2 leaves HBM bandwidth unused and a kernel that reads
+#: the cache in wider tiles (flex at static shapes) wins: keys per row, and (batch x kv head) rows
+#: (``fz.decode.decode_step``, whose shapes stay the same from step to step, takes its flex path
+#: from these sizes). ``auto`` has no such rule: there SDPA's own choice decodes (cuDNN once a
+#: shape repeats, see ``backends.sdpa``), as fast as FA4 at one length and faster while the
+#: length grows.
 SPLIT_DECODE_MIN_KV_LEN = 8192
 SPLIT_DECODE_MIN_KV_ROWS = 256
 
@@ -307,36 +313,14 @@ RULES: tuple[Rule, ...] = (
     Rule(
         generation="sm90",
         modes=("fwdbwd",),
-        max_q_rows=2**18 - 1,
-        front=("sdpa",),
-        why="training with fewer than 2**18 (batch x head x query) rows: SDPA's own choice (cuDNN on "
-        "sm90) runs forward+backward faster than FA4 (by 15-17% on ModernBERT 8K and Gemma-3 D=256, 8% "
-        "on Llama-2-13B 4K, 15% on Qwen-2.5-7B 4K with 7:1 grouped heads); from 2**18 rows on "
-        "(Llama-3-8B 8K, Llama-2-7B 4K x 2, Phi-3, Mistral) FA4 is 10-25% faster",
+        min_head_dim=256,
+        front=("sdpa", "sdpa_cudnn", "fa4"),
+        why="training at head dim 256 (Gemma-2/3; at 192 FA4 leads, mla_d192 in h200.json): SDPA's own choice (cuDNN) where SDPA "
+        "expresses the mask (Gemma-3 global attention, 8K: 2.14 vs fa4 2.35 ms), else FA4, whose "
+        "backward at D=256 beats Triton flex's (Gemma-3 local window 1024, 8K: 1.10 vs 1.67 ms) "
+        "even on problems short enough that FA4's host time decides elsewhere",
         benchmark="generalization_h200.json",
-        evidence=(
-            "modernbert_l8192_global/fwdbwd",
-            "gemma3_4b_global_l8192_d256/fwdbwd",
-            "llama2_13b_l4096_b1/fwdbwd",
-            "qwen25_7b_l4096_b2/fwdbwd",
-        ),
-    ),
-    Rule(
-        generation="sm90",
-        modes=("fwd",),
-        max_q_len=1,
-        min_kv_len=SPLIT_DECODE_MIN_KV_LEN,
-        min_kv_rows=SPLIT_DECODE_MIN_KV_ROWS,
-        front=("fa4",),
-        why="decoding one query over long caches with 256 or more (batch x kv head) rows: "
-        "FlashAttention-2 (SDPA's choice without cuDNN) reads the cache at about 55% of HBM bandwidth "
-        "there, FA4 with packed query heads near all of it, also when the length changes every call "
-        "(B=32, 32:8 heads, 8K keys: fa4 0.24 ms, FA2 0.39; at 4K keys or 64 rows FA2 ties or wins). Not flex: 0.25 ms "
-        "at one fixed length, but in a generation loop, where the length changes every call, its "
-        "compiled kernel is the dynamic-shape one and takes 0.6 ms (cycling_host_probe_h200_b32). "
-        "Not cuDNN: as fast with a warm plan, it builds an execution plan per cache length",
-        benchmark="h200.json",
-        evidence=("decode_gqa/fwd",),
+        evidence=("gemma3_4b_global_l8192_d256/fwdbwd", "gemma3_4b_local1024_l8192_d256/fwdbwd"),
     ),
 )
 

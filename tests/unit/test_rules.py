@@ -3,6 +3,7 @@ and the sizes it reads are right (the mask's visible-fraction bounds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -150,15 +151,29 @@ def test_replay_counts_routes_measured_after_the_auto_row() -> None:
     assert replay.replay(g).best == "sdpa"
 
 
-def test_long_decoding_without_fa4_keeps_flashattention_before_flex() -> None:
-    """One query over 8192+ keys with 256+ (batch x kv head) rows: FA4 first, but flex not ahead of
-    SDPA's kernels (in a generation loop the length changes every call and flex's dynamic-shape
-    kernel is slower than FlashAttention-2; only ``decode_step`` keeps flex's shapes fixed)."""
+def test_long_decoding_goes_to_sdpa_first() -> None:
+    """One query over 8192+ keys with 256+ (batch x kv head) rows: SDPA's own choice first (cuDNN
+    once a shape repeats, FlashAttention-2 while the cache grows: 0.34 ms per step against fa4's
+    0.55 in a growing loop), and flex not ahead of SDPA's kernels (in a generation loop the length
+    changes every call and flex's dynamic-shape kernel is slower than FlashAttention-2; only
+    ``decode_step`` keeps flex's shapes fixed)."""
     from flexattn_zoo.arch import Sizes, priority
 
     order = priority("sm90", "fwd", frozenset(), Sizes(32, 32, 1, 8192, 128, 1.0, 8))
-    assert order[0] == "fa4"
-    assert order.index("sdpa") < order.index("flex") and order.index("sdpa_flash") < order.index("flex")
+    assert order[0] == "sdpa"
+    assert order.index("sdpa_flash") < order.index("flex") < order.index("fa4")
+
+
+def test_head_dim_256_trains_on_cudnn_or_fa4_before_flex() -> None:
+    from flexattn_zoo.arch import Sizes, priority
+
+    local = Sizes(1, 8, 8192, 8192, 256, 1024 / 8192, 4)  # short by visible work: FA4 still first
+    order = priority("sm90", "fwdbwd", frozenset(), local)
+    assert order[:3] == ("sdpa", "sdpa_cudnn", "fa4") and order.index("fa4") < order.index("flex")
+    same_at_128 = priority("sm90", "fwdbwd", frozenset(), dataclasses.replace(local, head_dim=128))
+    assert same_at_128.index("flex") < same_at_128.index("fa4")
+    forward = priority("sm90", "fwd", frozenset(), local)  # forward: flex (0.27 vs fa4 0.36 ms)
+    assert forward.index("flex") < forward.index("fa4")
 
 
 def test_measured_views_read_the_run_they_describe() -> None:
