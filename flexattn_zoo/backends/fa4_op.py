@@ -376,6 +376,8 @@ fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 # node takes the op: torch.compile / export / jit tracing, tensor subclasses (FakeTensor,
 # DTensor, nn.Parameter), and any active TorchFunctionMode, TorchDispatchMode or functorch
 # transform (they intercept ops, e.g. FLOP counters, ``with torch.device(...)``, vmap and grad).
+# Plain eager calls without gradients (inference, decoding) skip the ``autograd.Function`` too:
+# with stub kernels on a CPU, 6 us per forward against 17 through it.
 
 
 class _EagerFA4(torch.autograd.Function):
@@ -422,6 +424,8 @@ def fa4_attention(
     implementation and autograd formula without the op's dispatch (see "the eager path")."""
     args = (q, k, v, cu_seqlens, max_seqlen, scale, softcap, window[0], window[1])
     if _plain_eager(q, k, v, cu_seqlens):
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return fa4_fwd_eager(*args)  # nothing to differentiate: no autograd.Function either
         out, lse = _EagerFA4.apply(*args)
     else:
         out, lse = torch.ops.flexattn_zoo.fa4_fwd(*args)

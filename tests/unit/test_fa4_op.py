@@ -278,6 +278,26 @@ def test_plain_eager_calls_skip_the_op(emulated: None) -> None:
     assert calls == [] and q.grad is not None
 
 
+def test_calls_without_gradients_skip_the_autograd_function(
+    emulated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inference (no input requires grad, or ``torch.no_grad()``) runs the kernel alone: an
+    ``autograd.Function`` costs host time per call that nothing would use."""
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    want, want_lse = fa4_attention(q, q, q, scale=0.25, window=(-1, 0))
+
+    def refuse(*args: Any) -> Any:
+        raise AssertionError("autograd.Function used without gradients")
+
+    monkeypatch.setattr(fa4_op._EagerFA4, "apply", refuse)
+    for inputs, context in ((q.detach(), contextlib.nullcontext()), (q, torch.no_grad())):
+        with _recorded_ops() as calls, context:
+            out, lse = fa4_attention(inputs, inputs, inputs, scale=0.25, window=(-1, 0))
+        assert calls == [] and not out.requires_grad
+        torch.testing.assert_close(out, want.detach())
+        torch.testing.assert_close(lse, want_lse.detach())
+
+
 @pytest.mark.parametrize("where", ["dispatch_mode", "function_mode", "parameter"])
 def test_modes_and_subclasses_take_the_ops(emulated: None, where: str) -> None:
     """Under a TorchDispatchMode (FLOP counters, FakeTensor tracing) or a TorchFunctionMode
