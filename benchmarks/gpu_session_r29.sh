@@ -13,8 +13,9 @@
 #                                                  # predate the route's cheaper eager call
 #   bash benchmarks/gpu_session_r29.sh verify 360  # (FA4 installed) auto again on the rows whose
 #                                                  # choice the session's rule changes moved
+#   bash benchmarks/gpu_session_r29.sh missing 400 # (FA4 installed) the sweep's missing route rows
 set -uo pipefail
-step="${1:?usage: $0 nofa4|fa4|verify [BUDGET_S]}"
+step="${1:?usage: $0 nofa4|fa4|verify|missing [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
@@ -64,6 +65,16 @@ case "$step" in
     run generalization_auto_r29 "$(( $(left) - 15 ))" python3 -m flexattn_zoo.bench generalization \
       --out /root/gen.json --resume --rerun --time-budget "$(( $(left) - 60 ))" --quiet --routes auto \
       --cases "modernbert_l8192_global,qwen25_7b_l4096_b2,llama2_13b_l4096_b1,gemma3_4b_local1024_l8192_d256,gemma3_4b_global_l8192_d256,$decode"
+    cp /root/gen.json "$out/generalization_h200.json"
+    pack
+    ;;
+  missing)
+    # (FA4 installed) every route's row the sweep lacks (--resume keeps the rows measured), for
+    # the cases whose pairs had only auto rows, until the budget ends.
+    cp benchmarks/results/generalization_h200.json /root/gen.json
+    run generalization_missing_r29 "$(( $(left) - 15 ))" python3 -m flexattn_zoo.bench generalization \
+      --out /root/gen.json --resume --time-budget "$(( $(left) - 60 ))" --quiet \
+      --cases docs_gpt2_l2048_b8,docs_llama32_1b_l8192_b2_d64,docs_mixtral_l8192,docs_bidir_bert_l4096_b4,prefix512_l2048_b8_d64,alibi_mpt7b_l2048_b4,softcap50_l2048_b8_d128,paligemma_prefix256_l1024_b4_d256,prefix2048_llama3_8b_l8192_b2,softcap30_grok_l8192_gqa6
     cp /root/gen.json "$out/generalization_h200.json"
     pack
     ;;
