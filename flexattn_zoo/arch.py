@@ -243,8 +243,9 @@ class Rule:
 
 BOTH = ("fwd", "fwdbwd")
 #: SDPA's routes in the order short problems prefer them: SDPA's own choice, then the pinned
-#: kernels, then the routes with masks SDPA cannot take; FlashAttention-4 (fa4, flex_flash) last.
-_SHORT_FIRST = ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_split", "flex", "varlen")
+#: kernels, then the routes with masks SDPA cannot take (flex's one launch before sdpa_split's
+#: several); FlashAttention-4 (fa4, flex_flash) last.
+_SHORT_FIRST = ("sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex", "sdpa_split", "varlen")
 
 #: Decoding sizes from which FlashAttention-2 leaves HBM bandwidth unused and a kernel that reads
 #: the cache in wider tiles (flex at static shapes) wins: keys per row, and (batch x kv head) rows
@@ -308,7 +309,22 @@ RULES: tuple[Rule, ...] = (
             "decode_llama3_8b_b1_32k/fwd",
             "decode_b1_128k/fwd",
             "decode_qwen25_7b_b64_1k/fwd",
+            "prefix512_l2048_b8_d64/fwd",
+            "prefix512_l2048_b8_d64/fwdbwd",
         ),
+    ),
+    Rule(
+        generation="sm90",
+        modes=BOTH,
+        traits=frozenset({"packed_segments"}),
+        max_work=6 * 10**10,
+        front=("flex",),
+        why="documents up to 6e10 (B*H*L*L*D, causal share counted; the documents' own share is not "
+        "known without reading their ids): Triton flex's one launch beats FA4's host time per call "
+        "(BERT-style bidirectional documents, B=4, L=4K, D=64: flex 0.13 / 0.99 ms vs flex_flash "
+        "0.30 and fa4 1.45)",
+        benchmark="generalization_h200.json",
+        evidence=("docs_bidir_bert_l4096_b4/fwd", "docs_bidir_bert_l4096_b4/fwdbwd"),
     ),
     Rule(
         generation="sm90",

@@ -1084,8 +1084,8 @@ def test_explain_says_where_the_order_came_from() -> None:
     the benchmark its rows are in), or says none applied, or that the caller named the route."""
     decoding = plan_problem(_problem(None, lq=1, lkv=8192, batch=32, heads=(32, 8))).explain()
     assert "order: the sm90 table for fwd, then these measured rules" in decoding
-    assert "flex, varlen first: short problems" in decoding
-    assert "9 rows of generalization_h200.json" in decoding
+    assert "flex, sdpa_split, varlen first: short problems" in decoding
+    assert "11 rows of generalization_h200.json" in decoding
     plain = plan_problem(_problem(masks.Causal())).explain()
     assert "order: the sm90 table for fwd, no measured rule applies" in plain
     named = plan_problem(_problem(masks.Causal()), "flex").explain()
