@@ -575,6 +575,12 @@ def _pad_head_dims(
     return pad(q), pad(k), pad(v)
 
 
+def _cut(result: tuple[torch.Tensor, torch.Tensor | None], v: torch.Tensor) -> Any:
+    """A padded launch's ``(out, lse)`` with ``out`` cut back to ``v``'s head dim."""
+    out, lse = result
+    return out[..., : v.shape[-1]], lse
+
+
 def _needs_padding(p: Problem) -> bool:
     return min(p.head_dim, p.head_dim if p.v_dim is None else p.v_dim) < CPU_FLEX_MIN_HEAD_DIM
 
@@ -589,8 +595,7 @@ class PaddedFlexCall:
     def launch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out, lse = self.inner.launch(*_pad_head_dims(q, k, v), scale, block_mask)
-        return out[..., : v.shape[-1]], lse
+        return _cut(self.inner.launch(*_pad_head_dims(q, k, v), scale, block_mask), v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -601,8 +606,7 @@ class FlexCpuBackend(FlexBackend):
     def run(self, q, k, v, p, *, scale, block_mask=None):
         if not _needs_padding(p):
             return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
-        out, lse = super().run(*_pad_head_dims(q, k, v), p, scale=scale, block_mask=block_mask)
-        return out[..., : v.shape[-1]], lse
+        return _cut(super().run(*_pad_head_dims(q, k, v), p, scale=scale, block_mask=block_mask), v)
 
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
         launch = super().bound_run(p, device)
@@ -610,8 +614,7 @@ class FlexCpuBackend(FlexBackend):
             return launch
 
         def padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
-            out, lse = launch(*_pad_head_dims(q, k, v), scale)
-            return out[..., : v.shape[-1]], lse
+            return _cut(launch(*_pad_head_dims(q, k, v), scale), v)
 
         return padded
 
