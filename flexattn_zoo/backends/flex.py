@@ -592,6 +592,11 @@ class PaddedFlexCall:
 
     inner: FlexCall
 
+    @property
+    def key(self) -> Any:
+        """The compiled entry's key (the inner call's)."""
+        return self.inner.key
+
     def launch(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

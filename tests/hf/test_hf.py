@@ -568,7 +568,7 @@ import sys, torch, transformers
 import flexattn_zoo.hf as zhf
 impl = sys.argv[1]
 cfg = transformers.MistralConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=7)
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=7)
 torch.manual_seed(0)
 model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
 ids = torch.randint(1, 100, (2, 24), generator=torch.Generator().manual_seed(6))
@@ -594,7 +594,9 @@ def test_transformers_own_attention_compiles_as_before_after_register(impl: str)
     """register() gives Dynamo stand-ins for transformers' mask factories, process-wide: a model
     compiled with transformers' own attention traces with the same graph breaks as before it, and
     gives its eager logits (packed sequences, so the packed-sequence factory is traced too). In a
-    fresh process, since other tests here have registered already."""
+    fresh process, since other tests here have registered already. Head dim 32: at 16, torch
+    2.13's compiled CPU flex kernel, which transformers' own flex_attention compiles, returned
+    wrong values at this length (24 keys) without this library."""
     import ast
     import subprocess
     import sys
