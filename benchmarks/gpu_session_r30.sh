@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU steps prepared in the twenty-eighth session for the next one: the rule changes it made from
+# replayed rows are not yet measured as `auto`. One step per argument, each under its own time
+# limit; outputs go into $OUT/r30/, packed into $OUT/r30_STEP.tar after every sub-step.
+#
+#   bash benchmarks/gpu_session_r30.sh nofa4 300   # (FA4 not needed) auto --no-fa4 over the
+#                                                  # sweep's cases whose choice the last rules
+#                                                  # moved (documents, short prefix-LM); host layers
+#                                                  # (the fa4 route's no-grad path is CPU-checked only)
+#   bash benchmarks/gpu_session_r30.sh fa4 540     # (FA4 installed) the sweep's missing route rows,
+#                                                  # then auto over the cases the last rules moved,
+#                                                  # then a decode_step path check over a growing cache
+set -uo pipefail
+step="${1:?usage: $0 nofa4|fa4 [BUDGET_S]}"
+budget="${2:-300}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
+start=$(date +%s)
+session=r30
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+moved=docs_gpt2_l2048_b8,docs_llama32_1b_l8192_b2_d64,docs_mixtral_l8192,docs_bidir_bert_l4096_b4,prefix512_l2048_b8_d64,docs_llama3_8b_l16k,paligemma_prefix256_l1024_b4_d256,prefix2048_llama3_8b_l8192_b2,alibi_mpt7b_l2048_b4,softcap50_l2048_b8_d128,softcap30_grok_l8192_gqa6
+
+case "$step" in
+  nofa4)
+    cp benchmarks/results/generalization_h200-nofa4-auto.json /root/gen-nofa4.json
+    run generalization_nofa4_auto_r30 "$(( $(left) - 90 ))" python3 -m flexattn_zoo.bench generalization \
+      --out /root/gen-nofa4.json --no-fa4 --resume --rerun --time-budget "$(( $(left) - 130 ))" --quiet \
+      --routes auto --cases "$moved"
+    cp /root/gen-nofa4.json "$out/generalization_h200-nofa4-auto.json"
+    run host_layers_h200_r30 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda
+    ;;
+  fa4)
+    cp benchmarks/results/generalization_h200.json /root/gen.json
+    run generalization_missing_r30 150 python3 -m flexattn_zoo.bench generalization \
+      --out /root/gen.json --resume --time-budget 120 --quiet --cases "$moved"
+    run generalization_auto_r30 "$(( $(left) - 130 ))" python3 -m flexattn_zoo.bench generalization \
+      --out /root/gen.json --resume --rerun --time-budget "$(( $(left) - 170 ))" --quiet --routes auto \
+      --cases "$moved"
+    cp /root/gen.json "$out/generalization_h200.json"
+    run decode_growing_probe_h200_r30 "$(( $(left) - 5 ))" python3 benchmarks/decode_growing_probe.py \
+      --batch 32 --start 8000 --steps 150 --routes sdpa,fa4
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
