@@ -20,7 +20,7 @@ session=r30
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-moved=docs_gpt2_l2048_b8,docs_llama32_1b_l8192_b2_d64,docs_mixtral_l8192,docs_bidir_bert_l4096_b4,prefix512_l2048_b8_d64,docs_llama3_8b_l16k,paligemma_prefix256_l1024_b4_d256,prefix2048_llama3_8b_l8192_b2,alibi_mpt7b_l2048_b4,softcap50_l2048_b8_d128,softcap30_grok_l8192_gqa6
+moved=alibi_bidir_l2048_b8_d64,docs_gpt2_l2048_b8,docs_llama32_1b_l8192_b2_d64,docs_mixtral_l8192,docs_bidir_bert_l4096_b4,prefix512_l2048_b8_d64,docs_llama3_8b_l16k,paligemma_prefix256_l1024_b4_d256,prefix2048_llama3_8b_l8192_b2,alibi_mpt7b_l2048_b4,softcap50_l2048_b8_d128,softcap30_grok_l8192_gqa6
 
 case "$step" in
   nofa4)

@@ -204,8 +204,14 @@ class Rule:
     benchmark: str
     evidence: tuple[str, ...]
     traits: frozenset[str] = frozenset()
-    #: Inclusive upper bound on ``Sizes.work`` (None: no bound).
+    #: Traits the problem must not have (e.g. a rule for exact score mods that leaves the
+    #: approximate ones, whose fastest route differs, to other rules).
+    absent: frozenset[str] = frozenset()
+    #: Inclusive bounds on ``Sizes.work`` (None: no bound).
     max_work: int | None = None
+    min_work: int | None = None
+    #: Inclusive upper bound on the batch (None: no bound).
+    max_batch: int | None = None
     #: Inclusive upper bound on the q/k head dim (None: no bound): the head dims the evidence
     #: covers, where kernels' relative speed changes with it.
     max_head_dim: int | None = None
@@ -222,9 +228,11 @@ class Rule:
     def applies(self, gen: str, mode: str, traits: frozenset[str], sizes: Sizes | None) -> bool:
         if gen != self.generation or mode not in self.modes or not self.traits <= traits:
             return False
+        if self.absent & traits:
+            return False
         bounds = (
-            self.max_work, self.max_head_dim, self.min_head_dim, self.max_q_len, self.max_q_rows,
-            self.min_kv_len, self.min_kv_rows,
+            self.max_work, self.min_work, self.max_batch, self.max_head_dim, self.min_head_dim,
+            self.max_q_len, self.max_q_rows, self.min_kv_len, self.min_kv_rows,
         )  # fmt: skip
         if all(b is None for b in bounds):
             return True
@@ -232,6 +240,8 @@ class Rule:
             return False
         return (
             (self.max_work is None or sizes.work <= self.max_work)
+            and (self.min_work is None or sizes.work >= self.min_work)
+            and (self.max_batch is None or sizes.batch <= self.max_batch)
             and (self.max_head_dim is None or sizes.head_dim <= self.max_head_dim)
             and (self.min_head_dim is None or sizes.head_dim >= self.min_head_dim)
             and (self.max_q_len is None or sizes.q_len <= self.max_q_len)
@@ -268,6 +278,19 @@ RULES: tuple[Rule, ...] = (
         why="fa4 packs q/k/v into cu_seqlens order for documents, which costs more than its kernel saves",
         benchmark="h200.json",
         evidence=("document_causal/fwd", "document_causal_gqa/fwd"),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwd",),
+        traits=frozenset({"packed_segments"}),
+        max_batch=1,
+        min_head_dim=128,
+        front=("fa4",),
+        why="documents in one batch row at head dim 128: FA4's varlen kernel beats flex_flash "
+        "(Mixtral 8K: 0.22 vs 0.29 ms; Llama-3 16K: 0.67 vs 0.75), where with four rows it loses "
+        "(document_causal: 0.96 vs 0.54 ms)",
+        benchmark="generalization_h200.json",
+        evidence=("docs_mixtral_l8192/fwd", "docs_llama3_8b_l16k/fwd"),
     ),
     Rule(
         generation="sm90",
@@ -312,6 +335,32 @@ RULES: tuple[Rule, ...] = (
             "prefix512_l2048_b8_d64/fwd",
             "prefix512_l2048_b8_d64/fwdbwd",
         ),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwdbwd",),
+        traits=frozenset({"score_mod"}),
+        min_work=3 * 10**10,
+        front=("flex_flash",),
+        why="score mods near the top of the short range (visible B*H*Lq*Lkv*D from 3e10): "
+        "flex_flash's backward saves more than its host time costs (ALiBi, B=8, L=2K, D=64: "
+        "1.41 vs flex 1.62 ms; MPT-7B ALiBi causal, B=4, D=128: 1.35 vs 1.56)",
+        benchmark="generalization_h200.json",
+        evidence=("alibi_bidir_l2048_b8_d64/fwdbwd", "alibi_mpt7b_l2048_b4/fwdbwd"),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwd",),
+        traits=frozenset({"score_mod"}),
+        absent=frozenset({"fast_score_mod"}),
+        min_work=3 * 10**10,
+        min_head_dim=128,
+        front=("flex_flash",),
+        why="exact score mods at head dim 128 near the top of the short range: flex_flash's kernel "
+        "beats Triton flex's by more than its host time (MPT-7B ALiBi, B=4, L=2K: 0.38 vs 0.44 ms; "
+        "at D=64 they tie, and approximate score mods keep Triton's hardware tanh)",
+        benchmark="generalization_h200.json",
+        evidence=("alibi_mpt7b_l2048_b4/fwd",),
     ),
     Rule(
         generation="sm90",

@@ -56,6 +56,7 @@ def _problem(
 
 
 DOC = masks.Document.from_lengths([300, 500, 224])
+LONG_DOC = masks.Document.from_lengths([4096, 2048, 6144, 4096])
 
 
 @pytest.mark.parametrize(
@@ -144,6 +145,27 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(DOC & masks.Causal(), d=64), "flex_flash"),
         (_problem(DOC & masks.Causal(), heads=(32, 8)), "flex_flash"),  # 342 vs fa4 268
         (_problem(DOC & masks.Causal(), heads=(32, 8), grad=True), "fa4"),
+        # one batch row of documents at D=128: FA4's varlen kernel (Mixtral 8K: 0.22 vs 0.29 ms)
+        (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384), "fa4"),
+        (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384, d=64), "flex_flash"),
+        (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=2, lq=16384), "flex_flash"),
+        # exact score mods near the top of the short range (3e10 to 4e10): flex_flash, not flex
+        (_problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048), "flex_flash"),
+        (
+            _problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048, d=64),
+            "flex",
+        ),  # at D=64 flex and flex_flash tie forward
+        (
+            _problem(None, score_mods.Alibi(num_heads=16), heads=(16, 16), batch=8, lq=2048, d=64, grad=True),
+            "flex_flash",
+        ),
+        (_problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=1, lq=2048), "flex"),
+        (
+            _problem(
+                masks.Causal(), score_mods.SoftCap(cap=30.0, approx=True), heads=(32, 32), batch=4, lq=2048
+            ),
+            "flex",
+        ),  # approximate: Triton's hardware tanh
         # flex_flash's backward gets dQ wrong for head-dependent scores under GQA: flex instead
         (_problem(masks.Causal(), score_mods.Alibi(num_heads=16), heads=(16, 4), grad=True), "flex"),
         (
@@ -205,6 +227,21 @@ def test_rule_bounds() -> None:
     assert not short.applies("sm80", "fwd", frozenset(), Sizes(1, 1, 1, 1, 1))
     assert not short.applies("sm90", "fwd", frozenset(), None)  # size rules need sizes
     assert short.applies("sm90", "fwdbwd", frozenset({"score_mod"}), Sizes(32, 32, 1, 32768, 128))  # decoding
+
+
+def test_rule_lower_bounds_batch_bound_and_absent_traits() -> None:
+    from flexattn_zoo.arch import Rule, Sizes
+
+    rule = Rule(
+        generation="sm90", modes=("fwd",), front=("flex",), why="", benchmark="", evidence=(),
+        traits=frozenset({"score_mod"}), absent=frozenset({"fast_score_mod"}), min_work=100, max_batch=2,
+    )  # fmt: skip
+    exact = frozenset({"score_mod"})
+    assert rule.applies("sm90", "fwd", exact, Sizes(2, 1, 10, 10, 1))
+    assert not rule.applies("sm90", "fwd", exact, Sizes(1, 1, 9, 10, 1))  # work 90 < 100
+    assert not rule.applies("sm90", "fwd", exact, Sizes(3, 1, 10, 10, 1))  # batch 3 > 2
+    assert not rule.applies("sm90", "fwd", exact | {"fast_score_mod"}, Sizes(2, 1, 10, 10, 1))
+    assert not rule.applies("sm90", "fwd", exact, None)  # size rules need sizes
 
 
 def test_priority_overrides_apply_only_with_all_traits() -> None:
