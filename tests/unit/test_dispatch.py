@@ -150,7 +150,10 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384, d=64), "flex_flash"),
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=2, lq=16384), "flex_flash"),
         # exact score mods near the top of the short range (3e10 to 4e10): flex_flash, not flex
-        (_problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048), "flex_flash"),
+        (
+            _problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048),
+            "flex_flash",
+        ),
         (
             _problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048, d=64),
             "flex",
