@@ -1,9 +1,14 @@
-# Helpers shared by the gpu_session_rNN.sh step scripts (sourced, not run). The caller sets
-# `session` (e.g. r28), `step`, `budget` (seconds) and `start` (epoch seconds), and `OUT`.
-# Outputs go into $OUT/$session/, packed into $OUT/${session}_${step}.tar after every sub-step
-# (a device call brings back only a few files).
+# Helpers shared by the gpu_session_rNN.sh step scripts (sourced, not run, from the repository
+# root). The caller sets `session` (e.g. r28), `step`, `budget` (seconds) and `OUT`; `start`
+# (epoch seconds) defaults to now. Outputs go into $OUT/$session/, packed into
+# $OUT/${session}_${step}.tar after every sub-step (a device call brings back only a few files).
 out="${OUT:?set OUT}/${session:?set session}"
 mkdir -p "$out"
+start="${start:-$(date +%s)}"
+# Results record the commit they measured (the device's copy of the tree has no .git).
+export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
+# This checkout first, keeping what the caller put on PYTHONPATH (FA4 installed under /tmp/fa4).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 pack() { tar cf "${OUT}/${session}_${step}.tar" -C "$out" .; }
 run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended

@@ -21,8 +21,6 @@ set -uo pipefail
 step="${1:?usage: $0 probes|fa4tests|short|finish|tuned [BUDGET_S]}"
 budget="${2:-520}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
-start=$(date +%s)
 session=r26
 source benchmarks/gpu_session_lib.sh  # out, pack, run, left
 

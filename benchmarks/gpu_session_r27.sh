@@ -9,7 +9,6 @@ set -uo pipefail
 step="${1:?usage: $0 static [BUDGET_S]}"
 budget="${2:-480}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-start=$(date +%s)
 session=r27
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 

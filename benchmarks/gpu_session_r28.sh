@@ -17,8 +17,6 @@ set -uo pipefail
 step="${1:?usage: $0 nofa4|fa4rows [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
-start=$(date +%s)
 session=r28
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 

@@ -18,12 +18,8 @@ set -uo pipefail
 step="${1:?usage: $0 nofa4|fa4|verify|missing [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
-start=$(date +%s)
 session=r29
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-# Keep what the caller put on PYTHONPATH (FA4 under /tmp/fa4) and add this checkout.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 decode=decode_llama3_8b_b32_8k,decode_llama3_8b_b1_32k,decode_llama3_70b_b8_4k,decode_llama2_7b_b16_2k,decode_qwen25_7b_b64_1k,decode_llama32_1b_b128_2k,decode_phi3_b8_4k_d96,decode_b1_128k,decode_gemma2_b16_8k_d256,spec4_llama3_8b_b8_8k,spec16_llama3_8b_b4_4k
 short=bert_base_l128_b128,vit_h14_l257_b16_d80,vit_b16_l197_b64,gpt2_l1024_b16

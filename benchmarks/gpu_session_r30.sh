@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU steps prepared in the twenty-eighth session for the next one: the rule changes it made from
+# GPU steps prepared in the twenty-eighth session and run in the twenty-ninth: the rule changes made from
 # replayed rows are not yet measured as `auto`. One step per argument, each under its own time
 # limit; outputs go into $OUT/r30/, packed into $OUT/r30_STEP.tar after every sub-step.
 #
@@ -14,11 +14,8 @@ set -uo pipefail
 step="${1:?usage: $0 nofa4|fa4 [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
-start=$(date +%s)
 session=r30
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 moved=alibi_bidir_l2048_b8_d64,docs_gpt2_l2048_b8,docs_llama32_1b_l8192_b2_d64,docs_mixtral_l8192,docs_bidir_bert_l4096_b4,prefix512_l2048_b8_d64,docs_llama3_8b_l16k,paligemma_prefix256_l1024_b4_d256,prefix2048_llama3_8b_l8192_b2,alibi_mpt7b_l2048_b4,softcap50_l2048_b8_d128,softcap30_grok_l8192_gqa6
 
@@ -29,6 +26,12 @@ case "$step" in
       --out /root/gen-nofa4.json --no-fa4 --resume --rerun --time-budget "$(( $(left) - 130 ))" --quiet \
       --routes auto --cases "$moved"
     cp /root/gen-nofa4.json "$out/generalization_h200-nofa4-auto.json"
+    # Is llama2_13b's sdpa-route forward really 0.89 of cuDNN's (plain SDPA ran 0.311 ms)?
+    cp benchmarks/results/generalization_h200.json /root/gen-l13.json
+    run llama2_13b_recheck_r30 100 python3 -m flexattn_zoo.bench generalization --out /root/gen-l13.json \
+      --no-fa4 --resume --rerun --iters 50 --quiet --routes sdpa,plain_sdpa,sdpa_cudnn,sdpa_flash,auto \
+      --cases llama2_13b_l4096_b1 --modes fwd
+    cp /root/gen-l13.json "$out/generalization_h200_llama2_13b_recheck.json"
     run host_layers_h200_r30 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda
     ;;
   fa4)
@@ -39,6 +42,7 @@ case "$step" in
       --out /root/gen.json --resume --rerun --time-budget "$(( $(left) - 170 ))" --quiet --routes auto \
       --cases "$moved"
     cp /root/gen.json "$out/generalization_h200.json"
+    run gpu_tests_fa4_r30 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -k fa4
     run decode_growing_probe_h200_r30 "$(( $(left) - 5 ))" python3 benchmarks/decode_growing_probe.py \
       --batch 32 --start 8000 --steps 150 --routes sdpa,fa4
     ;;
