@@ -236,6 +236,49 @@ def test_auto_takes_the_measured_winner_and_a_named_route_is_unchanged(
     assert "tuning:" not in static.explain() and not static.measured
 
 
+def test_routes_are_timed_through_the_bound_call_repeated_calls_run(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The timed step of each route is the bound call the plan cache keeps (what every later
+    call of the signature runs), not the route's full path, whose extra host work per call
+    (BlockMask and compiled-entry lookups on flex routes) would count against it."""
+    bound: list[str] = []
+    full: list[str] = []
+    real_of, real_execute = dispatch.BoundPlan.of, dispatch.execute_plan
+
+    def of(plan: Any, device: Any) -> Any:
+        made = real_of(plan, device)
+        call = made.run
+
+        def counted(*args: Any) -> Any:
+            bound.append(plan.backend)
+            return call(*args)
+
+        made.run = counted
+        return made
+
+    def execute(plan: Any, *args: Any, **kw: Any) -> Any:
+        full.append(plan.backend)
+        return real_execute(plan, *args, **kw)
+
+    monkeypatch.setattr(dispatch.BoundPlan, "of", of)
+    monkeypatch.setattr(dispatch, "execute_plan", execute)
+
+    def timer(name: str, step: Any, device: Any, warmup: int, reps: int) -> tuple[float, float]:
+        before = len(full)
+        step()
+        step()
+        assert bound[-2:] == [name, name]
+        assert len(full) == before  # not the full path
+        return {"sdpa_flash": 2.0, "flex_cpu": 1.0}[name], 0.25
+
+    monkeypatch.setattr(tuning, "time_route", timer)
+    q, k, v = _qkv()
+    out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert sorted(set(bound)) == ["flex_cpu", "sdpa_flash"]
+    assert_matches_reference(out, q, k, v, mask="causal")
+
+
 def test_a_route_failing_while_timed_is_left_out(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}, fail=("flex_cpu",))
     monkeypatch.setattr(tuning, "time_route", timer)
