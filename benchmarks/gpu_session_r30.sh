@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_session_r30.sh fa4 540     # (FA4 installed) the sweep's missing route rows,
 #                                                  # then auto over the cases the last rules moved,
 #                                                  # then a decode_step path check over a growing cache
+#   bash benchmarks/gpu_session_r30.sh tuned 240   # (FA4 installed) auto_tuned over the pairs it was
+#                                                  # measured on
 set -uo pipefail
 step="${1:?usage: $0 nofa4|fa4 [BUDGET_S]}"
 budget="${2:-300}"
@@ -45,6 +47,15 @@ case "$step" in
     run gpu_tests_fa4_r30 170 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -k fa4
     run decode_growing_probe_h200_r30 "$(( $(left) - 5 ))" python3 benchmarks/decode_growing_probe.py \
       --batch 32 --start 8000 --steps 150 --routes sdpa,fa4
+    ;;
+  tuned)
+    # Measured route choice (auto_tuned, empty table per process) over the pairs it was measured on
+    # before tuning timed routes through their bound calls.
+    cp benchmarks/results/generalization_h200.json /root/gen-tuned.json
+    run generalization_tuned_r30 "$(( $(left) - 30 ))" python3 -m flexattn_zoo.bench generalization \
+      --out /root/gen-tuned.json --resume --rerun --time-budget "$(( $(left) - 60 ))" --quiet --routes auto_tuned \
+      --cases gemma3_4b_local1024_l8192_d256,bert_base_l512_b32,alibi_bidir_l2048_b8_d64,docs_llama3_8b_l16k,llama2_13b_l4096_b1,modernbert_l8192_local,bert_base_l128_b128,vit_b16_l197_b64,decode_llama3_8b_b1_32k,decode_llama2_7b_b16_2k,llama3_8b_l128_b64
+    cp /root/gen-tuned.json "$out/generalization_h200_tuned.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
