@@ -4,14 +4,21 @@ for plain SDPA on the live prefix with torch's own kernel choice, the same with 
 ``fz.decode.decode_step`` with an int ``cache_len`` and ``fz.attention`` on the same slices;
 median over the steps after a warm-up.
 
+With ``--profile N``: after the timings, cProfile of N more growing steps of ``fz.attention`` with
+``backend="auto"``, with each of ``--routes``, and of ``fz.decode.decode_step`` (host functions by
+own time, microseconds per step), to show where a plan-cache miss spends its host time.
+
     PYTHONPATH=. python benchmarks/decode_growing_probe.py [--steps 200] [--batch 8] [--start 4000] [--routes sdpa,fa4]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +33,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--start", type=int, default=4000)
     p.add_argument("--routes", default="", help="also fz.attention(backend=ROUTE) for each, e.g. sdpa,fa4")
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many growing steps per backend")
+    p.add_argument("--top", type=int, default=20, help="with --profile: functions shown per backend")
     args = p.parse_args()
     dev, dt = "cuda", torch.bfloat16
     b, h, hkv, d = args.batch, 32, 8, 128
@@ -48,6 +57,8 @@ def main() -> None:
             q, k[:, :, :n], v[:, :, :n], enable_gqa=True, backend=r
         )
     length = args.start
+    plan = fz.plan(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+    print(f"auto's route at {length} keys: {plan.backend}")
     with torch.no_grad():
         for name, call in calls.items():
             times = []
@@ -67,6 +78,34 @@ def main() -> None:
             print(
                 f"{name}: median {statistics.median(times):.3f} ms per step (p90 {sorted(times)[len(times) * 9 // 10]:.3f})"
             )
+        profiled = ["auto", *(args.routes.split(",") if args.routes else ()), "decode_step"]
+        for backend in profiled if args.profile else ():
+            length = _profile(backend, q, k, v, length, args.profile, args.top)
+
+
+def _profile(backend: str, q, k, v, length: int, steps: int, top: int) -> int:  # type: ignore[no-untyped-def]
+    """cProfile ``steps`` growing-cache calls of ``fz.attention(backend=backend)``; prints the top
+    functions by own time in microseconds per step; returns the next unseen length."""
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(steps):
+        length += 1
+        if backend == "decode_step":
+            fz.decode.decode_step(q, k, v, length)
+        else:
+            fz.attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True, backend=backend)
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
+    total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
+    print(f"profile backend={backend!r}: {total / steps * 1e6:.1f} us of host functions per step (own time)")
+    for (file, line, func), (_, ncalls, own, cum, _) in rows:
+        print(
+            f"  {own / steps * 1e6:8.1f} own {cum / steps * 1e6:8.1f} cum  {ncalls / steps:5.1f}x  {func} ({Path(file).name}:{line})"
+        )
+    return length
 
 
 def _without(kernels, q, k, v, n):  # type: ignore[no-untyped-def]
