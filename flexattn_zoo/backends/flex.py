@@ -123,6 +123,10 @@ class FlexBackend(Backend):
     detaches_inputs: bool = False
     #: Measured per-generation kernel options (the first that applies to a problem is used).
     tuning: tuple[Tuning, ...] = ()
+    #: For a kernel wrong at small head dims (:data:`CPU_FLEX_MIN_HEAD_DIM`): q/k/v whose head
+    #: dim is below this width reach the kernel padded with zeros to it, and the output is cut
+    #: back to v's head dim (the lse needs no cut). Exact, whatever the scale. None: no padding.
+    pad_head_dims_to: int | None = None
 
     def tuned_options(self, p: Problem) -> dict[str, Any]:
         """The measured kernel options for ``p``'s generation, head dim and dtype, or {} (defaults)."""
@@ -134,6 +138,14 @@ class FlexBackend(Backend):
         if clash:
             return [f"kernel_options {', '.join(clash)} conflict with this route's own {fixed}"]
         return []
+
+    def pad_width(self, p: Problem) -> int | None:
+        """The width :attr:`pad_head_dims_to` that ``p``'s q/k/v are padded to, or None where no
+        head dim of ``p`` is below it (or the route pads none)."""
+        width = self.pad_head_dims_to
+        if width is None or min(p.head_dim, p.head_dim if p.v_dim is None else p.v_dim) >= width:
+            return None
+        return width
 
     def options(self, p: Problem, block_mask: Any = None) -> dict[str, Any] | None:
         """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask):
@@ -217,9 +229,7 @@ class FlexBackend(Backend):
             call = CALLS.put(key, call)
         return call
 
-    def caller_mask_call(
-        self, p: Problem, device: torch.device, block_mask: Any
-    ) -> FlexCall | PaddedFlexCall | None:
+    def caller_mask_call(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall | None:
         """:meth:`prepared` for a caller's BlockMask, for a caller that launches it itself on
         every call with that BlockMask's mask_mod and block size (``fz.decode``: one lookup less
         per step); None where :meth:`run` must be called instead: a route that wraps it (a lock,
@@ -235,7 +245,12 @@ class FlexBackend(Backend):
         op lands in the caller's graph, compiled with it) and, for a spec, its BlockMask built
         in the graph by the same closed-form or block-by-block builders as eagerly (a spec's
         tensors, e.g. document ids, are graph inputs, so new values each step reuse the
-        compiled graph)."""
+        compiled graph). Head dims below :attr:`pad_head_dims_to` are padded here, as
+        :meth:`FlexCall.launch` pads them eagerly."""
+        width = self.pad_width(p)
+        v_dim = v.shape[-1]
+        if width is not None:
+            q, k, v = _pad_head_dims(q, k, v, width)
         mask, score = p.mask, p.score
         if q.device.type == "cpu":
             mask = None if mask is None else mask.map_tensors(_cpu_flex_capture)
@@ -260,7 +275,8 @@ class FlexBackend(Backend):
             kernel_options=self.options(p, block_mask),  # type: ignore[arg-type]  # see compile._template
             **_compat.flex_aux_request(p.return_lse),
         )
-        return _compat.unpack_flex_output(out, p.return_lse)
+        result = _compat.unpack_flex_output(out, p.return_lse)
+        return result if width is None else _cut(result, v_dim)
 
     def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall:
         if block_mask is None and p.mask is not None:
@@ -282,7 +298,9 @@ class FlexBackend(Backend):
             (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
             _block_size(block_mask),
         )
-        return FlexCall(block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs)
+        return FlexCall(
+            block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs, self.pad_width(p)
+        )
 
 
 #: What :func:`_traced_block_mask` keeps of a BlockMask: the arguments our builders give its
@@ -339,6 +357,9 @@ class FlexCall:
     gqa: bool
     #: Launch detached views of inputs that require grad (``FlexBackend.detaches_inputs``).
     detach: bool = False
+    #: Pad q/k/v's head dims with zeros to this width, cutting the output back to v's head dim
+    #: (``FlexBackend.pad_width``); None: launch them as they are.
+    pad_to: int | None = None
     #: ``[entry]``: the compiled entry of ``key`` last used (None before the first launch).
     held: list[Any] = dataclasses.field(default_factory=lambda: [None], compare=False, repr=False)
 
@@ -346,7 +367,15 @@ class FlexCall:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the compiled kernel on q/k/v (in a canonical layout) with this call's BlockMask, or
-        ``block_mask`` for a call prepared for a caller's BlockMask."""
+        ``block_mask`` for a call prepared for a caller's BlockMask; padded to :attr:`pad_to`
+        where set."""
+        if self.pad_to is not None:
+            return _cut(self._launch(*_pad_head_dims(q, k, v, self.pad_to), scale, block_mask), v.shape[-1])
+        return self._launch(q, k, v, scale, block_mask)
+
+    def _launch(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.detach and (q.requires_grad or k.requires_grad or v.requires_grad):
             q, k, v = q.detach(), k.detach(), v.detach()
         q, k, v = _canonical_layout(q, k, v)
@@ -554,53 +583,34 @@ class FlexFlashBackend(FlexBackend):
         return out
 
 
-#: Head dims below which the CPU flex kernel gets q/k/v padded with zeros to this width. torch's
-#: compiled CPU flex kernel (torch 2.13, on an AVX2 machine) returned wrong values, NaN among them,
-#: at head dim 8 and 16 for key lengths 24, 40, 56, 72, ... (measured with torch's own
-#: ``torch.compile(flex_attention)`` too; 24 and up matched float64 at every length tried).
+#: The CPU flex route's ``pad_head_dims_to``: head dims below it reach the kernel zero-padded to
+#: this width. torch's compiled CPU flex kernel (torch 2.13, on an AVX2 machine) returned wrong
+#: values, NaN among them, at head dim 8 and 16 for key lengths 24, 40, 56, 72, ... (with torch's
+#: own ``torch.compile(flex_attention)`` too; 24 and up matched float64 at every length tried).
 #: Padding is exact: zero columns add nothing to ``q . k``, the zero columns of ``v`` give zero
 #: output columns, which are cut off, and the scale is the caller's (``1/sqrt(D)`` of the real D).
 CPU_FLEX_MIN_HEAD_DIM = 32
 
 
 def _pad_head_dims(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q/k/v with their last dims padded with zeros to :data:`CPU_FLEX_MIN_HEAD_DIM` where shorter."""
+    """q/k/v with their last dims padded with zeros to ``width`` where shorter
+    (``FlexBackend.pad_head_dims_to``)."""
 
     def pad(t: torch.Tensor) -> torch.Tensor:
-        short = CPU_FLEX_MIN_HEAD_DIM - t.shape[-1]
+        short = width - t.shape[-1]
         return torch.nn.functional.pad(t, (0, short)) if short > 0 else t
 
     return pad(q), pad(k), pad(v)
 
 
-def _cut(result: tuple[torch.Tensor, torch.Tensor | None], v: torch.Tensor) -> Any:
-    """A padded launch's ``(out, lse)`` with ``out`` cut back to ``v``'s head dim."""
+def _cut(
+    result: tuple[torch.Tensor, torch.Tensor | None], v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A padded launch's ``(out, lse)`` with ``out`` cut back to v's head dim ``v_dim``."""
     out, lse = result
-    return out[..., : v.shape[-1]], lse
-
-
-def _needs_padding(p: Problem) -> bool:
-    return min(p.head_dim, p.head_dim if p.v_dim is None else p.v_dim) < CPU_FLEX_MIN_HEAD_DIM
-
-
-@dataclasses.dataclass(frozen=True)
-class PaddedFlexCall:
-    """A :class:`FlexCall` launched on q/k/v padded to :data:`CPU_FLEX_MIN_HEAD_DIM`, its output
-    cut back to v's head dim (what ``FlexCpuBackend.run`` does, for callers that launch)."""
-
-    inner: FlexCall
-
-    @property
-    def key(self) -> Any:
-        """The compiled entry's key (the inner call's)."""
-        return self.inner.key
-
-    def launch(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _cut(self.inner.launch(*_pad_head_dims(q, k, v), scale, block_mask), v)
+    return out[..., :v_dim], lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -608,26 +618,7 @@ class FlexCpuBackend(FlexBackend):
     """Head dims below :data:`CPU_FLEX_MIN_HEAD_DIM` run padded with zeros to it (exact; see
     there why)."""
 
-    def run(self, q, k, v, p, *, scale, block_mask=None):
-        if not _needs_padding(p):
-            return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
-        return _cut(super().run(*_pad_head_dims(q, k, v), p, scale=scale, block_mask=block_mask), v)
-
-    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
-        launch = super().bound_run(p, device)
-        if not _needs_padding(p):
-            return launch
-
-        def padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
-            return _cut(launch(*_pad_head_dims(q, k, v), scale), v)
-
-        return padded
-
-    def caller_mask_call(
-        self, p: Problem, device: torch.device, block_mask: Any
-    ) -> FlexCall | PaddedFlexCall | None:
-        call = self.prepared(p, device, block_mask)
-        return PaddedFlexCall(call) if _needs_padding(p) else call
+    pad_head_dims_to: int | None = CPU_FLEX_MIN_HEAD_DIM
 
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:

@@ -73,7 +73,7 @@ from flexattn_zoo import _compat, sharding
 from flexattn_zoo.arch import SPLIT_DECODE_MIN_KV_LEN, SPLIT_DECODE_MIN_KV_ROWS
 from flexattn_zoo.backends import BACKENDS, BY_NAME
 from flexattn_zoo.backends.base import fused_layout, prefixes_are_dense_blocks
-from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall, PaddedFlexCall
+from flexattn_zoo.backends.flex import MAX_FLEX_ELEMENTS, FlexBackend, FlexCall
 from flexattn_zoo.backends.sdpa import SDPA_LOCK
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import _under_autocast, attention, execute_plan, needs_grad, plan
@@ -1222,7 +1222,7 @@ class _Run:
     def __init__(self, chosen: Any, bm: _compat.BlockMask, device: torch.device, scale: float | None) -> None:
         self.plan = chosen
         route = BY_NAME[chosen.backend]
-        self.call: FlexCall | PaddedFlexCall | None = None
+        self.call: FlexCall | None = None
         if isinstance(route, FlexBackend) and not chosen.problem.requires_grad:
             self.call = route.caller_mask_call(chosen.problem, device, bm)
         # execute_plan's default scale, worked out once.

@@ -684,24 +684,60 @@ def test_flex_over_cache_prefixes_matches_the_reference() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [8, 16])
-def test_flex_cpu_at_small_head_dims_matches_the_reference(head_dim: int) -> None:
+def test_flex_cpu_at_small_head_dims_matches_the_reference(
+    head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch's compiled CPU flex kernel returned wrong values (NaN among them) at head dims 8 and
     16 for key lengths 24, 40, 56, ... at static shapes (torch 2.13 on an AVX2 machine); the route
-    pads the head dims with zeros instead. Each length compiled static, as a first call does."""
+    pads the head dims with zeros instead (``FlexBackend.pad_head_dims_to``). Each length compiled
+    static, as a first call does, on every path that reaches the kernel: the route's run (a first
+    call), its bound call (a repeated call, from the plan cache), the prepared call ``fz.decode``
+    launches itself for its BlockMask, and the call traced into a caller's ``torch.compile``."""
+    from flexattn_zoo import plan_cache
+    from flexattn_zoo.backends.flex import CPU_FLEX_MIN_HEAD_DIM
+    from flexattn_zoo.lru import LRUCache
+    from flexattn_zoo.models import decode
+
+    plans: LRUCache = LRUCache(16)
+    monkeypatch.setattr(plan_cache, "PLANS", plans)
     gen = torch.Generator().manual_seed(0)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         for lq, kv_len, kv_heads in ((1, 40, 2), (8, 24, 4), (8, 56, 4)):
-            q = torch.randn(2, 4, lq, head_dim, generator=gen)
-            k, v = (torch.randn(2, kv_heads, kv_len, head_dim, generator=gen) for _ in range(2))
             gqa = kv_heads != 4
-            out = fz.attention(q, k, v, enable_gqa=gqa, backend="flex_cpu")
-            assert_matches_reference(out, q, k, v, enable_gqa=gqa)
+            for repeat in (False, True):  # planned and run, then the plan cache's bound call
+                inserts = plans.inserts
+                q = torch.randn(2, 4, lq, head_dim, generator=gen)
+                k, v = (torch.randn(2, kv_heads, kv_len, head_dim, generator=gen) for _ in range(2))
+                out = fz.attention(q, k, v, enable_gqa=gqa, backend="flex_cpu")
+                assert plans.inserts == inserts + (not repeat)
+                assert_matches_reference(out, q, k, v, enable_gqa=gqa)
         # Value head dim apart from q/k's, each padded on its own.
         q, k = (torch.randn(1, 2, 24, head_dim, generator=gen) for _ in range(2))
         v = torch.randn(1, 2, 24, 48, generator=gen)
         out = fz.attention(q, k, v, mask="causal", backend="flex_cpu")
         assert out.shape == (1, 2, 24, 48)
         assert_matches_reference(out, q, k, v, mask="causal")
+        # fz.decode's own launch of the prepared call, over caches of those lengths.
+        decode.CACHE.clear()
+        with torch.no_grad():
+            for capacity in (24, 40):
+                q = torch.randn(2, 4, 1, head_dim, generator=gen)
+                k, v = (torch.randn(2, 2, capacity, head_dim, generator=gen) for _ in range(2))
+                out = decode.decode_step(q, k, v, capacity - 3, backend="flex_cpu")
+                live = k[:, :, : capacity - 3], v[:, :, : capacity - 3]
+                assert_matches_reference(out, q, *live, enable_gqa=True)
+            runs = [run for dm in decode.CACHE.values() for run in dm.runs.values()]
+            assert runs and all(
+                run.call is not None and run.call.pad_to == CPU_FLEX_MIN_HEAD_DIM for run in runs
+            )
+        # Traced into a caller's graph (fullgraph: padding breaks none), v's head dim its own.
+        q, k, v = (torch.randn(2, 4, 40, head_dim, generator=gen) for _ in range(3))
+        compiled = torch.compile(
+            lambda a, b, c: fz.attention(a, b, c[:, :, :, :4], backend="flex_cpu"), fullgraph=True
+        )
+        out = compiled(q[:, :, :1], k, v)
+        assert out.shape == (2, 4, 1, 4)
+        assert_matches_reference(out, q[:, :, :1], k, v[..., :4])
 
 
 def test_flex_kernel_options_for_the_decoding_kernel() -> None:
