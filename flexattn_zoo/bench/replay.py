@@ -131,15 +131,20 @@ def replay(
     )
 
 
-def measured(g: Group, route: str = "auto", fa4: bool = True) -> Verdict | None:
+#: The hand-written calls a user would otherwise make: plain SDPA and compiled ``flex_attention``.
+HAND_WRITTEN = frozenset({"plain_sdpa", "raw_flex"})
+
+
+def measured(g: Group, route: str = "auto", fa4: bool = True, hand_written: bool = False) -> Verdict | None:
     """The route the ``route`` row (``auto``, or ``auto_tuned``: auto with measured route choice)
     took, timed by that route's own row as every other route is (an ``auto`` row's own time
     differs by run-to-run noise only), against the fastest route measured (``fa4=False``: of the
-    routes that run without FA4)."""
+    routes that run without FA4); ``hand_written``: against the fastest of those and of
+    :data:`HAND_WRITTEN` (the call without this library's host time per call)."""
     row = g.rows.get(route)
     if row is None or row["status"] != "ok":
         return None
-    skip = BASELINES if fa4 else BASELINES | FA4_ROUTES
+    skip = (BASELINES - HAND_WRITTEN if hand_written else BASELINES) | (frozenset() if fa4 else FA4_ROUTES)
     timed = {r: g.ms(r) for r in g.rows if r not in skip and g.ms(r) is not None}
     best = min(timed, key=lambda r: timed[r] or 0.0, default=None)
     chosen_ms = g.ms(row["chosen"]) or row["ms"]
