@@ -67,7 +67,7 @@ def cpu_flash_reasons(p: Problem, causal: bool) -> list[str]:
     return []
 
 
-def fused_layout(t: torch.Tensor) -> torch.Tensor:
+def fused_layout(t: torch.Tensor, traced: bool | None = None) -> torch.Tensor:
     """``t`` itself when the fused SDPA kernels read it as it is, else a contiguous copy (O(L*D),
     small next to attention): a block of a contiguous ``[B, H, L, D]`` or ``[B, L, H, D]``
     tensor (see :func:`is_dense_block`): the tensor itself, the ``[B, L, H, D]`` projection output
@@ -77,19 +77,21 @@ def fused_layout(t: torch.Tensor) -> torch.Tensor:
     Other strides are not safe even with ``stride(-1) == 1``: CUDA's memory-efficient kernel has
     returned wrong results for broadcast (stride-0) k/v (pytorch#191937), and torch's CPU flash
     kernel returned garbage for a ``q`` whose rows overlap (an ``unfold`` view).
+
+    ``traced``: whether torch.compile traces this call, where the caller knows it (None: asked here).
     """
     if t.is_contiguous():
-        if t.is_cuda and not _compat.is_compiling() and t.data_ptr() % 16:
+        if t.is_cuda and not (_compat.is_compiling() if traced is None else traced) and t.data_ptr() % 16:
             # A contiguous view that starts off a 16-byte boundary (``flat[1:].view(...)``): the
             # fused kernels' vector loads fault on it (CUDA "misaligned address"), so copy it.
             return t.clone()
         return t
-    if is_dense_block(t):
+    if is_dense_block(t, traced):
         return t
     return t.contiguous()
 
 
-def is_dense_block(t: torch.Tensor) -> bool:
+def is_dense_block(t: torch.Tensor, traced: bool | None = None) -> bool:
     """Whether 4-D ``t`` is a block cut out of a contiguous tensor whose dims are in the order
     ``[B, H, L, D]`` or ``[B, L, H, D]``: rows of D contiguous, and each dim's stride at least
     the span of the dims inside it, so no two elements share memory (no broadcast, no overlap).
@@ -97,13 +99,16 @@ def is_dense_block(t: torch.Tensor) -> bool:
     16-byte aligned, as the fused kernels' vector loads need (the memory-efficient kernel refuses
     "query is not correctly aligned (strideM)" otherwise): ``x[..., :64]`` of a bf16 tensor whose
     last dim is 100 is a dense block, but not an aligned one. While torch.compile traces, the start
-    is not read: Dynamo cannot trace ``data_ptr`` (a traced call keeps what the graph gives it)."""
+    is not read: Dynamo cannot trace ``data_ptr`` (a traced call keeps what the graph gives it).
+    ``traced``: whether torch.compile traces this call, where the caller knows it (None: asked here)."""
     shape, strides = t.shape, t.stride()
     if shape[3] > 1 and strides[3] != 1:
         return False
     if t.is_cuda:
         size = t.element_size()
-        if (not _compat.is_compiling() and t.data_ptr() % 16) or any(
+        if traced is None:
+            traced = _compat.is_compiling()
+        if (not traced and t.data_ptr() % 16) or any(
             n > 1 and s * size % 16 for n, s in zip(shape[:3], strides[:3], strict=True)
         ):
             return False
@@ -363,6 +368,12 @@ class Backend:
                 return execute(q, k, v, p, scale=scale)
 
             return executed
+        return self.eager_bound_run(p, device)
+
+    def eager_bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        """:meth:`bound_run` for the plan cache's bound calls, which run only eagerly (the
+        dispatcher traces a compiled caller's call afresh): routes may leave out their checks for
+        tracing there; by default the same."""
         return self.bound_run(p, device)
 
     def bound_run(self, p: Problem, device: torch.device) -> BoundCall:

@@ -135,7 +135,12 @@ class SdpaBackend(Backend):
         them; None: every kernel, SDPA's own choice as a user calls it."""
         return None if self.kernel == UNPINNED else (self.kernel,)
 
-    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+    def eager_bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        return self.bound_run(p, device, eager=True)
+
+    def bound_run(self, p: Problem, device: torch.device, *, eager: bool = False) -> BoundCall:
+        """``run`` for ``p``; ``eager``: the call is never traced (:meth:`eager_bound_run`), so
+        it does not ask per call and per tensor whether torch.compile traces it."""
         call = _sdpa_call(p)
         assert not isinstance(call, str)  # mask_reasons refused the rest
         is_causal, chunk, has_tensor = call.is_causal, call.chunk, call.attn_mask is not None
@@ -181,22 +186,23 @@ class SdpaBackend(Backend):
         def launch(
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ) -> tuple[torch.Tensor, None]:
+            traced = False if eager else _compat.is_compiling()
             if expand:
                 k, v = expand_kv_heads(k, v, p)
             view_ok = chunk_view and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
             if chunk:
                 q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
             if fused and not view_ok:
-                q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
+                q, k, v = fused_layout(q, traced), fused_layout(k, traced), fused_layout(v, traced)
             enabled = kernels
             capturing = False
-            if adaptive and not _compat.is_compiling():
+            if adaptive and not traced:
                 capturing = _capturing(q)
                 if seen[0] >= 1 and (warm[0] or not capturing):
                     enabled = repeated
                 if not capturing:
                     seen[0] += 1
-            out = _launch_sdpa(sdpa, q, k, v, scale, enabled)
+            out = _launch_sdpa(sdpa, q, k, v, scale, enabled, traced)
             if enabled is not kernels and not capturing:
                 warm[0] = True  # after the call: its plan exists now
             return (from_chunks(out, batch) if chunk else out), None
@@ -221,14 +227,18 @@ def _launch_sdpa(
     v: torch.Tensor,
     scale: float,
     kernels: tuple[str, ...] | None,
+    traced: bool | None = None,
 ) -> torch.Tensor:
-    """``sdpa(q, k, v, scale)`` with only ``kernels`` enabled (None: SDPA's own choice)."""
+    """``sdpa(q, k, v, scale)`` with only ``kernels`` enabled (None: SDPA's own choice);
+    ``traced``: whether torch.compile traces this call, where the caller knows it (None: asked)."""
+    if traced is None:
+        traced = _compat.is_compiling()
     if kernels is None:
-        if _compat.is_compiling():
+        if traced:
             return sdpa(q, k, v, scale)
         with SDPA_LOCK:  # never under another thread's pin of ours
             return sdpa(q, k, v, scale)
-    if _compat.is_compiling():
+    if traced:
         # Traced by torch.compile, the pin is a trace-time setting of the SDPA node (no global
         # flags flip when the graph runs), so no lock is needed -- nor could Dynamo enter one.
         with _compat.sdpa_kernel([getattr(_compat.SDPBackend, name) for name in kernels]):

@@ -992,7 +992,7 @@ def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest
     enabled: list[Any] = []
     capturing = [False]
 
-    def recording(sdpa, q, k, v, scale, kernels):  # type: ignore[no-untyped-def]
+    def recording(sdpa, q, k, v, scale, kernels, traced=None):  # type: ignore[no-untyped-def]
         enabled.append(kernels)
         return q
 

@@ -165,6 +165,29 @@ def test_a_flex_hit_looks_nothing_up_in_the_compile_cache_nor_reads_dynamos_conf
     assert counts["get_keyed"] == 1
 
 
+def test_an_sdpa_hit_asks_whether_it_is_traced_only_in_the_dispatcher(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan cache's bound call runs only eagerly, so a repeated SDPA call does not ask again
+    per tensor and per launch whether torch.compile traces it (each ask cost host time on CUDA,
+    where the layout check asks once per q, k and v): the dispatcher and the cache lookup ask."""
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", backend="sdpa_flash")
+    asked = {"n": 0}
+    real = _compat.is_compiling
+
+    def counted() -> bool:
+        asked["n"] += 1
+        return real()
+
+    monkeypatch.setattr(_compat, "is_compiling", counted)
+    inserts = plans.inserts
+    out = fz.attention(q, k, v, mask="causal", backend="sdpa_flash")
+    assert plans.inserts == inserts  # a hit
+    assert asked["n"] == 2, asked  # dispatch.attention and the cache's get
+    assert_matches_reference(out, q, k, v, mask="causal")
+
+
 def test_equal_learned_tensors_keep_their_own_gradients(plans: LRUCache) -> None:
     """Two layers whose learned biases start equal (zeros) are different parameters: each gets
     its own gradient, although every cache (mods, plans) keys by spec."""
