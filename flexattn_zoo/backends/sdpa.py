@@ -25,6 +25,7 @@ of the graph's SDPA node.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -215,6 +216,13 @@ class SdpaBackend(Backend):
         return self.launch_kernels(p)
 
 
+@functools.cache
+def _asking_for(kernel: str) -> SdpaBackend:
+    """A pinned SDPA route of ``kernel`` whose ``torch_reasons`` asks torch about that kernel
+    (made once: a planned call, e.g. each step over a growing cache, asks again)."""
+    return dataclasses.replace(SDPA_EFFICIENT, kernel=kernel)
+
+
 def _capturing(q: torch.Tensor) -> bool:
     """Whether ``q`` is a CUDA tensor and a CUDA graph is being captured on the current stream."""
     return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -343,7 +351,7 @@ class SdpaChoiceBackend(SdpaBackend):
         if allowed is not None:
             kernels = tuple(name for name in kernels if name in allowed)
         for kernel in kernels:  # the first kernel torch accepts settles it
-            if not SdpaBackend.torch_reasons(dataclasses.replace(SDPA_EFFICIENT, kernel=kernel), p, call):
+            if not SdpaBackend.torch_reasons(_asking_for(kernel), p, call):
                 return []
         return ["no fused SDPA kernel takes the call (SDPA would fall back to its math kernel)"]
 
