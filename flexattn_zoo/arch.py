@@ -53,8 +53,26 @@ def detect_arch(device: torch.device | str | None = None) -> str:
         return dev.type
     if torch.version.hip is not None:
         return ROCM
-    major, minor = torch.cuda.get_device_capability(dev)
-    return f"sm{major}{minor}"
+    return _cuda_arch(dev)
+
+
+#: ``detect_arch`` of each CUDA device by (torch's capability function, device index): a device's
+#: compute capability cannot change within a process, and asking torch takes several microseconds
+#: of every planned call (each step over a growing KV cache plans). Keyed by the function too, so a
+#: test that replaces it is answered by the replacement.
+_CUDA_ARCH: dict[tuple[object, int], str] = {}
+
+
+def _cuda_arch(dev: torch.device) -> str:
+    ask = torch.cuda.get_device_capability
+    if dev.index is None:  # the current device, which may change: asked each time
+        major, minor = ask(dev)
+        return f"sm{major}{minor}"
+    found = _CUDA_ARCH.get((ask, dev.index))
+    if found is None:
+        major, minor = ask(dev)
+        found = _CUDA_ARCH[(ask, dev.index)] = f"sm{major}{minor}"
+    return found
 
 
 def generation(arch: str) -> str:

@@ -113,7 +113,6 @@ class CompiledFlex:
     def __init__(self, serial: int, kernel_options: dict[str, Any] | None, lse: bool, gqa: bool) -> None:
         self.compiles = 0
         self.dynamic_graphs = 0
-        self.calls = 0
         #: Set once either code object has one graph fewer than Dynamo's recompile limit: one
         #: call adds at most one graph, so the cache replaces the entry by a fresh one before the
         #: limit (and with it torch's unfused fallback) is reached. Checked when a graph is
@@ -174,21 +173,52 @@ class CompiledFlex:
         scale: float,
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.calls += 1
+        return self.run(q, k, v, block_mask, scale, score_mod)[0]
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_mask: Any,
+        scale: float,
+        score_mod: Any = None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], Callable[..., Any]]:
+        """``(self(...), code)``: the call's result and the compiled code object that ran it. A
+        caller whose later calls have this call's signature (q/k/v shapes and strides, grad mode,
+        which inputs require grad) may give them to :meth:`rerun` with ``code``, which skips
+        building and checking the signature (host time on every call)."""
         signature = (
             q.shape, k.shape, q.stride(), k.stride(), v.stride(), torch.is_grad_enabled(),
             q.requires_grad, k.requires_grad, v.requires_grad,
         )  # fmt: skip
         if signature in self._static_seen:
-            out = _compat.call_compiled(self._fn, q, k, v, block_mask, scale, score_mod)
+            code = self._fn
+            out = _compat.call_compiled(code, q, k, v, block_mask, scale, score_mod)
         else:
-            out = self._first_call(signature, q, k, v, block_mask, scale, score_mod)
-        return _compat.unpack_flex_output(out, self.lse)
+            out, code = self._first_call(signature, q, k, v, block_mask, scale, score_mod)
+        return _compat.unpack_flex_output(out, self.lse), code
 
-    def _first_call(self, signature: tuple[Any, ...], *args: Any) -> Any:
+    def rerun(
+        self,
+        code: Callable[..., Any],
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_mask: Any,
+        scale: float,
+        score_mod: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``self(...)`` through ``code`` from :meth:`run` of a call with the same signature."""
+        return _compat.unpack_flex_output(
+            _compat.call_compiled(code, q, k, v, block_mask, scale, score_mod), self.lse
+        )
+
+    def _first_call(self, signature: tuple[Any, ...], *args: Any) -> tuple[Any, Callable[..., Any]]:
         """A call whose signature the first code object has not run: there, under the static-shape
         setting (it may compile), if its shapes are among, or still fit in, ``STATIC_SHAPES``; else
-        on the later code object, left to automatic dynamic shapes."""
+        on the later code object, left to automatic dynamic shapes. Returns the output and the
+        code object that ran it."""
         shapes = signature[:2]
         with _FIRST_CALLS:
             static = shapes in self.static_shapes or len(self.static_shapes) < STATIC_SHAPES
@@ -199,11 +229,11 @@ class CompiledFlex:
                 with _compat.static_shape_compiles():
                     out = _compat.call_compiled(self._fn, *args)
                 self._static_seen.add(signature)
-                return out
+                return out, self._fn
             later = self._later
             if later is None:
                 later = self._later = self._compiled("later")
-        return _compat.call_compiled(later, *args)
+        return _compat.call_compiled(later, *args), later
 
 
 def _symbolic(x: Any) -> bool:

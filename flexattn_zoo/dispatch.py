@@ -740,10 +740,15 @@ def attention(
         )  # fmt: skip
     # A plan still waiting for its measurement (this call could not take it: a CUDA graph was
     # being captured) is not kept, so the next eager call measures.
-    if key is not None and not tuning.needs_measuring(chosen.tuning):
-        plan_cache.store(key, BoundPlan.of(chosen, q.device), _finiteness_matters(chosen, q.device))
     log.debug("flexattn_zoo route %s", chosen.backend)
-    out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
+    if key is not None and not tuning.needs_measuring(chosen.tuning):
+        # This call already runs the bound call its later hits run (the route is bound once, and
+        # what the bound call keeps from its first call is kept from this one).
+        bound = BoundPlan.of(chosen, q.device)
+        plan_cache.store(key, bound, _finiteness_matters(chosen, q.device))
+        out, maybe_lse = bound.run(q, k, v, bound.scale if scale_checked is None else scale_checked)
+    else:
+        out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
     if not return_lse:
         return out
     assert maybe_lse is not None  # the problem asked for it: routes without an lse refused it

@@ -108,7 +108,8 @@ def call_key(
     ):
         return None  # let the full path name what is wrong (before reading the data below)
     grad_on = torch.is_grad_enabled()
-    wants_grad = q.requires_grad or k.requires_grad or v.requires_grad
+    q_grad, k_grad, v_grad = q.requires_grad, k.requires_grad, v.requires_grad
+    wants_grad = q_grad or k_grad or v_grad
     # Whether the score spec captures tensors that require grad: the call's mode when q/k/v do not
     # (``dispatch.needs_grad``), and a verdict of routes in any mode (``FlexFlashBackend``). A
     # spec's learned tensors are compared by identity, so their flag is read here, per call; a raw
@@ -132,7 +133,9 @@ def call_key(
         return_lse,
         deterministic,
         grad_on,
-        wants_grad,
+        q_grad,  # each input's flag, not only whether one requires grad: a flex route's bound
+        k_grad,  # call runs its compiled code directly, which Dynamo compiled for these flags
+        v_grad,
         score_grad,
         q.shape,
         q.stride(),

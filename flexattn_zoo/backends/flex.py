@@ -186,7 +186,13 @@ class FlexBackend(Backend):
             return self._run_traced(q, k, v, p, scale=scale, block_mask=block_mask)
         return self.prepared(p, q.device, block_mask).launch(q, k, v, scale, block_mask)
 
-    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+    def eager_bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        return self.bound_run(p, device, eager=True)
+
+    def bound_run(self, p: Problem, device: torch.device, *, eager: bool = False) -> BoundCall:
+        """``run`` for ``p``; ``eager``: a plan-cache bound call (never traced, and its key pins
+        q/k/v's shapes, strides and grad flags), which runs its compiled code directly from its
+        second call on (``FlexCall.launch``'s ``ran``)."""
         # A prepared call with a BlockMask is held weakly: CALLS alone keeps those (and their
         # BlockMasks) alive, so its bound stays the memory bound however many plans are cached
         # (a training loop with new document ids per step makes a plan per step). Once CALLS
@@ -195,8 +201,14 @@ class FlexBackend(Backend):
         # plan keeps it: calls cycling over more shapes than CALLS holds (decoding over a set of
         # cache lengths) would otherwise prepare again on every call.
         prepared = self.prepared(p, device)
+        ran: list[Any] | None = [None] if eager else None
         if prepared.block_mask is None:
-            return prepared.launch
+            held = prepared
+
+            def launch_held(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
+                return held.launch(q, k, v, scale, None, ran)
+
+            return launch_held
         ref = weakref.ref(prepared)
         del prepared
 
@@ -206,7 +218,7 @@ class FlexBackend(Backend):
             if call is None:
                 call = self.prepared(p, device)
                 ref = weakref.ref(call)
-            return call.launch(q, k, v, scale)
+            return call.launch(q, k, v, scale, None, ran)
 
         return launch
 
@@ -364,30 +376,59 @@ class FlexCall:
     held: list[Any] = dataclasses.field(default_factory=lambda: [None], compare=False, repr=False)
 
     def launch(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        block_mask: Any = None,
+        ran: list[Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the compiled kernel on q/k/v (in a canonical layout) with this call's BlockMask, or
         ``block_mask`` for a call prepared for a caller's BlockMask; padded to :attr:`pad_to`
-        where set."""
+        where set.
+
+        ``ran``: for a caller whose every call has the same q/k/v shapes, strides, grad mode and
+        requires-grad flags (a plan-cache bound call: its key pins them), a one-item list holding
+        ``(entry, code)``, the compiled entry and code object its last call ran (None at first),
+        updated here: a call that needs no layout copy then runs that code directly
+        (``CompiledFlex.rerun``), without the entry's per-call signature check."""
         if self.pad_to is not None:
-            return _cut(self._launch(*_pad_head_dims(q, k, v, self.pad_to), scale, block_mask), v.shape[-1])
-        return self._launch(q, k, v, scale, block_mask)
+            padded = _pad_head_dims(q, k, v, self.pad_to)
+            return _cut(self._launch(*padded, scale, block_mask, ran), v.shape[-1])
+        return self._launch(q, k, v, scale, block_mask, ran)
 
     def _launch(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block_mask: Any
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        block_mask: Any,
+        ran: list[Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.detach and (q.requires_grad or k.requires_grad or v.requires_grad):
             q, k, v = q.detach(), k.detach(), v.detach()
+        given = (q, k, v)
         q, k, v = _canonical_layout(q, k, v)
         if _compat.FLEX_CPU_NEEDS_DISTINCT_INPUTS and (k is q or v is q or v is k) and q.device.type == "cpu":
             q, k, v = _distinct_objects(q, k, v)
+        # A copied layout (an input off its alignment, which the caller's key does not pin) may
+        # have other strides than the call that filled ``ran``: such calls take the checked path.
+        known = ran if ran is not None and q is given[0] and k is given[1] and v is given[2] else None
         mask = self.block_mask if block_mask is None else block_mask
         held = self.held
         entry = held[0]
         if entry is None or entry.retired:
             entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
         try:
-            return entry(q, k, v, mask, scale, self.score_mod)
+            last = known[0] if known is not None else None
+            if last is not None and last[0] is entry:
+                return entry.rerun(last[1], q, k, v, mask, scale, self.score_mod)
+            out, code = entry.run(q, k, v, mask, scale, self.score_mod)
+            if known is not None:
+                known[0] = (entry, code)
+            return out
         except UnfusedFallbackError:
             if not entry.retire_if_over_limit():
                 raise
@@ -541,8 +582,8 @@ class FlexFlashBackend(FlexBackend):
         with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
             return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
 
-    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
-        launch = super().bound_run(p, device)
+    def bound_run(self, p: Problem, device: torch.device, *, eager: bool = False) -> BoundCall:
+        launch = super().bound_run(p, device, eager=eager)
 
         def locked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:
             with flash_cute_lock():

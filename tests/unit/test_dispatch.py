@@ -17,7 +17,7 @@ from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.compile import STATIC_SHAPES, UnfusedFallbackError
 from flexattn_zoo.dispatch import Problem, plan_problem
-from flexattn_zoo.testing import assert_matches_reference
+from flexattn_zoo.testing import assert_matches_reference, reference_attention
 
 
 def _problem(
@@ -513,13 +513,13 @@ def test_self_attention_reaches_the_cpu_flex_kernel_as_three_tensors(monkeypatch
 
     monkeypatch.setattr(_compat, "FLEX_CPU_NEEDS_DISTINCT_INPUTS", True)
     seen: list[tuple[torch.Tensor, ...]] = []
-    call = CompiledFlex.__call__
+    call = CompiledFlex.run
 
     def spy(self, q, k, v, *rest):  # type: ignore[no-untyped-def]
         seen.append((q, k, v))
         return call(self, q, k, v, *rest)
 
-    monkeypatch.setattr(CompiledFlex, "__call__", spy)
+    monkeypatch.setattr(CompiledFlex, "run", spy)
     x = torch.randn(1, 2, 64, 32)  # not padded (see test_flex_cpu_at_small_head_dims_...)
     spec = masks.SlidingWindow(left=5, right=0)
     out = fz.attention(x, x, x, mask=spec, backend="flex_cpu")
@@ -1193,3 +1193,56 @@ def test_sdpa_route_leaves_cudnn_out_of_masked_training_at_lengths_64_mod_128() 
         assert kernels(padded(n), n) is None
     assert kernels(padded(704), 704, grad=False) is None
     assert kernels(masks.Causal(), 704) is None  # is_causal, no mask tensor
+
+
+def test_a_bound_flex_call_runs_its_compiled_code_directly_after_its_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan-cache hit on a flex route skips the compiled entry's per-call signature check: its
+    key pins q/k/v's shapes, strides and grad flags, so from its second call the bound call runs
+    the code object its first call ran (``CompiledFlex.rerun``), and every call stays exact. The
+    call that plans it runs it through the bound call already."""
+    from flexattn_zoo.compile import CompiledFlex
+
+    checked, direct = [], []
+    run, rerun = CompiledFlex.run, CompiledFlex.rerun
+
+    def spy_run(self, *args):  # type: ignore[no-untyped-def]
+        checked.append(1)
+        return run(self, *args)
+
+    def spy_rerun(self, *args):  # type: ignore[no-untyped-def]
+        direct.append(1)
+        return rerun(self, *args)
+
+    monkeypatch.setattr(CompiledFlex, "run", spy_run)
+    monkeypatch.setattr(CompiledFlex, "rerun", spy_rerun)
+    spec = masks.SlidingWindow(left=7, right=0)
+    g = torch.Generator().manual_seed(11)
+    for step in range(4):
+        q, k, v = (torch.randn(1, 2, 96, 32, generator=g) for _ in range(3))
+        out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+        assert_matches_reference(out, q, k, v, mask=spec)
+        assert (len(checked), len(direct)) == (1, step)
+
+
+def test_the_plan_cache_key_holds_which_input_requires_grad() -> None:
+    """Calls that differ only in which of q/k/v requires grad are planned and bound apart (a
+    flex route's bound call runs code Dynamo compiled for its inputs' flags), and each call's
+    gradients are exact (on the CPU: flex_cpu has no backward, so auto takes another route)."""
+    from flexattn_zoo import plan_cache
+
+    spec = masks.SlidingWindow(left=5, right=0)
+    g = torch.Generator().manual_seed(12)
+    base = [torch.randn(1, 2, 64, 32, generator=g) for _ in range(3)]
+    keys = []
+    for which in range(3):
+        q, k, v = (t.clone().requires_grad_(i == which) for i, t in enumerate(base))
+        keys.append(plan_cache.call_key(q, k, v, spec, None, False, False, False, "auto"))
+        out = fz.attention(q, k, v, mask=spec)
+        (grad,) = torch.autograd.grad(out.square().sum(), [(q, k, v)[which]])
+        ref_in = [t.double().requires_grad_(i == which) for i, t in enumerate(base)]
+        ref = reference_attention(*ref_in, mask=spec)
+        (ref_grad,) = torch.autograd.grad(ref.square().sum(), [ref_in[which]])
+        torch.testing.assert_close(grad.double(), ref_grad, atol=2e-4, rtol=2e-4)
+    assert len(set(keys)) == 3
