@@ -41,7 +41,8 @@ class Band(CapturedOffsets, MaskSpec):
     Registered as ``band`` (``flexattn_zoo.hf`` and ``flexattn_zoo.models.decode`` build it too; most
     users write ``Causal``/``SlidingWindow``). Forms offered: varlen window ``(-lo, hi)`` when
     ``Lq == Lkv`` and ``lo <= 0 <= hi``; SDPA causal when ``Lq == Lkv``, ``hi == 0`` and the lower
-    end is out of reach; a closed-form block map for any lengths; lowest visible key ``i + lo``
+    end is out of reach; SDPA without a mask, at any lengths, when the band covers every pair
+    (``lo <= -(Lq - 1)`` and ``hi >= Lkv - 1``: a decode step inside the window); a closed-form block map for any lengths; lowest visible key ``i + lo``
     when ``lo`` is given. The ``mask_mod`` reads ``lo``/``hi`` from captured 0-d tensors (not
     Python constants), so bands moving with a decode step share one compiled kernel.
 
@@ -91,11 +92,11 @@ class Band(CapturedOffsets, MaskSpec):
     # Offsets may be data-dependent while a compiled decode step traces (a cache position read
     # from a tensor): forms are offered only where the offsets are known to allow them.
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        if q_len != kv_len or (self.lo is not None and not known_true(self.lo <= -(q_len - 1))):
+        if self.lo is not None and not known_true(self.lo <= -(q_len - 1)):
             return None
         if self.hi is None or known_true(self.hi >= kv_len - 1):
-            return SdpaForm(is_causal=False)
-        return SdpaForm(is_causal=True) if known_true(self.hi == 0) else None
+            return SdpaForm(is_causal=False)  # hides nothing, at any lengths (a decode step)
+        return SdpaForm(is_causal=True) if q_len == kv_len and known_true(self.hi == 0) else None
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         if q_len != kv_len:

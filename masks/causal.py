@@ -127,7 +127,8 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
         ######
 
     Forms offered: SDPA ``is_causal=True`` / varlen ``(-1, 0)`` only when ``offset == 0`` and
-    ``Lq == Lkv``; a closed-form block map for any lengths.
+    ``Lq == Lkv``; SDPA without a mask, at any lengths, when ``offset >= Lkv - 1`` (it hides
+    nothing: one decoding query at the end of the cache); a closed-form block map for any lengths.
 
     The ``mask_mod`` reads ``offset`` from a captured 0-d tensor, not a Python constant: a decode
     loop (``Lq = 1``, ``Lkv = 8, 9, 10, ...``: a new offset every step) reuses one compiled kernel
@@ -157,6 +158,10 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
         return _tril(q_len, kv_len, self.offset)
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        if known_true(self.offset >= kv_len - 1):
+            # Every query sees every key (a decode step's one query at the end of the cache):
+            # SDPA without a mask, at any lengths.
+            return SdpaForm(is_causal=False)
         return SdpaForm(is_causal=True) if q_len == kv_len and known_true(self.offset == 0) else None
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:

@@ -19,8 +19,10 @@ from flexattn_zoo.hf.mask_reader import (
     translate,
 )
 from flexattn_zoo.hf.mask_reader import transformers_module as _transformers
+from flexattn_zoo.models.decode import one_query_over_prefix
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
+from flexattn_zoo.spec import MaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,10 @@ def _attention_forward(
     score = SoftCap(cap=float(softcap)) if softcap else None
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     gqa = query.shape[1] != key.shape[1]
+    if route == "auto" and sinks is None and score is None and not dropout_p and query.shape[2] == 1:
+        out = _decode_step(query, key, value, mask, scaling, gqa)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if sinks is None:
         out = attention(
             query, key, value, mask=mask, score_mod=score, scale=scaling, enable_gqa=gqa, backend=route,
@@ -127,6 +133,25 @@ def _attention_forward(
         )
         out, _ = apply_sinks(out, lse, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_step(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float | None, gqa: bool
+) -> torch.Tensor | None:
+    """A generation step's attention (one query per row at the end of the cache, whose mask hides
+    no key) run as ``fz.decode.decode_step`` runs one: SDPA over the keys as they are, without
+    planning. Each step meets a new cache length and a new mask offset, so ``fz.attention`` would
+    plan every layer of every step anew (its plan cache keys exact shapes). None where that step
+    does not apply (a mask that hides keys, e.g. padding; gradients; a traced call; a long cache
+    over many rows, which ``fz.attention`` plans as usual)."""
+    kv_len = key.shape[2]
+    if mask is not None:
+        if not isinstance(mask, MaskSpec):
+            return None  # a BlockMask: the caller's kernel layout, planned as usual
+        form = mask.bind(1, kv_len).sdpa_form(1, kv_len)
+        if form is None or form.is_causal or form.attn_mask is not None:
+            return None
+    return one_query_over_prefix(query, key, value, kv_len, scale, gqa)
 
 
 def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:

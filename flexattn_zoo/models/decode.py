@@ -890,7 +890,7 @@ def decode_step(
         and type(v_cache) is torch.Tensor
     ):
         # Perhaps a plain generation step: one query per row over an int length (None: it is not).
-        out = _one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, enable_gqa)
+        out = one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, enable_gqa)
         if out is not None:
             return out
     spec = _CAUSAL if mask is None else as_mask_spec(mask)
@@ -1082,7 +1082,7 @@ def decode_step(
 _PREFIX_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
-def _one_query_over_prefix(
+def one_query_over_prefix(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

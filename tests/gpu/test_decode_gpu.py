@@ -370,14 +370,14 @@ def test_long_caches_over_many_rows_take_the_split_kernel(monkeypatch: pytest.Mo
     v_cache = torch.randn(b, hkv, n, d, generator=g).to(DEV, torch.bfloat16)
     q = torch.randn(b, hq, 1, d, generator=g).to(DEV, torch.bfloat16)
     seen = []
-    prefix = decode._one_query_over_prefix
+    prefix = decode.one_query_over_prefix
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         out = prefix(*args, **kwargs)
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(decode, "_one_query_over_prefix", spy)
+    monkeypatch.setattr(decode, "one_query_over_prefix", spy)
     for length, on_prefix in ((n, False), (n - 1, True)):
         with torch.no_grad():
             out = decode.decode_step(q, k_cache, v_cache, length)

@@ -642,3 +642,48 @@ def test_compiled_model_with_a_padding_mask(
         real = attention_mask.bool()
         torch.testing.assert_close(compiled[real], logits(ids, attention_mask)[real], atol=1e-4, rtol=1e-4)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
+def test_generation_steps_run_without_planning_where_no_key_is_hidden(
+    padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dynamic-cache decode step hands each layer one query at the end of the cache, its mask
+    ``OffsetCausal(Lkv - 1)`` hiding no key, at a new length every step: ``fz.attention`` would plan
+    every layer of every step. With ``backend="auto"`` such steps run as ``fz.decode``'s one-query
+    step (SDPA over the cache, no plan); a left-padded batch's steps hide keys and are planned as
+    before. Tokens and logits agree with eager attention either way."""
+    integration = zhf.integration
+    planned: list[int] = []
+    stepped: list[int] = []
+    attention, step = integration.attention, integration.one_query_over_prefix
+
+    def spy_attention(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        planned.append(q.shape[2])
+        return attention(q, *args, **kwargs)
+
+    def spy_step(q, *args):  # type: ignore[no-untyped-def]
+        out = step(q, *args)
+        stepped.append(out is not None)
+        return out
+
+    monkeypatch.setattr(integration, "attention", spy_attention)
+    monkeypatch.setattr(integration, "one_query_over_prefix", spy_step)
+    impl = zhf.register("flexattn_zoo_decode_auto", backend="auto")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        GENERATE_CONFIGS["llama"](), attn_implementation="eager"
+    ).eval()
+    ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    pad = torch.ones(2, 7, dtype=torch.long)
+    if padded:
+        pad[1, :2] = 0
+    ours_ids, ours = _generate(model, impl, None, input_ids=ids, attention_mask=pad)
+    eager_ids, eager = _generate(model, "eager", None, input_ids=ids, attention_mask=pad)
+    assert torch.equal(ours_ids, eager_ids)
+    torch.testing.assert_close(ours, eager, rtol=0, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    if padded:
+        assert stepped == [] and planned.count(1) == 5 * layers
+    else:
+        assert stepped == [True] * (5 * layers) and planned == [7] * layers  # the prefill only

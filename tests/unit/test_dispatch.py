@@ -1246,3 +1246,41 @@ def test_the_plan_cache_key_holds_which_input_requires_grad() -> None:
         (ref_grad,) = torch.autograd.grad(ref.square().sum(), [ref_in[which]])
         torch.testing.assert_close(grad.double(), ref_grad, atol=2e-4, rtol=2e-4)
     assert len(set(keys)) == 3
+
+
+@pytest.mark.parametrize(
+    ("spec", "hides_nothing"),
+    [
+        (masks.Causal(align="bottom_right"), True),  # binds to OffsetCausal(Lkv - 1) at Lq = 1
+        ("offset_last", True),
+        ("offset_before_last", False),
+        ("band_inside_window", True),
+        ("band_window_short", False),
+    ],
+)
+def test_a_decode_step_mask_that_hides_no_key_runs_on_sdpa(spec: Any, hides_nothing: bool) -> None:
+    """One query at the end of a cache under a causal or band mask whose offset reaches the last
+    key hides nothing: SDPA without a mask is its exact form at any lengths, so the SDPA routes take
+    it (a dynamic-cache decode step from transformers ran on flex before). Masks that hide a key
+    keep no such form."""
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    kv_len = 13
+    spec = {
+        "offset_last": OffsetCausal(offset=kv_len - 1),
+        "offset_before_last": OffsetCausal(offset=kv_len - 2),
+        "band_inside_window": Band(lo=kv_len - 1 - 20, hi=kv_len - 1),
+        "band_window_short": Band(lo=kv_len - 1 - 4, hi=kv_len - 1),
+    }.get(spec, spec)
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (
+        torch.randn(2, 4, 1, 16, generator=g),
+        torch.randn(2, 2, kv_len, 16, generator=g),
+        torch.randn(2, 2, kv_len, 16, generator=g),
+    )
+    with torch.no_grad():
+        plan = fz.plan(q, k, v, mask=spec, enable_gqa=True)
+        out = fz.attention(q, k, v, mask=spec, enable_gqa=True)
+    assert plan.backend.startswith("sdpa") == hides_nothing, plan.explain()
+    assert_matches_reference(out, q, k, v, mask=spec, enable_gqa=True)
