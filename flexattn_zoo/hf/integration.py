@@ -19,10 +19,12 @@ from flexattn_zoo.hf.mask_reader import (
     translate,
 )
 from flexattn_zoo.hf.mask_reader import transformers_module as _transformers
+from flexattn_zoo.masks import Causal, SlidingWindow
+from flexattn_zoo.masks.band import Band
+from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.models.decode import one_query_over_prefix
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
-from flexattn_zoo.spec import MaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +148,19 @@ def _decode_step(
     over many rows, which ``fz.attention`` plans as usual)."""
     kv_len = key.shape[2]
     if mask is not None:
-        if not isinstance(mask, MaskSpec):
-            return None  # a BlockMask: the caller's kernel layout, planned as usual
+        # Only the band masks a cache step's offsets make (their forms are arithmetic on the
+        # offsets); padding and the rest are planned as usual, without building their forms twice.
+        if type(mask) not in _BAND_MASKS:
+            return None
         form = mask.bind(1, kv_len).sdpa_form(1, kv_len)
         if form is None or form.is_causal or form.attn_mask is not None:
             return None
     return one_query_over_prefix(query, key, value, kv_len, scale, gqa)
+
+
+#: The masks :func:`_decode_step` reads: what the mask reader makes of a causal or windowed
+#: pattern at a cache offset.
+_BAND_MASKS = (Causal, OffsetCausal, Band, SlidingWindow)
 
 
 def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:

@@ -644,15 +644,26 @@ def test_compiled_model_with_a_padding_mask(
     torch._dynamo.reset()
 
 
+DECODE_CONFIGS = {
+    "llama": GENERATE_CONFIGS["llama"],
+    # A window longer than the prompt and one shorter: transformers' sliding-window cache keeps
+    # only the window's keys, so the step's band (``Band(lo=0, hi=3)`` over 4 keys) hides none.
+    "mistral_long_window": lambda: transformers.MistralConfig(**SMALL, sliding_window=32),
+    "mistral_short_window": GENERATE_CONFIGS["mistral"],
+}
+
+
+@pytest.mark.parametrize("kind", list(DECODE_CONFIGS))
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 def test_generation_steps_run_without_planning_where_no_key_is_hidden(
-    padded: bool, monkeypatch: pytest.MonkeyPatch
+    padded: bool, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A dynamic-cache decode step hands each layer one query at the end of the cache, its mask
-    ``OffsetCausal(Lkv - 1)`` hiding no key, at a new length every step: ``fz.attention`` would plan
-    every layer of every step. With ``backend="auto"`` such steps run as ``fz.decode``'s one-query
-    step (SDPA over the cache, no plan); a left-padded batch's steps hide keys and are planned as
-    before. Tokens and logits agree with eager attention either way."""
+    ``OffsetCausal(Lkv - 1)`` (or a window band the cache fits in) hiding no key, at a new length
+    every step: ``fz.attention`` would plan every layer of every step. With ``backend="auto"`` such
+    steps run as ``fz.decode``'s one-query step (SDPA over the cache, no plan); a left-padded
+    batch's steps hide keys and are planned as before. Tokens and logits agree with eager
+    attention either way."""
     integration = zhf.integration
     planned: list[int] = []
     stepped: list[int] = []
@@ -672,7 +683,7 @@ def test_generation_steps_run_without_planning_where_no_key_is_hidden(
     impl = zhf.register("flexattn_zoo_decode_auto", backend="auto")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        GENERATE_CONFIGS["llama"](), attn_implementation="eager"
+        DECODE_CONFIGS[kind](), attn_implementation="eager"
     ).eval()
     ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(3))
     pad = torch.ones(2, 7, dtype=torch.long)
