@@ -146,6 +146,8 @@ def _decode_step(
     plan every layer of every step anew (its plan cache keys exact shapes). None where that step
     does not apply (a mask that hides keys, e.g. padding; gradients; a traced call; a long cache
     over many rows, which ``fz.attention`` plans as usual)."""
+    if _compat.is_compiling():
+        return None  # traced: the step is planned into the graph (no guard on the mask's offsets)
     kv_len = key.shape[2]
     if mask is not None:
         # Only the band masks a cache step's offsets make (their forms are arithmetic on the
