@@ -42,9 +42,10 @@ class Band(CapturedOffsets, MaskSpec):
     users write ``Causal``/``SlidingWindow``). Forms offered: varlen window ``(-lo, hi)`` when
     ``Lq == Lkv`` and ``lo <= 0 <= hi``; SDPA causal when ``Lq == Lkv``, ``hi == 0`` and the lower
     end is out of reach; SDPA without a mask, at any lengths, when the band covers every pair
-    (``lo <= -(Lq - 1)`` and ``hi >= Lkv - 1``: a decode step inside the window); a closed-form block map for any lengths; lowest visible key ``i + lo``
-    when ``lo`` is given. The ``mask_mod`` reads ``lo``/``hi`` from captured 0-d tensors (not
-    Python constants), so bands moving with a decode step share one compiled kernel.
+    (``lo <= -(Lq - 1)`` and ``hi >= Lkv - 1``: a decode step inside the window); a closed-form
+    block map for any lengths; lowest visible key ``i + lo`` when ``lo`` is given. The
+    ``mask_mod`` reads ``lo``/``hi`` from captured 0-d tensors (not Python constants), so bands
+    moving with a decode step share one compiled kernel.
 
     Args:
         lo: smallest visible ``j - i`` (``None``: no lower end).
