@@ -93,11 +93,22 @@ class Band(CapturedOffsets, MaskSpec):
     # Offsets may be data-dependent while a compiled decode step traces (a cache position read
     # from a tensor): forms are offered only where the offsets are known to allow them.
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        if q_len != kv_len:
+            # SDPA without a mask where the band hides nothing (a decode step inside the window);
+            # decided for plain ints only, so a traced step with symbolic offsets gets no guard.
+            plain = all(type(x) is int for x in (q_len, kv_len, self.lo, self.hi) if x is not None)
+            if (
+                plain
+                and (self.lo is None or self.lo <= -(q_len - 1))
+                and (self.hi is None or self.hi >= kv_len - 1)
+            ):
+                return SdpaForm(is_causal=False)
+            return None
         if self.lo is not None and not known_true(self.lo <= -(q_len - 1)):
             return None
         if self.hi is None or known_true(self.hi >= kv_len - 1):
-            return SdpaForm(is_causal=False)  # hides nothing, at any lengths (a decode step)
-        return SdpaForm(is_causal=True) if q_len == kv_len and known_true(self.hi == 0) else None
+            return SdpaForm(is_causal=False)
+        return SdpaForm(is_causal=True) if known_true(self.hi == 0) else None
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         if q_len != kv_len:

@@ -158,9 +158,10 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
         return _tril(q_len, kv_len, self.offset)
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        if known_true(self.offset >= kv_len - 1):
+        if type(self.offset) is int and type(kv_len) is int and self.offset >= kv_len - 1:
             # Every query sees every key (a decode step's one query at the end of the cache):
-            # SDPA without a mask, at any lengths.
+            # SDPA without a mask, at any lengths. Decided for plain ints only, so a traced step
+            # with a symbolic offset gets no guard on it.
             return SdpaForm(is_causal=False)
         return SdpaForm(is_causal=True) if q_len == kv_len and known_true(self.offset == 0) else None
 
