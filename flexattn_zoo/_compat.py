@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false as _guard_or_false
 from torch.fx.experimental.symbolic_shapes import guard_or_true as _guard_or_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true as _statically_known_true
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -462,6 +463,16 @@ def known_true(cond: Any) -> bool:
     For decisions where False is always safe: "is this offset known to be 0?", "are future keys
     known to be hidden?". Plain bools and conditions on ordinary symbolic sizes answer as usual."""
     return bool(_guard_or_false(cond))
+
+
+def true_without_guard(cond: Any) -> bool:
+    """``cond`` as a bool where it is decided without adding a guard: plain ints compare as
+    usual; a condition on traced sizes is True only where what the trace already knows proves it
+    (a data-dependent size, or a relation between independent symbolic sizes, answers False).
+    For shortcuts that must not make a compiled graph specialize on a length: the traced code
+    takes the general path instead. (A ``type(x) is int`` test cannot say this: Dynamo answers
+    ``int`` for the type of a SymInt.)"""
+    return bool(_statically_known_true(cond))
 
 
 def maybe_true(cond: Any) -> bool:

@@ -742,8 +742,10 @@ def static_float(spec: Spec, name: str) -> float:
 
 #: Decisions on position parameters that may be data-dependent while a compiled decode step
 #: traces (see ``_compat.known_true``): offered forms need ``known_true``; the safe side of a
-#: choice between exact specs, ``maybe_true``; clamps, ``clamp_int``.
+#: choice between exact specs, ``maybe_true``; clamps, ``clamp_int``; shortcuts that must not
+#: make a traced graph specialize on a length, ``true_without_guard``.
 known_true = _compat.known_true
+true_without_guard = _compat.true_without_guard
 maybe_true = _compat.maybe_true
 clamp_int = _compat.clamp_int
 

@@ -14,6 +14,7 @@ from flexattn_zoo.spec import (
     VarlenForm,
     known_true,
     spec_dataclass,
+    true_without_guard,
 )
 
 from ._blocks import CapturedOffsets, band_block_map, check_int
@@ -95,12 +96,9 @@ class Band(CapturedOffsets, MaskSpec):
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
         if q_len != kv_len:
             # SDPA without a mask where the band hides nothing (a decode step inside the window);
-            # decided for plain ints only, so a traced step with symbolic offsets gets no guard.
-            plain = all(type(x) is int for x in (q_len, kv_len, self.lo, self.hi) if x is not None)
-            if (
-                plain
-                and (self.lo is None or self.lo <= -(q_len - 1))
-                and (self.hi is None or self.hi >= kv_len - 1)
+            # a traced step gets no guard on its offsets.
+            if (self.lo is None or true_without_guard(self.lo <= -(q_len - 1))) and (
+                self.hi is None or true_without_guard(self.hi >= kv_len - 1)
             ):
                 return SdpaForm(is_causal=False)
             return None

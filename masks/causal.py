@@ -17,6 +17,7 @@ from flexattn_zoo.spec import (
     known_true,
     lower_triangle_fraction,
     spec_dataclass,
+    true_without_guard,
 )
 
 from ._blocks import CapturedOffsets, band_block_map, check_int
@@ -158,10 +159,9 @@ class OffsetCausal(CapturedOffsets, MaskSpec):
         return _tril(q_len, kv_len, self.offset)
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        if type(self.offset) is int and type(kv_len) is int and self.offset >= kv_len - 1:
+        if true_without_guard(self.offset >= kv_len - 1):
             # Every query sees every key (a decode step's one query at the end of the cache):
-            # SDPA without a mask, at any lengths. Decided for plain ints only, so a traced step
-            # with a symbolic offset gets no guard on it.
+            # SDPA without a mask, at any lengths. A traced step gets no guard on its offset.
             return SdpaForm(is_causal=False)
         return SdpaForm(is_causal=True) if q_len == kv_len and known_true(self.offset == 0) else None
 

@@ -221,3 +221,35 @@ def test_an_int_cache_position_makes_offset_masks_in_one_graph(window: int | Non
     for pos in (5, 9, 30):
         assert compiled(x, pos).item() == (pos if window is None else pos - window)
     assert counter.frame_count <= 2  # the first position as a constant, then one dynamic graph
+
+
+def test_a_decode_step_form_traced_with_symbolic_lengths_adds_no_guard() -> None:
+    """The no-mask SDPA form of a decode step (one query that sees every key) is a shortcut: with
+    symbolic lengths it is offered only where the trace already proves it, so a graph compiled
+    with dynamic shapes neither specializes on the lengths nor recompiles when they change."""
+    from torch._dynamo.testing import CompileCounter
+
+    from flexattn_zoo.masks.band import Band
+    from flexattn_zoo.masks.causal import OffsetCausal
+
+    torch.compiler.reset()
+    seen: list[object] = []
+
+    def step(k: torch.Tensor, offset: int) -> torch.Tensor:
+        kv_len = k.shape[0]
+        seen.append(OffsetCausal(offset=offset).sdpa_form(1, kv_len))
+        seen.append(Band(lo=None, hi=offset).sdpa_form(1, kv_len))
+        return k * 2
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend=counter)
+    for kv_len, offset in ((8, 7), (9, 3), (12, 11)):
+        seen.clear()
+        compiled(torch.zeros(kv_len), offset)
+        # Independent symbols: nothing proves offset >= kv_len - 1, so no shortcut is offered.
+        assert seen == [None, None]
+    assert counter.frame_count == 1
+    # Eagerly the same plain ints decide it.
+    assert OffsetCausal(offset=7).sdpa_form(1, 8) is not None
+    assert Band(lo=None, hi=7).sdpa_form(1, 8) is not None
+    assert OffsetCausal(offset=3).sdpa_form(1, 9) is None
