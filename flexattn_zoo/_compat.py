@@ -13,6 +13,7 @@ import inspect
 import operator
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -613,6 +614,65 @@ def flex_aux_request(lse: bool) -> dict[str, Any]:
 
         return {"return_aux": AuxRequest(lse=True)} if lse else {}
     return {"return_lse": True} if lse else {}
+
+
+def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any] | None:
+    """The graph a ``torch.compile``'d function runs for ``args``, as a plain function taking the
+    same arguments, without Dynamo's frame evaluation and guard checks (tens of microseconds of
+    host time per call); None where this torch does not expose what that needs.
+
+    Dynamo keeps, per compiled code object, a list of cache entries: each a guard set and the code
+    it runs when those guards pass (bytecode that reads the graph's inputs from the arguments and
+    calls the compiled graph, which it names in the function's globals). This picks the entry
+    Dynamo itself would run for ``args`` (the first in its list whose guards pass) and makes a
+    function of its code, with the globals it reads bound now. A caller may call it only with
+    arguments on which those guards pass again: what guards check of tensors (shapes, strides,
+    dtype, device, requires-grad) must be pinned, the other arguments the same objects or equal
+    constants, with the process state of the first call (grad mode; no torch function or
+    dispatch mode, functorch transform or autocast: :func:`unguarded_graph_allowed`)."""
+    original: Any = getattr(compiled, "_torchdynamo_orig_callable", None)
+    entries_of = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    code = getattr(original, "__code__", None)
+    if code is None or entries_of is None or not unguarded_graph_allowed():
+        return None
+    closure = original.__closure__ or ()
+    try:
+        f_locals = dict(zip(code.co_varnames[: code.co_argcount], args, strict=True))
+        f_locals.update(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
+        for entry in entries_of(code):
+            if not entry.guard_manager.check(f_locals):
+                continue
+            graph_code = entry.code
+            if graph_code.co_freevars != code.co_freevars:
+                return None
+            module = original.__globals__
+            names = {"__builtins__", *_global_names(graph_code)}
+            bound = {name: module[name] for name in names if name in module}
+            return types.FunctionType(graph_code, bound, code.co_name, None, original.__closure__)
+    except Exception:  # noqa: BLE001 - private torch structures: any surprise keeps the guarded call
+        return None
+    return None
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """Every name ``code`` and the code objects nested in it may read as a global."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def unguarded_graph_allowed() -> bool:
+    """Whether the process state is one an :func:`unguarded_graph` may run under: no torch
+    function or dispatch mode active (they would not see the graph's ops), no functorch transform
+    (vmap, grad) wrapping the inputs, no autocast region. A few C calls."""
+    return (
+        torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == 0
+        and torch._C._functorch.get_dynamic_layer_stack_depth() == 0
+        and not any_autocast_enabled()
+    )
 
 
 def unpack_flex_output(out: Any, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -390,9 +390,14 @@ class FlexCall:
 
         ``ran``: for a caller whose every call has the same q/k/v shapes, strides, grad mode and
         requires-grad flags (a plan-cache bound call: its key pins them), a one-item list holding
-        ``(entry, code)``, the compiled entry and code object its last call ran (None at first),
-        updated here: a call that needs no layout copy then runs that code directly
-        (``CompiledFlex.rerun``), without the entry's per-call signature check."""
+        ``(entry, code, graph, block_mask_ref, scale, score_mod)`` of its last call (None at first),
+        updated here: a call that needs no layout copy, with the same BlockMask, scale and
+        score_mod, then runs
+        ``graph``, the compiled graph that call ran, as a plain function
+        (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guard checks), or where
+        there is none, or the process state does not allow it (a torch function or dispatch mode,
+        a functorch transform, autocast), ``code`` without the entry's per-call signature check
+        (``CompiledFlex.rerun``)."""
         if self.pad_to is not None:
             padded = _pad_head_dims(q, k, v, self.pad_to)
             return _cut(self._launch(*padded, scale, block_mask, ran), v.shape[-1])
@@ -421,13 +426,26 @@ class FlexCall:
         entry = held[0]
         if entry is None or entry.retired:
             entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
+        score_mod = self.score_mod
         try:
             last = known[0] if known is not None else None
-            if last is not None and last[0] is entry:
-                return entry.rerun(last[1], q, k, v, mask, scale, self.score_mod)
-            out, code = entry.run(q, k, v, mask, scale, self.score_mod)
+            if (
+                last is not None
+                and last[0] is entry
+                and last[3]() is mask
+                and last[4] == scale
+                and last[5] is score_mod
+            ):
+                graph = last[2]
+                if graph is not None and _compat.unguarded_graph_allowed():
+                    return entry.run_unguarded(graph, q, k, v, mask, scale, score_mod)
+                return entry.rerun(last[1], q, k, v, mask, scale, score_mod)
+            out, code = entry.run(q, k, v, mask, scale, score_mod)
             if known is not None:
-                known[0] = (entry, code)
+                graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)
+                # The BlockMask held weakly: a bound call must not keep it alive (see bound_run).
+                mask_ref = _no_mask if mask is None else weakref.ref(mask)
+                known[0] = (entry, code, graph, mask_ref, scale, score_mod)
             return out
         except UnfusedFallbackError:
             if not entry.retire_if_over_limit():
@@ -435,6 +453,11 @@ class FlexCall:
         # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
         entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
         return entry(q, k, v, mask, scale, self.score_mod)
+
+
+def _no_mask() -> None:
+    """The BlockMask reference a launch memo holds for a call without one."""
+    return None
 
 
 #: Per (route, problem, device), and for a caller's BlockMask also its mask_mod and block size: a

@@ -1195,35 +1195,90 @@ def test_sdpa_route_leaves_cudnn_out_of_masked_training_at_lengths_64_mod_128() 
     assert kernels(masks.Causal(), 704) is None  # is_causal, no mask tensor
 
 
-def test_a_bound_flex_call_runs_its_compiled_code_directly_after_its_first_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A plan-cache hit on a flex route skips the compiled entry's per-call signature check: its
-    key pins q/k/v's shapes, strides and grad flags, so from its second call the bound call runs
-    the code object its first call ran (``CompiledFlex.rerun``), and every call stays exact. The
-    call that plans it runs it through the bound call already."""
+def _spy_compiled_flex(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """Counts of how a flex route's compiled entry is called: ``run`` (the signature-checked
+    call), ``rerun`` (the code object its last call ran, through Dynamo's guards) and
+    ``run_unguarded`` (the compiled graph without Dynamo's frame evaluation)."""
     from flexattn_zoo.compile import CompiledFlex
 
-    checked, direct = [], []
-    run, rerun = CompiledFlex.run, CompiledFlex.rerun
+    calls: dict[str, list[int]] = {"run": [], "rerun": [], "run_unguarded": []}
+    for name, seen in calls.items():
+        original = getattr(CompiledFlex, name)
 
-    def spy_run(self, *args):  # type: ignore[no-untyped-def]
-        checked.append(1)
-        return run(self, *args)
+        def spy(self, *args, _original=original, _seen=seen):  # type: ignore[no-untyped-def]
+            _seen.append(1)
+            return _original(self, *args)
 
-    def spy_rerun(self, *args):  # type: ignore[no-untyped-def]
-        direct.append(1)
-        return rerun(self, *args)
+        monkeypatch.setattr(CompiledFlex, name, spy)
+    return calls
 
-    monkeypatch.setattr(CompiledFlex, "run", spy_run)
-    monkeypatch.setattr(CompiledFlex, "rerun", spy_rerun)
+
+def _counts(calls: dict[str, list[int]]) -> tuple[int, int, int]:
+    return len(calls["run"]), len(calls["rerun"]), len(calls["run_unguarded"])
+
+
+def test_a_bound_flex_call_runs_its_compiled_graph_without_dynamo_after_its_first_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plan-cache hit on a flex route skips the compiled entry's signature check and Dynamo's
+    frame evaluation and guards: its key pins q/k/v's shapes, strides and grad flags, so from its
+    second call the bound call runs the compiled graph its first call ran as a plain function
+    (``CompiledFlex.run_unguarded``), and every call stays exact, with new values each call.
+    The call that plans it runs it through the bound call already."""
+    calls = _spy_compiled_flex(monkeypatch)
     spec = masks.SlidingWindow(left=7, right=0)
     g = torch.Generator().manual_seed(11)
     for step in range(4):
         q, k, v = (torch.randn(1, 2, 96, 32, generator=g) for _ in range(3))
         out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
         assert_matches_reference(out, q, k, v, mask=spec)
-        assert (len(checked), len(direct)) == (1, step)
+        assert _counts(calls) == (1, 0, step)
+
+
+def test_an_unguarded_flex_graph_runs_only_for_its_scale_and_tensors_it_reads_each_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The graph a bound flex call runs without guards was compiled for one scale: a hit with
+    another scale goes through the checked call (Dynamo's guards decide what it needs) and
+    memoizes that scale's graph. Spec tensors are read on each call: ids rewritten in place
+    change the result as they change the reference."""
+    calls = _spy_compiled_flex(monkeypatch)
+    ids = torch.tensor([0] * 40 + [1] * 56)
+    spec = masks.Document(doc_ids=ids) & masks.Causal()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 96, 32, generator=g) for _ in range(3))
+    for scale, counts in ((0.2, (1, 0, 0)), (0.2, (1, 0, 1)), (0.3, (2, 0, 1)), (0.3, (2, 0, 2))):
+        out = fz.attention(q, k, v, mask=spec, scale=scale, backend="flex_cpu")
+        assert_matches_reference(out, q, k, v, mask=spec, scale=scale)
+        assert _counts(calls) == counts
+    ids[30:40] = 1  # documents of 30 and 66 tokens now
+    for _ in range(2):
+        out = fz.attention(q, k, v, mask=spec, scale=0.3, backend="flex_cpu")
+        assert_matches_reference(out, q, k, v, mask=spec, scale=0.3)
+
+
+def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under a torch function mode (or a dispatch mode, a functorch transform, autocast) a hit
+    runs its code through Dynamo (``CompiledFlex.rerun``), which sees the mode, instead of the
+    unguarded graph, which would run its kernels past it."""
+    calls = _spy_compiled_flex(monkeypatch)
+    spec = masks.SlidingWindow(left=3, right=0)
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+
+    class Passthrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+    assert_matches_reference(out, q, k, v, mask=spec)
+    assert _counts(calls) == (1, 1, 0)
+    out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+    assert _counts(calls) == (1, 1, 1)
 
 
 def test_the_plan_cache_key_holds_which_input_requires_grad() -> None:
