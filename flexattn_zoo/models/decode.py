@@ -1212,17 +1212,22 @@ class _Run:
     On a flex route that lets its caller launch (``FlexBackend.caller_mask_call``) the route's
     prepared call for this DecodeMask's BlockMask is kept too: later steps go straight to the
     compiled kernel, without the plan's route lookup and the route's own cache lookup (a few
-    microseconds of host time per step). The prepared call depends only on the plan's problem,
+    microseconds of host time per step), and from the second step without Dynamo's frame
+    evaluation and guards (see ``ran``). The prepared call depends only on the plan's problem,
     the device and the DecodeMask's mask_mod and block size, none of which change for the
     DecodeMask and signature this run is stored under.
     """
 
-    __slots__ = ("call", "plan", "scale")
+    __slots__ = ("call", "plan", "ran", "scale")
 
     def __init__(self, chosen: Any, bm: _compat.BlockMask, device: torch.device, scale: float | None) -> None:
         self.plan = chosen
         route = BY_NAME[chosen.backend]
         self.call: FlexCall | None = None
+        #: ``FlexCall.launch``'s memo of this run's last launch: every step of one signature has
+        #: the same q/k/v shapes, strides and grad flags, and the DecodeMask's BlockMask (the same
+        #: object, updated in place), so from the second step the compiled graph runs directly.
+        self.ran: list[Any] = [None]
         if isinstance(route, FlexBackend) and not chosen.problem.requires_grad:
             self.call = route.caller_mask_call(chosen.problem, device, bm)
         # execute_plan's default scale, worked out once.
@@ -1236,7 +1241,7 @@ class _Run:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bm: _compat.BlockMask
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.call is not None:
-            return self.call.launch(q, k, v, self.scale, bm)
+            return self.call.launch(q, k, v, self.scale, bm, self.ran)
         return execute_plan(self.plan, q, k, v, scale=self.scale, block_mask=bm)
 
 

@@ -125,6 +125,41 @@ def test_preset_route_fwd_bwd(preset: str, route: str) -> None:
         assert torch.equal(out[:, :, : lq - lkv].float(), torch.zeros_like(out[:, :, : lq - lkv].float()))
 
 
+@pytest.mark.parametrize("route", CALLABLE_MASK_ROUTES)
+@pytest.mark.parametrize("preset", ["causal", "document_causal", "softcap_causal", "alibi_sliding"])
+def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
+    preset: str, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From its second call a flex route's plan-cache hit runs the compiled graph without Dynamo
+    (``CompiledFlex.run_unguarded``): forward and backward stay exact, with new values each call,
+    with and without grad."""
+    from flexattn_zoo.compile import CompiledFlex
+
+    unguarded: list[int] = []
+    original = CompiledFlex.run_unguarded
+
+    def spy(self, *args):  # type: ignore[no-untyped-def]
+        unguarded.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(CompiledFlex, "run_unguarded", spy)
+    make_mask, extra = PRESETS[preset]
+    score = _score(extra) if isinstance(extra, str) else None
+    mask = make_mask()
+    if not _accepts(route, preset):
+        pytest.skip(f"{route} refuses {preset}")
+    for seed in range(3):
+        q, k, v = _inputs(L, L, torch.bfloat16, seed=seed)
+        _check(q, k, v, route, mask, score)
+    assert len(unguarded) == 2
+    with torch.no_grad():
+        for seed in range(3):
+            q, k, v = (t.detach() for t in _inputs(L, L, torch.bfloat16, seed=seed))
+            out = fz.attention(q, k, v, mask=mask, score_mod=score, backend=route)
+            assert_matches_reference(out, q, k, v, mask=mask, score_mod=score)
+    assert len(unguarded) == 4
+
+
 def _accepts(route: str, preset: str) -> bool:
     make_mask, extra = PRESETS[preset]
     lq, lkv = extra if isinstance(extra, tuple) else (L, L)

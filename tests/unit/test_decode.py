@@ -245,6 +245,41 @@ def test_planned_runs_are_reused_and_exact() -> None:
     assert len(dm.runs) == 1 and dm.runs.inserts == 1
 
 
+def test_planned_steps_run_their_graph_without_dynamo_from_the_second_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps of one signature launch the same prepared flex call with the DecodeMask's BlockMask
+    (updated in place), so from the second step the compiled graph runs as a plain function
+    (``CompiledFlex.run_unguarded``), reading each step's lengths and new queries."""
+    from flexattn_zoo.compile import CompiledFlex
+
+    unguarded: list[int] = []
+    original = CompiledFlex.run_unguarded
+
+    def spy(self, *args):  # type: ignore[no-untyped-def]
+        unguarded.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(CompiledFlex, "run_unguarded", spy)
+    k, v = _cache(6)
+    spec = masks.SlidingWindow(left=200) & masks.Causal()
+    dm = decode.DecodeMask(spec, B, 1, CAP)
+    g = torch.Generator().manual_seed(10)
+    steps = (
+        torch.tensor([10, 640]),
+        torch.tensor([300, 1]),
+        torch.tensor([301, 2]),
+        torch.tensor([600, 130]),
+    )
+    with torch.no_grad():
+        for lens in steps:
+            q = torch.randn(B, H, 1, D, generator=g)
+            bm = dm.update(lens)
+            out, _ = decode._run_planned(dm, q, k, v, bm, None, None, True, False, "flex_cpu")
+            _close(out, reference_decode(q, k, v, lens, spec))
+    assert len(unguarded) == len(steps) - 1
+
+
 def test_run_signature_follows_grad_mode_and_process_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """A plan made for inference is not reused by a step that records gradients (routes differ
     by mode: flex_flash refuses some backwards), nor after the dispatcher's inputs from the
