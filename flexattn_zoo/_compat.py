@@ -616,7 +616,32 @@ def flex_aux_request(lse: bool) -> dict[str, Any]:
     return {"return_lse": True} if lse else {}
 
 
-def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> Callable[..., Any] | None:
+class UnguardedGraph:
+    """A graph Dynamo compiled, callable as a plain function (see :func:`unguarded_graph`)."""
+
+    __slots__ = ("fn", "_source")
+
+    def __init__(self, fn: Callable[..., Any], source: types.CodeType) -> None:
+        #: The graph's code as a function of the compiled function's arguments.
+        self.fn = fn
+        self._source = source  # the compiled function's code, whose cache entries Dynamo keeps
+
+    def cached(self) -> bool:
+        """Whether Dynamo still keeps the cache entry this graph came from: ``torch.compiler.reset``
+        (or an eviction) drops it, and with it this graph (its caller compiles again, through
+        Dynamo). About a microsecond."""
+        try:
+            code = self.fn.__code__
+            return any(entry.code is code for entry in _cache_entries(self._source))
+        except Exception:  # noqa: BLE001 - private torch structures: any surprise says no
+            return False
+
+
+def _cache_entries(code: types.CodeType) -> list[Any]:
+    return torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+
+
+def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> UnguardedGraph | None:
     """The graph a ``torch.compile``'d function runs for ``args``, as a plain function taking the
     same arguments, without Dynamo's frame evaluation and guard checks (tens of microseconds of
     host time per call); None where this torch does not expose what that needs.
@@ -629,17 +654,17 @@ def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> Call
     arguments on which those guards pass again: what guards check of tensors (shapes, strides,
     dtype, device, requires-grad) must be pinned, the other arguments the same objects or equal
     constants, with the process state of the first call (grad mode; no torch function or
-    dispatch mode, functorch transform or autocast: :func:`unguarded_graph_allowed`)."""
+    dispatch mode, functorch transform or autocast: :func:`unguarded_graph_allowed`), and only
+    while :meth:`UnguardedGraph.cached`."""
     original: Any = getattr(compiled, "_torchdynamo_orig_callable", None)
-    entries_of = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     code = getattr(original, "__code__", None)
-    if code is None or entries_of is None or not unguarded_graph_allowed():
+    if code is None or not unguarded_graph_allowed():
         return None
     closure = original.__closure__ or ()
     try:
         f_locals = dict(zip(code.co_varnames[: code.co_argcount], args, strict=True))
         f_locals.update(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
-        for entry in entries_of(code):
+        for entry in _cache_entries(code):
             if not entry.guard_manager.check(f_locals):
                 continue
             graph_code = entry.code
@@ -648,7 +673,8 @@ def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> Call
             module = original.__globals__
             names = {"__builtins__", *_global_names(graph_code)}
             bound = {name: module[name] for name in names if name in module}
-            return types.FunctionType(graph_code, bound, code.co_name, None, original.__closure__)
+            fn = types.FunctionType(graph_code, bound, code.co_name, None, original.__closure__)
+            return UnguardedGraph(fn, code)
     except Exception:  # noqa: BLE001 - private torch structures: any surprise keeps the guarded call
         return None
     return None

@@ -223,17 +223,18 @@ class CompiledFlex:
         block_mask: Any,
         scale: float,
         score_mod: Any = None,
-    ) -> Callable[..., Any] | None:
-        """The graph ``code`` (from :meth:`run`) ran for these arguments, as a function a caller
-        may call in place of :meth:`rerun` without Dynamo's frame evaluation and guard checks
-        (``_compat.unguarded_graph``), with arguments of the same signature, the same
-        ``block_mask`` and ``score_mod`` objects and an equal ``scale``, while
-        ``_compat.unguarded_graph_allowed()``; None where none can be made."""
+    ) -> _compat.UnguardedGraph | None:
+        """The graph ``code`` (from :meth:`run`) ran for these arguments, callable in place of
+        :meth:`rerun` without Dynamo's frame evaluation and guard checks
+        (``_compat.unguarded_graph``) by :meth:`run_unguarded`, with arguments of the same
+        signature, the same ``block_mask`` and ``score_mod`` objects and an equal ``scale``, while
+        ``_compat.unguarded_graph_allowed()`` and the graph is ``cached()``; None where none can
+        be made."""
         return _compat.unguarded_graph(code, (q, k, v, block_mask, scale, score_mod))
 
     def run_unguarded(
         self,
-        graph: Callable[..., Any],
+        graph: _compat.UnguardedGraph,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -242,7 +243,7 @@ class CompiledFlex:
         score_mod: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``self(...)`` through ``graph`` from :meth:`unguarded` (see there for when)."""
-        return _compat.unpack_flex_output(graph(q, k, v, block_mask, scale, score_mod), self.lse)
+        return _compat.unpack_flex_output(graph.fn(q, k, v, block_mask, scale, score_mod), self.lse)
 
     def _first_call(self, signature: tuple[Any, ...], *args: Any) -> tuple[Any, Callable[..., Any]]:
         """A call whose signature the first code object has not run: there, under the static-shape

@@ -397,7 +397,8 @@ class FlexCall:
         (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guard checks), or where
         there is none, or the process state does not allow it (a torch function or dispatch mode,
         a functorch transform, autocast), ``code`` without the entry's per-call signature check
-        (``CompiledFlex.rerun``)."""
+        (``CompiledFlex.rerun``). Once Dynamo no longer keeps ``graph`` (``torch.compiler.reset``),
+        the call runs through Dynamo again and updates the memo."""
         if self.pad_to is not None:
             padded = _pad_head_dims(q, k, v, self.pad_to)
             return _cut(self._launch(*padded, scale, block_mask, ran), v.shape[-1])
@@ -437,9 +438,11 @@ class FlexCall:
                 and last[5] is score_mod
             ):
                 graph = last[2]
-                if graph is not None and _compat.unguarded_graph_allowed():
+                if graph is None or not _compat.unguarded_graph_allowed():
+                    return entry.rerun(last[1], q, k, v, mask, scale, score_mod)
+                if graph.cached():
                     return entry.run_unguarded(graph, q, k, v, mask, scale, score_mod)
-                return entry.rerun(last[1], q, k, v, mask, scale, score_mod)
+                # Dynamo dropped the graph (torch.compiler.reset): compile through it again.
             out, code = entry.run(q, k, v, mask, scale, score_mod)
             if known is not None:
                 graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)

@@ -1257,6 +1257,30 @@ def test_an_unguarded_flex_graph_runs_only_for_its_scale_and_tensors_it_reads_ea
         assert_matches_reference(out, q, k, v, mask=spec, scale=0.3)
 
 
+def test_a_bound_flex_call_compiles_again_after_torch_compiler_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``torch.compiler.reset()`` drops Dynamo's graphs, and with them the one a bound flex call
+    runs without Dynamo: its next call runs through Dynamo (which compiles again, through the
+    backend in place now) and later calls run that new graph."""
+    from flexattn_zoo.compile import CACHE
+
+    calls = _spy_compiled_flex(monkeypatch)
+    spec = masks.SlidingWindow(left=4, right=0)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    for _ in range(2):
+        fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+    assert _counts(calls) == (1, 0, 1)
+    before = CACHE.total_compiles()
+    torch.compiler.reset()
+    for _ in range(2):
+        out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+        assert_matches_reference(out, q, k, v, mask=spec)
+    assert _counts(calls) == (2, 0, 2)
+    assert CACHE.total_compiles() == before + 1
+
+
 def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
