@@ -390,10 +390,9 @@ class FlexCall:
 
         ``ran``: for a caller whose every call has the same q/k/v shapes, strides, grad mode and
         requires-grad flags (a plan-cache bound call: its key pins them), a one-item list holding
-        ``(entry, code, graph, block_mask_ref, scale, score_mod)`` of its last call (None at first),
-        updated here: a call that needs no layout copy, with the same BlockMask, scale and
-        score_mod, then runs
-        ``graph``, the compiled graph that call ran, as a plain function
+        ``(entry, code, graph, block_mask_ref, scale, score_mod)`` of its last call (None at
+        first), updated here. A call that needs no layout copy, with the same BlockMask, scale and
+        score_mod, then runs ``graph``, the compiled graph that call ran, as a plain function
         (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guard checks), or where
         there is none, or the process state does not allow it (a torch function or dispatch mode,
         a functorch transform, autocast), ``code`` without the entry's per-call signature check
