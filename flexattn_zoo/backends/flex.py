@@ -390,9 +390,9 @@ class FlexCall:
 
         ``ran``: for a caller whose every call has the same q/k/v shapes, strides, grad mode and
         requires-grad flags (a plan-cache bound call: its key pins them), a one-item list holding
-        ``(entry, code, graph, block_mask_ref, scale, score_mod)`` of its last call (None at
-        first), updated here. A call that needs no layout copy, with the same BlockMask, scale and
-        score_mod, then runs ``graph``, the compiled graph that call ran, as a plain function
+        ``(entry, code, graph, block_mask_ref, scale, score_mod, same)`` of its last call (None
+        at first; ``same``: which of q/k/v were one object), updated here. A call that needs no
+        layout copy, with the same BlockMask, scale, score_mod and ``same``, then runs ``graph``, the compiled graph that call ran, as a plain function
         (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guard checks), or where
         there is none, or the process state does not allow it (a torch function or dispatch mode,
         a functorch transform, autocast), ``code`` without the entry's per-call signature check
@@ -427,6 +427,9 @@ class FlexCall:
         if entry is None or entry.retired:
             entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
         score_mod = self.score_mod
+        # Which inputs are one object: Dynamo passes such an input to its graph once, so a graph
+        # compiled for ``fz.attention(x, x, x)`` must not run for three distinct tensors.
+        same = (q is k, q is v, k is v)
         try:
             last = known[0] if known is not None else None
             if (
@@ -435,6 +438,7 @@ class FlexCall:
                 and last[3]() is mask
                 and last[4] == scale
                 and last[5] is score_mod
+                and last[6] == same
             ):
                 graph = last[2]
                 if graph is None or not _compat.unguarded_graph_allowed():
@@ -447,7 +451,7 @@ class FlexCall:
                 graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)
                 # The BlockMask held weakly: a bound call must not keep it alive (see bound_run).
                 mask_ref = _no_mask if mask is None else weakref.ref(mask)
-                known[0] = (entry, code, graph, mask_ref, scale, score_mod)
+                known[0] = (entry, code, graph, mask_ref, scale, score_mod, same)
             return out
         except UnfusedFallbackError:
             if not entry.retire_if_over_limit():

@@ -160,6 +160,24 @@ def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
     assert len(unguarded) == 4
 
 
+@pytest.mark.parametrize("route", CALLABLE_MASK_ROUTES)
+def test_flex_route_self_attention_then_distinct_inputs_of_one_signature(route: str) -> None:
+    """``fz.attention(x, x, x)`` and then three distinct tensors of the same shapes share a plan
+    (the key pins shapes, not identity), but not the graph: Dynamo passes one object to its
+    graph once, so the graph compiled for x, x, x must not run for q, k, v."""
+    mask = masks.SlidingWindow(left=64, right=0)
+    if not _accepts(route, "sliding"):
+        pytest.skip(f"{route} refuses sliding")
+    with torch.no_grad():
+        x = _inputs(L, L, torch.bfloat16, seed=3)[0].detach()
+        for _ in range(2):
+            assert_matches_reference(fz.attention(x, x, x, mask=mask, backend=route), x, x, x, mask=mask)
+        for seed in range(2):
+            q, k, v = (t.detach() for t in _inputs(L, L, torch.bfloat16, seed=seed))
+            out = fz.attention(q, k, v, mask=mask, backend=route)
+            assert_matches_reference(out, q, k, v, mask=mask)
+
+
 def _accepts(route: str, preset: str) -> bool:
     make_mask, extra = PRESETS[preset]
     lq, lkv = extra if isinstance(extra, tuple) else (L, L)

@@ -1281,6 +1281,19 @@ def test_a_bound_flex_call_compiles_again_after_torch_compiler_reset(
     assert CACHE.total_compiles() == before + 1
 
 
+def test_a_bound_flex_call_runs_its_unguarded_graph_only_for_inputs_aliased_alike() -> None:
+    """``fz.attention(x, x, x)`` and three distinct tensors of the same shapes share a plan-cache
+    entry (the key pins shapes, not identity), but Dynamo passes one object to its graph once:
+    the graph compiled for x, x, x must not run for q, k, v (nor the other way round)."""
+    spec = masks.SlidingWindow(left=6, right=0)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(1, 2, 64, 32, generator=g)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    for args in ((x, x, x), (x, x, x), (q, k, v), (q, k, v), (x, x, x), (q, q, v)):
+        out = fz.attention(*args, mask=spec, backend="flex_cpu")
+        assert_matches_reference(out, *args, mask=spec)
+
+
 def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
