@@ -225,11 +225,10 @@ class CompiledFlex:
         score_mod: Any = None,
     ) -> _compat.UnguardedGraph | None:
         """The graph ``code`` (from :meth:`run`) ran for these arguments, callable in place of
-        :meth:`rerun` without Dynamo's frame evaluation and guard checks
-        (``_compat.unguarded_graph``) by :meth:`run_unguarded`, with arguments of the same
-        signature, the same ``block_mask`` and ``score_mod`` objects and an equal ``scale``, while
-        ``_compat.unguarded_graph_allowed()`` and the graph is ``cached()``; None where none can
-        be made."""
+        :meth:`rerun` without Dynamo's frame evaluation (``_compat.unguarded_graph``) by
+        :meth:`run_unguarded`, with arguments of the same signature and aliasing, the same
+        ``block_mask`` and ``score_mod`` objects and an equal ``scale``, while the graph is
+        ``usable()`` and ``_compat.unguarded_graph_allowed()``; None where none can be made."""
         return _compat.unguarded_graph(code, (q, k, v, block_mask, scale, score_mod))
 
     def run_unguarded(

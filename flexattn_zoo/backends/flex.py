@@ -391,13 +391,15 @@ class FlexCall:
         ``ran``: for a caller whose every call has the same q/k/v shapes, strides, grad mode and
         requires-grad flags (a plan-cache bound call: its key pins them), a one-item list holding
         ``(entry, code, graph, block_mask_ref, scale, score_mod, same)`` of its last call (None
-        at first; ``same``: which of q/k/v were one object), updated here. A call that needs no
-        layout copy, with the same BlockMask, scale, score_mod and ``same``, then runs ``graph``, the compiled graph that call ran, as a plain function
-        (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guard checks), or where
-        there is none, or the process state does not allow it (a torch function or dispatch mode,
-        a functorch transform, autocast), ``code`` without the entry's per-call signature check
-        (``CompiledFlex.rerun``). Once Dynamo no longer keeps ``graph`` (``torch.compiler.reset``),
-        the call runs through Dynamo again and updates the memo."""
+        at first; ``same``: which of q/k/v were one object, and their negative bits), updated
+        here. A call that needs no layout copy, with the same BlockMask, scale, score_mod and
+        ``same``, then runs ``graph``, the compiled graph that call ran, as a plain function
+        (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guards) while it is
+        ``usable()`` (the global state Dynamo compares is unchanged and Dynamo still keeps the
+        graph), or where there is none, or the process state does not allow it (a torch
+        function or dispatch mode, a functorch transform, autocast), ``code`` without the entry's
+        per-call signature check (``CompiledFlex.rerun``). Otherwise (``torch.compiler.reset``,
+        a new thread count) the call runs through Dynamo again and updates the memo."""
         if self.pad_to is not None:
             padded = _pad_head_dims(q, k, v, self.pad_to)
             return _cut(self._launch(*padded, scale, block_mask, ran), v.shape[-1])
@@ -427,9 +429,9 @@ class FlexCall:
         if entry is None or entry.retired:
             entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
         score_mod = self.score_mod
-        # Which inputs are one object: Dynamo passes such an input to its graph once, so a graph
-        # compiled for ``fz.attention(x, x, x)`` must not run for three distinct tensors.
-        same = (q is k, q is v, k is v)
+        # What Dynamo's guards check of q/k/v beyond the plan-cache key: which are one object
+        # (Dynamo passes such an input to its graph once) and their negative bit.
+        same = (q is k, q is v, k is v, q.is_neg(), k.is_neg(), v.is_neg())
         try:
             last = known[0] if known is not None else None
             if (
@@ -443,9 +445,10 @@ class FlexCall:
                 graph = last[2]
                 if graph is None or not _compat.unguarded_graph_allowed():
                     return entry.rerun(last[1], q, k, v, mask, scale, score_mod)
-                if graph.cached():
+                if graph.usable():
                     return entry.run_unguarded(graph, q, k, v, mask, scale, score_mod)
-                # Dynamo dropped the graph (torch.compiler.reset): compile through it again.
+                # Dynamo dropped the graph (torch.compiler.reset), or the global state its
+                # guards compare changed (e.g. torch's thread count): through Dynamo again.
             out, code = entry.run(q, k, v, mask, scale, score_mod)
             if known is not None:
                 graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)

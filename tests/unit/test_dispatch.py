@@ -1294,6 +1294,29 @@ def test_a_bound_flex_call_runs_its_unguarded_graph_only_for_inputs_aliased_alik
         assert_matches_reference(out, *args, mask=spec)
 
 
+def test_a_bound_flex_call_runs_its_unguarded_graph_only_under_its_global_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unguarded graph runs only under the global state Dynamo's guards compare, as at its
+    first call: a change the plan-cache key does not hold (here torch's thread count) sends the
+    call through Dynamo again, as without the shortcut, with exact results (the CPU flex kernel
+    compiled for one thread count corrupts memory under another)."""
+    calls = _spy_compiled_flex(monkeypatch)
+    spec = masks.SlidingWindow(left=9, right=0)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for _ in range(2):
+            fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+        assert _counts(calls) == (1, 0, 1)
+        torch.set_num_threads(2)
+        for _ in range(2):
+            assert_matches_reference(fz.attention(q, k, v, mask=spec, backend="flex_cpu"), q, k, v, mask=spec)
+        assert _counts(calls) == (2, 0, 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
