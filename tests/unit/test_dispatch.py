@@ -1294,7 +1294,9 @@ def test_a_bound_flex_call_runs_its_unguarded_graph_only_for_inputs_aliased_alik
         assert_matches_reference(out, *args, mask=spec)
 
 
-def test_a_bound_flex_call_runs_its_unguarded_graph_only_under_its_global_state(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bound_flex_call_runs_its_unguarded_graph_only_under_its_global_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The unguarded graph runs only under the global state Dynamo's guards compare, as at its
     first call: a change the plan-cache key does not hold (here torch's thread count) sends the
     call through Dynamo again, as without the shortcut, with exact results (the CPU flex kernel
