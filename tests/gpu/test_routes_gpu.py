@@ -133,16 +133,9 @@ def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
     """From its second call a flex route's plan-cache hit runs the compiled graph without Dynamo
     (``CompiledFlex.run_unguarded``): forward and backward stay exact, with new values each call,
     with and without grad."""
-    from flexattn_zoo.compile import CompiledFlex
+    from compiled_flex_spy import counts, spy_compiled_flex
 
-    unguarded: list[int] = []
-    original = CompiledFlex.run_unguarded
-
-    def spy(self, *args):  # type: ignore[no-untyped-def]
-        unguarded.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(CompiledFlex, "run_unguarded", spy)
+    calls = spy_compiled_flex(monkeypatch)
     make_mask, extra = PRESETS[preset]
     score = _score(extra) if isinstance(extra, str) else None
     mask = make_mask()
@@ -151,13 +144,13 @@ def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
     for seed in range(3):
         q, k, v = _inputs(L, L, torch.bfloat16, seed=seed)
         _check(q, k, v, route, mask, score)
-    assert len(unguarded) == 2
+    assert counts(calls)[2] == 2
     with torch.no_grad():
         for seed in range(3):
             q, k, v = (t.detach() for t in _inputs(L, L, torch.bfloat16, seed=seed))
             out = fz.attention(q, k, v, mask=mask, score_mod=score, backend=route)
             assert_matches_reference(out, q, k, v, mask=mask, score_mod=score)
-    assert len(unguarded) == 4
+    assert counts(calls)[2] == 4
 
 
 @pytest.mark.parametrize("route", CALLABLE_MASK_ROUTES)

@@ -251,16 +251,9 @@ def test_planned_steps_run_their_graph_without_dynamo_from_the_second_step(
     """Steps of one signature launch the same prepared flex call with the DecodeMask's BlockMask
     (updated in place), so from the second step the compiled graph runs as a plain function
     (``CompiledFlex.run_unguarded``), reading each step's lengths and new queries."""
-    from flexattn_zoo.compile import CompiledFlex
+    from compiled_flex_spy import counts, spy_compiled_flex
 
-    unguarded: list[int] = []
-    original = CompiledFlex.run_unguarded
-
-    def spy(self, *args):  # type: ignore[no-untyped-def]
-        unguarded.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(CompiledFlex, "run_unguarded", spy)
+    calls = spy_compiled_flex(monkeypatch)
     k, v = _cache(6)
     spec = masks.SlidingWindow(left=200) & masks.Causal()
     dm = decode.DecodeMask(spec, B, 1, CAP)
@@ -277,7 +270,7 @@ def test_planned_steps_run_their_graph_without_dynamo_from_the_second_step(
             bm = dm.update(lens)
             out, _ = decode._run_planned(dm, q, k, v, bm, None, None, True, False, "flex_cpu")
             _close(out, reference_decode(q, k, v, lens, spec))
-    assert len(unguarded) == len(steps) - 1
+    assert counts(calls)[2] == len(steps) - 1
 
 
 def test_run_signature_follows_grad_mode_and_process_state(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from compiled_flex_spy import counts, spy_compiled_flex
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
@@ -1195,28 +1196,6 @@ def test_sdpa_route_leaves_cudnn_out_of_masked_training_at_lengths_64_mod_128() 
     assert kernels(masks.Causal(), 704) is None  # is_causal, no mask tensor
 
 
-def _spy_compiled_flex(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """Counts of how a flex route's compiled entry is called: ``run`` (the signature-checked
-    call), ``rerun`` (the code object its last call ran, through Dynamo's guards) and
-    ``run_unguarded`` (the compiled graph without Dynamo's frame evaluation)."""
-    from flexattn_zoo.compile import CompiledFlex
-
-    calls: dict[str, list[int]] = {"run": [], "rerun": [], "run_unguarded": []}
-    for name, seen in calls.items():
-        original = getattr(CompiledFlex, name)
-
-        def spy(self, *args, _original=original, _seen=seen):  # type: ignore[no-untyped-def]
-            _seen.append(1)
-            return _original(self, *args)
-
-        monkeypatch.setattr(CompiledFlex, name, spy)
-    return calls
-
-
-def _counts(calls: dict[str, list[int]]) -> tuple[int, int, int]:
-    return len(calls["run"]), len(calls["rerun"]), len(calls["run_unguarded"])
-
-
 def test_a_bound_flex_call_runs_its_compiled_graph_without_dynamo_after_its_first_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1225,14 +1204,14 @@ def test_a_bound_flex_call_runs_its_compiled_graph_without_dynamo_after_its_firs
     second call the bound call runs the compiled graph its first call ran as a plain function
     (``CompiledFlex.run_unguarded``), and every call stays exact, with new values each call.
     The call that plans it runs it through the bound call already."""
-    calls = _spy_compiled_flex(monkeypatch)
+    calls = spy_compiled_flex(monkeypatch)
     spec = masks.SlidingWindow(left=7, right=0)
     g = torch.Generator().manual_seed(11)
     for step in range(4):
         q, k, v = (torch.randn(1, 2, 96, 32, generator=g) for _ in range(3))
         out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
         assert_matches_reference(out, q, k, v, mask=spec)
-        assert _counts(calls) == (1, 0, step)
+        assert counts(calls) == (1, 0, step)
 
 
 def test_an_unguarded_flex_graph_runs_only_for_its_scale_and_tensors_it_reads_each_call(
@@ -1242,15 +1221,15 @@ def test_an_unguarded_flex_graph_runs_only_for_its_scale_and_tensors_it_reads_ea
     another scale goes through the checked call (Dynamo's guards decide what it needs) and
     memoizes that scale's graph. Spec tensors are read on each call: ids rewritten in place
     change the result as they change the reference."""
-    calls = _spy_compiled_flex(monkeypatch)
+    calls = spy_compiled_flex(monkeypatch)
     ids = torch.tensor([0] * 40 + [1] * 56)
     spec = masks.Document(doc_ids=ids) & masks.Causal()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 96, 32, generator=g) for _ in range(3))
-    for scale, counts in ((0.2, (1, 0, 0)), (0.2, (1, 0, 1)), (0.3, (2, 0, 1)), (0.3, (2, 0, 2))):
+    for scale, expected in ((0.2, (1, 0, 0)), (0.2, (1, 0, 1)), (0.3, (2, 0, 1)), (0.3, (2, 0, 2))):
         out = fz.attention(q, k, v, mask=spec, scale=scale, backend="flex_cpu")
         assert_matches_reference(out, q, k, v, mask=spec, scale=scale)
-        assert _counts(calls) == counts
+        assert counts(calls) == expected
     ids[30:40] = 1  # documents of 30 and 66 tokens now
     for _ in range(2):
         out = fz.attention(q, k, v, mask=spec, scale=0.3, backend="flex_cpu")
@@ -1265,19 +1244,19 @@ def test_a_bound_flex_call_compiles_again_after_torch_compiler_reset(
     backend in place now) and later calls run that new graph."""
     from flexattn_zoo.compile import CACHE
 
-    calls = _spy_compiled_flex(monkeypatch)
+    calls = spy_compiled_flex(monkeypatch)
     spec = masks.SlidingWindow(left=4, right=0)
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
     for _ in range(2):
         fz.attention(q, k, v, mask=spec, backend="flex_cpu")
-    assert _counts(calls) == (1, 0, 1)
+    assert counts(calls) == (1, 0, 1)
     before = CACHE.total_compiles()
     torch.compiler.reset()
     for _ in range(2):
         out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
         assert_matches_reference(out, q, k, v, mask=spec)
-    assert _counts(calls) == (2, 0, 2)
+    assert counts(calls) == (2, 0, 2)
     assert CACHE.total_compiles() == before + 1
 
 
@@ -1301,7 +1280,7 @@ def test_a_bound_flex_call_runs_its_unguarded_graph_only_under_its_global_state(
     first call: a change the plan-cache key does not hold (here torch's thread count) sends the
     call through Dynamo again, as without the shortcut, with exact results (the CPU flex kernel
     compiled for one thread count corrupts memory under another)."""
-    calls = _spy_compiled_flex(monkeypatch)
+    calls = spy_compiled_flex(monkeypatch)
     spec = masks.SlidingWindow(left=9, right=0)
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
@@ -1310,11 +1289,11 @@ def test_a_bound_flex_call_runs_its_unguarded_graph_only_under_its_global_state(
         torch.set_num_threads(1)
         for _ in range(2):
             fz.attention(q, k, v, mask=spec, backend="flex_cpu")
-        assert _counts(calls) == (1, 0, 1)
+        assert counts(calls) == (1, 0, 1)
         torch.set_num_threads(2)
         for _ in range(2):
             assert_matches_reference(fz.attention(q, k, v, mask=spec, backend="flex_cpu"), q, k, v, mask=spec)
-        assert _counts(calls) == (2, 0, 2)
+        assert counts(calls) == (2, 0, 2)
     finally:
         torch.set_num_threads(threads)
 
@@ -1325,7 +1304,7 @@ def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
     """Under a torch function mode (or a dispatch mode, a functorch transform, autocast) a hit
     runs its code through Dynamo (``CompiledFlex.rerun``), which sees the mode, instead of the
     unguarded graph, which would run its kernels past it."""
-    calls = _spy_compiled_flex(monkeypatch)
+    calls = spy_compiled_flex(monkeypatch)
     spec = masks.SlidingWindow(left=3, right=0)
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
@@ -1338,9 +1317,9 @@ def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
     with Passthrough():
         out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
     assert_matches_reference(out, q, k, v, mask=spec)
-    assert _counts(calls) == (1, 1, 0)
+    assert counts(calls) == (1, 1, 0)
     out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
-    assert _counts(calls) == (1, 1, 1)
+    assert counts(calls) == (1, 1, 1)
 
 
 def test_the_plan_cache_key_holds_which_input_requires_grad() -> None:
