@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from flexattn_zoo import _compat
+
 ARCH_ENV = "FLEXATTN_ZOO_ARCH"
 _ARCH = re.compile(r"^sm(\d+)$")
 #: The arch name of AMD GPUs under a ROCm (HIP) build of torch. Their devices are "cuda" devices to
@@ -59,13 +61,16 @@ def detect_arch(device: torch.device | str | None = None) -> str:
 #: ``detect_arch`` of each CUDA device by (torch's capability function, device index): a device's
 #: compute capability cannot change within a process, and asking torch takes several microseconds
 #: of every planned call (each step over a growing KV cache plans). Keyed by the function too, so a
-#: test that replaces it is answered by the replacement.
+#: test that replaces it is answered by the replacement. Not read or filled while torch.compile
+#: traces: Dynamo guards on the global dict it reads, and a trace that filled it would fail its own
+#: guard on the next call and compile the caller's function again.
 _CUDA_ARCH: dict[tuple[object, int], str] = {}
 
 
 def _cuda_arch(dev: torch.device) -> str:
     ask = torch.cuda.get_device_capability
-    if dev.index is None:  # the current device, which may change: asked each time
+    # The current device (index None) may change: asked each time.
+    if dev.index is None or _compat.is_compiling():
         major, minor = ask(dev)
         return f"sm{major}{minor}"
     found = _CUDA_ARCH.get((ask, dev.index))

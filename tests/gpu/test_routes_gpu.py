@@ -132,7 +132,8 @@ def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
 ) -> None:
     """From its second call a flex route's plan-cache hit runs the compiled graph without Dynamo
     (``CompiledFlex.run_unguarded``): forward and backward stay exact, with new values each call,
-    with and without grad."""
+    with and without grad. Counted from each mode's first call, which earlier tests of the same
+    signature in this process may already have planned."""
     from compiled_flex_spy import counts, spy_compiled_flex
 
     calls = spy_compiled_flex(monkeypatch)
@@ -144,13 +145,17 @@ def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
     for seed in range(3):
         q, k, v = _inputs(L, L, torch.bfloat16, seed=seed)
         _check(q, k, v, route, mask, score)
-    assert counts(calls)[2] == 2
+        if seed == 0:
+            after_first = counts(calls)[2]
+    assert counts(calls)[2] == after_first + 2
     with torch.no_grad():
         for seed in range(3):
             q, k, v = (t.detach() for t in _inputs(L, L, torch.bfloat16, seed=seed))
             out = fz.attention(q, k, v, mask=mask, score_mod=score, backend=route)
             assert_matches_reference(out, q, k, v, mask=mask, score_mod=score)
-    assert counts(calls)[2] == 4
+            if seed == 0:
+                after_first = counts(calls)[2]
+    assert counts(calls)[2] == after_first + 2
 
 
 @pytest.mark.parametrize("route", CALLABLE_MASK_ROUTES)

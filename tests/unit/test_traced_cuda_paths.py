@@ -253,3 +253,25 @@ def test_a_decode_step_form_traced_with_symbolic_lengths_adds_no_guard() -> None
     assert OffsetCausal(offset=7).sdpa_form(1, 8) is not None
     assert Band(lo=None, hi=7).sdpa_form(1, 8) is not None
     assert OffsetCausal(offset=3).sdpa_form(1, 9) is None
+
+
+def test_the_first_compiled_call_on_a_cuda_device_compiles_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-device arch memo is left alone while traced: a first trace that filled it failed
+    its own guard on the next call (the H200's first compiled step with Document ids compiled
+    twice)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from flexattn_zoo import arch
+
+    monkeypatch.delenv(arch.ARCH_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(arch, "_CUDA_ARCH", {})
+    counter = CompileCounter()
+    step = torch.compile(
+        lambda x: x * len(arch.detect_arch(torch.device("cuda", 0))), backend=counter, fullgraph=True
+    )
+    for _ in range(3):
+        assert torch.equal(step(torch.ones(2)), torch.full((2,), 4.0))
+    assert counter.frame_count == 1
+    assert arch.detect_arch(torch.device("cuda", 0)) == "sm90"  # eagerly, the memo still serves
+    assert arch._CUDA_ARCH
