@@ -699,12 +699,14 @@ def _global_names(code: types.CodeType) -> set[str]:
 def unguarded_graph_allowed() -> bool:
     """Whether the process state is one an :func:`unguarded_graph` may run under: no torch
     function or dispatch mode active (they would not see the graph's ops), no functorch transform
-    (vmap, grad) wrapping the inputs, no autocast region. A few C calls."""
+    (vmap, grad) wrapping the inputs. A few C calls. Autocast needs no check here: its state (per
+    device type: enabled, dtype, weight cache) is part of the global state
+    :meth:`UnguardedGraph.usable` compares, so a graph picked under one autocast region runs only
+    under the same one, as Dynamo's own global guard would allow."""
     return (
         torch._C._len_torch_function_stack() == 0
         and torch._C._len_torch_dispatch_stack() == 0
         and torch._C._functorch.get_dynamic_layer_stack_depth() == 0
-        and not any_autocast_enabled()
     )
 
 

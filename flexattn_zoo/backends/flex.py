@@ -397,7 +397,7 @@ class FlexCall:
         (``CompiledFlex.run_unguarded``: no Dynamo frame evaluation or guards) while it is
         ``usable()`` (the global state Dynamo compares is unchanged and Dynamo still keeps the
         graph), or where there is none, or the process state does not allow it (a torch
-        function or dispatch mode, a functorch transform, autocast), ``code`` without the entry's
+        function or dispatch mode, a functorch transform), ``code`` without the entry's
         per-call signature check (``CompiledFlex.rerun``). Otherwise (``torch.compiler.reset``,
         a new thread count) the call runs through Dynamo again and updates the memo."""
         if self.pad_to is not None:

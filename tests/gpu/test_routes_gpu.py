@@ -159,6 +159,37 @@ def test_flex_route_repeated_calls_run_their_graph_unguarded_exactly(
 
 
 @pytest.mark.parametrize("route", CALLABLE_MASK_ROUTES)
+def test_flex_route_repeated_calls_under_autocast_run_unguarded_exactly(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training under ``torch.autocast``: repeated hits run the unguarded graph (autocast's state
+    is part of the global state it is checked against), forward and backward exact; the same
+    inputs outside the region go through Dynamo once, then run unguarded again."""
+    from compiled_flex_spy import counts, spy_compiled_flex
+
+    calls = spy_compiled_flex(monkeypatch)
+    mask = masks.SlidingWindow(left=100, right=0) & masks.Causal()
+    if not _accepts(route, "sliding"):
+        pytest.skip(f"{route} refuses sliding")
+    for seed in range(3):
+        q, k, v = _inputs(L, L, torch.bfloat16, seed=seed)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fz.attention(q, k, v, mask=mask, backend=route)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_matches_reference(out, q, k, v, mask=mask, grads=grads, grad_out=grad_out)
+        if seed == 0:
+            after_first = counts(calls)
+    assert counts(calls)[2] == after_first[2] + 2
+    for seed in range(2):
+        q, k, v = _inputs(L, L, torch.bfloat16, seed=seed)
+        out = fz.attention(q, k, v, mask=mask, backend=route)
+        assert_matches_reference(out, q, k, v, mask=mask)
+    assert counts(calls)[0] == after_first[0] + 1
+    assert counts(calls)[2] == after_first[2] + 3
+
+
+@pytest.mark.parametrize("route", CALLABLE_MASK_ROUTES)
 def test_flex_route_self_attention_then_distinct_inputs_of_one_signature(route: str) -> None:
     """``fz.attention(x, x, x)`` and then three distinct tensors of the same shapes share a plan
     (the key pins shapes, not identity), but not the graph: Dynamo passes one object to its

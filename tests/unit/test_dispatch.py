@@ -1298,10 +1298,35 @@ def test_a_bound_flex_call_runs_its_unguarded_graph_only_under_its_global_state(
         torch.set_num_threads(threads)
 
 
+def test_a_bound_flex_call_runs_its_unguarded_graph_under_the_autocast_it_was_picked_under(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Training under ``torch.autocast`` keeps the unguarded graph (autocast's state is part of the
+    global state the graph is checked against); the same inputs outside that autocast region go
+    through Dynamo again, and every call is exact."""
+    calls = spy_compiled_flex(monkeypatch)
+    spec = masks.SlidingWindow(left=11, right=0)
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g).to(torch.bfloat16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):
+            out = fz.attention(q, k, v, mask=spec, backend="flex_cpu")
+            assert_matches_reference(out, q, k, v, mask=spec)
+    assert counts(calls) == (1, 0, 2)
+    with torch.autocast("cpu", dtype=torch.float16):  # q, k, v cast to float16: another plan
+        assert_matches_reference(fz.attention(q, k, v, mask=spec, backend="flex_cpu"), q, k, v, mask=spec)
+    assert counts(calls) == (2, 0, 2)
+    # No autocast: the bf16 inputs' plan again, under another global state: through Dynamo once,
+    # then unguarded under this state.
+    for _ in range(2):
+        assert_matches_reference(fz.attention(q, k, v, mask=spec, backend="flex_cpu"), q, k, v, mask=spec)
+    assert counts(calls) == (3, 0, 3)
+
+
 def test_a_bound_flex_call_keeps_dynamo_under_a_torch_function_mode(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Under a torch function mode (or a dispatch mode, a functorch transform, autocast) a hit
+    """Under a torch function mode (or a dispatch mode, a functorch transform) a hit
     runs its code through Dynamo (``CompiledFlex.rerun``), which sees the mode, instead of the
     unguarded graph, which would run its kernels past it."""
     calls = spy_compiled_flex(monkeypatch)
