@@ -768,7 +768,18 @@ def _register_fast_tanh() -> Any:
 def fast_tanh_op() -> Any | None:
     """The tanh op that compiles to the hardware approximation in CUDA Triton kernels, registered
     on first call (call it when building a score_mod, not inside one being traced); None when this
-    torch lacks the Inductor hooks."""
+    torch lacks the Inductor hooks.
+
+    While torch.compile traces (the flex route builds its score_mod in the caller's graph), the
+    op is registered by a trace-time constant and looked up by name: Dynamo can neither enter the
+    lock nor register an op (a fullgraph trace failed), and ``_FAST_TANH_OP`` is neither read nor
+    filled there (a trace that filled it would fail its own guard on it at the next call)."""
+    if is_compiling():
+        return torch.ops.flexattn_zoo.tanh_approx if _fast_tanh_registered() else None
+    return _load_fast_tanh()
+
+
+def _load_fast_tanh() -> Any | None:
     global _FAST_TANH_OP
     with _FAST_TANH_LOCK:
         if _FAST_TANH_OP is None:
@@ -777,6 +788,12 @@ def fast_tanh_op() -> Any | None:
             except (ImportError, AttributeError, RuntimeError):
                 _FAST_TANH_OP = False
     return _FAST_TANH_OP or None
+
+
+@torch.compiler.assume_constant_result
+def _fast_tanh_registered() -> bool:
+    """Whether the op is registered (registering it now if not): run eagerly at trace time."""
+    return _load_fast_tanh() is not None
 
 
 #: torch's ``error_on_graph_break`` context manager (torch >= 2.9), or None. Entered inside a

@@ -437,7 +437,8 @@ class Spec:
         cached = self.__dict__.get("_holds_callables_value")
         if cached is None:
             cached = any(isinstance(v, Spec) and v._holds_callables() for v in self._parts())
-            object.__setattr__(self, "_holds_callables_value", cached)
+            if not _compat.is_compiling():  # a trace writing to the caller's spec could guard on it
+                object.__setattr__(self, "_holds_callables_value", cached)
         return bool(cached)
 
     def flex_cpu_hazards(self) -> tuple[str, ...]:

@@ -307,6 +307,11 @@ class Backend:
                 out.append(f"no dropout in this kernel on {p.device_type} (dropout_p={p.dropout_p})")
         if p.deterministic:
             out.extend(self.determinism_reasons(p))
+            if self._deterministic_backward(p) and _compat.is_compiling():
+                out.append(
+                    "a deterministic backward in a compiled graph needs torch.use_deterministic_algorithms(True)"
+                    " (the mode cannot be switched inside the graph)"
+                )
         if p.kernel_options is not None:
             out.extend(self.kernel_options_reasons(p))
         out.extend(self.mask_reasons(p))
@@ -348,12 +353,16 @@ class Backend:
         return out, lse
 
     def _deterministic_backward(self, p: Problem) -> bool:
-        """Whether ``execute`` must replay ``p``'s backward under torch's deterministic mode."""
+        """Whether ``execute`` must replay ``p``'s backward under torch's deterministic mode. Not
+        while traced under that mode already: the compiled backward runs under it (and Dynamo
+        cannot trace the replay's lock); without the mode, :meth:`reasons` refuses such a call
+        while traced."""
         return (
             p.deterministic
             and p.requires_grad
             and self.needs_torch_deterministic_mode
             and p.device_type == "cuda"
+            and not (_compat.is_compiling() and _compat.strict_deterministic_mode())
         )
 
     def bind(self, p: Problem, device: torch.device) -> BoundCall:

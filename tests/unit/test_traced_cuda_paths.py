@@ -275,3 +275,52 @@ def test_the_first_compiled_call_on_a_cuda_device_compiles_once(monkeypatch: pyt
     assert counter.frame_count == 1
     assert arch.detect_arch(torch.device("cuda", 0)) == "sm90"  # eagerly, the memo still serves
     assert arch._CUDA_ARCH
+
+
+def test_a_deterministic_backward_traces_under_torchs_deterministic_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Routes whose backward is replayed under torch's deterministic mode (FlashAttention-2,
+    memory-efficient, varlen on CUDA) could not be traced: the replay takes a lock. Traced under
+    that mode the compiled backward already runs under it, so there is no replay; traced without
+    it, they refuse and say why (eagerly they replay as before)."""
+    flash = BY_NAME["sdpa_flash"]
+    problem = dataclasses.replace(
+        _problem(masks.Causal(), head_dim=32),
+        batch=1,
+        heads=2,
+        kv_heads=2,
+        q_len=64,
+        kv_len=64,
+        dtype=torch.float32,
+        requires_grad=True,
+        deterministic=True,
+    )
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g, requires_grad=True) for _ in range(3))
+    mode = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    try:
+        torch.use_deterministic_algorithms(True)
+        step = torch.compile(
+            lambda a, b, c: flash.execute(a, b, c, problem, scale=32**-0.5)[0],
+            backend="aot_eager",
+            fullgraph=True,
+        )
+        out = step(q, k, v)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v)), strict=True):
+            torch.testing.assert_close(got, want)
+    finally:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+    torch.use_deterministic_algorithms(False)
+    try:
+        assert not any("compiled graph" in r for r in flash.reasons(problem))  # eagerly: replayed
+        monkeypatch.setattr("flexattn_zoo._compat.is_compiling", lambda: True)
+        assert any("needs torch.use_deterministic_algorithms(True)" in r for r in flash.reasons(problem))
+    finally:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
