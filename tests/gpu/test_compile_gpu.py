@@ -463,3 +463,42 @@ def test_hf_generate_with_a_static_cache_compiles_a_bounded_number_of_graphs() -
     # bf16 logits of two exact routes can differ by rounding; greedy tokens of a random model
     # rarely flip on that, and a wrong mask changes them wholesale.
     assert (got == expected).float().mean() >= 0.9, (got, expected)
+
+
+@pytest.mark.parametrize("route", ["sdpa_flash", "sdpa_efficient", "varlen"])
+def test_deterministic_training_step_compiles_under_torchs_deterministic_mode(route: str) -> None:
+    """Under ``torch.use_deterministic_algorithms(True)`` the routes whose eager backward is
+    replayed under that mode trace whole (no replay in the graph): one graph, exact, and two
+    backward passes bitwise equal; with ``deterministic=True`` but the mode off they refuse while
+    traced, naming the mode."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    kw: dict[str, Any] = {"mask": masks.Causal()}
+    mode = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    try:
+        torch.use_deterministic_algorithms(True)
+        counter = CompileCounterWithBackend("inductor")
+        step = torch.compile(
+            lambda a, b, c: fz.attention(a, b, c, backend=route, **kw), backend=counter, fullgraph=True
+        )
+        grads = []
+        for _ in range(2):
+            qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = step(qq, kk, vv)
+            grad_out = torch.ones_like(out)
+            grads.append(torch.autograd.grad(out, (qq, kk, vv), grad_out))
+            assert_matches_reference(out, qq, kk, vv, **kw, grads=grads[-1], grad_out=grad_out)
+        assert counter.frame_count == 1
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b)
+        torch.use_deterministic_algorithms(False)
+        refused = torch.compile(
+            lambda a, b, c: fz.attention(a, b, c, backend=route, deterministic=True, **kw), fullgraph=True
+        )
+        with pytest.raises(Exception, match="use_deterministic_algorithms"):
+            refused(*(t.detach().requires_grad_(True) for t in (q, k, v)))
+    finally:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
