@@ -307,10 +307,10 @@ class Backend:
                 out.append(f"no dropout in this kernel on {p.device_type} (dropout_p={p.dropout_p})")
         if p.deterministic:
             out.extend(self.determinism_reasons(p))
-            if self._deterministic_backward(p) and _compat.is_compiling():
+            if _compat.is_compiling() and self._deterministic_backward(p):
                 out.append(
                     "a deterministic backward in a compiled graph needs torch.use_deterministic_algorithms(True)"
-                    " (the mode cannot be switched inside the graph)"
+                    " (not warn-only; the mode cannot be switched inside the graph)"
                 )
         if p.kernel_options is not None:
             out.extend(self.kernel_options_reasons(p))

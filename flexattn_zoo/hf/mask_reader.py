@@ -73,20 +73,9 @@ class HFMask:
     kv_offset: int
     _spec: Any = dataclasses.field(default=None, repr=False)
     _done: bool = dataclasses.field(default=False, repr=False)
-    #: Made inside the graph torch.compile is tracing (see :meth:`spec`).
-    _in_graph: bool = dataclasses.field(default=False, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._in_graph = tracing()
 
     def spec(self) -> MaskSpec | None:
         """The zoo spec of this mask (computed once, shared by every layer that receives it)."""
-        if tracing() and not self._in_graph:
-            # Made before the compiled forward (static-cache generate prepares the masks): the
-            # memo is neither read nor filled while traced. A trace that filled it wrote to the
-            # caller's object and failed its own guard (``_done``) when that mask came again,
-            # compiling the forward a second time.
-            return translate(self)
         if not self._done:
             self._spec, self._done = translate(self), True
         return self._spec

@@ -9,15 +9,18 @@ tests, so each group of cases runs in its own fresh interpreter, as a user's fir
 compiles each step function with ``fullgraph=True`` under a ``CompileCounter``: three calls with
 new data (new q/k/v, new document ids, prefix lengths, padding), one frame compiled. The backend
 is Dynamo's own (no Inductor): the guards are Dynamo's whatever the backend. Found this way on
-the old code: ``HFMask.spec``'s memo, filled by the trace on a mask prepared before the compiled
-forward (a mask passed again compiled the step twice), and ``_compat.fast_tanh_op``'s lazily
-registered op (the CUDA flex route's traced SoftCap(approx=True) failed: Dynamo cannot enter its
-lock, nor register an op).
+the old code: ``_compat.fast_tanh_op``'s lazily registered op (the CUDA flex route's traced
+SoftCap(approx=True) failed: Dynamo cannot enter its lock, nor register an op).
 
 Not here: a decode step whose position changes every call on the CPU recompiles per offset by
 design (``masks._blocks.CapturedOffsets._offset_tensor``: Inductor's CPU flex kernel cannot take
 it symbolic); ``fz.decode.decode_step`` is an eager serving API (thread-local masks, host-side
-length checks), not traced.
+length checks), not traced. A transformers mask prepared before the compiled forward and passed
+again *as the same object* compiles the forward once more, by choice: the first trace fills its
+spec memo, which lets every layer of that trace share the spec and so one BlockMask built in the
+graph (translating it when made instead gave each layer its own spec and BlockMask: about 4x the
+graph's mask ops over four layers); transformers prepares a new mask each step, which compiles
+once (``hf_prepared_mask_per_step``).
 """
 
 from __future__ import annotations
@@ -173,11 +176,8 @@ def hf_step(q, k, v, m):
 
 # A training forward: transformers builds the mask inside the compiled model.
 run("hf_mask_built_in_graph", lambda q, k, v, t: hf_step(q, k, v, mask_of(t)), lambda i: (*qkv(), valid(i)))
-# Masks prepared before the compiled forward (static-cache generate): a new one per step, and
-# one passed again.
+# Masks prepared before the compiled forward (static-cache generate): a new one per step.
 run("hf_prepared_mask_per_step", hf_step, lambda i: (*qkv(), mask_of(valid(i))))
-prepared = mask_of(valid(0))
-run("hf_same_prepared_mask", hf_step, lambda i: (*qkv(), prepared))
 """,
 }
 
