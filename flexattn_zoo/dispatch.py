@@ -470,6 +470,9 @@ def plan(
     ``attention`` runs (``transpose(1, 2)``, no copy): the plan's ``problem`` is the same for
     ``plan(q, k, v, layout="bshd")`` and ``plan(q.transpose(1, 2), ..., layout="bhsd")``.
     For DTensor inputs: the plan of this rank's local call (see :mod:`flexattn_zoo.sharding`).
+    Called eagerly, it plans an eager call: inside a compiled graph ``attention`` may refuse a
+    route this plan takes (e.g. a deterministic FlashAttention-2 backward without torch's
+    deterministic mode on; the refusal says why).
     """
     q, k, v = as_bhsd(q, k, v, layout)
     mask, score_mod = tensor_args(mask, score_mod)
