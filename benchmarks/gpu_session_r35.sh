@@ -9,7 +9,8 @@
 #                                                   # at its default size
 #   bash benchmarks/gpu_session_r35.sh fa4 560      # (FA4 installed) flex_flash's route tests,
 #                                                   # repeated unguarded calls included, and the
-#                                                   # compile tests that need FA4
+#                                                   # compile tests that need FA4, then the
+#                                                   # soak at its default size
 set -uo pipefail
 step="${1:?usage: $0 compile|fa4 [BUDGET_S]}"
 budget="${2:-300}"
@@ -29,8 +30,10 @@ case "$step" in
   fa4)
     run gpu_tests_flex_flash_r35 "$(( $(left) / 2 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
       tests/gpu/test_routes_gpu.py -k flex_flash
-    run gpu_tests_compile_fa4_r35 "$(( $(left) - 5 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    run gpu_tests_compile_fa4_r35 "$(( $(left) / 3 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
       tests/gpu/test_compile_gpu.py -k "fa4 or flex_flash"
+    FLEXATTN_ZOO_SOAK_SUMMARY="$out/soak_fa4_r35.json" run gpu_tests_soak_fa4_r35 "$(( $(left) - 5 ))" \
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_soak_gpu.py
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

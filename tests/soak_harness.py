@@ -185,6 +185,8 @@ class SoakStats:
     routes: dict[str, int] = field(default_factory=dict)  # "kind:route that ran"
     refused: dict[str, int] = field(default_factory=dict)  # "kind:named route" that refused
     rss: list[float] = field(default_factory=list)
+    #: Objects the garbage collector tracks after each round (``len(gc.get_objects())``).
+    objects: list[int] = field(default_factory=list)
     device_alloc: list[float] = field(default_factory=list)
     device_reserved: list[float] = field(default_factory=list)
     device_peak: list[float] = field(default_factory=list)
@@ -519,7 +521,6 @@ class _Rounds:
 def run_soak(cfg: SoakConfig, monkeypatch: pytest.MonkeyPatch) -> SoakStats:
     for (obj, attr), value in SMALL_CACHES.items():
         monkeypatch.setattr(obj, attr, value)
-    on_device = torch.device(cfg.device).type != "cpu"
     stats = SoakStats()
     lock = threading.Lock()
     inserts0 = {name: c.inserts for name, c in CACHE_NAMES.items()}
@@ -537,8 +538,10 @@ def run_soak(cfg: SoakConfig, monkeypatch: pytest.MonkeyPatch) -> SoakStats:
             calls_before = sum(stats.calls.values())
             reset_device_peak(cfg.device)
             rounds.run(round_no)
-            if on_device:
-                gc.collect()  # cycles holding device tensors (tracebacks, compiler state) go now
+            # Cycles holding device tensors (tracebacks, compiler state) go now, and the object
+            # count below sees live objects only.
+            gc.collect()
+            stats.objects.append(len(gc.get_objects()))
             device = device_memory_mb(cfg.device)
             if device is not None:
                 stats.device_alloc.append(device[0])
@@ -592,6 +595,8 @@ def report(name: str, cfg: SoakConfig, stats: SoakStats) -> dict[str, Any]:
         "cache_inserts_and_length": stats.caches,
         "rss_mb": _r(stats.rss),
         "rss_growth_mb": round(rss_growth, 1),
+        "gc_objects": stats.objects,
+        "gc_objects_growth": growth(stats.objects, cfg.warmup_rounds) if stats.objects else 0,
         "pool": stats.pool,
     }
     coverage = f" (round 0: every combination once, {stats.round_calls[0]} calls)" if cfg.coverage else ""
@@ -660,12 +665,23 @@ SUMMARY_ENV = "FLEXATTN_ZOO_SOAK_SUMMARY"
 #: BlockMask per call (>= 4 KiB with the allocator's 512-byte rounding, ~400 calls a round)
 #: exceeds it within a few rounds.
 DEVICE_ALLOC_GROWTH_BOUND_MB = 8.0
-#: Growth of the resident set (after ``malloc_trim``) allowed after warm-up, in MiB: the CPU
-#: form's 48 plus room for the CUDA driver's host state. Measured on an H200 (torch 2.11, 8
-#: threads, 10,000 calls): RSS rises for the first four rounds (1830 -> 1978 MiB: the host side
-#: of the compiled kernels and per-thread CUDA/cuBLAS state filling in) and is flat after
-#: (1978-1997 MiB over eight more rounds), hence four warm-up rounds.
-RSS_GROWTH_BOUND_MB_GPU = 64.0
+#: Growth of the resident set (after ``malloc_trim``) allowed after warm-up, in MiB: a coarse
+#: backstop for leaks outside Python's objects and the device (the CUDA driver's and compiled
+#: kernels' host state); Python-level leaks are caught precisely by the object count below.
+#: Measured on an H200 (torch 2.11, 8 threads, 10,000 calls, eight runs): RSS rises over the first
+#: four or five rounds (1830 -> 1960-2090 MiB) and then wanders in steps of up to 40 MiB with no
+#: trend (a step up is followed by flat rounds or a step down), so the largest value after
+#: warm-up lies 29-79 MiB above the last warm-up round. A leak of 18 KiB per call (7,300 calls
+#: after warm-up) exceeds the bound.
+RSS_GROWTH_BOUND_MB_GPU = 128.0
+#: Growth allowed, after warm-up, in the number of objects Python's garbage collector tracks
+#: (containers: what a spec, plan, closure or tensor is made of; sampled after ``gc.collect()``): half an object per call after warm-up, at least
+#: ``OBJECT_GROWTH_FLOOR``. Bounded tables full by the end of warm-up leave no trend; the count
+#: wanders by a few hundred (CPU, 1,440 calls after warm-up: +515 at most, falling back after).
+#: Leaking one object per call, or a spec, plan or closure (several objects) in every few calls,
+#: exceeds it.
+OBJECT_GROWTH_PER_CALL = 0.5
+OBJECT_GROWTH_FLOOR = 1000
 
 #: Random calls of the GPU form by default (plus about 40 in the coverage round).
 GPU_DEFAULT_CALLS = 10000
@@ -744,6 +760,7 @@ def gpu_form_soak(monkeypatch: pytest.MonkeyPatch, device: str = "cuda", **confi
         torch=torch.__version__,
         device_alloc_growth_bound_mb=DEVICE_ALLOC_GROWTH_BOUND_MB,
         rss_growth_bound_mb=RSS_GROWTH_BOUND_MB_GPU,
+        gc_objects_growth_bound=object_growth_bound(stats, cfg),
     )
     write_summary(summary, SUMMARY_ENV)
     random_calls = cfg.threads * (cfg.rounds - 1) * cfg.calls_per_round
@@ -760,4 +777,16 @@ def gpu_form_soak(monkeypatch: pytest.MonkeyPatch, device: str = "cuda", **confi
     assert rss_growth < RSS_GROWTH_BOUND_MB_GPU, (
         f"RSS grew {rss_growth:.1f} MiB after warm-up (bound {RSS_GROWTH_BOUND_MB_GPU}): {_r(stats.rss)}"
     )
+    object_growth = growth(stats.objects, cfg.warmup_rounds)
+    assert object_growth <= object_growth_bound(stats, cfg), (
+        f"Python objects grew by {object_growth} after warm-up (bound {object_growth_bound(stats, cfg)}): "
+        f"{stats.objects}"
+    )
     return summary
+
+
+def object_growth_bound(stats: SoakStats, cfg: SoakConfig) -> int:
+    """``OBJECT_GROWTH_PER_CALL`` objects per call made after the last warm-up round, at least
+    ``OBJECT_GROWTH_FLOOR``."""
+    calls_after_warmup = sum(stats.round_calls[cfg.warmup_rounds :])
+    return max(OBJECT_GROWTH_FLOOR, int(OBJECT_GROWTH_PER_CALL * calls_after_warmup))

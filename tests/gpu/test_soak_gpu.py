@@ -16,7 +16,7 @@ sets the GPU form up:
 * registry specs come from a fixed pool of 8 draws (spec, length, batch, dtype; drawn once from
   the seed) so the Triton compiles stay bounded; round 0 (the coverage round) runs every
   (kind, causal, dtype, route, pool entry) combination once, so every kernel compiles there;
-  round 1 is a random warm-up round, whose memory samples are the reference for rounds 2-11;
+  rounds 1-3 are random warm-up rounds, whose last memory samples are the reference for rounds 4-11;
 * threads: 8 persistent threads (the same ones every round, parked on a barrier in between, so
   per-thread cuBLAS / cuDNN handles and workspaces are made once). Streams: by default every
   thread uses the device's **default stream** (``FLEXATTN_ZOO_SOAK_STREAMS=default``): calls from
@@ -28,13 +28,16 @@ sets the GPU form up:
   so read a failure there as a finding about that, not as a regression;
 * memory: after every round (``gc.collect()``, ``torch.cuda.synchronize()``),
   ``torch.cuda.memory_allocated()`` must stay within ``DEVICE_ALLOC_GROWTH_BOUND_MB`` of the last
-  warm-up round's value, and the resident set size (sampled after glibc's ``malloc_trim``, so it
-  follows live host memory rather than what the allocator keeps) within ``RSS_GROWTH_BOUND_MB_GPU``;
+  warm-up round's value, the number of objects Python's garbage collector tracks within
+  ``object_growth_bound`` (half an object per call after warm-up: a per-call leak of specs, plans,
+  closures or tensors), and the resident set size (sampled after glibc's ``malloc_trim``, so it
+  follows live host memory rather than what the allocator keeps) within ``RSS_GROWTH_BOUND_MB_GPU``,
+  a coarse backstop for host memory outside Python's objects;
   ``max_memory_allocated`` (each round's peak) and ``memory_reserved`` are reported (bounds and
   checks: ``soak_harness.gpu_form_soak``). A compile
   after warm-up (``compiles after each round`` in the report) would say round 0 missed a kernel.
 
-Knobs (environment): ``FLEXATTN_ZOO_SOAK_CALLS`` random calls in all (default 4400, spread over
+Knobs (environment): ``FLEXATTN_ZOO_SOAK_CALLS`` random calls in all (default 10000, spread over
 8 threads x 11 random rounds; the coverage round adds ~40), ``FLEXATTN_ZOO_SOAK_STREAMS``
 (``default`` | ``thread``), ``FLEXATTN_ZOO_SOAK_SUMMARY=path.json`` writes the numbers as JSON
 (``benchmarks/gpu_tests.sh`` sets it). ``-s`` prints them: calls by kind and by route, wall time

@@ -111,3 +111,36 @@ def test_soak_gpu_form_rehearsed_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert summary["named_route_refused"].get("doc:flex", 0) > 0  # CUDA-only: auto ran instead
     assert summary["calls_by_route"].get("doc:dense", 0) > 0
     assert summary["compiles_after_round"][-1] == summary["compiles_after_round"][0]  # all in round 0
+
+
+def test_the_gpu_forms_object_count_fails_on_a_leak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round that leaves more live objects than the bound allows fails the GPU form's check."""
+    leaked: list[list[int]] = []
+    round_work = soak_harness._round_work
+
+    def leaking_round_work(tid: int, cfg: soak_harness.SoakConfig, round_no: int, *args: object) -> None:
+        round_work(tid, cfg, round_no, *args)
+        if round_no >= cfg.warmup_rounds:  # a leak that starts after warm-up, like a slow one would
+            # Lists: the collector tracks containers (what a leaked spec, plan or closure is made
+            # of), not atoms such as a bare ``object()``.
+            leaked.extend([i] for i in range(soak_harness.OBJECT_GROWTH_FLOOR))
+
+    monkeypatch.setattr(soak_harness, "_round_work", leaking_round_work)
+    monkeypatch.setenv(soak_harness.CALLS_ENV, "16")
+    monkeypatch.delenv(soak_harness.SUMMARY_ENV, raising=False)
+    with pytest.raises(AssertionError, match="Python objects grew by"):
+        soak_harness.gpu_form_soak(
+            monkeypatch,
+            device="cpu",
+            routes={"doc": ("dense",), "closure": ("dense",), "registry": ("dense",)},
+            threads=2,
+            rounds=3,
+            warmup_rounds=2,
+            pool_size=1,
+            coverage=False,
+            dtypes=(torch.float32,),
+            lengths=(16, 48),
+            flex_length=64,
+            heads=1,
+            head_dim=8,
+        )
