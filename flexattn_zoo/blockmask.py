@@ -238,10 +238,16 @@ def block_mask(
 def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
     """The ``mask_mod`` that :func:`block_mask` puts in the BlockMask of ``spec`` for these sizes
     on ``device`` (to assemble that BlockMask again from its tensors)."""
+    return bound_spec(spec, q_len, kv_len, device).mask_mod()
+
+
+def bound_spec(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
+    """``spec`` as :func:`block_mask` builds it for these sizes on ``device``: the mask spec,
+    live, bound to the lengths and on the device (its ``mask_mod`` is the BlockMask's)."""
     mask_spec = as_mask_spec(spec, arg="spec")
     if mask_spec is None:
         raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
-    return _bound(mask_spec, q_len, kv_len).to(_device(device)).mask_mod()
+    return _bound(mask_spec, q_len, kv_len).to(_device(device))
 
 
 def _bound(mask_spec: Any, q_len: int, kv_len: int) -> Any:
@@ -259,5 +265,6 @@ __all__ = [
     "block_mask",
     "block_ranges",
     "bound_mask_mod",
+    "bound_spec",
     "from_block_map",
 ]

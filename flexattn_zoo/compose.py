@@ -160,6 +160,19 @@ class And(_Combined):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return any(p.hides_future_keys(q_len, kv_len) for p in self.parts)
 
+    def starts_mask_mod(self, q_len: int, kv_len: int) -> MaskMod | None:
+        # Where one part hides every future key, another part offering starts is exact as
+        # "starts[q] <= kv" on the keys that remain (MaskSpec.past_key_starts).
+        hiding = [i for i, p in enumerate(self.parts) if p.hides_future_keys(q_len, kv_len)]
+        for i, part in enumerate(self.parts):
+            if not hiding or hiding == [i]:
+                continue
+            starts = part.past_key_starts(q_len, kv_len)
+            if starts is not None:
+                others = [p.mask_mod() for j, p in enumerate(self.parts) if j != i]
+                return _starts_spelled(others, starts)
+        return None
+
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
         return min(p.visible_fraction(q_len, kv_len) for p in self.parts)
 
@@ -196,6 +209,27 @@ class And(_Combined):
     def __and__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "&")
         return And(parts=(*self.parts, other))
+
+
+def _starts_spelled(others: list[MaskMod], starts: torch.Tensor) -> MaskMod:
+    """``others`` ANDed with ``starts[q] <= kv`` (``starts[b, q]`` for ``[B, L]`` starts)."""
+    if starts.dim() == 1:
+
+        def starts_mask(b, h, q_idx, kv_idx):
+            out = starts[q_idx] <= kv_idx
+            for mod in others:
+                out = out & mod(b, h, q_idx, kv_idx)
+            return out
+
+        return starts_mask
+
+    def batched_starts_mask(b, h, q_idx, kv_idx):
+        out = starts[b, q_idx] <= kv_idx
+        for mod in others:
+            out = out & mod(b, h, q_idx, kv_idx)
+        return out
+
+    return batched_starts_mask
 
 
 @spec_dataclass

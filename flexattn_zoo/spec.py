@@ -842,6 +842,25 @@ class MaskSpec(Spec):
         so kernels may run ``score.score_mod(future_keys_hidden=True)``. False is always safe."""
         return False
 
+    def past_key_starts(self, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """Exact form of this mask over the keys at or before each query, or None.
+
+        A tensor ``starts`` (int32, ``[L]`` or ``[B, L]`` with ``L >= max(q_len, kv_len)``) such
+        that, for every ``kv_idx <= q_idx``, the pair is visible iff
+        ``starts[q_idx] <= kv_idx`` (``starts[b, q_idx]`` when 2-D). ANDed with a mask that hides
+        future keys, a kernel may compare one value per query instead of evaluating this mask's
+        ``mask_mod`` (packed documents: one label lookup per query and one per key). None while
+        traced (read from tensor values)."""
+        return None
+
+    def starts_mask_mod(self, q_len: int, kv_len: int) -> MaskMod | None:
+        """A ``mask_mod`` equal to this bound spec's at these lengths, spelled with a part's
+        :meth:`past_key_starts` where another part hides future keys; None where there is no such
+        spelling (only ``&`` composites have one). Measured faster on Triton flex for
+        ``Document & Causal`` (per-query starts instead of per-key labels), slower on FA4's CuTe
+        kernel, so routes choose whether to ask."""
+        return None
+
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         """A lower bound on the keys each query may see, or None when there is none above 0.
 

@@ -45,9 +45,10 @@ class Document(MaskSpec):
         .....#
 
     Forms offered: varlen with ``segments`` = run lengths of the labels (``[S]``, or ``[B, S]``
-    zero-padded) when ``Lq == Lkv`` and every label forms one contiguous run per row; a closed-form
-    block map when labels never decrease along each row (otherwise None: the generic builder takes
-    over). No SDPA form.
+    zero-padded) when ``Lq == Lkv`` and every label forms one contiguous run per row; the same
+    runs as per-position run starts (``past_key_starts``: ANDed with ``Causal()``, key ``j`` is
+    visible to query ``i`` iff ``start[i] <= j <= i``); a closed-form block map when labels never
+    decrease along each row (otherwise None: the generic builder takes over). No SDPA form.
 
     Args:
         doc_ids: integer tensor ``[L]`` or ``[B, L]`` (lists are converted; stored as int64).
@@ -186,6 +187,15 @@ class Document(MaskSpec):
         runs = self._cached(("runs", q_len), lambda: _contiguous_runs(self.doc_ids, q_len))
         return None if runs is None else VarlenForm(segments=runs, window=(-1, -1))
 
+    def past_key_starts(self, q_len: int, kv_len: int) -> torch.Tensor | None:
+        # Exact when each label is one contiguous run: a key before the query is in the query's
+        # document iff it is at or after the document's first position.
+        if tracing():
+            return None  # read from the ids (see spec.tracing)
+        n = max(q_len, kv_len)
+        self._check_length(n)
+        return self._cached(("starts", n), lambda: _run_starts(self.doc_ids, n))
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:
@@ -278,6 +288,23 @@ def _contiguous_runs(ids: torch.Tensor, length: int) -> torch.Tensor | None:
         return counts[0]
     width = max(c.numel() for c in counts)
     return torch.stack([torch.nn.functional.pad(c, (0, width - c.numel())) for c in counts])
+
+
+def _run_starts(ids: torch.Tensor, length: int) -> torch.Tensor | None:
+    """The first position of each position's run in ``ids[..., :length]`` (int32, shaped like the
+    ids cut to ``length``), or None when some label forms two separate runs in a row. One device
+    sync: runs per row are compared with distinct labels per row (from a sort)."""
+    rows = ids.view(-1, ids.shape[-1])[:, :length]
+    new_run = torch.ones_like(rows, dtype=torch.bool)
+    new_run[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    ordered = rows.sort(dim=1).values
+    new_label = torch.ones_like(new_run)
+    new_label[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    if not bool((new_run.sum(dim=1) == new_label.sum(dim=1)).all()):
+        return None
+    positions = torch.arange(length, device=rows.device).expand_as(rows)
+    starts = torch.where(new_run, positions, 0).cummax(dim=1).values.to(torch.int32)
+    return starts[0] if ids.dim() == 1 else starts
 
 
 def _int_vector(values: Any, what: str) -> torch.Tensor:

@@ -251,6 +251,37 @@ def assert_mask_consistent(
     for s in {spec, bound}:
         _check_future_keys(s, dense)
         _check_lowest_key(s, dense, exact_lowest_key)
+    _check_key_starts(bound, dense)
+
+
+def _check_key_starts(bound: MaskSpec, dense: torch.Tensor) -> None:
+    """``past_key_starts`` (where offered) decides every pair with ``kv_idx <= q_idx`` as the
+    mask does, and ``starts_mask_mod`` (where offered) equals the mask on every pair."""
+    batch, heads, q_len, kv_len = dense.shape
+    starts = bound.past_key_starts(q_len, kv_len)
+    if starts is not None:
+        what = f"past_key_starts({q_len}, {kv_len})"
+        if starts.dtype != torch.int32 or starts.dim() not in (1, 2) or starts.shape[-1] < max(q_len, kv_len):
+            raise AssertionError(
+                f"{bound!r}: {what} must be int32 [L] or [B, L] with L >= {max(q_len, kv_len)}, "
+                f"got {starts.dtype} {tuple(starts.shape)}"
+            )
+        rows = starts.cpu().view(-1, starts.shape[-1])[:, :q_len]
+        said = rows.view(-1, 1, q_len, 1) <= torch.arange(kv_len).view(1, 1, 1, kv_len)
+        past = torch.arange(kv_len).view(1, kv_len) <= torch.arange(q_len).view(q_len, 1)
+        said = said.expand(batch, heads, q_len, kv_len)
+        wrong = (said != dense) & past
+        if bool(wrong.any()):
+            where = _first(wrong)
+            verdict = "visible" if bool(said[where]) else "hidden"
+            raise AssertionError(
+                f"{bound!r}: {what} says query {where[2]}'s earlier key {where[3]} is {verdict} "
+                f"(batch {where[0]}, head {where[1]}), unlike the mask"
+            )
+    spelled = bound.starts_mask_mod(q_len, kv_len)
+    if spelled is not None:
+        got = torch.as_tensor(spelled(*index_grids(batch, heads, q_len, kv_len)))
+        _require_equal(f"starts_mask_mod({q_len}, {kv_len})", got, dense, bound)
 
 
 def _check_future_keys(spec: MaskSpec, dense: torch.Tensor) -> None:

@@ -1,0 +1,79 @@
+"""Packed documents spelled with per-query key starts (``MaskSpec.past_key_starts``,
+``MaskSpec.starts_mask_mod``): exact against the dense oracle, offered only where exact, checked by
+``fz.testing.assert_mask_consistent``, and run by a flex route that asks for it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks
+from flexattn_zoo.backends.flex import FLEX, FLEX_CPU, FLEX_FLASH
+from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
+
+
+def _docs() -> masks.Document:
+    return masks.Document.from_lengths([5, 7, 3, 6])  # 21 positions, boundaries off any grid
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(21, 21), (13, 21), (21, 13), (1, 21)])
+def test_documents_and_causal_spelled_with_starts_match_the_oracle(q_len: int, kv_len: int) -> None:
+    spec = _docs() & masks.Causal()
+    assert spec.bind(q_len, kv_len).starts_mask_mod(q_len, kv_len) is not None
+    assert_mask_consistent(spec, q_len, kv_len)  # checks past_key_starts and starts_mask_mod too
+
+
+def test_the_starts_are_each_documents_first_position() -> None:
+    starts = _docs().past_key_starts(21, 21)
+    assert starts is not None and starts.dtype == torch.int32
+    assert starts.tolist() == [0] * 5 + [5] * 7 + [12] * 3 + [15] * 6
+
+
+def test_batched_documents_and_more_parts_keep_their_spelling_exact() -> None:
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [4, 1, 1, 1, 1, 1, 3, 3]])  # labels need not be sorted
+    docs = masks.Document(doc_ids=ids)
+    for spec in (docs & masks.Causal(), masks.SlidingWindow(left=2) & docs & masks.Causal()):
+        assert spec.starts_mask_mod(8, 8) is not None
+        assert_mask_consistent(spec, 8, 8, batch=2)
+
+
+def test_no_spelling_where_it_would_not_be_exact() -> None:
+    split = masks.Document(doc_ids=torch.tensor([0, 0, 1, 1, 0, 0]))  # document 0 in two runs
+    assert split.past_key_starts(6, 6) is None
+    assert (split & masks.Causal()).starts_mask_mod(6, 6) is None
+    # No part hides future keys: the starts alone would hide nothing after the query.
+    assert (_docs() & masks.SlidingWindow(left=3, right=3)).starts_mask_mod(21, 21) is None
+    # Bottom-right causal with more queries than keys' offset shows future keys: not hidden.
+    assert (_docs() & masks.Causal(align="bottom_right")).bind(13, 21).starts_mask_mod(13, 21) is None
+    assert_mask_consistent(split & masks.Causal(), 6, 6)
+
+
+def test_the_consistency_check_fails_on_wrong_starts() -> None:
+    class OffByOne(masks.Document):
+        def past_key_starts(self, q_len: int, kv_len: int) -> torch.Tensor | None:
+            starts = super().past_key_starts(q_len, kv_len)
+            return None if starts is None else starts + 1
+
+    with pytest.raises(AssertionError, match="past_key_starts"):
+        assert_mask_consistent(OffByOne(doc_ids=torch.tensor([0, 0, 0, 1, 1])), 5, 5)
+
+
+def test_only_the_triton_route_asks_for_the_starts_spelling() -> None:
+    assert FLEX.spells_key_starts and not FLEX_FLASH.spells_key_starts and not FLEX_CPU.spells_key_starts
+
+
+def test_a_flex_route_that_asks_runs_the_starts_spelling_exactly() -> None:
+    # Its own name: prepared calls are cached per route name.
+    route = dataclasses.replace(FLEX_CPU, name="flex_cpu_with_starts", spells_key_starts=True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 21, 16, generator=g) for _ in range(3))
+    mask = _docs() & masks.Causal()
+    problem = fz.plan(q, k, v, mask=mask, backend="flex_cpu").problem
+    call = route.prepared(problem, q.device, None)
+    assert call.block_mask.mask_mod.__name__ == "starts_mask"
+    assert FLEX_CPU.prepared(problem, q.device, None).block_mask.mask_mod.__name__ != "starts_mask"
+    out, _ = route.execute(q, k, v, problem, scale=16**-0.5)
+    assert_matches_reference(out, q, k, v, mask=mask)
