@@ -854,11 +854,11 @@ class MaskSpec(Spec):
         return None
 
     def starts_mask_mod(self, q_len: int, kv_len: int) -> MaskMod | None:
-        """A ``mask_mod`` equal to this bound spec's at these lengths, spelled with a part's
-        :meth:`past_key_starts` where another part hides future keys; None where there is no such
-        spelling (only ``&`` composites have one). Measured faster on Triton flex for
-        ``Document & Causal`` (per-query starts instead of per-key labels), slower on FA4's CuTe
-        kernel, so routes choose whether to ask."""
+        """A ``mask_mod`` equal to this bound spec's at these lengths, spelled with per-query key
+        starts instead of per-key lookups, or None where there is no such spelling: ``&``
+        composites where one part offers :meth:`past_key_starts` and another hides future keys,
+        and ``PerDocument`` whose inner mask hides future keys. Measured faster on Triton flex for
+        ``Document & Causal``, slower on FA4's CuTe kernel, so routes choose whether to ask."""
         return None
 
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:

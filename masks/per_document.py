@@ -220,6 +220,35 @@ class PerDocument(MaskSpec):
             return False
         return all(self.inner.bind(n, n).hides_future_keys(n, n) for n in self._lengths(max(q_len, kv_len)))
 
+    def starts_mask_mod(self, q_len: int, kv_len: int) -> MaskMod | None:
+        # Where the inner mask hides future keys in every document, a key is visible iff it lies
+        # in [start[q], q] and the inner mask shows it: documents are runs, so no per-key lookup.
+        if not self.hides_future_keys(q_len, kv_len):
+            return None
+        mod = self.inner.mask_mod()
+        start: torch.Tensor = self.__dict__["_start"]
+        if start.dim() == 1:
+
+            def per_document_starts_mask(
+                b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+            ) -> torch.Tensor:
+                s = start[q_idx]
+                here = (s <= kv_idx) & (kv_idx <= q_idx)
+                # Keys outside the query's document are evaluated at its own position (a valid
+                # local index for the inner spec), then masked.
+                return here & mod(b, h, q_idx - s, torch.where(here, kv_idx - s, q_idx - s))
+
+            return per_document_starts_mask
+
+        def batched_per_document_starts_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            s = start[b, q_idx]
+            here = (s <= kv_idx) & (kv_idx <= q_idx)
+            return here & mod(b, h, q_idx - s, torch.where(here, kv_idx - s, q_idx - s))
+
+        return batched_per_document_starts_mask
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

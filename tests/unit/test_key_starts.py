@@ -1,5 +1,6 @@
 """Packed documents spelled with per-query key starts (``MaskSpec.past_key_starts``,
-``MaskSpec.starts_mask_mod``): exact against the dense oracle, offered only where exact, checked by
+``MaskSpec.starts_mask_mod``: ``Document & Causal``, ``PerDocument`` with a causal inner mask):
+exact against the dense oracle, offered only where exact, checked by
 ``fz.testing.assert_mask_consistent``, and run by a flex route that asks for it."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import flexattn_zoo as fz
 from flexattn_zoo import masks
 from flexattn_zoo.backends.flex import FLEX, FLEX_CPU, FLEX_FLASH
+from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
 
 
@@ -40,6 +42,17 @@ def test_batched_documents_and_more_parts_keep_their_spelling_exact() -> None:
         assert_mask_consistent(spec, 8, 8, batch=2)
 
 
+@pytest.mark.parametrize("inner", [masks.Causal(), masks.SlidingWindow(left=2)], ids=["causal", "window"])
+def test_per_document_masks_that_hide_future_keys_are_spelled_with_starts(inner: MaskSpec) -> None:
+    spec = masks.PerDocument.from_lengths(inner, [5, 9, 3, 7])
+    assert spec.starts_mask_mod(24, 24) is not None
+    assert_mask_consistent(spec, 24, 24)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [3, 3, 3, 1, 1, 1]])
+    batched = masks.PerDocument(inner=inner, documents=masks.Document(doc_ids=ids))
+    assert batched.starts_mask_mod(6, 6) is not None
+    assert_mask_consistent(batched, 6, 6, batch=2)
+
+
 def test_no_spelling_where_it_would_not_be_exact() -> None:
     split = masks.Document(doc_ids=torch.tensor([0, 0, 1, 1, 0, 0]))  # document 0 in two runs
     assert split.past_key_starts(6, 6) is None
@@ -49,6 +62,10 @@ def test_no_spelling_where_it_would_not_be_exact() -> None:
     # Bottom-right causal with more queries than keys' offset shows future keys: not hidden.
     assert (_docs() & masks.Causal(align="bottom_right")).bind(13, 21).starts_mask_mod(13, 21) is None
     assert_mask_consistent(split & masks.Causal(), 6, 6)
+    # A per-document prefix-LM shows later keys of the prefix.
+    assert (
+        masks.PerDocument.from_lengths(masks.PrefixLM(prefix_len=3), [5, 9]).starts_mask_mod(14, 14) is None
+    )
 
 
 def test_the_consistency_check_fails_on_wrong_starts() -> None:
