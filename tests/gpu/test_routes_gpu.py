@@ -252,6 +252,26 @@ def test_callable_mask_indexing_cuda_document_ids(route: str) -> None:
     _check(q, k, v, route, doc_causal, None)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: _doc() & masks.Causal(),
+        lambda: masks.SlidingWindow(left=40) & _doc() & masks.Causal(),
+        lambda: masks.PerDocument(inner=masks.Causal(), documents=_doc()),
+    ],
+    ids=["document_causal", "window_document_causal", "per_document_causal"],
+)
+def test_flex_runs_packed_documents_spelled_with_starts_exactly(make) -> None:  # type: ignore[no-untyped-def]
+    """Triton flex runs these masks as ``start[q] <= kv`` (per-query document starts) where
+    flex_flash keeps the label spelling; forward and backward against float64."""
+    mask = make()
+    q, k, v = _inputs(L, L, torch.bfloat16)
+    problem = fz.plan(q, k, v, mask=mask, backend="flex").problem
+    mod = BY_NAME["flex"].prepared(problem, q.device, None).block_mask.mask_mod  # type: ignore[attr-defined]
+    assert "starts" in mod.__name__, mod.__name__
+    _check(q, k, v, "flex", mask, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_flex_other_dtypes(dtype: torch.dtype) -> None:
     q, k, v = _inputs(L, L, dtype)
