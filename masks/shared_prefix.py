@@ -21,7 +21,7 @@ from flexattn_zoo.spec import (
 )
 
 from ._blocks import INDEX_LIMIT, check_int, spec_cached
-from .document import _int_vector
+from .document import _int_vector, _run_starts
 
 
 @MASKS.register
@@ -160,6 +160,35 @@ class SharedPrefix(MaskSpec):
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return True
+
+    def starts_mask_mod(self, q_len: int, kv_len: int) -> MaskMod | None:
+        # With every continuation one contiguous run, query i sees the prompt and the keys from its
+        # continuation's first position to i: one lookup per query instead of one per key too.
+        if tracing():
+            return None  # read from the ids (see spec.tracing)
+        n = max(q_len, kv_len)
+        self._check_length(n)
+        starts = spec_cached(self, ("starts", n), lambda: self._starts(n))
+        if starts is None:
+            return None
+        prompt = self.prefix_len
+
+        def shared_prefix_starts_mask(
+            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+        ) -> torch.Tensor:
+            return (kv_idx <= q_idx) & ((kv_idx < prompt) | (starts[q_idx] <= kv_idx))
+
+        return shared_prefix_starts_mask
+
+    def _starts(self, n: int) -> torch.Tensor | None:
+        """Each position's first visible key after the prompt (0 on the prompt), int32, or None
+        when a continuation is split into pieces."""
+        p = min(self.prefix_len, n)
+        local = _run_starts(self.doc_ids, n - p) if n > p else self.doc_ids.new_zeros(0, dtype=torch.int32)
+        if local is None:
+            return None
+        prompt = torch.zeros(p, dtype=torch.int32, device=self.doc_ids.device)
+        return torch.cat([prompt, local + p])
 
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
         return lower_triangle_fraction(q_len, kv_len, 0)

@@ -258,11 +258,12 @@ def test_callable_mask_indexing_cuda_document_ids(route: str) -> None:
         lambda: _doc() & masks.Causal(),
         lambda: masks.SlidingWindow(left=40) & _doc() & masks.Causal(),
         lambda: masks.PerDocument(inner=masks.Causal(), documents=_doc()),
+        lambda: masks.SharedPrefix.from_lengths(40, [100, 120, 73]),
     ],
-    ids=["document_causal", "window_document_causal", "per_document_causal"],
+    ids=["document_causal", "window_document_causal", "per_document_causal", "shared_prefix"],
 )
 def test_flex_runs_packed_documents_spelled_with_starts_exactly(make) -> None:  # type: ignore[no-untyped-def]
-    """Triton flex runs these masks as ``start[q] <= kv`` (per-query document starts) where
+    """Triton flex runs these masks with ``start[q] <= kv`` (per-query document starts) where
     flex_flash keeps the label spelling; forward and backward against float64."""
     mask = make()
     q, k, v = _inputs(L, L, torch.bfloat16)

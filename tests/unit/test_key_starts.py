@@ -1,5 +1,6 @@
 """Packed documents spelled with per-query key starts (``MaskSpec.past_key_starts``,
-``MaskSpec.starts_mask_mod``: ``Document & Causal``, ``PerDocument`` with a causal inner mask):
+``MaskSpec.starts_mask_mod``: ``Document & Causal``, ``PerDocument`` with a causal inner mask,
+``SharedPrefix``):
 exact against the dense oracle, offered only where exact, checked by
 ``fz.testing.assert_mask_consistent``, and run by a flex route that asks for it."""
 
@@ -53,6 +54,13 @@ def test_per_document_masks_that_hide_future_keys_are_spelled_with_starts(inner:
     assert_mask_consistent(batched, 6, 6, batch=2)
 
 
+@pytest.mark.parametrize(("q_len", "kv_len"), [(12, 12), (7, 12), (12, 5), (2, 12)])
+def test_shared_prefix_is_spelled_with_the_prompt_and_starts(q_len: int, kv_len: int) -> None:
+    spec = masks.SharedPrefix.from_lengths(3, [2, 0, 3, 4])  # prompt | a a | b b b | c c c c
+    assert spec.starts_mask_mod(q_len, kv_len) is not None
+    assert_mask_consistent(spec, q_len, kv_len)
+
+
 def test_no_spelling_where_it_would_not_be_exact() -> None:
     split = masks.Document(doc_ids=torch.tensor([0, 0, 1, 1, 0, 0]))  # document 0 in two runs
     assert split.past_key_starts(6, 6) is None
@@ -62,6 +70,11 @@ def test_no_spelling_where_it_would_not_be_exact() -> None:
     # Bottom-right causal with more queries than keys' offset shows future keys: not hidden.
     assert (_docs() & masks.Causal(align="bottom_right")).bind(13, 21).starts_mask_mod(13, 21) is None
     assert_mask_consistent(split & masks.Causal(), 6, 6)
+    pieces = masks.SharedPrefix(
+        prefix_len=2, doc_ids=torch.tensor([0, 0, 1, 1, 0])
+    )  # a continuation in two pieces
+    assert pieces.starts_mask_mod(7, 7) is None
+    assert_mask_consistent(pieces, 7, 7)
     # A per-document prefix-LM shows later keys of the prefix.
     assert (
         masks.PerDocument.from_lengths(masks.PrefixLM(prefix_len=3), [5, 9]).starts_mask_mod(14, 14) is None
