@@ -235,19 +235,61 @@ def block_mask(
     return CACHE.put(key, built)
 
 
+#: A BlockMask's constructor arguments (``_compat.make_block_mask``) but the ``mask_mod``.
+BLOCK_MASK_PARTS = (
+    "seq_lengths",
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+    "BLOCK_SIZE",
+)
+
+
+def starts_block_mask(
+    spec: Any,
+    q_len: int,
+    kv_len: int,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    device: torch.device | str = "cpu",
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+) -> _compat.BlockMask:
+    """:func:`block_mask`, with the bound spec's ``starts_mask_mod`` as its ``mask_mod`` where it
+    has one (the same blocks; the two mods agree on every pair), else that very BlockMask.
+    Cached like it, so the spelling is worked out once per spec value, sizes and device."""
+    mask_spec = as_mask_spec(spec, arg="spec")
+    qb, kvb = _block_size(block_size)
+    dev = _device(device)
+    bound = None if mask_spec is None else _bound(mask_spec, q_len, kv_len)
+    key = None
+    if bound is not None:
+        b_eff = batch if batch is not None and bound.uses_batch() else 1
+        h_eff = heads if heads is not None and bound.uses_head() else 1
+        key = ("starts", bound, q_len, kv_len, qb, kvb, str(dev), b_eff, h_eff)
+        cached = CACHE.get(key)
+        if cached is not None:
+            return cached
+    plain = block_mask(spec, q_len, kv_len, batch=batch, heads=heads, device=dev, block_size=block_size)
+    assert bound is not None and key is not None  # block_mask raised otherwise
+    spelled = bound.to(dev).starts_mask_mod(q_len, kv_len)
+    if spelled is not None:
+        plain = _compat.make_block_mask(*(getattr(plain, name) for name in BLOCK_MASK_PARTS), spelled)  # type: ignore[call-arg]  # the constructor's arguments, in order
+    return CACHE.put(key, plain)
+
+
 def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
     """The ``mask_mod`` that :func:`block_mask` puts in the BlockMask of ``spec`` for these sizes
     on ``device`` (to assemble that BlockMask again from its tensors)."""
-    return bound_spec(spec, q_len, kv_len, device).mask_mod()
-
-
-def bound_spec(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
-    """``spec`` as :func:`block_mask` builds it for these sizes on ``device``: the mask spec,
-    live, bound to the lengths and on the device (its ``mask_mod`` is the BlockMask's)."""
     mask_spec = as_mask_spec(spec, arg="spec")
     if mask_spec is None:
         raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
-    return _bound(mask_spec, q_len, kv_len).to(_device(device))
+    return _bound(mask_spec, q_len, kv_len).to(_device(device)).mask_mod()
 
 
 def _bound(mask_spec: Any, q_len: int, kv_len: int) -> Any:
@@ -260,11 +302,12 @@ def _bound(mask_spec: Any, q_len: int, kv_len: int) -> Any:
 
 __all__ = [
     "BLOCK_MASK_CACHE_SIZE",
+    "BLOCK_MASK_PARTS",
     "CACHE",
     "DEFAULT_BLOCK_SIZE",
     "block_mask",
     "block_ranges",
     "bound_mask_mod",
-    "bound_spec",
     "from_block_map",
+    "starts_block_mask",
 ]

@@ -857,8 +857,9 @@ class MaskSpec(Spec):
         """A ``mask_mod`` equal to this bound spec's at these lengths, spelled with per-query key
         starts instead of per-key lookups, or None where there is no such spelling: ``&``
         composites where one part offers :meth:`past_key_starts` and another hides future keys,
-        ``PerDocument`` whose inner mask hides future keys, and ``SharedPrefix``. Measured faster on Triton flex for
-        ``Document & Causal``, slower on FA4's CuTe kernel, so routes choose whether to ask."""
+        ``PerDocument`` whose inner mask hides future keys, and ``SharedPrefix``. Measured faster
+        on Triton flex for ``Document & Causal``, slower on FA4's CuTe kernel, so routes choose
+        whether to ask."""
         return None
 
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:

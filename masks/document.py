@@ -291,20 +291,22 @@ def _contiguous_runs(ids: torch.Tensor, length: int) -> torch.Tensor | None:
 
 
 def _run_starts(ids: torch.Tensor, length: int) -> torch.Tensor | None:
-    """The first position of each position's run in ``ids[..., :length]`` (int32, shaped like the
-    ids cut to ``length``), or None when some label forms two separate runs in a row. One device
-    sync: runs per row are compared with distinct labels per row (from a sort)."""
-    rows = ids.view(-1, ids.shape[-1])[:, :length]
+    """The first position of each position's run of equal ids (int32, shaped like ``ids``), or
+    None when some label of ``ids[..., :length]`` forms two separate runs in a row. The starts
+    cover every position (a position's start depends only on the ids up to it), so one ids
+    tensor gives starts of one shape whatever the problem's length: one compiled kernel. One
+    device sync: runs per row are compared with distinct labels per row (from a sort)."""
+    rows = ids.view(-1, ids.shape[-1])
     new_run = torch.ones_like(rows, dtype=torch.bool)
     new_run[:, 1:] = rows[:, 1:] != rows[:, :-1]
-    ordered = rows.sort(dim=1).values
-    new_label = torch.ones_like(new_run)
+    ordered = rows[:, :length].sort(dim=1).values
+    new_label = torch.ones_like(ordered, dtype=torch.bool)
     new_label[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    if not bool((new_run.sum(dim=1) == new_label.sum(dim=1)).all()):
+    if not bool((new_run[:, :length].sum(dim=1) == new_label.sum(dim=1)).all()):
         return None
-    positions = torch.arange(length, device=rows.device).expand_as(rows)
+    positions = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
     starts = torch.where(new_run, positions, 0).cummax(dim=1).values.to(torch.int32)
-    return starts[0] if ids.dim() == 1 else starts
+    return starts.view(ids.shape)
 
 
 def _int_vector(values: Any, what: str) -> torch.Tensor:

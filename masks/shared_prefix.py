@@ -168,10 +168,10 @@ class SharedPrefix(MaskSpec):
             return None  # read from the ids (see spec.tracing)
         n = max(q_len, kv_len)
         self._check_length(n)
-        starts = spec_cached(self, ("starts", n), lambda: self._starts(n))
-        if starts is None:
+        found = spec_cached(self, ("starts", n), lambda: self._starts(n))
+        if found is None:
             return None
-        prompt = self.prefix_len
+        starts, prompt = found
 
         def shared_prefix_starts_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
@@ -180,15 +180,19 @@ class SharedPrefix(MaskSpec):
 
         return shared_prefix_starts_mask
 
-    def _starts(self, n: int) -> torch.Tensor | None:
-        """Each position's first visible key after the prompt (0 on the prompt), int32, or None
-        when a continuation is split into pieces."""
-        p = min(self.prefix_len, n)
-        local = _run_starts(self.doc_ids, n - p) if n > p else self.doc_ids.new_zeros(0, dtype=torch.int32)
-        if local is None:
+    def _starts(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each position's first visible key after the prompt (0 on the prompt; int32, one per
+        position of the spec, whatever ``n``) and the prompt's length as a 0-d tensor (a kernel
+        input, not a constant: one compiled kernel serves every prompt length), or None when a
+        continuation within the first ``n`` positions is split into pieces."""
+        p = self.prefix_len
+        local = _run_starts(self.doc_ids, max(n - p, 0)) if self.doc_ids.numel() else None
+        if local is None and self.doc_ids.numel():
             return None
-        prompt = torch.zeros(p, dtype=torch.int32, device=self.doc_ids.device)
-        return torch.cat([prompt, local + p])
+        device = self.doc_ids.device
+        after = local + p if local is not None else torch.zeros(0, dtype=torch.int32, device=device)
+        prompt = torch.zeros(p, dtype=torch.int32, device=device)
+        return torch.cat([prompt, after]), torch.tensor(p, dtype=torch.int32, device=device)
 
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
         return lower_triangle_fraction(q_len, kv_len, 0)

@@ -22,8 +22,8 @@ from flexattn_zoo.backends.base import (
     flash_cute_lock,
     is_dense_block,
 )
+from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, bound_mask_mod, starts_block_mask
 from flexattn_zoo.blockmask import block_mask as build_block_mask
-from flexattn_zoo.blockmask import bound_mask_mod, bound_spec
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
 from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
@@ -127,9 +127,9 @@ class FlexBackend(Backend):
     #: dim is below this width reach the kernel padded with zeros to it, and the output is cut
     #: back to v's head dim (the lse needs no cut). Exact, whatever the scale. None: no padding.
     pad_head_dims_to: int | None = None
-    #: Run an ``&`` mask with per-query key starts where it has them (``MaskSpec.starts_mask_mod``:
-    #: ``Document & Causal`` as ``start[q] <= kv <= q``, one lookup per query instead of a label
-    #: lookup per query and per key). Measured on Triton flex (H200, bf16, 4x16x8192, eager
+    #: Run a mask spelled with per-query key starts where it has such a spelling
+    #: (``MaskSpec.starts_mask_mod``: ``Document & Causal`` as ``start[q] <= kv <= q``, one lookup
+    #: per query instead of a label lookup per query and per key; ``PerDocument``, ``SharedPrefix``). Measured on Triton flex (H200, bf16, 4x16x8192, eager
     #: compiled flex): +18% forward / +6% forward+backward at D=64, +6% / +1% at D=128; on FA4's
     #: CuTe kernel the forward lost 21%, so only the Triton route asks.
     spells_key_starts: bool = False
@@ -298,11 +298,8 @@ class FlexBackend(Backend):
 
     def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall:
         if block_mask is None and p.mask is not None:
-            block_mask = build_block_mask(
-                p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device
-            )
-            if self.spells_key_starts:
-                block_mask = _with_key_starts(block_mask, p, device)
+            build = starts_block_mask if self.spells_key_starts else build_block_mask
+            block_mask = build(p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
         score_mod = None
         if p.score is not None:
             # A mask that hides every kv_idx > q_idx lets score mods skip work there (ALiBi's abs).
@@ -321,31 +318,6 @@ class FlexBackend(Backend):
         return FlexCall(
             block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs, self.pad_width(p)
         )
-
-
-def _with_key_starts(block_mask: Any, p: Problem, device: torch.device) -> Any:
-    """``block_mask`` (built for ``p.mask``) with the mask's key-starts spelling as its
-    ``mask_mod`` where it has one (the same blocks: the two mods agree on every pair)."""
-    spelled = bound_spec(p.mask, p.q_len, p.kv_len, device).starts_mask_mod(p.q_len, p.kv_len)
-    if spelled is None:
-        return block_mask
-    return _compat.make_block_mask(*(getattr(block_mask, name) for name in _BLOCK_MASK_PARTS), spelled)  # type: ignore[call-arg]  # the constructor's arguments, in order
-
-
-#: What :func:`_traced_block_mask` keeps of a BlockMask: the arguments our builders give its
-#: constructor (``_compat.make_block_mask``) but the ``mask_mod``.
-_BLOCK_MASK_PARTS = (
-    "seq_lengths",
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-    "BLOCK_SIZE",
-)
 
 
 def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
@@ -367,7 +339,7 @@ def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
         if where == str(device) and all(a == b for a, b in zip(seen, sizes, strict=True)):
             return _compat.make_block_mask(*parts, bound_mask_mod(mask, p.q_len, p.kv_len, device))  # type: ignore[call-arg]  # the constructor's arguments, in order
     block_mask = build_block_mask(mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
-    built.append((str(device), sizes, tuple(getattr(block_mask, name) for name in _BLOCK_MASK_PARTS)))
+    built.append((str(device), sizes, tuple(getattr(block_mask, name) for name in BLOCK_MASK_PARTS)))
     return block_mask
 
 

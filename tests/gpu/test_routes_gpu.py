@@ -262,11 +262,12 @@ def test_callable_mask_indexing_cuda_document_ids(route: str) -> None:
     ],
     ids=["document_causal", "window_document_causal", "per_document_causal", "shared_prefix"],
 )
-def test_flex_runs_packed_documents_spelled_with_starts_exactly(make) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("lq", "lkv"), [(L, L), (L, 200), (200, L)])
+def test_flex_runs_packed_documents_spelled_with_starts_exactly(make, lq: int, lkv: int) -> None:  # type: ignore[no-untyped-def]
     """Triton flex runs these masks with ``start[q] <= kv`` (per-query document starts) where
     flex_flash keeps the label spelling; forward and backward against float64."""
     mask = make()
-    q, k, v = _inputs(L, L, torch.bfloat16)
+    q, k, v = _inputs(lq, lkv, torch.bfloat16)
     problem = fz.plan(q, k, v, mask=mask, backend="flex").problem
     mod = BY_NAME["flex"].prepared(problem, q.device, None).block_mask.mask_mod  # type: ignore[attr-defined]
     assert "starts" in mod.__name__, mod.__name__

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks
+from flexattn_zoo import blockmask, masks
 from flexattn_zoo.backends.flex import FLEX, FLEX_CPU, FLEX_FLASH
+from flexattn_zoo.compile import mod_key
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
 
@@ -107,3 +108,40 @@ def test_a_flex_route_that_asks_runs_the_starts_spelling_exactly() -> None:
     assert FLEX_CPU.prepared(problem, q.device, None).block_mask.mask_mod.__name__ != "starts_mask"
     out, _ = route.execute(q, k, v, problem, scale=16**-0.5)
     assert_matches_reference(out, q, k, v, mask=mask)
+
+
+def test_one_compiled_kernel_serves_every_prompt_length_and_problem_length() -> None:
+    """The spelled mods capture tensors of one shape per spec (the starts cover every position of
+    the ids, the prompt length is a 0-d tensor), so their compiled-entry keys agree as the
+    label-spelled mods' do."""
+    short, longer = (
+        masks.SharedPrefix.from_lengths(10, [20, 34]),
+        masks.SharedPrefix.from_lengths(12, [18, 34]),
+    )
+    assert mod_key(short.mask_mod()) == mod_key(longer.mask_mod())
+    assert mod_key(short.starts_mask_mod(64, 64)) == mod_key(longer.starts_mask_mod(64, 64))
+    docs = masks.Document(doc_ids=torch.arange(128) // 10) & masks.Causal()  # ids longer than the problems
+    assert mod_key(docs.starts_mask_mod(64, 64)) == mod_key(docs.starts_mask_mod(96, 96))
+    for q_len, kv_len in ((64, 64), (96, 50), (50, 96)):
+        assert_mask_consistent(docs, q_len, kv_len)
+
+
+def test_prompts_longer_than_the_problem_and_per_document_rectangles() -> None:
+    prompt_only = masks.SharedPrefix(prefix_len=20, doc_ids=torch.tensor([0, 1]))
+    assert prompt_only.starts_mask_mod(10, 10) is not None
+    assert_mask_consistent(prompt_only, 10, 10)
+    per_doc = masks.PerDocument.from_lengths(masks.Causal(), [5, 9, 3, 7])
+    for q_len, kv_len in ((13, 24), (24, 13)):
+        assert per_doc.bind(q_len, kv_len).starts_mask_mod(q_len, kv_len) is not None
+        assert_mask_consistent(per_doc, q_len, kv_len)
+
+
+def test_the_starts_block_mask_is_cached_and_shares_the_plain_blocks() -> None:
+    spelled_spec = _docs() & masks.Causal()
+    first = blockmask.starts_block_mask(spelled_spec, 21, 21)
+    assert blockmask.starts_block_mask(spelled_spec, 21, 21) is first
+    plain = blockmask.block_mask(spelled_spec, 21, 21)
+    assert first.mask_mod.__name__ == "starts_mask" and plain.mask_mod.__name__ != "starts_mask"
+    assert torch.equal(first.kv_indices, plain.kv_indices)
+    window = masks.SlidingWindow(left=4) & masks.Causal()  # no spelling: the plain BlockMask itself
+    assert blockmask.starts_block_mask(window, 21, 21) is blockmask.block_mask(window, 21, 21)
