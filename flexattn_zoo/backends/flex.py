@@ -129,9 +129,10 @@ class FlexBackend(Backend):
     pad_head_dims_to: int | None = None
     #: Run a mask spelled with per-query key starts where it has such a spelling
     #: (``MaskSpec.starts_mask_mod``: ``Document & Causal`` as ``start[q] <= kv <= q``, one lookup
-    #: per query instead of a label lookup per query and per key; ``PerDocument``, ``SharedPrefix``). Measured on Triton flex (H200, bf16, 4x16x8192, eager
-    #: compiled flex): +18% forward / +6% forward+backward at D=64, +6% / +1% at D=128; on FA4's
-    #: CuTe kernel the forward lost 21%, so only the Triton route asks.
+    #: per query instead of a label lookup per query and per key; ``PerDocument``,
+    #: ``SharedPrefix``). Faster on Triton flex (H200, bf16, 4x16x8192 documents & causal: +18%
+    #: forward / +6% forward+backward at D=64, +6% / +1% at D=128); slower on FA4's CuTe kernel
+    #: (forward -21%), so only the Triton route asks.
     spells_key_starts: bool = False
 
     def tuned_options(self, p: Problem) -> dict[str, Any]:
