@@ -177,6 +177,21 @@ def _device(device: Any) -> torch.device:
     return dev
 
 
+#: A BlockMask's constructor arguments (``_compat.make_block_mask``) but the ``mask_mod``.
+BLOCK_MASK_PARTS = (
+    "seq_lengths",
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+    "BLOCK_SIZE",
+)
+
+
 def block_mask(
     spec: Any,
     q_len: int,
@@ -186,6 +201,7 @@ def block_mask(
     heads: int | None = None,
     device: torch.device | str = "cpu",
     block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    key_starts: bool = False,
 ) -> _compat.BlockMask:
     """The BlockMask of ``spec`` for ``q_len`` x ``kv_len``, cached, never evaluated densely.
 
@@ -196,10 +212,15 @@ def block_mask(
             the mask has size-1 batch/head dims that flex broadcasts.
         device: where the mask lives (the device of q).
         block_size: ``(q, kv)`` sparse block size; kernels need matching tile sizes.
+        key_starts: give the BlockMask the spec's ``starts_mask_mod`` where it has one (packed
+            documents as ``start[q] <= kv <= q``: faster on Triton flex, slower on FA4's CuTe
+            kernel), else its ``mask_mod``. The blocks are the same either way.
     """
     mask_spec = as_mask_spec(spec, arg="spec")
     if mask_spec is None:
         raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
+    if not isinstance(key_starts, bool):
+        raise TypeError(f"key_starts must be a bool, got {type(key_starts).__name__}")
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -219,6 +240,19 @@ def block_mask(
     h_eff = heads if heads is not None and mask_spec.uses_head() else 1
     mask_spec.validate(q_len, kv_len, batch or 1, heads or 1)
     key = (mask_spec, q_len, kv_len, qb, kvb, str(device), b_eff, h_eff)
+    if key_starts:  # the same blocks under their own key, with the spelling worked out once
+        starts_key = ("starts", *key)
+        cached = CACHE.get(starts_key)
+        if cached is not None:
+            return cached
+        built = block_mask(
+            spec, q_len, kv_len, batch=batch, heads=heads, device=device, block_size=block_size
+        )
+        spelled = mask_spec.to(device).starts_mask_mod(q_len, kv_len)
+        if spelled is not None:
+            parts = (getattr(built, name) for name in BLOCK_MASK_PARTS)
+            built = _compat.make_block_mask(*parts, spelled)  # type: ignore[call-arg]  # the constructor's arguments, in order
+        return CACHE.put(starts_key, built)
     cached = CACHE.get(key)
     if cached is not None:
         return cached
@@ -233,54 +267,6 @@ def block_mask(
         )
     built = from_block_map(bmap, q_len, kv_len, (qb, kvb), on_device.mask_mod())
     return CACHE.put(key, built)
-
-
-#: A BlockMask's constructor arguments (``_compat.make_block_mask``) but the ``mask_mod``.
-BLOCK_MASK_PARTS = (
-    "seq_lengths",
-    "kv_num_blocks",
-    "kv_indices",
-    "full_kv_num_blocks",
-    "full_kv_indices",
-    "q_num_blocks",
-    "q_indices",
-    "full_q_num_blocks",
-    "full_q_indices",
-    "BLOCK_SIZE",
-)
-
-
-def starts_block_mask(
-    spec: Any,
-    q_len: int,
-    kv_len: int,
-    *,
-    batch: int | None = None,
-    heads: int | None = None,
-    device: torch.device | str = "cpu",
-    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
-) -> _compat.BlockMask:
-    """:func:`block_mask`, with the bound spec's ``starts_mask_mod`` as its ``mask_mod`` where it
-    has one (the same blocks; the two mods agree on every pair), else that very BlockMask.
-    Cached like it, so the spelling is worked out once per spec value, sizes and device."""
-    mask_spec = as_mask_spec(spec, arg="spec")
-    qb, kvb = _block_size(block_size)
-    dev = _device(device)
-    bound = None if mask_spec is None else _bound(mask_spec, q_len, kv_len)
-    key = None
-    if bound is not None:
-        b_eff = batch if batch is not None and bound.uses_batch() else 1
-        h_eff = heads if heads is not None and bound.uses_head() else 1
-        key = ("starts", bound, q_len, kv_len, qb, kvb, str(dev), b_eff, h_eff)
-        cached = CACHE.get(key)
-        if cached is not None:
-            return cached
-    plain = block_mask(spec, q_len, kv_len, batch=batch, heads=heads, device=dev, block_size=block_size)
-    assert bound is not None and key is not None  # block_mask raised otherwise
-    spelled = bound.to(dev).starts_mask_mod(q_len, kv_len)
-    if spelled is not None:
-        plain = _compat.make_block_mask(*(getattr(plain, name) for name in BLOCK_MASK_PARTS), spelled)  # type: ignore[call-arg]  # the constructor's arguments, in order
-    return CACHE.put(key, plain)
 
 
 def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:
@@ -309,5 +295,4 @@ __all__ = [
     "block_ranges",
     "bound_mask_mod",
     "from_block_map",
-    "starts_block_mask",
 ]

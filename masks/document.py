@@ -277,36 +277,47 @@ def _int32_labels(ids: torch.Tensor) -> torch.Tensor:
 def _contiguous_runs(ids: torch.Tensor, length: int) -> torch.Tensor | None:
     """Run lengths of ``ids[..., :length]`` (``[S]`` or zero-padded ``[B, S]``), or None when some
     label appears in two separate runs of a row (varlen segments cannot express that)."""
+    if not _labels_contiguous(ids, length):
+        return None
     rows = ids.view(-1, ids.shape[-1])[:, :length]
-    counts = []
-    for row in rows:
-        values, run_lengths = torch.unique_consecutive(row, return_counts=True)
-        if torch.unique(values).numel() != values.numel():
-            return None
-        counts.append(run_lengths)
+    counts = [torch.unique_consecutive(row, return_counts=True)[1] for row in rows]
     if ids.dim() == 1:
         return counts[0]
     width = max(c.numel() for c in counts)
     return torch.stack([torch.nn.functional.pad(c, (0, width - c.numel())) for c in counts])
 
 
-def _run_starts(ids: torch.Tensor, length: int) -> torch.Tensor | None:
-    """The first position of each position's run of equal ids (int32, shaped like ``ids``), or
-    None when some label of ``ids[..., :length]`` forms two separate runs in a row. The starts
-    cover every position (a position's start depends only on the ids up to it), so one ids
-    tensor gives starts of one shape whatever the problem's length: one compiled kernel. One
-    device sync: runs per row are compared with distinct labels per row (from a sort)."""
+def _run_layout(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run number and run start (first position of the run) of every position, int32, shaped
+    like ``ids``; a run starts where the label changes along the last dim. Tensor ops only (no
+    data read: fine while torch.compile traces)."""
     rows = ids.view(-1, ids.shape[-1])
-    new_run = torch.ones_like(rows, dtype=torch.bool)
-    new_run[:, 1:] = rows[:, 1:] != rows[:, :-1]
-    ordered = rows[:, :length].sort(dim=1).values
-    new_label = torch.ones_like(ordered, dtype=torch.bool)
-    new_label[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    if not bool((new_run[:, :length].sum(dim=1) == new_label.sum(dim=1)).all()):
-        return None
+    first = torch.ones_like(rows[:, :1], dtype=torch.bool)
+    starts_here = torch.cat([first, rows[:, 1:] != rows[:, :-1]], dim=1)
+    run = torch.cumsum(starts_here, dim=1) - 1
     positions = torch.arange(rows.shape[1], device=rows.device).expand_as(rows)
-    starts = torch.where(new_run, positions, 0).cummax(dim=1).values.to(torch.int32)
-    return starts.view(ids.shape)
+    start = torch.where(starts_here, positions, 0).cummax(dim=1).values
+    return run.to(torch.int32).view(ids.shape), start.to(torch.int32).view(ids.shape)
+
+
+def _labels_contiguous(ids: torch.Tensor, length: int) -> bool:
+    """Whether every label of ``ids[..., :length]`` forms one contiguous run in each row. One
+    device sync: runs per row are compared with distinct labels per row (from a sort)."""
+    rows = ids.view(-1, ids.shape[-1])[:, :length]
+    if rows.shape[1] == 0:
+        return True
+    runs = (rows[:, 1:] != rows[:, :-1]).sum(dim=1)
+    ordered = rows.sort(dim=1).values
+    labels = (ordered[:, 1:] != ordered[:, :-1]).sum(dim=1)
+    return bool((runs == labels).all())
+
+
+def _run_starts(ids: torch.Tensor, length: int) -> torch.Tensor | None:
+    """The run start of every position of ``ids`` (:func:`_run_layout`), or None when some label
+    of ``ids[..., :length]`` forms two separate runs in a row. The starts cover every position (a
+    position's start depends only on the ids up to it), so one ids tensor gives starts of one
+    shape whatever the problem's length: one compiled kernel."""
+    return _run_layout(ids)[1] if _labels_contiguous(ids, length) else None
 
 
 def _int_vector(values: Any, what: str) -> torch.Tensor:

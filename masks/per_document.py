@@ -24,7 +24,7 @@ from flexattn_zoo.spec import (
 
 from ._blocks import evaluate_blocks, spec_cached
 from .causal import Causal
-from .document import Document
+from .document import Document, _run_layout
 from .prefix_lm import PrefixLM
 from .sliding_window import SlidingWindow
 
@@ -93,17 +93,9 @@ class PerDocument(MaskSpec):
             docs = Document(doc_ids=docs)
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "documents", docs)
-        ids = docs.doc_ids.view(-1, docs.doc_ids.shape[-1])
-        # Run number and run start of every position, by tensor ops only (no data read: fine while
-        # torch.compile traces). A run starts where the label changes.
-        first = torch.ones_like(ids[:, :1], dtype=torch.bool)
-        starts_here = torch.cat([first, ids[:, 1:] != ids[:, :-1]], dim=1)
-        run = torch.cumsum(starts_here, dim=1) - 1
-        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        start = torch.cummax(torch.where(starts_here, pos, 0), dim=1).values
-        shape = docs.doc_ids.shape
-        object.__setattr__(self, "_run", run.to(torch.int32).view(shape))
-        object.__setattr__(self, "_start", start.to(torch.int32).view(shape))
+        run, start = _run_layout(docs.doc_ids)  # tensor ops only: fine while traced
+        object.__setattr__(self, "_run", run)
+        object.__setattr__(self, "_start", start)
         object.__setattr__(self, "_cache", {})  # data-dependent facts (each a device sync); not a field
 
     @classmethod

@@ -22,7 +22,7 @@ from flexattn_zoo.backends.base import (
     flash_cute_lock,
     is_dense_block,
 )
-from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, bound_mask_mod, starts_block_mask
+from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, bound_mask_mod
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
 from flexattn_zoo.functions import _Ref
@@ -299,8 +299,15 @@ class FlexBackend(Backend):
 
     def _prepare(self, p: Problem, device: torch.device, block_mask: Any) -> FlexCall:
         if block_mask is None and p.mask is not None:
-            build = starts_block_mask if self.spells_key_starts else build_block_mask
-            block_mask = build(p.mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
+            block_mask = build_block_mask(
+                p.mask,
+                p.q_len,
+                p.kv_len,
+                batch=p.batch,
+                heads=p.heads,
+                device=device,
+                key_starts=self.spells_key_starts,
+            )
         score_mod = None
         if p.score is not None:
             # A mask that hides every kv_idx > q_idx lets score mods skip work there (ALiBi's abs).

@@ -138,10 +138,15 @@ def test_prompts_longer_than_the_problem_and_per_document_rectangles() -> None:
 
 def test_the_starts_block_mask_is_cached_and_shares_the_plain_blocks() -> None:
     spelled_spec = _docs() & masks.Causal()
-    first = blockmask.starts_block_mask(spelled_spec, 21, 21)
-    assert blockmask.starts_block_mask(spelled_spec, 21, 21) is first
+    first = blockmask.block_mask(spelled_spec, 21, 21, key_starts=True)
+    assert blockmask.block_mask(spelled_spec, 21, 21, key_starts=True) is first
     plain = blockmask.block_mask(spelled_spec, 21, 21)
     assert first.mask_mod.__name__ == "starts_mask" and plain.mask_mod.__name__ != "starts_mask"
     assert torch.equal(first.kv_indices, plain.kv_indices)
     window = masks.SlidingWindow(left=4) & masks.Causal()  # no spelling: the plain BlockMask itself
-    assert blockmask.starts_block_mask(window, 21, 21) is blockmask.block_mask(window, 21, 21)
+    assert blockmask.block_mask(window, 21, 21, key_starts=True) is blockmask.block_mask(window, 21, 21)
+
+
+def test_block_mask_refuses_a_key_starts_that_is_not_a_bool() -> None:
+    with pytest.raises(TypeError, match="key_starts must be a bool"):
+        blockmask.block_mask(_docs() & masks.Causal(), 21, 21, key_starts=1)  # type: ignore[arg-type]
