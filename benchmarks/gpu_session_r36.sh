@@ -22,7 +22,7 @@ source benchmarks/gpu_session_lib.sh  # the repository root is the working direc
 
 case "$step" in
   docs)
-    run h200_documents_r36 "$(( $(left) / 2 ))" python3 -m flexattn_zoo.bench h200 --no-fa4 \
+    run h200_documents_r36 "$(( $(left) * 3 / 5 ))" python3 -m flexattn_zoo.bench h200 --no-fa4 \
       --routes auto,flex,raw_flex --cases document_causal,document_causal_d64,document_causal_gqa \
       --out "$out/h200_documents_r36.json" --md "$out/h200_documents_r36.md" --quiet
     run gpu_tests_documents_r36 "$(( $(left) - 5 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
