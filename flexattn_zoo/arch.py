@@ -317,6 +317,19 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         generation="sm90",
+        modes=("fwd",),
+        traits=frozenset({"packed_segments"}),
+        max_head_dim=64,
+        front=("flex",),
+        why="documents at head dims up to 64: Triton flex's forward beats flex_flash's (Llama-3.2-1B "
+        "style, B=2 H=32 L=8K D=64: 0.345 vs 0.36 ms with document labels; spelled with row starts, "
+        "Triton flex's document_causal_d64 forward rose from 177 to 210 TFLOP/s, h200_documents_r36, "
+        "against flex_flash's 197)",
+        benchmark="generalization_h200.json",
+        evidence=("docs_llama32_1b_l8192_b2_d64/fwd",),
+    ),
+    Rule(
+        generation="sm90",
         modes=BOTH,
         traits=frozenset({"score_mod"}),
         front=("flex_flash",),
@@ -399,7 +412,8 @@ RULES: tuple[Rule, ...] = (
         "(BERT-style bidirectional documents, B=4, L=4K, D=64: flex 0.13 / 0.99 ms vs flex_flash "
         "0.30 and fa4 1.45)",
         benchmark="generalization_h200.json",
-        evidence=("docs_bidir_bert_l4096_b4/fwd", "docs_bidir_bert_l4096_b4/fwdbwd"),
+        # Its forward rows are D=64, where the head-dim rule above already takes flex.
+        evidence=("docs_bidir_bert_l4096_b4/fwdbwd",),
     ),
     Rule(
         generation="sm90",
