@@ -321,10 +321,10 @@ RULES: tuple[Rule, ...] = (
         traits=frozenset({"packed_segments"}),
         max_head_dim=64,
         front=("flex",),
-        why="documents at head dims up to 64: Triton flex's forward beats flex_flash's (Llama-3.2-1B "
-        "style, B=2 H=32 L=8K D=64: 0.345 vs 0.36 ms with document labels; spelled with row starts, "
-        "Triton flex's document_causal_d64 forward rose from 177 to 210 TFLOP/s, h200_documents_r36, "
-        "against flex_flash's 197)",
+        why="documents at head dims up to 64: Triton flex, which spells contiguous documents with "
+        "row starts, beats flex_flash forward (Llama-3.2-1B style, B=2 H=32 L=8K D=64: 0.288 vs "
+        "0.358 ms; document_causal_d64 in h200.json: 212 vs 196 TFLOP/s); at head dim 128 "
+        "flex_flash leads (document_causal: 318 vs 271)",
         benchmark="generalization_h200.json",
         evidence=("docs_llama32_1b_l8192_b2_d64/fwd",),
     ),
