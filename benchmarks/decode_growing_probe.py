@@ -9,6 +9,10 @@ With ``--profile N``: after the timings, cProfile of N more growing steps of ``f
 own time, microseconds per step), to show where a plan-cache miss spends its host time.
 
     PYTHONPATH=. python benchmarks/decode_growing_probe.py [--steps 200] [--batch 8] [--start 4000] [--routes sdpa,fa4]
+    PYTHONPATH=. python benchmarks/decode_growing_probe.py --device cpu --batch 1 --heads 8:8 --head-dim 64 --start 1000 --steps 1000
+
+On the CPU (float32, one thread) every step includes its kernel, and the planning of a miss
+also decides whether to scan q/k/v for NaN/inf.
 """
 
 from __future__ import annotations
@@ -35,9 +39,16 @@ def main() -> None:
     p.add_argument("--routes", default="", help="also fz.attention(backend=ROUTE) for each, e.g. sdpa,fa4")
     p.add_argument("--profile", type=int, default=0, help="cProfile this many growing steps per backend")
     p.add_argument("--top", type=int, default=20, help="with --profile: functions shown per backend")
+    p.add_argument("--device", default="cuda", help="cuda (bfloat16) or cpu (float32, one thread)")
+    p.add_argument("--heads", default="32:8", help="query heads:key/value heads")
+    p.add_argument("--head-dim", type=int, default=128)
     args = p.parse_args()
-    dev, dt = "cuda", torch.bfloat16
-    b, h, hkv, d = args.batch, 32, 8, 128
+    dev = args.device
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    if dev == "cpu":
+        torch.set_num_threads(1)
+    h, hkv = (int(x) for x in args.heads.split(":"))
+    b, d = args.batch, args.head_dim
     routes = args.routes.split(",") if args.routes else []
     profiled = ["auto", *routes, "decode_step"] if args.profile else []
     # Every step of every call below meets a length no call met before, so the cache holds them
@@ -66,6 +77,10 @@ def main() -> None:
     with torch.no_grad():
         for name, call in calls.items():
             times = []
+            if dev == "cpu":
+                # The same lengths for every call (each still new to it: fz.attention meets each
+                # once): a CPU step's time is mostly its kernel's, which grows with the length.
+                length = args.start
             try:
                 length += 1
                 call(length)  # a first call (plan, compile), untimed
@@ -75,10 +90,10 @@ def main() -> None:
             for step in range(args.steps):
                 length += 1  # a length no call has seen
                 assert length <= cap
-                torch.cuda.synchronize()
+                _sync(dev)
                 t0 = time.perf_counter()
                 call(length)
-                torch.cuda.synchronize()
+                _sync(dev)
                 if step >= 10:
                     times.append((time.perf_counter() - t0) * 1e3)
             print(
@@ -92,7 +107,7 @@ def _profile(backend: str, q, k, v, length: int, steps: int, top: int) -> int:  
     """cProfile ``steps`` growing-cache calls of ``fz.attention(backend=backend)``; prints the top
     functions by own time in microseconds per step; returns the next unseen length."""
     profiler = cProfile.Profile()
-    torch.cuda.synchronize()
+    _sync(q.device.type)
     profiler.enable()
     for _ in range(steps):
         length += 1
@@ -101,7 +116,7 @@ def _profile(backend: str, q, k, v, length: int, steps: int, top: int) -> int:  
             fz.decode.decode_step(q, k, v, length)
         else:
             fz.attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True, backend=backend)
-    torch.cuda.synchronize()
+    _sync(q.device.type)
     profiler.disable()
     stats = pstats.Stats(profiler)
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]  # type: ignore[attr-defined]
@@ -112,6 +127,11 @@ def _profile(backend: str, q, k, v, length: int, steps: int, top: int) -> int:  
             f"  {own / steps * 1e6:8.1f} own {cum / steps * 1e6:8.1f} cum  {ncalls / steps:5.1f}x  {func} ({Path(file).name}:{line})"
         )
     return length
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _without(kernels, q, k, v, n):  # type: ignore[no-untyped-def]

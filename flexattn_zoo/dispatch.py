@@ -328,7 +328,11 @@ def _problem(
     traced: bool = False,
     kernel_options: tuple[tuple[str, Any], ...] | None = None,
     dropout_p: float = 0.0,
+    scan: bool = True,
 ) -> tuple[Problem, Any]:
+    """The problem of a call, and the caller's BlockMask if it gave one. ``scan``: read whether
+    q/k/v hold NaN/inf (CPU only, ``Problem.nonfinite``); False leaves ``nonfinite`` False, for a
+    caller that scans only where the verdict can change the route (:func:`_with_finiteness`)."""
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
     det = _resolve_deterministic(deterministic)
@@ -347,7 +351,7 @@ def _problem(
             if not traced:  # listing a callable's tensors walks its closure, which Dynamo cannot
                 check_learned_devices(arg, spec, q.device)
     requires_grad = needs_grad((q, k, v), score_spec)
-    nonfinite = inputs_nonfinite(q, k, v)
+    nonfinite = inputs_nonfinite(q, k, v) if scan else False
     problem = Problem(
         batch=shape.batch,
         heads=shape.heads,
@@ -717,12 +721,13 @@ def attention(
         if not return_lse:
             return out
         return out, maybe_lse
-    user_bm = None
+    tune_on = _tune_on(tune, backend, options, dropout, context_parallel)
+    # Measured choice times the routes that accept the problem, so it must know the verdict
+    # first; otherwise the inputs are scanned only where it can change the route.
     problem, user_bm = _problem(
         q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
-        kernel_options=options, dropout_p=dropout,
+        kernel_options=options, dropout_p=dropout, scan=tune_on,
     )  # fmt: skip
-    tune_on = _tune_on(tune, backend, options, dropout, context_parallel)
     if problem.q_len == 0 or problem.kv_len == 0:
         if backend != "auto":
             plan_problem(problem, backend)  # a named route must still be able to serve the call
@@ -732,6 +737,11 @@ def attention(
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device, lazy=True)
+    finiteness_matters = None if tune_on else _finiteness_matters(chosen, q.device)
+    if finiteness_matters and inputs_nonfinite(q, k, v):
+        # A route that refuses NaN/inf (and only such a route) came at or before the chosen one.
+        problem = dataclasses.replace(problem, nonfinite=True)
+        chosen = plan_problem(problem, backend, device=q.device, lazy=True)
     if tuning.needs_measuring(chosen.tuning) and tuning.can_measure(q):
         chosen = _measured(chosen, q, k, v, scale_checked, user_bm)
     if context_parallel:
@@ -748,7 +758,9 @@ def attention(
         # This call already runs the bound call its later hits run (the route is bound once, and
         # what the bound call keeps from its first call is kept from this one).
         bound = BoundPlan.of(chosen, q.device)
-        plan_cache.store(key, bound, _finiteness_matters(chosen, q.device))
+        if finiteness_matters is None:  # measured choice: its plan may differ from the static one
+            finiteness_matters = _finiteness_matters(chosen, q.device)
+        plan_cache.store(key, bound, finiteness_matters)
         out, maybe_lse = bound.run(q, k, v, bound.scale if scale_checked is None else scale_checked)
     else:
         out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale_checked, block_mask=user_bm)
@@ -824,11 +836,21 @@ def _measured(
 
 def _finiteness_matters(chosen: Plan, device: torch.device) -> bool:
     """Whether a call like ``chosen``'s, but whose q/k/v are (or are not) finite where these were
-    not (were), could take another route or fail: planned again with ``Problem.nonfinite``
-    flipped (CPU only: elsewhere the inputs are never scanned)."""
+    not (were), could take another route or fail (CPU only: elsewhere the inputs are never
+    scanned). Without measured choice, only where a route whose verdicts read the finiteness
+    (``Backend.reads_finiteness``) is the named one or comes at or before the chosen one in
+    ``auto``'s order: the routes before the chosen one refused, and only such a route's verdict
+    can turn; with it, planned again with ``Problem.nonfinite`` flipped."""
     p = chosen.problem
     if p.device_type != "cpu":
         return False
+    if chosen.tuning is None:
+        if chosen.requested != "auto":
+            return BY_NAME[chosen.requested].reads_finiteness
+        order = _order(p)
+        if chosen.backend in order:
+            reached = order[: order.index(chosen.backend) + 1]
+            return any(BY_NAME[name].reads_finiteness for name in reached)
     try:
         flipped = dataclasses.replace(p, nonfinite=not p.nonfinite)
         other = plan_problem(

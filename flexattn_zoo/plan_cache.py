@@ -21,13 +21,14 @@ planning reads from them, so a hit returns exactly the plan the full path would 
   process-wide switch (``fz.tune.enable`` / ``disable``, ``FLEXATTN_ZOO_TUNE``) and the version of
   the table of measurements, which every measurement, load and clear bumps.
 
-On the CPU planning also reads whether q/k/v hold NaN/inf (``Problem.nonfinite``: ``flex_cpu``
-refuses them), a scan of the data. Where that verdict cannot change the route (planned again
-with it flipped, the call takes the same route: SDPA routes, named routes other than
-``flex_cpu``), the plan is stored under the key alone and a hit skips the scan: the plan's
-``problem.nonfinite`` then reflects the call that made it, which nothing that runs the route
-reads. Where it can, a :class:`ByFiniteness` is stored instead, holding the plan of each verdict,
-and every hit scans the inputs as the full path would (``lookup``, ``store``).
+On the CPU planning may also read whether q/k/v hold NaN/inf (``Problem.nonfinite``: ``flex_cpu``
+refuses them), a scan of the data. Where that verdict cannot change the route (no route that
+reads it, ``Backend.reads_finiteness``, is the named one or comes at or before the chosen one:
+SDPA routes, named routes other than ``flex_cpu``), neither the planning call nor a hit scans,
+and the plan is stored under the key alone (its ``problem.nonfinite`` is False, which nothing
+that runs the route reads). Where it can, a :class:`ByFiniteness` is stored instead, holding the
+plan of each verdict, and every hit scans the inputs as the full path does (``lookup``,
+``store``).
 
 Not cached (the full path runs): a ``BlockMask`` as mask, calls traced by ``torch.compile``,
 arguments that fail validation (errors come from the full path), and a score_mod given by

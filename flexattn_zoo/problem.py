@@ -17,7 +17,8 @@ class Problem:
     ``user_block_mask`` is set when the caller passed a BlockMask instead of a spec.
     ``deterministic`` asks for bitwise run-to-run reproducible forward and backward.
     ``nonfinite`` is True when q/k/v are known to hold NaN/inf; ``fz.attention`` only looks on
-    the CPU, where the check costs no device synchronization.
+    the CPU, where the check costs no device synchronization, and there only where the verdict
+    can change the route (``Backend.reads_finiteness``); ``fz.plan`` always looks there.
     ``index_extent`` is the largest element offset + 1 that a kernel reads in any of q/k/v (from
     their sizes and strides: an expanded tensor counts once); 0 when unknown.
 

@@ -246,6 +246,10 @@ class Backend:
     #: such routes after every route that does not, and measured route choice (``fz.tune``)
     #: keeps it so: it times one only where the static order picks it.
     materializes: bool = False
+    #: Its verdicts read ``Problem.nonfinite`` (whether q/k/v hold NaN/inf, scanned on the CPU
+    #: only): ``fz.attention`` scans the inputs of a call it plans only where such a route comes
+    #: at or before the route it would take (the scan reads every element).
+    reads_finiteness: bool = False
     doc: str = ""
 
     # -- machine-level ------------------------------------------------------------------------

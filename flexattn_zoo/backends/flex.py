@@ -689,6 +689,7 @@ class FlexCpuBackend(FlexBackend):
     there why)."""
 
     pad_head_dims_to: int | None = CPU_FLEX_MIN_HEAD_DIM
+    reads_finiteness: bool = True
 
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:

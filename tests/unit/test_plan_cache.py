@@ -5,14 +5,18 @@ Each test swaps in an empty cache (``monkeypatch``) and counts its ``inserts``: 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from learned_bias import LearnedHeadBias
 
 import flexattn_zoo as fz
-from flexattn_zoo import _compat, blockmask, masks, plan_cache, score_mods
+from flexattn_zoo import _compat, blockmask, dispatch, masks, plan_cache, score_mods
+from flexattn_zoo.backends import BACKENDS
 from flexattn_zoo.backends import flex as flex_backend
 from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.problem import Problem
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.testing import assert_matches_reference
 
@@ -300,6 +304,76 @@ def test_route_reading_nan_scans_every_hit(plans: LRUCache) -> None:
         False: "flex_cpu",
         True: "dense",
     }
+
+
+def test_planning_a_route_blind_to_nan_skips_the_scan(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that misses the cache (a growing KV cache: a new length every step) is planned
+    without reading q/k/v where no route that refuses NaN/inf comes at or before the route it
+    takes (the scan reads every element, several times the kernel of a short decode step)."""
+    scans: list[int] = []
+    real = dispatch.inputs_nonfinite
+    monkeypatch.setattr(dispatch, "inputs_nonfinite", lambda *a: scans.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1, 16, generator=g)
+    cache = torch.randn(2, 1, 2, 96, 16, generator=g)
+    cache[0, 0, 0, 50, 0] = float("nan")  # a key the step at length 51 on sees
+    for length in range(40, 60):
+        k, v = cache[0, :, :, :length], cache[1, :, :, :length]
+        out = fz.attention(q, k, v)
+        if length > 50:  # the NaN key is in head 0: that head's row is NaN, the other exact
+            assert torch.isnan(out[0, 0]).all() and not torch.isnan(out[0, 1]).any(), length
+        else:
+            assert_matches_reference(out, q, k, v)
+    assert scans == [] and plans.inserts == 20
+    assert {p.backend for p in _stored(plans)} == {"sdpa_flash"}
+
+
+def test_planning_a_route_that_reads_nan_scans_and_routes_around_it(plans: LRUCache) -> None:
+    """Where a route that refuses NaN/inf would be taken (flex_cpu for sliding windows), a call
+    planned anew is scanned: NaN inputs are planned onto a route that propagates them, and
+    every new shape is routed by its own inputs."""
+    spec = masks.SlidingWindow(left=8)
+    for length in (48, 56):
+        q, k, v = _qkv(length)
+        bad = q.clone()
+        bad[0, 0, 3, 0] = float("nan")
+        out = fz.attention(bad, k, v, mask=spec)  # planned with NaN first
+        assert torch.isnan(out[0, 0, 3]).all() and not torch.isnan(out[0, 1]).any()
+        assert_matches_reference(fz.attention(q, k, v, mask=spec), q, k, v, mask=spec)
+    routes = sorted((p.problem.q_len, p.problem.nonfinite, p.backend) for p in _stored(plans))
+    assert routes == [
+        (48, False, "flex_cpu"),
+        (48, True, "dense"),
+        (56, False, "flex_cpu"),
+        (56, True, "dense"),
+    ]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize(
+    "mask",
+    [None, masks.Causal(), masks.SlidingWindow(left=8), masks.PrefixLM(prefix_len=5), masks.Chunked(size=16)],
+    ids=["none", "causal", "window", "prefix", "chunked"],
+)
+def test_only_routes_declaring_it_read_finiteness(mask, device: str) -> None:  # type: ignore[no-untyped-def]
+    """``Backend.reads_finiteness`` is what lets a call skip the NaN/inf scan: every route whose
+    verdict on a problem changes with ``Problem.nonfinite`` must declare it."""
+    for arch, dtype in (("cpu", torch.float32), ("sm90", torch.bfloat16), ("sm80", torch.float16)):
+        if (device == "cpu") != (arch == "cpu"):
+            continue
+        for grad in (False, True):
+            p = Problem(
+                batch=2, heads=4, kv_heads=4, q_len=64, kv_len=64, head_dim=64, v_dim=64, dtype=dtype,
+                device_type=device, arch=arch, requires_grad=grad, mask=mask, score=None,
+                return_lse=False, user_block_mask=False, deterministic=False, nonfinite=False,
+                index_extent=2 * 4 * 64 * 64, nonpositive_scale=False, kernel_options=None, dropout_p=0.0,
+            )  # fmt: skip
+            flipped = dataclasses.replace(p, nonfinite=True)
+            for b in BACKENDS:
+                if b.reasons(p) != b.reasons(flipped):
+                    assert b.reads_finiteness, (b.name, arch, mask, grad)
 
 
 def test_user_block_masks_share_prepared_calls_by_mask_mod(
