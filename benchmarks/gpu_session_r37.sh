@@ -11,8 +11,12 @@
 #                    # whether glibc's per-thread arenas are the RSS that rises round after round
 #                    # while Python objects and device memory stay flat (soak_h200_r36.json)
 #   bash benchmarks/gpu_session_r37.sh host 200        # host time per layer on a plan-cache hit
+#   bash benchmarks/gpu_session_r37.sh decode 300      # decode_bench.py's steps again (its table,
+#                    # results/decode_h200.md, predates SDPA over the live prefix in decode_step and
+#                    # cuDNN at a repeated shape in fz.attention): decode_int, attention, sdpa,
+#                    # flex_graph at 4K and 32K keys, batch 1, 8 and 32
 set -uo pipefail
-step="${1:?usage: $0 hostbound|arena|host [BUDGET_S]}"
+step="${1:?usage: $0 hostbound|arena|host|decode [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r37
@@ -44,6 +48,11 @@ case "$step" in
     ;;
   host)
     run host_layers_h200_r37 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda --rounds 15
+    ;;
+  decode)
+    run decode_h200_r37 "$(( $(left) - 5 ))" python3 benchmarks/decode_bench.py --lens 4096,32768 \
+      --batch 1,8,32 --routes decode_int,attention,sdpa,flex_graph --repeats 10 \
+      --md "$out/decode_h200_r37.md" --json "$out/decode_h200_r37.json"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
