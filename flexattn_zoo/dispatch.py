@@ -332,7 +332,8 @@ def _problem(
 ) -> tuple[Problem, Any]:
     """The problem of a call, and the caller's BlockMask if it gave one. ``scan``: read whether
     q/k/v hold NaN/inf (CPU only, ``Problem.nonfinite``); False leaves ``nonfinite`` False, for a
-    caller that scans only where the verdict can change the route (:func:`_with_finiteness`)."""
+    caller that scans only where the verdict can change the route (``attention``, with
+    :func:`_finiteness_matters`)."""
     check_flag("enable_gqa", enable_gqa)
     check_flag("return_lse", return_lse)
     det = _resolve_deterministic(deterministic)
