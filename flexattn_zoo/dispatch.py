@@ -650,8 +650,9 @@ def attention(
     ``i`` on every route, as in SDPA (a value's NaN reaches only its own column). Rows that do
     not see it may come out NaN too (dense routes multiply masked probabilities, which are 0, by
     the values: 0 * NaN = NaN), so never rely on them. ``+inf`` scores give NaN rows; ``-inf``
-    scores just hide that key. On the CPU the check is free, and ``flex_cpu`` (whose kernel drops
-    NaN silently) refuses non-finite inputs.
+    scores just hide that key. On the CPU the check needs no sync, and ``flex_cpu`` (whose kernel
+    drops NaN silently) refuses non-finite inputs; a call is checked only where that can change
+    its route (``flex_cpu`` named, or reached in ``auto``'s order).
 
     Distributed: DTensors sharded by batch (``Shard(0)``) or heads (``Shard(1)``) run on each
     rank's local shard, with specs seeing global indices, and give DTensors; sequence sharding is
