@@ -10,13 +10,16 @@
 #                    # After each, copy $OUT/r37/generalization_h200.json over
 #                    # benchmarks/results/generalization_h200.json (the next step starts from it),
 #                    # then run benchmarks/regret.py on the CPU.
+#   bash benchmarks/gpu_session_r37.sh docs64 400      # (FA4 installed) documents at D=64, MHA and
+#                    # GQA, with every route they list (fa4 and Triton flex split the training rows
+#                    # by shape); into a copy of the sweep as above
 #   bash benchmarks/gpu_session_r37.sh host 200        # host time per layer on a plan-cache hit
 #   bash benchmarks/gpu_session_r37.sh decode 300      # decode_bench.py's steps again (its table,
 #                    # results/decode_h200.md, predates SDPA over the live prefix in decode_step and
 #                    # cuDNN at a repeated shape in fz.attention): decode_int, attention, sdpa,
 #                    # flex_graph at 4K and 32K keys, batch 1, 8 and 32
 set -uo pipefail
-step="${1:?usage: $0 hostbound1|hostbound2|host|decode [BUDGET_S]}"
+step="${1:?usage: $0 hostbound1|hostbound2|docs64|host|decode [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r37
@@ -33,17 +36,19 @@ modernbert_l1024_b16_padded,modernbert_l8192_local,paligemma_prefix256_l1024_b4_
 prefill_chunk512_llama3_8b_8k,prefix512_l2048_b8_d64,qwen25_05b_l1024_b16,qwen2vl_vision_l4096_d80,\
 spec4_llama3_8b_b8_8k,vit_b16_l197_b64,vit_h14_l257_b16_d80,vit_l14_l577_b32
 
-short() {  # short N: the sweep's every route again over SHORT_CASES_N, into a copy of the sweep
-  local cases_var="SHORT_CASES_$1"
+DOCS_D64=docs_llama32_1b_l8192_b2_d64,docs_qwen25_05b_l8192_b4_d64,docs_pythia410m_l4096_b8_d64
+
+sweep() {  # sweep NAME CASES: the sweep's every route again over CASES, into a copy of the sweep
   cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
-  run "generalization_short${1}_r37" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
-    --resume --rerun --cases "${!cases_var}" --out "$out/generalization_h200.json" \
-    --md "$out/generalization_short${1}_r37.md" --quiet --time-budget "$(( $(left) - 40 ))"
+  run "generalization_${1}_r37" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+    --resume --rerun --cases "$2" --out "$out/generalization_h200.json" \
+    --md "$out/generalization_${1}_r37.md" --quiet --time-budget "$(( $(left) - 40 ))"
 }
 
 case "$step" in
-  hostbound1) short 1 ;;
-  hostbound2) short 2 ;;
+  hostbound1) sweep short1 "$SHORT_CASES_1" ;;
+  hostbound2) sweep short2 "$SHORT_CASES_2" ;;
+  docs64) sweep docs64 "$DOCS_D64" ;;
   host)
     run host_layers_h200_r37 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda --rounds 15
     ;;
