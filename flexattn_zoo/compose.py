@@ -213,23 +213,15 @@ class And(_Combined):
 
 def _starts_spelled(others: list[MaskMod], starts: torch.Tensor) -> MaskMod:
     """``others`` ANDed with ``starts[q] <= kv`` (``starts[b, q]`` for ``[B, L]`` starts)."""
-    if starts.dim() == 1:
+    batched = starts.dim() == 2  # a Python constant of the function: flex traces one branch
 
-        def starts_mask(b, h, q_idx, kv_idx):
-            out = starts[q_idx] <= kv_idx
-            for mod in others:
-                out = out & mod(b, h, q_idx, kv_idx)
-            return out
-
-        return starts_mask
-
-    def batched_starts_mask(b, h, q_idx, kv_idx):
-        out = starts[b, q_idx] <= kv_idx
+    def starts_mask(b, h, q_idx, kv_idx):
+        out = (starts[b, q_idx] if batched else starts[q_idx]) <= kv_idx
         for mod in others:
             out = out & mod(b, h, q_idx, kv_idx)
         return out
 
-    return batched_starts_mask
+    return starts_mask
 
 
 @spec_dataclass

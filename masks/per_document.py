@@ -219,27 +219,18 @@ class PerDocument(MaskSpec):
             return None
         mod = self.inner.mask_mod()
         start: torch.Tensor = self.__dict__["_start"]
-        if start.dim() == 1:
+        batched = start.dim() == 2  # a Python constant of the function: flex traces one branch
 
-            def per_document_starts_mask(
-                b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-            ) -> torch.Tensor:
-                s = start[q_idx]
-                here = (s <= kv_idx) & (kv_idx <= q_idx)
-                # Keys outside the query's document are evaluated at its own position (a valid
-                # local index for the inner spec), then masked.
-                return here & mod(b, h, q_idx - s, torch.where(here, kv_idx - s, q_idx - s))
-
-            return per_document_starts_mask
-
-        def batched_per_document_starts_mask(
+        def per_document_starts_mask(
             b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
         ) -> torch.Tensor:
-            s = start[b, q_idx]
+            s = start[b, q_idx] if batched else start[q_idx]
             here = (s <= kv_idx) & (kv_idx <= q_idx)
+            # Keys outside the query's document are evaluated at its own position (a valid local
+            # index for the inner spec), then masked.
             return here & mod(b, h, q_idx - s, torch.where(here, kv_idx - s, q_idx - s))
 
-        return batched_per_document_starts_mask
+        return per_document_starts_mask
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

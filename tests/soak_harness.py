@@ -672,8 +672,9 @@ DEVICE_ALLOC_GROWTH_BOUND_MB = 8.0
 #: (1760-1880 -> 1910-2090 MiB), then by 29-79 MiB more over the eight rounds after warm-up in
 #: eight runs of 10,000 calls (stepwise, steps of up to 40 MiB), and by 89 MiB in a run of 3,000
 #: calls: the rise follows rounds more than calls, while the collector's object count and
-#: device memory stay flat, so it is not the library's Python state or tensors (what raises it is
-#: not established). A leak of 18 KiB per call (7,300 calls after warm-up) exceeds the bound.
+#: device memory stay flat, so it is not the library's Python state or tensors, nor glibc's
+#: per-thread arenas (``MALLOC_ARENA_MAX=2``: +91 MiB at 3,000 calls); what raises it is not
+#: established. A leak of 18 KiB per call (7,300 calls after warm-up) exceeds the bound.
 RSS_GROWTH_BOUND_MB_GPU = 128.0
 #: Growth allowed, after warm-up, in the number of objects Python's garbage collector tracks
 #: (containers: what a spec, plan, closure or tensor is made of; sampled after ``gc.collect()``):
