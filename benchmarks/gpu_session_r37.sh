@@ -13,7 +13,10 @@
 #   bash benchmarks/gpu_session_r37.sh docs64 400      # (FA4 installed) documents at D=64, MHA and
 #                    # GQA, with every route they list (fa4 and Triton flex split the training rows
 #                    # by shape); into a copy of the sweep as above
-#   bash benchmarks/gpu_session_r37.sh host 200        # host time per layer on a plan-cache hit
+#   bash benchmarks/gpu_session_r37.sh host 300        # host time per layer on a plan-cache hit; a
+#                    # decode step's host time and kernels per spelling (decode_profile_probe.py:
+#                    # fz.attention at 4K x 1 took 88 us against plain SDPA's 46); the GPU
+#                    # document tests on the unified starts mask_mods
 #   bash benchmarks/gpu_session_r37.sh decode 300      # decode_bench.py's steps again (its table,
 #                    # results/decode_h200.md, predates SDPA over the live prefix in decode_step and
 #                    # cuDNN at a repeated shape in fz.attention): decode_int, attention, sdpa,
@@ -50,7 +53,11 @@ case "$step" in
   hostbound2) sweep short2 "$SHORT_CASES_2" ;;
   docs64) sweep docs64 "$DOCS_D64" ;;
   host)
-    run host_layers_h200_r37 "$(( $(left) - 5 ))" python3 benchmarks/host_layers_probe.py --device cuda --rounds 15
+    run host_layers_h200_r37 "$(( $(left) / 3 ))" python3 benchmarks/host_layers_probe.py --device cuda --rounds 15
+    run decode_profile_h200_r37 "$(( $(left) / 3 ))" python3 benchmarks/decode_profile_probe.py \
+      --shape 1,32,8,4096,128 --shape 8,32,8,4096,128 --shape 32,32,8,4096,128
+    run gpu_tests_documents_r37 "$(( $(left) - 5 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+      tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py -k "document and not flex_flash and not fa4"
     ;;
   decode)
     run decode_h200_r37 "$(( $(left) - 5 ))" python3 benchmarks/decode_bench.py --lens 4096,32768 \
