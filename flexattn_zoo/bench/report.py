@@ -110,11 +110,12 @@ AUTO_VS_RAW_FLEX = 1.3
 HOST_BOUND = 0.9
 
 
-def host_bound(row: dict[str, Any] | None) -> bool:
-    """Whether issuing one call took the host (nearly) as long as the call took (CUDA rows)."""
+def host_bound(row: dict[str, Any] | None, share: float = HOST_BOUND) -> bool:
+    """Whether issuing one call took the host at least ``share`` of the time the call took (CUDA
+    rows; the default: (nearly) as long)."""
     if not row or row.get("status") != "ok" or not row.get("ms") or row.get("host_ms") is None:
         return False
-    return bool(row["host_ms"] >= HOST_BOUND * row["ms"])
+    return bool(row["host_ms"] >= share * row["ms"])
 
 
 def _ratio_cell(got: float | None, other: float | None, rule: float, name: str | None = None) -> str:

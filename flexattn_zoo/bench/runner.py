@@ -184,6 +184,16 @@ INTERLEAVE_MAX_MS = 5.0
 #: Routes never timed again: ``auto_tuned`` made its choice under a tuning directory of its own,
 #: which its row's call no longer sees.
 NOT_INTERLEAVED = frozenset({"auto_tuned"})
+#: A row whose host time per call is at least this share of its time has its case and mode timed
+#: again interleaved. Lower than the report's "host-bound" mark: the host time is taken per call
+#: without waiting on the GPU, so it shows less than a call's whole host cost, and rows whose
+#: host time is 0.6-0.8 of their time still move with the host (benchmarks/README.md).
+HOST_AFFECTED = 0.5
+
+
+def host_affected(row: dict[str, Any] | None) -> bool:
+    """Whether the host may have set ``row``'s time (CUDA rows: those with a host time)."""
+    return host_bound(row, HOST_AFFECTED)
 
 
 def _may_interleave(row: dict[str, Any]) -> bool:
@@ -196,9 +206,10 @@ def retime_interleaved(
     kept: dict[str, tuple[dict[str, Any], Callable[[], Any]]], device: torch.device
 ) -> None:
     """Time the kept rows of one case and mode again, interleaved (``timing.interleaved``), when
-    one of them measured the host: host time drifts over a process, and rows timed one after
-    another would compare the drift. Each row keeps its first median as ``ms_alone``."""
-    if len(kept) < 2 or not any(host_bound(row) for row, _ in kept.values()):
+    the host may have set one of their times (:func:`host_affected`): host time drifts over a
+    process, and rows timed one after another would compare the drift. Each row keeps its first
+    median as ``ms_alone``."""
+    if len(kept) < 2 or not any(host_affected(row) for row, _ in kept.values()):
         return
     try:
         timings = interleaved(

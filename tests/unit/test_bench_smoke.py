@@ -478,6 +478,19 @@ def test_timing_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.Mon
     assert warm <= len(calls) - 1 - len(result.times_ms) <= 2 * warm + 2
 
 
+def test_host_affected_marks_rows_whose_host_time_is_half_their_time() -> None:
+    """The re-timing trigger: a row's host time per call at least ``HOST_AFFECTED`` of its time
+    (a row at 0.74, below the report's host-bound mark, is one); rows without a host time (CPU)
+    or not run never trigger it."""
+    share = bench.HOST_AFFECTED
+    assert bench.host_affected({"status": "ok", "ms": 0.078, "host_ms": 0.058})
+    assert bench.host_affected({"status": "ok", "ms": 1.0, "host_ms": share})
+    assert not bench.host_affected({"status": "ok", "ms": 1.0, "host_ms": 0.99 * share})
+    assert not bench.host_affected({"status": "ok", "ms": 1.0, "host_ms": None})
+    assert not bench.host_affected({"status": "error", "ms": 1.0, "host_ms": 1.0})
+    assert not bench.host_affected(None)
+
+
 def test_rows_of_a_host_bound_case_are_timed_again_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host time drifts over a sweep process, so when a row of a case measured the host, the rows
     of that case and mode are timed again in interleaved rounds; each keeps its first median as
@@ -487,7 +500,7 @@ def test_rows_of_a_host_bound_case_are_timed_again_interleaved(monkeypatch: pyte
     assert not bench._may_interleave({"status": "ok", "route": "sdpa", "ms": 1.01 * limit})
     assert not bench._may_interleave({"status": "ok", "route": "auto_tuned", "ms": 0.01})
     bound = {"a"}
-    monkeypatch.setattr(bench, "host_bound", lambda row: row is not None and row["case"] in bound)
+    monkeypatch.setattr(bench, "host_affected", lambda row: row is not None and row["case"] in bound)
     # Every row short enough to be kept: on a loaded CPU (CI's two cores, another worker compiling)
     # a tiny call's median can pass the real limit, which this test is not about.
     monkeypatch.setattr(bench, "INTERLEAVE_MAX_MS", float("inf"))
