@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU steps prepared by the thirty-fifth session (whose third call was lost with its machine).
+# One step per argument, under its own time limit; outputs go into $OUT/r38/, packed into
+# $OUT/r38_STEP.tar after every sub-step.
+#
+#   bash benchmarks/gpu_session_r38.sh host 300   # host time per layer on a plan-cache hit
+#                    # (decode_step included); decode_profile_probe.py (fz.attention at 4K x 1 took
+#                    # 88 us against plain SDPA's 46: which kernels and how much host time); the
+#                    # GPU document tests on the unified starts mask_mods (not yet run on the GPU)
+#   bash benchmarks/gpu_session_r38.sh rest 560   # (FA4 installed) the three short cases
+#                    # hostbound2 of r37 did not reach, then documents at D=64 (the two cases
+#                    # without rows), into a copy of the sweep; afterwards copy
+#                    # $OUT/r38/generalization_h200.json over benchmarks/results/ and run regret.py
+set -uo pipefail
+step="${1:?usage: $0 host|rest [BUDGET_S]}"
+budget="${2:-300}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r38
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+
+SHORT_LEFT=llama2_13b_l4096_b1,prefix512_l2048_b8_d64,paligemma_prefix256_l1024_b4_d256
+DOCS_D64=docs_qwen25_05b_l8192_b4_d64,docs_pythia410m_l4096_b8_d64
+
+case "$step" in
+  host)
+    run decode_profile_h200_r38 "$(( $(left) / 3 ))" python3 benchmarks/decode_profile_probe.py \
+      --shape 1,32,8,4096,128 --shape 8,32,8,4096,128 --shape 32,32,8,4096,128
+    run host_layers_h200_r38 "$(( $(left) / 2 ))" python3 benchmarks/host_layers_probe.py --device cuda --rounds 15
+    run gpu_tests_documents_r38 "$(( $(left) - 5 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+      tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py -k "document and not flex_flash and not fa4"
+    ;;
+  rest)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+    for part in "short:$SHORT_LEFT" "docs64:$DOCS_D64"; do
+      name="${part%%:*}" cases="${part#*:}"
+      run "generalization_${name}_r38" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+        --resume --rerun --cases "$cases" --out "$out/generalization_h200.json" \
+        --md "$out/generalization_${name}_r38.md" --quiet --time-budget "$(( $(left) / 2 ))"
+    done
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
