@@ -31,12 +31,13 @@ case "$step" in
     ;;
   rest)
     cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
-    for part in "short:$SHORT_LEFT" "docs64:$DOCS_D64"; do
-      name="${part%%:*}" cases="${part#*:}"
-      run "generalization_${name}_r38" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
-        --resume --rerun --cases "$cases" --out "$out/generalization_h200.json" \
-        --md "$out/generalization_${name}_r38.md" --quiet --time-budget "$(( $(left) / 2 ))"
-    done
+    sweep() {  # sweep NAME CASES SHARE_S: the sweep's every route again over CASES
+      run "generalization_${1}_r38" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+        --resume --rerun --cases "$2" --out "$out/generalization_h200.json" \
+        --md "$out/generalization_${1}_r38.md" --quiet --time-budget "$3"
+    }
+    sweep short "$SHORT_LEFT" "$(( $(left) / 2 ))"
+    sweep docs64 "$DOCS_D64" "$(( $(left) - 40 ))"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
