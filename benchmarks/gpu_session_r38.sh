@@ -11,8 +11,14 @@
 #                    # hostbound2 of r37 did not reach, then documents at D=64 (the two cases
 #                    # without rows), into a copy of the sweep; afterwards copy
 #                    # $OUT/r38/generalization_h200.json over benchmarks/results/ and run regret.py
+#   bash benchmarks/gpu_session_r38.sh gemma2fa4 560  # (FA4 installed, transformers 5.24 under
+#                    # /tmp/site: carry .whl with .whlC and run `python3 -m pip install -q --no-index
+#                    # --no-deps --no-compile --target /tmp/site .whl/*.whl` there) the compiled
+#                    # Gemma 2 training row with FA4, the one compiled-model row not yet measured
+#                    # (the fa4 route runs its local window + approx soft-cap at D=256; without FA4
+#                    # the zoo row is 329.7 ms against HF flex 329.9 in compiled_models_h200_r22.md)
 set -uo pipefail
-step="${1:?usage: $0 host|rest [BUDGET_S]}"
+step="${1:?usage: $0 host|rest|gemma2fa4 [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r38
@@ -38,6 +44,12 @@ case "$step" in
     }
     sweep short "$SHORT_LEFT" "$(( $(left) / 2 ))"
     sweep docs64 "$DOCS_D64" "$(( $(left) - 40 ))"
+    ;;
+  gemma2fa4)
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run compiled_models_gemma2_fa4_r38 "$(( $(left) - 5 ))" \
+      python3 benchmarks/compiled_models.py --models gemma2 --impls flexattn_zoo --modes train \
+      --steps 6 --warmup 1 --json "$out/compiled_models_gemma2_fa4_r38.json" \
+      --md "$out/compiled_models_gemma2_fa4_r38.md" --time-budget "$(( $(left) - 30 ))"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
