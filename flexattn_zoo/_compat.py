@@ -316,18 +316,17 @@ def pin_sdpa_kernel(kernel: str | tuple[str, ...]) -> Any:
     Why not ``sdpa_kernel`` itself: it is a generator context manager that lists, dedups and
     sorts backends and reads and writes every flag by name on entry and exit -- 10-15 us of host
     time per call on a CPU, more than the whole SDPA call on a short problem. This reads the
-    flags once and, when they differ from the pin, writes them all (a flag's setter is cheaper
-    than comparing it in Python), with the same effect."""
+    flags once and writes only those that differ from the pin (:func:`_flag_writes`), with the
+    same effect."""
     want = _sdpa_flags(kernel)
     if want is None or _SDPA_SWITCHES is None:
         kernels = (kernel,) if isinstance(kernel, str) else kernel
         ctx = sdpa_kernel([getattr(SDPBackend, k) for k in kernels])
         ctx.__enter__()
         return ctx
-    getters, setters, _ = _SDPA_SWITCHES
-    saved = tuple([get() for get in getters])
+    saved = tuple([get() for get in _SDPA_SWITCHES[0]])
     if saved != want:
-        for set_flag, flag in zip(setters, want):  # noqa: B905 (one length: both from _SDPA_SWITCHES)
+        for set_flag, flag in _flag_writes(saved, want):
             set_flag(flag)
     return want, saved
 
@@ -339,8 +338,18 @@ def restore_sdpa_kernels(token: Any) -> None:
         return
     want, saved = token
     if saved != want:
-        for set_flag, was in zip(_SDPA_SWITCHES[1], saved):  # type: ignore[index]  # noqa: B905
-            set_flag(was)
+        for set_flag, flag in _flag_writes(want, saved):
+            set_flag(flag)
+
+
+@functools.cache
+def _flag_writes(old: tuple[bool, ...], new: tuple[bool, ...]) -> tuple[tuple[Any, bool], ...]:
+    """``(setter, flag)`` for each SDPA enable flag that differs between states ``old`` and
+    ``new`` (as read by / for :data:`_SDPA_SWITCHES`): what takes the flags from one to the other.
+    Cached per pair (a few states meet in a process), so a pin writes the one or two flags it
+    changes without comparing them one by one in Python."""
+    setters = _SDPA_SWITCHES[1]  # type: ignore[index]
+    return tuple((set_flag, b) for set_flag, a, b in zip(setters, old, new, strict=True) if a != b)
 
 
 #: SDPA kernels whose torch checks read a dense call's sequence lengths only through "is it 0" and

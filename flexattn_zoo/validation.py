@@ -216,9 +216,24 @@ def qkv_acceptable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa
     tens of microseconds (a decode step). Call :func:`check_qkv` when it is False, to raise with
     the reason."""
     q_shape, k_shape, v_shape = q.shape, k.shape, v.shape
-    if not (len(q_shape) == 4 and len(k_shape) == 4 and len(v_shape) == 4):
-        return False
-    dtype, device = q.dtype, q.device
+    return (
+        len(q_shape) == 4
+        and len(k_shape) == 4
+        and len(v_shape) == 4
+        and q_shape[0] == k_shape[0] == v_shape[0]
+        and k_shape[1] == v_shape[1]
+        and k_shape[2] == v_shape[2]
+        and aligned_qkv_acceptable(q, k, v, enable_gqa, q_shape, k_shape)
+    )
+
+
+def aligned_qkv_acceptable(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: object, q_shape: Any, k_shape: Any
+) -> bool:
+    """:func:`qkv_acceptable` for 4-D q/k/v whose caller has compared their shapes already: q, k
+    and v agree in batch, k and v in heads and length (``q_shape``/``k_shape``: q's and k's
+    shapes). The rest of its rules, without reading the shapes again."""
+    dtype = q.dtype
     batch, heads, _, dim = q_shape
     kv_heads = k_shape[1]
     return (
@@ -226,14 +241,21 @@ def qkv_acceptable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa
         and dtype in SUPPORTED_DTYPES
         and k.dtype == dtype
         and v.dtype == dtype
-        and k.device == device
-        and v.device == device
+        # One device: by type flags and CUDA indices where they say it (comparing torch.device
+        # objects builds one per tensor), else by the devices.
+        and (
+            (k.is_cpu and v.is_cpu)
+            if q.is_cpu
+            else (k.is_cuda and v.is_cuda and q.get_device() == k.get_device() == v.get_device())
+            if q.is_cuda
+            else (k.device == q.device and v.device == q.device)
+        )
         and not (q.is_sparse or k.is_sparse or v.is_sparse or q.is_nested or k.is_nested or v.is_nested)
-        and batch == k_shape[0] == v_shape[0]
-        and kv_heads == v_shape[1]
-        and k_shape[2] == v_shape[2]
         and k_shape[3] == dim
-        and min(batch, heads, kv_heads, dim) > 0
+        and batch > 0
+        and heads > 0
+        and kv_heads > 0
+        and dim > 0
         and (heads == kv_heads or (enable_gqa and heads % kv_heads == 0))
     )
 

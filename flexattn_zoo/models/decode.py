@@ -68,6 +68,7 @@ from collections.abc import Hashable
 from typing import Any, Literal, overload
 
 import torch
+import torch.nn.functional as F
 
 from flexattn_zoo import _compat, sharding
 from flexattn_zoo.arch import SPLIT_DECODE_MIN_KV_LEN, SPLIT_DECODE_MIN_KV_ROWS
@@ -83,7 +84,13 @@ from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.plan_cache import process_state
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.validation import check_qkv, check_scale, inputs_nonfinite, qkv_acceptable
+from flexattn_zoo.validation import (
+    aligned_qkv_acceptable,
+    check_qkv,
+    check_scale,
+    inputs_nonfinite,
+    qkv_acceptable,
+)
 
 __all__ = ["DecodeMask", "append_kv", "decode_step", "decode_step_varlen", "lowest_key", "pool_view"]
 
@@ -1102,54 +1109,77 @@ def one_query_over_prefix(
     ``arch.SPLIT_DECODE_MIN_KV_LEN`` keys with ``arch.SPLIT_DECODE_MIN_KV_ROWS`` (batch x kv head)
     rows on, None: FlashAttention-2 reads such caches at about half of HBM bandwidth, the flex
     path's kernel (split over the keys) near all of it."""
-    q_shape, k_shape = q.shape, k_cache.shape
+    q_shape, k_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
     if not (
         len(q_shape) == 4
         and len(k_shape) == 4
-        and v_cache.dim() == 4
+        and len(v_shape) == 4
         and q_shape[2] == 1
-        and q_shape[0] == k_shape[0]
-        and v_cache.shape[:3] == k_shape[:3]
+        and q_shape[0] == k_shape[0] == v_shape[0]
+        and k_shape[1] == v_shape[1]
+        and k_shape[2] == v_shape[2]
         and 1 <= length <= k_shape[2]
-        and not needs_grad((q, k_cache, v_cache), None)
+        # dispatch.needs_grad without a score mod, inline
+        and not (
+            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
+        )
         and not _compat.is_compiling()
         and not sharding.context_parallel_active()
     ):
         return None
-    if (
-        length >= SPLIT_DECODE_MIN_KV_LEN
-        and q_shape[0] * k_shape[1] >= SPLIT_DECODE_MIN_KV_ROWS
-        and q.is_cuda
-    ):
+    batch, heads, _, dim = q_shape
+    kv_heads = k_shape[1]
+    on_cuda = q.is_cuda
+    if length >= SPLIT_DECODE_MIN_KV_LEN and batch * kv_heads >= SPLIT_DECODE_MIN_KV_ROWS and on_cuda:
         return None  # a long cache over many rows: the flex path (see the docstring)
-    gqa = q_shape[1] != k_shape[1] if enable_gqa is None else enable_gqa
-    k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
-    if not _compat.any_autocast_enabled() and qkv_acceptable(q, k_cache, v_cache, gqa):
+    gqa = heads != kv_heads if enable_gqa is None else enable_gqa
+    if (
+        not _compat.any_autocast_enabled()
+        and aligned_qkv_acceptable(q, k_cache, v_cache, gqa, q_shape, k_shape)  # shapes compared above
+        and (on_cuda or q.is_cpu)
+    ):
         # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and
         # D; equal lengths), and a prefix of a contiguous, aligned cache needs no layout check:
-        # what the cache says holds every step, so no per-step slice is inspected.
-        q = fused_layout(q)
-        if not prefixes_are_dense_blocks(k_cache):
-            k = fused_layout(k)
-        if not prefixes_are_dense_blocks(v_cache):
-            v = fused_layout(v)
+        # what the cache says holds every step, so no per-step slice is inspected. The prefixes
+        # are the caches' own sizes and strides with ``length`` keys, the view ``narrow`` gives,
+        # set directly: ``as_strided`` skips narrow's argument handling, a good part of a view's
+        # host cost. On CPU and CUDA tensors only; other devices take ``narrow`` below.
+        k = k_cache.as_strided((batch, kv_heads, length, dim), k_cache.stride())
+        v = v_cache.as_strided((batch, kv_heads, length, v_shape[3]), v_cache.stride())
+        # On the CPU contiguous tensors are read as they are: the calls below, in three comparisons.
+        if on_cuda or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            q = fused_layout(q)
+            if not prefixes_are_dense_blocks(k_cache):
+                k = fused_layout(k)
+            if not prefixes_are_dense_blocks(v_cache):
+                v = fused_layout(v)
     else:
+        k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
         q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
         if not qkv_acceptable(q, k, v, gqa):
             check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
         q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
-    scale = check_scale(scale)
+    if scale is not None:
+        scale = check_scale(scale)
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
-        if not q.is_cuda:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        if not on_cuda:
+            return _sdpa(q, k, v, scale, gqa)
         # On CUDA without cuDNN: its SDPA builds an execution plan for every new shape, and a
         # generation loop meets a new length every step (45 ms per call on the H200 for a new
         # shape each call, benchmarks/results/host_cost_h200.md, decode-growing).
         token = _compat.pin_sdpa_kernel(_PREFIX_KERNELS)
         try:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+            return _sdpa(q, k, v, scale, gqa)
         finally:
             _compat.restore_sdpa_kernels(token)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with its defaults left out where they apply (SDPA parses
+    fewer keyword arguments; read from ``F`` each call, as a patch of it must be seen)."""
+    if scale is None and not gqa:
+        return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
 
 
 def _attend(

@@ -879,6 +879,20 @@ def test_the_quick_qkv_check_accepts_only_what_check_qkv_accepts() -> None:
     assert passed > 50 and refused > 50  # both sides were exercised
 
 
+def test_the_quick_qkv_check_refuses_tensors_on_different_devices() -> None:
+    """``qkv_acceptable`` compares devices by the tensors' type flags where it can: any tensor on
+    another device than the others (here ``meta``) is still refused, as ``check_qkv`` refuses it."""
+    from flexattn_zoo.validation import check_qkv, qkv_acceptable
+
+    x = torch.zeros(1, 2, 4, 8)
+    m = torch.zeros(1, 2, 4, 8, device="meta")
+    assert qkv_acceptable(x, x, x, False)
+    for q, k, v in ((x, m, x), (x, x, m), (m, x, x), (m, m, x), (x, m, m)):
+        assert not qkv_acceptable(q, k, v, False), (q.device, k.device, v.device)
+        with pytest.raises(ValueError, match="one device"):
+            check_qkv(q, k, v, enable_gqa=False)
+
+
 def test_a_learned_tensor_on_another_device_than_q_is_refused() -> None:
     """A route would run on a copy of it on q's device, made once, which the optimizer's updates
     of the caller's tensor never reach: refused, naming the argument and both devices. A tensor

@@ -719,6 +719,58 @@ def test_one_query_steps_under_autocast_take_mixed_dtypes() -> None:
     torch.testing.assert_close(out, other, atol=2e-2, rtol=2e-2)
 
 
+def test_one_query_steps_equal_sdpa_on_the_narrowed_prefix() -> None:
+    """The prefix path builds its views from the cache's sizes and strides: bit for bit what SDPA
+    gives on ``cache.narrow(2, 0, n)`` (copied where the fused kernels cannot read it as it is),
+    for caches of every layout, with GQA and a scale."""
+    import torch.nn.functional as F
+
+    from flexattn_zoo.backends.base import fused_layout
+
+    g = torch.Generator().manual_seed(41)
+    base = torch.randn(2, 4, 40, 16, generator=g)
+    caches = [
+        base,
+        base.transpose(1, 2).contiguous().transpose(1, 2),  # [B, L, H, D] viewed as BHSD
+        base[:, :, :, :8],  # rows of D not contiguous with each other
+        base[:, 1:3],  # fewer kv heads: GQA
+        torch.randn(2, 4, 16, 40, generator=g).transpose(2, 3),  # D not contiguous: copied
+    ]
+    with torch.no_grad():
+        for cache in caches:
+            q = torch.randn(2, 4, 1, cache.shape[3], generator=g)
+            gqa = cache.shape[1] != q.shape[1]
+            for n in (1, 17, cache.shape[2]):
+                for scale in (None, 0.3):
+                    out = decode.decode_step(q, cache, cache, n, scale=scale)
+                    prefix = fused_layout(cache.narrow(2, 0, n))
+                    want = F.scaled_dot_product_attention(q, prefix, prefix, scale=scale, enable_gqa=gqa)
+                    assert torch.equal(out, want), (cache.stride(), n, scale)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # SDPA under vmap
+@pytest.mark.parametrize("in_dims", [0, 1])
+@pytest.mark.parametrize("mapped_in_memory", ["first", "last"])
+def test_one_query_steps_under_vmap_equal_the_steps_one_by_one(in_dims: int, mapped_in_memory: str) -> None:
+    """The prefix views are set with ``as_strided`` from the cache's strides: under ``torch.vmap``
+    those are a sample's strides, whichever dim is mapped and wherever it lies in memory."""
+    g = torch.Generator().manual_seed(42)
+    shape = [2, 4, 32, 16]  # one sample's cache [B, Hkv, capacity, D]
+    shape.insert(in_dims, 3)  # the mapped dim
+    if mapped_in_memory == "first":
+        cache = torch.randn(3, *shape[:in_dims], *shape[in_dims + 1 :], generator=g).movedim(0, in_dims)
+    else:
+        cache = torch.randn(*shape[:in_dims], *shape[in_dims + 1 :], 3, generator=g).movedim(-1, in_dims)
+    q = torch.randn(3, 2, 4, 1, 16, generator=g).movedim(0, in_dims)
+    with torch.no_grad():
+        out = torch.vmap(lambda a, c: decode.decode_step(a, c, c, 10), in_dims=in_dims)(q, cache)
+        each = [
+            decode.decode_step(a, c, c, 10)
+            for a, c in zip(q.unbind(in_dims), cache.unbind(in_dims), strict=True)
+        ]
+    torch.testing.assert_close(out, torch.stack(each), rtol=0, atol=1e-6)
+
+
 def test_prefix_layout_by_the_cache_agrees_with_is_dense_block() -> None:
     """A prefix of a contiguous cache is used as it is without the per-step layout check; where the
     shortcut says so, the full check (``is_dense_block``) must agree on every prefix, on caches
