@@ -1137,13 +1137,16 @@ def one_query_over_prefix(
         not _compat.any_autocast_enabled()
         and aligned_qkv_acceptable(q, k_cache, v_cache, gqa, q_shape, k_shape)  # shapes compared above
         and (on_cuda or q.is_cpu)
+        # Plain tensors only: a subclass (a DTensor, a Parameter) may define its views otherwise.
+        and type(k_cache) is torch.Tensor
+        and type(v_cache) is torch.Tensor
     ):
         # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and
         # D; equal lengths), and a prefix of a contiguous, aligned cache needs no layout check:
         # what the cache says holds every step, so no per-step slice is inspected. The prefixes
         # are the caches' own sizes and strides with ``length`` keys, the view ``narrow`` gives,
         # set directly: ``as_strided`` skips narrow's argument handling, a good part of a view's
-        # host cost. On CPU and CUDA tensors only; other devices take ``narrow`` below.
+        # host cost. On plain CPU and CUDA tensors only; the rest take ``narrow`` below.
         k = k_cache.as_strided((batch, kv_heads, length, dim), k_cache.stride())
         v = v_cache.as_strided((batch, kv_heads, length, v_shape[3]), v_cache.stride())
         # On the CPU contiguous tensors are read as they are: the calls below, in three comparisons.

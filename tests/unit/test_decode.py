@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -746,6 +748,30 @@ def test_one_query_steps_equal_sdpa_on_the_narrowed_prefix() -> None:
                     prefix = fused_layout(cache.narrow(2, 0, n))
                     want = F.scaled_dot_product_attention(q, prefix, prefix, scale=scale, enable_gqa=gqa)
                     assert torch.equal(out, want), (cache.stride(), n, scale)
+
+
+class _NoStridedViews(torch.Tensor):
+    """A tensor subclass whose views the prefix path must not set by strides."""
+
+    def as_strided(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise AssertionError("as_strided on a tensor subclass")
+
+
+def test_one_query_steps_over_subclass_caches_take_narrow_views() -> None:
+    """Strided prefix views are for plain tensors: a cache of a tensor subclass (a DTensor, a
+    Parameter, a user's wrapper; the transformers integration hands its caches over as they are)
+    is narrowed as before, with the same result."""
+    g = torch.Generator().manual_seed(43)
+    cache = torch.randn(2, 4, 24, 16, generator=g)
+    q = torch.randn(2, 4, 1, 16, generator=g)
+    step = decode.one_query_over_prefix
+    with torch.no_grad():
+        want = step(q, cache, cache, 9, None, None)
+        wrapped = cache.as_subclass(_NoStridedViews)
+        out = step(q, wrapped, wrapped, 9, None, None)
+        param = step(q, torch.nn.Parameter(cache, requires_grad=False), cache, 9, None, None)
+    assert want is not None and out is not None and param is not None
+    assert torch.equal(out.as_subclass(torch.Tensor), want) and torch.equal(param, want)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # SDPA under vmap
