@@ -556,3 +556,54 @@ def test_unmasked_flex_plans_cycling_over_more_shapes_than_calls_holds_prepare_o
             out = fz.attention(q, k, v, enable_gqa=True, backend="flex_cpu")
             assert_matches_reference(out, q, k, v, enable_gqa=True)
     assert prepares[0] == len(lengths)
+
+
+def test_an_sdpa_hit_gives_the_full_paths_result_and_what_changes_the_plan_misses(
+    plans: LRUCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hit path skips the argument helpers that would return their argument unchanged: a hit
+    gives exactly what the full path gives (strided inputs included), while grad mode,
+    requires_grad, the environment, ``deterministic`` and the arguments the skipped helpers read
+    still key the plan anew."""
+    q, k, v = _qkv()
+    strided = torch.randn(1, 64, 2, 16).transpose(1, 2)  # copied to the fused layout per call
+    for args in ((q, k, v), (strided, k, v)):
+        plans.clear()
+        full = fz.attention(*args, mask="causal", backend="sdpa_flash")
+        assert plans.inserts == 1
+        hit = fz.attention(*args, mask="causal", backend="sdpa_flash")
+        assert plans.inserts == 1
+        assert torch.equal(full, hit)
+        assert torch.equal(hit, fz.attention(*args, is_causal=True, backend="sdpa_flash", dropout_p=0.0))
+        assert_matches_reference(hit, *args, mask="causal")
+
+    def inserted(**kwargs: object) -> int:
+        before = plans.inserts
+        fz.attention(q, k, v, mask="causal", **kwargs)  # type: ignore[call-overload]
+        return plans.inserts - before
+
+    assert inserted() == 1  # "auto", a new key
+    assert inserted() == 0
+    with torch.no_grad():
+        assert inserted() == 1
+        assert inserted() == 0
+    assert inserted(deterministic=True) == 1
+    assert inserted(deterministic=True) == 0
+    monkeypatch.setenv("FLEXATTN_ZOO_TUNE", "0")
+    assert inserted() == 1
+    assert inserted() == 0
+    g = torch.randn(1, 2, 64, 16, requires_grad=True)
+    before = plans.inserts
+    out = fz.attention(g, k, v, mask="causal")
+    assert plans.inserts == before + 1
+    out.sum().backward()
+    assert g.grad is not None
+    # Errors of the helpers the hit path skips for their defaults, as before.
+    with pytest.raises(TypeError, match="is_causal must be a bool"):
+        fz.attention(q, k, v, is_causal=1)  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match="dropout_p must be a float"):
+        fz.attention(q, k, v, dropout_p=True)
+    with pytest.raises(TypeError, match="kernel_options must be a dict"):
+        fz.attention(q, k, v, kernel_options=[("x", 1)])  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="scale must be None or a finite real number"):
+        fz.attention(q, k, v, scale="0.5")  # type: ignore[call-overload]
