@@ -65,12 +65,14 @@ def report(
     old = [replay.measured(g, "auto", fa4) for g in seen]
     by_hand = [replay.measured(g, "auto", fa4, hand_written=True) for g in seen]
     tuned = [replay.measured(g, "auto_tuned", fa4) for g in seen]
+    noise = [replay.same_calls(g) for g in seen]
     stand_in = [replay.replay(g, fa4=fa4, sdpa_stand_in=True) for g in groups]
     without = [replay.replay(g, fa4=fa4, sdpa_stand_in=False) for g in groups]
     sums = {
         "measured_auto": replay.summary(old),
         "measured_auto_vs_hand_written": replay.summary(by_hand),
         "measured_auto_tuned": replay.summary(tuned),
+        "same_calls": replay.summary(noise),
         "rules_sdpa_as_plain": replay.summary(stand_in),
         "rules_without_sdpa_route": replay.summary(without),
     }
@@ -107,6 +109,9 @@ def report(
         "  this library's host time per call.",
         "* measured auto_tuned: the same for `auto` with measured route choice (`tune=True` from an",
         "  empty table), where the run has such rows.",
+        "* same calls: not a regret, the noise floor: the `auto` row against its chosen route's own",
+        "  row, two timings of the same calls in one process (faster / slower). A measured-auto ratio",
+        "  above a pair's same-calls ratio is within what the rows' noise can explain.",
         "* rules, sdpa as plain: the current `arch.RULES` replayed; where a case has no `sdpa` row",
         "  (SDPA's own kernel choice through the library, a route added after its rows were measured)",
         "  the `plain_sdpa` row stands in, i.e. without the library's host time per call: an upper bound.",
@@ -121,6 +126,7 @@ def report(
         "measured auto",
         "measured auto, also against hand-written calls",
         "measured auto_tuned",
+        "same calls (noise floor, not a regret)",
         "rules, sdpa as plain",
         "rules without sdpa",
     )
@@ -171,6 +177,7 @@ def report(
         "measured_auto": [vars(v) | {"ratio": v.ratio} for v in old if v is not None],
         "measured_auto_vs_hand_written": [vars(v) | {"ratio": v.ratio} for v in by_hand if v is not None],
         "measured_auto_tuned": [vars(v) | {"ratio": v.ratio} for v in tuned if v is not None],
+        "same_calls": [vars(v) | {"ratio": v.ratio} for v in noise if v is not None],
         "rules_sdpa_as_plain": [vars(v) | {"ratio": v.ratio} for v in stand_in],
         "rules_without_sdpa_route": [vars(v) | {"ratio": v.ratio} for v in without],
     }

@@ -151,6 +151,21 @@ def measured(g: Group, route: str = "auto", fa4: bool = True, hand_written: bool
     return Verdict(g.case, g.mode, row["chosen"], chosen_ms, best, timed.get(best) if best else None)
 
 
+def same_calls(g: Group, route: str = "auto") -> Verdict | None:
+    """The ``route`` row (``auto``) against its chosen route's own row: two timings of the same
+    calls in one process, so their ratio (the faster over the slower) is the noise of a
+    comparison between rows of ``g``; a shortfall of ``measured`` within it is not beyond noise.
+    None where either row is missing or failed, or the chosen route's row is the only timing."""
+    row = g.rows.get(route)
+    if row is None or row["status"] != "ok" or not row.get("chosen") or row["chosen"] == route:
+        return None
+    own, other = row["ms"], g.ms(row["chosen"])
+    if other is None:
+        return None
+    slow, fast = max(own, other), min(own, other)
+    return Verdict(g.case, g.mode, row["chosen"], slow, row["chosen"], fast)
+
+
 def with_rows(groups: Iterable[Group], rows: Iterable[dict[str, Any]], routes: Iterable[str]) -> list[Group]:
     """``groups`` with their rows of ``routes`` taken from ``rows`` instead (e.g. the ``auto`` rows
     of a run without FA4): a group's own rows of those routes are dropped, present in ``rows`` or not."""

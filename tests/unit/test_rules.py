@@ -200,3 +200,23 @@ def test_measured_views_read_the_run_they_describe() -> None:
     assert (v.chosen, v.chosen_ms, v.best, v.ratio) == ("flex", 4.0, "sdpa_flash", 0.5)  # type: ignore[union-attr]
     (empty,) = replay.with_rows([g], [], ["auto", "auto_tuned"])
     assert replay.measured(empty, "auto", fa4=False) is None
+
+
+def test_same_calls_compares_the_auto_row_with_its_routes_own_row() -> None:
+    """The noise floor of the regret report: ``auto``'s row and its chosen route's row time the
+    same calls, so faster / slower of the two is the rows' noise; no verdict without both rows
+    (or when ``auto`` names itself)."""
+
+    def row(route: str, ms: float, chosen: str | None = None, status: str = "ok") -> dict[str, object]:
+        return {"route": route, "ms": ms, "status": status, "chosen": chosen}
+
+    g = replay.Group("c", "fwd", {"auto": row("auto", 0.05, "sdpa"), "sdpa": row("sdpa", 0.078)})
+    v = replay.same_calls(g)
+    assert v is not None and v.chosen == "sdpa" and v.ratio == pytest.approx(0.05 / 0.078)
+    flipped = replay.Group("c", "fwd", {"auto": row("auto", 0.078, "sdpa"), "sdpa": row("sdpa", 0.05)})
+    assert replay.same_calls(flipped).ratio == pytest.approx(v.ratio)  # type: ignore[union-attr]
+    assert replay.same_calls(replay.Group("c", "fwd", {"auto": row("auto", 0.05, "sdpa")})) is None
+    failed = {"auto": row("auto", 0.05, "sdpa"), "sdpa": row("sdpa", 0.07, status="error")}
+    assert replay.same_calls(replay.Group("c", "fwd", failed)) is None
+    assert replay.same_calls(replay.Group("c", "fwd", {"auto": row("auto", 0.05, "auto")})) is None
+    assert replay.summary([v])["worst"] == pytest.approx(0.05 / 0.078)
