@@ -6,7 +6,10 @@
 #   bash benchmarks/gpu_session_r38.sh host 300   # host time per layer on a plan-cache hit
 #                    # (decode_step included); decode_profile_probe.py (fz.attention at 4K x 1 took
 #                    # 88 us against plain SDPA's 46: which kernels and how much host time); the
-#                    # GPU document tests on the unified starts mask_mods (not yet run on the GPU)
+#                    # GPU document tests on the unified starts mask_mods (not yet run on the GPU);
+#                    # with FA4 installed, FA4's host time per forward call at three short shapes
+#                    # (0.14-0.31 ms in the sweep: Llama-3.2-3B-style 4 x 2K, Gemma-3-27B-style 4K,
+#                    # DINOv2-g), its own call beside the fa4 route
 #   bash benchmarks/gpu_session_r38.sh rest 560   # (FA4 installed) the three short cases
 #                    # hostbound2 of r37 did not reach, then documents at D=64 (the two cases
 #                    # without rows), into a copy of the sweep; afterwards copy
@@ -32,6 +35,11 @@ case "$step" in
     run decode_profile_h200_r38 "$(( $(left) / 3 ))" python3 benchmarks/decode_profile_probe.py \
       --shape 1,32,8,4096,128 --shape 8,32,8,4096,128 --shape 32,32,8,4096,128
     run host_layers_h200_r38 "$(( $(left) / 2 ))" python3 benchmarks/host_layers_probe.py --device cuda --rounds 15
+    if python3 -c "import flash_attn.cute" 2>/dev/null; then  # FA4's host time per call by shape
+      run fa4_host_shapes_h200_r38 "$(( $(left) / 4 ))" bash -c \
+        'for s in 4,24,8,2048,2048,128 1,32,16,4096,4096,128 8,24,24,1370,1370,64; do
+           python3 benchmarks/host_profile_probe.py --fa4 $s --calls 300 --top 12; done'
+    fi
     run gpu_tests_documents_r38 "$(( $(left) - 5 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
       tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py -k "document and not flex_flash and not fa4"
     ;;
