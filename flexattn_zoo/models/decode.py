@@ -1149,7 +1149,7 @@ def one_query_over_prefix(
         # host cost. On plain CPU and CUDA tensors only; the rest take ``narrow`` below.
         k = k_cache.as_strided((batch, kv_heads, length, dim), k_cache.stride())
         v = v_cache.as_strided((batch, kv_heads, length, v_shape[3]), v_cache.stride())
-        # On the CPU contiguous tensors are read as they are: the calls below, in three comparisons.
+        # On the CPU a contiguous tensor is already in the fused layout: no checks needed.
         if on_cuda or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
             q = fused_layout(q)
             if not prefixes_are_dense_blocks(k_cache):
