@@ -665,17 +665,11 @@ def attention(
             backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
             is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
-    # Each helper below runs only where it can change its argument or raise: a model's repeated
-    # call (no tensor mask, is_causal False, no kernel options or dropout, plain tensors) skips
-    # them, in the same order of checks as ever (host time on every call).
-    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
-        mask, score_mod = tensor_args(mask, score_mod)
-    if is_causal is not False:
-        mask = with_causal(mask, is_causal)
-    options = None if kernel_options is None else check_kernel_options(kernel_options)
-    dropout = 0.0 if dropout_p is None else check_dropout_p(dropout_p)
-    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain and sharding.holds_dtensor(q, k, v):
+    mask, score_mod = tensor_args(mask, score_mod)
+    mask = with_causal(mask, is_causal)
+    options = check_kernel_options(kernel_options)
+    dropout = check_dropout_p(dropout_p)
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         result = attention(
@@ -701,19 +695,16 @@ def attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune,
             options, dropout,
         )  # fmt: skip
-    scale_checked = None if scale is None else check_scale(scale)
-    if _compat.any_autocast_enabled():
-        q, k, v = _under_autocast(q, k, v)
-    if isinstance(mask, Spec):
-        mask = mask.live()
-    if score_mod is not None and isinstance(score_mod, Spec):
-        score_mod = score_mod.live()
+    scale_checked = check_scale(scale)
+    q, k, v = _under_autocast(q, k, v)
+    mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error. So does a call
     # under context_parallel, whose route choice is narrower (and must not be cached for others).
-    if deterministic is None:
-        det: bool | None = _compat.strict_deterministic_mode()
-    else:
-        det = deterministic if type(deterministic) is bool else None
+    det = (
+        _resolve_deterministic(deterministic)
+        if deterministic is None or type(deterministic) is bool
+        else None
+    )
     context_parallel = sharding.context_parallel_active()
     key = (
         None
@@ -758,7 +749,6 @@ def attention(
     if context_parallel:
         chosen = _under_context_parallel(chosen)
     if key is not None and tuning.state() != state:  # the table changed: key the plan anew
-        assert det is not None  # a key was made
         key = call_key(
             q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
             dropout,

@@ -1119,10 +1119,7 @@ def one_query_over_prefix(
         and k_shape[1] == v_shape[1]
         and k_shape[2] == v_shape[2]
         and 1 <= length <= k_shape[2]
-        # dispatch.needs_grad without a score mod, inline
-        and not (
-            torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
-        )
+        and not needs_grad((q, k_cache, v_cache), None)
         and not _compat.is_compiling()
         and not sharding.context_parallel_active()
     ):
@@ -1149,21 +1146,18 @@ def one_query_over_prefix(
         # host cost. On plain CPU and CUDA tensors only; the rest take ``narrow`` below.
         k = k_cache.as_strided((batch, kv_heads, length, dim), k_cache.stride())
         v = v_cache.as_strided((batch, kv_heads, length, v_shape[3]), v_cache.stride())
-        # On the CPU a contiguous tensor is already in the fused layout: no checks needed.
-        if on_cuda or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            q = fused_layout(q)
-            if not prefixes_are_dense_blocks(k_cache):
-                k = fused_layout(k)
-            if not prefixes_are_dense_blocks(v_cache):
-                v = fused_layout(v)
+        q = fused_layout(q)
+        if not prefixes_are_dense_blocks(k_cache):
+            k = fused_layout(k)
+        if not prefixes_are_dense_blocks(v_cache):
+            v = fused_layout(v)
     else:
         k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
         q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
         if not qkv_acceptable(q, k, v, gqa):
             check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
         q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
-    if scale is not None:
-        scale = check_scale(scale)
+    scale = check_scale(scale)
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
         if not on_cuda:
             return _sdpa(q, k, v, scale, gqa)

@@ -561,10 +561,9 @@ def test_unmasked_flex_plans_cycling_over_more_shapes_than_calls_holds_prepare_o
 def test_an_sdpa_hit_gives_the_full_paths_result_and_what_changes_the_plan_misses(
     plans: LRUCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The hit path skips the argument helpers that would return their argument unchanged: a hit
-    gives exactly what the full path gives (strided inputs included), while grad mode,
-    requires_grad, the environment, ``deterministic`` and the arguments the skipped helpers read
-    still key the plan anew."""
+    """A hit gives exactly what the full path gives (strided inputs included), while grad mode,
+    requires_grad, the environment and ``deterministic`` key the plan anew, and the argument
+    checks that run before the lookup still refuse bad values on a warm cache."""
     q, k, v = _qkv()
     strided = torch.randn(1, 64, 2, 16).transpose(1, 2)  # copied to the fused layout per call
     for args in ((q, k, v), (strided, k, v)):
@@ -598,7 +597,7 @@ def test_an_sdpa_hit_gives_the_full_paths_result_and_what_changes_the_plan_misse
     assert plans.inserts == before + 1
     out.sum().backward()
     assert g.grad is not None
-    # Errors of the helpers the hit path skips for their defaults, as before.
+    # The argument checks before the lookup, with a plan of the same call kind cached.
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         fz.attention(q, k, v, is_causal=1)  # type: ignore[call-overload]
     with pytest.raises(ValueError, match="dropout_p must be a float"):
