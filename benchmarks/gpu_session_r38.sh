@@ -6,7 +6,9 @@
 #   bash benchmarks/gpu_session_r38.sh host 300   # host time per layer on a plan-cache hit
 #                    # (decode_step included); decode_profile_probe.py (fz.attention at 4K x 1 took
 #                    # 88 us against plain SDPA's 46: which kernels and how much host time); the
-#                    # GPU document tests on the unified starts mask_mods (not yet run on the GPU);
+#                    # GPU decode and drop-in tests (decode_step's prefix step and the SDPA pin changed
+#                    # in session 35, untested on the GPU); the GPU document tests on the unified
+#                    # starts mask_mods (not yet run on the GPU);
 #                    # with FA4 installed, FA4's host time per forward call at three short shapes
 #                    # (0.14-0.31 ms in the sweep: Llama-3.2-3B-style 4 x 2K, Gemma-3-27B-style 4K,
 #                    # DINOv2-g), its own call beside the fa4 route
@@ -40,6 +42,8 @@ case "$step" in
         'for s in 4,24,8,2048,2048,128 1,32,16,4096,4096,128 8,24,24,1370,1370,64; do
            python3 benchmarks/host_profile_probe.py --fa4 $s --calls 300 --top 12; done'
     fi
+    run gpu_tests_decode_r38 "$(( $(left) / 2 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+      tests/gpu/test_decode_gpu.py tests/gpu/test_dropin_gpu.py
     run gpu_tests_documents_r38 "$(( $(left) - 5 ))" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
       tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py -k "document and not flex_flash and not fa4"
     ;;
