@@ -35,7 +35,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.tuning import fill_count, warm_up
+from flexattn_zoo.tuning.timing import fill_count, interleaved_times, sync, warm_up
 
 #: Least seconds of warm-up calls, and of timed calls, per row (the configured counts are minimums).
 MIN_WARMUP_S = 0.025
@@ -47,13 +47,6 @@ MAX_ITERS = 1000
 SLAB_ELEMENTS = 1 << 26
 MIB = 2**20
 GIB = 2**30
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "cpu":
-        torch.cpu.synchronize()
 
 
 def free_memory(device: torch.device) -> None:
@@ -156,34 +149,13 @@ def interleaved(
     steps: dict[str, tuple[Callable[[], Any], int]], device: torch.device, rounds: int = INTERLEAVED_ROUNDS
 ) -> dict[str, Timing]:
     """Time several warm calls together: ``steps`` maps a name to ``(step, calls)``; in each of
-    ``rounds`` rounds every step runs ``ceil(calls / rounds)`` timed calls in turn. One
-    :class:`Timing` per name over all its calls (``first_s`` 0: no first call here)."""
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    host: dict[str, list[float]] = {name: [] for name in steps}
+    ``rounds`` rounds every step runs its share of ``calls`` timed calls in turn
+    (:func:`flexattn_zoo.tuning.timing.interleaved_times`). One :class:`Timing` per name over all
+    its calls (``first_s`` 0: no first call here)."""
     cuda = device.type == "cuda"
+    host: dict[str, list[float]] = {}
     with _no_gc():
-        for _ in range(rounds):
-            for name, (step, calls) in steps.items():
-                n = max(1, -(-calls // rounds))
-                if cuda:
-                    events = [
-                        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        for _ in range(n)
-                    ]
-                    for begin, end in events:
-                        begin.record()
-                        t0 = time.perf_counter()
-                        step()
-                        host[name].append((time.perf_counter() - t0) * 1e3)
-                        end.record()
-                    torch.cuda.synchronize(device)
-                    times[name] += [begin.elapsed_time(end) for begin, end in events]
-                else:
-                    for _ in range(n):
-                        t0 = time.perf_counter()
-                        step()
-                        sync(device)
-                        times[name].append((time.perf_counter() - t0) * 1e3)
+        times = interleaved_times(steps, device, rounds, host_ms=host if cuda else None)
     return {
         name: Timing(
             0.0, statistics.median(t), t, None, None, statistics.median(host[name]) if cuda else None

@@ -28,9 +28,9 @@ Conventions:
   each step is forward + ``torch.autograd.grad`` with a fixed random output gradient drawn from a
   private generator). The first call is the warm-up (and compile); its seconds, less one steady
   call, are reported as ``compile_s``. Then at least ``warmup`` untimed calls and the median of
-  at least ``reps`` timed ones, both raised for short calls to fill :data:`MIN_WARMUP_S` and
-  :data:`MIN_TIMED_S` (CUDA events on GPUs, ``perf_counter`` around a synchronize elsewhere). A
-  route that raises is left out, its error recorded.
+  at least ``reps`` timed ones, both raised for short calls to fill a minimum duration, the timed
+  calls of all routes in interleaved rounds so that drift of the host moves them alike
+  (:mod:`flexattn_zoo.tuning.timing`). A route that raises is left out, its error recorded.
 * **Decision** (:func:`decide`, deterministic given the timings): the fastest route, ties broken by
   the static order; it displaces the static order's choice only when faster by more than
   ``margin`` (default 5%), so timing noise does not flip between equal kernels. A measured winner
@@ -54,10 +54,8 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import statistics
 import sys
 import threading
-import time
 import typing
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -75,6 +73,7 @@ from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 from flexattn_zoo.tuning import store
+from flexattn_zoo.tuning.timing import time_routes
 from flexattn_zoo.validation import check_flag
 
 TUNE_ENV = "FLEXATTN_ZOO_TUNE"
@@ -744,84 +743,6 @@ def decide(ms: dict[str, float], order: Sequence[str], static: str, margin: floa
     return best
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "cpu":
-        torch.cpu.synchronize()
-
-
-#: Least seconds of warm-up calls and of timed calls per route: ``warmup`` and ``reps`` are minimum
-#: counts, raised for short calls (whose time is mostly host time, which a median of ten calls
-#: does not pin down) up to :data:`MAX_REPS` timed calls.
-MIN_WARMUP_S = 0.01
-MIN_TIMED_S = 0.05
-MAX_REPS = 500
-
-
-def warm_up(step: Callable[[], Any], device: torch.device, count: int, min_s: float, max_calls: int) -> float:
-    """Run ``step`` at least ``count`` times and for at least ``min_s`` seconds (at most
-    ``max_calls`` times past ``count``), in batches that double after the first, each followed by
-    a device synchronize (so little more than ``min_s`` of work is ever queued); returns the
-    seconds per call of the last batch."""
-    done, spent, per_call, batch = 0, 0.0, 0.0, max(count, 1)
-    while done < count or (spent < min_s and done < max_calls):
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            step()
-        _sync(device)
-        took = time.perf_counter() - t0
-        done, spent, per_call = done + batch, spent + took, took / batch
-        batch = min(2 * batch, max_calls)
-    return per_call
-
-
-def fill_count(count: int, per_call_s: float, min_s: float, max_calls: int) -> int:
-    """Calls to time for a call of ``per_call_s`` seconds: ``count``, raised to as many as fill
-    ``min_s`` seconds, at most ``max_calls`` (never below ``count``)."""
-    fill = int(min_s / per_call_s) + 1 if per_call_s > 0 else max_calls
-    return max(count, min(fill, max_calls))
-
-
-def time_step(step: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> tuple[float, float]:
-    """``(median ms of the timed calls, seconds of the first call)`` of ``step``: the first call,
-    at least ``warmup`` untimed calls and :data:`MIN_WARMUP_S` of them, then at least ``reps`` timed
-    calls and as many as fill :data:`MIN_TIMED_S` (at most :data:`MAX_REPS`)."""
-    _sync(device)
-    start = time.perf_counter()
-    step()
-    _sync(device)
-    first = time.perf_counter() - start
-    per_call = warm_up(step, device, warmup, MIN_WARMUP_S, MAX_REPS)
-    reps = fill_count(reps, per_call, MIN_TIMED_S, MAX_REPS)
-    if device.type == "cuda":
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
-        ]
-        for begin, end in events:
-            begin.record()
-            step()
-            end.record()
-        torch.cuda.synchronize(device)
-        times = [begin.elapsed_time(end) for begin, end in events]
-    else:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), first
-
-
-def time_route(
-    name: str, step: Callable[[], Any], device: torch.device, warmup: int, reps: int
-) -> tuple[float, float]:
-    """:func:`time_step` of route ``name``'s step: the one place measurements are taken (tests
-    replace it to decide winners)."""
-    return time_step(step, device, warmup, reps)
-
-
 Run = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
@@ -885,12 +806,12 @@ def measure(
         except Exception as exc:  # no room for the copies: nothing is timed, the static order stays
             errors["(inputs)"] = _message(exc)
             names = ()
-        for name in names:
-            try:
-                median, first = time_route(name, step_of(name), q.device, cfg.warmup, cfg.reps)
-            except Exception as exc:  # a route that fails while timing is left out, with the reason
-                errors[name] = _message(exc)
+        timed = time_routes({name: step_of(name) for name in names}, q.device, cfg.warmup, cfg.reps)
+        for name, result in timed.items():
+            if isinstance(result, Exception):  # a route that fails while timed is left out, with the reason
+                errors[name] = _message(result)
                 continue
+            median, first = result
             ms[name] = median
             compile_s[name] = max(0.0, first - median / 1e3)
         entry = Entry(
@@ -921,13 +842,10 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
-    "fill_count",
     "is_enabled",
     "settings",
     "signature",
     "spec_kind",
     "table",
-    "time_route",
-    "time_step",
-    "warm_up",
+    "time_routes",
 ]

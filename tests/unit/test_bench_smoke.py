@@ -422,13 +422,13 @@ def test_auto_tuned_route_measures_from_an_empty_table(monkeypatch: pytest.Monke
 
     monkeypatch.delenv(tuning.store.CACHE_DIR_ENV, raising=False)
     timed: list[str] = []
-    real = tuning.time_route
+    real = tuning.time_routes
 
-    def counting(name: str, *args: Any) -> Any:
-        timed.append(name)
-        return real(name, *args)
+    def counting(steps: dict[str, Any], *args: Any) -> Any:
+        timed.extend(steps)
+        return real(steps, *args)
 
-    monkeypatch.setattr(tuning, "time_route", counting)
+    monkeypatch.setattr(tuning, "time_routes", counting)
     try:
         config = _config(routes=["auto", "auto_tuned"], modes=["fwd"], iters=2)
         config["cases"].append({**config["cases"][0], "name": "same_signature"})

@@ -1,7 +1,7 @@
 """Measured route choice (``fz.tune``): signatures, the decision, the switches, the plan cache,
 persistence, traced calls, the CLI, and that timing leaves the caller's tensors alone.
 
-Winners are decided by a fake timer (``tuning.time_route`` replaced) wherever the test is about
+Winners are decided by a fake timer (``tuning.time_routes`` replaced) wherever the test is about
 selection, so nothing depends on this machine's speed; the CPU's real candidates for a causal
 forward are ``sdpa_flash`` (the static choice) and ``flex_cpu``. Every test runs with an empty
 table, a fresh plan cache and a cache directory of its own (the ``tuned`` fixture).
@@ -28,6 +28,7 @@ from flexattn_zoo.cli import app as cli
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.testing import assert_matches_reference
 from flexattn_zoo.tuning import store as tuning_store
+from flexattn_zoo.tuning import timing
 
 SHAPE = (1, 2, 64, 16)  # one causal flex_cpu kernel, compiled once for the whole module
 
@@ -52,17 +53,21 @@ def _fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class FakeTimer:
-    """``tuning.time_route`` that runs nothing and reports ``ms[name]`` (routes in ``fail`` raise)."""
+    """``tuning.time_routes`` that runs nothing and reports ``ms[name]`` for each route it is given
+    (routes in ``fail`` report an error); ``calls`` lists the routes in the order given."""
 
     def __init__(self, ms: dict[str, float], fail: tuple[str, ...] = ()) -> None:
         self.ms, self.fail = ms, fail
         self.calls: list[str] = []
 
-    def __call__(self, name: str, step: Any, device: Any, warmup: int, reps: int) -> tuple[float, float]:
-        self.calls.append(name)
-        if name in self.fail:
-            raise RuntimeError(f"{name} broke")
-        return self.ms.get(name, 1000.0), 0.25
+    def __call__(
+        self, steps: dict[str, Any], device: Any, warmup: int, reps: int
+    ) -> dict[str, tuple[float, float] | Exception]:
+        self.calls += list(steps)
+        return {
+            name: RuntimeError(f"{name} broke") if name in self.fail else (self.ms.get(name, 1000.0), 0.25)
+            for name in steps
+        }
 
 
 def _qkv(shape: tuple[int, ...] = SHAPE, grad: bool = False, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -204,7 +209,7 @@ def test_auto_takes_the_measured_winner_and_a_named_route_is_unchanged(
     tuned: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     q, k, v = _qkv()
     assert fz.plan(q, k, v, mask="causal").backend == "sdpa_flash"  # static order
     # A named route: never timed, never changed, even with tuning on.
@@ -264,15 +269,16 @@ def test_routes_are_timed_through_the_bound_call_repeated_calls_run(
     monkeypatch.setattr(dispatch.BoundPlan, "of", of)
     monkeypatch.setattr(dispatch, "execute_plan", execute)
 
-    def timer(name: str, step: Any, device: Any, warmup: int, reps: int) -> tuple[float, float]:
-        before = len(full)
-        step()
-        step()
-        assert bound[-2:] == [name, name]
-        assert len(full) == before  # not the full path
-        return {"sdpa_flash": 2.0, "flex_cpu": 1.0}[name], 0.25
+    def timer(steps: dict[str, Any], device: Any, warmup: int, reps: int) -> dict[str, tuple[float, float]]:
+        for name, step in steps.items():
+            before = len(full)
+            step()
+            step()
+            assert bound[-2:] == [name, name]
+            assert len(full) == before  # not the full path
+        return {name: ({"sdpa_flash": 2.0, "flex_cpu": 1.0}[name], 0.25) for name in steps}
 
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     q, k, v = _qkv()
     out = fz.attention(q, k, v, mask="causal", tune=True)
     assert sorted(set(bound)) == ["flex_cpu", "sdpa_flash"]
@@ -281,7 +287,7 @@ def test_routes_are_timed_through_the_bound_call_repeated_calls_run(
 
 def test_a_route_failing_while_timed_is_left_out(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}, fail=("flex_cpu",))
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     q, k, v = _qkv()
     out = fz.attention(q, k, v, mask="causal", tune=True)
     plan = fz.plan(q, k, v, mask="causal", tune=True)
@@ -389,7 +395,7 @@ def test_the_plan_cache_follows_every_change_of_tuning(
     tuned: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     q, k, v = _qkv()
 
     def route(**kw: Any) -> str:
@@ -421,7 +427,7 @@ def test_the_plan_cache_follows_every_change_of_tuning(
 
 
 def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
     q, k, v = _qkv()
     fz.attention(q, k, v, mask="causal", tune=True)
     path = tuning.cache_path()
@@ -432,7 +438,7 @@ def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.Monk
     assert len(before) == 1
     _fresh_process(monkeypatch)
     timer = FakeTimer({}, fail=("sdpa_flash", "flex_cpu"))
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     assert tuning.table() == before
     plan = fz.plan(q, k, v, mask="causal", tune=True)
     assert plan.backend == "flex_cpu" and plan.measured
@@ -449,7 +455,7 @@ def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.Monk
 
 
 def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
     q, k, v = _qkv()
     fz.attention(q, k, v, mask="causal", tune=True)
     old_path = tuning.cache_path()
@@ -460,7 +466,7 @@ def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytes
     assert new_path != old_path and new_path.parent == old_path.parent
     plan = fz.plan(q, k, v, mask="causal", tune=True)
     assert plan.backend == "sdpa_flash" and plan.tuning is not None and plan.tuning.entry is None
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
     fz.attention(q, k, v, mask="causal", tune=True)
     assert old_path.is_file() and new_path.is_file()
     assert json.loads(new_path.read_text())["env"]["torch"] == "9.99.0"
@@ -468,7 +474,7 @@ def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytes
 
 def test_a_corrupt_file_is_ignored_with_a_warning(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0})
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     path = tuning.cache_path()
     path.parent.mkdir(parents=True)
     path.write_text("{ not json")
@@ -494,7 +500,7 @@ def test_an_unwritable_cache_warns_and_keeps_the_measurement(
     blocker = tuned.parent / "a_file"
     blocker.write_text("")
     monkeypatch.setenv(tuning_store.CACHE_DIR_ENV, str(blocker / "cache"))  # a directory under a file
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
     q, k, v = _qkv()
     with pytest.warns(UserWarning) as caught:  # cannot read it either: both said
         fz.attention(q, k, v, mask="causal", tune=True)
@@ -557,7 +563,7 @@ def test_two_processes_writing_at_once_keep_every_entry(tuned: Path, monkeypatch
 
 def test_traced_calls_read_the_table_and_never_time(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     q, k, v = _qkv()
     fz.attention(q, k, v, mask="causal", tune=True)  # eager: measured, flex_cpu wins
     assert len(timer.calls) == 2
@@ -611,7 +617,7 @@ def test_a_call_that_cannot_measure_leaves_it_to_the_next(
     """As under CUDA graph capture: the static route runs, and its plan is not cached, so the
     next eager call measures."""
     timer = FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0})
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     q, k, v = _qkv()
     with monkeypatch.context() as m:
         m.setattr(tuning, "can_measure", lambda q: False)
@@ -628,7 +634,7 @@ def test_no_room_for_the_copies_keeps_the_static_order(tuned: Path, monkeypatch:
         raise torch.OutOfMemoryError("no room for the copies")
 
     monkeypatch.setattr(tuning, "_steps", no_memory)
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({"flex_cpu": 1.0}))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"flex_cpu": 1.0}))
     q, k, v = _qkv()
     out = fz.attention(q, k, v, mask="causal", tune=True)
     assert_matches_reference(out, q, k, v, mask="causal")
@@ -654,7 +660,7 @@ cases:
 
 def test_tune_cli_on_a_tiny_config(tuned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 3.0})
-    monkeypatch.setattr(tuning, "time_route", timer)
+    monkeypatch.setattr(tuning, "time_routes", timer)
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     out = tmp_path / "tune.json"
@@ -688,7 +694,7 @@ def test_tune_cli_on_a_tiny_config(tuned: Path, tmp_path: Path, monkeypatch: pyt
 def test_tune_cli_no_save_writes_nothing(
     tuned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tuning, "time_route", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 3.0}))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 3.0}))
     config = tmp_path / "tiny.yaml"
     config.write_text(TINY)
     assert cli.main(["tune", str(config), "--modes", "fwd", "--no-save", "--quiet"]) == 0
@@ -696,24 +702,80 @@ def test_tune_cli_no_save_writes_nothing(
     assert tuning.settings().persist  # restored
 
 
-def test_time_step_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.MonkeyPatch) -> None:
+class FakeClock:
+    """``time.perf_counter`` that advances only when a fake step runs; ``log`` lists the steps run."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now = 0.0
+        self.log: list[str] = []
+        monkeypatch.setattr(timing.time, "perf_counter", lambda: self.now)
+
+    def step(
+        self, name: str, seconds: Callable[[float], float], fail_after: int | None = None
+    ) -> Callable[[], None]:
+        """A step named ``name`` taking ``seconds(now)``; after ``fail_after`` calls it raises."""
+
+        def run() -> None:
+            if fail_after is not None and self.log.count(name) >= fail_after:
+                raise RuntimeError(f"{name} broke")
+            self.log.append(name)
+            self.now += seconds(self.now)
+
+        return run
+
+
+CPU = torch.device("cpu")
+
+
+def _ms(result: tuple[float, float] | Exception) -> float:
+    assert not isinstance(result, Exception), result
+    return result[0]
+
+
+def test_time_routes_counts_are_minimums_filled_to_a_duration(monkeypatch: pytest.MonkeyPatch) -> None:
     """A short call is warmed for MIN_WARMUP_S and timed over MIN_TIMED_S (at most MAX_REPS calls);
     a long one keeps the configured counts."""
-    clock = [0.0]
-    calls = [0]
-    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    clock = FakeClock(monkeypatch)
+    out = tuning.time_routes({"short": clock.step("short", lambda t: 1e-4)}, CPU, warmup=2, reps=10)
+    assert out["short"] == (pytest.approx(0.1), pytest.approx(1e-4))
+    warm = len(clock.log) - 1 - timing.MAX_REPS  # 0.1 ms calls: MIN_TIMED_S would need more than the cap
+    assert int(timing.MIN_WARMUP_S / 1e-4) <= warm <= 2 * int(timing.MIN_WARMUP_S / 1e-4) + 2
+    clock.log.clear()
+    out = tuning.time_routes({"long": clock.step("long", lambda t: 1.0)}, CPU, warmup=2, reps=5)
+    assert _ms(out["long"]) == pytest.approx(1000.0) and len(clock.log) == 1 + 2 + 5
 
-    def stepping(seconds: float) -> Callable[[], None]:
-        def step() -> None:
-            calls[0] += 1
-            clock[0] += seconds
 
-        return step
+def test_time_routes_interleaves_so_drift_moves_every_route_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routes of equal cost on a host that slows down while they are timed (each call takes
+    longer the later it runs): timed one after the other, the first looks faster by the drift over
+    its whole measurement; in rotated rounds both see the same drift."""
+    clock = FakeClock(monkeypatch)
 
-    median, first = tuning.time_step(stepping(1e-4), torch.device("cpu"), warmup=2, reps=10)
-    assert median == pytest.approx(0.1) and first == pytest.approx(1e-4)
-    warm = calls[0] - 1 - tuning.MAX_REPS  # 0.1 ms calls: MIN_TIMED_S would need more than the cap
-    assert int(tuning.MIN_WARMUP_S / 1e-4) <= warm <= 2 * int(tuning.MIN_WARMUP_S / 1e-4) + 2
-    calls[0] = 0
-    median, _ = tuning.time_step(stepping(1.0), torch.device("cpu"), warmup=2, reps=3)
-    assert median == pytest.approx(1000.0) and calls[0] == 1 + 2 + 3
+    def drifting(t: float) -> float:
+        return 1e-3 * (1 + 5 * t)
+
+    steps = {"a": clock.step("a", drifting), "b": clock.step("b", drifting)}
+    out = tuning.time_routes(steps, CPU, warmup=0, reps=10)
+    a, b = _ms(out["a"]), _ms(out["b"])
+    assert max(a, b) / min(a, b) < 1.05, (a, b)
+    # Runs of one route's calls: its first call and warm-up (a, then b), then the rounds, each
+    # starting with the route the last one ended with (a b | b a | a b ...), so runs merge.
+    runs = [name for i, name in enumerate(clock.log) if i == 0 or clock.log[i - 1] != name]
+    assert runs == ["a", "b"] + [("a", "b")[r % 2] for r in range(timing.ROUNDS + 1)], runs
+    # the same routes timed one after the other: the drift decides
+    first = _ms(tuning.time_routes({"a": steps["a"]}, CPU, warmup=0, reps=10)["a"])
+    second = _ms(tuning.time_routes({"b": steps["b"]}, CPU, warmup=0, reps=10)["b"])
+    assert second / first > 1.15, (first, second)
+
+
+def test_time_routes_drops_a_failing_route_and_times_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(monkeypatch)
+    steps = {
+        "first_call": clock.step("first_call", lambda t: 1e-3, fail_after=0),
+        "later": clock.step("later", lambda t: 1e-3, fail_after=40),  # past warm-up: in a timed round
+        "ok": clock.step("ok", lambda t: 2e-3),
+    }
+    out = tuning.time_routes(steps, CPU, warmup=2, reps=10)
+    assert list(out) == ["first_call", "later", "ok"]
+    assert [str(out[n]) for n in ("first_call", "later")] == ["first_call broke", "later broke"]
+    assert _ms(out["ok"]) == pytest.approx(2.0)
