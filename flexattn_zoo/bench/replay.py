@@ -113,6 +113,12 @@ class Verdict:
         return self.best_ms / self.chosen_ms
 
 
+def fastest(timed: dict[str, float | None]) -> str | None:
+    """The route of least time in ``timed``; of routes timed alike, the first by name, so a
+    report names the same route whatever order a set of routes comes in."""
+    return min(timed, key=lambda r: (timed[r] or 0.0, r), default=None)
+
+
 def replay(
     g: Group, *, fa4: bool = True, rules: Iterable[Rule] = RULES, sdpa_stand_in: bool = True
 ) -> Verdict:
@@ -120,7 +126,7 @@ def replay(
     accepted = g.accepted(fa4, sdpa_stand_in)
     chosen = pick(order(g, rules=rules), accepted)
     timed = {r: g.time(r) for r in accepted}
-    best = min((r for r in timed if timed[r] is not None), key=lambda r: timed[r] or 0.0, default=None)
+    best = fastest({r: t for r, t in timed.items() if t is not None})
     return Verdict(
         g.case,
         g.mode,
@@ -146,7 +152,7 @@ def measured(g: Group, route: str = "auto", fa4: bool = True, hand_written: bool
         return None
     skip = (BASELINES - HAND_WRITTEN if hand_written else BASELINES) | (frozenset() if fa4 else FA4_ROUTES)
     timed = {r: g.ms(r) for r in g.rows if r not in skip and g.ms(r) is not None}
-    best = min(timed, key=lambda r: timed[r] or 0.0, default=None)
+    best = fastest(timed)
     chosen_ms = g.ms(row["chosen"]) or row["ms"]
     return Verdict(g.case, g.mode, row["chosen"], chosen_ms, best, timed.get(best) if best else None)
 

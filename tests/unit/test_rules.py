@@ -151,6 +151,23 @@ def test_replay_counts_routes_measured_after_the_auto_row() -> None:
     assert replay.replay(g).best == "sdpa"
 
 
+def test_routes_timed_alike_are_named_the_same_in_every_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routes of equal time: the fastest is the first by name, not whichever a set of routes
+    (ordered by string hashes, which differ per process) yields first."""
+    row = {"case": "c", "mode": "fwd", "status": "ok", "batch": 1, "heads": 1, "seq_len": 64, "head_dim": 64}
+    rows = [
+        {**row, "route": "auto", "ms": 0.3, "chosen": "sdpa", "accepted": ["sdpa", "fa4", "flex_flash"]},
+        {**row, "route": "sdpa", "ms": 0.3},
+        {**row, "route": "flex_flash", "ms": 0.241},
+        {**row, "route": "fa4", "ms": 0.241},
+    ]
+    (g,) = replay.groups(rows)
+    assert replay.measured(g).best == "fa4"  # type: ignore[union-attr]
+    for order in (["flex_flash", "fa4", "sdpa"], ["fa4", "flex_flash", "sdpa"]):
+        monkeypatch.setattr(replay.Group, "accepted", lambda self, *a, order=order: order)
+        assert replay.replay(g).best == "fa4"
+
+
 def test_long_decoding_goes_to_sdpa_first() -> None:
     """One query over 8192+ keys with 256+ (batch x kv head) rows: SDPA's own choice first (cuDNN
     once a shape repeats, FlashAttention-2 while the cache grows: 0.34 ms per step against fa4's
