@@ -34,9 +34,15 @@ def _time(fn, iters: int = 20) -> float:  # type: ignore[no-untyped-def]
     return statistics.median(times)
 
 
-def _mods(length: int, heads: int, dev: str) -> dict[str, Any]:
+def _mods(length: int, heads: int, dev: str, batch: int, names: list[str] | None = None) -> dict[str, Any]:
     table = torch.randn(2 * length - 1, device=dev, dtype=torch.float32)
     bias = torch.randn(heads, length, length, device=dev, dtype=torch.float32)
+    # Graphormer's form: an int32 shortest-path index per (batch, query, key) into a [S, H] table.
+    spatial = torch.randint(0, 32, (batch, length, length), device=dev, dtype=torch.int32)
+    spatial_table = torch.randn(32, heads, device=dev, dtype=torch.float32)
+
+    def graph(s, b, h, q, kv):  # type: ignore[no-untyped-def]
+        return s + spatial_table[spatial[b, q, kv], h].to(s.dtype)
 
     def relative(s, b, h, q, kv):  # type: ignore[no-untyped-def]
         return s + table[kv - q + length - 1] / (h + 1)
@@ -44,7 +50,8 @@ def _mods(length: int, heads: int, dev: str) -> dict[str, Any]:
     def dense(s, b, h, q, kv):  # type: ignore[no-untyped-def]
         return s + bias[h, q, kv]
 
-    return {"none": None, "table[kv - q]": relative, "bias[h, q, kv]": dense}
+    mods = {"none": None, "table[kv - q]": relative, "bias[h, q, kv]": dense, "table[pos[b,q,kv],h]": graph}
+    return {name: mods[name] for name in names} if names else mods
 
 
 def _row(length: int, d: int, mod: Any, opts: dict[str, int] | None) -> str:
@@ -77,6 +84,7 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 4096])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--long-head-dims", type=int, nargs="+", default=[64], help="head dims at lengths > 1024")
+    p.add_argument("--mods", nargs="+", default=None, help="score mods by name (default: all)")
     args = p.parse_args()
     configs: dict[str, dict[str, int] | None] = {
         "default": None,
@@ -86,12 +94,13 @@ def main() -> None:
     for length in args.lengths:
         for d in args.head_dims if length <= 1024 else args.long_head_dims:
             heads = 4 if length <= 1024 else 32
-            for mod_name, mod in _mods(length, heads, "cuda").items():
+            batch = 2 if length <= 1024 else 1
+            for mod_name, mod in _mods(length, heads, "cuda", batch, args.mods).items():
                 for cfg_name, opts in configs.items():
                     if mod is None and opts is not None:
                         continue  # the reference row: torch's default config, no load
                     result = _row(length, d, mod, opts)
-                    print(f"L={length} D={d} {mod_name:15s} {cfg_name:18s} {result}", flush=True)
+                    print(f"L={length} D={d} {mod_name:21s} {cfg_name:18s} {result}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,13 @@
 #                    # Gemma 2 training row with FA4, the one compiled-model row not yet measured
 #                    # (the fa4 route runs its local window + approx soft-cap at D=256; without FA4
 #                    # the zoo row is 329.7 ms against HF flex 329.9 in compiled_models_h200_r22.md)
+#   bash benchmarks/gpu_session_r38.sh tiles 200  # Graphormer's pair-loaded score mod (an int32
+#                    # index per (b, q, kv) into a [S, H] table) at D=64 with torch's default tiles
+#                    # and with fwd_num_stages=2: the flex route passes 2 stages to every pair-loaded
+#                    # mod at D<=64 (table[kv-q] and bias[h,q,kv] failed to compile without), and
+#                    # zoo_graphormer ran at 0.80x of hand-written flex, which kept the defaults
 set -uo pipefail
-step="${1:?usage: $0 host|rest|gemma2fa4 [BUDGET_S]}"
+step="${1:?usage: $0 host|rest|gemma2fa4|tiles [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r38
@@ -62,6 +67,10 @@ case "$step" in
       python3 benchmarks/compiled_models.py --models gemma2 --impls flexattn_zoo --modes train \
       --steps 6 --warmup 1 --json "$out/compiled_models_gemma2_fa4_r38.json" \
       --md "$out/compiled_models_gemma2_fa4_r38.md" --time-budget "$(( $(left) - 30 ))"
+    ;;
+  tiles)
+    run gathered_tile_graph_h200_r38 "$(( $(left) - 5 ))" python3 benchmarks/gathered_tile_probe.py \
+      --lengths 1024 4096 --head-dims 64 128 --long-head-dims 64 --mods none 'table[pos[b,q,kv],h]'
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
