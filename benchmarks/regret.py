@@ -131,6 +131,19 @@ def report(
         "rules without sdpa",
     )
     lines += [_summary_rows(label, s) for label, s in zip(labels, sums.values(), strict=True)]
+    short = [(o, n) for o, n in zip(old, noise, strict=True) if replay.beyond_noise(o, n)]
+    lines += [
+        "",
+        f"Measured auto below {replay.SHORTFALL:g} of the fastest route by more than its pair's own noise "
+        f"floor (same calls): {len(short)} of {sums['measured_auto'].get('n', 0)} pairs.",
+        "",
+    ]
+    lines += [
+        f"* {o.case} {o.mode}: {o.chosen} {_fmt(o.chosen_ms)} vs {o.best} {_fmt(o.best_ms)} ({_ratio(o)}; "
+        f"same calls {_ratio(n) if n else '-'})"
+        for o, n in short
+    ]
+    sums["beyond_noise"] = {"n": len(short), "pairs": [f"{o.case}/{o.mode}" for o, _ in short]}
     lines += ["", "Commands that measured the source's rows, oldest first:", ""]
     lines += [f"* `{c}`" for c in history]
     any_tuned = any(t is not None for t in tuned)

@@ -172,6 +172,19 @@ def same_calls(g: Group, route: str = "auto") -> Verdict | None:
     return Verdict(g.case, g.mode, row["chosen"], slow, row["chosen"], fast)
 
 
+#: A measured ratio below this is a shortfall (the 3% the sweep's rules allow).
+SHORTFALL = 0.97
+
+
+def beyond_noise(measured: Verdict | None, noise: Verdict | None) -> bool:
+    """Whether ``measured`` (a :func:`measured` verdict) falls short of the fastest route by more
+    than :data:`SHORTFALL` and by more than its group's own noise floor (``noise``, the
+    :func:`same_calls` verdict; without one, any shortfall counts)."""
+    if measured is None or measured.ratio is None or measured.ratio >= SHORTFALL:
+        return False
+    return noise is None or noise.ratio is None or measured.ratio < noise.ratio
+
+
 def with_rows(groups: Iterable[Group], rows: Iterable[dict[str, Any]], routes: Iterable[str]) -> list[Group]:
     """``groups`` with their rows of ``routes`` taken from ``rows`` instead (e.g. the ``auto`` rows
     of a run without FA4): a group's own rows of those routes are dropped, present in ``rows`` or not."""

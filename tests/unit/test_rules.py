@@ -237,3 +237,14 @@ def test_same_calls_compares_the_auto_row_with_its_routes_own_row() -> None:
     assert replay.same_calls(replay.Group("c", "fwd", failed)) is None
     assert replay.same_calls(replay.Group("c", "fwd", {"auto": row("auto", 0.05, "auto")})) is None
     assert replay.summary([v])["worst"] == pytest.approx(0.05 / 0.078)
+
+
+def test_a_shortfall_counts_only_beyond_its_pairs_own_noise() -> None:
+    def verdict(chosen_ms: float, best_ms: float) -> replay.Verdict:
+        return replay.Verdict("c", "fwd", "sdpa", chosen_ms, "fa4", best_ms)
+
+    assert not replay.beyond_noise(verdict(1.0, 0.98), None)  # within 3%
+    assert replay.beyond_noise(verdict(1.0, 0.9), None)  # no noise floor: any shortfall
+    assert not replay.beyond_noise(verdict(1.0, 0.9), verdict(1.0, 0.85))  # the rows' noise is larger
+    assert replay.beyond_noise(verdict(1.0, 0.8), verdict(1.0, 0.85))
+    assert not replay.beyond_noise(None, None)
