@@ -27,8 +27,12 @@
 #                    # and with fwd_num_stages=2: the flex route passes 2 stages to every pair-loaded
 #                    # mod at D<=64 (table[kv-q] and bias[h,q,kv] failed to compile without), and
 #                    # zoo_graphormer ran at 0.80x of hand-written flex, which kept the defaults
+#   bash benchmarks/gpu_session_r38.sh tuned 240  # (FA4 installed; after `rest`, same $OUT) measured
+#                    # route choice, now timed in rotated rounds, on the pairs the regret report
+#                    # lists beyond their noise and the short forwards FA4 and SDPA split
+#                    # (gemma3_27b, dinov2_g: fa4 faster; llama32_3b: SDPA faster)
 set -uo pipefail
-step="${1:?usage: $0 host|rest|gemma2fa4|tiles [BUDGET_S]}"
+step="${1:?usage: $0 host|rest|gemma2fa4|tiles|tuned [BUDGET_S]}"
 budget="${2:-300}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r38
@@ -67,6 +71,13 @@ case "$step" in
       python3 benchmarks/compiled_models.py --models gemma2 --impls flexattn_zoo --modes train \
       --steps 6 --warmup 1 --json "$out/compiled_models_gemma2_fa4_r38.json" \
       --md "$out/compiled_models_gemma2_fa4_r38.md" --time-budget "$(( $(left) - 30 ))"
+    ;;
+  tuned)
+    [ -f "$out/generalization_h200.json" ] || cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+    run generalization_tuned_r38 "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --routes auto_tuned --out "$out/generalization_h200.json" \
+      --cases gemma3_27b_l4096_b1,dinov2_g_l1370_b8,llama32_3b_l2048_b4,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,bert_base_l128_b128 \
+      --md "$out/generalization_tuned_r38.md" --quiet --time-budget "$(( $(left) - 40 ))"
     ;;
   tiles)
     run gathered_tile_graph_h200_r38 "$(( $(left) - 5 ))" python3 benchmarks/gathered_tile_probe.py \
