@@ -82,8 +82,8 @@ def interleaved_times(
 ) -> dict[str, list[float]]:
     """Milliseconds of every timed call of warm steps: ``steps`` maps a name to ``(step, calls)``;
     in each of ``rounds`` rounds every step runs its share of its ``calls`` timed calls (at least
-    one call in all) in turn, the order rotated by one per round. On CUDA, ``host_ms`` (when given) gets each call's host time
-    (the wall time for the call to return, no synchronize)."""
+    one call in all) in turn, the order rotated by one per round. On CUDA, ``host_ms`` (when
+    given) gets each call's host time (the wall time for the call to return, no synchronize)."""
     names = list(steps)
     steps = {name: (step, max(calls, 1)) for name, (step, calls) in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in names}
