@@ -377,7 +377,7 @@ def test_long_caches_over_many_rows_take_the_split_kernel(monkeypatch: pytest.Mo
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(decode, "one_query_over_prefix", spy)
+    monkeypatch.setattr(decode.step, "one_query_over_prefix", spy)  # where decode_step looks it up
     for length, on_prefix in ((n, False), (n - 1, True)):
         with torch.no_grad():
             out = decode.decode_step(q, k_cache, v_cache, length)

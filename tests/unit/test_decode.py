@@ -223,7 +223,7 @@ def test_caches_too_large_for_one_launch_are_decoded_a_slice_of_rows_at_a_time(m
     mask = masks.SlidingWindow.from_hf(90)
     with torch.no_grad():
         whole = decode.decode_step(q, k, v, lens, mask=mask)
-        monkeypatch.setattr(decode, "MAX_FLEX_ELEMENTS", 2 * k[0].numel() + 1)  # two rows per launch
+        monkeypatch.setattr(decode.launch, "MAX_FLEX_ELEMENTS", 2 * k[0].numel() + 1)  # two rows per launch
         decode.CACHE.clear()
         split = decode.decode_step(q, k, v, lens, mask=mask)
     # Rows 0-1 and 2-3 share one 2-row DecodeMask (updated in stream order), row 4 has its own.

@@ -1,0 +1,291 @@
+"""The decode BlockMask: one per (pattern, batch, Lq, cache capacity), updated in place each step.
+
+Positions are absolute: a step's query ``q_idx`` of row ``b`` sits at ``cache_len[b] - Lq +
+q_idx``, and the pattern (a mask spec) is evaluated there. :class:`DecodeMask` keeps the lengths
+(and, for paged caches, a physical-page-to-position table) in tensors its ``mask_mod`` and score
+mods capture, and :meth:`DecodeMask.update` rewrites them and the kv block list with device ops
+only, so the BlockMask object, its shapes and the compiled kernel stay the same from step to step.
+:data:`CAPTURED` keeps the masks a CUDA graph captured alive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from flexattn_zoo import _compat
+from flexattn_zoo.functions import FunctionScore
+from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.models.decode.runs import _Run
+from flexattn_zoo.spec import MaskSpec
+
+DEFAULT_BLOCK_SIZE = 128
+#: Planned call signatures kept per DecodeMask (dtypes, score mods... seen with it).
+RUNS_PER_MASK = 16
+
+
+def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
+    """A lower bound on the keys the pattern lets absolute queries ``q_abs`` (int64) see: the
+    spec's ``lowest_visible_key``, or 0 where it offers none.
+
+    Used only to skip kv blocks, so any lower bound is correct; a tight one saves bandwidth. It
+    never decreases with the query position, so the bound of a q block's first query holds for
+    the whole block.
+    """
+    bound = spec.lowest_visible_key(q_abs) if spec is not None else None
+    return torch.zeros_like(q_abs) if bound is None else bound
+
+
+def _bounded_below(spec: MaskSpec | None, device: torch.device | str = "cpu") -> bool:
+    """Whether :func:`lowest_key` can be above 0 for ``spec`` (else every row's blocks start at 0);
+    ``device``: where the spec's tensors live."""
+    probe = torch.zeros(1, dtype=torch.int64, device=device)
+    return spec is not None and spec.lowest_visible_key(probe) is not None
+
+
+class DecodeMask:
+    """A decode BlockMask for ``q_len`` new queries per row, updated in place by :meth:`update`.
+
+    Args:
+        spec: the pattern over absolute positions (None: every cached key is visible).
+        batch, q_len: rows and new queries per row.
+        capacity: cache capacity in tokens (logical; for paged caches the block-table width
+            times ``block_size``).
+        n_physical: number of physical kv blocks (pages) when paged, else None.
+        device: where the cache lives.
+        block_size: kv block (page) size; also the q block size unless ``q_block_size`` is given.
+        q_block_size: q block size (None: ``block_size``).
+    """
+
+    def __init__(
+        self,
+        spec: MaskSpec | None,
+        batch: int,
+        q_len: int,
+        capacity: int,
+        *,
+        n_physical: int | None = None,
+        device: torch.device | str = "cpu",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        q_block_size: int | None = None,
+    ) -> None:
+        # On the cache's device: the mask_mod captures the spec's tensors (document ids, offsets).
+        self.spec = spec.bind(capacity, capacity).to(device) if spec is not None else None
+        self.batch, self.q_len, self.block_size = batch, q_len, block_size
+        self.q_block_size = block_size if q_block_size is None else q_block_size
+        self.paged = n_physical is not None
+        self.n_logical = -(-capacity // block_size)
+        n_kv = n_physical if n_physical is not None else self.n_logical
+        self.kv_len = n_kv * block_size if self.paged else capacity
+        n_q = -(-q_len // self.q_block_size)
+        device = torch.device(device)
+        i32 = torch.int32
+        self.cache_len = torch.zeros(batch, dtype=i32, device=device)
+        # Physical page -> first logical position stored in it (see update); one spare column.
+        self.page_start = torch.full((batch, n_kv + 1), -block_size, dtype=i32, device=device)
+        # Logical page -> whether the row owns a physical page there (block_table entry in the
+        # pool): the dense route reads the pages gathered in logical order, and a -1 entry below
+        # a row's length (a page a sliding window freed) must stay invisible there too.
+        self.page_owned = torch.ones(batch, self.n_logical, dtype=torch.bool, device=device)
+        self._logical = _page_map(self.page_start, block_size)
+        self.kv_num_blocks = torch.zeros(batch, 1, n_q, dtype=i32, device=device)
+        self.kv_indices = (
+            torch.arange(n_kv, dtype=i32, device=device).view(1, 1, 1, n_kv).repeat(batch, 1, n_q, 1)
+        )
+        self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * self.q_block_size
+        self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
+        # Blocks 0 .. last for every row when the pattern has no lower bound on a contiguous cache:
+        # kv_indices never changes, and update() writes only the lengths and counts (one or two
+        # fills for an int length, four ops for a tensor, instead of about 20).
+        self._indices_fixed = not self.paged and not _bounded_below(self.spec, device)
+        self.logical_mask_mod = self._make_mod(paged=False)
+        self.mask_mod = self._make_mod(paged=self.paged)
+        # No block is marked "full" (mask_mod runs on every live block: cheap next to reading the
+        # cache). On CUDA no full-block tensors either: with them torch's decoding kernel splits
+        # the whole capacity among its CTAs instead of the live blocks. On the CPU empty ones are
+        # passed: torch 2.13's CPU flex template fails to compile some masks without them.
+        on_cpu = device.type == "cpu"
+        self.block_mask = _compat.BlockMask.from_kv_blocks(
+            self.kv_num_blocks,
+            self.kv_indices,
+            torch.zeros_like(self.kv_num_blocks) if on_cpu else None,
+            self.kv_indices.clone() if on_cpu else None,
+            BLOCK_SIZE=(self.q_block_size, block_size),
+            mask_mod=self.mask_mod,
+            seq_lengths=(q_len, self.kv_len),
+        )
+        #: The block count update() last wrote for every row from the host (None: unknown), and
+        #: whether a CUDA graph captured an update of this mask (see _fill_count).
+        self._count_written: int | None = None
+        self.captured = False
+        self._scores: dict[Hashable, Any] = {}
+        #: decode_step's plans (fz.plan results, as :class:`_Run`) per call signature, so later
+        #: steps skip validation and route choice (host time that dominated short steps on the H200).
+        self.runs: LRUCache[_Run] = LRUCache(RUNS_PER_MASK)
+
+    @property
+    def offset(self) -> torch.Tensor:
+        """``cache_len - Lq`` per row, the absolute position of each row's first new query (a new
+        tensor). The mods work it out from ``cache_len`` in the kernel rather than read a tensor of
+        its own: one device op fewer per step (a kernel launch on CUDA)."""
+        return self.cache_len - self.q_len
+
+    def _make_mod(self, *, paged: bool) -> Any:
+        inner = self.spec.mask_mod() if self.spec is not None else None
+        cache_len, logical, q_len = self.cache_len, self._logical, self.q_len
+        if not paged and self.paged:
+            return self._make_gathered_mod(inner)
+
+        def decode_mask(b, h, q_idx, kv_idx):
+            kv = logical(b, kv_idx) if paged else kv_idx
+            out = (kv < cache_len[b]) & (kv >= 0)
+            if inner is not None:
+                out = out & inner(b, h, q_idx + (cache_len[b] - q_len), kv)
+            return out
+
+        return decode_mask
+
+    def _make_gathered_mod(self, inner: Any) -> Any:
+        """The mask over a paged cache's pages gathered in logical order (the dense route): keys
+        of logical pages the row does not own are invisible, as they are on the flex route."""
+        cache_len, owned, q_len, page = self.cache_len, self.page_owned, self.q_len, self.block_size
+
+        def decode_gathered_mask(b, h, q_idx, kv_idx):
+            out = (kv_idx < cache_len[b]) & owned[b, kv_idx // page]
+            if inner is not None:
+                out = out & inner(b, h, q_idx + (cache_len[b] - q_len), kv_idx)
+            return out
+
+        return decode_gathered_mask
+
+    def _fill_count(self, count: int) -> None:
+        """Set every row's block count to ``count`` (int lengths on a fixed block list).
+
+        Skipped when the count this method last wrote is still there: it moves once every
+        ``block_size`` tokens, so most steps launch one fill instead of two. Every other writer
+        of the counts (the tensor paths of :meth:`update`) forgets that record, and a mask a CUDA
+        graph captured never keeps one: a replay writes the counts without Python seeing it.
+        """
+        if count != self._count_written:
+            self.kv_num_blocks.fill_(count)
+        self._count_written = None if self.captured else count
+
+    def _mark_captured(self) -> None:
+        """A CUDA graph is capturing this mask's update: it will rewrite the mask on every replay,
+        and a replay must find its tensors alive (:data:`CAPTURED`, whatever the LRU drops)."""
+        self.captured = True
+        self._count_written = None
+        CAPTURED.add(self)
+
+    def score_mod(self, inner: Any, *, paged: bool | None = None) -> Any:
+        """``inner`` (a flex score_mod over absolute positions) seen through this mask's lengths;
+        one function object per ``inner`` so compiled kernels are reused."""
+        paged = self.paged if paged is None else paged
+        key = (inner, paged)
+        if key not in self._scores:
+            cache_len, logical, q_len = self.cache_len, self._logical, self.q_len
+
+            def decode_score(score, b, h, q_idx, kv_idx):
+                kv = logical(b, kv_idx) if paged else kv_idx
+                return inner(score, b, h, q_idx + (cache_len[b] - q_len), kv)
+
+            self._scores[key] = decode_score
+        return self._scores[key]
+
+    def score_spec(self, inner: Any) -> FunctionScore:
+        """:meth:`score_mod` of ``inner`` as a spec, one object per ``inner`` (a stable plan key)."""
+        key = ("spec", inner)
+        if key not in self._scores:
+            # Untracked: its closure reads the lengths update() rewrites in place every step, and
+            # only kernels read them (nothing cached derives from their values).
+            self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode", tracked=False)
+        return self._scores[key]
+
+    def update(
+        self, cache_len: torch.Tensor | int, block_table: torch.Tensor | None = None
+    ) -> _compat.BlockMask:
+        """Point the mask at the current lengths (and pages); returns the same BlockMask object.
+
+        ``cache_len``: ``[B]`` lengths, or one int for every row. Only device ops on preallocated
+        tensors, no host sync: a CUDA graph can capture it (with a tensor ``cache_len``; an int is
+        a constant of the captured graph).
+        """
+        bs = self.block_size
+        if self.cache_len.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._mark_captured()
+        if isinstance(cache_len, int):
+            if self._indices_fixed:
+                # Known on the host: a fill of the lengths and, when it changed, of the block count
+                # (see _fill_count), instead of a lengths tensor and the ops below (each op a
+                # kernel launch, microseconds of host time, on CUDA). Same values.
+                self.cache_len.fill_(cache_len)
+                self._fill_count(min(max((cache_len + bs - 1) // bs, 0), self.kv_indices.shape[-1]))
+                return self.block_mask
+            cache_len = torch.full((self.batch,), cache_len, dtype=torch.int64, device=self.cache_len.device)
+        self._count_written = None  # the counts below come from device values
+        if self._indices_fixed:
+            self.cache_len.copy_(cache_len)
+            # Blocks 0 .. ceil(len / bs) - 1, the same count for every q block.
+            # Clamped so that a length past the capacity cannot make the kernel read past kv_indices.
+            n_kv = self.kv_indices.shape[-1]
+            if self.kv_num_blocks.shape[-1] == 1:  # one q block (Lq <= block_size): in place
+                counts = self.kv_num_blocks.view(-1)
+                torch.add(self.cache_len, bs - 1, out=counts)
+                counts.div_(bs, rounding_mode="floor").clamp_(0, n_kv)
+            else:
+                count = torch.div(self.cache_len + (bs - 1), bs, rounding_mode="floor").clamp_(0, n_kv)
+                self.kv_num_blocks.copy_(count[:, None, None].expand_as(self.kv_num_blocks))
+            return self.block_mask
+        lens = cache_len.to(self.cache_len.device, torch.int64)
+        self.cache_len.copy_(lens)
+        q_abs = (lens - self.q_len)[:, None] + self._q_starts[None, :]  # first query of each q block
+        first = torch.div(lowest_key(self.spec, q_abs).clamp(min=0), bs, rounding_mode="floor")
+        last = torch.div((lens - 1).clamp(min=0), bs, rounding_mode="floor")[:, None]
+        num = (last - first + 1).clamp(0, self.kv_indices.shape[-1]) * (lens > 0)[:, None]
+        logical_blocks = (first[..., None] + self._steps).clamp(max=self.n_logical - 1)
+        if self.paged:
+            assert block_table is not None
+            table = block_table.to(self.cache_len.device, torch.int64)
+            flat = logical_blocks.reshape(logical_blocks.shape[0], -1)
+            n_phys = self.page_start.shape[1] - 1
+            # Clamped into the pool: decode_step checks page numbers only in a CPU table (a CUDA
+            # one would cost a sync), and a bad one must not make the kernel read outside the pool.
+            indices = table.gather(1, flat).view_as(logical_blocks).clamp(0, n_phys - 1)
+            # page_start[b, physical page] = first logical position stored there; -block_size
+            # (so every key of the page maps below 0, i.e. invisible) for pages row b does not own.
+            # Unowned table entries (-1, or past the pool) scatter into a spare last column that
+            # is never read.
+            starts = torch.full_like(self.page_start, -bs, dtype=torch.int64)
+            pages = torch.arange(table.shape[1], device=table.device).expand_as(table) * bs
+            owned = (table >= 0) & (table < n_phys)
+            starts.scatter_(1, torch.where(owned, table, n_phys), pages)
+            self.page_start.copy_(starts)
+            self.page_owned.copy_(owned[:, : self.n_logical])
+        else:
+            indices = logical_blocks
+        self.kv_num_blocks.copy_(num[:, None, :])
+        self.kv_indices.copy_(indices[:, None, :, :])
+        return self.block_mask
+
+
+def _page_map(page_start: torch.Tensor, page: int) -> Any:
+    """``(b, kv_idx) -> logical position`` of physical key ``kv_idx`` in row ``b`` (below 0 where
+    row ``b`` owns no page there), through ``page_start`` ``[B, n_physical + 1]``.
+
+    A closure over the page size, not a method reading ``self``: the compile key
+    (``compile.mod_key``) sees a closure's captured constants but not a bound method's ``self``,
+    and two page sizes sharing one compiled entry made Dynamo turn the page size into a symbol
+    that torch's CPU flex template fails to compile (C++ errors).
+    """
+
+    def logical(b, kv_idx):
+        return page_start[b, kv_idx // page] + kv_idx % page
+
+    return logical
+
+
+#: DecodeMasks that a CUDA graph captured: kept alive for the life of the process, whatever the
+#: LRU drops, because a replay reads (and writes) their tensors without asking Python.
+CAPTURED: set[DecodeMask] = set()

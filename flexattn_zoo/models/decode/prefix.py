@@ -1,0 +1,109 @@
+"""The plain generation step: one query per row under the default causal pattern, run as SDPA
+over the cache's live prefix, without a DecodeMask (:func:`one_query_over_prefix` says when).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flexattn_zoo import _compat, sharding
+from flexattn_zoo.arch import SPLIT_DECODE_MIN_KV_LEN, SPLIT_DECODE_MIN_KV_ROWS
+from flexattn_zoo.backends.base import fused_layout, prefixes_are_dense_blocks
+from flexattn_zoo.backends.sdpa import SDPA_LOCK
+from flexattn_zoo.dispatch import _under_autocast, needs_grad
+from flexattn_zoo.validation import aligned_qkv_acceptable, check_qkv, check_scale, qkv_acceptable
+
+#: The SDPA kernels a one-query step over a cache prefix may take on CUDA (SDPA's own choice among
+#: them): those without per-shape setup.
+_PREFIX_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def one_query_over_prefix(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: int,
+    scale: float | None,
+    enable_gqa: bool | None,
+) -> torch.Tensor | None:
+    """A causal step of one query per row, every row ``length`` long, that records no gradient,
+    outside a traced graph and torch's context_parallel; None for any other step (the general
+    path takes it and names what is wrong). The query sits at the last position, so it sees
+    exactly the cache's first ``length`` keys, with no mask at all. SDPA runs that on the prefix
+    views as they are (no copy: ``backends.base.fused_layout``) with its own kernel choice (on
+    CUDA among FlashAttention-2, the memory-efficient and the math kernel: cuDNN's per-shape plan
+    would be rebuilt every step) -- its math fallback holds only ``B x H x 1 x length`` scores --
+    for a fraction of the host time of a flex launch and its per-step mask update. Checked in a
+    few comparisons: a decode step's whole host time is a few tens of microseconds. On CUDA, from
+    ``arch.SPLIT_DECODE_MIN_KV_LEN`` keys with ``arch.SPLIT_DECODE_MIN_KV_ROWS`` (batch x kv head)
+    rows on, None: FlashAttention-2 reads such caches at about half of HBM bandwidth, the flex
+    path's kernel (split over the keys) near all of it."""
+    q_shape, k_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    if not (
+        len(q_shape) == 4
+        and len(k_shape) == 4
+        and len(v_shape) == 4
+        and q_shape[2] == 1
+        and q_shape[0] == k_shape[0] == v_shape[0]
+        and k_shape[1] == v_shape[1]
+        and k_shape[2] == v_shape[2]
+        and 1 <= length <= k_shape[2]
+        and not needs_grad((q, k_cache, v_cache), None)
+        and not _compat.is_compiling()
+        and not sharding.context_parallel_active()
+    ):
+        return None
+    batch, heads, _, dim = q_shape
+    kv_heads = k_shape[1]
+    on_cuda = q.is_cuda
+    if length >= SPLIT_DECODE_MIN_KV_LEN and batch * kv_heads >= SPLIT_DECODE_MIN_KV_ROWS and on_cuda:
+        return None  # a long cache over many rows: the flex path (see the docstring)
+    gqa = heads != kv_heads if enable_gqa is None else enable_gqa
+    if (
+        not _compat.any_autocast_enabled()
+        and aligned_qkv_acceptable(q, k_cache, v_cache, gqa, q_shape, k_shape)  # shapes compared above
+        and (on_cuda or q.is_cpu)
+        # Plain tensors only: a subclass (a DTensor, a Parameter) may define its views otherwise.
+        and type(k_cache) is torch.Tensor
+        and type(v_cache) is torch.Tensor
+    ):
+        # The caches pass exactly when their prefixes do (same dtype, device, batch, heads and
+        # D; equal lengths), and a prefix of a contiguous, aligned cache needs no layout check:
+        # what the cache says holds every step, so no per-step slice is inspected. The prefixes
+        # are the caches' own sizes and strides with ``length`` keys, the view ``narrow`` gives,
+        # set directly: ``as_strided`` skips narrow's argument handling, a good part of a view's
+        # host cost. On plain CPU and CUDA tensors only; the rest take ``narrow`` below.
+        k = k_cache.as_strided((batch, kv_heads, length, dim), k_cache.stride())
+        v = v_cache.as_strided((batch, kv_heads, length, v_shape[3]), v_cache.stride())
+        q = fused_layout(q)
+        if not prefixes_are_dense_blocks(k_cache):
+            k = fused_layout(k)
+        if not prefixes_are_dense_blocks(v_cache):
+            v = fused_layout(v)
+    else:
+        k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+        q, k, v = _under_autocast(q, k, v)  # as fz.attention: e.g. a float32 q over a bf16 cache
+        if not qkv_acceptable(q, k, v, gqa):
+            check_qkv(q, k, v, enable_gqa=gqa)  # names what is wrong
+        q, k, v = fused_layout(q), fused_layout(k), fused_layout(v)
+    scale = check_scale(scale)
+    with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
+        if not on_cuda:
+            return _sdpa(q, k, v, scale, gqa)
+        # On CUDA without cuDNN: its SDPA builds an execution plan for every new shape, and a
+        # generation loop meets a new length every step (45 ms per call on the H200 for a new
+        # shape each call, benchmarks/results/host_cost_h200.md, decode-growing).
+        token = _compat.pin_sdpa_kernel(_PREFIX_KERNELS)
+        try:
+            return _sdpa(q, k, v, scale, gqa)
+        finally:
+            _compat.restore_sdpa_kernels(token)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with its defaults left out where they apply (SDPA parses
+    fewer keyword arguments; read from ``F`` each call, as a patch of it must be seen)."""
+    if scale is None and not gqa:
+        return F.scaled_dot_product_attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
