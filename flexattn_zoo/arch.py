@@ -16,23 +16,24 @@ import torch
 from flexattn_zoo import _compat
 
 ARCH_ENV = "FLEXATTN_ZOO_ARCH"
-_ARCH = re.compile(r"^sm(\d+)$")
+#: ``sm`` then the major version (one or two digits) and the minor one (one digit).
+_ARCH = re.compile(r"^sm(\d{1,2})(\d)$")
 #: The arch name of AMD GPUs under a ROCm (HIP) build of torch. Their devices are "cuda" devices to
 #: torch and report a compute capability such as (9, 4) on MI300, which is no NVIDIA generation:
 #: read as "sm94" they would be taken for Hopper and sent to cuDNN and FA4, which ROCm lacks.
 ROCM = "rocm"
 
 
-def parse_arch(arch: str) -> tuple[int, int] | None:
+def parse_arch(arch: str, what: str = "arch") -> tuple[int, int] | None:
     """``"sm90"`` -> ``(9, 0)``, ``"sm86"`` -> ``(8, 6)``, ``"sm100"`` -> ``(10, 0)``; ``"cpu"`` and
-    ``"rocm"`` (no NVIDIA compute capability) -> None."""
+    ``"rocm"`` (no NVIDIA compute capability) -> None. ``what`` names the value in the error (an
+    option or an environment variable)."""
     if arch in ("cpu", ROCM):
         return None
     m = _ARCH.match(arch)
     if not m:
-        raise ValueError(f"arch must look like 'sm80', 'sm90', 'sm100' or be 'cpu' or 'rocm', got {arch!r}")
-    digits = m.group(1)
-    return int(digits[:-1]), int(digits[-1])
+        raise ValueError(f"{what} must look like 'sm80', 'sm90', 'sm100' or be 'cpu' or 'rocm', got {arch!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def detect_arch(device: torch.device | str | None = None) -> str:
@@ -45,7 +46,7 @@ def detect_arch(device: torch.device | str | None = None) -> str:
     if dev is not None and dev.type == "cpu":
         return "cpu"
     if override:
-        parse_arch(override)
+        parse_arch(override, ARCH_ENV)
         return override
     if dev is None:
         if not torch.cuda.is_available():

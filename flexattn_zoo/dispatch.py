@@ -228,10 +228,7 @@ def plan_problem(
     :mod:`flexattn_zoo.tuning` where it accepts the problem (nothing is timed or loaded here).
     ``lazy`` (without ``tune``): ask only the routes the choice needs (a call over a growing KV
     cache plans every step); the plan's ``candidates`` are worked out when first read."""
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    if backend != "auto" and backend not in BY_NAME:
-        raise ValueError(f"unknown backend {backend!r}; valid: auto, {', '.join(BY_NAME)}")
+    check_backend(backend)
     if lazy and not tune:
         route = _first_accepted(problem, backend)
         if route is not None:
@@ -774,6 +771,16 @@ def attention(
 
 #: The values of ``layout=`` (``attention``, ``plan``, ``fz.Attention``).
 LAYOUTS = ("bhsd", "bshd")
+
+
+def check_backend(backend: Any) -> str:
+    """``backend`` if it is ``"auto"`` or a route's name; TypeError for a non-str, ValueError
+    naming the valid routes for an unknown name."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    if backend != "auto" and backend not in BY_NAME:
+        raise ValueError(f"unknown backend {backend!r}; valid: auto, {', '.join(BY_NAME)}")
+    return backend
 
 
 def check_layout(layout: Any) -> str:

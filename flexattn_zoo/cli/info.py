@@ -147,16 +147,19 @@ def _show_score(
     if q_len * kv_len > viz.DENSE_LIMIT:
         raise ValueError(f"score mod pictures are dense: keep len * kv_len <= {viz.DENSE_LIMIT}")
     bias = viz.score_matrix(spec, q_len, kv_len, head_index=args.head, batch=args.batch, heads=heads)
+    # Activation attention's score mod returns log-weights (the route applies exp and drops the
+    # softmax's normalisation), not a bias on a softmax score: say what the numbers are.
+    what = "log-weight of a zero score" if spec.is_activation() else "bias added to a zero score"
     if bool((bias == 0).all()):
         console.print("adds no position-dependent bias (a zero score stays 0 everywhere)")
     elif q_len <= 16 and kv_len <= 16:
-        console.print("bias added to a zero score (rows queries, columns keys):")
+        console.print(f"{what} (rows queries, columns keys):")
         _print_lines(console, viz.render_numbers(bias))
     else:
         lines, r_step, c_step = viz.render_shades(bias)
         note = f"; each character {r_step}x{c_step} positions" if r_step > 1 or c_step > 1 else ""
         console.print(
-            f"bias added to a zero score, shaded from ' ' = {float(bias.min()):.3g} to '@' = {float(bias.max()):.3g}{note}:"
+            f"{what}, shaded from ' ' = {float(bias.min()):.3g} to '@' = {float(bias.max()):.3g}{note}:"
         )
         _print_lines(console, lines)
     inputs = [-100.0, -10.0, -1.0, 0.0, 1.0, 10.0, 100.0]

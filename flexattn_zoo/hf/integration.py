@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.dispatch import attention
+from flexattn_zoo.dispatch import attention, check_backend
 from flexattn_zoo.hf import factories
 from flexattn_zoo.hf.mask_reader import (
     HFMask,
@@ -176,6 +176,7 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
+    check_backend(backend)
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
 

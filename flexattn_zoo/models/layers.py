@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args, with_causal
-from flexattn_zoo.dispatch import as_bhsd, attention, check_layout
+from flexattn_zoo.dispatch import as_bhsd, attention, check_backend, check_layout
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
-from flexattn_zoo.validation import check_dropout_p
+from flexattn_zoo.validation import check_dropout_p, check_flag, check_scale
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
 
@@ -317,10 +317,11 @@ class Attention(nn.Module):
         )
         if is_causal is not False:
             self.spec = dataclasses.replace(self.spec, mask=with_causal(self.spec.mask, is_causal))
+        check_scale(scale)
         self.scale = scale
-        self.enable_gqa = enable_gqa
-        self.return_lse = return_lse
-        self.backend = backend
+        self.enable_gqa = enable_gqa if enable_gqa is None else check_flag("enable_gqa", enable_gqa)
+        self.return_lse = check_flag("return_lse", return_lse)
+        self.backend = check_backend(backend)
         self.sinks: torch.Tensor | None
         if sinks is True or (sinks is None and self.spec.uses_sinks):
             if num_heads is None:

@@ -439,7 +439,7 @@ def assert_score_consistent(
     spec: ScoreSpec,
     *,
     batch: int = 1,
-    heads: int = 1,
+    heads: int | None = None,
     q_len: int = 33,
     kv_len: int = 47,
     seed: int = 0,
@@ -451,9 +451,12 @@ def assert_score_consistent(
     ``future_keys_hidden=True`` variant on the pairs with ``kv_idx <= q_idx``, and the scores its
     soft-cap and linear-bias forms (where offered) describe.
 
-    The default tolerances admit score mods that compute in float32, as kernels do; specs that
-    compute in the score's dtype agree to float64 precision.
+    ``heads`` defaults to the spec's own ``num_heads`` where it has one (ALiBi's slopes, a
+    per-head table), else 1. The default tolerances admit score mods that compute in float32, as
+    kernels do; specs that compute in the score's dtype agree to float64 precision.
     """
+    if heads is None:
+        heads = getattr(spec, "num_heads", None) or 1
     spec.validate(q_len, kv_len, batch, heads)
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(batch, heads, q_len, kv_len, dtype=torch.float64, generator=gen) * magnitude

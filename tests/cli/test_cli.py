@@ -59,6 +59,15 @@ def test_show_causal_picture_and_blocks(capsys: pytest.CaptureFixture[str]) -> N
     assert "1 block: 0 full, 1 partial, 0 empty" in out
 
 
+def test_show_names_what_a_score_picture_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    """A softmax score mod's picture is a bias; activation attention's (sigmoid) is the log-weight
+    its score mod returns, which is not a bias on any softmax score."""
+    code, out, _ = run(capsys, "show", "alibi", "--len", "4", "--heads", "2")
+    assert code == 0 and "bias added to a zero score" in out
+    code, out, _ = run(capsys, "show", "sigmoid", "--len", "4")
+    assert code == 0 and "log-weight of a zero score" in out and "bias added" not in out
+
+
 def test_show_generic_params_including_negative_looking_order(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "show", "sliding_window", "--len", "5", "--left", "1", "--right=1")
     assert code == 0

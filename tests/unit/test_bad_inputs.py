@@ -627,8 +627,13 @@ CLI_CASES = [
     ),
     pytest.param(
         lambda tmp: [*PLAN, "--mask", "causal", "--arch", "h100"],
-        r"arch must look like 'sm80'",
+        r"--arch must look like 'sm80'",
         id="cli_bad_arch",
+    ),
+    pytest.param(
+        lambda tmp: [*PLAN, "--mask", "causal", "--arch", "sm9"],
+        r"--arch must look like 'sm80'.* got 'sm9'",
+        id="cli_one_digit_arch",
     ),
     pytest.param(
         lambda tmp: [*PLAN, "--mask", "causal", "--len", "-8"],

@@ -290,8 +290,22 @@ def test_arch_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert detect_arch("cuda") == "sm80"
     assert detect_arch("cpu") == "cpu"  # CPU tensors are CPU whatever the override says
     monkeypatch.setenv("FLEXATTN_ZOO_ARCH", "volta")
-    with pytest.raises(ValueError, match="arch must look like"):
+    with pytest.raises(ValueError, match="FLEXATTN_ZOO_ARCH must look like"):
         detect_arch("cuda")
+    monkeypatch.setenv("FLEXATTN_ZOO_ARCH", "sm9")  # no minor version: refused the same way
+    with pytest.raises(ValueError, match="FLEXATTN_ZOO_ARCH must look like .* got 'sm9'"):
+        detect_arch("cuda")
+
+
+def test_parse_arch_reads_major_and_minor() -> None:
+    from flexattn_zoo.arch import parse_arch
+
+    assert [parse_arch(a) for a in ("sm80", "sm86", "sm90", "sm100", "sm120", "cpu")] == [
+        (8, 0), (8, 6), (9, 0), (10, 0), (12, 0), None,
+    ]  # fmt: skip
+    for bad in ("sm9", "sm", "sm1000", "h100", "SM90"):
+        with pytest.raises(ValueError, match=f"arch must look like .* got '{bad}'"):
+            parse_arch(bad)
 
 
 def test_named_backend_never_falls_back() -> None:

@@ -92,6 +92,13 @@ def test_second_step_builds_and_compiles_nothing() -> None:
         (dict(config=3), TypeError, "config must be"),
         (dict(config="gpt_oss"), ValueError, "needs num_heads"),
         (dict(mask=masks.Causal(), sinks="yes"), TypeError, "sinks must be"),
+        # checked when the layer is built, not at its first forward
+        (dict(mask="causal", backend="bogus"), ValueError, "unknown backend 'bogus'; valid: auto, "),
+        (dict(mask="causal", backend=None), TypeError, "backend must be a str"),
+        (dict(mask="causal", scale="x"), TypeError, "scale must be None or a finite real number"),
+        (dict(mask="causal", scale=float("nan")), ValueError, "scale must be None or a finite number"),
+        (dict(mask="causal", enable_gqa="y"), TypeError, "enable_gqa must be a bool"),
+        (dict(mask="causal", return_lse=1), TypeError, "return_lse must be a bool"),
     ],
 )
 def test_bad_configurations(kwargs: dict, error: type, match: str) -> None:

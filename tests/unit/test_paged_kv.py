@@ -272,6 +272,8 @@ def _bad(case: str):  # type: ignore[no-untyped-def]
         "append_layout": lambda: decode.append_kv(k, v, table, lens, new, new, kv_layout="nhd"),
         "append_dtype": lambda: decode.append_kv(k, v, table, lens, new.double(), new, kv_layout="NHD"),
         "append_heads": lambda: decode.append_kv(k, v, table, lens, new[:, :1], new, kv_layout="NHD"),
+        # NHD pools read as HND: the page size is taken for Hkv, and the message says so
+        "append_other_layout": lambda: decode.append_kv(k, v, table, lens, new, new, kv_layout="HND"),
         "append_batch": lambda: decode.append_kv(k, v, table, lens, new[:2], new[:2], kv_layout="NHD"),
         "append_rank": lambda: decode.append_kv(k, v, table, lens, new[0], new[0], kv_layout="NHD"),
         "append_missing_page": lambda: decode.append_kv(
@@ -315,6 +317,12 @@ def _bad(case: str):  # type: ignore[no-untyped-def]
         ("append_layout", ValueError, r"append_kv kv_layout must be None, 'NHD' or 'HND'; got 'nhd'"),
         ("append_dtype", TypeError, r"k_new must have k_pool's dtype and device \(torch.float32"),
         ("append_heads", ValueError, r"k_new must be \[B, Hkv=2, n, D=16\]"),
+        (
+            "append_other_layout",
+            ValueError,
+            r"k_new must be \[B, Hkv=\d+, n, D=16\] .*\(Hkv and D from the pools read as kv_layout='HND' "
+            r"\[n_pages, Hkv, page_size, D\]\)",
+        ),
         ("append_batch", ValueError, r"block_table must be \[B=2, max_pages\]"),
         ("append_rank", ValueError, r"k_new must have 4 dims \[B, Hkv, n, D\]"),
         (

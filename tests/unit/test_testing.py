@@ -146,3 +146,12 @@ def test_eager_attention_takes_sdpa_style_mask_tensors() -> None:
         got = eager_attention(q, k, v, mask=mask)
         want = reference_attention(q.double(), k.double(), v.double(), mask=mask)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_score_check_takes_the_specs_own_head_count() -> None:
+    """A spec built for several heads (ALiBi's slopes) is checked at its own head count unless
+    ``heads=`` says otherwise (the check once defaulted to one head and blamed the spec)."""
+    fzt.assert_score_consistent(score_mods.Alibi(num_heads=2))
+    fzt.assert_score_consistent(score_mods.Alibi(num_heads=4), heads=4, batch=2)
+    with pytest.raises(ValueError, match="num_heads"):
+        fzt.assert_score_consistent(score_mods.Alibi(num_heads=2), heads=3)

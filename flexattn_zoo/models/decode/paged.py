@@ -227,9 +227,12 @@ def append_kv(
                 f"append_kv k_pool and v_pool must agree in dims 0-2, got {tuple(k_pool.shape)} and {tuple(pool.shape)}"
             )
         if new.shape[:3] != (batch, heads, n) or new.shape[3] != pool.shape[3]:
+            # Hkv and D come from the pools as kv_layout reads them: a pool of the other layout
+            # shows up here as a wrong head count, so the message says where Hkv came from.
+            read = f"pools read as kv_layout={kv_layout!r} {shape}" if kv_layout else f"pools {shape}"
             raise ValueError(
-                f"append_kv {name}_new must be [B, Hkv={heads}, n, D={pool.shape[3]}] with k_new's B and n, "
-                f"got {tuple(new.shape)}"
+                f"append_kv {name}_new must be [B, Hkv={heads}, n, D={pool.shape[3]}] with k_new's B and n "
+                f"(Hkv and D from the {read}), got {tuple(new.shape)}"
             )
         if new.dtype != pool.dtype or new.device != pool.device:
             raise TypeError(
