@@ -352,26 +352,37 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         generation="sm90",
-        modes=BOTH,
-        max_work=4 * 10**10,
+        modes=("fwd",),
+        max_work=3 * 10**10,
         front=_SHORT_FIRST,
-        why="short problems (visible B*H*Lq*Lkv*D up to 4e10, which includes decoding from any real cache): "
-        "FA4's per-call host time (0.14-0.31 ms forward, 0.7-1.5 ms forward+backward) exceeds the kernel "
-        "time it saves; SDPA's kernels finish first (decoding: 2-10x faster than fa4 and flex). Forward "
-        "rows from 2e10 to 4e10 split: fa4 faster on DINOv2-g (0.223 vs 0.242 ms) and a Gemma-3-27B-style "
-        "4K sequence (0.239 vs 0.277), SDPA on a Llama-3.2-3B-style 4 x 2K batch (0.211 vs 0.271)",
+        why="short forwards (visible B*H*Lq*Lkv*D up to 3e10, which includes decoding from any real cache): "
+        "FA4's per-call host time (0.14-0.31 ms) exceeds the kernel time it saves; SDPA's kernels finish "
+        "first (decoding: 2-10x faster than fa4 and flex). Near the bound the two split (DINOv2-g, 2.3e10: "
+        "fa4 0.223 vs sdpa 0.246 ms; a Llama-3.2-3B-style 4 x 2K batch, 2.6e10: sdpa 0.216 vs fa4 0.271); "
+        "above it FA4 leads (a Gemma-3-27B-style 4K sequence, 3.4e10: fa4 0.239 vs sdpa 0.277; prefix-LM "
+        "512 at D=64, 3.4e10: flex_flash 0.231 vs flex 0.243)",
         benchmark="generalization_h200.json",
         evidence=(
             "bert_base_l128_b128/fwd",
             "llama3_8b_l512_b32/fwd",
-            "llama3_8b_l512_b32/fwdbwd",
-            "llama32_1b_l512_b64/fwdbwd",
-            "vit_l14_l577_b32/fwdbwd",
             "llama32_3b_l2048_b4/fwd",
             "decode_llama3_8b_b1_32k/fwd",
             "decode_b1_128k/fwd",
             "decode_qwen25_7b_b64_1k/fwd",
-            "prefix512_l2048_b8_d64/fwd",
+        ),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwdbwd",),
+        max_work=4 * 10**10,
+        front=_SHORT_FIRST,
+        why="short training steps (visible B*H*Lq*Lkv*D up to 4e10): FA4's host time per forward+backward "
+        "(0.7-1.5 ms) exceeds the kernel time it saves",
+        benchmark="generalization_h200.json",
+        evidence=(
+            "llama3_8b_l512_b32/fwdbwd",
+            "llama32_1b_l512_b64/fwdbwd",
+            "vit_l14_l577_b32/fwdbwd",
             "prefix512_l2048_b8_d64/fwdbwd",
         ),
     ),
@@ -388,21 +399,6 @@ RULES: tuple[Rule, ...] = (
         "MPT-7B, B=4, D=128: 1.65 vs 1.56)",
         benchmark="generalization_h200.json",
         evidence=("softcap50_l2048_b8_d128/fwdbwd", "alibi_bidir_l2048_b8_d64/fwdbwd"),
-    ),
-    Rule(
-        generation="sm90",
-        modes=("fwd",),
-        traits=frozenset({"score_mod"}),
-        absent=frozenset({"fast_score_mod"}),
-        min_work=3 * 10**10,
-        min_head_dim=128,
-        front=("flex_flash",),
-        why="exact score mods at head dim 128 near the top of the short range: flex_flash's kernel "
-        "beats Triton flex's by more than its host time (soft-capping, B=8, L=2K: 0.50 vs 0.82 ms; "
-        "MPT-7B ALiBi, B=4: 0.38 vs 0.44; at D=64 they tie, and approximate score mods keep "
-        "Triton's hardware tanh)",
-        benchmark="generalization_h200.json",
-        evidence=("softcap50_l2048_b8_d128/fwd", "alibi_mpt7b_l2048_b4/fwd"),
     ),
     Rule(
         generation="sm90",

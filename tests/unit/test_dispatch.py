@@ -150,7 +150,12 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384), "fa4"),
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384, d=64), "flex"),
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=2, lq=16384), "flex_flash"),
-        # exact score mods near the top of the short range (3e10 to 4e10): flex_flash, not flex
+        # forwards either side of the short bound (3e10): a Gemma-3-27B-style 4K sequence (3.4e10)
+        # on FA4 (0.239 vs sdpa 0.277 ms), a Llama-3.2-3B-style 4 x 2K batch (2.6e10) on SDPA
+        (_problem(masks.Causal(), heads=(32, 16), batch=1, lq=4096), "fa4"),
+        (_problem(masks.Causal(), heads=(24, 8), batch=4, lq=2048), "sdpa"),
+        (_problem(masks.Causal(), heads=(32, 16), batch=1, lq=4096, grad=True), "sdpa"),  # training: 4e10
+        # exact score mods above the short forwards (3e10): flex_flash; below: flex
         (
             _problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048),
             "flex_flash",
@@ -204,7 +209,8 @@ def test_auto_route_table_with_fa4(problem: Problem, route: str, monkeypatch: py
 @pytest.mark.parametrize(
     ("problem", "route"),
     [
-        # Short problems (B*H*Lq*Lkv*D <= 4e10): SDPA's kernels before FA4's host time.
+        # Short problems (B*H*Lq*Lkv*D <= 3e10 forward, 4e10 training): SDPA's kernels before FA4's
+        # host time.
         (_problem(masks.Causal(), batch=2), "sdpa"),
         (_problem(None, batch=2, grad=True, heads=(32, 8)), "sdpa"),
         (_problem(masks.SlidingWindow(left=127), batch=2), "flex"),  # no SDPA form: flex before fa4
@@ -225,12 +231,17 @@ def test_shape_rules(problem: Problem, route: str, fa4: bool, monkeypatch: pytes
 def test_rule_bounds() -> None:
     from flexattn_zoo.arch import RULES, Sizes
 
-    short = next(r for r in RULES if r.max_work is not None)
+    short = next(r for r in RULES if r.max_work is not None and r.modes == ("fwd",))
     assert short.applies("sm90", "fwd", frozenset(), Sizes(1, 1, 1, 1, short.max_work))
     assert not short.applies("sm90", "fwd", frozenset(), Sizes(1, 1, 1, 1, short.max_work + 1))
     assert not short.applies("sm80", "fwd", frozenset(), Sizes(1, 1, 1, 1, 1))
     assert not short.applies("sm90", "fwd", frozenset(), None)  # size rules need sizes
-    assert short.applies("sm90", "fwdbwd", frozenset({"score_mod"}), Sizes(32, 32, 1, 32768, 128))  # decoding
+    assert not short.applies("sm90", "fwdbwd", frozenset(), Sizes(1, 1, 1, 1, 1))  # its own rule below
+    training = next(r for r in RULES if r.max_work is not None and r.modes == ("fwdbwd",))
+    assert training.max_work is not None and training.max_work > short.max_work  # FA4's longer host time
+    assert training.applies(
+        "sm90", "fwdbwd", frozenset({"score_mod"}), Sizes(32, 32, 1, 32768, 128)
+    )  # decoding
 
 
 def test_rule_lower_bounds_batch_bound_and_absent_traits() -> None:
@@ -1175,8 +1186,8 @@ def test_explain_says_where_the_order_came_from() -> None:
     the benchmark its rows are in), or says none applied, or that the caller named the route."""
     decoding = plan_problem(_problem(None, lq=1, lkv=8192, batch=32, heads=(32, 8))).explain()
     assert "order: the sm90 table for fwd, then these measured rules" in decoding
-    assert "flex, sdpa_split, varlen first: short problems" in decoding
-    assert "11 rows of generalization_h200.json" in decoding
+    assert "flex, sdpa_split, varlen first: short forwards" in decoding
+    assert "6 rows of generalization_h200.json" in decoding
     plain = plan_problem(_problem(masks.Causal())).explain()
     assert "order: the sm90 table for fwd, no measured rule applies" in plain
     named = plan_problem(_problem(masks.Causal()), "flex").explain()
