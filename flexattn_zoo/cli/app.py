@@ -302,10 +302,9 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         mask_names = "+".join(args.mask) if args.mask else None
         score_names = "+".join(args.score) if args.score else None
         mask, score = build_specs(mask_names, score_names, params, {"num_heads": heads})
-    arch = args.arch or detect_arch()
-    parse_arch(
-        arch, "--arch" if args.arch else "the detected arch"
-    )  # names valid forms for a typo such as "h100"
+    arch = args.arch or detect_arch()  # detect_arch checks FLEXATTN_ZOO_ARCH itself
+    if args.arch:
+        parse_arch(arch, "--arch")  # a ValueError naming valid forms for a typo such as "h100"
     q_len = args.length
     kv_len = args.kv_len or q_len
     for spec in (mask, score):  # what fz.plan checks too: e.g. ALiBi's head count, per-row lengths
