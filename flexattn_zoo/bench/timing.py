@@ -35,7 +35,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.tuning.timing import fill_count, interleaved_times, sync, warm_up
+from flexattn_zoo.tuning.timing import fill_count, interleaved_times, sync, timed, warm_up
 
 #: Least seconds of warm-up calls, and of timed calls, per row (the configured counts are minimums).
 MIN_WARMUP_S = 0.025
@@ -79,11 +79,7 @@ def measure(
     on_first: Callable[[Any], None] | None = None,
 ) -> Timing:
     """Time ``step`` (see the module docstring). ``on_first`` sees the first call's result."""
-    sync(device)
-    start = time.perf_counter()
-    result = step()
-    sync(device)
-    first = time.perf_counter() - start
+    result, first = timed(step, device)
     if on_first is not None:
         on_first(result)
     del result
@@ -162,15 +158,6 @@ def interleaved(
         )
         for name, t in times.items()
     }
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    """``(fn(), seconds)`` with the device synchronized on both sides."""
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return out, time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from flexattn_zoo import masks
 from flexattn_zoo.cli.params import describe_spec
 from flexattn_zoo.registry import MASKS, SCORES, Registry
 from flexattn_zoo.spec import MaskSpec
+from flexattn_zoo.tuning.timing import timed
 
 CPU_DEFAULTS: dict[str, int | str] = {
     "batch": 1,
@@ -106,26 +106,12 @@ def demo_cases(length: int, batch: int, heads: int) -> list[DemoCase]:
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(
     fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
 ) -> tuple[torch.Tensor, float, float]:
     """(output of the first call, seconds of the first call, median ms of ``repeats`` later calls)."""
-    _sync(device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(device)
-    first = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
+    out, first = timed(fn, device)
+    times = [timed(fn, device)[1] * 1e3 for _ in range(repeats)]
     return out, first, statistics.median(times)
 
 

@@ -41,13 +41,14 @@ def sync(device: torch.device) -> None:
         torch.cpu.synchronize()
 
 
-def first_call(step: Callable[[], Any], device: torch.device) -> float:
-    """Seconds of one call of ``step``, the device synchronized on both sides (compilation included)."""
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), seconds)`` with the device synchronized on both sides (a first call: compilation
+    included)."""
     sync(device)
     start = time.perf_counter()
-    step()
+    out = fn()
     sync(device)
-    return time.perf_counter() - start
+    return out, time.perf_counter() - start
 
 
 def warm_up(step: Callable[[], Any], device: torch.device, count: int, min_s: float, max_calls: int) -> float:
@@ -130,7 +131,7 @@ def time_routes(
     counts: dict[str, int] = {}
     for name, step in steps.items():
         try:
-            first[name] = first_call(step, device)
+            _, first[name] = timed(step, device)
             per_call = warm_up(step, device, warmup, MIN_WARMUP_S, MAX_REPS)
         except Exception as exc:
             out[name] = exc
@@ -171,10 +172,10 @@ __all__ = [
     "MIN_TIMED_S",
     "MIN_WARMUP_S",
     "ROUNDS",
-    "first_call",
     "fill_count",
     "interleaved_times",
     "sync",
     "time_routes",
+    "timed",
     "warm_up",
 ]
