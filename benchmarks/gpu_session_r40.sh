@@ -4,17 +4,39 @@
 # (three calls: .whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session) and transformers
 # into /tmp/site (carry .whl).
 #
+#   bash benchmarks/gpu_session_r40.sh verify 560      # (FA4 installed) the zoo GPU tests (every
+#                    # family on auto/flex/flex_flash eagerly, and compiled whole on auto, fwd+bwd),
+#                    # the pair-load probe (torch's default tiles tried first), the host-cost table
+#                    # with the score-mod flex cases, and the zoo sweep's pair-loaded rows
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
-#                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side, the
-#                    # one row of the compiled-model table never measured without FA4
+#                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side (the
+#                    # committed no-FA4 row predates building the BlockMask once per forward)
+#   bash benchmarks/gpu_session_r40.sh llamaprefill 150    # (FA4 installed) compiled Llama prefill,
+#                    # HF flex_attention and flexattn_zoo in one process
 set -uo pipefail
-step="${1:?usage: $0 gemma2prefill [BUDGET_S]}"
+step="${1:?usage: $0 verify|gemma2prefill|llamaprefill [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r40
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 
 case "$step" in
+  verify)
+    run gpu_tests_zoo_r40 "$(( $(left) - 270 ))" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+      tests/gpu/test_zoo_gpu.py
+    run pair_load_probe_h200_r40 "$(( $(left) - 170 ))" python3 benchmarks/pair_load_probe.py --head-dims 64
+    run host_cost_h200_r40 "$(( $(left) - 80 ))" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_h200_r40.md"
+    run zoo_pairload_r40 "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
+      --cases zoo_graphormer,zoo_rel_pos_bias --out "$out/zoo_pairload_r40.json" \
+      --md "$out/zoo_pairload_r40.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  llamaprefill)
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run compiled_models_llama_prefill_fa4_r40 "$(( $(left) - 5 ))" \
+      python3 benchmarks/compiled_models.py --models llama --impls flex_attention,flexattn_zoo \
+      --modes prefill --steps 10 --warmup 2 --json "$out/compiled_models_llama_prefill_fa4_r40.json" \
+      --md "$out/compiled_models_llama_prefill_fa4_r40.md" --time-budget "$(( $(left) - 30 ))"
+    ;;
   gemma2prefill)
     PYTHONPATH="/tmp/site:$PYTHONPATH" run compiled_models_gemma2_prefill_nofa4_r40 "$(( $(left) - 5 ))" \
       python3 benchmarks/compiled_models.py --models gemma2 --impls flex_attention,flexattn_zoo \

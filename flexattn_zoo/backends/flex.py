@@ -70,13 +70,31 @@ def _loads_pairs(p: Problem) -> bool:
     return any(s is not None and s.loads_pairs() for s in (p.mask, p.score))
 
 
-#: Head dims up to which torch's default forward tiles leave no room on sm90 for a pair-loaded
+#: Head dims up to which torch's default forward tiles may leave no room on sm90 for a pair-loaded
 #: tile, and the pipeline depth that makes it fit: a table[kv - q] or bias[h, q, kv] score mod at
 #: D=64 failed to compile on the H200 with torch's defaults ("out of resource: Required 245760,
-#: Hardware limit 232448") and ran with 2 stages; at D=128 the defaults fit
-#: (benchmarks/gathered_tile_probe.py).
+#: Hardware limit 232448") and ran with 2 stages; Graphormer's table[pos[b, q, kv], h] compiled
+#: with the defaults, which were faster there (forward 0.138 vs 0.150 ms at 1K, 2.226 vs 2.615 at
+#: 4K); at D=128 the defaults fit (benchmarks/gathered_tile_probe.py). Eager calls therefore try
+#: the defaults first and compile the shallower pipeline only when the defaults run out of shared
+#: memory (``FlexCall.launch``); a traced call cannot catch its caller's compile error, so it takes
+#: the shallow pipeline at once.
 PAIR_LOAD_SHALLOW_HEAD_DIM = 64
 PAIR_LOAD_STAGES = 2
+
+
+def out_of_shared_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` (from a flex call's first, compiling launch) says the kernel's config needs
+    more shared memory than the GPU has: Triton's ``OutOfResources`` ("out of resource: shared
+    memory, Required: N, Hardware limit: M"), however Inductor wrapped it (its chained causes and
+    message are searched)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ == "OutOfResources" or "out of resource" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 #: Below this share of visible pairs (``MaskSpec.visible_fraction``, an upper bound) torch's default
@@ -154,16 +172,25 @@ class FlexBackend(Backend):
             return None
         return width
 
-    def options(self, p: Problem, block_mask: Any = None) -> dict[str, Any] | None:
+    def options(
+        self, p: Problem, block_mask: Any = None, *, shallow_pair_loads: bool = True
+    ) -> dict[str, Any] | None:
         """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask):
         the route's fixed ones, then the measured ones, then the caller's (``p.kernel_options``,
-        which may not contradict the fixed ones: ``kernel_options_reasons``)."""
+        which may not contradict the fixed ones: ``kernel_options_reasons``).
+        ``shallow_pair_loads=False``: torch's default pipeline where a pair-loaded tile may not
+        fit it (:data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), for a caller that retries with the shallow
+        one when the defaults run out of shared memory."""
         opts = dict(self.kernel_options)
         if not _loads_pairs(p):
             tuned = self.tuned_options(p)
             if tuned and not _default_tiles_faster(p):
                 opts.update(_tiles_within(tuned, block_mask))
-        elif opts.get("BACKEND", "TRITON") == "TRITON" and not any(name.startswith("fwd_") for name in opts):
+        elif (
+            shallow_pair_loads
+            and opts.get("BACKEND", "TRITON") == "TRITON"
+            and not any(name.startswith("fwd_") for name in opts)
+        ):
             # The measured tiles (pinned: one Triton config) have no room left for a pair-loaded
             # tile (a captured table under transformers' packed-sequence mask needed 233472 bytes
             # of the H200's 232448); torch's defaults do where they fit, shallower pipelines
@@ -313,18 +340,32 @@ class FlexBackend(Backend):
             # A mask that hides every kv_idx > q_idx lets score mods skip work there (ALiBi's abs).
             past = p.mask is not None and p.mask.hides_future_keys(p.q_len, p.kv_len)
             score_mod = p.score.to(device).score_mod(fast=self.fast_score_mods, future_keys_hidden=past)
-        options = self.options(p, block_mask)
-        key = CACHE.key(
-            block_mask.mask_mod if block_mask is not None else None,
+
+        def keyed(options: dict[str, Any] | None) -> tuple[Any, dict[str, Any] | None]:
+            key = CACHE.key(
+                block_mask.mask_mod if block_mask is not None else None,
+                score_mod,
+                options,
+                p.return_lse,
+                p.gqa,
+                (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
+                _block_size(block_mask),
+            )
+            return key, options
+
+        options = self.options(p, block_mask, shallow_pair_loads=False)
+        shallow = self.options(p, block_mask)
+        key, _ = keyed(options)
+        return FlexCall(
+            block_mask,
             score_mod,
             options,
+            key,
             p.return_lse,
             p.gqa,
-            (p.heads, p.kv_heads, p.head_dim, p.v_dim, p.dtype),
-            _block_size(block_mask),
-        )
-        return FlexCall(
-            block_mask, score_mod, options, key, p.return_lse, p.gqa, self.detaches_inputs, self.pad_width(p)
+            self.detaches_inputs,
+            self.pad_width(p),
+            shallow=None if shallow == options else keyed(shallow),
         )
 
 
@@ -369,8 +410,14 @@ class FlexCall:
     #: Pad q/k/v's head dims with zeros to this width, cutting the output back to v's head dim
     #: (``FlexBackend.pad_width``); None: launch them as they are.
     pad_to: int | None = None
-    #: ``[entry]``: the compiled entry of ``key`` last used (None before the first launch).
-    held: list[Any] = dataclasses.field(default_factory=lambda: [None], compare=False, repr=False)
+    #: ``(key, options)`` of a shallower forward pipeline for a pair-loaded tile, launched instead
+    #: once the first launch of :attr:`options` ran out of shared memory (see
+    #: :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`); None: no such retry.
+    shallow: tuple[Any, dict[str, Any] | None] | None = None
+    #: ``[entry, key, options]``: the compiled entry last used (None before the first launch) and
+    #: the key and options it is looked up by: :attr:`key` and :attr:`options`, or
+    #: :attr:`shallow`'s after the retry.
+    held: list[Any] = dataclasses.field(default_factory=lambda: [None, None, None], compare=False, repr=False)
 
     def launch(
         self,
@@ -424,7 +471,9 @@ class FlexCall:
         held = self.held
         entry = held[0]
         if entry is None or entry.retired:
-            entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
+            if held[1] is None:
+                held[1], held[2] = self.key, self.options
+            entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
         score_mod = self.score_mod
         # What Dynamo's guards check of q/k/v beyond the plan-cache key: which are one object
         # (Dynamo passes such an input to its graph once) and their negative bit.
@@ -446,7 +495,16 @@ class FlexCall:
                     return entry.run_unguarded(graph, q, k, v, mask, scale, score_mod)
                 # Dynamo dropped the graph (torch.compiler.reset), or the global state its
                 # guards compare changed (e.g. torch's thread count): through Dynamo again.
-            out, code = entry.run(q, k, v, mask, scale, score_mod)
+            try:
+                out, code = entry.run(q, k, v, mask, scale, score_mod)
+            except Exception as exc:
+                if self.shallow is None or held[1] is not self.key or not out_of_shared_memory(exc):
+                    raise
+                # torch's default tiles left no room for the pair-loaded tile: the shallower
+                # pipeline from now on (for every caller of this prepared call).
+                held[1], held[2] = self.shallow
+                entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
+                out, code = entry.run(q, k, v, mask, scale, score_mod)
             if known is not None:
                 graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)
                 # The BlockMask held weakly: a bound call must not keep it alive (see bound_run).
@@ -457,7 +515,7 @@ class FlexCall:
             if not entry.retire_if_over_limit():
                 raise
         # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
-        entry = held[0] = CACHE.get_keyed(self.key, self.options, self.lse, self.gqa)
+        entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
         return entry(q, k, v, mask, scale, self.score_mod)
 
 

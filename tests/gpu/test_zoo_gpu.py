@@ -4,7 +4,9 @@ One realistic instance per family (``typical_example`` at L=256, B=2, 4 q / 2 kv
 bf16; score mods under a causal mask) on ``auto`` and on the flex routes, which run any spec:
 ``flex`` (Triton) and ``flex_flash`` (FlashAttention-4's CuTe code generator, where a mod's ops
 must all have CuTe lowerings). A route that refuses the problem is skipped with its reasons;
-``test_every_family_runs_somewhere`` asserts that the universal route took every family.
+``test_every_family_runs_somewhere`` asserts that the universal route took every family. Each
+family also runs inside a caller's ``torch.compile(fullgraph=True)`` on ``auto``, forward and
+backward.
 """
 
 from __future__ import annotations
@@ -65,6 +67,30 @@ def test_family_matches_float64(kind: str, name: str, route: str) -> None:
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     assert_matches_reference(out, q, k, v, enable_gqa=True, grads=grads, grad_out=grad_out, **kwargs)
     RAN.add((name, route))
+
+
+@pytest.mark.parametrize(("kind", "name"), FAMILIES, ids=[f"{k}-{n}" for k, n in FAMILIES])
+def test_family_compiles_whole_on_auto(kind: str, name: str) -> None:
+    """The same instance inside a caller's ``torch.compile(fullgraph=True)`` (a graph break
+    raises) on the route auto picks while traced, forward and backward, against float64."""
+    torch._dynamo.reset()
+    spec = _family(kind, name)
+    kwargs: dict[str, Any] = {"mask": spec} if kind == "mask" else {"mask": masks.Causal(), "score_mod": spec}
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (
+        torch.randn(B, HKV, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, enable_gqa=True, **kwargs)
+
+    out = torch.compile(call, fullgraph=True)(q, k, v)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, enable_gqa=True, grads=grads, grad_out=grad_out, **kwargs)
+    torch._dynamo.reset()
 
 
 def test_every_family_runs_somewhere() -> None:

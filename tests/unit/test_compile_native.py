@@ -435,3 +435,38 @@ def test_a_spec_made_in_the_graph_can_leave_it() -> None:
     torch.testing.assert_close(out, two_layers_and_a_break(q, k, v, ids), atol=1e-5, rtol=1e-5)
     assert len(graphs) == 2
     assert _block_order_calls(graphs[0]) > 0 and _block_order_calls(graphs[1]) == 0
+
+
+#: Every preset's two layer kinds at lengths where each kind's pattern shows (short windows and
+#: chunks); the presets' own parameters otherwise.
+PRESET_PARAMS: dict[str, dict[str, Any]] = {
+    "mistral_7b": {"window": 9},
+    "gemma2": {"window": 9},
+    "gemma3": {"window": 9, "every": 2},
+    "llama4": {"chunk": 16, "every": 2},
+    "gpt_oss": {"window": 9},
+    "modernbert": {"window": 8, "every": 2},
+    "prefix_lm": {"prefix_len": 20},
+}
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+@pytest.mark.parametrize("name", fz.presets.names())
+def test_every_preset_layer_compiles_whole(name: str, layer: int) -> None:
+    """``fz.Attention(preset, layer=...)`` (sinks included where the layer has them) under
+    ``torch.compile(fullgraph=True)``: no graph break, and the result of the same layer eagerly on the
+    ``dense`` route (``aot_eager``, as for most cases above: it runs the traced route's ops
+    without an Inductor compile each)."""
+    module, dense = (
+        fz.Attention(name, layer=layer, num_heads=H, backend=backend, **PRESET_PARAMS.get(name, {}))
+        for backend in ("auto", "dense")
+    )
+    if module.sinks is not None:
+        with torch.no_grad():
+            module.sinks.copy_(torch.linspace(-1, 1, H))
+            dense.sinks.copy_(module.sinks)
+    q, k, v = _inputs(grad=False)
+    with torch.no_grad():
+        # fullgraph=True: a graph break raises.
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")(q, k, v)
+        torch.testing.assert_close(compiled, dense(q, k, v), atol=1e-5, rtol=1e-5)
