@@ -4,8 +4,9 @@
 # (three calls: .whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session) and transformers
 # into /tmp/site (carry .whl).
 #
-#   bash benchmarks/gpu_session_r40.sh verify 560      # (FA4 installed) the zoo GPU tests (every
+#   bash benchmarks/gpu_session_r40.sh verify 570      # (FA4 installed) the zoo GPU tests (every
 #                    # family on auto/flex/flex_flash eagerly, and compiled whole on auto, fwd+bwd),
+#                    # the export / CUDA-graph / static-cache decoding compile tests,
 #                    # the pair-load probe (torch's default tiles tried first), the host-cost table
 #                    # with the score-mod flex cases, and the zoo sweep's pair-loaded rows
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
@@ -22,8 +23,11 @@ source benchmarks/gpu_session_lib.sh  # the repository root is the working direc
 
 case "$step" in
   verify)
-    run gpu_tests_zoo_r40 "$(( $(left) - 270 ))" python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+    run gpu_tests_zoo_r40 "$(( $(left) - 390 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
       tests/gpu/test_zoo_gpu.py
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run gpu_tests_compile_r40 "$(( $(left) - 270 ))" python3 -m pytest -m gpu \
+      -q -rfE -p no:cacheprovider -n 4 tests/gpu/test_compile_gpu.py \
+      -k "export or reduce_overhead or hf_generate or decode_steps_over or eager_call_replays"
     run pair_load_probe_h200_r40 "$(( $(left) - 170 ))" python3 benchmarks/pair_load_probe.py --head-dims 64
     run host_cost_h200_r40 "$(( $(left) - 80 ))" python3 benchmarks/host_cost.py --device cuda \
       --out "$out/host_cost_h200_r40.md"

@@ -265,6 +265,32 @@ def test_export(case: str, strict: bool) -> None:
     assert_matches_reference(out, q, k, v, **kw)
 
 
+#: A marker of each route family's kernel call in an exported graph's code.
+EXPORTED_OP = {"sdpa": "scaled_dot_product", "flex": "flex_attention", "fa4": "fa4_fwd"}
+
+
+@pytest.mark.parametrize("route", [r for r in CUDA_ROUTES if r != "auto"])
+@pytest.mark.parametrize("case", ["causal", "sliding_causal", "document_causal"])
+def test_export_per_named_route(case: str, route: str) -> None:
+    """``torch.export`` (non-strict) with each named route that runs the call eagerly: the route's
+    kernel call is in the exported graph, or the export is refused by a ``ValueError`` naming
+    the route and why it cannot run inside a graph."""
+    kw = CASES[case]()
+    q, k, v = _inputs(False)
+    try:
+        fz.plan(q, k, v, backend=route, **kw)
+    except ValueError as err:
+        pytest.skip(f"{route} refuses {case} eagerly: {err}")
+    try:
+        exported = torch.export.export(_Block(backend=route, **kw), (q, k, v), strict=False)
+    except ValueError as err:
+        assert f"backend {route!r} cannot run this call" in str(err) and TRACED_ONLY in str(err), err
+        return
+    op = next((marker for family, marker in EXPORTED_OP.items() if route.startswith(family)), None)
+    if op is not None:
+        assert op in exported.graph_module.code, exported.graph_module.code
+
+
 FA4_CASES: dict[str, Any] = {
     "causal": lambda: {"mask": masks.Causal()},
     "sliding_causal": lambda: {"mask": masks.SlidingWindow(left=64) & masks.Causal()},

@@ -470,3 +470,56 @@ def test_every_preset_layer_compiles_whole(name: str, layer: int) -> None:
         # fullgraph=True: a graph break raises.
         compiled = torch.compile(module, fullgraph=True, backend="aot_eager")(q, k, v)
         torch.testing.assert_close(compiled, dense(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__()
+        self.kw = kw
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fz.attention(q, k, v, **self.kw)
+
+
+#: (case, call arguments, an op the exported graph must hold: the route's kernel call).
+EXPORT_CASES = [
+    ("causal_sdpa", {"mask": "causal"}, "scaled_dot_product"),
+    (
+        "sliding_flex",
+        {"mask": masks.SlidingWindow(left=8) & masks.Causal(), "backend": "flex_cpu"},
+        "flex_attention",
+    ),
+    (
+        "document_flex",
+        {"mask": masks.Document.from_lengths([[20, 28], [48]]) & masks.Causal()},
+        "flex_attention",
+    ),
+]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+@pytest.mark.parametrize(("name", "kw", "op"), EXPORT_CASES, ids=[c[0] for c in EXPORT_CASES])
+def test_export_holds_the_routes_kernel_and_matches_reference(
+    name: str, kw: dict[str, Any], op: str, strict: bool
+) -> None:
+    """``torch.export`` of a module calling ``fz.attention``: the route's kernel call is in the
+    exported graph (SDPA's op, or flex's higher-order op with its BlockMask built in the graph),
+    and the exported program gives the reference's result."""
+    q, k, v = _inputs(grad=False)
+    exported = torch.export.export(_Block(**kw), (q, k, v), strict=strict)
+    assert op in exported.graph_module.code, exported.graph_module.code
+    spec = {key: value for key, value in kw.items() if key != "backend"}
+    assert_matches_reference(exported.module()(q, k, v), q, k, v, **spec)
+
+
+def test_export_refuses_a_route_that_cannot_be_traced_by_name() -> None:
+    """A named route that cannot run inside a traced graph refuses the export with its name and
+    reason, rather than a tracer error: equal documents run on SDPA eagerly (as chunks), but in
+    the graph the ids are not read, so the segments are unknown there."""
+    q, k, v = _inputs(grad=False)
+    doc = masks.Document.from_lengths([[24, 24], [24, 24]]) & masks.Causal()
+    assert fz.plan(q, k, v, mask=doc, backend="sdpa_flash").backend == "sdpa_flash"  # eagerly it runs
+    with pytest.raises(
+        ValueError, match=r"backend 'sdpa_flash' cannot run this call.*torch\.compile'd graph"
+    ):
+        torch.export.export(_Block(mask=doc, backend="sdpa_flash"), (q, k, v), strict=False)
