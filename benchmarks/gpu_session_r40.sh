@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session_r40.sh verify 570      # (FA4 installed) the zoo GPU tests (every
 #                    # family on auto/flex/flex_flash eagerly, and compiled whole on auto, fwd+bwd),
 #                    # the export / CUDA-graph / static-cache decoding compile tests,
+#                    # the fa4 route's host time layer by layer next to FA4's own function,
 #                    # the pair-load probe (torch's default tiles tried first), the host-cost table
 #                    # with the score-mod flex cases, and the zoo sweep's pair-loaded rows
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
@@ -28,6 +29,7 @@ case "$step" in
     PYTHONPATH="/tmp/site:$PYTHONPATH" run gpu_tests_compile_r40 "$(( $(left) - 270 ))" python3 -m pytest -m gpu \
       -q -rfE -p no:cacheprovider -n 4 tests/gpu/test_compile_gpu.py \
       -k "export or reduce_overhead or hf_generate or decode_steps_over or eager_call_replays"
+    run fa4_host_probe_h200_r40 60 python3 benchmarks/fa4_host_probe.py --rounds 20
     run pair_load_probe_h200_r40 "$(( $(left) - 170 ))" python3 benchmarks/pair_load_probe.py --head-dims 64
     run host_cost_h200_r40 "$(( $(left) - 80 ))" python3 benchmarks/host_cost.py --device cuda \
       --out "$out/host_cost_h200_r40.md"
