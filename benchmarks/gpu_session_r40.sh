@@ -13,10 +13,12 @@
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
 #                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side (the
 #                    # committed no-FA4 row predates building the BlockMask once per forward)
+#   bash benchmarks/gpu_session_r40.sh softcap 150     # soft-capping on Triton flex: libdevice tanh,
+#                    # the hardware tanh, and a cheap odd polynomial on the FMA pipe
 #   bash benchmarks/gpu_session_r40.sh llamaprefill 150    # (FA4 installed) compiled Llama prefill,
 #                    # HF flex_attention and flexattn_zoo in one process
 set -uo pipefail
-step="${1:?usage: $0 verify|gemma2prefill|llamaprefill [BUDGET_S]}"
+step="${1:?usage: $0 verify|gemma2prefill|softcap|llamaprefill [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r40
@@ -36,6 +38,9 @@ case "$step" in
     run zoo_pairload_r40 "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
       --cases zoo_graphormer,zoo_rel_pos_bias --out "$out/zoo_pairload_r40.json" \
       --md "$out/zoo_pairload_r40.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  softcap)
+    run softcap_tanh_probe_h200_r40 "$(( $(left) - 5 ))" python3 benchmarks/softcap_tanh_probe.py
     ;;
   llamaprefill)
     PYTHONPATH="/tmp/site:$PYTHONPATH" run compiled_models_llama_prefill_fa4_r40 "$(( $(left) - 5 ))" \
