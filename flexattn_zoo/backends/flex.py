@@ -472,7 +472,8 @@ class FlexCall:
         entry = held[0]
         if entry is None or entry.retired:
             if held[1] is None:
-                held[1], held[2] = self.key, self.options
+                too_big = self.shallow is not None and DEFAULTS_OUT_OF_SHARED_MEMORY.get(self.key)
+                held[1], held[2] = self.shallow if too_big else (self.key, self.options)  # type: ignore[misc]
             entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
         score_mod = self.score_mod
         # What Dynamo's guards check of q/k/v beyond the plan-cache key: which are one object
@@ -501,7 +502,10 @@ class FlexCall:
                 if self.shallow is None or held[1] is not self.key or not out_of_shared_memory(exc):
                     raise
                 # torch's default tiles left no room for the pair-loaded tile: the shallower
-                # pipeline from now on (for every caller of this prepared call).
+                # pipeline from now on, for every caller of this prepared call and every later
+                # prepared call of the same entry key (a new bias each step must not fail a
+                # compile each step).
+                DEFAULTS_OUT_OF_SHARED_MEMORY.put(self.key, True)
                 held[1], held[2] = self.shallow
                 entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
                 out, code = entry.run(q, k, v, mask, scale, score_mod)
@@ -530,6 +534,11 @@ def _no_mask() -> None:
 #: exactly what ``_prepare`` would build again; it holds at most this many BlockMasks alive beyond
 #: ``blockmask.CACHE`` (none of callers' BlockMasks).
 CALLS: LRUCache[FlexCall] = LRUCache(64)
+
+#: Compiled-entry keys (``FlexCall.key``: structural, shared by new tensors of the same shapes)
+#: whose forward with torch's default pipeline ran out of shared memory: their prepared calls
+#: launch :attr:`FlexCall.shallow` at once.
+DEFAULTS_OUT_OF_SHARED_MEMORY: LRUCache[bool] = LRUCache(256)
 
 
 def _tiles_within(options: dict[str, Any], block_mask: Any) -> dict[str, Any]:

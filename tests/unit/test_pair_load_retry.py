@@ -43,6 +43,7 @@ class _FailingEntry:
 def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plan_cache, "PLANS", LRUCache(8))
     monkeypatch.setattr(flex_backend, "CALLS", LRUCache(8))
+    monkeypatch.setattr(flex_backend, "DEFAULTS_OUT_OF_SHARED_MEMORY", LRUCache(8))
 
 
 def _bias_call(monkeypatch: pytest.MonkeyPatch, error: Exception) -> tuple[Any, _FailingEntry, list[Any]]:
@@ -75,10 +76,14 @@ def test_defaults_out_of_shared_memory_retry_with_the_shallow_pipeline(
         assert failing.launches == 1 and asked == [None, SHALLOW]
         (call,) = flex_backend.CALLS.values()
         assert call.held[2] == SHALLOW and call.options is None
-        # Later calls (a plan-cache hit, and a call planned afresh) go straight to the shallow entry.
+        # Later calls go straight to the shallow entry: a plan-cache hit, a call planned afresh,
+        # and a new bias of the same shape after the prepared call is gone (a new bias each step).
         fz.attention(q, k, v, score_mod=bias, backend="flex_cpu")
         fz.attention(q, k, v, score_mod=score_mods.Bias(bias=bias.bias.clone()), backend="flex_cpu")
-    assert failing.launches == 1 and asked == [None, SHALLOW]
+        flex_backend.CALLS.clear()
+        plan_cache.PLANS.clear()
+        fz.attention(q, k, v, score_mod=score_mods.Bias(bias=bias.bias * 2), backend="flex_cpu")
+    assert failing.launches == 1 and asked[0] is None and all(o == SHALLOW for o in asked[1:]), asked
 
 
 def test_other_compile_errors_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
