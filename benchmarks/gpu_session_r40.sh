@@ -4,21 +4,21 @@
 # (three calls: .whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session) and transformers
 # into /tmp/site (carry .whl).
 #
-#   bash benchmarks/gpu_session_r40.sh verify 570      # (FA4 installed) the zoo GPU tests (every
-#                    # family on auto/flex/flex_flash eagerly, and compiled whole on auto, fwd+bwd),
-#                    # the export / CUDA-graph / static-cache decoding compile tests,
-#                    # the fa4 route's host time layer by layer next to FA4's own function,
-#                    # the pair-load probe (torch's default tiles tried first), the host-cost table
+#   bash benchmarks/gpu_session_r40.sh verify 570      # the zoo GPU tests (every family on
+#                    # auto/flex/flex_flash eagerly, and compiled whole on auto, fwd+bwd), the export /
+#                    # CUDA-graph / static-cache decoding compile tests, the pair-load probe (torch's default tiles tried first), the host-cost table
 #                    # with the score-mod flex cases, and the zoo sweep's pair-loaded rows
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
 #                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side (the
 #                    # committed no-FA4 row predates building the BlockMask once per forward)
+#   bash benchmarks/gpu_session_r40.sh fa4host 60      # (FA4 installed) the fa4 route's host time
+#                    # layer by layer next to FA4's own flash_attn_func
 #   bash benchmarks/gpu_session_r40.sh softcap 150     # soft-capping on Triton flex: libdevice tanh,
 #                    # the hardware tanh, and a cheap odd polynomial on the FMA pipe
 #   bash benchmarks/gpu_session_r40.sh llamaprefill 150    # (FA4 installed) compiled Llama prefill,
 #                    # HF flex_attention and flexattn_zoo in one process
 set -uo pipefail
-step="${1:?usage: $0 verify|gemma2prefill|softcap|llamaprefill [BUDGET_S]}"
+step="${1:?usage: $0 verify|gemma2prefill|fa4host|softcap|llamaprefill [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r40
@@ -31,13 +31,15 @@ case "$step" in
     PYTHONPATH="/tmp/site:$PYTHONPATH" run gpu_tests_compile_r40 "$(( $(left) - 270 ))" python3 -m pytest -m gpu \
       -q -rfE -p no:cacheprovider -n 4 tests/gpu/test_compile_gpu.py \
       -k "export or reduce_overhead or hf_generate or decode_steps_over or eager_call_replays"
-    run fa4_host_probe_h200_r40 60 python3 benchmarks/fa4_host_probe.py --rounds 20
     run pair_load_probe_h200_r40 "$(( $(left) - 170 ))" python3 benchmarks/pair_load_probe.py --head-dims 64
     run host_cost_h200_r40 "$(( $(left) - 80 ))" python3 benchmarks/host_cost.py --device cuda \
       --out "$out/host_cost_h200_r40.md"
     run zoo_pairload_r40 "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
       --cases zoo_graphormer,zoo_rel_pos_bias --out "$out/zoo_pairload_r40.json" \
       --md "$out/zoo_pairload_r40.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  fa4host)
+    run fa4_host_probe_h200_r40 "$(( $(left) - 5 ))" python3 benchmarks/fa4_host_probe.py --rounds 20
     ;;
   softcap)
     run softcap_tanh_probe_h200_r40 "$(( $(left) - 5 ))" python3 benchmarks/softcap_tanh_probe.py
