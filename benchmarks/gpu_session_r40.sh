@@ -6,8 +6,9 @@
 #
 #   bash benchmarks/gpu_session_r40.sh verify 570      # the zoo GPU tests (every family on
 #                    # auto/flex/flex_flash eagerly, and compiled whole on auto, fwd+bwd), the export /
-#                    # CUDA-graph / static-cache decoding compile tests, the pair-load probe (torch's default tiles tried first), the host-cost table
-#                    # with the score-mod flex cases, and the zoo sweep's pair-loaded rows
+#                    # CUDA-graph / static-cache decoding compile tests, the pair-load probe (torch's
+#                    # default tiles tried first), the host-cost table with the score-mod flex
+#                    # cases, and the zoo sweep's pair-loaded rows
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
 #                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side (the
 #                    # committed no-FA4 row predates building the BlockMask once per forward)
