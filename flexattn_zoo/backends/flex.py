@@ -76,25 +76,11 @@ def _loads_pairs(p: Problem) -> bool:
 #: Hardware limit 232448") and ran with 2 stages; Graphormer's table[pos[b, q, kv], h] compiled
 #: with the defaults, which were faster there (forward 0.138 vs 0.150 ms at 1K, 2.226 vs 2.615 at
 #: 4K); at D=128 the defaults fit (benchmarks/gathered_tile_probe.py). Eager calls therefore try
-#: the defaults first and compile the shallower pipeline only when the defaults run out of shared
-#: memory (``FlexCall.launch``); a traced call cannot catch its caller's compile error, so it takes
-#: the shallow pipeline at once.
+#: the defaults first and compile the shallower pipeline only when the defaults fail to compile
+#: (``FlexCall.launch``); a traced call cannot catch its caller's compile error, so it takes the
+#: shallow pipeline at once.
 PAIR_LOAD_SHALLOW_HEAD_DIM = 64
 PAIR_LOAD_STAGES = 2
-
-
-def out_of_shared_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` (from a flex call's first, compiling launch) says the kernel's config needs
-    more shared memory than the GPU has: Triton's ``OutOfResources`` ("out of resource: shared
-    memory, Required: N, Hardware limit: M"), however Inductor wrapped it (its chained causes and
-    message are searched)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if type(exc).__name__ == "OutOfResources" or "out of resource" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
 
 
 #: Below this share of visible pairs (``MaskSpec.visible_fraction``, an upper bound) torch's default
@@ -180,7 +166,7 @@ class FlexBackend(Backend):
         which may not contradict the fixed ones: ``kernel_options_reasons``).
         ``shallow_pair_loads=False``: torch's default pipeline where a pair-loaded tile may not
         fit it (:data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), for a caller that retries with the shallow
-        one when the defaults run out of shared memory."""
+        one when the defaults fail to compile."""
         opts = dict(self.kernel_options)
         if not _loads_pairs(p):
             tuned = self.tuned_options(p)
@@ -411,8 +397,8 @@ class FlexCall:
     #: (``FlexBackend.pad_width``); None: launch them as they are.
     pad_to: int | None = None
     #: ``(key, options)`` of a shallower forward pipeline for a pair-loaded tile, launched instead
-    #: once the first launch of :attr:`options` ran out of shared memory (see
-    #: :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`); None: no such retry.
+    #: once the first launch of :attr:`options` failed (see :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`);
+    #: None: no such retry.
     shallow: tuple[Any, dict[str, Any] | None] | None = None
     #: ``[entry, key, options]``: the compiled entry last used (None before the first launch) and
     #: the key and options it is looked up by: :attr:`key` and :attr:`options`, or
@@ -472,8 +458,8 @@ class FlexCall:
         entry = held[0]
         if entry is None or entry.retired:
             if held[1] is None:
-                too_big = self.shallow is not None and DEFAULTS_OUT_OF_SHARED_MEMORY.get(self.key)
-                held[1], held[2] = self.shallow if too_big else (self.key, self.options)  # type: ignore[misc]
+                failed = self.shallow is not None and DEFAULTS_DO_NOT_COMPILE.get(self.key)
+                held[1], held[2] = self.shallow if failed else (self.key, self.options)  # type: ignore[misc]
             entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
         score_mod = self.score_mod
         # What Dynamo's guards check of q/k/v beyond the plan-cache key: which are one object
@@ -498,17 +484,20 @@ class FlexCall:
                 # guards compare changed (e.g. torch's thread count): through Dynamo again.
             try:
                 out, code = entry.run(q, k, v, mask, scale, score_mod)
-            except Exception as exc:
-                if self.shallow is None or held[1] is not self.key or not out_of_shared_memory(exc):
+            except Exception:
+                if self.shallow is None or held[1] is not self.key:
                     raise
-                # torch's default tiles left no room for the pair-loaded tile: the shallower
-                # pipeline from now on, for every caller of this prepared call and every later
-                # prepared call of the same entry key (a new bias each step must not fail a
-                # compile each step).
-                DEFAULTS_OUT_OF_SHARED_MEMORY.put(self.key, True)
+                # torch's default pipeline did not compile (on the H200: "out of resource:
+                # shared memory" for the pair-loaded tile; whatever the reason, the shallow
+                # pipeline is the choice this route made before trying the defaults): the
+                # shallow one, whose own error is raised if it fails too. Once it runs, it is
+                # the choice for every caller of this prepared call and every later prepared call
+                # of the same entry key (a new bias each step must not fail a compile each step).
+                shallow = CACHE.get_keyed(*self.shallow, self.lse, self.gqa)
+                out, code = shallow.run(q, k, v, mask, scale, score_mod)
+                DEFAULTS_DO_NOT_COMPILE.put(self.key, True)
                 held[1], held[2] = self.shallow
-                entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
-                out, code = entry.run(q, k, v, mask, scale, score_mod)
+                entry = held[0] = shallow
             if known is not None:
                 graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)
                 # The BlockMask held weakly: a bound call must not keep it alive (see bound_run).
@@ -536,9 +525,9 @@ def _no_mask() -> None:
 CALLS: LRUCache[FlexCall] = LRUCache(64)
 
 #: Compiled-entry keys (``FlexCall.key``: structural, shared by new tensors of the same shapes)
-#: whose forward with torch's default pipeline ran out of shared memory: their prepared calls
-#: launch :attr:`FlexCall.shallow` at once.
-DEFAULTS_OUT_OF_SHARED_MEMORY: LRUCache[bool] = LRUCache(256)
+#: whose first launch with torch's default pipeline failed where the shallow one ran: their
+#: prepared calls launch :attr:`FlexCall.shallow` at once.
+DEFAULTS_DO_NOT_COMPILE: LRUCache[bool] = LRUCache(256)
 
 
 def _tiles_within(options: dict[str, Any], block_mask: Any) -> dict[str, Any]:

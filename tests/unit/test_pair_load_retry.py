@@ -1,9 +1,10 @@
 """Pair-loaded score mods on Triton flex: eager calls try torch's default forward pipeline first and
-compile the shallower one only when the defaults run out of shared memory.
+compile the shallower one only when the defaults fail to compile.
 
 On an H200 at D=64 the defaults fit Graphormer's gathered table and are faster there, while a dense
 ``bias[h, q, kv]`` needs two stages to compile (``flex.PAIR_LOAD_SHALLOW_HEAD_DIM``). The GPU's
-failure is simulated here: the entry compiled with the default options raises Triton's message.
+failure is simulated here: the entry compiled with the default options raises Triton's message
+(or another error: whatever the reason, the shallow pipeline is the route's former choice).
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ class _FailingEntry:
 def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(plan_cache, "PLANS", LRUCache(8))
     monkeypatch.setattr(flex_backend, "CALLS", LRUCache(8))
-    monkeypatch.setattr(flex_backend, "DEFAULTS_OUT_OF_SHARED_MEMORY", LRUCache(8))
+    monkeypatch.setattr(flex_backend, "DEFAULTS_DO_NOT_COMPILE", LRUCache(8))
 
 
-def _bias_call(monkeypatch: pytest.MonkeyPatch, error: Exception) -> tuple[Any, _FailingEntry, list[Any]]:
+def _bias_call(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, shallow_error: Exception | None = None
+) -> tuple[Any, _FailingEntry, list[Any]]:
     """Fresh plan and prepared-call caches, the shallow pipeline offered on this (CPU) device as on
-    sm90, and the compile cache answering the default options' key with a failing entry."""
+    sm90, and the compile cache answering the default options' key with a failing entry (and the
+    shallow key too, with ``shallow_error``)."""
     _fresh_caches(monkeypatch)
     monkeypatch.setattr(flex_backend, "_pair_load_options", lambda p: dict(SHALLOW))
     failing = _FailingEntry(error)
@@ -57,7 +61,9 @@ def _bias_call(monkeypatch: pytest.MonkeyPatch, error: Exception) -> tuple[Any, 
 
     def get_keyed(key: Any, options: Any, lse: bool, gqa: bool) -> Any:
         asked.append(options)
-        return failing if not options else real(key, options, lse, gqa)
+        if not options:
+            return failing
+        return _FailingEntry(shallow_error) if shallow_error is not None else real(key, options, lse, gqa)
 
     monkeypatch.setattr(CACHE, "get_keyed", get_keyed)
     g = torch.Generator().manual_seed(0)
@@ -86,11 +92,26 @@ def test_defaults_out_of_shared_memory_retry_with_the_shallow_pipeline(
     assert failing.launches == 1 and asked[0] is None and all(o == SHALLOW for o in asked[1:]), asked
 
 
-def test_other_compile_errors_are_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_any_failure_of_the_defaults_falls_back_to_the_shallow_pipeline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever the defaults' error, the shallow pipeline (the route's choice before it tried the
+    defaults) runs the call: trying the defaults never makes a call fail that ran before."""
     (q, k, v, bias), failing, asked = _bias_call(monkeypatch, RuntimeError("some other Inductor failure"))
-    with torch.no_grad(), pytest.raises(RuntimeError, match="some other Inductor failure"):
+    with torch.no_grad():
+        out = fz.attention(q, k, v, score_mod=bias, backend="flex_cpu")
+    assert_matches_reference(out, q, k, v, score_mod=bias)
+    assert failing.launches == 1 and asked == [None, SHALLOW]
+
+
+def test_when_both_pipelines_fail_the_shallow_ones_error_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    (q, k, v, bias), failing, asked = _bias_call(
+        monkeypatch, RuntimeError(TRITON_MESSAGE), shallow_error=ValueError("the score_mod is broken")
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match="the score_mod is broken"):
         fz.attention(q, k, v, score_mod=bias, backend="flex_cpu")
-    assert failing.launches == 1 and asked == [None]
+    assert failing.launches == 1 and asked == [None, SHALLOW]
+    assert not flex_backend.DEFAULTS_DO_NOT_COMPILE.get(flex_backend.CALLS.values()[0].key)
 
 
 def test_a_mask_without_pair_loads_has_no_retry(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,17 +123,3 @@ def test_a_mask_without_pair_loads_has_no_retry(monkeypatch: pytest.MonkeyPatch)
         fz.attention(q, k, v, mask="causal", backend="flex_cpu")
     (call,) = flex_backend.CALLS.values()
     assert call.shallow is None
-
-
-def test_out_of_shared_memory_reads_wrapped_causes() -> None:
-    class OutOfResources(Exception):  # Triton's class, by name
-        pass
-
-    wrapped = RuntimeError("backend compiler failed")
-    wrapped.__cause__ = OutOfResources("shared memory")
-    assert flex_backend.out_of_shared_memory(wrapped)
-    assert flex_backend.out_of_shared_memory(RuntimeError(TRITON_MESSAGE))
-    assert not flex_backend.out_of_shared_memory(RuntimeError("index out of range"))
-    looped = RuntimeError("a")
-    looped.__context__ = looped
-    assert not flex_backend.out_of_shared_memory(looped)
