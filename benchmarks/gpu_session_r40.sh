@@ -14,12 +14,15 @@
 #                    # committed no-FA4 row predates building the BlockMask once per forward)
 #   bash benchmarks/gpu_session_r40.sh fa4host 60      # (FA4 installed) the fa4 route's host time
 #                    # layer by layer next to FA4's own flash_attn_func
+#   bash benchmarks/gpu_session_r40.sh noisy 120       # the two sweep cases whose route rows' noise
+#                    # gives the worst regret (BERT-base 128 x 128, GPT-2 1K x 16), SDPA routes and
+#                    # auto again with 50 timed calls each, into a copy of the sweep
 #   bash benchmarks/gpu_session_r40.sh softcap 150     # soft-capping on Triton flex: libdevice tanh,
 #                    # the hardware tanh, and a cheap odd polynomial on the FMA pipe
 #   bash benchmarks/gpu_session_r40.sh llamaprefill 150    # (FA4 installed) compiled Llama prefill,
 #                    # HF flex_attention and flexattn_zoo in one process
 set -uo pipefail
-step="${1:?usage: $0 verify|gemma2prefill|fa4host|softcap|llamaprefill [BUDGET_S]}"
+step="${1:?usage: $0 verify|gemma2prefill|fa4host|noisy|softcap|llamaprefill [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r40
@@ -41,6 +44,13 @@ case "$step" in
     ;;
   fa4host)
     run fa4_host_probe_h200_r40 "$(( $(left) - 5 ))" python3 benchmarks/fa4_host_probe.py --rounds 20
+    ;;
+  noisy)
+    [ -f "$out/generalization_h200.json" ] || cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+    run generalization_noisy_r40 "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --iters 50 --routes auto,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient,plain_sdpa \
+      --cases bert_base_l128_b128,gpt2_l1024_b16 --out "$out/generalization_h200.json" \
+      --md "$out/generalization_noisy_r40.md" --quiet --time-budget "$(( $(left) - 30 ))"
     ;;
   softcap)
     run softcap_tanh_probe_h200_r40 "$(( $(left) - 5 ))" python3 benchmarks/softcap_tanh_probe.py
