@@ -484,6 +484,8 @@ class FlexCall:
                 # guards compare changed (e.g. torch's thread count): through Dynamo again.
             try:
                 out, code = entry.run(q, k, v, mask, scale, score_mod)
+            except UnfusedFallbackError:
+                raise  # the recompile limit, handled below
             except Exception:
                 if self.shallow is None or held[1] is not self.key:
                     raise
