@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from host_layers_probe import header, measure, median_p10, probe_args
+from host_layers_probe import header, measure, print_layers, probe_args
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, plan_cache
@@ -54,14 +54,7 @@ def main() -> None:
     with torch.no_grad():
         samples = measure(calls, device, args.rounds, args.chunk)
     print(header("fa4 route host time per call", args, device, dtype) + ", interleaved")
-    print(f"{'layer':<64} {'median':>8} {'p10':>8} {'+median':>8}")
-    previous: dict[str, float] = {}
-    for layer, values in samples.items():
-        group = layer.split(":")[0]
-        med, p10 = median_p10(values)
-        step = f"{med - previous[group]:+8.1f}" if group in previous else ""
-        previous[group] = med
-        print(f"{layer:<64} {med:8.1f} {p10:8.1f} {step:>8}")
+    print_layers(samples, width=64)
 
 
 if __name__ == "__main__":

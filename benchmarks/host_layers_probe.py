@@ -240,19 +240,25 @@ def median_p10(values: list[float]) -> tuple[float, float]:
     return statistics.median(values), statistics.quantiles(values, n=10)[0]
 
 
-def main() -> None:
-    args, device, dtype, shape = probe_args(__doc__.split("\n\n")[0], rounds=30)
-    calls = layers(device, dtype, shape)
-    samples = measure(calls, device, args.rounds, args.chunk)
-    print(header("host time per call", args, device, dtype) + ", interleaved")
-    print(f"{'layer':<72} {'median':>8} {'p10':>8} {'+median':>8}")
+def print_layers(samples: dict[str, list[float]], width: int = 72) -> None:
+    """Median and p10 per layer, and each layer's increment over the one before it in its group
+    (the text before a layer name's ``:``)."""
+    print(f"{'layer':<{width}} {'median':>8} {'p10':>8} {'+median':>8}")
     previous: dict[str, float] = {}
     for layer, values in samples.items():
         group = layer.split(":")[0]
         med, p10 = median_p10(values)
         step = f"{med - previous[group]:+8.1f}" if group in previous else ""
         previous[group] = med
-        print(f"{layer:<72} {med:8.1f} {p10:8.1f} {step:>8}")
+        print(f"{layer:<{width}} {med:8.1f} {p10:8.1f} {step:>8}")
+
+
+def main() -> None:
+    args, device, dtype, shape = probe_args(__doc__.split("\n\n")[0], rounds=30)
+    calls = layers(device, dtype, shape)
+    samples = measure(calls, device, args.rounds, args.chunk)
+    print(header("host time per call", args, device, dtype) + ", interleaved")
+    print_layers(samples)
 
 
 if __name__ == "__main__":

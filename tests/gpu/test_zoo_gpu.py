@@ -40,6 +40,17 @@ def _family(kind: str, name: str) -> Spec:
     return factory().to(DEV)
 
 
+def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded bf16 q ``[B, H, L, D]`` and k, v ``[B, HKV, L, D]`` that require grad."""
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k, v = (
+        torch.randn(B, HKV, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+    return q, k, v
+
+
 FAMILIES = [("mask", n) for n in MASKS.names()] + [("score", n) for n in SCORES.names()]
 RAN: set[tuple[str, str]] = set()
 ATTEMPTED: set[str] = set()
@@ -52,12 +63,7 @@ def test_family_matches_float64(kind: str, name: str, route: str) -> None:
         ATTEMPTED.add(name)
     spec = _family(kind, name)
     kwargs: dict[str, Any] = {"mask": spec} if kind == "mask" else {"mask": masks.Causal(), "score_mod": spec}
-    g = torch.Generator(device=DEV).manual_seed(0)
-    q = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    k, v = (
-        torch.randn(B, HKV, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
-        for _ in range(2)
-    )
+    q, k, v = _inputs()
     try:
         fz.plan(q, k, v, enable_gqa=True, backend=route, **kwargs)
     except ValueError as exc:
@@ -76,12 +82,7 @@ def test_family_compiles_whole_on_auto(kind: str, name: str) -> None:
     torch._dynamo.reset()
     spec = _family(kind, name)
     kwargs: dict[str, Any] = {"mask": spec} if kind == "mask" else {"mask": masks.Causal(), "score_mod": spec}
-    g = torch.Generator(device=DEV).manual_seed(0)
-    q = torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
-    k, v = (
-        torch.randn(B, HKV, L, D, device=DEV, dtype=torch.bfloat16, generator=g, requires_grad=True)
-        for _ in range(2)
-    )
+    q, k, v = _inputs()
 
     def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return fz.attention(a, b, c, enable_gqa=True, **kwargs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import preset_params
 import pytest
 import torch
 
@@ -437,19 +438,6 @@ def test_a_spec_made_in_the_graph_can_leave_it() -> None:
     assert _block_order_calls(graphs[0]) > 0 and _block_order_calls(graphs[1]) == 0
 
 
-#: Every preset's two layer kinds at lengths where each kind's pattern shows (short windows and
-#: chunks); the presets' own parameters otherwise.
-PRESET_PARAMS: dict[str, dict[str, Any]] = {
-    "mistral_7b": {"window": 9},
-    "gemma2": {"window": 9},
-    "gemma3": {"window": 9, "every": 2},
-    "llama4": {"chunk": 16, "every": 2},
-    "gpt_oss": {"window": 9},
-    "modernbert": {"window": 8, "every": 2},
-    "prefix_lm": {"prefix_len": 20},
-}
-
-
 @pytest.mark.parametrize("layer", [0, 1])
 @pytest.mark.parametrize("name", fz.presets.names())
 def test_every_preset_layer_compiles_whole(name: str, layer: int) -> None:
@@ -458,7 +446,7 @@ def test_every_preset_layer_compiles_whole(name: str, layer: int) -> None:
     ``dense`` route (``aot_eager``, as for most cases above: it runs the traced route's ops
     without an Inductor compile each)."""
     module, dense = (
-        fz.Attention(name, layer=layer, num_heads=H, backend=backend, **PRESET_PARAMS.get(name, {}))
+        fz.Attention(name, layer=layer, num_heads=H, backend=backend, **preset_params.SHORT.get(name, {}))
         for backend in ("auto", "dense")
     )
     if module.sinks is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import preset_params
 import pytest
 import torch
 
@@ -86,15 +87,7 @@ def test_errors(call, match: str) -> None:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_every_layer_kind_matches_reference(name: str) -> None:
     # Short windows so a 70-token problem exercises the local pattern; two layers cover both kinds.
-    small = {
-        "mistral_7b": {"window": 9},
-        "gemma2": {"window": 9},
-        "gemma3": {"window": 9, "every": 2},
-        "llama4": {"chunk": 16, "every": 2},
-        "gpt_oss": {"window": 9},
-        "modernbert": {"window": 8, "every": 2},
-        "prefix_lm": {"prefix_len": 20},
-    }.get(name, {})
+    small = preset_params.SHORT.get(name, {})
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 70, 16, generator=g) for _ in range(3))
     sinks = torch.linspace(-1, 1, 4)
