@@ -13,14 +13,19 @@ with fz.tune.enabled():  # measured route choice: time the candidates once per k
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 from typing import Any
 
-# In a source checkout used via PYTHONPATH (no install), masks/ and score_mods/ sit beside this
-# package instead of inside it; let the import system find them there as our subpackages.
-if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
-    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# In a source checkout, masks/ and score_mods/ sit beside this package instead of inside it; let
+# the import system find them there as our subpackages. Look beside this very package first rather
+# than asking find_spec: with a checkout on PYTHONPATH and another one installed editable (a git
+# worktree, say), find_spec would answer with the installed checkout's masks/, mixing two trees.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHECKOUT = os.path.dirname(_HERE)
+if os.path.isfile(os.path.join(_CHECKOUT, "masks", "__init__.py")) and not os.path.isdir(
+    os.path.join(_HERE, "masks")
+):  # pragma: no cover - install-dependent
+    __path__.append(_CHECKOUT)
 
 from flexattn_zoo import masks, score_mods  # noqa: E402
 from flexattn_zoo import tuning as tune  # noqa: E402

@@ -15,6 +15,14 @@ Convention (also stated in docs/testing.md, "Examples in these documents"):
 * Every other ```python block must run: an unmarked block that raises fails its test. A marker
   that is misspelled or not followed by a ```python fence fails ``test_markers_are_attached``.
   ```bash`` and other fences are never executed.
+* A block that is not run is still compiled: a syntax error fails its test before the skip.
+* A ``print(...)`` line whose trailing comment ends in ``-> TEXT`` states what it prints::
+
+      print(out.shape)  # -> torch.Size([13, 4, 16])
+      print(plan.backend)  # on the CPU -> sdpa_split
+
+  TEXT must be a whole line of what the block prints, and the stated lines must come in the order
+  of their ``print`` calls. Leave the arrow out where the output varies (errors, timings).
 
 Masks and score mods a file's blocks register, and ``FLEXATTN_ZOO_*`` environment variables they
 set, are undone after the file, so the rest of the test session sees the state it started with.
@@ -24,13 +32,17 @@ blocks of its file. Keep examples small (tiny shapes, float32, routes that need 
 CPU unless the point is flex): CI has 2 cores and a CPU flex compile costs seconds.
 
 The user docs also must not cite files that are not in the repository or commit hashes (those
-belong in benchmarks/README.md, the measurement log): checked by the last two tests.
+belong in benchmarks/README.md, the measurement log), their links' ``#anchors`` must name a heading
+of the page linked, and every Markdown table must start with its header and separator rows (a blank
+line inside a table ends it, and the rest renders as text): checked by the last tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
+import io
 import os
 import re
 import sys
@@ -49,6 +61,8 @@ _FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)\s*$")
 _MARKER = re.compile(r"^<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 _SKIP = re.compile(r"^skip\s*\((.+)\)$")
 _REQUIRES = re.compile(r"^requires\s+([\w.]+(?:\s*,\s*[\w.]+)*)$")
+# A print line's stated output: the text after the last "->" of its trailing comment.
+_PRINTS = re.compile(r"^\s*print\(.*#[^#]*->\s*(.*?)\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +76,11 @@ class Block:
     @property
     def id(self) -> str:
         return f"{self.path.relative_to(ROOT)}:{self.line - 1}"
+
+    @property
+    def stated_output(self) -> list[str]:
+        """The lines its ``print(...)  # -> TEXT`` comments say it prints, in order."""
+        return [m.group(1) for line in self.code.splitlines() if (m := _PRINTS.match(line))]
 
 
 def parse(path: Path) -> tuple[list[Block], list[str]]:
@@ -146,13 +165,17 @@ class FileRun:
                 pytest.fail(f"an earlier block of this file ({self.failed.id}) failed", pytrace=False)
             if _why_not_run(current) is not None:
                 continue
-            # Pad with blank lines so tracebacks point at the Markdown file's own line numbers.
-            code = compile("\n" * (current.line - 1) + current.code, str(current.path), "exec")
+            code = _compile(current)
+            printed = io.StringIO()
             try:
-                exec(code, self.module.__dict__)
+                with contextlib.redirect_stdout(printed):
+                    exec(code, self.module.__dict__)
+                _check_stated_output(current, printed.getvalue())
             except BaseException:
                 self.failed = current
                 raise
+            finally:
+                print(printed.getvalue(), end="")  # still shown with -s and in failure reports
 
     def finish(self) -> None:
         for name in set(MASKS.names()) - self.masks:
@@ -163,6 +186,24 @@ class FileRun:
             del os.environ[name]
         os.environ.update(self.environ)
         sys.modules.pop(self.module.__name__, None)
+
+
+def _compile(block: Block) -> types.CodeType:
+    # Pad with blank lines so tracebacks point at the Markdown file's own line numbers.
+    return compile("\n" * (block.line - 1) + block.code, str(block.path), "exec")
+
+
+def _check_stated_output(block: Block, printed: str) -> None:
+    lines = [line.rstrip() for line in printed.splitlines()]
+    at = 0
+    for want in block.stated_output:
+        try:
+            at = lines.index(want, at) + 1
+        except ValueError:
+            raise AssertionError(
+                f"{block.id}: the page says a print gives {want!r}; it printed (from line {at + 1} on):\n"
+                + "\n".join(lines[at:])
+            ) from None
 
 
 _RUNS: dict[Path, FileRun] = {}
@@ -185,6 +226,8 @@ def test_doc_block_runs(
     block: Block, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     why = _why_not_run(block)
+    if why is not None:
+        _compile(block)  # a block that is not run must still be valid Python
     if why is not None and block.marker is not None and _SKIP.match(block.marker):
         pytest.skip(why)
     run = _RUNS.get(block.path)
@@ -219,22 +262,48 @@ def test_readme_keeps_the_ci_test_command() -> None:
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _MD_NAME = re.compile(r"(?<![\w./-])([\w][\w./-]*\.md)\b")
 _COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+_TABLE_RULE = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+\s*$")
+
+
+def _prose(text: str) -> str:
+    """``text`` with its fenced blocks blanked out, line numbers kept."""
+    return re.sub(r"^(`{3,}).*?^\1\s*$", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.M | re.S)
+
+
+def _anchors(path: Path) -> set[str]:
+    """The ``#anchors`` GitHub gives the headings of ``path``: lower case, punctuation dropped,
+    spaces as hyphens, ``-1``, ``-2`` ... after repeated titles."""
+    counts: dict[str, int] = {}
+    anchors = set()
+    for title in _HEADING.findall(_prose(path.read_text())):
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", title).lower()  # a link's text only
+        slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+        n = counts.get(slug, 0)
+        counts[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
 
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
 def test_user_docs_link_only_to_files_in_the_repo(path: Path) -> None:
     text = path.read_text()
-    missing = []
+    missing, no_anchor = [], []
     for target in _LINK.findall(text):
-        if re.match(r"^[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"^[a-z]+:", target):
             continue
-        if not (path.parent / target.split("#")[0]).exists():
+        file, _, anchor = target.partition("#")
+        linked = path.parent / file if file else path
+        if not linked.exists():
             missing.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            no_anchor.append(target)
     assert not missing, f"{path.name} links to files not in the repository: {missing}"
+    assert not no_anchor, f"{path.name} links to headings that do not exist: {no_anchor}"
     # Markdown files named in the prose (not only linked) must exist too, relative to the repository
     # or to this file: users cannot read notes that were never committed.
     # Fenced blocks are left out: their commands name output files (--md report.md).
-    prose = re.sub(r"^(`{3,}).*?^\1\s*$", "", text, flags=re.M | re.S)
+    prose = _prose(text)
     named = {m for m in _MD_NAME.findall(prose) if not (ROOT / m).exists() and not (path.parent / m).exists()}
     assert not named, f"{path.name} names Markdown files not in the repository: {sorted(named)}"
 
@@ -245,3 +314,18 @@ def test_user_docs_cite_no_commits(path: Path) -> None:
     assert not found, (
         f"{path.name} cites what look like commit hashes {found}; they belong in benchmarks/README.md"
     )
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
+def test_user_docs_tables_start_with_a_header(path: Path) -> None:
+    # A table's rows after a blank line are a new "table" with no header: GitHub renders them as a
+    # paragraph of pipes, and a reader loses those rows.
+    lines = _prose(path.read_text()).splitlines()
+    headless = [
+        i + 1
+        for i, line in enumerate(lines)
+        if line.startswith("|")
+        and (i == 0 or not lines[i - 1].startswith("|"))
+        and not (i + 1 < len(lines) and _TABLE_RULE.match(lines[i + 1]))
+    ]
+    assert not headless, f"{path.name}: table rows without a header row and |---| rule at lines {headless}"

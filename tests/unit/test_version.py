@@ -32,3 +32,12 @@ def test_changelog_names_the_current_version() -> None:
     headings = re.findall(r"^## \[([^\]]+)\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
     versions = [h for h in headings if h != "Unreleased"]
     assert versions and versions[0] == fz.__version__, headings
+
+
+def test_subpackages_come_from_the_package_own_tree() -> None:
+    # A checkout on PYTHONPATH beside another checkout installed editable (a git worktree) must not
+    # take masks/ and score_mods/ from the installed one: the registries would mix two trees.
+    package = Path(fz.__file__).resolve().parent
+    for sub in (fz.masks, fz.score_mods):
+        home = Path(sub.__file__ or "").resolve().parent.parent
+        assert home in (package, package.parent), (sub.__name__, sub.__file__, fz.__file__)
