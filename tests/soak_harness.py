@@ -711,9 +711,9 @@ def gpu_form_config(
 
     Time on an H200 (an estimate, not yet measured): round 0 compiles about 15 Triton flex kernels
     without flash-attn-4 (Document, Document & Causal and the closure in two dtypes, one per pool
-    entry), a few seconds each, so about a minute; the 4400 random calls after it are host-bound
-    (each builds inputs, runs the route and the float64 reference, and compares), perhaps
-    20-40 s. With flash-attn-4, auto also compiles FA4 / flex_flash kernels in round 0."""
+    entry), a few seconds each, so about a minute; the ``total_calls`` random calls after it
+    (``GPU_DEFAULT_CALLS`` by default) are host-bound (each builds inputs, runs the route and the
+    float64 reference, and compares). With flash-attn-4, auto also compiles FA4 / flex_flash kernels in round 0."""
     routes = routes or GPU_ROUTES
     threads, rounds = overrides.pop("threads", 8), overrides.pop("rounds", 12)
     cfg = dict(
