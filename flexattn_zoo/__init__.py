@@ -17,10 +17,18 @@ import importlib.util
 import os
 from typing import Any
 
-# In a source checkout used via PYTHONPATH (no install), masks/ and score_mods/ sit beside this
-# package instead of inside it; let the import system find them there as our subpackages.
-if importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
-    __path__.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# In a source checkout, masks/ and score_mods/ sit beside this package instead of inside it; let
+# the import system find them there as our subpackages. Checked by the checkout's own layout rather
+# than by find_spec: with a second checkout installed editable, find_spec answers with that
+# checkout's masks/ and this one would silently run another tree's masks and score mods.
+_checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_checkout, "pyproject.toml")) and os.path.isfile(
+    os.path.join(_checkout, "masks", "__init__.py")
+):  # pragma: no cover - install-dependent
+    __path__.append(_checkout)
+elif importlib.util.find_spec("flexattn_zoo.masks") is None:  # pragma: no cover - install-dependent
+    __path__.append(_checkout)
+del _checkout
 
 from flexattn_zoo import masks, score_mods  # noqa: E402
 from flexattn_zoo import tuning as tune  # noqa: E402
