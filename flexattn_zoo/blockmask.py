@@ -174,6 +174,17 @@ def _device(device: Any) -> torch.device:
     if dev.type not in SUPPORTED_DEVICES:
         choices = ", ".join(SUPPORTED_DEVICES)
         raise ValueError(f"device {str(dev)!r} has no attention route; use one of: {choices}")
+    if dev.type == "cuda":
+        # Checked here: torch's own refusal is an AssertionError (a CPU build) or a RuntimeError
+        # from deep inside the block map's first tensor.
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device {str(dev)!r} is not available (no CUDA device); use device='cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"device {str(dev)!r} is not available: this machine has {count} CUDA device(s), "
+                f"cuda:0..cuda:{count - 1}"
+            )
     return dev
 
 

@@ -50,6 +50,17 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_count(name: str, value: object) -> int:
+    """``value`` if it is a plain int >= 1 (a number of heads, a layer period); ``name`` is how the
+    message names the argument, e.g. ``"Attention(num_heads=...)"``. ``bool`` is refused although it
+    subclasses ``int``: ``num_heads=True`` is a bug, not one head."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
 def check_score_factor(name: str, value: object, *, reciprocal: bool = False) -> float:
     """``value`` as a float if it is a real number a kernel may multiply scores by: finite and at
     most :data:`SCORE_FACTOR_MAX` in magnitude (with ``reciprocal``, ``1 / value`` is used as a
