@@ -61,6 +61,19 @@ def check_count(name: str, value: object) -> int:
     return value
 
 
+def check_tolerance(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a float if it is a finite real number ``>= 0`` (``> 0`` with ``positive``):
+    for the knobs of the testing helpers, where NaN would make every comparison false and so
+    every check pass, and a negative budget make every check fail."""
+    wanted = "a finite number > 0" if positive else "a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
+    f = float(value)
+    if not math.isfinite(f) or f < 0 or (positive and f == 0):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return f
+
+
 def check_score_factor(name: str, value: object, *, reciprocal: bool = False) -> float:
     """``value`` as a float if it is a real number a kernel may multiply scores by: finite and at
     most :data:`SCORE_FACTOR_MAX` in magnitude (with ``reciprocal``, ``1 / value`` is used as a
@@ -164,6 +177,31 @@ def check_device(t: torch.Tensor) -> None:
         raise ValueError(
             f"q, k, v are on device {t.device.type!r}; flexattn_zoo runs on: {', '.join(SUPPORTED_DEVICES)}"
         )
+
+
+def check_device_arg(device: Any, arg: str = "device") -> torch.device:
+    """``device`` (a ``torch.device`` or a string such as ``"cuda:0"``) as a ``torch.device`` that
+    a route can run on and that this machine has: ValueError naming ``arg`` otherwise. Checked up
+    front because torch's own refusals come from the first tensor made there: a RuntimeError for
+    a malformed string, an AssertionError for CUDA on a CPU-only build."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"{arg} must be a torch.device or a string like 'cpu' or 'cuda:0', got {device!r}"
+        raise ValueError(msg) from exc
+    if dev.type not in SUPPORTED_DEVICES:
+        choices = ", ".join(SUPPORTED_DEVICES)
+        raise ValueError(f"{arg} {str(dev)!r} has no attention route; use one of: {choices}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{arg} {str(dev)!r} is not available (no CUDA device); use 'cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"{arg} {str(dev)!r} is not available: this machine has {count} CUDA device(s), "
+                f"cuda:0..cuda:{count - 1}"
+            )
+    return dev
 
 
 def check_learned_devices(arg: str, spec: Any, device: torch.device) -> None:

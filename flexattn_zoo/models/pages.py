@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo.models.decode import append_kv
+from flexattn_zoo.validation import check_device_arg
 
 __all__ = ["PageAllocator"]
 
@@ -111,7 +112,7 @@ class PageAllocator:
         if kv_layout not in _LAYOUTS:
             raise ValueError(f"PageAllocator kv_layout must be 'NHD', 'HND' or None; got {kv_layout!r}")
         self.kv_layout = kv_layout
-        self.device = torch.device(device)
+        self.device = check_device_arg(device, "PageAllocator(device=...)")
         # A stack: pop() takes the last entry, so 0, 1, 2, ... while fresh, then the last freed.
         self._free: list[int] = list(range(self.n_pages - 1, -1, -1))
         self._pages: list[list[int]] = [[] for _ in range(self.batch)]

@@ -1,0 +1,188 @@
+"""Bad inputs to the helpers around attention: the page allocator's device, ``decode_step``'s
+``return_lse``, the ``fz.testing`` checks and the ``fz.viz`` pictures. Each raises a clear
+``ValueError``/``TypeError`` naming the argument; none passes silently (a NaN tolerance made
+``assert_matches_reference`` accept anything) or fails deep inside torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.testing import (
+    assert_mask_consistent,
+    assert_matches_reference,
+    assert_score_consistent,
+    spec_examples,
+)
+
+B, H, L, D = 1, 2, 8, 16
+Q = torch.randn(B, H, L, D, generator=torch.Generator().manual_seed(0))
+CACHE = torch.randn(B, H, 16, D, generator=torch.Generator().manual_seed(1))
+CAP = score_mods.SoftCap(cap=5.0)
+
+
+def _far_off() -> torch.Tensor:
+    return fz.attention(Q, Q, Q) + 1.0  # far outside any tolerance
+
+
+def _allocator(device: Any) -> Callable[[], Any]:
+    return lambda: fz.pages.PageAllocator(4, 16, 2, batch=1, device=device)
+
+
+ERRORS = [
+    # the page allocator's device goes through the same check as fz.block_mask's
+    pytest.param(
+        _allocator("xyz"),
+        ValueError,
+        r"PageAllocator\(device=...\) must be a torch.device",
+        id="pages_bad_str",
+    ),
+    pytest.param(
+        _allocator("meta"),
+        ValueError,
+        r"PageAllocator\(device=...\) 'meta' has no attention route",
+        id="pages_meta",
+    ),
+    # decode_step's return_lse is a bool, as fz.attention's (1 and 0 were taken as truthy/falsy)
+    *(
+        pytest.param(
+            lambda flag=flag: fz.decode.decode_step(Q[:, :, :1], CACHE, CACHE, 4, return_lse=flag),
+            TypeError,
+            r"return_lse must be a bool",
+            id=f"decode_return_lse_{flag!r}",
+        )
+        for flag in (1, 0)
+    ),
+    # fz.testing: tolerances that would make every comparison pass or fail
+    *(
+        pytest.param(
+            lambda kw=kw: assert_matches_reference(_far_off(), Q, Q, Q, **kw),
+            exc,
+            rf"assert_matches_reference\({next(iter(kw))}=...\) must be a finite number >= 0",
+            id=f"reference_{next(iter(kw))}_{label}",
+        )
+        for label, kw, exc in (
+            ("nan", {"ratio": float("nan")}, ValueError),
+            ("negative", {"ratio": -1.0}, ValueError),
+            ("str", {"ratio": "2"}, TypeError),
+            ("nan", {"floor_ulps": float("nan")}, ValueError),
+            ("inf", {"floor_ulps": float("inf")}, ValueError),
+        )
+    ),
+    *(
+        pytest.param(
+            lambda kw=kw: assert_score_consistent(CAP, **kw),
+            ValueError,
+            rf"assert_score_consistent\({next(iter(kw))}=...\) must be a finite number",
+            id=f"score_consistent_{next(iter(kw))}_nan",
+        )
+        for kw in ({"rtol": float("nan")}, {"atol": float("nan")}, {"magnitude": float("nan")})
+    ),
+    # fz.testing: the spec's kind and the problem's sizes
+    pytest.param(
+        lambda: assert_mask_consistent("causal", 8, 8),  # type: ignore[arg-type]
+        TypeError,
+        r"assert_mask_consistent\(spec=...\) must be a mask spec .*got str \(build it first: masks.get",
+        id="mask_consistent_name",
+    ),
+    pytest.param(
+        lambda: assert_mask_consistent(CAP, 8, 8),  # type: ignore[arg-type]
+        TypeError,
+        r"assert_mask_consistent\(spec=...\) must be a mask spec .*got SoftCap",
+        id="mask_consistent_score_spec",
+    ),
+    pytest.param(
+        lambda: assert_mask_consistent(masks.Causal(), -1, 8),
+        ValueError,
+        r"assert_mask_consistent\(q_len=...\) must be an int >= 0, got -1",
+        id="mask_consistent_negative_length",
+    ),
+    pytest.param(
+        lambda: assert_score_consistent("softcap"),  # type: ignore[arg-type]
+        TypeError,
+        r"assert_score_consistent\(spec=...\) must be a score spec .*score_mods.get",
+        id="score_consistent_name",
+    ),
+    pytest.param(
+        lambda: assert_score_consistent(CAP, heads=0),
+        ValueError,
+        r"assert_score_consistent\(heads=...\) must be an int >= 1",
+        id="score_consistent_zero_heads",
+    ),
+    pytest.param(
+        lambda: spec_examples("mask", 8, 8, names=["causl"]),
+        ValueError,
+        r"spec_examples\(names=...\): unknown mask 'causl'.*Did you mean 'causal'",
+        id="spec_examples_unknown_name",
+    ),
+    pytest.param(
+        lambda: spec_examples("mask", 8, 8, names="causal"),  # type: ignore[arg-type]
+        TypeError,
+        r"spec_examples\(names=...\) must be a list of registry names",
+        id="spec_examples_names_str",
+    ),
+    # fz.viz
+    pytest.param(
+        lambda: fz.viz.mask_cells("causal", 8, 8, max_cells=0),
+        ValueError,
+        r"max_cells must be a positive int, got 0",
+        id="viz_mask_cells_zero",
+    ),
+    pytest.param(
+        lambda: fz.viz.block_codes("causal", 8, 8),
+        TypeError,
+        r"block_codes\(block_mask=...\) must be a BlockMask",
+        id="viz_block_codes_name",
+    ),
+    pytest.param(
+        lambda: fz.viz.block_counts(masks.Causal(), 8, 8),
+        TypeError,
+        r"block_counts\(block_mask=...\) must be a BlockMask",
+        id="viz_block_counts_spec",
+    ),
+    pytest.param(
+        lambda: fz.viz.score_response(CAP, [1.0], heads=0),
+        ValueError,
+        r"heads must be a positive int, got 0",
+        id="viz_score_response_zero_heads",
+    ),
+    pytest.param(
+        lambda: fz.viz.score_response(CAP, [1.0], heads=2, head_index=2),
+        ValueError,
+        r"head_index must be in \[0, heads = 2\), got 2",
+        id="viz_score_response_head_index",
+    ),
+    pytest.param(
+        lambda: fz.viz.score_response(masks.Causal(), [1.0], heads=1),  # type: ignore[arg-type]
+        TypeError,
+        r"got a mask spec \(Causal\)",
+        id="viz_score_response_mask_spec",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "exc", "match"), ERRORS)
+def test_bad_input_raises_clear_error(call: Callable[[], Any], exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_page_allocator_on_an_absent_cuda_device_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match=r"PageAllocator\(device=...\) 'cuda' is not available"):
+        _allocator("cuda")()
+
+
+def test_the_helpers_still_take_good_input() -> None:
+    assert fz.pages.PageAllocator(4, 16, 2, batch=1, device=torch.device("cpu")).device.type == "cpu"
+    out, lse = fz.decode.decode_step(Q[:, :, :1], CACHE, CACHE, 4, return_lse=True)
+    assert out.shape == (B, H, 1, D) and lse.shape == (B, H, 1)
+    assert_matches_reference(fz.attention(Q, Q, Q), Q, Q, Q, ratio=2, floor_ulps=4)  # ints are numbers
+    found = spec_examples("mask", 8, 8, names=("causal",))  # any sequence of names
+    assert found and {name for name, _ in found} == {"causal"}
+    assert fz.viz.score_response(CAP, [0.0, 1e9], heads=2, head_index=1) == pytest.approx([0.0, 5.0])
