@@ -216,6 +216,14 @@ def check_learned_devices(arg: str, spec: Any, device: torch.device) -> None:
             )
 
 
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """Refuse a sparse or nested tensor, naming ``name``: a strided nested tensor is a plain
+    ``torch.Tensor`` whose ``.shape`` raises torch's "NestedTensorImpl doesn't support sizes"."""
+    if t.is_sparse or t.is_nested:
+        kind = "sparse" if t.is_sparse else "nested"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one")
+
+
 def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> Shape:
     """Validate q/k/v and return their sizes."""
     check_flag("enable_gqa", enable_gqa)
@@ -228,9 +236,7 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
-        if t.is_sparse or t.is_nested:
-            kind = "sparse" if t.is_sparse else "nested"
-            raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one")
+        check_strided(name, t)
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo.models.decode import append_kv
-from flexattn_zoo.validation import check_device_arg
+from flexattn_zoo.validation import check_device_arg, check_strided
 
 __all__ = ["PageAllocator"]
 
@@ -265,6 +265,8 @@ class PageAllocator:
         """:meth:`extend` ``rows`` by ``k_new.shape[2]`` tokens, then :meth:`write` them into one
         layer's pools; returns :attr:`cache_len` (for ``decode_step``). If the write fails its
         checks, the extend is undone (pages and lengths as before)."""
+        if isinstance(k_new, torch.Tensor):
+            check_strided("PageAllocator k_new", k_new)  # before .shape, which a nested one lacks
         if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
             what = tuple(k_new.shape) if isinstance(k_new, torch.Tensor) else type(k_new).__name__
             raise ValueError(f"PageAllocator k_new must be [len(rows), Hkv, n, D], got {what}")

@@ -20,7 +20,7 @@ from flexattn_zoo.dispatch import attention
 from flexattn_zoo.masks import Band, Causal, Document, Full, SlidingWindow
 from flexattn_zoo.packed.specs import PackedScore, PackedSequences, _rows
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
-from flexattn_zoo.validation import check_flag
+from flexattn_zoo.validation import check_flag, check_strided
 
 #: Masks that give the same answer for a pair wherever the pair sits (they read only ``j - i``):
 #: in packed coordinates they mean what they mean locally when every sequence has Lq_i == Lk_i.
@@ -180,6 +180,7 @@ def varlen_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
+        check_strided(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims [T, H, D] (packed rows), got shape {tuple(t.shape)}")
     if k.shape[0] != v.shape[0]:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,38 @@ ERRORS = [
         r"spec_examples\(names=...\) must be a list of registry names",
         id="spec_examples_names_str",
     ),
+    # fz.testing: argument types the checks read without looking
+    pytest.param(
+        lambda: assert_matches_reference([0.0], Q, Q, Q),  # type: ignore[arg-type]
+        TypeError,
+        r"assert_matches_reference\(out=...\) must be a tensor, got list",
+        id="reference_out_list",
+    ),
+    pytest.param(
+        lambda: fz.testing.dense_attention(Q, Q, Q, dtype=torch.int64),
+        TypeError,
+        r"dense_attention\(dtype=...\) must be a floating torch.dtype",
+        id="dense_attention_int_dtype",
+    ),
+    # fz.decode.pool_view: any kv_layout but "NHD" was read as "HND"
+    pytest.param(
+        lambda: fz.decode.pool_view(POOL, "nhd"),
+        ValueError,
+        r"pool_view kv_layout must be 'NHD' or 'HND'; got 'nhd'",
+        id="pool_view_layout",
+    ),
+    pytest.param(
+        lambda: fz.decode.pool_view([0.0], "NHD"),  # type: ignore[arg-type]
+        TypeError,
+        r"pool_view pool must be a torch.Tensor, got list",
+        id="pool_view_list",
+    ),
+    pytest.param(
+        lambda: fz.decode.pool_view(POOL[0], "NHD"),
+        ValueError,
+        r"pool_view pool must be \[n_pages, page_size, Hkv, D\]",
+        id="pool_view_3d",
+    ),
     # fz.viz
     pytest.param(
         lambda: fz.viz.mask_cells("causal", 8, 8, max_cells=0),
@@ -164,6 +197,62 @@ ERRORS = [
         id="viz_score_response_mask_spec",
     ),
 ]
+
+
+def _nested(*shape: int) -> torch.Tensor:
+    # A strided (not jagged) nested tensor is a plain torch.Tensor whose .shape raises. torch warns
+    # once per process that the API is a prototype.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.nested.nested_tensor([torch.randn(*shape[1:])] * shape[0])
+
+
+CU = torch.tensor([0, 3, 8], dtype=torch.int32)
+POOL = torch.zeros(4, 16, H, D)  # an NHD pool: [n_pages, page_size, Hkv, D]
+NEW = torch.zeros(1, H, 1, D)
+NESTED = [
+    pytest.param(
+        lambda: fz.varlen_attention(
+            _nested(8, H, D), Q[0].transpose(0, 1), Q[0].transpose(0, 1), CU, CU, 5, 5
+        ),
+        r"q must be a dense",
+        id="varlen_q",
+    ),
+    pytest.param(
+        lambda: fz.decode.decode_step(_nested(B, H, 1, D), CACHE, CACHE, 4),
+        r"decode_step q must be a dense",
+        id="decode_q",
+    ),
+    pytest.param(
+        lambda: fz.decode.decode_step(Q[:, :, :1], _nested(B, H, 16, D), CACHE, 4),
+        r"decode_step k_cache must be a dense",
+        id="decode_k_cache",
+    ),
+    pytest.param(
+        lambda: fz.decode.append_kv(
+            POOL, POOL, torch.zeros(1, 2, dtype=torch.int32), 0, _nested(1, H, 1, D), NEW, kv_layout="NHD"
+        ),
+        r"append_kv k_new must be a dense",
+        id="append_kv_k_new",
+    ),
+    pytest.param(
+        lambda: fz.pages.PageAllocator(4, 16, 2, batch=1).append(POOL, POOL, _nested(1, H, 1, D), NEW),
+        r"PageAllocator k_new must be a dense",
+        id="allocator_append",
+    ),
+    pytest.param(
+        lambda: fz.decode.pool_view(_nested(4, 16, H, D), "NHD"),
+        r"pool_view pool must be a dense",
+        id="pool_view",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "match"), NESTED)
+def test_nested_tensors_get_a_type_error_naming_the_argument(call: Callable[[], Any], match: str) -> None:
+    # torch's own error was a RuntimeError, "NestedTensorImpl doesn't support sizes"
+    with pytest.raises(TypeError, match=match):
+        call()
 
 
 @pytest.mark.parametrize(("call", "exc", "match"), ERRORS)
