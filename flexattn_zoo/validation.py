@@ -207,8 +207,15 @@ def check_device_arg(device: Any, arg: str = "device") -> torch.device:
 def check_learned_devices(arg: str, spec: Any, device: torch.device) -> None:
     """Refuse a learned tensor (one that requires grad) of ``spec`` on a device other than q's:
     the routes would run on a copy made once, which the optimizer's updates of the caller's
-    tensor never reach. Other spec tensors are immutable snapshots, copied once to q's device."""
+    tensor never reach. Other spec tensors are immutable snapshots, copied once to q's device,
+    but for one on the meta device, which holds no data to copy (a spec built under
+    ``torch.device("meta")``): refused here, before the spec's checks read its values."""
     for t in spec.tensors():
+        if t.is_meta and device.type != "meta":
+            raise ValueError(
+                f"{arg}: {type(spec).__name__} holds a tensor on the meta device (shapes only, no "
+                f"values), q is on {device}: build the spec from real tensors, e.g. on q's device"
+            )
         if t.requires_grad and t.device != device:
             raise ValueError(
                 f"{arg}: {type(spec).__name__} holds a learned tensor (requires_grad) on {t.device}, "

@@ -275,3 +275,56 @@ def test_the_helpers_still_take_good_input() -> None:
     found = spec_examples("mask", 8, 8, names=("causal",))  # any sequence of names
     assert found and {name for name, _ in found} == {"causal"}
     assert fz.viz.score_response(CAP, [0.0, 1e9], heads=2, head_index=1) == pytest.approx([0.0, 5.0])
+
+
+def _sweep(**case: Any) -> Callable[[], Any]:
+    from flexattn_zoo.bench.config import parse_config
+
+    base = {"name": "c", "batch": 1, "heads": 2, "seq_len": 64, "head_dim": 16}
+    return lambda: parse_config({"cases": [{**base, **case}]})
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        # NaN is not > 0, but it passed "v <= 0": no route would ever be skipped as too large
+        pytest.param(
+            _sweep(max_dense_gib=float("nan")), r"max_dense_gib must be a positive number", id="nan_gib"
+        ),
+        # draws past seq_len were cut to it: no padding / one document, whatever the range said
+        pytest.param(
+            _sweep(key_padding={"min": 100, "max": 200}),
+            r"key_padding.max is 200, past seq_len 64",
+            id="key_padding_past_seq_len",
+        ),
+        pytest.param(
+            _sweep(document_lengths={"min": 100, "max": 200}),
+            r"document_lengths.min is 100, past seq_len 64",
+            id="documents_past_seq_len",
+        ),
+        # a list as a name was "unhashable type: 'list'"
+        pytest.param(
+            _sweep(mask={"name": ["causal"]}), r"mask: mask name must be a str, got list", id="list_name"
+        ),
+        pytest.param(
+            _sweep(score_mod={"name": ["alibi"]}),
+            r"score_mod: score_mod name must be a str, got list",
+            id="list_score_name",
+        ),
+    ],
+)
+def test_sweep_config_errors_name_the_key(call: Callable[[], Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("as_score", [False, True], ids=["mask", "score_mod"])
+def test_a_spec_holding_meta_tensors_is_refused_by_name(as_score: bool) -> None:
+    # torch's error was "Tensor.item() cannot be called on meta tensors", from the spec's checks
+    if as_score:
+        kw: dict[str, Any] = {"score_mod": score_mods.Bias(bias=torch.zeros(L, L, device="meta"))}
+    else:
+        kw = {"mask": masks.KeyPadding(valid=torch.ones(B, L, dtype=torch.bool, device="meta"))}
+    arg = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"{arg}: \w+ holds a tensor on the meta device .*q is on cpu"):
+        fz.attention(Q, Q, Q, **kw)
