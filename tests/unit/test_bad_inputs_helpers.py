@@ -328,3 +328,44 @@ def test_a_spec_holding_meta_tensors_is_refused_by_name(as_score: bool) -> None:
     arg = next(iter(kw))
     with pytest.raises(ValueError, match=rf"{arg}: \w+ holds a tensor on the meta device .*q is on cpu"):
         fz.attention(Q, Q, Q, **kw)
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        # recorded and never matched: nothing was rebuilt, silently
+        pytest.param(
+            lambda: fz.invalidate("causal"),
+            TypeError,
+            r"fz.invalidate\(fn=...\) takes the mask_mod",
+            id="invalidate_name",
+        ),
+        pytest.param(
+            lambda: fz.invalidate(masks.Causal()),
+            TypeError,
+            r"got Causal \(a spec's own tensors",
+            id="invalidate_spec",
+        ),
+        # AttributeError ('str' object has no attribute 'device') before
+        pytest.param(
+            lambda: fz.tune.clear("x"),
+            TypeError,
+            r"fz.tune.clear\(signature=...\) must be a Signature",
+            id="tune_clear",
+        ),
+        # torch's RuntimeError for a malformed device string before
+        pytest.param(
+            lambda: fz.tune.cache_path("xyz"),
+            ValueError,
+            r"fz.tune.cache_path\(device=...\) must be a torch.device",
+            id="tune_cache_path",
+        ),
+    ],
+)
+def test_cache_controls_refuse_what_they_cannot_act_on(
+    call: Callable[[], Any], exc: type[Exception], match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        call()
+    fz.invalidate(lambda b, h, q, k: q >= k)  # a callable still works
+    assert fz.tune.cache_path("cpu") == fz.tune.cache_path(torch.device("cpu"))
