@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -369,3 +370,23 @@ def test_cache_controls_refuse_what_they_cannot_act_on(
         call()
     fz.invalidate(lambda b, h, q, k: q >= k)  # a callable still works
     assert fz.tune.cache_path("cpu") == fz.tune.cache_path(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"BACKEND": "NOPE"}, r"kernel_options\['BACKEND'\] must be one of 'AUTO', .*got 'NOPE'"),
+        ({"BACKEND": "TRITON", "FORCE_USE_FLEX_ATTENTION": True}, r"BACKEND supersedes the legacy FORCE_USE"),
+    ],
+    ids=["unknown_backend", "backend_and_force"],
+)
+def test_kernel_options_torch_refuses_are_refused_before_the_compile(
+    options: dict[str, Any], match: str
+) -> None:
+    # flex_attention raised these inside the compiled call: Dynamo's "Unsupported: Observed exception"
+    from torch.nn.attention import flex_attention
+
+    if "AUTO" not in typing.get_args(getattr(flex_attention, "_Backend", None)):
+        pytest.skip("this torch's flex_attention has no BACKEND option")
+    with pytest.raises(ValueError, match=match):
+        fz.attention(Q, Q, Q, mask="causal", kernel_options=options)
