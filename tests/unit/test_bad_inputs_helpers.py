@@ -390,3 +390,38 @@ def test_kernel_options_torch_refuses_are_refused_before_the_compile(
         pytest.skip("this torch's flex_attention has no BACKEND option")
     with pytest.raises(ValueError, match=match):
         fz.attention(Q, Q, Q, mask="causal", kernel_options=options)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (
+            {"spec": "causal"},
+            TypeError,
+            r"DecodeMask\(spec=...\) must be a mask spec .*got str",
+        ),  # AttributeError: bind
+        (
+            {"q_block_size": 0},
+            ValueError,
+            r"DecodeMask\(q_block_size=...\) must be an int >= 1",
+        ),  # ZeroDivisionError
+        (
+            {"n_physical": -1},
+            ValueError,
+            r"DecodeMask\(n_physical=...\) must be an int >= 1",
+        ),  # torch RuntimeError
+        ({"batch": 0}, ValueError, r"DecodeMask\(batch=...\) must be an int >= 1"),
+        (
+            {"device": "xyz"},
+            ValueError,
+            r"DecodeMask\(device=...\) must be a torch.device",
+        ),  # torch RuntimeError
+    ],
+    ids=["spec_name", "q_block_zero", "negative_pages", "no_rows", "device_string"],
+)
+def test_decode_mask_refuses_bad_arguments(kwargs: dict[str, Any], exc: type[Exception], match: str) -> None:
+    args: dict[str, Any] = {"spec": masks.Causal(), "batch": 1, "q_len": 1, "capacity": 64, **kwargs}
+    with pytest.raises(exc, match=match):
+        fz.decode.DecodeMask(
+            args.pop("spec"), args.pop("batch"), args.pop("q_len"), args.pop("capacity"), **args
+        )
