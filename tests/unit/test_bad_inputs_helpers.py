@@ -425,3 +425,14 @@ def test_decode_mask_refuses_bad_arguments(kwargs: dict[str, Any], exc: type[Exc
         fz.decode.DecodeMask(
             args.pop("spec"), args.pop("batch"), args.pop("q_len"), args.pop("capacity"), **args
         )
+
+
+def test_rel_pos_bias_refuses_a_max_distance_its_lookup_cannot_hold() -> None:
+    # the 2 * max_distance + 1 entry lookup is built with the spec: 10**12 was torch's
+    # "DefaultCPUAllocator: can't allocate memory" RuntimeError
+    table = torch.zeros(32, H)
+    with pytest.raises(
+        ValueError, match=r"RelPosBias\(max_distance=...\) must be in \[9, 16777216\], got 10{12}"
+    ):
+        score_mods.RelPosBias(table=table, max_distance=10**12)
+    assert score_mods.RelPosBias(table=table, max_distance=1024).max_distance == 1024
