@@ -227,7 +227,13 @@ def varlen_attention(
     if inner_mask is not None:
         inner_mask = _bind_once(inner_mask, lengths)
     totals = (q.shape[0], k.shape[0])
-    if same_offsets and (inner_mask is None or isinstance(inner_mask, _SHIFT_INVARIANT)):
+    if 0 in totals:
+        # An empty pack: no query rows, or rows that see no key (0, lse -inf), whatever the mask,
+        # as fz.attention gives for zero lengths. A packed mask of zero positions cannot be built
+        # (its Document refused the empty ids with a message about a spec the caller never gave).
+        packed_mask: Any = None
+        packed_score: Any = None
+    elif same_offsets and (inner_mask is None or isinstance(inner_mask, _SHIFT_INVARIANT)):
         # Every sequence is square, so a shift-invariant mask and a bottom-right window mean the
         # same in packed coordinates as locally: a plain Document mask, which keeps varlen forms.
         packed_mask = _document(cu_q, totals[0], inner_mask, left, right)
@@ -236,7 +242,8 @@ def varlen_attention(
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_total=totals[0], kv_total=totals[1],
             max_seqlen_q=max_q, max_seqlen_k=max_k, inner=inner_mask, left=left, right=right,
         )  # fmt: skip
-    packed_score = _score(inner_score, cu_q, cu_k, totals, (max_q, max_k), same_offsets)
+    if 0 not in totals:
+        packed_score = _score(inner_score, cu_q, cu_k, totals, (max_q, max_k), same_offsets)
     result = attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -276,6 +283,10 @@ def _offsets(name: str, cu: Any, device: torch.device) -> torch.Tensor:
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(
             f"{name} must be 1-D with at least 2 entries [0, ..., T], got shape {tuple(cu.shape)}"
+        )
+    if cu.is_meta:  # its offsets are read below: a meta tensor has none (torch's NotImplementedError)
+        raise ValueError(
+            f"{name} is on the meta device (no values); give the offsets on q's device or the CPU"
         )
     return cu.to(device, torch.int64)
 

@@ -436,3 +436,23 @@ def test_rel_pos_bias_refuses_a_max_distance_its_lookup_cannot_hold() -> None:
     ):
         score_mods.RelPosBias(table=table, max_distance=10**12)
     assert score_mods.RelPosBias(table=table, max_distance=1024).max_distance == 1024
+
+
+@pytest.mark.parametrize(("q_rows", "k_rows"), [(0, 0), (0, 8), (8, 0)])
+def test_varlen_attention_of_an_empty_pack_is_attentions_zero_length_result(q_rows: int, k_rows: int) -> None:
+    # an empty pack failed with a message about a Document of zero positions, a spec the caller
+    # never gave; fz.attention's zero lengths give no rows, or rows that see no key (0, lse -inf)
+    x = torch.randn(8, H, D)
+    q, k = x[:q_rows], x[:k_rows]
+    cu_q = torch.tensor([0, q_rows // 2, q_rows], dtype=torch.int32)
+    cu_k = torch.tensor([0, k_rows // 2, k_rows], dtype=torch.int32)
+    out, lse = fz.varlen_attention(q, k, k, cu_q, cu_k, q_rows, k_rows, causal=True, return_lse=True)
+    assert out.shape == (q_rows, H, D) and lse.shape == (H, q_rows)
+    assert not out.any() and bool(torch.isneginf(lse).all())
+
+
+def test_varlen_offsets_on_the_meta_device_are_refused_by_name() -> None:
+    x = torch.randn(8, H, D)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k is on the meta device"):  # NotImplementedError before
+        fz.varlen_attention(x, x, x, cu, cu.to("meta"), 5, 5)
