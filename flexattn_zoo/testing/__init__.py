@@ -245,9 +245,11 @@ def assert_matches_reference(
         ValueError: ``grads`` without ``grad_out``, or a negative or non-finite ``ratio`` /
             ``floor_ulps`` (TypeError for a non-number).
     """
-    for name, t in (("out", out), ("lse", lse), ("grad_out", grad_out)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"assert_matches_reference({name}=...) must be a tensor, got {type(t).__name__}")
+    for name, given in (("out", out), ("lse", lse), ("grad_out", grad_out)):
+        if given is not None and not isinstance(given, torch.Tensor):
+            raise TypeError(
+                f"assert_matches_reference({name}=...) must be a tensor, got {type(given).__name__}"
+            )
     ratio = check_tolerance("assert_matches_reference(ratio=...)", ratio)
     floor_ulps = check_tolerance("assert_matches_reference(floor_ulps=...)", floor_ulps)
     if grads is not None and grad_out is None:

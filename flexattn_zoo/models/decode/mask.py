@@ -80,9 +80,9 @@ class DecodeMask:
             )
         for name, value in (("batch", batch), ("capacity", capacity), ("block_size", block_size)):
             check_count(f"DecodeMask({name}=...)", value)
-        for name, value in (("n_physical", n_physical), ("q_block_size", q_block_size)):
-            if value is not None:
-                check_count(f"DecodeMask({name}=...)", value)
+        for name, optional in (("n_physical", n_physical), ("q_block_size", q_block_size)):
+            if optional is not None:
+                check_count(f"DecodeMask({name}=...)", optional)
         if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 0:
             raise ValueError(f"DecodeMask(q_len=...) must be an int >= 0, got {q_len!r}")
         device = check_device_arg(device, "DecodeMask(device=...)")
