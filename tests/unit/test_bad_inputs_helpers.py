@@ -456,3 +456,11 @@ def test_varlen_offsets_on_the_meta_device_are_refused_by_name() -> None:
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"cu_seqlens_k is on the meta device"):  # NotImplementedError before
         fz.varlen_attention(x, x, x, cu, cu.to("meta"), 5, 5)
+
+
+def test_registering_under_a_non_str_name_is_a_type_error_naming_it() -> None:
+    # re.match's "expected string or bytes-like object, got 'int'" named no argument
+    with pytest.raises(TypeError, match=r"mask name must be a snake_case str, got int"):
+        masks.register_function(3, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"score_mod name must be a snake_case str, got tuple"):
+        score_mods.register_function(("a",), lambda s, b, h, q_idx, kv_idx: s)  # type: ignore[arg-type]
