@@ -63,6 +63,9 @@ __all__ = ["PageAllocator"]
 _LAYOUTS = ("NHD", "HND", None)
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _positive(value: Any, name: str, *, zero: bool = False) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"PageAllocator {name} must be an int, got {type(value).__name__}")
@@ -109,6 +112,15 @@ class PageAllocator:
         self.page_size = _positive(page_size, "page_size")
         self.max_pages_per_row = _positive(max_pages_per_row, "max_pages_per_row")
         self.batch = _positive(batch, "batch")
+        # block_table and cache_len are int32 (what decode_step and the kernels read): a page
+        # number or a row length past 2**31 - 1 cannot be stored (n_pages = 2**40 failed as a
+        # MemoryError building the free list).
+        row_capacity = min(self.max_pages_per_row, self.n_pages) * self.page_size
+        if self.n_pages > _INT32_MAX or row_capacity > _INT32_MAX:
+            raise ValueError(
+                f"PageAllocator n_pages ({self.n_pages}) and a row's capacity min(max_pages_per_row, n_pages) "
+                f"* page_size ({row_capacity}) must be at most 2**31 - 1: block_table and cache_len are int32"
+            )
         if kv_layout not in _LAYOUTS:
             raise ValueError(f"PageAllocator kv_layout must be 'NHD', 'HND' or None; got {kv_layout!r}")
         self.kv_layout = kv_layout

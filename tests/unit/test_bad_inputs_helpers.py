@@ -464,3 +464,13 @@ def test_registering_under_a_non_str_name_is_a_type_error_naming_it() -> None:
         masks.register_function(3, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"score_mod name must be a snake_case str, got tuple"):
         score_mods.register_function(("a",), lambda s, b, h, q_idx, kv_idx: s)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("n_pages", "page_size", "max_pages"), [(2**40, 16, 4), (2**12, 2**20, 2**12)], ids=["pages", "row"]
+)
+def test_page_allocator_sizes_must_fit_its_int32_tables(n_pages: int, page_size: int, max_pages: int) -> None:
+    # 2**40 pages was a MemoryError building the free list; a row of 2**32 tokens was accepted,
+    # though its length cannot be held by the int32 cache_len
+    with pytest.raises(ValueError, match=r"must be at most 2\*\*31 - 1: block_table and cache_len are int32"):
+        fz.pages.PageAllocator(n_pages, page_size, max_pages, batch=1)
