@@ -211,15 +211,15 @@ def check_learned_devices(arg: str, spec: Any, device: torch.device) -> None:
     but for one on the meta device, which holds no data to copy (a spec built under
     ``torch.device("meta")``): refused here, before the spec's checks read its values."""
     for t in spec.tensors():
+        if t.requires_grad and t.device != device:  # (a learned meta tensor gets this message)
+            raise ValueError(
+                f"{arg}: {type(spec).__name__} holds a learned tensor (requires_grad) on {t.device}, "
+                f"q is on {device}: move the tensor to q's device (a copy would not follow its updates)"
+            )
         if t.is_meta and device.type != "meta":
             raise ValueError(
                 f"{arg}: {type(spec).__name__} holds a tensor on the meta device (shapes only, no "
                 f"values), q is on {device}: build the spec from real tensors, e.g. on q's device"
-            )
-        if t.requires_grad and t.device != device:
-            raise ValueError(
-                f"{arg}: {type(spec).__name__} holds a learned tensor (requires_grad) on {t.device}, "
-                f"q is on {device}: move the tensor to q's device (a copy would not follow its updates)"
             )
 
 
