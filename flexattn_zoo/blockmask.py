@@ -24,7 +24,7 @@ from flexattn_zoo import _compat
 from flexattn_zoo.coercion import as_mask_spec
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import BlockMap, MaskSpec, as_4d, block_ranges, tracing
-from flexattn_zoo.validation import SUPPORTED_DEVICES
+from flexattn_zoo.validation import check_device_arg
 
 DEFAULT_BLOCK_SIZE = 128
 #: Upper bound of cached BlockMasks (least recently used dropped first).
@@ -165,18 +165,6 @@ def _block_size(block_size: int | tuple[int, int]) -> tuple[int, int]:
     return block_size
 
 
-def _device(device: Any) -> torch.device:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        msg = f"device must be a torch.device or a string like 'cpu' or 'cuda:0', got {device!r}"
-        raise ValueError(msg) from exc
-    if dev.type not in SUPPORTED_DEVICES:
-        choices = ", ".join(SUPPORTED_DEVICES)
-        raise ValueError(f"device {str(dev)!r} has no attention route; use one of: {choices}")
-    return dev
-
-
 #: A BlockMask's constructor arguments (``_compat.make_block_mask``) but the ``mask_mod``.
 BLOCK_MASK_PARTS = (
     "seq_lengths",
@@ -225,7 +213,7 @@ def block_mask(
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     qb, kvb = _block_size(block_size)
-    device = _device(device)
+    device = check_device_arg(device)
     mask_spec = _bound(mask_spec, q_len, kv_len)
     for name, size, needed in (
         ("batch", batch, mask_spec.uses_batch()),
@@ -275,7 +263,7 @@ def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | st
     mask_spec = as_mask_spec(spec, arg="spec")
     if mask_spec is None:
         raise ValueError("spec must be a mask spec, registry name or mask_mod callable, not None")
-    return _bound(mask_spec, q_len, kv_len).to(_device(device)).mask_mod()
+    return _bound(mask_spec, q_len, kv_len).to(check_device_arg(device)).mask_mod()
 
 
 def _bound(mask_spec: Any, q_len: int, kv_len: int) -> Any:

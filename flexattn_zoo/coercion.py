@@ -16,6 +16,7 @@ Tensors, following SDPA:
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import torch
@@ -164,4 +165,26 @@ def check_kernel_options(options: Any) -> tuple[tuple[str, Any], ...] | None:
                 f"kernel_options[{key!r}] must be a bool, int, float or str, got {type(value).__name__}"
             )
         out.append((key, value))
+    if "BACKEND" in options:
+        # flex_attention checks these two itself, but inside the compiled call, where Dynamo turns
+        # its error into "Unsupported: Observed exception": checked here, by the same rules.
+        backends = _flex_backends()
+        if backends and options["BACKEND"] not in backends:
+            raise ValueError(
+                f"kernel_options['BACKEND'] must be one of {', '.join(map(repr, backends))}, "
+                f"got {options['BACKEND']!r}"
+            )
+        if options.get("FORCE_USE_FLEX_ATTENTION", False):
+            raise ValueError(
+                "kernel_options: BACKEND supersedes the legacy FORCE_USE_FLEX_ATTENTION; give only BACKEND"
+            )
     return tuple(sorted(out)) or None  # {}: no options
+
+
+def _flex_backends() -> tuple[str, ...]:
+    """The values flex_attention's ``kernel_options["BACKEND"]`` takes (empty where this torch
+    has no such option, which then leaves the value to torch)."""
+    from torch.nn.attention import flex_attention
+
+    backend = getattr(flex_attention, "_Backend", None)
+    return typing.get_args(backend) if backend is not None else ()

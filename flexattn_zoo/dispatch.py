@@ -345,9 +345,9 @@ def _problem(
         _check_user_block_mask(user_bm, shape.batch, shape.heads, shape.q_len, shape.kv_len, q.device)
     for arg, spec in (("mask", mask_spec), ("score_mod", score_spec)):
         if spec is not None:
-            spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
             if not traced:  # listing a callable's tensors walks its closure, which Dynamo cannot
-                check_learned_devices(arg, spec, q.device)
+                check_learned_devices(arg, spec, q.device)  # first: validate reads tensor values
+            spec.validate(shape.q_len, shape.kv_len, shape.batch, shape.heads)
     requires_grad = needs_grad((q, k, v), score_spec)
     nonfinite = inputs_nonfinite(q, k, v) if scan else False
     problem = Problem(

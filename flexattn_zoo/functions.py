@@ -273,6 +273,13 @@ def invalidate(fn: Any = None) -> None:
     capture it) is rebuilt on next use. Passing a new function object does the same.
     ``invalidate()`` with no argument does it for every callable.
     """
+    if fn is not None and not callable(fn):
+        # A spec, a name or a tensor would be recorded and never matched: nothing rebuilt, silently.
+        kind = " (a spec's own tensors are tracked by their versions)" if isinstance(fn, Spec) else ""
+        raise TypeError(
+            f"fz.invalidate(fn=...) takes the mask_mod / score_mod callable whose state changed, or "
+            f"nothing (every callable); got {type(fn).__name__}{kind}"
+        )
     with _EPOCH_LOCK:
         if fn is None:
             _GLOBAL_EPOCH[0] += 1

@@ -96,6 +96,8 @@ def call_key(
     """
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None  # subclasses and non-tensors: the full path validates them
+    if q.is_nested or k.is_nested or v.is_nested:
+        return None  # a strided nested tensor is a plain Tensor whose .shape raises: the full path refuses it
     if not (type(enable_gqa) is bool and type(return_lse) is bool and type(backend) is str):
         return None  # 1 == True as a key: let the full path refuse non-bool flags
     if tune is not None and type(tune) is not bool:

@@ -139,6 +139,10 @@ def dense_attention(
     ``dtype=float64`` is :func:`reference_attention`; the input dtype is ``fz.testing``'s eager
     baseline, whose error says how accurate a low-precision route can be.
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"dense_attention(dtype=...) must be a floating torch.dtype (e.g. torch.float64), got {dtype!r}"
+        )
     shape = check_qkv(q, k, v, enable_gqa=enable_gqa)
     mask, score_mod = tensor_args(mask, score_mod)
     mask_spec = as_mask_spec(mask)

@@ -171,6 +171,8 @@ class Registry(Generic[S]):
         self.version = 0
 
     def _add(self, entry: Entry) -> None:
+        if not isinstance(entry.name, str):  # re.match's own TypeError names no argument
+            raise TypeError(f"{self.kind} name must be a snake_case str, got {type(entry.name).__name__}")
         if not _NAME.match(entry.name):
             raise ValueError(f"{self.kind} name must be snake_case ([a-z][a-z0-9_]*), got {entry.name!r}")
         with self._lock:

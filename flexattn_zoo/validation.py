@@ -50,6 +50,30 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_count(name: str, value: object) -> int:
+    """``value`` if it is a plain int >= 1 (a number of heads, a layer period); ``name`` is how the
+    message names the argument, e.g. ``"Attention(num_heads=...)"``. ``bool`` is refused although it
+    subclasses ``int``: ``num_heads=True`` is a bug, not one head."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def check_tolerance(name: str, value: object, *, positive: bool = False) -> float:
+    """``value`` as a float if it is a finite real number ``>= 0`` (``> 0`` with ``positive``):
+    for the knobs of the testing helpers, where NaN would make every comparison false and so
+    every check pass, and a negative budget make every check fail."""
+    wanted = "a finite number > 0" if positive else "a finite number >= 0"
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
+    f = float(value)
+    if not math.isfinite(f) or f < 0 or (positive and f == 0):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return f
+
+
 def check_score_factor(name: str, value: object, *, reciprocal: bool = False) -> float:
     """``value`` as a float if it is a real number a kernel may multiply scores by: finite and at
     most :data:`SCORE_FACTOR_MAX` in magnitude (with ``reciprocal``, ``1 / value`` is used as a
@@ -155,16 +179,56 @@ def check_device(t: torch.Tensor) -> None:
         )
 
 
+def check_device_arg(device: Any, arg: str = "device") -> torch.device:
+    """``device`` (a ``torch.device`` or a string such as ``"cuda:0"``) as a ``torch.device`` that
+    a route can run on and that this machine has: ValueError naming ``arg`` otherwise. Checked up
+    front because torch's own refusals come from the first tensor made there: a RuntimeError for
+    a malformed string, an AssertionError for CUDA on a CPU-only build."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"{arg} must be a torch.device or a string like 'cpu' or 'cuda:0', got {device!r}"
+        raise ValueError(msg) from exc
+    if dev.type not in SUPPORTED_DEVICES:
+        choices = ", ".join(SUPPORTED_DEVICES)
+        raise ValueError(f"{arg} {str(dev)!r} has no attention route; use one of: {choices}")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{arg} {str(dev)!r} is not available (no CUDA device); use 'cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"{arg} {str(dev)!r} is not available: this machine has {count} CUDA device(s), "
+                f"cuda:0..cuda:{count - 1}"
+            )
+    return dev
+
+
 def check_learned_devices(arg: str, spec: Any, device: torch.device) -> None:
     """Refuse a learned tensor (one that requires grad) of ``spec`` on a device other than q's:
     the routes would run on a copy made once, which the optimizer's updates of the caller's
-    tensor never reach. Other spec tensors are immutable snapshots, copied once to q's device."""
+    tensor never reach. Other spec tensors are immutable snapshots, copied once to q's device,
+    but for one on the meta device, which holds no data to copy (a spec built under
+    ``torch.device("meta")``): refused here, before the spec's checks read its values."""
     for t in spec.tensors():
-        if t.requires_grad and t.device != device:
+        if t.requires_grad and t.device != device:  # (a learned meta tensor gets this message)
             raise ValueError(
                 f"{arg}: {type(spec).__name__} holds a learned tensor (requires_grad) on {t.device}, "
                 f"q is on {device}: move the tensor to q's device (a copy would not follow its updates)"
             )
+        if t.is_meta and device.type != "meta":
+            raise ValueError(
+                f"{arg}: {type(spec).__name__} holds a tensor on the meta device (shapes only, no "
+                f"values), q is on {device}: build the spec from real tensors, e.g. on q's device"
+            )
+
+
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """Refuse a sparse or nested tensor, naming ``name``: a strided nested tensor is a plain
+    ``torch.Tensor`` whose ``.shape`` raises torch's "NestedTensorImpl doesn't support sizes"."""
+    if t.is_sparse or t.is_nested:
+        kind = "sparse" if t.is_sparse else "nested"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one")
 
 
 def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> Shape:
@@ -179,9 +243,7 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
             )
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32, float64")
-        if t.is_sparse or t.is_nested:
-            kind = "sparse" if t.is_sparse else "nested"
-            raise TypeError(f"{name} must be a dense (strided) tensor, got a {kind} one")
+        check_strided(name, t)
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")

@@ -9,12 +9,19 @@ import torch
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, static_int
 
+#: Largest ``max_distance``: the bucket lookup holds ``2 * max_distance + 1`` entries, built when the
+#: spec is (a "no limit" value such as 10**12 failed there as a multi-terabyte allocation). 2**24
+#: positions is past any T5-style configuration (T5: 128); as Sandwich's ``max_len`` bound.
+MAX_DISTANCE_MAX = 1 << 24
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"RelPosBias({name}=...) must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"RelPosBias({name}=...) must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"RelPosBias({name}=...) must be in [{minimum}, {maximum}], got {value}")
     return value
 
 
@@ -85,7 +92,7 @@ class RelPosBias(ScoreSpec):
         table: float tensor ``[num_buckets, H]`` (``num_buckets >= 2``; ``>= 4`` when bidirectional);
             an integer tensor is converted to float32.
         bidirectional: T5's encoder (True, default) or decoder (False) bucketing.
-        max_distance: distance at which the last bucket starts (``> E``; T5: 128).
+        max_distance: distance at which the last bucket starts (``> E``, at most ``2**24``; T5: 128).
     """
 
     depends_on_head = True
@@ -120,7 +127,7 @@ class RelPosBias(ScoreSpec):
                 f"head (column), got shape {tuple(table.shape)}"
             )
         exact = side // 2
-        distance = _check_int("max_distance", self.max_distance, exact + 1)
+        distance = _check_int("max_distance", self.max_distance, exact + 1, MAX_DISTANCE_MAX)
         object.__setattr__(self, "max_distance", distance)
         # Bucket of every relative position j - i in [-max_distance, max_distance] (index + md).
         n = torch.arange(distance + 1)

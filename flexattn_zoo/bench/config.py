@@ -215,7 +215,10 @@ def _with_heads(entries: Any, registry: Any, heads: int) -> Any:
         entries = {"name": entries}
     if isinstance(entries, list):
         return [_with_heads(e, registry, heads) for e in entries]
-    if isinstance(entries, dict) and entries.get("name") in registry and "num_heads" not in entries:
+    name = entries.get("name") if isinstance(entries, dict) else None
+    # (a name that is not a str, e.g. a list, is left to spec_from_dict, which names the mistake:
+    # ``in registry`` would raise "unhashable type" here)
+    if isinstance(name, str) and name in registry and "num_heads" not in entries:
         factory = registry.entry(entries["name"]).factory
         if dataclasses.is_dataclass(factory) and "num_heads" in {f.name for f in dataclasses.fields(factory)}:
             return {**entries, "num_heads": heads}
@@ -256,7 +259,8 @@ def _settings(where: str, data: dict[str, Any]) -> dict[str, Any]:
         out["routes"] = parse_names(f"{where}.routes", out["routes"], all_routes())
     if "max_dense_gib" in out:
         v = out["max_dense_gib"]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+        # ``not v > 0`` refuses NaN too, which no estimate exceeds: nothing would be skipped
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"{where}.max_dense_gib must be a positive number, got {v!r}")
     return out
 
@@ -285,13 +289,21 @@ def _case(i: int, raw: Any, defaults: dict[str, Any]) -> Case:
         raise ValueError(f"{where}: heads {heads} must be a multiple of kv_heads {kv_heads}")
     docs = _length_range(where, "document_lengths", raw.get("document_lengths"))
     padding = _length_range(where, "key_padding", raw.get("key_padding"))
+    seq_len = _int(f"{where}.seq_len", raw["seq_len"])
+    # Draws past seq_len would be cut to it: one whole-sequence document, or no padding at all,
+    # whatever the range asked for.
+    for key, drawn, bound in (("document_lengths", docs, "min"), ("key_padding", padding, "max")):
+        if drawn is not None and drawn[bound] > seq_len:
+            raise ValueError(
+                f"{where}.{key}.{bound} is {drawn[bound]}, past seq_len {seq_len}: draws must fit the sequence"
+            )
     goal = _goal(where, raw.get("goal"))
     case = Case(
         name=name,
         batch=_int(f"{where}.batch", raw["batch"]),
         heads=heads,
         kv_heads=kv_heads,
-        seq_len=_int(f"{where}.seq_len", raw["seq_len"]),
+        seq_len=seq_len,
         q_len=_int(f"{where}.q_len", raw["q_len"]) if raw.get("q_len") is not None else None,
         v_head_dim=_int(f"{where}.v_head_dim", raw["v_head_dim"])
         if raw.get("v_head_dim") is not None

@@ -33,7 +33,7 @@ from flexattn_zoo.dispatch import as_bhsd, attention, check_backend, check_layou
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
-from flexattn_zoo.validation import check_dropout_p, check_flag, check_scale
+from flexattn_zoo.validation import check_count, check_dropout_p, check_flag, check_qkv, check_scale
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
 
@@ -87,9 +87,16 @@ def resolve_config(
     return LayerAttention(mask=m, score_mod=s)
 
 
+def _plain_4d(t: object) -> bool:
+    """Whether ``t`` is a tensor whose 4-D shape may be read (a strided nested tensor's ``.shape``
+    raises): the layer reads head counts only from these, and leaves anything else to
+    ``check_qkv``, which names what is wrong with it."""
+    return isinstance(t, torch.Tensor) and not t.is_nested and t.dim() == 4
+
+
 def _gqa(q: torch.Tensor, k: torch.Tensor, enable_gqa: bool | None) -> bool:
     if enable_gqa is None:
-        return q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1]
+        return _plain_4d(q) and _plain_4d(k) and q.shape[1] != k.shape[1]
     return enable_gqa
 
 
@@ -132,6 +139,7 @@ def _run(
         kwargs["dropout_p"] = dropout_p
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
+    check_qkv(q, k, v, enable_gqa=gqa)  # before reading q's heads and device for the sinks
     check_sinks(sinks, q.shape[1], q.device)
     score = as_score_spec(la.score_mod)
     if score is not None and score.is_activation():
@@ -235,7 +243,7 @@ def attention_layer(
     preset or YAML config is resolved on every call (equal specs still hit the caches).
     """
     heads_dim = 2 if check_layout(layout) == "bshd" else 1
-    heads = q.shape[heads_dim] if isinstance(q, torch.Tensor) and q.dim() == 4 else None
+    heads = q.shape[heads_dim] if _plain_4d(q) else None
     la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads)
     return _run(
         q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend,
@@ -305,6 +313,8 @@ class Attention(nn.Module):
         **preset_params: Any,
     ) -> None:
         super().__init__()
+        if num_heads is not None:  # checked even where unused: a wrong count is a bug either way
+            check_count("Attention(num_heads=...)", num_heads)
         self.layout = check_layout(layout)
         self.dropout_p = check_dropout_p(dropout_p)
         self.spec = resolve_config(

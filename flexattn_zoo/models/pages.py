@@ -54,12 +54,16 @@ from typing import Any
 import torch
 
 from flexattn_zoo.models.decode import append_kv
+from flexattn_zoo.validation import check_device_arg, check_strided
 
 __all__ = ["PageAllocator"]
 
 #: Pool layouts :meth:`PageAllocator.write` takes (those of ``append_kv``; None: flexattn_zoo's
 #: own ``[1, Hkv, n_pages * page_size, D]``).
 _LAYOUTS = ("NHD", "HND", None)
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _positive(value: Any, name: str, *, zero: bool = False) -> int:
@@ -108,10 +112,19 @@ class PageAllocator:
         self.page_size = _positive(page_size, "page_size")
         self.max_pages_per_row = _positive(max_pages_per_row, "max_pages_per_row")
         self.batch = _positive(batch, "batch")
+        # block_table and cache_len are int32 (what decode_step and the kernels read): a page
+        # number or a row length past 2**31 - 1 cannot be stored (n_pages = 2**40 failed as a
+        # MemoryError building the free list).
+        row_capacity = min(self.max_pages_per_row, self.n_pages) * self.page_size
+        if self.n_pages > _INT32_MAX or row_capacity > _INT32_MAX:
+            raise ValueError(
+                f"PageAllocator n_pages ({self.n_pages}) and a row's capacity min(max_pages_per_row, n_pages) "
+                f"* page_size ({row_capacity}) must be at most 2**31 - 1: block_table and cache_len are int32"
+            )
         if kv_layout not in _LAYOUTS:
             raise ValueError(f"PageAllocator kv_layout must be 'NHD', 'HND' or None; got {kv_layout!r}")
         self.kv_layout = kv_layout
-        self.device = torch.device(device)
+        self.device = check_device_arg(device, "PageAllocator(device=...)")
         # A stack: pop() takes the last entry, so 0, 1, 2, ... while fresh, then the last freed.
         self._free: list[int] = list(range(self.n_pages - 1, -1, -1))
         self._pages: list[list[int]] = [[] for _ in range(self.batch)]
@@ -264,6 +277,8 @@ class PageAllocator:
         """:meth:`extend` ``rows`` by ``k_new.shape[2]`` tokens, then :meth:`write` them into one
         layer's pools; returns :attr:`cache_len` (for ``decode_step``). If the write fails its
         checks, the extend is undone (pages and lengths as before)."""
+        if isinstance(k_new, torch.Tensor):
+            check_strided("PageAllocator k_new", k_new)  # before .shape, which a nested one lacks
         if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
             what = tuple(k_new.shape) if isinstance(k_new, torch.Tensor) else type(k_new).__name__
             raise ValueError(f"PageAllocator k_new must be [len(rows), Hkv, n, D], got {what}")

@@ -19,11 +19,14 @@ attention sinks; pass their values to :class:`flexattn_zoo.Attention` / ``attent
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
+from numbers import Real
 from typing import Any
 
 from flexattn_zoo.registry import did_you_mean
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
+from flexattn_zoo.validation import check_count
 
 __all__ = ["LayerAttention", "Preset", "get", "names", "preset", "presets"]
 
@@ -66,6 +69,8 @@ class Preset:
             )
         if self.needs_heads and num_heads is None:
             raise ValueError(f"preset {self.name!r} needs num_heads= (its score mod is per head)")
+        if num_heads is not None:
+            check_count(f"presets.get({self.name!r}, num_heads=...)", num_heads)
         return self.build(layer, num_heads, **params)
 
 
@@ -115,6 +120,26 @@ def get(name: str, layer: int = 0, num_heads: int | None = None, **params: Any) 
 
 # ---------------------------------------------------------------------------------------------
 # The catalogue. Imports are local so that importing fz.presets stays cheap and cycle-free.
+
+
+def _period(preset_name: str, every: object) -> int:
+    """A preset's ``every`` (one global layer per ``every`` layers), an int >= 1: the layer index is
+    taken modulo it, so 0 would divide by zero and a negative or bool one would pick layers silently."""
+    return check_count(f"presets.get({preset_name!r}, every=...)", every)
+
+
+def _scale_of(preset_name: str, query_pre_attn_scalar: object) -> float:
+    """``query_pre_attn_scalar ** -0.5``, the scale Gemma uses, for a finite real scalar > 0 (0
+    would divide by zero, a negative one give a complex scale)."""
+    arg = f"presets.get({preset_name!r}, query_pre_attn_scalar=...)"
+    if isinstance(query_pre_attn_scalar, bool) or not isinstance(query_pre_attn_scalar, Real):
+        raise TypeError(
+            f"{arg} must be a finite number > 0 (e.g. 256), got {type(query_pre_attn_scalar).__name__}"
+        )
+    value = float(query_pre_attn_scalar)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{arg} must be a finite number > 0 (e.g. 256), got {query_pre_attn_scalar!r}")
+    return value**-0.5
 
 
 def _masks() -> Any:
@@ -167,7 +192,7 @@ def _gemma2(
     return LayerAttention(
         mask=mask,
         score_mod=s.SoftCap(cap=cap),
-        scale=float(query_pre_attn_scalar) ** -0.5,
+        scale=_scale_of("gemma2", query_pre_attn_scalar),
         kind="local" if local else "global",
     )
 
@@ -187,10 +212,10 @@ def _gemma3(
     ``(i + 1) % 6 == 0``), ``sliding_window=1024`` in the released checkpoints' config.json,
     ``query_pre_attn_scalar=256``."""
     m = _masks()
-    local = (layer + 1) % every != 0
+    local = (layer + 1) % _period("gemma3", every) != 0
     mask = m.SlidingWindow.from_hf(window) if local else m.Causal()
     return LayerAttention(
-        mask=mask, scale=float(query_pre_attn_scalar) ** -0.5, kind="local" if local else "global"
+        mask=mask, scale=_scale_of("gemma3", query_pre_attn_scalar), kind="local" if local else "global"
     )
 
 
@@ -208,7 +233,7 @@ def _llama4(layer: int, num_heads: int | None, chunk: int = 8192, every: int = 4
     "chunked_attention" / "full_attention"). The NoPE layers' attention-temperature tuning
     scales the queries before attention, outside this spec."""
     m = _masks()
-    local = (layer + 1) % every != 0
+    local = (layer + 1) % _period("llama4", every) != 0
     mask = (m.Chunked(size=chunk) & m.Causal()) if local else m.Causal()
     return LayerAttention(mask=mask, kind="chunked" if local else "global")
 
@@ -272,7 +297,7 @@ def _modernbert(layer: int, num_heads: int | None, window: int = 128, every: int
     bidirectional. Hugging Face ModernBertConfig: ``local_attention=128`` (a key is visible iff
     ``|i - j| <= 128 // 2``), ``global_attn_every_n_layers=3`` (layer i global iff ``i % 3 == 0``)."""
     m = _masks()
-    local = layer % every != 0
+    local = layer % _period("modernbert", every) != 0
     mask = m.SlidingWindow(left=window // 2, right=window // 2) if local else None
     return LayerAttention(mask=mask, kind="local" if local else "global")
 

@@ -20,7 +20,7 @@ from flexattn_zoo.dispatch import attention
 from flexattn_zoo.masks import Band, Causal, Document, Full, SlidingWindow
 from flexattn_zoo.packed.specs import PackedScore, PackedSequences, _rows
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
-from flexattn_zoo.validation import check_flag
+from flexattn_zoo.validation import check_flag, check_strided
 
 #: Masks that give the same answer for a pair wherever the pair sits (they read only ``j - i``):
 #: in packed coordinates they mean what they mean locally when every sequence has Lq_i == Lk_i.
@@ -180,6 +180,7 @@ def varlen_attention(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [T, H, D], got {type(t).__name__}")
+        check_strided(name, t)
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims [T, H, D] (packed rows), got shape {tuple(t.shape)}")
     if k.shape[0] != v.shape[0]:
@@ -226,7 +227,13 @@ def varlen_attention(
     if inner_mask is not None:
         inner_mask = _bind_once(inner_mask, lengths)
     totals = (q.shape[0], k.shape[0])
-    if same_offsets and (inner_mask is None or isinstance(inner_mask, _SHIFT_INVARIANT)):
+    if 0 in totals:
+        # An empty pack: no query rows, or rows that see no key (0, lse -inf), whatever the mask,
+        # as fz.attention gives for zero lengths. A packed mask of zero positions cannot be built
+        # (its Document refused the empty ids with a message about a spec the caller never gave).
+        packed_mask: Any = None
+        packed_score: Any = None
+    elif same_offsets and (inner_mask is None or isinstance(inner_mask, _SHIFT_INVARIANT)):
         # Every sequence is square, so a shift-invariant mask and a bottom-right window mean the
         # same in packed coordinates as locally: a plain Document mask, which keeps varlen forms.
         packed_mask = _document(cu_q, totals[0], inner_mask, left, right)
@@ -235,7 +242,8 @@ def varlen_attention(
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_total=totals[0], kv_total=totals[1],
             max_seqlen_q=max_q, max_seqlen_k=max_k, inner=inner_mask, left=left, right=right,
         )  # fmt: skip
-    packed_score = _score(inner_score, cu_q, cu_k, totals, (max_q, max_k), same_offsets)
+    if 0 not in totals:
+        packed_score = _score(inner_score, cu_q, cu_k, totals, (max_q, max_k), same_offsets)
     result = attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -275,6 +283,10 @@ def _offsets(name: str, cu: Any, device: torch.device) -> torch.Tensor:
     if cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(
             f"{name} must be 1-D with at least 2 entries [0, ..., T], got shape {tuple(cu.shape)}"
+        )
+    if cu.is_meta:  # its offsets are read below: a meta tensor has none (torch's NotImplementedError)
+        raise ValueError(
+            f"{name} is on the meta device (no values); give the offsets on q's device or the CPU"
         )
     return cu.to(device, torch.int64)
 

@@ -43,6 +43,7 @@ import torch
 from flexattn_zoo.coercion import as_score_spec, tensor_args
 from flexattn_zoo.reference import dense_attention, reference_attention
 from flexattn_zoo.testing.checks import assert_mask_consistent, assert_score_consistent, spec_examples
+from flexattn_zoo.validation import check_tolerance
 
 __all__ = [
     "DEFAULT_RATIO",
@@ -241,8 +242,16 @@ def assert_matches_reference(
 
     Raises:
         AssertionError: naming the quantity, the worst index, its error and the budget.
-        ValueError: ``grads`` without ``grad_out``.
+        ValueError: ``grads`` without ``grad_out``, or a negative or non-finite ``ratio`` /
+            ``floor_ulps`` (TypeError for a non-number).
     """
+    for name, given in (("out", out), ("lse", lse), ("grad_out", grad_out)):
+        if given is not None and not isinstance(given, torch.Tensor):
+            raise TypeError(
+                f"assert_matches_reference({name}=...) must be a tensor, got {type(given).__name__}"
+            )
+    ratio = check_tolerance("assert_matches_reference(ratio=...)", ratio)
+    floor_ulps = check_tolerance("assert_matches_reference(floor_ulps=...)", floor_ulps)
     if grads is not None and grad_out is None:
         raise ValueError("assert_matches_reference(grads=...) needs grad_out= (the upstream gradient)")
     want_grads = grads is not None

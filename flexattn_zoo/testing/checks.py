@@ -16,8 +16,9 @@ import torch
 
 from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.compose import And, Not, Or
-from flexattn_zoo.registry import MASKS, SCORES, Registry
+from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm
+from flexattn_zoo.validation import check_tolerance
 
 #: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
 #: sequences still span many blocks, with trailing incomplete ones.
@@ -36,6 +37,18 @@ def spec_examples(
     if kind not in registries:
         raise ValueError(f"spec_examples(kind=...) must be 'mask' or 'score', got {kind!r}")
     registry = registries[kind]
+    if names is not None:
+        # A str would be matched by substring ("causal" in "causal_x") and an unknown name would
+        # select nothing: both silently shrink the examples a test runs over.
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"spec_examples(names=...) must be a list of registry names, got {names!r}")
+        unknown = [n for n in names if n not in registry.names()]
+        if unknown:
+            valid = registry.names()
+            raise ValueError(
+                f"spec_examples(names=...): unknown {kind} {unknown[0]!r}; valid: {', '.join(valid)}."
+                f"{did_you_mean(unknown[0], valid)}"
+            )
     found: list[tuple[str, Spec]] = []
     for entry in registry.entries():
         if names is not None and entry.name not in names:
@@ -186,6 +199,28 @@ def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
     return union[None, None]
 
 
+def _check_call(
+    fn: str, spec: object, kind: type, what: str, q_len: object, kv_len: object, batch: object, heads: object
+) -> None:
+    """The spec's kind and the problem's sizes of a consistency check, as TypeError/ValueError
+    naming the argument: a registry name or a spec of the other kind has none of the methods the
+    check calls, and a negative length fails deep inside torch."""
+    if not isinstance(spec, kind):
+        factory = "masks.get" if kind is MaskSpec else "score_mods.get"
+        hint = f" (build it first: {factory}(name, ...))" if isinstance(spec, str) else ""
+        raise TypeError(f"{fn}(spec=...) must be {what}, got {type(spec).__name__}{hint}")
+    for name, value, minimum in (
+        ("q_len", q_len, 0),
+        ("kv_len", kv_len, 0),
+        ("batch", batch, 1),
+        ("heads", heads, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}({name}=...) must be an int >= {minimum}, got {type(value).__name__}")
+        if value < minimum:
+            raise ValueError(f"{fn}({name}=...) must be an int >= {minimum}, got {value}")
+
+
 def assert_mask_consistent(
     spec: MaskSpec,
     q_len: int,
@@ -215,6 +250,16 @@ def assert_mask_consistent(
         check_create_block_mask: Also compare with ``create_block_mask`` (which evaluates the
             ``mask_mod`` through ``vmap``, as flex does).
     """
+    _check_call(
+        "assert_mask_consistent",
+        spec,
+        MaskSpec,
+        "a mask spec (e.g. masks.Causal())",
+        q_len,
+        kv_len,
+        batch,
+        heads,
+    )
     spec.validate(q_len, kv_len, batch, heads)
     dense = spec.dense(q_len, kv_len, batch=batch, heads=heads)
     if dense.dtype != torch.bool or dense.dim() != 4:
@@ -455,8 +500,13 @@ def assert_score_consistent(
     per-head table), else 1. The default tolerances admit score mods that compute in float32, as
     kernels do; specs that compute in the score's dtype agree to float64 precision.
     """
-    if heads is None:
+    what = "a score spec (e.g. score_mods.SoftCap(cap=30.0))"
+    if heads is None and isinstance(spec, ScoreSpec):
         heads = getattr(spec, "num_heads", None) or 1
+    _check_call("assert_score_consistent", spec, ScoreSpec, what, q_len, kv_len, batch, heads)
+    magnitude = check_tolerance("assert_score_consistent(magnitude=...)", magnitude, positive=True)
+    rtol = check_tolerance("assert_score_consistent(rtol=...)", rtol)
+    atol = check_tolerance("assert_score_consistent(atol=...)", atol)
     spec.validate(q_len, kv_len, batch, heads)
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(batch, heads, q_len, kv_len, dtype=torch.float64, generator=gen) * magnitude

@@ -74,7 +74,7 @@ from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec
 from flexattn_zoo.tuning import store
 from flexattn_zoo.tuning.timing import time_routes
-from flexattn_zoo.validation import check_flag
+from flexattn_zoo.validation import check_device_arg, check_flag
 
 TUNE_ENV = "FLEXATTN_ZOO_TUNE"
 _TRUE = ("1", "true", "yes", "on")
@@ -564,7 +564,9 @@ def table() -> dict[Signature, Entry]:
 def cache_path(device: torch.device | str | None = None) -> Path:
     """The file holding ``device``'s measurements in this environment (default: the current CUDA
     device when there is one, else the CPU). It may not exist yet."""
-    return store.path_for(device_name(_default_device() if device is None else torch.device(device)))
+    if device is None:
+        return store.path_for(device_name(_default_device()))
+    return store.path_for(device_name(check_device_arg(device, "fz.tune.cache_path(device=...)")))
 
 
 def _default_device() -> torch.device:
@@ -676,6 +678,11 @@ def record(sig: Signature, entry: Entry) -> None:
 def clear(signature: Signature | None = None) -> None:
     """Forget every measurement (or only ``signature``'s), in memory and in this environment's
     files (those of the devices this process has seen, the CPU and every visible CUDA device)."""
+    if signature is not None and not isinstance(signature, Signature):
+        raise TypeError(
+            f"fz.tune.clear(signature=...) must be a Signature (a key of fz.tune.table()) or None, "
+            f"got {type(signature).__name__}"
+        )
     with _LOCK:
         if signature is None:
             names = {s.device for s in _TABLE} | set(_LOADED) | {"cpu"}

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo._compat import BlockMask
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.functions import _positional_arity
 from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
@@ -79,7 +80,8 @@ class CellGrid:
 
 
 def _step(length: int, max_cells: int) -> int:
-    return max(1, -(-length // max_cells))
+    # Every picture's cell size comes through here: max_cells 0 would divide by zero.
+    return max(1, -(-length // _positive("max_cells", max_cells)))
 
 
 def _pooled_fraction(mask: torch.Tensor, row_step: int, col_step: int) -> torch.Tensor:
@@ -452,10 +454,22 @@ def _scatter_blocks(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Te
     return out[..., :n_kv]
 
 
+def _block_mask_lengths(fn: str, block_mask: Any, q_len: Any, kv_len: Any) -> tuple[int, int]:
+    """The lengths of a BlockMask picture, checked with the BlockMask itself (anything else has
+    none of the index tensors read here)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"{fn}(block_mask=...) must be a BlockMask (e.g. fz.block_mask(spec, q_len, kv_len)), "
+            f"got {type(block_mask).__name__}"
+        )
+    return _lengths(q_len, kv_len)
+
+
 def block_codes(
     block_mask: Any, q_len: int, kv_len: int, *, batch_index: int = 0, head_index: int = 0
 ) -> torch.Tensor:
     """``[n_q_blocks, n_kv_blocks]`` int8: 2 full block, 1 partial block, 0 empty block."""
+    q_len, kv_len = _block_mask_lengths("block_codes", block_mask, q_len, kv_len)
     qb, kvb = block_mask.BLOCK_SIZE
     n_q, n_kv = -(-q_len // qb), -(-kv_len // kvb)
     kv_num = block_mask.kv_num_blocks.cpu()
@@ -477,6 +491,7 @@ def block_counts(block_mask: Any, q_len: int, kv_len: int) -> dict[str, int]:
     Block sparsity is ``empty / total``. (``BlockMask.sparsity()`` divides by ``Lq * Lkv`` but
     counts whole blocks, so it goes negative when a length is not a multiple of the block size.)
     """
+    q_len, kv_len = _block_mask_lengths("block_counts", block_mask, q_len, kv_len)
     qb, kvb = block_mask.BLOCK_SIZE
     n_q, n_kv = -(-q_len // qb), -(-kv_len // kvb)
     partial = int(block_mask.kv_num_blocks[..., :n_q].sum())
@@ -511,6 +526,17 @@ def render_block_codes(codes: torch.Tensor, max_cells: int = MAX_CELLS) -> tuple
 
 def score_response(spec: ScoreSpec, inputs: list[float], *, heads: int, head_index: int = 0) -> list[float]:
     """``spec`` applied to each input score at position ``(0, 0)`` of one head."""
+    score = as_score_spec(spec, arg="spec")
+    if score is None:
+        raise TypeError(
+            "score_response(spec=...) must be a score spec, a registry name or a score_mod callable"
+        )
+    heads = _positive("heads", heads)
+    if isinstance(head_index, bool) or not isinstance(head_index, int):
+        raise TypeError(f"head_index must be an int, got {type(head_index).__name__}")
+    if not 0 <= head_index < heads:
+        raise ValueError(f"head_index must be in [0, heads = {heads}), got {head_index}")
+    spec = score
     scores = (
         torch.tensor(inputs, dtype=torch.float64).view(len(inputs), 1, 1, 1).expand(len(inputs), heads, 1, 1)
     )

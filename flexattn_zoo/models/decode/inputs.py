@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo.validation import check_strided
+
 
 def _lengths(
     cache_len: Any, batch: int, q_len: int, capacity: int, device: torch.device
@@ -56,11 +58,15 @@ def _lengths(
 
 
 def _check_inputs(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bool) -> None:
-    if _well_formed(q, k_cache, v_cache, block_size, paged):
-        return  # the common case, in a few comparisons (every step runs this)
+    try:
+        if _well_formed(q, k_cache, v_cache, block_size, paged):
+            return  # the common case, in a few comparisons (every step runs this)
+    except RuntimeError:
+        pass  # a strided nested tensor's .shape raises: named below
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"decode_step {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_strided(f"decode_step {name}", t)
         if t.dim() != 4:
             layout = (
                 "[B, H, Lq, D]"

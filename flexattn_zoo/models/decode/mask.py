@@ -20,6 +20,7 @@ from flexattn_zoo.functions import FunctionScore
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.models.decode.runs import _Run
 from flexattn_zoo.spec import MaskSpec
+from flexattn_zoo.validation import check_count, check_device_arg
 
 DEFAULT_BLOCK_SIZE = 128
 #: Planned call signatures kept per DecodeMask (dtypes, score mods... seen with it).
@@ -71,6 +72,20 @@ class DecodeMask:
         block_size: int = DEFAULT_BLOCK_SIZE,
         q_block_size: int | None = None,
     ) -> None:
+        # Checked once per DecodeMask (decode_step caches them): the arithmetic below would
+        # otherwise divide by zero or build tensors of negative size.
+        if spec is not None and not isinstance(spec, MaskSpec):
+            raise TypeError(
+                f"DecodeMask(spec=...) must be a mask spec (e.g. masks.Causal()) or None, got {type(spec).__name__}"
+            )
+        for name, value in (("batch", batch), ("capacity", capacity), ("block_size", block_size)):
+            check_count(f"DecodeMask({name}=...)", value)
+        for name, optional in (("n_physical", n_physical), ("q_block_size", q_block_size)):
+            if optional is not None:
+                check_count(f"DecodeMask({name}=...)", optional)
+        if isinstance(q_len, bool) or not isinstance(q_len, int) or q_len < 0:
+            raise ValueError(f"DecodeMask(q_len=...) must be an int >= 0, got {q_len!r}")
+        device = check_device_arg(device, "DecodeMask(device=...)")
         # On the cache's device: the mask_mod captures the spec's tensors (document ids, offsets).
         self.spec = spec.bind(capacity, capacity).to(device) if spec is not None else None
         self.batch, self.q_len, self.block_size = batch, q_len, block_size

@@ -15,6 +15,7 @@ from typing import Any, overload
 import torch
 
 from flexattn_zoo.models.decode.mask import DEFAULT_BLOCK_SIZE
+from flexattn_zoo.validation import check_strided
 
 #: Page layouts ``decode_step(kv_layout=...)`` and :func:`append_kv` take: the serving stacks'
 #: KV pools (vLLM, FlashInfer, FlashAttention), one per k and v.
@@ -72,6 +73,7 @@ def _layout_views(
     for name, t in (("k_cache", k_pool), ("v_cache", v_pool)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"decode_step {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_strided(f"decode_step {name}", t)
         if t.dim() != 4 or 0 in t.shape[:3]:
             raise ValueError(
                 f"decode_step {name} with kv_layout={kv_layout!r} must be a pool {KV_LAYOUT_SHAPES[kv_layout]} "
@@ -88,11 +90,11 @@ def _layout_views(
             f"decode_step block_size={block_size!r} differs from the pools' page size {page} "
             f"(kv_layout={kv_layout!r} pools {KV_LAYOUT_SHAPES[kv_layout]}): leave block_size out"
         )
-    k_view, slots = pool_view(k_pool, kv_layout)
-    v_view, v_slots = pool_view(v_pool, kv_layout)
+    k_view, slots = _pool_view(k_pool, kv_layout)
+    v_view, v_slots = _pool_view(v_pool, kv_layout)
     if v_slots != slots:  # one table for both: copied contiguous, their pages sit alike
-        k_view, slots = pool_view(k_pool.contiguous(), kv_layout)
-        v_view, _ = pool_view(v_pool.contiguous(), kv_layout)
+        k_view, slots = _pool_view(k_pool.contiguous(), kv_layout)
+        v_view, _ = _pool_view(v_pool.contiguous(), kv_layout)
     return k_view, v_view, page, slots, k_pool.shape[0]
 
 
@@ -110,6 +112,22 @@ def pool_view(pool: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, int]:
     contiguous, page stride not a whole number of pages of its token stride) is copied
     contiguous first.
     """
+    if kv_layout not in KV_LAYOUTS:  # any other string was read as "HND"
+        raise ValueError(
+            f"pool_view kv_layout must be {' or '.join(map(repr, KV_LAYOUTS))}; got {kv_layout!r}"
+        )
+    if not isinstance(pool, torch.Tensor):
+        raise TypeError(f"pool_view pool must be a torch.Tensor, got {type(pool).__name__}")
+    check_strided("pool_view pool", pool)
+    if pool.dim() != 4 or 0 in pool.shape:
+        raise ValueError(
+            f"pool_view pool must be {KV_LAYOUT_SHAPES[kv_layout]} (no empty dims), got shape {tuple(pool.shape)}"
+        )
+    return _pool_view(pool, kv_layout)
+
+
+def _pool_view(pool: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, int]:
+    """:func:`pool_view` of a pool already checked (decode_step's path checks it once per step)."""
     n_pages, a, b, d = pool.shape
     page, heads = (a, b) if kv_layout == "NHD" else (b, a)
     tok_dim, head_dim = (1, 2) if kv_layout == "NHD" else (2, 1)
@@ -117,7 +135,7 @@ def pool_view(pool: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, int]:
     if page == 1:
         s_tok = s_page  # one token per page: its stride is free, pages are then adjacent keys
     if not (pool.stride(3) == 1 or d == 1) or s_tok <= 0 or s_page % s_tok or (s_page // s_tok) % page:
-        return pool_view(pool.contiguous(), kv_layout)
+        return _pool_view(pool.contiguous(), kv_layout)
     slot_stride = s_page // s_tok // page
     length = ((n_pages - 1) * slot_stride + 1) * page
     view = pool.as_strided((1, heads, length, d), (0, s_head, s_tok, 1), pool.storage_offset())
@@ -201,6 +219,7 @@ def append_kv(
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("k_new", k_new), ("v_new", v_new)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"append_kv {name} must be a torch.Tensor, got {type(t).__name__}")
+        check_strided(f"append_kv {name}", t)
         if t.dim() != 4:
             want = shape if name.endswith("pool") else "[B, Hkv, n, D]"
             raise ValueError(f"append_kv {name} must have 4 dims {want}, got shape {tuple(t.shape)}")

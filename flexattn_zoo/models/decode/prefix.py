@@ -39,7 +39,10 @@ def one_query_over_prefix(
     ``arch.SPLIT_DECODE_MIN_KV_LEN`` keys with ``arch.SPLIT_DECODE_MIN_KV_ROWS`` (batch x kv head)
     rows on, None: FlashAttention-2 reads such caches at about half of HBM bandwidth, the flex
     path's kernel (split over the keys) near all of it."""
-    q_shape, k_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    try:
+        q_shape, k_shape, v_shape = q.shape, k_cache.shape, v_cache.shape
+    except RuntimeError:  # a strided nested tensor has no sizes: the general path names it
+        return None
     if not (
         len(q_shape) == 4
         and len(k_shape) == 4

@@ -29,6 +29,7 @@ from flexattn_zoo.models.decode.paged import (
 from flexattn_zoo.models.decode.prefix import one_query_over_prefix
 from flexattn_zoo.models.decode.routes import DECODE_ROUTES, MIN_FLEX_PAGE, _cpu_hazards
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
+from flexattn_zoo.validation import check_flag
 
 #: The default pattern, one object (a spec is immutable): the DecodeMask cache key then hashes
 #: and compares it by identity instead of a new spec's fields every step.
@@ -144,7 +145,7 @@ def decode_step(
         score_mod is None
         and sinks is None
         and block_table is None
-        and not return_lse
+        and return_lse is False  # (not ``not return_lse``: 0 must reach the check below)
         and backend == "auto"
         and block_size is None
         and kv_layout is None
@@ -158,6 +159,7 @@ def decode_step(
         out = one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, enable_gqa)
         if out is not None:
             return out
+    check_flag("return_lse", return_lse)
     spec = _CAUSAL if mask is None else as_mask_spec(mask)
     if spec is not None:
         spec = spec.live()  # a raw callable's captured tensors now
