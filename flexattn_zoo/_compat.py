@@ -11,9 +11,11 @@ import importlib.metadata
 import importlib.util
 import inspect
 import operator
+import sys
 import threading
 import time
 import types
+import typing
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -614,6 +616,12 @@ DYNAMO_LOGGER = "torch._dynamo"
 #: Whether this torch's flex_attention asks for the lse through ``return_aux`` (2.9+) rather than
 #: ``return_lse``; read once, so a traced call does not inspect signatures.
 _FLEX_RETURN_AUX = "return_aux" in inspect.signature(flex_attention).parameters
+
+#: The values flex_attention's ``kernel_options["BACKEND"]`` takes in this torch, read once (empty
+#: where it has no such option, which then leaves the value to torch).
+FLEX_BACKENDS: tuple[str, ...] = typing.get_args(
+    getattr(sys.modules[flex_attention.__module__], "_Backend", None)
+)
 
 
 def flex_aux_request(lse: bool) -> dict[str, Any]:

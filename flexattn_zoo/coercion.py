@@ -16,7 +16,6 @@ Tensors, following SDPA:
 
 from __future__ import annotations
 
-import typing
 from typing import Any
 
 import torch
@@ -168,7 +167,7 @@ def check_kernel_options(options: Any) -> tuple[tuple[str, Any], ...] | None:
     if "BACKEND" in options:
         # flex_attention checks these two itself, but inside the compiled call, where Dynamo turns
         # its error into "Unsupported: Observed exception": checked here, by the same rules.
-        backends = _flex_backends()
+        backends = _compat.FLEX_BACKENDS
         if backends and options["BACKEND"] not in backends:
             raise ValueError(
                 f"kernel_options['BACKEND'] must be one of {', '.join(map(repr, backends))}, "
@@ -179,12 +178,3 @@ def check_kernel_options(options: Any) -> tuple[tuple[str, Any], ...] | None:
                 "kernel_options: BACKEND supersedes the legacy FORCE_USE_FLEX_ATTENTION; give only BACKEND"
             )
     return tuple(sorted(out)) or None  # {}: no options
-
-
-def _flex_backends() -> tuple[str, ...]:
-    """The values flex_attention's ``kernel_options["BACKEND"]`` takes (empty where this torch
-    has no such option, which then leaves the value to torch)."""
-    from torch.nn.attention import flex_attention
-
-    backend = getattr(flex_attention, "_Backend", None)
-    return typing.get_args(backend) if backend is not None else ()
