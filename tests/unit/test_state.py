@@ -689,6 +689,32 @@ def test_a_learned_spec_is_kept_while_its_storage_stays() -> None:
     assert fresh is not spec_ and fresh != spec_ and fresh.bias is bias and fresh.live() is fresh
 
 
+@pytest.mark.parametrize("kind", ["rel_pos_bias", "bias"])
+def test_learned_tensors_frozen_after_the_spec_was_built_stay_compared_by_identity(kind: str) -> None:
+    """``model.requires_grad_(False)`` after two layers built their specs over equal (zero-init)
+    parameters, then a checkpoint loaded in place: the layers' specs must stay unequal (each is its
+    own parameter), or the second layer runs the first layer's cached score_mod / plan."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    shape = (32, 2) if kind == "rel_pos_bias" else (1, 2, 24, 24)
+    first, second = torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.zeros(shape))
+
+    def make(param: torch.Tensor) -> Any:
+        return score_mods.RelPosBias(table=param) if kind == "rel_pos_bias" else score_mods.Bias(bias=param)
+
+    specs = [make(first), make(second)]
+    for param in (first, second):
+        param.requires_grad_(False)  # frozen before the specs' first use (their hash)
+    assert specs[0] != specs[1] and specs[0] == make(first) and specs[0].live() is specs[0]
+    for s in specs:
+        fz.attention(q, k, v, score_mod=s)  # caches each layer's mod and plan
+    with torch.no_grad():
+        second.copy_(torch.randn(shape) * 3)  # load_state_dict: an in-place write
+    for param, s in zip((first, second), specs, strict=True):
+        want = reference_attention(q, k, v, score_mod=make(param.detach().clone()))
+        torch.testing.assert_close(fz.attention(q, k, v, score_mod=s), want.float(), atol=1e-4, rtol=1e-4)
+
+
 def test_a_callable_reaching_a_spec_that_wraps_a_callable_is_tracked_through_it() -> None:
     """capture_state skips the tensors a spec owns, but walks the raw callables a spec wraps: a
     user mask_mod (here a bound method) reading a composite over another callable sees an in-place
