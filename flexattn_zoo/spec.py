@@ -168,16 +168,25 @@ def _owned(value: Any) -> Any:
     return value
 
 
-def _adopt(value: Any) -> None:
-    """Record every tensor in ``value`` (also inside tuples and lists) as a spec's own, or as a
-    learned tensor where it requires grad, without copying it: for tensors only the spec can
-    reach (unpickled ones)."""
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a field's value (also inside tuples and lists), in a fixed order."""
     if isinstance(value, torch.Tensor):
-        if not _compat.is_compiling():
-            _remember(_BORROWED if value.requires_grad else _OWNED, value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _adopt(v)
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def _adopt(value: Any, callers: tuple[bool, ...] = ()) -> None:
+    """Record the tensors in a field's ``value`` as its spec's own, without copying them: for
+    tensors only the spec can reach (unpickled or deep-copied ones). ``callers`` flags, in
+    :func:`_tensors_in` order, those the original spec held as the caller's (learned tensors,
+    also frozen ones): they stay so, as do tensors that require grad."""
+    if _compat.is_compiling():
+        return
+    for i, t in enumerate(_tensors_in(value)):
+        learned = t.requires_grad or (i < len(callers) and callers[i])
+        _remember(_BORROWED if learned else _OWNED, t)
 
 
 def _take_ownership(spec: Any) -> None:
@@ -196,6 +205,9 @@ def _take_ownership(spec: Any) -> None:
         if owned is not value:
             object.__setattr__(spec, name, owned)
 
+
+#: Where ``Spec.__getstate__`` lists which tensors of each field are the caller's.
+_CALLERS_STATE = "_callers_of_fields"
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -510,15 +522,26 @@ class Spec:
         state.pop("_hash_value", None)
         state.pop("_tensors_value", None)  # rebuilt on use (from the unpickled fields)
         state.pop("_learned_storage_value", None)  # this process's addresses
+        # Which tensors are the caller's (learned, possibly frozen since): unpickled or
+        # deep-copied (``copy.deepcopy(model)`` for an EMA copy) they stay compared by identity.
+        callers = {}
+        for name in _field_names(self):
+            flags = tuple(_is_callers(t) for t in _tensors_in(state.get(name)))
+            if any(flags):
+                callers[name] = flags
+        if callers:
+            state[_CALLERS_STATE] = callers
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        callers: dict[str, tuple[bool, ...]] = state.pop(_CALLERS_STATE, {})
         self.__dict__.update(state)
         # Unpickled (or deep-copied) tensors are new objects nobody else holds: the spec owns
-        # them as it owns the copies it makes, so equal specs compare by value again. Those that
-        # require grad stay learned (compared by identity), as a spec built with them keeps them.
+        # them as it owns the copies it makes, so equal specs compare by value again; those the
+        # original spec held as the caller's stay so (see ``__getstate__``).
         for name in _field_names(self):
-            _adopt(state.get(name))
+            _adopt(state.get(name), callers.get(name, ()))
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:

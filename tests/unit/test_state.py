@@ -715,6 +715,25 @@ def test_learned_tensors_frozen_after_the_spec_was_built_stay_compared_by_identi
         torch.testing.assert_close(fz.attention(q, k, v, score_mod=s), want.float(), atol=1e-4, rtol=1e-4)
 
 
+def test_frozen_learned_tensors_stay_compared_by_identity_in_copies_of_their_specs() -> None:
+    """``copy.deepcopy(model)`` (an EMA copy) or a pickle round trip of specs over frozen
+    parameters: the copies' parameters are still the caller's (the EMA update writes them in
+    place), so two equal-valued ones must not make equal specs; shallow copies keep them too."""
+    import copy
+
+    first, second = torch.nn.Parameter(torch.zeros(32, 2)), torch.nn.Parameter(torch.zeros(32, 2))
+    specs = [score_mods.RelPosBias(table=first), score_mods.RelPosBias(table=second)]
+    for param in (first, second):
+        param.requires_grad_(False)
+    for made in (copy.deepcopy(specs), pickle.loads(pickle.dumps(specs)), [copy.copy(s) for s in specs]):
+        assert made[0] != made[1] and hash(made[0]) != hash(made[1])
+        assert made[0] == made[0] and not made[0].table.requires_grad
+    assert specs[0] != specs[1]
+    # A spec's own (copied) tensors still compare by value in its copies.
+    docs = [masks.Document(doc_ids=torch.tensor(TWO_DOCS)) for _ in range(2)]
+    assert copy.deepcopy(docs[0]) == docs[1] == pickle.loads(pickle.dumps(docs[0]))
+
+
 def test_a_callable_reaching_a_spec_that_wraps_a_callable_is_tracked_through_it() -> None:
     """capture_state skips the tensors a spec owns, but walks the raw callables a spec wraps: a
     user mask_mod (here a bound method) reading a composite over another callable sees an in-place
