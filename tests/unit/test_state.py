@@ -265,6 +265,15 @@ def test_alibi_tensor_slopes_are_a_snapshot() -> None:
     assert alibi.slopes == (0.5, 0.25)
 
 
+def test_alibi_refuses_learned_slopes_it_could_only_snapshot() -> None:
+    """ALiBi keeps its slopes as Python floats: a tensor that requires grad would be read once,
+    get no gradient, and never see an optimizer's step, silently. Refused, naming the way out."""
+    slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25]))
+    with pytest.raises(TypeError, match=r"Alibi\(slopes=\.\.\.\).*requires grad.*detach\(\)"):
+        score_mods.Alibi(num_heads=2, slopes=slopes)
+    assert score_mods.Alibi(num_heads=2, slopes=slopes.detach()).slopes == (0.5, 0.25)
+
+
 def test_key_padding_built_from_the_tokenizer_mask_is_a_snapshot() -> None:
     attention_mask = torch.ones(1, L, dtype=torch.bool)
     pad = masks.KeyPadding(valid=attention_mask)
