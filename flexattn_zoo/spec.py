@@ -66,11 +66,22 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     klass = dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
     init = klass.__init__
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def build(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         _take_ownership(self)
-        if _compat.is_compiling():
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        compiling = _compat.is_compiling()
+        if not compiling and torch.is_inference_mode_enabled():
+            # Not as inference tensors: caches keyed by the spec's value hand its tensors (and
+            # what __post_init__ derives from them) to later calls, training ones too (see
+            # _compat.outside_inference_mode; inlined here, specs are built on every call).
+            with torch.inference_mode(False), torch.no_grad():
+                build(self, *args, **kwargs)
+        else:
+            build(self, *args, **kwargs)
+        if compiling:
             # Made inside a graph being traced: see graph_memo.
             object.__setattr__(self, "_graph_memo", {})
 
@@ -877,7 +888,9 @@ class MaskSpec(Spec):
 
         ``_make_mask_mod`` passes the int parameters its function captures through
         :func:`static_int` (a constant to ``torch.compile``, whatever the spec's source)."""
-        return _MODS.get_or_create(("mask", self), self._make_mask_mod)
+        return _MODS.get_or_create(
+            ("mask", self), lambda: _compat.outside_inference_mode(self._make_mask_mod)
+        )
 
     def _make_mask_mod(self) -> MaskMod:
         raise NotImplementedError
@@ -1005,9 +1018,13 @@ class ScoreSpec(Spec):
         """
         if future_keys_hidden:
             return _MODS.get_or_create(
-                ("score", self, fast, "past"), lambda: self._make_past_score_mod(fast=fast)
+                ("score", self, fast, "past"),
+                lambda: _compat.outside_inference_mode(lambda: self._make_past_score_mod(fast=fast)),
             )
-        return _MODS.get_or_create(("score", self, fast), lambda: self._make_score_mod(fast=fast))
+        return _MODS.get_or_create(
+            ("score", self, fast),
+            lambda: _compat.outside_inference_mode(lambda: self._make_score_mod(fast=fast)),
+        )
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         raise NotImplementedError

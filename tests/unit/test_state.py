@@ -743,6 +743,58 @@ def test_frozen_learned_tensors_stay_compared_by_identity_in_copies_of_their_spe
     assert copy.deepcopy(docs[0]) == docs[1] == pickle.loads(pickle.dumps(docs[0]))
 
 
+def _inference_tensors(*values: Any) -> list[str]:
+    """What among ``values`` (BlockMasks, mods, specs) is or captures an inference tensor."""
+    from flexattn_zoo.functions import _reachable
+
+    found = []
+    for value in values:
+        if isinstance(value, fz.MaskSpec | fz.ScoreSpec):
+            tensors = value.tensors() + [t for t in value.__dict__.values() if isinstance(t, torch.Tensor)]
+        elif hasattr(value, "kv_num_blocks"):
+            tensors = [getattr(value, n) for n in blockmask.BLOCK_MASK_PARTS[1:-1]]
+            tensors += [t for t in _reachable(value.mask_mod) if isinstance(t, torch.Tensor)]
+        else:
+            tensors = [t for t in _reachable(value) if isinstance(t, torch.Tensor)]
+        found += [repr(value)[:60] for t in tensors if isinstance(t, torch.Tensor) and t.is_inference()]
+    return found
+
+
+def test_what_an_inference_mode_call_caches_holds_no_inference_tensors() -> None:
+    """Caches are keyed by value, so what an evaluation under ``torch.inference_mode()`` builds
+    (specs' tensors, mods and what they capture, BlockMasks, varlen offsets) serves the training
+    steps after it; flex_attention's backward saves those tensors, and an inference tensor cannot
+    be saved for backward (a RuntimeError on CUDA, the first training step after validation)."""
+    q, k, v = _qkv(L)
+    ids = torch.tensor(TWO_DOCS)
+
+    def specs() -> list[Any]:
+        return [
+            masks.Document(doc_ids=ids) & masks.Causal(),
+            masks.Causal(align="bottom_right"),
+            score_mods.RelPosBias(table=torch.ones(32, 2)),
+            score_mods.Sandwich(num_heads=2, max_len=L),
+        ]
+
+    with torch.inference_mode():
+        for s in specs():
+            kw = {"mask": s} if isinstance(s, fz.MaskSpec) else {"score_mod": s}
+            fz.attention(q, k[:, :, :-8], v[:, :, :-8], backend="dense", **kw)  # Lq != Lkv: an offset
+            if isinstance(s, fz.MaskSpec):
+                fz.block_mask(s, L, L - 8)
+        varlen.cu_seqlens(masks.Document(doc_ids=ids), 1, L, L, "cpu")
+    cached: list[Any] = []
+    for s in specs():  # equal specs built anew for a training step: the caches hand them the above
+        if isinstance(s, fz.MaskSpec):
+            cached += [fz.block_mask(s, L, L - 8), s.bind(L, L - 8).mask_mod()]
+        else:
+            cached.append(s.score_mod())
+    cached.append(varlen.cu_seqlens(masks.Document(doc_ids=ids), 1, L, L, "cpu"))
+    with torch.inference_mode():
+        cached.append(masks.Document(doc_ids=ids))  # a spec built under inference_mode
+    assert _inference_tensors(*cached) == []
+
+
 def test_a_callable_reaching_a_spec_that_wraps_a_callable_is_tracked_through_it() -> None:
     """capture_state skips the tensors a spec owns, but walks the raw callables a spec wraps: a
     user mask_mod (here a bound method) reading a composite over another callable sees an in-place
