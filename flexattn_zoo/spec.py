@@ -52,6 +52,7 @@ MOD_CACHE_SIZE = 1024
 
 
 _SpecT = TypeVar("_SpecT")
+_ModT = TypeVar("_ModT")
 
 
 # dataclass_transform tells type checkers the fields are the class's annotated attributes.
@@ -302,6 +303,20 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 
 _MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
+
+
+def _made_for_the_cache(make: Callable[[], _ModT]) -> _ModT:
+    """``make()`` for :data:`_MODS`, which hands the mod to every later call, whatever mode the
+    first call ran in: outside inference mode (see ``_compat.outside_inference_mode``) and with
+    grad on, so what a mod derives from a learned tensor when it is made (``Bias``'s view of its
+    bias) stays differentiable. Made under an evaluation's ``torch.no_grad()``, that view had no
+    autograd history, and the training steps after it got no gradient for the bias, silently.
+    While traced, just ``make()``."""
+    if _compat.is_compiling():
+        return make()
+    with torch.inference_mode(False), torch.enable_grad():
+        return make()
+
 
 #: Field names per spec class (``_field_names``).
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -888,9 +903,7 @@ class MaskSpec(Spec):
 
         ``_make_mask_mod`` passes the int parameters its function captures through
         :func:`static_int` (a constant to ``torch.compile``, whatever the spec's source)."""
-        return _MODS.get_or_create(
-            ("mask", self), lambda: _compat.outside_inference_mode(self._make_mask_mod)
-        )
+        return _MODS.get_or_create(("mask", self), lambda: _made_for_the_cache(self._make_mask_mod))
 
     def _make_mask_mod(self) -> MaskMod:
         raise NotImplementedError
@@ -1019,11 +1032,11 @@ class ScoreSpec(Spec):
         if future_keys_hidden:
             return _MODS.get_or_create(
                 ("score", self, fast, "past"),
-                lambda: _compat.outside_inference_mode(lambda: self._make_past_score_mod(fast=fast)),
+                lambda: _made_for_the_cache(lambda: self._make_past_score_mod(fast=fast)),
             )
         return _MODS.get_or_create(
             ("score", self, fast),
-            lambda: _compat.outside_inference_mode(lambda: self._make_score_mod(fast=fast)),
+            lambda: _made_for_the_cache(lambda: self._make_score_mod(fast=fast)),
         )
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:

@@ -795,6 +795,24 @@ def test_what_an_inference_mode_call_caches_holds_no_inference_tensors() -> None
     assert _inference_tensors(*cached) == []
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_learned_bias_first_used_in_evaluation_still_gets_its_gradient(mode: str) -> None:
+    """The score_mod of a spec is made once and cached; made during an evaluation (no grad), a
+    view it took of a learned bias had no autograd history, and the training steps after it got
+    no gradient for the bias at all (``bias.grad`` stayed None on the dense route)."""
+    q, k, v = _qkv(24)
+    evaluation = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for shape in ((24, 24), (1, 2, 24, 24)):  # a 2-D bias is read through a 4-D view
+        bias = torch.nn.Parameter(torch.randn(shape))
+        with evaluation():
+            fz.attention(q, k, v, score_mod=bias, backend="dense")
+        fz.attention(q, k, v, score_mod=bias, backend="dense").square().sum().backward()
+        want = torch.nn.Parameter(bias.detach().double().clone())
+        reference_attention(q.double(), k.double(), v.double(), score_mod=want).square().sum().backward()
+        assert bias.grad is not None and want.grad is not None
+        torch.testing.assert_close(bias.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_a_callable_reaching_a_spec_that_wraps_a_callable_is_tracked_through_it() -> None:
     """capture_state skips the tensors a spec owns, but walks the raw callables a spec wraps: a
     user mask_mod (here a bound method) reading a composite over another callable sees an in-place
