@@ -18,7 +18,7 @@ import types
 import typing
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false as _guard_or_false
@@ -504,6 +504,24 @@ def clamp_int(value: Any, low: int, high: int) -> Any:
     if isinstance(value, int) or torch.compiler.is_dynamo_compiling():
         return max(low, min(high, value))
     return torch.sym_max(low, torch.sym_min(high, value))
+
+
+_T = TypeVar("_T")
+
+
+def outside_inference_mode(make: Callable[[], _T]) -> _T:
+    """``make()``, run as a normal (non-inference) computation where ``torch.inference_mode()``
+    is on, with grad still off: for what the library caches beyond the call (specs' tensors, mods
+    and the tensors they capture, BlockMasks, varlen offsets). Those caches are keyed by value,
+    so an entry built during an evaluation under ``inference_mode`` (Lightning's validation, for
+    one) serves the training steps that follow; inference tensors there cannot be saved for
+    backward (flex_attention's backward saves the BlockMask's tensors and the mods' captured
+    ones: a RuntimeError on the first training step). Outside inference mode, or while traced,
+    just ``make()``."""
+    if is_compiling() or not torch.is_inference_mode_enabled():
+        return make()
+    with torch.inference_mode(False), torch.no_grad():
+        return make()
 
 
 def is_compiling() -> bool:

@@ -236,7 +236,7 @@ def block_mask(
         built = block_mask(
             spec, q_len, kv_len, batch=batch, heads=heads, device=device, block_size=block_size
         )
-        spelled = mask_spec.to(device).starts_mask_mod(q_len, kv_len)
+        spelled = _compat.outside_inference_mode(lambda: mask_spec.to(device).starts_mask_mod(q_len, kv_len))
         if spelled is not None:
             parts = (getattr(built, name) for name in BLOCK_MASK_PARTS)
             built = _compat.make_block_mask(*parts, spelled)  # type: ignore[call-arg]  # the constructor's arguments, in order
@@ -244,6 +244,26 @@ def block_mask(
     cached = CACHE.get(key)
     if cached is not None:
         return cached
+    # Cached for every later call, training ones too: never as inference tensors.
+    return CACHE.put(
+        key,
+        _compat.outside_inference_mode(
+            lambda: _build(mask_spec, q_len, kv_len, qb, kvb, device, b_eff, h_eff)
+        ),
+    )
+
+
+def _build(
+    mask_spec: MaskSpec,
+    q_len: int,
+    kv_len: int,
+    qb: int,
+    kvb: int,
+    device: torch.device,
+    b_eff: int,
+    h_eff: int,
+) -> _compat.BlockMask:
+    """:func:`block_mask`'s BlockMask of a bound spec (not cached here)."""
     on_device = mask_spec.to(device)
     bmap = on_device.block_map(q_len, kv_len, qb, kvb, device)
     if bmap is None:
@@ -253,8 +273,7 @@ def block_mask(
             any=as_4d(bmap.any).expand(b_eff, h_eff, -1, -1).contiguous(),
             full=as_4d(bmap.full).expand(b_eff, h_eff, -1, -1).contiguous(),
         )
-    built = from_block_map(bmap, q_len, kv_len, (qb, kvb), on_device.mask_mod())
-    return CACHE.put(key, built)
+    return from_block_map(bmap, q_len, kv_len, (qb, kvb), on_device.mask_mod())
 
 
 def bound_mask_mod(spec: Any, q_len: int, kv_len: int, device: torch.device | str) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.functions import _Ref
+from flexattn_zoo.functions import _global_names, _Ref
 from flexattn_zoo.lru import LRUCache
 
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
@@ -273,31 +273,124 @@ def _symbolic(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
 
 
+#: How many calls deep :func:`mod_key` follows the functions a mod reaches (cells, globals,
+#: defaults): Dynamo inlines them, and bakes the Python values they read into the graph too.
+MOD_KEY_DEPTH = 4
+#: Attributes of an object (or entries of a global dict) a key takes by value at most; a larger
+#: one is keyed by its identity (a captured registry of thousands of entries is not walked).
+MOD_KEY_ITEMS = 64
+#: Python values Dynamo bakes into a graph as constants (and guards on).
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
 def mod_key(fn: Any) -> Hashable:
     """What a compiled graph depends on in a mask_mod / score_mod: its code and captured constants.
 
     Captured *tensors* count only by shape, dtype and device: Dynamo lifts them into graph inputs,
     so a new ``Document`` (new ids, same length) per training step reuses the compiled kernel
     instead of compiling a new one every step. Captured Python values (window sizes, caps) are
-    baked into the kernel, so they stay part of the key. Either way Dynamo's own guards keep the
-    call correct; this key only decides which calls share a compile cache.
+    baked into the kernel, so they stay part of the key, however the mod reads them: closure
+    cells, default arguments, the module globals its code names, a bound method's object's
+    attributes, and the same in the functions it calls (:data:`MOD_KEY_DEPTH` deep). Two mods
+    that differ in such a value and shared an entry made Dynamo recompile it with the value
+    symbolic (automatic dynamic), which torch's CPU flex kernel cannot lower. Dynamo's own guards
+    keep each call correct; this key only decides which calls share a compile cache.
     """
+    return _mod_key(fn, MOD_KEY_DEPTH)
+
+
+def _mod_key(fn: Any, depth: int) -> Hashable:
     if fn is None:
         return None
     code = getattr(fn, "__code__", None)
     if code is None:
         return ("object", fn)
-    cells = tuple(_captured_key(c.cell_contents) for c in (fn.__closure__ or ()))
-    return ("function", code, cells)
+    if depth <= 0:
+        return ("function", code, _Ref(fn))  # past the depth: only this very function shares it
+    func = getattr(fn, "__func__", fn)  # a bound method's function
+    cells = tuple(_captured_key(c.cell_contents, depth) for c in (getattr(func, "__closure__", None) or ()))
+    return ("function", code, cells, *_read_constants(fn, func, code, depth))
 
 
-def _captured_key(value: Any) -> Hashable:
+def _read_constants(fn: Any, func: Any, code: types.CodeType, depth: int) -> tuple[Hashable, ...]:
+    """The values besides closure cells that ``fn`` may read and Dynamo would bake into its graph:
+    default arguments, the globals its code names, and a bound method's object's attributes."""
+    parts: list[Hashable] = []
+    defaults = (
+        *(getattr(func, "__defaults__", None) or ()),
+        *(getattr(func, "__kwdefaults__", None) or {}).items(),
+    )
+    if defaults:
+        parts.append(("defaults", tuple(_captured_key(d, depth) for d in defaults)))
+    names = getattr(func, "__globals__", None)
+    if isinstance(names, dict):
+        found = []
+        for name in _global_names(code):
+            if name in names:
+                value = _global_key(names[name], depth)
+                if value is not None:
+                    found.append((name, value))
+        if found:
+            parts.append(("globals", tuple(found)))
+    if isinstance(fn, types.MethodType):
+        parts.append(("self", type(fn.__self__), _attributes_key(fn.__self__)))
+    return tuple(parts)
+
+
+def _global_key(value: Any, depth: int) -> Hashable | None:
+    """A global's share of a key; None for what Dynamo treats as fixed (modules, classes,
+    torch's own functions) or cannot read as a constant anyway."""
+    if isinstance(value, (types.ModuleType, type)):
+        return None
+    if isinstance(value, types.FunctionType):
+        if (value.__module__ or "").split(".")[0] == "torch":
+            return None
+        return _mod_key(value, depth - 1)
+    if isinstance(value, (*_SCALARS, torch.Tensor, list, tuple)):
+        return _captured_key(value, depth)
+    if isinstance(value, dict):
+        return ("dict", _items_key(value, value.items(), depth))
+    if callable(value):
+        return None  # builtins, partials, callable objects: their identity does not change
+    if hasattr(value, "__dict__"):
+        return (type(value), _attributes_key(value))
+    return None
+
+
+def _attributes_key(obj: Any) -> Hashable:
+    """An object's attributes as a key: the Python values among them by value (what a method
+    reading ``self.cap`` bakes into its graph), tensors by shape, dtype and device."""
+    attrs = getattr(obj, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return ("id", _Ref(obj))
+    return _items_key(obj, attrs.items(), MOD_KEY_DEPTH, plain_only=True)
+
+
+def _items_key(owner: Any, items: Any, depth: int, *, plain_only: bool = False) -> Hashable:
+    """``(name, key)`` of the named values in ``items``; with ``plain_only`` only Python scalars
+    (baked into a graph) and tensors (lifted into it) take part, so an object's submodules and
+    parameter dicts do not (an ``nn.Module``'s). More than :data:`MOD_KEY_ITEMS` entries:
+    ``owner``'s identity instead."""
+    try:
+        listed = list(items)
+    except RuntimeError:  # changed size while read (another thread): no sharing by value
+        return ("id", _Ref(owner))
+    if len(listed) > MOD_KEY_ITEMS:
+        return ("id", _Ref(owner))
+    return tuple(
+        (name, _captured_key(value, depth))
+        for name, value in listed
+        if not plain_only or isinstance(value, (*_SCALARS, torch.Tensor))
+    )
+
+
+def _captured_key(value: Any, depth: int = MOD_KEY_DEPTH) -> Hashable:
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
     if callable(value) and hasattr(value, "__code__"):
-        return mod_key(value)
+        return _mod_key(value, depth - 1)
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *(_captured_key(v) for v in value))
+        return (type(value).__name__, *(_captured_key(v, depth) for v in value))
     try:
         hash(value)
     except TypeError:

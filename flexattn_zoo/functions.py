@@ -380,7 +380,7 @@ class _TracksCallable(Spec):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        super().__setstate__(state)
         object.__setattr__(self, "state", capture_state(self.fn) if self.tracked else ())
 
 

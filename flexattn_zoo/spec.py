@@ -9,7 +9,8 @@ Conventions shared by every spec:
   dtype and a content fingerprint. The spec *owns* them: each is copied (``detach().clone()``, on
   its device, asynchronously) when the spec is built, so writing in place to the tensor you passed
   never changes a spec, nor anything cached for it. Tensors that require grad (learned biases) are
-  the exception: kept as given, compared by identity. The tensors a spec holds (``spec.tensors()``,
+  the exception: kept as given, compared by identity, also after they are frozen (decided the first
+  time a spec is given the tensor, not by its flag at each comparison). The tensors a spec holds (``spec.tensors()``,
   ``Document.doc_ids``) are its own: read them, never write to them.
 * Specs wrapping raw callables (:mod:`flexattn_zoo.functions`) cannot own what the callable
   captures; they record its identity and the version counters of the tensors it captures, and
@@ -51,6 +52,7 @@ MOD_CACHE_SIZE = 1024
 
 
 _SpecT = TypeVar("_SpecT")
+_ModT = TypeVar("_ModT")
 
 
 # dataclass_transform tells type checkers the fields are the class's annotated attributes.
@@ -65,11 +67,22 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     klass = dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
     init = klass.__init__
 
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+    def build(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         _take_ownership(self)
-        if _compat.is_compiling():
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        compiling = _compat.is_compiling()
+        if not compiling and torch.is_inference_mode_enabled():
+            # Not as inference tensors: caches keyed by the spec's value hand its tensors (and
+            # what __post_init__ derives from them) to later calls, training ones too (see
+            # _compat.outside_inference_mode; inlined here, specs are built on every call).
+            with torch.inference_mode(False), torch.no_grad():
+                build(self, *args, **kwargs)
+        else:
+            build(self, *args, **kwargs)
+        if compiling:
             # Made inside a graph being traced: see graph_memo.
             object.__setattr__(self, "_graph_memo", {})
 
@@ -92,26 +105,54 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
 #: Tensors owned by some spec, by id (weakly): wrapping one in another spec (``dataclasses.replace``,
 #: ``Spec.to``, ``bind``) needs no second copy, since no spec's tensor is ever written to.
 _OWNED: dict[int, weakref.ref[torch.Tensor]] = {}
+#: Tensors some spec keeps as the caller's own object (they required grad when first given to a
+#: spec), by id (weakly). Such a tensor stays the caller's for good: freezing it later
+#: (``requires_grad_(False)``, ``model.requires_grad_(False)``) does not turn it into a value the
+#: caller cannot write to, so it is never copied, and specs keep comparing it by identity.
+_BORROWED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def _remember(table: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> torch.Tensor:
+    """Add ``t`` to ``table`` (``_OWNED`` or ``_BORROWED``) until it is collected."""
+    key = id(t)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        if table.get(key) is ref:
+            table.pop(key, None)
+
+    table[key] = weakref.ref(t, forget)
+    return t
 
 
 def _mark_owned(t: torch.Tensor) -> torch.Tensor:
     if _compat.is_compiling():
         return t  # a spec built in a traced graph: its tensors are graph values, nobody else's
-    key = id(t)
+    return _remember(_OWNED, t)
 
-    def forget(ref: weakref.ref[torch.Tensor]) -> None:
-        if _OWNED.get(key) is ref:
-            _OWNED.pop(key, None)
 
-    _OWNED[key] = weakref.ref(t, forget)
-    return t
+def _listed(table: dict[int, weakref.ref[torch.Tensor]], t: torch.Tensor) -> bool:
+    ref = table.get(id(t))
+    return ref is not None and ref() is t
 
 
 def _is_owned(t: torch.Tensor) -> bool:
     if _compat.is_compiling():
         return False
-    ref = _OWNED.get(id(t))
-    return ref is not None and ref() is t
+    return _listed(_OWNED, t)
+
+
+def _is_callers(t: torch.Tensor) -> bool:
+    """Whether ``t``, a tensor a spec holds, is the caller's own object (a learned tensor), which
+    the caller may write to: compared by identity, never by value (see ``_values_equal``).
+
+    Decided when the spec was built (``_owned`` copies every other tensor), not by the tensor's
+    current ``requires_grad``: a parameter frozen after the spec was built is still written in
+    place (``load_state_dict``), so two layers' frozen, equal-valued parameters must not become
+    equal specs sharing one cached score_mod and plan. While ``torch.compile`` traces (no copies
+    are recorded there) the flag decides."""
+    if _compat.is_compiling():
+        return t.requires_grad
+    return t.requires_grad or not _listed(_OWNED, t)
 
 
 def _owned(value: Any) -> Any:
@@ -119,11 +160,17 @@ def _owned(value: Any) -> Any:
 
     A copy is a ``detach().clone()`` on the same device, contiguous: asynchronous on CUDA (no host
     sync). Not copied: tensors that require grad (learned parameters must stay the caller's
-    tensor, which the optimizer updates; specs compare them by identity, see ``_values_equal``)
-    and tensors some spec already owns.
+    tensor, which the optimizer updates; specs compare them by identity, see ``_values_equal``),
+    tensors some spec already kept so (also once frozen: a spec rebuilt from another, by
+    ``dataclasses.replace`` or ``Spec.live``, keeps the parameter live), and tensors some spec
+    already owns.
     """
     if isinstance(value, torch.Tensor):
-        if value.requires_grad or _is_owned(value):
+        if _is_owned(value):
+            return value
+        if value.requires_grad:
+            return value if _compat.is_compiling() else _remember(_BORROWED, value)
+        if not _compat.is_compiling() and _listed(_BORROWED, value):
             return value
         return _mark_owned(value.detach().clone(memory_format=torch.contiguous_format))
     if isinstance(value, (tuple, list)) and any(isinstance(v, (torch.Tensor, tuple, list)) for v in value):
@@ -131,6 +178,27 @@ def _owned(value: Any) -> Any:
         if any(a is not b for a, b in zip(items, value, strict=True)):
             return type(value)(items)
     return value
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in a field's value (also inside tuples and lists), in a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def _adopt(value: Any, callers: tuple[bool, ...] = ()) -> None:
+    """Record the tensors in a field's ``value`` as its spec's own, without copying them: for
+    tensors only the spec can reach (unpickled or deep-copied ones). ``callers`` flags, in
+    :func:`_tensors_in` order, those the original spec held as the caller's (learned tensors,
+    also frozen ones): they stay so, as do tensors that require grad."""
+    if _compat.is_compiling():
+        return
+    for i, t in enumerate(_tensors_in(value)):
+        learned = t.requires_grad or (i < len(callers) and callers[i])
+        _remember(_BORROWED if learned else _OWNED, t)
 
 
 def _take_ownership(spec: Any) -> None:
@@ -149,6 +217,9 @@ def _take_ownership(spec: Any) -> None:
         if owned is not value:
             object.__setattr__(spec, name, owned)
 
+
+#: Where ``Spec.__getstate__`` lists which tensors of each field are the caller's.
+_CALLERS_STATE = "_callers_of_fields"
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -179,7 +250,7 @@ def _fingerprint(t: torch.Tensor) -> int:
 
 def _freeze(value: Any) -> Hashable:
     if isinstance(value, torch.Tensor):
-        if value.requires_grad:  # a learned tensor is itself, whatever it holds (see _values_equal)
+        if _is_callers(value):  # a learned tensor is itself, whatever it holds (see _values_equal)
             return ("learned", id(value))
         return ("tensor", tuple(value.shape), str(value.dtype), _fingerprint(value))
     if isinstance(value, (list, tuple)):
@@ -219,10 +290,11 @@ def _values_equal(a: Any, b: Any) -> bool:
             return False
         if a is b:  # sound: a spec's tensor is its own copy (or a learned tensor: itself)
             return True
-        if a.requires_grad or b.requires_grad:
+        if _is_callers(a) or _is_callers(b):
             # Learned tensors (biases a score mod trains) compare by identity: two layers' equal
             # initial biases must not share one score_mod, or the second layer's gradient would
-            # reach the first layer's tensor (caches key mods, plans and compiled calls by spec).
+            # reach the first layer's tensor (caches key mods, plans and compiled calls by spec),
+            # nor, once frozen and loaded in place, its values.
             return False
         return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -231,6 +303,20 @@ def _values_equal(a: Any, b: Any) -> bool:
 
 
 _MODS: LRUCache[Any] = LRUCache(MOD_CACHE_SIZE)
+
+
+def _made_for_the_cache(make: Callable[[], _ModT]) -> _ModT:
+    """``make()`` for :data:`_MODS`, which hands the mod to every later call, whatever mode the
+    first call ran in: outside inference mode (see ``_compat.outside_inference_mode``) and with
+    grad on, so what a mod derives from a learned tensor when it is made (``Bias``'s view of its
+    bias) stays differentiable. Made under an evaluation's ``torch.no_grad()``, that view had no
+    autograd history, and the training steps after it got no gradient for the bias, silently.
+    While traced, just ``make()``."""
+    if _compat.is_compiling():
+        return make()
+    with torch.inference_mode(False), torch.enable_grad():
+        return make()
+
 
 #: Field names per spec class (``_field_names``).
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -328,16 +414,16 @@ class Spec:
         return tuple(values)
 
     def _own_learned(self) -> tuple[torch.Tensor, ...]:
-        """The tensors of this spec's own fields (not its parts') that require grad: learned
-        tensors, held as the caller's objects (see :func:`_owned`)."""
-        return tuple(v for v in self._parts() if isinstance(v, torch.Tensor) and v.requires_grad)
+        """The tensors of this spec's own fields (not its parts') held as the caller's objects:
+        learned tensors (see :func:`_owned`), also once frozen."""
+        return tuple(v for v in self._parts() if isinstance(v, torch.Tensor) and _is_callers(v))
 
     def _holds_learned(self) -> bool:
         """Whether this spec or a part of it holds a learned tensor (cached per instance)."""
         cached = self.__dict__.get("_holds_learned_value")
         if cached is None:
             cached = any(
-                (isinstance(v, torch.Tensor) and v.requires_grad)
+                (isinstance(v, torch.Tensor) and _is_callers(v))
                 or (isinstance(v, Spec) and v._holds_learned())
                 for v in self._parts()
             )
@@ -462,7 +548,26 @@ class Spec:
         state.pop("_hash_value", None)
         state.pop("_tensors_value", None)  # rebuilt on use (from the unpickled fields)
         state.pop("_learned_storage_value", None)  # this process's addresses
+        # Which tensors are the caller's (learned, possibly frozen since): unpickled or
+        # deep-copied (``copy.deepcopy(model)`` for an EMA copy) they stay compared by identity.
+        callers = {}
+        for name in _field_names(self):
+            flags = tuple(_is_callers(t) for t in _tensors_in(state.get(name)))
+            if any(flags):
+                callers[name] = flags
+        if callers:
+            state[_CALLERS_STATE] = callers
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        callers: dict[str, tuple[bool, ...]] = state.pop(_CALLERS_STATE, {})
+        self.__dict__.update(state)
+        # Unpickled (or deep-copied) tensors are new objects nobody else holds: the spec owns
+        # them as it owns the copies it makes, so equal specs compare by value again; those the
+        # original spec held as the caller's stay so (see ``__getstate__``).
+        for name in _field_names(self):
+            _adopt(state.get(name), callers.get(name, ()))
 
     @classmethod
     def examples(cls, q_len: int, kv_len: int, batch: int, heads: int) -> list[Spec]:
@@ -798,7 +903,7 @@ class MaskSpec(Spec):
 
         ``_make_mask_mod`` passes the int parameters its function captures through
         :func:`static_int` (a constant to ``torch.compile``, whatever the spec's source)."""
-        return _MODS.get_or_create(("mask", self), self._make_mask_mod)
+        return _MODS.get_or_create(("mask", self), lambda: _made_for_the_cache(self._make_mask_mod))
 
     def _make_mask_mod(self) -> MaskMod:
         raise NotImplementedError
@@ -926,9 +1031,13 @@ class ScoreSpec(Spec):
         """
         if future_keys_hidden:
             return _MODS.get_or_create(
-                ("score", self, fast, "past"), lambda: self._make_past_score_mod(fast=fast)
+                ("score", self, fast, "past"),
+                lambda: _made_for_the_cache(lambda: self._make_past_score_mod(fast=fast)),
             )
-        return _MODS.get_or_create(("score", self, fast), lambda: self._make_score_mod(fast=fast))
+        return _MODS.get_or_create(
+            ("score", self, fast),
+            lambda: _made_for_the_cache(lambda: self._make_score_mod(fast=fast)),
+        )
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         raise NotImplementedError

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo._compat import outside_inference_mode
 from flexattn_zoo.spec import BlockMap, block_ranges, clamp_int, static_int, tracing
 
 
@@ -120,7 +121,7 @@ def spec_cached(spec: Any, key: tuple[Any, ...], make: Any) -> Any:
     ``__post_init__``. Specs are immutable, so an entry never goes stale."""
     cache: dict[tuple[Any, ...], Any] = spec.__dict__["_cache"]
     if key not in cache:
-        cache[key] = make()
+        cache[key] = outside_inference_mode(make)  # kept for later calls, training ones too
     return cache[key]
 
 

@@ -37,6 +37,15 @@ def _check_slopes(slopes: object, num_heads: int) -> tuple[float, ...] | None:
     if slopes is None:
         return None
     if isinstance(slopes, torch.Tensor):
+        if slopes.requires_grad:
+            # The slopes become Python floats in the score_mod: a learned tensor would get no
+            # gradient and its optimizer steps would never be seen.
+            raise TypeError(
+                "Alibi(slopes=...) got a tensor that requires grad; ALiBi reads its slopes once, as "
+                "floats (a snapshot), so it would neither train them nor see their updates. Pass "
+                "slopes.detach() for fixed slopes, or learn them with a score_mod callable such as "
+                "lambda score, b, h, q_idx, kv_idx: score - slopes[h] * (q_idx - kv_idx).abs()"
+            )
         slopes = slopes.detach().cpu().reshape(-1).tolist()
     if isinstance(slopes, (str, bytes)) or not isinstance(slopes, Sequence):
         raise TypeError(
@@ -82,7 +91,8 @@ class Alibi(ScoreSpec):
             of two; otherwise the ``n`` slopes for the largest power of two ``n < H`` followed by
             every other slope (starting with the first) of the ``2n`` sequence -- or ``num_heads``
             floats of your own, each finite with ``|slope| <= SCORE_FACTOR_MAX`` (~1.8e19, see
-            ``validation.SCORE_FACTOR_MAX``), stored as a tuple so the spec stays hashable.
+            ``validation.SCORE_FACTOR_MAX``), stored as a tuple so the spec stays hashable. A
+            tensor is read once (a snapshot); one that requires grad is refused (TypeError).
         signed: ``False`` (default): ``- slope * |i - j|``; ``True``: ``+ slope * (j - i)``.
 
     Under a mask that hides every later key (``Causal``, a left-only window, ...) flex routes run

@@ -20,7 +20,9 @@ class Bias(ScoreSpec):
     of only ``-inf`` outputs 0 (lse ``-inf``), as every masked-out row does here. A bias that
     requires grad is kept as given (compared by identity) and gets its gradient on the routes
     with one: SDPA's math (CPU, CUDA) and memory-efficient (CUDA) kernels, the dense route, and
-    flex on CUDA; the others refuse it with the reason.
+    flex on CUDA; the others refuse it with the reason. Its values are read live, but whether a
+    row holds only ``-inf`` is read once, when the spec is first planned (it picks the CUDA
+    kernels that may run it): to hide whole rows later, build a new ``Bias``.
 
     ``fz.attention(score_mod=t)`` with a float tensor ``t`` builds this spec, and so does
     ``mask=t`` when no ``score_mod`` is given (an additive mask, as in SDPA). Forms offered:

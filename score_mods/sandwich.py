@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo._compat import outside_inference_mode
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks._blocks import _canonical_device
 from flexattn_zoo.registry import SCORES
@@ -135,7 +136,10 @@ class Sandwich(ScoreSpec):
 
     def _set_device(self, device: torch.device) -> None:
         object.__setattr__(self, "_device", device)
-        tables = _distance_tables(static_int(self.dim), static_int(self.max_len), device)
+        # Shared by later specs (``_TABLES``), training ones too: never as inference tensors.
+        tables = outside_inference_mode(
+            lambda: _distance_tables(static_int(self.dim), static_int(self.max_len), device)
+        )
         object.__setattr__(self, "_tables", tables)
 
     @property

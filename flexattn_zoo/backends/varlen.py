@@ -42,7 +42,11 @@ def cu_seqlens(mask: MaskSpec | None, batch: int, q_len: int, kv_len: int, devic
     reuse the offsets. The mask must have a varlen form for these sizes.
     """
     key = (mask, batch, q_len, kv_len, device)
-    build = lambda: _build_cu_seqlens(mask, batch, q_len, kv_len, device)  # noqa: E731
+
+    def build() -> CuSeqlens:
+        # Never as inference tensors: an evaluation's entry serves later training calls too.
+        return _compat.outside_inference_mode(lambda: _build_cu_seqlens(mask, batch, q_len, kv_len, device))
+
     return CU_SEQLENS_CACHE.get_or_create(key, build)
 
 

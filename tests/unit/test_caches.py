@@ -163,6 +163,67 @@ def test_compile_keys_compare_by_value_with_their_hash_kept() -> None:
     )
 
 
+class _Capped:
+    """A score_mod as a bound method reading a float attribute of its object."""
+
+    def __init__(self, cap: float) -> None:
+        self.cap = cap
+
+    def score(
+        self, s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+    ) -> Any:
+        return self.cap * torch.tanh(s / self.cap)
+
+
+#: Read by :func:`_global_capped` (a module global a score_mod reads).
+_GLOBAL_CAP = 2.0
+
+
+def _global_capped(
+    s: torch.Tensor, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor
+) -> Any:
+    return _GLOBAL_CAP * torch.tanh(s / _GLOBAL_CAP)
+
+
+def _default_capped(cap: float) -> Callable[..., Any]:
+    def capped(s: Any, b: Any, h: Any, q: Any, kv: Any, cap: float = cap) -> Any:
+        return cap * torch.tanh(s / cap)
+
+    return capped
+
+
+def test_compile_keys_hold_the_constants_a_mod_reads_however_it_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Python value a mod reads is baked into its compiled graph, whether it comes from a
+    closure cell, a default argument, a global or the object of a bound method. Mods that read
+    different values share no compiled entry: sharing one, Dynamo recompiled it with the value
+    made symbolic, which torch's CPU flex kernel cannot lower (an InductorError on the second
+    mod's first call). Equal values still share one."""
+    key = compile.mod_key
+    assert key(_Capped(2.0).score) == key(_Capped(2.0).score)
+    assert key(_Capped(2.0).score) != key(_Capped(0.5).score)
+    assert key(_default_capped(2.0)) == key(_default_capped(2.0))
+    assert key(_default_capped(2.0)) != key(_default_capped(0.5))
+    before = key(_global_capped)
+    monkeypatch.setattr(f"{__name__}._GLOBAL_CAP", 0.5)
+    assert key(_global_capped) != before
+    # Captured tensors still count by shape, dtype and device only (a new Document per step).
+    assert masks.Document(doc_ids=torch.tensor([0, 0, 1, 1])).mask_mod() is not None
+    assert key(masks.Document(doc_ids=torch.tensor([0, 0, 1, 1])).mask_mod()) == key(
+        masks.Document(doc_ids=torch.tensor([0, 1, 1, 1])).mask_mod()
+    )
+
+
+def test_two_bound_method_score_mods_with_different_constants_run_on_flex_cpu() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    for cap in (2.0, 0.5):
+        mod = _Capped(cap).score
+        out = fz.attention(q, k, v, score_mod=mod, backend="flex_cpu")
+        assert_matches_reference(out, q, k, v, score_mod=mod)
+
+
 def test_cu_seqlens_cache_is_bounded_lru(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(varlen, "CU_SEQLENS_CACHE", LRUCache(2))
     doc = masks.Document.from_lengths([3, 5, 8])

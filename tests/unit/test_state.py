@@ -265,6 +265,15 @@ def test_alibi_tensor_slopes_are_a_snapshot() -> None:
     assert alibi.slopes == (0.5, 0.25)
 
 
+def test_alibi_refuses_learned_slopes_it_could_only_snapshot() -> None:
+    """ALiBi keeps its slopes as Python floats: a tensor that requires grad would be read once,
+    get no gradient, and never see an optimizer's step, silently. Refused, naming the way out."""
+    slopes = torch.nn.Parameter(torch.tensor([0.5, 0.25]))
+    with pytest.raises(TypeError, match=r"Alibi\(slopes=\.\.\.\).*requires grad.*detach\(\)"):
+        score_mods.Alibi(num_heads=2, slopes=slopes)
+    assert score_mods.Alibi(num_heads=2, slopes=slopes.detach()).slopes == (0.5, 0.25)
+
+
 def test_key_padding_built_from_the_tokenizer_mask_is_a_snapshot() -> None:
     attention_mask = torch.ones(1, L, dtype=torch.bool)
     pad = masks.KeyPadding(valid=attention_mask)
@@ -687,6 +696,121 @@ def test_a_learned_spec_is_kept_while_its_storage_stays() -> None:
     _new_storage(bias, 1.0)
     fresh = spec_.live()
     assert fresh is not spec_ and fresh != spec_ and fresh.bias is bias and fresh.live() is fresh
+
+
+@pytest.mark.parametrize("kind", ["rel_pos_bias", "bias"])
+def test_learned_tensors_frozen_after_the_spec_was_built_stay_compared_by_identity(kind: str) -> None:
+    """``model.requires_grad_(False)`` after two layers built their specs over equal (zero-init)
+    parameters, then a checkpoint loaded in place: the layers' specs must stay unequal (each is its
+    own parameter), or the second layer runs the first layer's cached score_mod / plan."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 16) for _ in range(3))
+    shape = (32, 2) if kind == "rel_pos_bias" else (1, 2, 24, 24)
+    first, second = torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.zeros(shape))
+
+    def make(param: torch.Tensor) -> Any:
+        return score_mods.RelPosBias(table=param) if kind == "rel_pos_bias" else score_mods.Bias(bias=param)
+
+    specs = [make(first), make(second)]
+    for param in (first, second):
+        param.requires_grad_(False)  # frozen before the specs' first use (their hash)
+    assert specs[0] != specs[1] and specs[0] == make(first) and specs[0].live() is specs[0]
+    for s in specs:
+        fz.attention(q, k, v, score_mod=s)  # caches each layer's mod and plan
+    with torch.no_grad():
+        second.copy_(torch.randn(shape) * 3)  # load_state_dict: an in-place write
+    for param, s in zip((first, second), specs, strict=True):
+        want = reference_attention(q, k, v, score_mod=make(param.detach().clone()))
+        torch.testing.assert_close(fz.attention(q, k, v, score_mod=s), want.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_frozen_learned_tensors_stay_compared_by_identity_in_copies_of_their_specs() -> None:
+    """``copy.deepcopy(model)`` (an EMA copy) or a pickle round trip of specs over frozen
+    parameters: the copies' parameters are still the caller's (the EMA update writes them in
+    place), so two equal-valued ones must not make equal specs; shallow copies keep them too."""
+    import copy
+
+    first, second = torch.nn.Parameter(torch.zeros(32, 2)), torch.nn.Parameter(torch.zeros(32, 2))
+    specs = [score_mods.RelPosBias(table=first), score_mods.RelPosBias(table=second)]
+    for param in (first, second):
+        param.requires_grad_(False)
+    for made in (copy.deepcopy(specs), pickle.loads(pickle.dumps(specs)), [copy.copy(s) for s in specs]):
+        assert made[0] != made[1] and hash(made[0]) != hash(made[1])
+        assert made[0] == made[0] and not made[0].table.requires_grad
+    assert specs[0] != specs[1]
+    # A spec's own (copied) tensors still compare by value in its copies.
+    docs = [masks.Document(doc_ids=torch.tensor(TWO_DOCS)) for _ in range(2)]
+    assert copy.deepcopy(docs[0]) == docs[1] == pickle.loads(pickle.dumps(docs[0]))
+
+
+def _inference_tensors(*values: Any) -> list[str]:
+    """What among ``values`` (BlockMasks, mods, specs) is or captures an inference tensor."""
+    from flexattn_zoo.functions import _reachable
+
+    found = []
+    for value in values:
+        if isinstance(value, fz.MaskSpec | fz.ScoreSpec):
+            tensors = value.tensors() + [t for t in value.__dict__.values() if isinstance(t, torch.Tensor)]
+        elif hasattr(value, "kv_num_blocks"):
+            tensors = [getattr(value, n) for n in blockmask.BLOCK_MASK_PARTS[1:-1]]
+            tensors += [t for t in _reachable(value.mask_mod) if isinstance(t, torch.Tensor)]
+        else:
+            tensors = [t for t in _reachable(value) if isinstance(t, torch.Tensor)]
+        found += [repr(value)[:60] for t in tensors if isinstance(t, torch.Tensor) and t.is_inference()]
+    return found
+
+
+def test_what_an_inference_mode_call_caches_holds_no_inference_tensors() -> None:
+    """Caches are keyed by value, so what an evaluation under ``torch.inference_mode()`` builds
+    (specs' tensors, mods and what they capture, BlockMasks, varlen offsets) serves the training
+    steps after it; flex_attention's backward saves those tensors, and an inference tensor cannot
+    be saved for backward (a RuntimeError on CUDA, the first training step after validation)."""
+    q, k, v = _qkv(L)
+    ids = torch.tensor(TWO_DOCS)
+
+    def specs() -> list[Any]:
+        return [
+            masks.Document(doc_ids=ids) & masks.Causal(),
+            masks.Causal(align="bottom_right"),
+            score_mods.RelPosBias(table=torch.ones(32, 2)),
+            score_mods.Sandwich(num_heads=2, max_len=L),
+        ]
+
+    with torch.inference_mode():
+        for s in specs():
+            kw = {"mask": s} if isinstance(s, fz.MaskSpec) else {"score_mod": s}
+            fz.attention(q, k[:, :, :-8], v[:, :, :-8], backend="dense", **kw)  # Lq != Lkv: an offset
+            if isinstance(s, fz.MaskSpec):
+                fz.block_mask(s, L, L - 8)
+        varlen.cu_seqlens(masks.Document(doc_ids=ids), 1, L, L, "cpu")
+    cached: list[Any] = []
+    for s in specs():  # equal specs built anew for a training step: the caches hand them the above
+        if isinstance(s, fz.MaskSpec):
+            cached += [fz.block_mask(s, L, L - 8), s.bind(L, L - 8).mask_mod()]
+        else:
+            cached.append(s.score_mod())
+    cached.append(varlen.cu_seqlens(masks.Document(doc_ids=ids), 1, L, L, "cpu"))
+    with torch.inference_mode():
+        cached.append(masks.Document(doc_ids=ids))  # a spec built under inference_mode
+    assert _inference_tensors(*cached) == []
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_learned_bias_first_used_in_evaluation_still_gets_its_gradient(mode: str) -> None:
+    """The score_mod of a spec is made once and cached; made during an evaluation (no grad), a
+    view it took of a learned bias had no autograd history, and the training steps after it got
+    no gradient for the bias at all (``bias.grad`` stayed None on the dense route)."""
+    q, k, v = _qkv(24)
+    evaluation = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for shape in ((24, 24), (1, 2, 24, 24)):  # a 2-D bias is read through a 4-D view
+        bias = torch.nn.Parameter(torch.randn(shape))
+        with evaluation():
+            fz.attention(q, k, v, score_mod=bias, backend="dense")
+        fz.attention(q, k, v, score_mod=bias, backend="dense").square().sum().backward()
+        want = torch.nn.Parameter(bias.detach().double().clone())
+        reference_attention(q.double(), k.double(), v.double(), score_mod=want).square().sum().backward()
+        assert bias.grad is not None and want.grad is not None
+        torch.testing.assert_close(bias.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_a_callable_reaching_a_spec_that_wraps_a_callable_is_tracked_through_it() -> None:

@@ -289,10 +289,10 @@ def _page_map(page_start: torch.Tensor, page: int) -> Any:
     """``(b, kv_idx) -> logical position`` of physical key ``kv_idx`` in row ``b`` (below 0 where
     row ``b`` owns no page there), through ``page_start`` ``[B, n_physical + 1]``.
 
-    A closure over the page size, not a method reading ``self``: the compile key
-    (``compile.mod_key``) sees a closure's captured constants but not a bound method's ``self``,
-    and two page sizes sharing one compiled entry made Dynamo turn the page size into a symbol
-    that torch's CPU flex template fails to compile (C++ errors).
+    A closure over the page size: the compile key (``compile.mod_key``) holds the captured
+    constants, so each page size gets its own compiled entry. Two page sizes sharing one entry
+    made Dynamo turn the page size into a symbol that torch's CPU flex template fails to compile
+    (C++ errors).
     """
 
     def logical(b, kv_idx):
