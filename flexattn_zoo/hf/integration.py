@@ -165,6 +165,18 @@ def _decode_step(
 _BAND_MASKS = (Causal, OffsetCausal, Band, SlidingWindow)
 
 
+def _builtin_names(*interfaces: Any) -> set[str]:
+    """The implementation names transformers itself defines: ``eager`` (which the models call
+    directly, not through the interface, unless the interface holds an entry of that name) and the
+    entries of the global attention and mask interfaces whose functions transformers defines."""
+    names = {"eager"}
+    for interface in interfaces:
+        for key, fn in getattr(interface, "_global_mapping", {}).items():
+            if str(getattr(fn, "__module__", "")).split(".")[0] == "transformers":
+                names.add(key)
+    return names
+
+
 def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     """Register the zoo as transformers attention implementation ``name`` and return ``name``.
 
@@ -172,13 +184,25 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     ``model.set_attn_implementation(name)``) runs every attention layer through ``fz.attention``
     with the specs described in this module's docstring. ``backend`` is passed to
     ``fz.attention`` (``"auto"`` picks the fastest exact route); register several names to
-    compare routes. Calling it again with the same name replaces the entry.
+    compare routes. Calling it again with the same name replaces the entry. transformers' own
+    names (``eager``, ``sdpa``, ``flex_attention``, ...) are refused: the interfaces are global, so
+    registering one would replace transformers' implementation for every model in the process.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     check_backend(backend)
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
+
+    builtin = _builtin_names(tf.AttentionInterface, AttentionMaskInterface)
+    if name in builtin:
+        # The interfaces are process-wide: "sdpa" would run every sdpa model (and every comparison
+        # against it) on the zoo, with transformers' own function gone for the process.
+        raise ValueError(
+            f"name {name!r} is one of transformers' own attention implementations "
+            f"({', '.join(sorted(builtin))}); registering it would replace transformers' {name!r} "
+            f"in every model of the process: choose another name (the default is {DEFAULT_NAME!r})"
+        )
 
     if structural_reader_enabled():
         # Inside a compiled model the mask functions are made in the graph: let the reader read

@@ -520,6 +520,23 @@ def test_register_checks_the_backend_when_called() -> None:
         zhf.register("flexattn_zoo_bogus", backend=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("builtin", ["eager", "sdpa", "flex_attention", "flash_attention_2"])
+def test_register_refuses_transformers_own_names(builtin: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both interfaces are process-wide: ``register("sdpa")`` replaced transformers' sdpa (and its
+    mask builder) in every model, and ``register("eager")`` made ``set_attn_implementation("eager")``
+    run the zoo, so a comparison against transformers' own attention compared the zoo with itself."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    # On a release that accepted the name, the registration must not outlive this test.
+    for interface in (transformers.AttentionInterface, AttentionMaskInterface):
+        monkeypatch.setattr(interface, "_global_mapping", dict(interface._global_mapping))
+    before = dict(transformers.AttentionInterface._global_mapping)
+    with pytest.raises(ValueError, match=rf"name '{builtin}' is one of transformers' own .*sdpa"):
+        zhf.register(builtin)
+    assert transformers.AttentionInterface._global_mapping == before
+    assert zhf.register("flexattn_zoo_not_builtin") == "flexattn_zoo_not_builtin"
+
+
 def test_compiled_inference_forward_with_its_cache_passed_in() -> None:
     """A sliding-window model (its mask on a flex route) under ``torch.compile(fullgraph=True)``
     with a cache: created outside the compiled call, as ``generate`` does, it compiles and gives
