@@ -65,7 +65,10 @@ model, which may pass them into transformers' mask creation again: :class:`HFMas
 few tensor attributes transformers reads there, and the builder rebuilds a handed-back HFMask for
 the new call with its padding.
 
-Dropout is not implemented: a call with ``dropout > 0`` raises instead of silently not dropping.
+Attention dropout while training (``dropout > 0``) is SDPA's ``dropout_p``, on the routes whose
+kernels implement it; a backend named in :func:`register` that has none raises instead of silently
+not dropping. ``output_attentions=True`` raises: no route computes the attention weights (use
+``eager`` for them).
 """
 
 from flexattn_zoo.hf.integration import DEFAULT_NAME, HFMask, register, translate

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +24,6 @@ from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.models.decode import one_query_over_prefix
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
-
-log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "flexattn_zoo"
 #: Keyword arguments transformers passes that change the math and that we cannot honour.
@@ -90,7 +87,12 @@ def _attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"flexattn_zoo attention cannot apply {name!r} (transformers passed one)")
     if kwargs.get("output_attentions"):
-        log.warning("flexattn_zoo attention does not return attention weights (output_attentions=True)")
+        # No kernel here computes the probabilities; transformers would then return an empty
+        # `attentions` tuple (a warning per layer and call, and an IndexError far from the cause).
+        raise ValueError(
+            "output_attentions=True: flexattn_zoo attention computes no attention weights; run the "
+            "model with attn_implementation='eager' (model.set_attn_implementation('eager')) to get them"
+        )
     route = backend
     if isinstance(attention_mask, HFMask):
         mask: Any = attention_mask.spec()

@@ -537,6 +537,18 @@ def test_register_refuses_transformers_own_names(builtin: str, monkeypatch: pyte
     assert zhf.register("flexattn_zoo_not_builtin") == "flexattn_zoo_not_builtin"
 
 
+def test_output_attentions_is_refused(name: str) -> None:
+    """No route computes attention weights: ``output_attentions=True`` warned once per layer and
+    call and returned an empty ``attentions`` tuple; now it raises, naming what to use instead."""
+    model = _model("llama")
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 8))
+    with torch.no_grad(), pytest.raises(ValueError, match="output_attentions=True.*'eager'"):
+        model(input_ids=ids, output_attentions=True)
+    with torch.no_grad():
+        assert model(input_ids=ids).attentions is None  # the default call is untouched
+
+
 def test_compiled_inference_forward_with_its_cache_passed_in() -> None:
     """A sliding-window model (its mask on a flex route) under ``torch.compile(fullgraph=True)``
     with a cache: created outside the compiled call, as ``generate`` does, it compiles and gives
