@@ -44,9 +44,11 @@ descriptor is shared by every layer of one type) into specs:
 Anything the reader does not recognise (another transformers version's closures, or overlays such
 as vision ``block_sequence_ids``) is *not* dropped: the attention runs with transformers' own mask
 function as a ``mask_mod`` (exact, but with no cheap forms and a new BlockMask per forward), and a
-warning says so once. ALiBi: no model family in transformers 5.x passes ALiBi through the
-attention interface (BLOOM, MPT and Falcon compute it in their own attention code), so
-``position_bias`` / ``alibi`` arguments are refused rather than ignored.
+warning says so once. ALiBi: no model family in transformers 5.x passes ALiBi to the attention
+function as an argument (BLOOM and MPT compute it in their own attention code), so
+``position_bias`` / ``alibi`` arguments are refused rather than ignored. Falcon with
+``alibi=True`` adds it to the mask tensor it builds: there the mask's first tensor attribute
+(``.dtype``) raises an ``AttributeError`` that says the model cannot run on the zoo.
 
 A ready-made 4-D mask passed by the caller (``attention_mask`` of shape ``[B, 1|H, Lq, Lkv]``)
 bypasses the builder. A boolean one (or a float one holding only 0 and the dtype's minimum, the

@@ -104,6 +104,20 @@ class HFMask:
     def contiguous(self, *args: Any, **kwargs: Any) -> HFMask:
         return self
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes HFMask lacks. Model code that goes on to compute with the
+        # mask as a tensor (Falcon with alibi=True adds its ALiBi bias to it: ``mask.dtype``)
+        # would otherwise fail with a bare "'HFMask' object has no attribute 'dtype'". Still an
+        # AttributeError, so hasattr() and getattr(..., default) answer as before.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"the attention mask is a flexattn_zoo.hf.HFMask (a description for the zoo's attention, "
+            f"not a tensor), and this model's code reads {name!r} from it to compute with the mask "
+            "itself (as Falcon with alibi=True does, adding its ALiBi bias to the mask); such a model "
+            "cannot run on flexattn_zoo: use attn_implementation='sdpa' or 'eager' for it"
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading transformers' mask functions

@@ -549,6 +549,21 @@ def test_output_attentions_is_refused(name: str) -> None:
         assert model(input_ids=ids).attentions is None  # the default call is untouched
 
 
+def test_models_that_compute_with_the_mask_tensor_get_an_error_that_says_so(name: str) -> None:
+    """Falcon with ``alibi=True`` adds its ALiBi bias to the mask create_causal_mask returns, which
+    here is an HFMask: that failed with a bare "'HFMask' object has no attribute 'dtype'"."""
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).eval()
+    with torch.no_grad(), pytest.raises(AttributeError, match=r"reads 'dtype'.*Falcon.*'sdpa' or 'eager'"):
+        model(input_ids=torch.randint(0, 100, (1, 6)))
+    # Still an AttributeError, so probing code answers as before.
+    mask = zhf.integration._mask_builder(1, 6, 6)
+    assert not hasattr(mask, "dtype") and getattr(mask, "device", None) is None
+
+
 def test_compiled_inference_forward_with_its_cache_passed_in() -> None:
     """A sliding-window model (its mask on a flex route) under ``torch.compile(fullgraph=True)``
     with a cache: created outside the compiled call, as ``generate`` does, it compiles and gives
