@@ -46,9 +46,10 @@ as vision ``block_sequence_ids``) is *not* dropped: the attention runs with tran
 function as a ``mask_mod`` (exact, but with no cheap forms and a new BlockMask per forward), and a
 warning says so once. ALiBi: no model family in transformers 5.x passes ALiBi to the attention
 function as an argument (BLOOM and MPT compute it in their own attention code), so
-``position_bias`` / ``alibi`` arguments are refused rather than ignored. Falcon with
-``alibi=True`` adds it to the mask tensor it builds: there the mask's first tensor attribute
-(``.dtype``) raises an ``AttributeError`` that says the model cannot run on the zoo.
+``position_bias`` / ``alibi`` arguments are refused rather than ignored. Models that compute
+with the mask tensor themselves (Falcon with ``alibi=True`` adds ALiBi to it; BLOOM and MPT add it
+to their own scores) cannot run on the zoo: the first tensor attribute they read from the
+:class:`HFMask`, or its use as an operand, raises an error that says so.
 
 A ready-made 4-D mask passed by the caller (``attention_mask`` of shape ``[B, 1|H, Lq, Lkv]``)
 bypasses the builder. A boolean one (or a float one holding only 0 and the dtype's minimum, the

@@ -549,17 +549,29 @@ def test_output_attentions_is_refused(name: str) -> None:
         assert model(input_ids=ids).attentions is None  # the default call is untouched
 
 
-def test_models_that_compute_with_the_mask_tensor_get_an_error_that_says_so(name: str) -> None:
-    """Falcon with ``alibi=True`` adds its ALiBi bias to the mask create_causal_mask returns, which
-    here is an HFMask: that failed with a bare "'HFMask' object has no attribute 'dtype'"."""
-    torch.manual_seed(0)
-    config = transformers.FalconConfig(
+MASK_TENSOR_MODELS = {
+    # Falcon adds its ALiBi bias to the mask create_causal_mask returns (``mask.dtype``).
+    "falcon_alibi": lambda: transformers.FalconConfig(
         vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name).eval()
-    with torch.no_grad(), pytest.raises(AttributeError, match=r"reads 'dtype'.*Falcon.*'sdpa' or 'eager'"):
+    ),
+    # BLOOM and MPT add the mask to attention scores in their own attention code.
+    "bloom": lambda: transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=1, n_head=4),
+    "mpt": lambda: transformers.MptConfig(vocab_size=100, d_model=64, n_layers=1, n_heads=4, max_seq_len=64),
+}
+
+
+@pytest.mark.parametrize("kind", list(MASK_TENSOR_MODELS))
+def test_models_that_compute_with_the_mask_tensor_get_an_error_that_says_so(kind: str, name: str) -> None:
+    """Models whose own code computes with the mask tensor got an HFMask and failed with a bare
+    "'HFMask' object has no attribute 'dtype'" (Falcon with alibi=True), "... no attribute 'to'"
+    (MPT) or "unsupported operand type(s) for +: 'Tensor' and 'HFMask'" (BLOOM)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        MASK_TENSOR_MODELS[kind](), attn_implementation=name
+    ).eval()
+    with torch.no_grad(), pytest.raises((AttributeError, TypeError), match=r"HFMask.*'sdpa' or 'eager'"):
         model(input_ids=torch.randint(0, 100, (1, 6)))
-    # Still an AttributeError, so probing code answers as before.
+    # Still an AttributeError for a missing attribute, so probing code answers as before.
     mask = zhf.integration._mask_builder(1, 6, 6)
     assert not hasattr(mask, "dtype") and getattr(mask, "device", None) is None
 
