@@ -44,9 +44,12 @@ descriptor is shared by every layer of one type) into specs:
 Anything the reader does not recognise (another transformers version's closures, or overlays such
 as vision ``block_sequence_ids``) is *not* dropped: the attention runs with transformers' own mask
 function as a ``mask_mod`` (exact, but with no cheap forms and a new BlockMask per forward), and a
-warning says so once. ALiBi: no model family in transformers 5.x passes ALiBi through the
-attention interface (BLOOM, MPT and Falcon compute it in their own attention code), so
-``position_bias`` / ``alibi`` arguments are refused rather than ignored.
+warning says so once. ALiBi: no model family in transformers 5.x passes ALiBi to the attention
+function as an argument (BLOOM and MPT compute it in their own attention code), so
+``position_bias`` / ``alibi`` arguments are refused rather than ignored. Models that compute
+with the mask tensor themselves (Falcon with ``alibi=True`` adds ALiBi to it; BLOOM and MPT add it
+to their own scores) cannot run on the zoo: the first tensor attribute they read from the
+:class:`HFMask`, or its use as an operand, raises an error that says so.
 
 A ready-made 4-D mask passed by the caller (``attention_mask`` of shape ``[B, 1|H, Lq, Lkv]``)
 bypasses the builder. A boolean one (or a float one holding only 0 and the dtype's minimum, the
@@ -65,7 +68,10 @@ model, which may pass them into transformers' mask creation again: :class:`HFMas
 few tensor attributes transformers reads there, and the builder rebuilds a handed-back HFMask for
 the new call with its padding.
 
-Dropout is not implemented: a call with ``dropout > 0`` raises instead of silently not dropping.
+Attention dropout while training (``dropout > 0``) is SDPA's ``dropout_p``, on the routes whose
+kernels implement it; a backend named in :func:`register` that has none raises instead of silently
+not dropping. ``output_attentions=True`` raises: no route computes the attention weights (use
+``eager`` for them).
 """
 
 from flexattn_zoo.hf.integration import DEFAULT_NAME, HFMask, register, translate

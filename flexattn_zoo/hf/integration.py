@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +24,6 @@ from flexattn_zoo.masks.causal import OffsetCausal
 from flexattn_zoo.models.decode import one_query_over_prefix
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
-
-log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "flexattn_zoo"
 #: Keyword arguments transformers passes that change the math and that we cannot honour.
@@ -90,7 +87,12 @@ def _attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"flexattn_zoo attention cannot apply {name!r} (transformers passed one)")
     if kwargs.get("output_attentions"):
-        log.warning("flexattn_zoo attention does not return attention weights (output_attentions=True)")
+        # No kernel here computes the probabilities; transformers would then return an empty
+        # `attentions` tuple (a warning per layer and call, and an IndexError far from the cause).
+        raise ValueError(
+            "output_attentions=True: flexattn_zoo attention computes no attention weights; run the "
+            "model with attn_implementation='eager' (model.set_attn_implementation('eager')) to get them"
+        )
     route = backend
     if isinstance(attention_mask, HFMask):
         mask: Any = attention_mask.spec()
@@ -165,6 +167,18 @@ def _decode_step(
 _BAND_MASKS = (Causal, OffsetCausal, Band, SlidingWindow)
 
 
+def _builtin_names(*interfaces: Any) -> set[str]:
+    """The implementation names transformers itself defines: ``eager`` (which the models call
+    directly, not through the interface, unless the interface holds an entry of that name) and the
+    entries of the global attention and mask interfaces whose functions transformers defines."""
+    names = {"eager"}
+    for interface in interfaces:
+        for key, fn in getattr(interface, "_global_mapping", {}).items():
+            if str(getattr(fn, "__module__", "")).split(".")[0] == "transformers":
+                names.add(key)
+    return names
+
+
 def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     """Register the zoo as transformers attention implementation ``name`` and return ``name``.
 
@@ -172,13 +186,25 @@ def register(name: str = DEFAULT_NAME, *, backend: str = "auto") -> str:
     ``model.set_attn_implementation(name)``) runs every attention layer through ``fz.attention``
     with the specs described in this module's docstring. ``backend`` is passed to
     ``fz.attention`` (``"auto"`` picks the fastest exact route); register several names to
-    compare routes. Calling it again with the same name replaces the entry.
+    compare routes. Calling it again with the same name replaces the entry. transformers' own
+    names (``eager``, ``sdpa``, ``flex_attention``, ...) are refused: the interfaces are global, so
+    registering one would replace transformers' implementation for every model in the process.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     check_backend(backend)
     tf = _transformers()
     from transformers.masking_utils import AttentionMaskInterface
+
+    builtin = _builtin_names(tf.AttentionInterface, AttentionMaskInterface)
+    if name in builtin:
+        # The interfaces are process-wide: "sdpa" would run every sdpa model (and every comparison
+        # against it) on the zoo, with transformers' own function gone for the process.
+        raise ValueError(
+            f"name {name!r} is one of transformers' own attention implementations "
+            f"({', '.join(sorted(builtin))}); registering it would replace transformers' {name!r} "
+            f"in every model of the process: choose another name (the default is {DEFAULT_NAME!r})"
+        )
 
     if structural_reader_enabled():
         # Inside a compiled model the mask functions are made in the graph: let the reader read

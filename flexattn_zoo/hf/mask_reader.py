@@ -104,6 +104,32 @@ class HFMask:
     def contiguous(self, *args: Any, **kwargs: Any) -> HFMask:
         return self
 
+    # Model code that computes with the mask as a tensor itself (Falcon with alibi=True adds its
+    # ALiBi bias to it; BLOOM and MPT add it to their own attention scores) would otherwise fail
+    # with a bare "'HFMask' object has no attribute 'dtype'" or "unsupported operand type(s)".
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes HFMask lacks. Still an AttributeError, so hasattr() and
+        # getattr(..., default) answer as before.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise AttributeError(_not_a_tensor(f"reads {name!r} from it"))
+
+    def _operand(self, *_: Any) -> Any:
+        raise TypeError(_not_a_tensor("uses it as an operand"))
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _operand
+    __and__ = __rand__ = __or__ = __ror__ = __invert__ = __getitem__ = _operand
+
+
+def _not_a_tensor(action: str) -> str:
+    return (
+        "the attention mask is a flexattn_zoo.hf.HFMask (a description for the zoo's attention, not a "
+        f"tensor), and this model's code {action} to compute with the mask itself (as Falcon with "
+        "alibi=True, BLOOM and MPT do); such a model cannot run on flexattn_zoo: use "
+        "attn_implementation='sdpa' or 'eager' for it"
+    )
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading transformers' mask functions

@@ -520,6 +520,62 @@ def test_register_checks_the_backend_when_called() -> None:
         zhf.register("flexattn_zoo_bogus", backend=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("builtin", ["eager", "sdpa", "flex_attention", "flash_attention_2"])
+def test_register_refuses_transformers_own_names(builtin: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both interfaces are process-wide: ``register("sdpa")`` replaced transformers' sdpa (and its
+    mask builder) in every model, and ``register("eager")`` made ``set_attn_implementation("eager")``
+    run the zoo, so a comparison against transformers' own attention compared the zoo with itself."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    # On a release that accepted the name, the registration must not outlive this test.
+    for interface in (transformers.AttentionInterface, AttentionMaskInterface):
+        monkeypatch.setattr(interface, "_global_mapping", dict(interface._global_mapping))
+    before = dict(transformers.AttentionInterface._global_mapping)
+    with pytest.raises(ValueError, match=rf"name '{builtin}' is one of transformers' own .*sdpa"):
+        zhf.register(builtin)
+    assert transformers.AttentionInterface._global_mapping == before
+    assert zhf.register("flexattn_zoo_not_builtin") == "flexattn_zoo_not_builtin"
+
+
+def test_output_attentions_is_refused(name: str) -> None:
+    """No route computes attention weights: ``output_attentions=True`` warned once per layer and
+    call and returned an empty ``attentions`` tuple; now it raises, naming what to use instead."""
+    model = _model("llama")
+    model.set_attn_implementation(name)
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 8))
+    with torch.no_grad(), pytest.raises(ValueError, match="output_attentions=True.*'eager'"):
+        model(input_ids=ids, output_attentions=True)
+    with torch.no_grad():
+        assert model(input_ids=ids).attentions is None  # the default call is untouched
+
+
+MASK_TENSOR_MODELS = {
+    # Falcon adds its ALiBi bias to the mask create_causal_mask returns (``mask.dtype``).
+    "falcon_alibi": lambda: transformers.FalconConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, alibi=True
+    ),
+    # BLOOM and MPT add the mask to attention scores in their own attention code.
+    "bloom": lambda: transformers.BloomConfig(vocab_size=100, hidden_size=64, n_layer=1, n_head=4),
+    "mpt": lambda: transformers.MptConfig(vocab_size=100, d_model=64, n_layers=1, n_heads=4, max_seq_len=64),
+}
+
+
+@pytest.mark.parametrize("kind", list(MASK_TENSOR_MODELS))
+def test_models_that_compute_with_the_mask_tensor_get_an_error_that_says_so(kind: str, name: str) -> None:
+    """Models whose own code computes with the mask tensor got an HFMask and failed with a bare
+    "'HFMask' object has no attribute 'dtype'" (Falcon with alibi=True), "... no attribute 'to'"
+    (MPT) or "unsupported operand type(s) for +: 'Tensor' and 'HFMask'" (BLOOM)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        MASK_TENSOR_MODELS[kind](), attn_implementation=name
+    ).eval()
+    with torch.no_grad(), pytest.raises((AttributeError, TypeError), match=r"HFMask.*'sdpa' or 'eager'"):
+        model(input_ids=torch.randint(0, 100, (1, 6)))
+    # Still an AttributeError for a missing attribute, so probing code answers as before.
+    mask = zhf.integration._mask_builder(1, 6, 6)
+    assert not hasattr(mask, "dtype") and getattr(mask, "device", None) is None
+
+
 def test_compiled_inference_forward_with_its_cache_passed_in() -> None:
     """A sliding-window model (its mask on a flex route) under ``torch.compile(fullgraph=True)``
     with a cache: created outside the compiled call, as ``generate`` does, it compiles and gives
