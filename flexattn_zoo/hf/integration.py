@@ -97,7 +97,7 @@ def _attention_forward(
     if isinstance(attention_mask, HFMask):
         mask: Any = attention_mask.spec()
     elif attention_mask is None:
-        mask = None  # what eager does with no mask: nothing is masked
+        mask = _maskless(module, query.shape[2], kwargs.get("is_causal"))
     elif isinstance(attention_mask, _compat.BlockMask):
         mask = attention_mask
     elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
@@ -137,6 +137,18 @@ def _attention_forward(
         )
         out, _ = apply_sinks(out, lse, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _maskless(module: Any, q_len: int, is_causal: Any) -> Any:
+    """The mask of a call that got no ``attention_mask``, as transformers' ``sdpa`` and
+    FlashAttention functions read it: causal (top-left aligned, SDPA's ``is_causal``) where more
+    than one query comes and the call's ``is_causal`` (else the module's ``is_causal``, True when
+    it has none) asks for it, else none. A decoder's module is causal, an encoder's says
+    ``is_causal = False``. Models whose masks go through the registered mask builder always pass
+    one; this serves those that call the attention function without building a mask, so they
+    compute what they compute on ``sdpa``."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    return Causal() if causal and q_len > 1 else None
 
 
 def _decode_step(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -363,15 +364,40 @@ def test_four_d_masks_go_dense_and_biases_are_refused() -> None:
     with pytest.raises(ValueError, match="additive"):
         zhf.integration._attention_forward(None, q, k, v, additive + 0.5)
     # Training-time attention dropout is SDPA's dropout_p (seeded: the same draw as fz.attention's).
+    encoder = torch.nn.Module()
+    encoder.is_causal = False  # no mask and a non-causal module: nothing is masked
     torch.manual_seed(0)
-    dropped, _ = zhf.integration._attention_forward(None, q, k, v, None, dropout=0.1)
+    dropped, _ = zhf.integration._attention_forward(encoder, q, k, v, None, dropout=0.1)
     torch.manual_seed(0)
     direct = fz.attention(q, k, v, enable_gqa=True, dropout_p=0.1).transpose(1, 2)
     torch.testing.assert_close(dropped, direct, rtol=0, atol=0)
-    undropped, _ = zhf.integration._attention_forward(None, q, k, v, None)
+    undropped, _ = zhf.integration._attention_forward(encoder, q, k, v, None)
     assert not torch.equal(dropped, undropped)
     with pytest.raises(ValueError, match="position_bias"):
         zhf.integration._attention_forward(None, q, k, v, None, position_bias=torch.zeros(1))
+
+
+@pytest.mark.parametrize(
+    ("module_causal", "call_causal", "q_len"),
+    [(None, None, 6), (True, None, 6), (False, None, 6), (True, False, 6), (False, True, 6), (True, None, 1)],
+)
+def test_no_mask_is_read_as_transformers_sdpa_reads_it(
+    module_causal: Any, call_causal: Any, q_len: int
+) -> None:
+    # No attention_mask: causal or not by the call's is_causal, else the module's (True when it
+    # has none), only with more than one query: what transformers' own sdpa function computes.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    if module_causal is not None:
+        module.is_causal = module_causal
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, q_len, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 4, 6, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    extra = {} if call_causal is None else {"is_causal": call_causal}
+    ours, _ = zhf.integration._attention_forward(module, q, k, v, None, **extra)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, None, **extra)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
