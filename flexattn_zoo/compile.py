@@ -273,11 +273,14 @@ def _symbolic(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in x.shape)
 
 
-#: How many calls deep :func:`mod_key` follows the functions a mod reaches (cells, globals,
-#: defaults): Dynamo inlines them, and bakes the Python values they read into the graph too.
+#: How many hops through module globals :func:`mod_key` follows (a mod calling a module-level
+#: helper, which calls another...): Dynamo inlines them, and bakes the Python values they read
+#: into the graph too. Closure cells are followed all the way (a mask composed of many nested
+#: ``and_masks`` must keep sharing its entry), with a guard against cycles.
 MOD_KEY_DEPTH = 4
-#: Attributes of an object (or entries of a global dict) a key takes by value at most; a larger
-#: one is keyed by its identity (a captured registry of thousands of entries is not walked).
+#: Entries of a global container (list, tuple, dict) or attributes of an object a key takes by
+#: value at most; a larger one is keyed by its identity (a module-level table of thousands of
+#: entries is not walked for every key).
 MOD_KEY_ITEMS = 64
 #: Python values Dynamo bakes into a graph as constants (and guards on).
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
@@ -290,54 +293,71 @@ def mod_key(fn: Any) -> Hashable:
     so a new ``Document`` (new ids, same length) per training step reuses the compiled kernel
     instead of compiling a new one every step. Captured Python values (window sizes, caps) are
     baked into the kernel, so they stay part of the key, however the mod reads them: closure
-    cells, default arguments, the module globals its code names, a bound method's object's
-    attributes, and the same in the functions it calls (:data:`MOD_KEY_DEPTH` deep). Two mods
-    that differ in such a value and shared an entry made Dynamo recompile it with the value
-    symbolic (automatic dynamic), which torch's CPU flex kernel cannot lower. Dynamo's own guards
-    keep each call correct; this key only decides which calls share a compile cache.
+    cells, default arguments, the module globals its code names, the attributes its code names
+    on a bound method's object or a global object (``self.cap``, ``CONFIG.cap``), and the same in
+    the functions it calls. Two mods that differ in such a value and shared an entry made Dynamo
+    recompile it with the value symbolic (automatic dynamic), which torch's CPU flex kernel
+    cannot lower. Attributes the code does not name (a step counter on the same object) stay out
+    of the key. Dynamo's own guards keep each call correct; this key only decides which calls
+    share a compile cache.
     """
-    return _mod_key(fn, MOD_KEY_DEPTH)
+    return _mod_key(fn, MOD_KEY_DEPTH, frozenset())
 
 
-def _mod_key(fn: Any, depth: int) -> Hashable:
+def _mod_key(fn: Any, depth: int, seen: frozenset[int]) -> Hashable:
     if fn is None:
         return None
     code = getattr(fn, "__code__", None)
     if code is None:
         return ("object", fn)
+    if id(fn) in seen:
+        return ("cycle", code)  # a closure that captures itself (a recursive helper)
     if depth <= 0:
         return ("function", code, _Ref(fn))  # past the depth: only this very function shares it
+    seen = seen | {id(fn)}
     func = getattr(fn, "__func__", fn)  # a bound method's function
-    cells = tuple(_captured_key(c.cell_contents, depth) for c in (getattr(func, "__closure__", None) or ()))
-    return ("function", code, cells, *_read_constants(fn, func, code, depth))
+    cells = tuple(_cell_key(c, depth, seen) for c in (getattr(func, "__closure__", None) or ()))
+    return ("function", code, cells, *_read_constants(fn, func, code, depth, seen))
 
 
-def _read_constants(fn: Any, func: Any, code: types.CodeType, depth: int) -> tuple[Hashable, ...]:
+def _cell_key(cell: Any, depth: int, seen: frozenset[int]) -> Hashable:
+    try:
+        value = cell.cell_contents
+    except ValueError:  # an empty cell (a name the enclosing function binds later)
+        return ("empty",)
+    return _captured_key(value, depth, seen)
+
+
+def _read_constants(
+    fn: Any, func: Any, code: types.CodeType, depth: int, seen: frozenset[int]
+) -> tuple[Hashable, ...]:
     """The values besides closure cells that ``fn`` may read and Dynamo would bake into its graph:
-    default arguments, the globals its code names, and a bound method's object's attributes."""
+    default arguments, the globals its code names, and the attributes it names on a bound
+    method's object."""
     parts: list[Hashable] = []
     defaults = (
         *(getattr(func, "__defaults__", None) or ()),
         *(getattr(func, "__kwdefaults__", None) or {}).items(),
     )
     if defaults:
-        parts.append(("defaults", tuple(_captured_key(d, depth) for d in defaults)))
-    names = getattr(func, "__globals__", None)
-    if isinstance(names, dict):
+        parts.append(("defaults", tuple(_captured_key(d, depth, seen) for d in defaults)))
+    names = _global_names(code)  # co_names: the globals and the attributes the code loads
+    module = getattr(func, "__globals__", None)
+    if isinstance(module, dict):
         found = []
-        for name in _global_names(code):
-            if name in names:
-                value = _global_key(names[name], depth)
+        for name in names:
+            if name in module:
+                value = _global_key(module[name], names, depth, seen)
                 if value is not None:
                     found.append((name, value))
         if found:
             parts.append(("globals", tuple(found)))
     if isinstance(fn, types.MethodType):
-        parts.append(("self", type(fn.__self__), _attributes_key(fn.__self__)))
+        parts.append(("self", type(fn.__self__), _attributes_key(fn.__self__, names, seen)))
     return tuple(parts)
 
 
-def _global_key(value: Any, depth: int) -> Hashable | None:
+def _global_key(value: Any, names: tuple[str, ...], depth: int, seen: frozenset[int]) -> Hashable | None:
     """A global's share of a key; None for what Dynamo treats as fixed (modules, classes,
     torch's own functions) or cannot read as a constant anyway."""
     if isinstance(value, (types.ModuleType, type)):
@@ -345,32 +365,39 @@ def _global_key(value: Any, depth: int) -> Hashable | None:
     if isinstance(value, types.FunctionType):
         if (value.__module__ or "").split(".")[0] == "torch":
             return None
-        return _mod_key(value, depth - 1)
-    if isinstance(value, (*_SCALARS, torch.Tensor, list, tuple)):
-        return _captured_key(value, depth)
-    if isinstance(value, dict):
-        return ("dict", _items_key(value, value.items(), depth))
+        return _mod_key(value, depth - 1, seen)
+    if isinstance(value, (*_SCALARS, torch.Tensor)):
+        return _captured_key(value, depth, seen)
+    if isinstance(value, (list, tuple, dict)):
+        if len(value) > MOD_KEY_ITEMS:
+            return ("id", _Ref(value))
+        if isinstance(value, dict):
+            return ("dict", _items_key(value, value.items(), depth, seen))
+        return _captured_key(value, depth, seen)
     if callable(value):
         return None  # builtins, partials, callable objects: their identity does not change
     if hasattr(value, "__dict__"):
-        return (type(value), _attributes_key(value))
+        return (type(value), _attributes_key(value, names, seen))
     return None
 
 
-def _attributes_key(obj: Any) -> Hashable:
-    """An object's attributes as a key: the Python values among them by value (what a method
-    reading ``self.cap`` bakes into its graph), tensors by shape, dtype and device."""
+def _attributes_key(obj: Any, names: tuple[str, ...], seen: frozenset[int]) -> Hashable:
+    """The attributes of ``obj`` that the code names (``names``: what a method reading
+    ``self.cap`` bakes into its graph): Python values by value, tensors by shape, dtype and
+    device; submodules, parameter dicts and attributes it never reads stay out."""
     attrs = getattr(obj, "__dict__", None)
     if not isinstance(attrs, dict):
         return ("id", _Ref(obj))
-    return _items_key(obj, attrs.items(), MOD_KEY_DEPTH, plain_only=True)
+    read = [(name, attrs[name]) for name in names if name in attrs]
+    return _items_key(obj, read, MOD_KEY_DEPTH, seen, plain_only=True)
 
 
-def _items_key(owner: Any, items: Any, depth: int, *, plain_only: bool = False) -> Hashable:
+def _items_key(
+    owner: Any, items: Any, depth: int, seen: frozenset[int], *, plain_only: bool = False
+) -> Hashable:
     """``(name, key)`` of the named values in ``items``; with ``plain_only`` only Python scalars
-    (baked into a graph) and tensors (lifted into it) take part, so an object's submodules and
-    parameter dicts do not (an ``nn.Module``'s). More than :data:`MOD_KEY_ITEMS` entries:
-    ``owner``'s identity instead."""
+    (baked into a graph) and tensors (lifted into it) take part. More than
+    :data:`MOD_KEY_ITEMS` entries: ``owner``'s identity instead."""
     try:
         listed = list(items)
     except RuntimeError:  # changed size while read (another thread): no sharing by value
@@ -378,19 +405,22 @@ def _items_key(owner: Any, items: Any, depth: int, *, plain_only: bool = False) 
     if len(listed) > MOD_KEY_ITEMS:
         return ("id", _Ref(owner))
     return tuple(
-        (name, _captured_key(value, depth))
+        (name, _captured_key(value, depth, seen))
         for name, value in listed
         if not plain_only or isinstance(value, (*_SCALARS, torch.Tensor))
     )
 
 
-def _captured_key(value: Any, depth: int = MOD_KEY_DEPTH) -> Hashable:
+def _captured_key(value: Any, depth: int = MOD_KEY_DEPTH, seen: frozenset[int] = frozenset()) -> Hashable:
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype, value.device.type)
     if callable(value) and hasattr(value, "__code__"):
-        return _mod_key(value, depth - 1)
+        return _mod_key(value, depth, seen)
     if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *(_captured_key(v, depth) for v in value))
+        if id(value) in seen:
+            return ("cycle", type(value).__name__)  # a list that holds itself
+        inner = seen | {id(value)}
+        return (type(value).__name__, *(_captured_key(v, depth, inner) for v in value))
     try:
         hash(value)
     except TypeError:

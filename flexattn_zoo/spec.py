@@ -55,6 +55,15 @@ _SpecT = TypeVar("_SpecT")
 _ModT = TypeVar("_ModT")
 
 
+#: Spec classes seen holding a tensor when built under ``torch.inference_mode``: built outside it
+#: from then on (see ``spec_dataclass``).
+_HOLDS_TENSORS: set[type] = set()
+
+
+def _holds_inference_tensor(spec: Any) -> bool:
+    return any(t.is_inference() for value in vars(spec).values() for t in _tensors_in(value))
+
+
 # dataclass_transform tells type checkers the fields are the class's annotated attributes.
 @dataclass_transform(kw_only_default=True, frozen_default=True, eq_default=False)
 def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
@@ -74,7 +83,8 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         compiling = _compat.is_compiling()
-        if not compiling and torch.is_inference_mode_enabled():
+        inference = not compiling and torch.is_inference_mode_enabled()
+        if inference and type(self) in _HOLDS_TENSORS:
             # Not as inference tensors: caches keyed by the spec's value hand its tensors (and
             # what __post_init__ derives from them) to later calls, training ones too (see
             # _compat.outside_inference_mode; inlined here, specs are built on every call).
@@ -82,6 +92,12 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
                 build(self, *args, **kwargs)
         else:
             build(self, *args, **kwargs)
+            if inference and _holds_inference_tensor(self):
+                # Built again outside inference mode; and so from now on for this class (the
+                # two context managers cost microseconds a spec without tensors need not pay).
+                _HOLDS_TENSORS.add(type(self))
+                with torch.inference_mode(False), torch.no_grad():
+                    build(self, *args, **kwargs)
         if compiling:
             # Made inside a graph being traced: see graph_memo.
             object.__setattr__(self, "_graph_memo", {})
@@ -168,10 +184,13 @@ def _owned(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         if _is_owned(value):
             return value
-        if value.requires_grad:
-            return value if _compat.is_compiling() else _remember(_BORROWED, value)
-        if not _compat.is_compiling() and _listed(_BORROWED, value):
-            return value
+        if _compat.is_compiling():
+            if value.requires_grad:
+                return value
+        elif _listed(_BORROWED, value):
+            return value  # kept as the caller's already (a learned tensor, maybe frozen since)
+        elif value.requires_grad:
+            return _remember(_BORROWED, value)
         return _mark_owned(value.detach().clone(memory_format=torch.contiguous_format))
     if isinstance(value, (tuple, list)) and any(isinstance(v, (torch.Tensor, tuple, list)) for v in value):
         items = [_owned(v) for v in value]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 import torch
@@ -51,14 +51,15 @@ def check_flag(name: str, value: object) -> bool:
 
 
 def check_count(name: str, value: object) -> int:
-    """``value`` if it is a plain int >= 1 (a number of heads, a layer period); ``name`` is how the
-    message names the argument, e.g. ``"Attention(num_heads=...)"``. ``bool`` is refused although it
-    subclasses ``int``: ``num_heads=True`` is a bug, not one head."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an int if it is an integer >= 1 (a number of heads, a layer period; numpy's
+    integers too, as a config read with numpy gives them); ``name`` is how the message names the
+    argument, e.g. ``"Attention(num_heads=...)"``. ``bool`` is refused although it subclasses
+    ``int``: ``num_heads=True`` is a bug, not one head."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 def check_tolerance(name: str, value: object, *, positive: bool = False) -> float:
@@ -192,7 +193,9 @@ def check_device_arg(device: Any, arg: str = "device") -> torch.device:
     if dev.type not in SUPPORTED_DEVICES:
         choices = ", ".join(SUPPORTED_DEVICES)
         raise ValueError(f"{arg} {str(dev)!r} has no attention route; use one of: {choices}")
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not _compat.is_compiling():
+        # (Not while traced: Dynamo cannot put device_count() in a graph, and the traced call's
+        # tensors are already on the device.)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
             raise ValueError(f"{arg} {str(dev)!r} is not available (no CUDA device); use 'cpu'")

@@ -139,7 +139,8 @@ def _run(
         kwargs["dropout_p"] = dropout_p
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
-    check_qkv(q, k, v, enable_gqa=gqa)  # before reading q's heads and device for the sinks
+    if not _plain_4d(q):  # q's heads and device are read for the sinks: say what is wrong first
+        check_qkv(q, k, v, enable_gqa=gqa)  # (a plain 4-D q is checked by attention, once)
     check_sinks(sinks, q.shape[1], q.device)
     score = as_score_spec(la.score_mod)
     if score is not None and score.is_activation():

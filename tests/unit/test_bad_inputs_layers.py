@@ -139,3 +139,13 @@ def test_valid_preset_parameters_still_work() -> None:
     assert fz.presets.get("llama4", layer=0, every=1).kind == "global"
     layer = fz.Attention(mask="causal", sinks=True, num_heads=H)
     assert layer(Q, Q, Q).shape == Q.shape
+
+
+def test_numpy_integer_counts_are_counts() -> None:
+    # A config read with numpy gives numpy integers: they are counts like Python ints (bool is not).
+    np = pytest.importorskip("numpy")
+    layer = fz.Attention(mask="causal", sinks=True, num_heads=np.int64(H))
+    assert layer(Q, Q, Q).shape == Q.shape
+    assert fz.presets.get("gemma3", layer=0, every=np.int32(6)) is not None
+    with pytest.raises(TypeError, match=r"num_heads=...\) must be an int >= 1"):
+        fz.Attention(mask="causal", num_heads=np.bool_(True))

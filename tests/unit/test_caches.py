@@ -215,6 +215,52 @@ def test_compile_keys_hold_the_constants_a_mod_reads_however_it_reads_them(
     )
 
 
+_CYCLE: list[Any] = []
+_CYCLE.append(_CYCLE)
+
+
+def _reads_a_cyclic_global(score: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return score if _CYCLE else -score
+
+
+def test_compile_keys_leave_out_what_a_mod_does_not_read_and_follow_deep_closures() -> None:
+    """What must still share an entry: an attribute the mod never names (a step counter on the
+    same object) stays out of the key, and a new per-step closure under many levels of composed
+    closures keys like the last one. Self-referencing values key without recursing forever."""
+    key = compile.mod_key
+    capped = _Capped(2.0)
+    before = key(capped.score)
+    capped.step = 7  # an attribute score() never reads
+    assert key(capped.score) == before
+
+    def nested(ids: torch.Tensor) -> Any:
+        def same_doc(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return ids[q] == ids[kv]
+
+        mod = same_doc
+        for _ in range(compile.MOD_KEY_DEPTH + 2):
+            mod = _and_causal(mod)
+        return mod
+
+    assert key(nested(torch.zeros(8))) == key(nested(torch.ones(8)))
+
+    def recursive() -> Any:
+        def mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return q >= kv if mod is not None else q < kv
+
+        return mod
+
+    assert key(recursive()) == key(recursive())
+    assert key(_reads_a_cyclic_global) == key(_reads_a_cyclic_global)
+
+
+def _and_causal(inner: Any) -> Any:
+    def both(b: Any, h: Any, q: Any, kv: Any) -> Any:
+        return inner(b, h, q, kv) & (q >= kv)
+
+    return both
+
+
 def test_two_bound_method_score_mods_with_different_constants_run_on_flex_cpu() -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))

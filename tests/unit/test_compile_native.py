@@ -511,3 +511,20 @@ def test_export_refuses_a_route_that_cannot_be_traced_by_name() -> None:
         ValueError, match=r"backend 'sdpa_flash' cannot run this call.*torch\.compile'd graph"
     ):
         torch.export.export(_Block(mask=doc, backend="sdpa_flash"), (q, k, v), strict=False)
+
+
+def test_a_device_argument_is_not_looked_up_while_traced() -> None:
+    # Traced flex calls build their BlockMask and mask_mod through check_device_arg on q's device;
+    # the CUDA device-count lookup it makes eagerly cannot be put in a graph (Dynamo: "torch.* op
+    # returned non-Tensor"), and the traced call's tensors are on that device already. So while
+    # traced it is skipped: here a CPU-only build traces a "cuda:0" argument, refused eagerly.
+    from flexattn_zoo.validation import check_device_arg
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x + (1 if check_device_arg("cuda:0").type == "cuda" else 0)
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            fn(torch.zeros(2))
+    out = torch.compile(fn, fullgraph=True, backend="eager")(torch.zeros(2))
+    assert torch.equal(out, torch.ones(2))

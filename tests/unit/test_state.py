@@ -861,3 +861,22 @@ def test_a_layers_callable_is_probed_again_when_its_state_changes() -> None:
     fz.invalidate(mask_mod)
     want = reference_attention(q, k, v, mask=mask_mod)
     torch.testing.assert_close(layer(q, k, v), want.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_after_an_inference_mode_step_of_the_same_shapes_runs() -> None:
+    """decode_step caches its decode mask per shape and updates its tensors in place each step;
+    built by a step under ``torch.inference_mode()`` they were inference tensors, and the next
+    step of the same shapes outside it failed ("Inplace update to inference tensor outside
+    InferenceMode")."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 1, 16, generator=g)
+    k, v = (torch.randn(2, 2, 96, 16, generator=g) for _ in range(2))
+    lens = torch.tensor([40, 77])
+    with torch.inference_mode():
+        fz.decode.decode_step(q, k, v, lens, backend="flex_cpu")
+    with torch.no_grad():
+        out = fz.decode.decode_step(q, k, v, lens, backend="flex_cpu")
+    for row, n in enumerate(lens.tolist()):
+        assert_matches_reference(
+            out[row : row + 1], q[row : row + 1], k[row : row + 1, :, :n], v[row : row + 1, :, :n]
+        )

@@ -11,6 +11,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from flexattn_zoo import _compat
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import needs_grad
 from flexattn_zoo.functions import FunctionMask, FunctionScore
@@ -269,17 +270,21 @@ def decode_step(
     # Per calling thread (see _caller): the mask's tensors are written by this step's update and
     # read by this step's kernel, so no two threads may share them.
     key = (spec, batch, q_len, capacity, n_physical, block_size, q_block_size, q.device, _caller())
+    # Built outside inference mode: later steps outside it (a no_grad loop after an
+    # inference_mode one) update the mask's tensors in place, which inference tensors refuse.
     dm = CACHE.get_or_create(
         key,
-        lambda: DecodeMask(
-            spec,
-            batch,
-            q_len,
-            capacity,
-            n_physical=n_physical,
-            device=q.device,
-            block_size=block_size,
-            q_block_size=q_block_size,
+        lambda: _compat.outside_inference_mode(
+            lambda: DecodeMask(
+                spec,
+                batch,
+                q_len,
+                capacity,
+                n_physical=n_physical,
+                device=q.device,
+                block_size=block_size,
+                q_block_size=q_block_size,
+            )
         ),
     )
     inner_score = score.score_mod(fast=on_cuda) if score is not None else None
