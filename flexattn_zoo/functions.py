@@ -460,6 +460,17 @@ class FunctionScore(_TracksCallable, ScoreSpec):
         # What the function closes over: a learnable bias there makes the call need a backward.
         return captured_tensors(self.fn)
 
+    def captures_grad_tensors(self) -> bool:
+        try:
+            return super().captures_grad_tensors()
+        except AttributeError:
+            # Traced, a function made inside the compiled region shows Dynamo no closure or
+            # globals to walk: what it captures is unknown, so it may be a learned tensor, whose
+            # gradient needs a route with a backward.
+            if not _compat.is_compiling():
+                raise
+            return True
+
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
         b, h, q, kv = (g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))

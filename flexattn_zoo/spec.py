@@ -164,11 +164,12 @@ def _is_callers(t: torch.Tensor) -> bool:
     Decided when the spec was built (``_owned`` copies every other tensor), not by the tensor's
     current ``requires_grad``: a parameter frozen after the spec was built is still written in
     place (``load_state_dict``), so two layers' frozen, equal-valued parameters must not become
-    equal specs sharing one cached score_mod and plan. While ``torch.compile`` traces (no copies
-    are recorded there) the flag decides."""
+    equal specs sharing one cached score_mod and plan. While ``torch.compile`` traces (nothing is
+    recorded there) the flag decides; so it does for a spec made in a traced graph and returned
+    from it, whose tensors are graph values, neither copied nor kept as the caller's."""
     if _compat.is_compiling():
         return t.requires_grad
-    return t.requires_grad or not _listed(_OWNED, t)
+    return t.requires_grad or _listed(_BORROWED, t)
 
 
 def _owned(value: Any) -> Any:

@@ -528,3 +528,29 @@ def test_a_device_argument_is_not_looked_up_while_traced() -> None:
             fn(torch.zeros(2))
     out = torch.compile(fn, fullgraph=True, backend="eager")(torch.zeros(2))
     assert torch.equal(out, torch.ones(2))
+
+
+def test_a_score_mod_made_inside_the_compiled_region_traces_whole() -> None:
+    # A lambda made in the traced function shows Dynamo no closure to walk for learned tensors
+    # (an AttributeError while traced, "Observed exception" before): its captures are unknown, so
+    # a backward is planned for them, and the call traces whole, reaching the parameter it reads.
+    q, k, v = _inputs(grad=False)
+    bias = torch.nn.Parameter(torch.randn(H, generator=torch.Generator().manual_seed(4)))
+
+    def block(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, score_mod=lambda s, bi, h, qi, kv: s * 0.5 + bias[h] * (qi - kv))
+
+    out = torch.compile(block, fullgraph=True, backend="aot_eager")(q, k, v)
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, (bias,), grad_out)
+    want = torch.nn.Parameter(bias.detach().double())
+    ref = fz.testing.reference_attention(
+        q.double(), k.double(), v.double(), score_mod=lambda s, bi, h, qi, kv: s * 0.5 + want[h] * (qi - kv)
+    )
+    (want_grad,) = torch.autograd.grad(ref, (want,), grad_out.double())
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # The bias gradient sums over every score: held to the error of the same float32 computation
+    # made eagerly, as the tests hold every route.
+    (eager_grad,) = torch.autograd.grad(block(q, k, v), (bias,), grad_out)
+    budget = 2 * (eager_grad.double() - want_grad).abs().max() + 1e-6
+    assert (grad.double() - want_grad).abs().max() <= budget
