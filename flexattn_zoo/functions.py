@@ -168,7 +168,9 @@ def _children(value: Any, expand: bool) -> tuple[list[Any], bool]:
         out += list(value.__defaults__ or ())
         out += list((value.__kwdefaults__ or {}).values())
         names = value.__globals__
-        out += [names[n] for n in _global_names(value.__code__) if n in names]
+        # Traced, the function under the cache (Dynamo warns at an lru_cache and traces through it).
+        listed = _global_names.__wrapped__ if _compat.is_compiling() else _global_names
+        out += [names[n] for n in listed(value.__code__) if n in names]
         return out, expand
     if isinstance(value, types.MethodType):
         return [value.__func__, value.__self__], expand

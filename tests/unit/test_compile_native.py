@@ -12,6 +12,7 @@ fixed, so each case is one compile.
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import preset_params
@@ -554,3 +555,28 @@ def test_a_score_mod_made_inside_the_compiled_region_traces_whole() -> None:
     (eager_grad,) = torch.autograd.grad(block(q, k, v), (bias,), grad_out)
     budget = 2 * (eager_grad.double() - want_grad).abs().max() + 1e-6
     assert (grad.double() - want_grad).abs().max() <= budget
+
+
+_HELPER_CAP = 4.0
+
+
+def _capped_by_a_global_helper(s: Any, b: Any, h: Any, q: Any, kv: Any) -> Any:
+    return _helper_cap(s)
+
+
+def _helper_cap(s: torch.Tensor) -> torch.Tensor:
+    return _HELPER_CAP * torch.tanh(s / _HELPER_CAP)
+
+
+def test_a_score_mod_calling_a_global_helper_traces_without_warnings() -> None:
+    # The captured-tensor walk reads the globals a function names through an lru_cache'd helper,
+    # which Dynamo warns about (once per process) when it traces through it.
+    q, k, v = _inputs(grad=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lru_cache")
+        out = torch.compile(
+            lambda a, b, c: fz.attention(a, b, c, score_mod=_capped_by_a_global_helper),
+            fullgraph=True,
+            backend="aot_eager",
+        )(q, k, v)
+    assert_matches_reference(out, q, k, v, score_mod=_capped_by_a_global_helper)
