@@ -86,18 +86,15 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
         inference = not compiling and torch.is_inference_mode_enabled()
         if inference and type(self) in _HOLDS_TENSORS:
             # Not as inference tensors: caches keyed by the spec's value hand its tensors (and
-            # what __post_init__ derives from them) to later calls, training ones too (see
-            # _compat.outside_inference_mode; inlined here, specs are built on every call).
-            with torch.inference_mode(False), torch.no_grad():
-                build(self, *args, **kwargs)
+            # what __post_init__ derives from them) to later calls, training ones too.
+            _compat.outside_inference_mode(lambda: build(self, *args, **kwargs))
         else:
             build(self, *args, **kwargs)
             if inference and _holds_inference_tensor(self):
-                # Built again outside inference mode; and so from now on for this class (the
-                # two context managers cost microseconds a spec without tensors need not pay).
+                # Built again outside inference mode; and so from now on for this class (leaving
+                # inference mode costs microseconds a spec without tensors need not pay).
                 _HOLDS_TENSORS.add(type(self))
-                with torch.inference_mode(False), torch.no_grad():
-                    build(self, *args, **kwargs)
+                _compat.outside_inference_mode(lambda: build(self, *args, **kwargs))
         if compiling:
             # Made inside a graph being traced: see graph_memo.
             object.__setattr__(self, "_graph_memo", {})
