@@ -713,7 +713,7 @@ def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> Ungu
             if graph_code.co_freevars != code.co_freevars:
                 return None
             module = original.__globals__
-            names = {"__builtins__", *_global_names(graph_code)}
+            names = {"__builtins__", *global_names(graph_code)}
             bound = {name: module[name] for name in names if name in module}
             fn = types.FunctionType(graph_code, bound, code.co_name, None, original.__closure__)
             return UnguardedGraph(fn, code)
@@ -722,13 +722,15 @@ def unguarded_graph(compiled: Callable[..., Any], args: tuple[Any, ...]) -> Ungu
     return None
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    """Every name ``code`` and the code objects nested in it may read as a global."""
-    names = set(code.co_names)
+@functools.lru_cache(maxsize=4096)
+def global_names(code: types.CodeType) -> tuple[str, ...]:
+    """Every name ``code`` and the code objects nested in it may load as a global, in order of
+    first use. Traced, call ``global_names.__wrapped__``: Dynamo warns at an lru_cache wrapper."""
+    names = list(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
+            names.extend(global_names(const))
+    return tuple(dict.fromkeys(names))
 
 
 def unguarded_graph_allowed() -> bool:

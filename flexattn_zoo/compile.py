@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.functions import _global_names, _Ref
+from flexattn_zoo.functions import _Ref
 from flexattn_zoo.lru import LRUCache
 
 #: Upper bound of compiled entries kept (LRU); each holds its own Dynamo cache.
@@ -341,7 +341,7 @@ def _read_constants(
     )
     if defaults:
         parts.append(("defaults", tuple(_captured_key(d, depth, seen) for d in defaults)))
-    names = _global_names(code)  # co_names: the globals and the attributes the code loads
+    names = _compat.global_names(code)  # co_names: the globals and the attributes the code loads
     module = getattr(func, "__globals__", None)
     if isinstance(module, dict):
         found = []

@@ -142,16 +142,6 @@ def _grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tenso
 WALK_LIMIT = 4096
 
 
-@functools.lru_cache(maxsize=4096)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    """The names ``code`` (and the functions defined inside it) may load from globals."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_global_names(const))
-    return tuple(dict.fromkeys(names))
-
-
 def _children(value: Any, expand: bool) -> tuple[list[Any], bool]:
     """What ``value`` holds that a call of it may read, and whether objects among those may be
     expanded in turn. Functions, partials, methods and containers pass ``expand`` on; an object's
@@ -169,7 +159,7 @@ def _children(value: Any, expand: bool) -> tuple[list[Any], bool]:
         out += list((value.__kwdefaults__ or {}).values())
         names = value.__globals__
         # Traced, the function under the cache (Dynamo warns at an lru_cache and traces through it).
-        listed = _global_names.__wrapped__ if _compat.is_compiling() else _global_names
+        listed = _compat.global_names.__wrapped__ if _compat.is_compiling() else _compat.global_names
         out += [names[n] for n in listed(value.__code__) if n in names]
         return out, expand
     if isinstance(value, types.MethodType):
