@@ -77,6 +77,28 @@ def test_steps_reuse_one_mask_and_kernel_and_read_only_live_blocks() -> None:
     assert dm.block_mask is bm
 
 
+def test_a_new_score_callable_every_step_keeps_the_mask_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that builds its score_mod per step (a lambda in the loop) must not grow the
+    decode mask's per-score state without bound; every step stays exact."""
+    monkeypatch.setattr(decode.mask, "SCORES_PER_MASK", 2)  # read when the mask is built
+    mask = masks.SlidingWindow.from_hf(149)
+    k, v = _cache(2)
+    lens = torch.tensor([300, 129])
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for step in range(4):
+            cap = 2.0 + step
+
+            def score(s, b, h, q_idx, kv_idx, cap=cap):  # type: ignore[no-untyped-def]
+                return cap * torch.tanh(s / cap)
+
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, lens, mask=mask, score_mod=score)
+            _close(out, reference_decode(q, k, v, lens, mask, score_mods.SoftCap(cap=cap)))
+    (dm,) = [d for d in decode.CACHE.values() if d.spec == mask]
+    assert len(dm._scores) <= 2
+
+
 def test_several_new_tokens_and_int_length() -> None:
     k, v = _cache(1)
     q = torch.randn(B, H, 3, D, generator=torch.Generator().manual_seed(6))

@@ -10,7 +10,6 @@ only, so the BlockMask object, its shapes and the compiled kernel stay the same 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -25,6 +24,8 @@ from flexattn_zoo.validation import check_count, check_device_arg
 DEFAULT_BLOCK_SIZE = 128
 #: Planned call signatures kept per DecodeMask (dtypes, score mods... seen with it).
 RUNS_PER_MASK = 16
+#: Score mods seen through one decode mask, kept per score callable.
+SCORES_PER_MASK = 16
 
 
 def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
@@ -135,7 +136,9 @@ class DecodeMask:
         #: whether a CUDA graph captured an update of this mask (see _fill_count).
         self._count_written: int | None = None
         self.captured = False
-        self._scores: dict[Hashable, Any] = {}
+        #: score_mod / score_spec results per ``inner`` (bounded: a caller may pass a new score
+        #: callable on every step).
+        self._scores: LRUCache[Any] = LRUCache(SCORES_PER_MASK)
         #: decode_step's plans (fz.plan results, as :class:`_Run`) per call signature, so later
         #: steps skip validation and route choice (host time that dominated short steps on the H200).
         self.runs: LRUCache[_Run] = LRUCache(RUNS_PER_MASK)
@@ -198,25 +201,26 @@ class DecodeMask:
         """``inner`` (a flex score_mod over absolute positions) seen through this mask's lengths;
         one function object per ``inner`` so compiled kernels are reused."""
         paged = self.paged if paged is None else paged
-        key = (inner, paged)
-        if key not in self._scores:
+
+        def make() -> Any:
             cache_len, logical, q_len = self.cache_len, self._logical, self.q_len
 
             def decode_score(score, b, h, q_idx, kv_idx):
                 kv = logical(b, kv_idx) if paged else kv_idx
                 return inner(score, b, h, q_idx + (cache_len[b] - q_len), kv)
 
-            self._scores[key] = decode_score
-        return self._scores[key]
+            return decode_score
+
+        return self._scores.get_or_create((inner, paged), make)
 
     def score_spec(self, inner: Any) -> FunctionScore:
         """:meth:`score_mod` of ``inner`` as a spec, one object per ``inner`` (a stable plan key)."""
-        key = ("spec", inner)
-        if key not in self._scores:
-            # Untracked: its closure reads the lengths update() rewrites in place every step, and
-            # only kernels read them (nothing cached derives from their values).
-            self._scores[key] = FunctionScore(fn=self.score_mod(inner), label="decode", tracked=False)
-        return self._scores[key]
+        # Untracked: its closure reads the lengths update() rewrites in place every step, and
+        # only kernels read them (nothing cached derives from their values).
+        return self._scores.get_or_create(
+            ("spec", inner),
+            lambda: FunctionScore(fn=self.score_mod(inner), label="decode", tracked=False),
+        )
 
     def update(
         self, cache_len: torch.Tensor | int, block_table: torch.Tensor | None = None
