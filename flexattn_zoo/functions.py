@@ -40,7 +40,7 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -297,11 +297,13 @@ def _forget_epoch(key: int, ref: _Ref) -> None:
             _EPOCHS.pop(key, None)
 
 
-def capture_state(fn: Any) -> Hashable:
+def capture_state(fn: Any, *, learned_versions: bool = False) -> Hashable:
     """A hashable snapshot of what ``fn`` reads besides its arguments: the identity and in-place
-    version of every tensor it reaches (identity only for tensors that require grad: learned
-    values are read live by the kernels and nothing cached derives from them), and the
-    :func:`invalidate` epochs. Equal snapshots mean nothing a cache derived from ``fn`` has changed.
+    version of every tensor it reaches, and the :func:`invalidate` epochs. Tensors that require
+    grad count by identity alone unless ``learned_versions``: a score mod's learned values are
+    read live by the kernels and nothing cached derives from them (an optimizer step must not
+    rebuild anything), while a mask_mod's values decide its BlockMask, so mask callables pass
+    True. Equal snapshots mean nothing a cache derived from ``fn`` has changed.
     Host-only (no device sync); microseconds for a typical closure. While ``torch.compile``
     traces, ``()``: Dynamo guards the callable itself, and cannot read the cells of a closure made
     inside the graph (transformers builds its mask functions in the model's forward)."""
@@ -311,7 +313,7 @@ def capture_state(fn: Any) -> Hashable:
     epochs: list[tuple[_Ref, int]] = []
     for value in _reachable(fn):
         if isinstance(value, torch.Tensor):
-            if value.requires_grad:
+            if value.requires_grad and not learned_versions:
                 tensors.append((_Ref(value), None))
             else:
                 version = _compat.tensor_version(value)
@@ -334,9 +336,14 @@ class _TracksCallable(Spec):
     fn: Callable[..., Any]
     tracked: bool
     state: Hashable
+    #: Whether the versions of captured tensors that require grad count (see :func:`capture_state`).
+    _LEARNED_VERSIONS: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "state", capture_state(self.fn) if self.tracked else ())
+        object.__setattr__(self, "state", self._capture())
+
+    def _capture(self) -> Hashable:
+        return capture_state(self.fn, learned_versions=self._LEARNED_VERSIONS) if self.tracked else ()
 
     def _holds_callables(self) -> bool:
         return self.tracked
@@ -352,7 +359,7 @@ class _TracksCallable(Spec):
     def live(self: _TrackedT) -> _TrackedT:
         if not self.tracked:
             return self
-        state = capture_state(self.fn)
+        state = self._capture()
         if state == self.state:
             return self
         # What the callable captures changed (an in-place write, ``fz.invalidate``): how it must
@@ -373,7 +380,7 @@ class _TracksCallable(Spec):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        object.__setattr__(self, "state", capture_state(self.fn) if self.tracked else ())
+        object.__setattr__(self, "state", self._capture())
 
 
 @spec_dataclass
@@ -395,6 +402,8 @@ class FunctionMask(_TracksCallable, MaskSpec):
     #: (:data:`REDUCES`, :data:`READS_GATHERED_ROW`): the ``flex_cpu`` route refuses it.
     hazards: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     state: Hashable = dataclasses.field(default=(), init=False, repr=False)
+    # Its BlockMask is built from the values it captures, learned or not.
+    _LEARNED_VERSIONS: ClassVar[bool] = True
 
     def _probe(self) -> Probed:
         return check_mask_function(self.fn)
@@ -745,7 +754,7 @@ PROBED: LRUCache[Probed] = LRUCache(256)
 def _probed(fn: Callable[..., Any], kind: str, probe: Callable[[], Probed]) -> Probed:
     if _compat.is_compiling():
         return probe()
-    key = (kind, _Ref(fn), capture_state(fn))
+    key = (kind, _Ref(fn), capture_state(fn, learned_versions=kind == "mask"))
     found = PROBED.get(key)
     return found if found is not None else PROBED.put(key, probe())
 

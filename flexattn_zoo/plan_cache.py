@@ -226,9 +226,11 @@ def _arg_key(value: Any, kind: str) -> Hashable:
         if entry is None:
             return value  # the full path names the error
         factory = entry.factory
-        return ("name", value, capture_state(factory) if not isinstance(factory, type) else None)
+        learned = kind == "mask"
+        state = None if isinstance(factory, type) else capture_state(factory, learned_versions=learned)
+        return ("name", value, state)
     if callable(value) and not isinstance(value, type):
-        return ("callable", value, capture_state(value))
+        return ("callable", value, capture_state(value, learned_versions=kind == "mask"))
     return value
 
 

@@ -116,6 +116,18 @@ def _pair_load_options(p: Problem) -> dict[str, Any]:
     return {}
 
 
+def _mask_captures_grad_tensors(mask: Any) -> bool:
+    """Whether ``mask`` (a spec) captures a tensor that requires grad. While traced, a callable
+    made inside the graph shows Dynamo no closure to walk: unknown counts as no (flex itself then
+    names the problem), so HF's in-graph mask functions keep their flex route."""
+    try:
+        return any(t.requires_grad for t in mask.tensors())
+    except AttributeError:
+        if not _compat.is_compiling():
+            raise
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexBackend(Backend):
     """flex_attention compiled with fixed ``kernel_options``, plus measured ones per generation."""
@@ -138,6 +150,13 @@ class FlexBackend(Backend):
     #: forward / +6% forward+backward at D=64, +6% / +1% at D=128); slower on FA4's CuTe kernel
     #: (forward -21%), so only the Triton route asks.
     spells_key_starts: bool = False
+
+    def mask_reasons(self, p: Problem) -> list[str]:
+        if p.mask is not None and _mask_captures_grad_tensors(p.mask):
+            # flex_attention asserts on it while tracing ("Captured buffers from mask mod that
+            # require grad are not supported"); the mask passes no gradient anyway.
+            return ["flex cannot take a mask_mod that captures tensors requiring grad (capture t.detach())"]
+        return []
 
     def tuned_options(self, p: Problem) -> dict[str, Any]:
         """The measured kernel options for ``p``'s generation, head dim and dtype, or {} (defaults)."""
@@ -679,7 +698,7 @@ class FlexFlashBackend(FlexBackend):
         return locked
 
     def mask_reasons(self, p: Problem) -> list[str]:
-        out = []
+        out = super().mask_reasons(p)
         if p.score is not None and p.score.captures_grad_tensors():
             out.append("FLASH cannot capture tensors that require grad in score_mod")
         if p.return_lse and not _compat.FLASH_LSE_TRUSTWORTHY:
@@ -758,7 +777,7 @@ class FlexCpuBackend(FlexBackend):
         # A raw callable doing what torch's compiled CPU flex mishandles (functions.REDUCES,
         # functions.READS_GATHERED_ROW; measured on torch 2.13 without the library too): a failed
         # lowering, an out-of-bounds read or a corrupted heap. dense evaluates it exactly.
-        return [
+        return super().mask_reasons(p) + [
             f"torch's compiled CPU flex kernel cannot run a mod that {hazard}"
             for spec in (p.mask, p.score)
             if spec is not None

@@ -551,6 +551,25 @@ def test_score_callable_over_a_parameter_reports_grad_tensors() -> None:
     assert score.live() is score and score.state == state
 
 
+def test_a_mask_callable_over_a_learned_tensor_rebuilds_its_block_mask_after_a_write() -> None:
+    # A mask's values decide its BlockMask whether or not they require grad: an optimizer-style
+    # write to a learned tensor a mask_mod reads must not keep the old block sparsity.
+    cut = torch.nn.Parameter(torch.tensor([float(L)]))
+    fn = lambda b, h, q, kv: kv < cut[0]  # noqa: E731
+    before = fz.block_mask(fn, L, L)
+    with torch.no_grad():
+        cut.fill_(64.0)
+    after = fz.block_mask(fn, L, L)
+    assert after is not before
+    assert before.to_dense().all() and after.to_dense()[..., 1].sum() == 0  # key block 1 is gone
+    q, k, v = _qkv()
+    out = fz.attention(q, k, v, mask=fn)
+    assert_matches_reference(out, q, k, v, mask=lambda b, h, qi, kv: kv < 64)
+    # flex asserts inside its trace on such a mask_mod: the flex routes refuse it by name.
+    with pytest.raises(ValueError, match="flex_cpu.*mask_mod that captures tensors requiring grad"):
+        fz.attention(q, k, v, mask=fn, backend="flex_cpu")
+
+
 def test_untracked_library_closures_keep_their_identity() -> None:
     offsets = torch.zeros(2, dtype=torch.int32)
     fm = FunctionMask(fn=lambda b, h, q, kv: q + offsets[b] >= kv, tracked=False)
