@@ -117,15 +117,13 @@ def _pair_load_options(p: Problem) -> dict[str, Any]:
 
 
 def _mask_captures_grad_tensors(mask: Any) -> bool:
-    """Whether ``mask`` (a spec) captures a tensor that requires grad. While traced, a callable
-    made inside the graph shows Dynamo no closure to walk: unknown counts as no (flex itself then
-    names the problem), so HF's in-graph mask functions keep their flex route."""
-    try:
-        return any(t.requires_grad for t in mask.tensors())
-    except AttributeError:
-        if not _compat.is_compiling():
-            raise
+    """Whether ``mask`` (a spec) captures a tensor that requires grad. Not asked while traced:
+    walking a callable's closure there trips Dynamo (a function made inside the graph shows it no
+    cells), and HF's in-graph mask functions must keep their flex route; flex itself names the
+    problem in a traced call."""
+    if _compat.is_compiling():
         return False
+    return any(t.requires_grad for t in mask.tensors())
 
 
 @dataclasses.dataclass(frozen=True)
