@@ -553,10 +553,20 @@ def render_numbers(matrix: torch.Tensor, *, digits: int = 2) -> list[str]:
 def render_shades(matrix: torch.Tensor, max_cells: int = MAX_CELLS) -> tuple[list[str], int, int]:
     """Shade characters from ``' '`` (minimum) to ``'@'`` (maximum), cell-averaged.
 
+    ``-inf`` (a hidden key, or an activation weight of 0) is drawn as the lowest shade and
+    ``+inf`` as the highest: both are first clamped to the finite extremes of ``matrix``, so they
+    neither take part in the scale nor turn a cell's mean infinite. NaN counts as 0.
+
     Returns ``(lines, row_step, col_step)``.
     """
     r_step, c_step = _step(matrix.shape[0], max_cells), _step(matrix.shape[1], max_cells)
-    finite = torch.nan_to_num(matrix.double(), neginf=0.0, posinf=0.0)
+    values = matrix.double()
+    finite_values = values[torch.isfinite(values)]
+    low, high = (
+        (float(finite_values.min()), float(finite_values.max())) if finite_values.numel() else (0.0, 0.0)
+    )
+    # Not 0 for +-inf: beside negative scores (ALiBi's) a hidden key would be drawn brightest.
+    finite = torch.nan_to_num(values, nan=0.0, neginf=low, posinf=high)
     rows, cols = finite.shape
     n_r, n_c = -(-rows // r_step), -(-cols // c_step)
     pad = (0, n_c * c_step - cols, 0, n_r * r_step - rows)

@@ -160,6 +160,21 @@ def test_text_pictures() -> None:
     assert len(huge) == 8 and huge[-1] == "########"
 
 
+def test_shades_draw_hidden_keys_lowest() -> None:
+    """-inf (a hidden key; a ReLU weight of 0) is the lowest score, +inf the highest: beside
+    negative scores neither may be drawn as if it were 0."""
+    i = torch.arange(20.0)
+    distance = -(i[:, None] - i[None, :]).abs()  # 0 on the diagonal, negative elsewhere
+    causal = distance.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    lines = viz.text(causal, 20).splitlines()
+    assert all(line[r + 1 :].strip() == "" for r, line in enumerate(lines))  # hidden keys: ' '
+    assert all(line[r] == "@" for r, line in enumerate(lines))  # the diagonal: the highest finite
+    above = distance.masked_fill(i[None, :] > i[:, None], float("inf"))
+    lines = viz.text(above, 20).splitlines()
+    assert all(set(line[r:]) == {"@"} for r, line in enumerate(lines))
+    assert lines[-1][0] == " "
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 
