@@ -87,8 +87,12 @@ def _show_mask(
         console.print("rows are queries, columns keys ('#' visible, '.' masked)")
     _print_lines(console, viz.render_cells(cells.frac))
     if cells.visible is not None:
-        total = q_len * kv_len * (args.batch if spec.uses_batch() else 1)
-        console.print(f"visible: {cells.visible} of {total} positions ({100 * cells.visible / total:.1f}%)")
+        # The count is of the picture: one batch row (0) and one head, so the total is too.
+        total = q_len * kv_len
+        where = " in batch row 0" if args.batch > 1 and spec.uses_batch() else ""
+        console.print(
+            f"visible: {cells.visible} of {total} positions{where} ({100 * cells.visible / total:.1f}%)"
+        )
     qb = kvb = viz.BLOCK_SIZE
     n_blocks = -(-q_len // qb) * -(-kv_len // kvb)
     n_blocks *= (args.batch if spec.uses_batch() else 1) * (heads if spec.uses_head() else 1)

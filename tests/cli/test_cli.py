@@ -59,6 +59,14 @@ def test_show_causal_picture_and_blocks(capsys: pytest.CaptureFixture[str]) -> N
     assert "1 block: 0 full, 1 partial, 0 empty" in out
 
 
+def test_show_counts_the_visible_positions_of_the_row_it_draws(capsys: pytest.CaptureFixture[str]) -> None:
+    """A per-row mask with --batch 2 draws batch row 0: its count is out of that row's positions
+    (5 of 9), not of both rows' (it said 5 of 18)."""
+    code, out, _ = run(capsys, "show", "document", "--doc-ids", "0,0,1;0,1,1", "--len", "3", "--batch", "2")
+    assert code == 0 and picture(out) == ["##.", "##.", "..#"]
+    assert "visible: 5 of 9 positions in batch row 0 (55.6%)" in out
+
+
 def test_show_names_what_a_score_picture_holds(capsys: pytest.CaptureFixture[str]) -> None:
     """A softmax score mod's picture is a bias; activation attention's (sigmoid) is the log-weight
     its score mod returns, which is not a bias on any softmax score."""
