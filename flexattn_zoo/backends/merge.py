@@ -32,10 +32,14 @@ def merge_core(
     """The merge without argument checks (the ``sdpa_split`` route compiles this function).
 
     ``outs[p]`` is ``[..., Lq, Dv]`` and ``lses[p]`` is ``[..., Lq]``, all of one shape. Math runs
-    in float32 at least (float64 for float64 inputs); the output has the dtype of ``outs[0]``, the
-    lse the compute dtype.
+    in float32 at least (float64 when any output or lse is float64); the output has the dtype of
+    ``outs[0]``, the lse the compute dtype.
     """
-    acc = torch.promote_types(torch.promote_types(outs[0].dtype, lses[0].dtype), torch.float32)
+    # Promoted over every lse (the outs share one dtype): a float64 lse after a float32 one must
+    # not be rounded to float32, nor the result's dtype depend on the order of the parts.
+    acc = torch.float32
+    for t in (outs[0], *lses):
+        acc = torch.promote_types(acc, t.dtype)
     lse_all = torch.stack([lse.to(acc) for lse in lses])  # [P, ..., Lq]
     # The row's largest lse, as the reference the exponentials are taken against. Detached: the
     # result does not depend on it (its derivative cancels exactly), and rows where it is -inf
@@ -73,7 +77,7 @@ def merge_attention(
 
     Returns:
         ``(out, lse)``: ``out`` ``[..., Lq, Dv]`` in the dtype of ``outs[0]``, ``lse`` ``[..., Lq]``
-        in float32 (float64 for float64 inputs). Rows that see no key in any part give ``out`` 0 and
+        in float32 (float64 when any input is float64). Rows that see no key in any part give ``out`` 0 and
         ``lse`` ``-inf``, never NaN. Differentiable with respect to every ``out`` and ``lse``.
 
     The key sets must be disjoint for the result to be the attention over their union (a key in

@@ -108,6 +108,20 @@ def test_low_precision_outputs_keep_their_dtype() -> None:
     torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
 
 
+def test_mixed_lse_dtypes_merge_in_the_widest_whatever_the_order() -> None:
+    """A float64 lse beside a float32 one is merged in float64 (not rounded to float32 because
+    the first part's lse is float32), and the result does not depend on the order of the parts."""
+    g = torch.Generator().manual_seed(3)
+    outs = [torch.randn(2, 3, 4, generator=g) for _ in range(2)]  # float32
+    lses = [torch.randn(2, 3, generator=g), 30 + torch.randn(2, 3, dtype=torch.float64, generator=g) / 7]
+    want, want_lse = fz.merge_attention(outs, [lses[0].double(), lses[1]])
+    for order in ([0, 1], [1, 0]):
+        out, lse = fz.merge_attention([outs[p] for p in order], [lses[p] for p in order])
+        assert out.dtype == torch.float32 and lse.dtype == torch.float64
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-14, atol=1e-14)
+
+
 def test_split_route_uses_the_same_merge() -> None:
     from flexattn_zoo.backends import split
 
