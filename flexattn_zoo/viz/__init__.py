@@ -525,7 +525,7 @@ def render_block_codes(codes: torch.Tensor, max_cells: int = MAX_CELLS) -> tuple
 
 
 def score_response(spec: ScoreSpec, inputs: list[float], *, heads: int, head_index: int = 0) -> list[float]:
-    """``spec`` applied to each input score at position ``(0, 0)`` of one head."""
+    """``spec`` applied to each input score at position ``(0, 0)`` of batch row 0 and one head."""
     score = as_score_spec(spec, arg="spec")
     if score is None:
         raise TypeError(
@@ -536,11 +536,13 @@ def score_response(spec: ScoreSpec, inputs: list[float], *, heads: int, head_ind
         raise TypeError(f"head_index must be an int, got {type(head_index).__name__}")
     if not 0 <= head_index < heads:
         raise ValueError(f"head_index must be in [0, heads = {heads}), got {head_index}")
-    spec = score
-    scores = (
-        torch.tensor(inputs, dtype=torch.float64).view(len(inputs), 1, 1, 1).expand(len(inputs), heads, 1, 1)
-    )
-    return spec.dense(scores.contiguous())[:, head_index, 0, 0].tolist()
+    # The score_mod at the indices (0, head_index, 0, 0), as score_matrix evaluates it, with the
+    # inputs on a leading axis the indices broadcast over: a batch axis of the inputs would read
+    # input n at batch row n of a spec that depends on the row (a per-row Bias, Graphormer).
+    device = _evaluation_device(score)
+    given = torch.tensor(inputs, dtype=torch.float64, device=device).view(-1, 1, 1, 1)
+    out = score.to(device).score_mod()(given, *_grids(0, head_index, 1, 1, device))
+    return torch.broadcast_to(torch.as_tensor(out), given.shape).reshape(-1).to("cpu", torch.float64).tolist()
 
 
 def render_numbers(matrix: torch.Tensor, *, digits: int = 2) -> list[str]:

@@ -264,6 +264,23 @@ def test_write_png_without_matplotlib_is_a_clear_error(
 # ---- flexattn-zoo show ------------------------------------------------------------------------
 
 
+def test_score_response_reads_batch_row_0_for_every_input(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each input is scored at (batch 0, head, 0, 0): the inputs were laid along the batch axis, so
+    a per-row spec read input n at row n, and Graphormer (sized to its batch and nodes) raised,
+    a traceback out of ``flexattn-zoo show``."""
+    per_row = score_mods.Bias(bias=torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 2, 2).contiguous())
+    assert viz.score_response(per_row, [0.0, 1.0, 5.0], heads=1) == [0.0, 1.0, 5.0]
+    graph = score_mods.Graphormer(
+        spatial_pos=torch.tensor([[[1, 0], [0, 1]], [[0, 0], [0, 0]]]),
+        spatial_bias=torch.tensor([[0.5, 0.25], [1.5, 2.0]]),
+    )
+    assert viz.score_response(graph, [0.0, 1.0], heads=2, head_index=1) == [2.0, 3.0]
+    argv = ["show", "graphormer", "--spatial-pos", "0,1;1,0", "--spatial-bias", "0.5,0.1;1.5,0.2"]
+    code = cli.main([*argv, "--len", "2", "--heads", "2", "--head", "1"])
+    captured = capsys.readouterr()
+    assert code == 0 and "0.10 0.20" in captured.out and "Traceback" not in captured.err
+
+
 def test_show_draws_a_score_mod_for_the_head_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli.main(["show", "alibi", "--len", "4", "--heads", "8", "--head", "1"])
     out = capsys.readouterr().out
