@@ -465,6 +465,16 @@ def _block_mask_lengths(fn: str, block_mask: Any, q_len: Any, kv_len: Any) -> tu
     return _lengths(q_len, kv_len)
 
 
+def _stored_index(name: str, value: Any, size: int) -> int:
+    """``value`` as an index into a BlockMask dimension of ``size`` stored entries: any index >= 0
+    where one entry is stored for every row or head (broadcast), else one in ``[0, size)``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0 or (size > 1 and value >= size):
+        raise ValueError(f"{name} must be in [0, {size}) (the BlockMask stores {size}), got {value}")
+    return 0 if size == 1 else value
+
+
 def block_codes(
     block_mask: Any, q_len: int, kv_len: int, *, batch_index: int = 0, head_index: int = 0
 ) -> torch.Tensor:
@@ -473,8 +483,8 @@ def block_codes(
     qb, kvb = block_mask.BLOCK_SIZE
     n_q, n_kv = -(-q_len // qb), -(-kv_len // kvb)
     kv_num = block_mask.kv_num_blocks.cpu()
-    b = min(batch_index, kv_num.shape[0] - 1)
-    h = min(head_index, kv_num.shape[1] - 1)
+    b = _stored_index("batch_index", batch_index, kv_num.shape[0])
+    h = _stored_index("head_index", head_index, kv_num.shape[1])
     partial = _scatter_blocks(kv_num[b, h], block_mask.kv_indices.cpu()[b, h], n_kv)[:n_q]
     codes = partial.to(torch.int8)
     if block_mask.full_kv_num_blocks is not None:

@@ -264,6 +264,22 @@ def test_write_png_without_matplotlib_is_a_clear_error(
 # ---- flexattn-zoo show ------------------------------------------------------------------------
 
 
+def test_block_codes_refuse_a_row_or_head_the_block_mask_does_not_store() -> None:
+    """An index past a stored dimension raised nothing and drew the last row (-1 too); a dimension
+    stored once (broadcast) serves every index."""
+    ids = torch.tensor([[0] * 16 + [1] * 16, [0] * 32])
+    bm = fz.block_mask(masks.Document(doc_ids=ids), 32, 32, batch=2, heads=1, block_size=16)
+    assert viz.block_codes(bm, 32, 32, batch_index=0).tolist() == [[2, 0], [0, 2]]
+    assert viz.block_codes(bm, 32, 32, batch_index=1, head_index=3).tolist() == [[2, 2], [2, 2]]
+    for bad in (2, 5, -1):
+        with pytest.raises(ValueError, match=r"batch_index must be in \[0, 2\)"):
+            viz.block_codes(bm, 32, 32, batch_index=bad)
+    with pytest.raises(ValueError, match="head_index"):
+        viz.block_codes(bm, 32, 32, head_index=-1)
+    with pytest.raises(TypeError, match="head_index must be an int"):
+        viz.block_codes(bm, 32, 32, head_index=True)
+
+
 def test_score_response_reads_batch_row_0_for_every_input(capsys: pytest.CaptureFixture[str]) -> None:
     """Each input is scored at (batch 0, head, 0, 0): the inputs were laid along the batch axis, so
     a per-row spec read input n at row n, and Graphormer (sized to its batch and nodes) raised,
