@@ -222,6 +222,24 @@ def test_global_window_definition_per_row() -> None:
         spec.validate(30, 30, 3, 1)
 
 
+@pytest.mark.parametrize(
+    ("positions", "error", "match"),
+    [
+        ([1.9], TypeError, "must hold integers"),  # a cast would truncate it to position 1
+        (torch.tensor([2.5]), TypeError, "must hold integers"),
+        ([True], TypeError, "must hold ints, got a bool"),
+        ([[0, 1], [2, 3]], ValueError, "must be 1-D"),  # a cast would flatten it
+        ("ab", TypeError, "must be a list of ints"),
+    ],
+)
+def test_position_helpers_refuse_non_integer_positions(positions, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=rf"GlobalWindow.from_positions\(positions=...\) {match}"):
+        GlobalWindow.from_positions(positions, 5, left=1)
+    what = r"FlamingoCross.from_image_positions\(image_positions=...\)"
+    with pytest.raises(error, match=rf"{what} {match}"):
+        FlamingoCross.from_image_positions(positions, tokens_per_image=2, text_len=5)
+
+
 # ---- flamingo_cross ----------------------------------------------------------------------------
 
 
