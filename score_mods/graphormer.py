@@ -13,7 +13,8 @@ from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, tracing
 
 
 def _spatial_pos(value: object) -> torch.Tensor:
-    """``spatial_pos`` as a 3-D ``[B|1, Lq, Lkv]`` int32 tensor (values are checked by the caller)."""
+    """``spatial_pos`` as a 3-D ``[B|1, Lq, Lkv]`` int32 tensor (values are checked by the caller;
+    those beyond int32 saturate to its bounds, so they stay out of range)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"Graphormer(spatial_pos=...) must be an integer tensor [B, N, N] or [N, N], got {type(value).__name__}"
@@ -27,6 +28,11 @@ def _spatial_pos(value: object) -> torch.Tensor:
             "Graphormer(spatial_pos=...) must have shape [B, N, N] or [N, N] (one graph for every batch "
             f"row) with every size >= 1, got {tuple(value.shape)}"
         )
+    wide, narrow = torch.iinfo(value.dtype), torch.iinfo(torch.int32)
+    if wide.min < narrow.min or wide.max > narrow.max:
+        # Saturated, not wrapped: a distance of 2**32 (an "unreachable" sentinel) would wrap to 0,
+        # a valid row of spatial_bias, and pass the caller's range check; saturated it fails it.
+        value = value.clamp(max(wide.min, narrow.min), min(wide.max, narrow.max))
     # int32: what flex's indices are; a uint8 tensor used as an index would be read as a mask.
     return (value if value.dim() == 3 else value[None]).to(torch.int32)
 

@@ -362,6 +362,14 @@ def test_graphormer_validate_names_the_mismatch() -> None:
         ({"spatial_pos": torch.zeros(4, dtype=torch.long)}, ValueError, r"shape \[B, N, N\] or \[N, N\]"),
         ({"spatial_pos": torch.full((2, 2), 4)}, ValueError, r"\[0, num_spatial\) = \[0, 4\).*from 4 to 4"),
         ({"spatial_pos": torch.full((2, 2), -1)}, ValueError, "from -1 to -1"),
+        # Beyond int32 (an "unreachable" sentinel): refused, not wrapped to 0 or 1, valid rows.
+        ({"spatial_pos": torch.full((2, 2), 2**32)}, ValueError, r"\[0, 4\).*to 2147483647"),
+        ({"spatial_pos": torch.full((2, 2), 1 - 2**32)}, ValueError, r"\[0, 4\).*from -2147483648"),
+        (
+            {"spatial_pos": Graphormer.add_virtual_node(torch.full((1, 1), 2**32), 3)},
+            ValueError,
+            r"\[0, 4\).*to 2147483647",
+        ),
         (
             {"spatial_bias": torch.zeros(4)},
             ValueError,
