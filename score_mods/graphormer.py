@@ -10,6 +10,7 @@ import torch
 from flexattn_zoo.masks.dense import broadcast_indexer
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, tracing
+from flexattn_zoo.validation import check_integer
 
 
 def _spatial_pos(value: object) -> torch.Tensor:
@@ -155,10 +156,7 @@ class Graphormer(ScoreSpec):
         (the row of ``spatial_bias`` that learns the token's scalar per head) and whose other
         entries are ``spatial_pos``."""
         pos = _spatial_pos(spatial_pos)
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(
-                f"Graphormer.add_virtual_node(index=...) must be an int, got {type(index).__name__}"
-            )
+        index = check_integer("Graphormer.add_virtual_node(index=...)", index)
         if index < 0:
             raise ValueError(f"Graphormer.add_virtual_node(index=...) must be >= 0, got {index}")
         b, q_len, kv_len = pos.shape
