@@ -23,6 +23,7 @@ from flexattn_zoo.masks import (
     FlamingoCross,
     GlobalWindow,
     Natten,
+    SlidingTile,
     SlidingWindow,
 )
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
@@ -115,6 +116,19 @@ def test_natten_forms_and_scale() -> None:
 def test_natten_parameter_errors(kwargs: dict[str, object], exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         Natten(**kwargs)  # type: ignore[arg-type]
+
+
+def test_grid_extents_as_tensors_or_arrays_are_sequences() -> None:
+    # A 1-D tensor or array has __index__ like a scalar (it raises for several elements), so it was
+    # taken for one extent and refused as "must be an int".
+    np = pytest.importorskip("numpy")
+    want = Natten(canvas=(4, 6), kernel=(3, 5))
+    assert Natten(canvas=torch.tensor([4, 6]), kernel=np.array([3, 5])) == want
+    assert Natten(canvas=np.array([4, 6]), kernel=torch.tensor(3)) == Natten(canvas=(4, 6), kernel=3)
+    tile = SlidingTile(canvas=np.array([4, 8]), tile=torch.tensor([2, 2]), window=np.array([1, 3]))
+    assert tile == SlidingTile(canvas=(4, 8), tile=(2, 2), window=(1, 3))
+    with pytest.raises(TypeError, match=r"Natten\(canvas=...\) must be an int >= 1, got float"):
+        Natten(canvas=torch.tensor([4.0, 6.0]), kernel=3)
 
 
 def test_natten_needs_a_canvas_holding_the_problem() -> None:
