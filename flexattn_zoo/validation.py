@@ -50,6 +50,15 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_integer(name: str, value: object) -> int:
+    """``value`` as a plain int if it is an integer (numpy's integers too, as a config read with
+    numpy gives them); TypeError naming ``name`` (e.g. ``"Sandwich(dim=...)"``) otherwise. ``bool``
+    is refused although it subclasses ``int``. Range checks are the caller's."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
 def check_count(name: str, value: object) -> int:
     """``value`` as an int if it is an integer >= 1 (a number of heads, a layer period; numpy's
     integers too, as a config read with numpy gives them); ``name`` is how the message names the

@@ -11,6 +11,7 @@ from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, Spec, spec_dataclass, tracing
 
 from ._blocks import check_int, interval_block_map
+from .document import _int_vector
 
 _ATTEND = ("last", "all")
 
@@ -124,7 +125,8 @@ class FlamingoCross(MaskSpec):
         owner = "FlamingoCross.from_image_positions"
         n = check_int("text_len", text_len, minimum=1, owner=owner)
         per = check_int("tokens_per_image", tokens_per_image, minimum=1, owner=owner)
-        where = torch.as_tensor(image_positions, dtype=torch.int64).reshape(-1)
+        # Checked as integers, not cast: a cast would truncate 2.5 to position 2.
+        where = _int_vector(image_positions, f"{owner}(image_positions=...)")
         if (
             where.numel() == 0
             or bool(((where < 0) | (where > n)).any())

@@ -11,6 +11,7 @@ from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, Spec, spec_dataclass, static_int, tracing
 
 from ._blocks import band_block_map, check_int, complete_pairs
+from .document import _int_vector
 
 
 @MASKS.register
@@ -90,7 +91,8 @@ class GlobalWindow(MaskSpec):
         """Global tokens at ``positions`` (e.g. ``[0]`` for a ``[CLS]`` token) of sequences of
         ``length`` tokens, shared by every batch row."""
         n = check_int("length", length, minimum=1, owner="GlobalWindow.from_positions")
-        where = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        # Checked as integers, not cast: a cast would truncate 2.5 to position 2.
+        where = _int_vector(positions, "GlobalWindow.from_positions(positions=...)")
         if bool(((where < 0) | (where >= n)).any()):
             raise ValueError(
                 f"GlobalWindow.from_positions(positions=...) must lie in [0, {n}), got {where.tolist()[:8]}"

@@ -31,6 +31,10 @@ _Box = tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
 def axis_ints(name: str, value: Any, minimum: int, owner: str = "Natten") -> tuple[int, ...]:
     """``value`` (an int or a sequence of ints, one per grid axis) as a tuple of plain ints; TypeError
     / ValueError naming ``owner(name=...)``."""
+    if getattr(value, "ndim", 0) > 0:
+        # A tensor or NumPy array of extents is a sequence: it has __index__ too, like a scalar,
+        # but that only works for one element.
+        value = value.tolist()
     items = (value,) if isinstance(value, int) or hasattr(value, "__index__") else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
         raise TypeError(f"{owner}({name}=...) must be an int or a tuple of 1 to 3 ints, got {value!r}")

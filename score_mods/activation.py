@@ -31,7 +31,7 @@ import torch
 
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, keep_static_float, spec_dataclass, static_float
-from flexattn_zoo.validation import check_score_factor
+from flexattn_zoo.validation import check_integer, check_score_factor
 
 
 @SCORES.register(name="sigmoid")
@@ -75,9 +75,10 @@ class Sigmoid(ScoreSpec):
     @classmethod
     def for_length(cls, n_keys: int) -> Sigmoid:
         """``Sigmoid(bias=-log(n_keys))``, the bias FlashSigmoid recommends for ``n_keys`` keys."""
-        if isinstance(n_keys, bool) or not isinstance(n_keys, int) or n_keys < 1:
-            raise ValueError(f"Sigmoid.for_length(n_keys=...) must be an int >= 1, got {n_keys!r}")
-        return cls(bias=-math.log(n_keys))
+        n = check_integer("Sigmoid.for_length(n_keys=...)", n_keys)
+        if n < 1:
+            raise ValueError(f"Sigmoid.for_length(n_keys=...) must be an int >= 1, got {n}")
+        return cls(bias=-math.log(n))
 
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         bias = static_float(self, "bias")

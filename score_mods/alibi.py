@@ -10,7 +10,7 @@ import torch
 
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import LinearBiasForm, ScoreMod, ScoreSpec, Spec, spec_dataclass, static_int
-from flexattn_zoo.validation import check_score_factor
+from flexattn_zoo.validation import check_integer, check_score_factor
 
 
 def _exponent_pieces(num_heads: int) -> tuple[int, float, float, float, float]:
@@ -26,11 +26,10 @@ def _exponent_pieces(num_heads: int) -> tuple[int, float, float, float, float]:
 
 
 def _check_num_heads(num_heads: object) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise TypeError(f"Alibi(num_heads=...) must be an int, got {type(num_heads).__name__}")
-    if num_heads < 1:
-        raise ValueError(f"Alibi(num_heads=...) must be >= 1, got {num_heads}")
-    return num_heads
+    heads = check_integer("Alibi(num_heads=...)", num_heads)
+    if heads < 1:
+        raise ValueError(f"Alibi(num_heads=...) must be >= 1, got {heads}")
+    return heads
 
 
 def _check_slopes(slopes: object, num_heads: int) -> tuple[float, ...] | None:
@@ -123,6 +122,7 @@ class Alibi(ScoreSpec):
             raise TypeError(f"Alibi(signed=...) must be a bool, got {type(self.signed).__name__}")
         num_heads = _check_num_heads(self.num_heads)
         # Frozen dataclass: normalise in place so equal parameters give equal (hashable) specs.
+        object.__setattr__(self, "num_heads", num_heads)
         slopes = _check_slopes(self.slopes, num_heads)
         object.__setattr__(self, "slopes", slopes)
         # See static_slopes.

@@ -10,10 +10,12 @@ import torch
 from flexattn_zoo.masks.dense import broadcast_indexer
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, tracing
+from flexattn_zoo.validation import check_integer
 
 
 def _spatial_pos(value: object) -> torch.Tensor:
-    """``spatial_pos`` as a 3-D ``[B|1, Lq, Lkv]`` int32 tensor (values are checked by the caller)."""
+    """``spatial_pos`` as a 3-D ``[B|1, Lq, Lkv]`` int32 tensor (values are checked by the caller;
+    those beyond int32 saturate to its bounds, so they stay out of range)."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"Graphormer(spatial_pos=...) must be an integer tensor [B, N, N] or [N, N], got {type(value).__name__}"
@@ -27,6 +29,11 @@ def _spatial_pos(value: object) -> torch.Tensor:
             "Graphormer(spatial_pos=...) must have shape [B, N, N] or [N, N] (one graph for every batch "
             f"row) with every size >= 1, got {tuple(value.shape)}"
         )
+    wide, narrow = torch.iinfo(value.dtype), torch.iinfo(torch.int32)
+    if wide.min < narrow.min or wide.max > narrow.max:
+        # Saturated, not wrapped: a distance of 2**32 (an "unreachable" sentinel) would wrap to 0,
+        # a valid row of spatial_bias, and pass the caller's range check; saturated it fails it.
+        value = value.clamp(max(wide.min, narrow.min), min(wide.max, narrow.max))
     # int32: what flex's indices are; a uint8 tensor used as an index would be read as a mask.
     return (value if value.dim() == 3 else value[None]).to(torch.int32)
 
@@ -149,10 +156,7 @@ class Graphormer(ScoreSpec):
         (the row of ``spatial_bias`` that learns the token's scalar per head) and whose other
         entries are ``spatial_pos``."""
         pos = _spatial_pos(spatial_pos)
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(
-                f"Graphormer.add_virtual_node(index=...) must be an int, got {type(index).__name__}"
-            )
+        index = check_integer("Graphormer.add_virtual_node(index=...)", index)
         if index < 0:
             raise ValueError(f"Graphormer.add_virtual_node(index=...) must be >= 0, got {index}")
         b, q_len, kv_len = pos.shape

@@ -8,6 +8,7 @@ import torch
 
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, static_int
+from flexattn_zoo.validation import check_integer
 
 #: Largest ``max_distance``: the bucket lookup holds ``2 * max_distance + 1`` entries, built when the
 #: spec is (a "no limit" value such as 10**12 failed there as a multi-terabyte allocation). 2**24
@@ -16,13 +17,12 @@ MAX_DISTANCE_MAX = 1 << 24
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"RelPosBias({name}=...) must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"RelPosBias({name}=...) must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"RelPosBias({name}=...) must be in [{minimum}, {maximum}], got {value}")
-    return value
+    number = check_integer(f"RelPosBias({name}=...)", value)
+    if number < minimum:
+        raise ValueError(f"RelPosBias({name}=...) must be >= {minimum}, got {number}")
+    if maximum is not None and number > maximum:
+        raise ValueError(f"RelPosBias({name}=...) must be in [{minimum}, {maximum}], got {number}")
+    return number
 
 
 def _thresholds(buckets: int, exact: int, max_distance: int) -> list[int]:

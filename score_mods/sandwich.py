@@ -15,6 +15,7 @@ from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.masks._blocks import _canonical_device
 from flexattn_zoo.registry import SCORES
 from flexattn_zoo.spec import ScoreMod, ScoreSpec, Spec, spec_dataclass, static_int
+from flexattn_zoo.validation import check_integer
 
 if sys.version_info >= (3, 11):
     from typing import Self
@@ -33,11 +34,10 @@ _TABLES: LRUCache[tuple[torch.Tensor, torch.Tensor]] = LRUCache(8)
 
 
 def _check_int(name: str, value: object, minimum: int, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"Sandwich({name}=...) must be an int, got {type(value).__name__}")
-    if not minimum <= value <= maximum:
-        raise ValueError(f"Sandwich({name}=...) must be in [{minimum}, {maximum}], got {value}")
-    return value
+    number = check_integer(f"Sandwich({name}=...)", value)
+    if not minimum <= number <= maximum:
+        raise ValueError(f"Sandwich({name}=...) must be in [{minimum}, {maximum}], got {number}")
+    return number
 
 
 def _shifted_sums(dim: int, max_len: int) -> torch.Tensor:
@@ -127,11 +127,15 @@ class Sandwich(ScoreSpec):
     scalar_fields = frozenset({"num_heads", "dim", "max_len"})  # ints (__post_init__)
 
     def __post_init__(self) -> None:
-        _check_int("num_heads", self.num_heads, 1, 1 << 20)
+        heads = _check_int("num_heads", self.num_heads, 1, 1 << 20)
         dim = _check_int("dim", self.dim, 2, DIM_MAX)
         if dim % 2:
             raise ValueError(f"Sandwich(dim=...) must be even (sin/cos pairs), got {dim}")
-        _check_int("max_len", self.max_len, 1, MAX_LEN_MAX)
+        max_len = _check_int("max_len", self.max_len, 1, MAX_LEN_MAX)
+        # Stored as plain ints: a NumPy integer would otherwise stay in the fields (and the repr).
+        object.__setattr__(self, "num_heads", heads)
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "max_len", max_len)
         self._set_device(torch.device("cpu"))
 
     def _set_device(self, device: torch.device) -> None:

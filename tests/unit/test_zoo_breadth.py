@@ -23,6 +23,7 @@ from flexattn_zoo.masks import (
     FlamingoCross,
     GlobalWindow,
     Natten,
+    SlidingTile,
     SlidingWindow,
 )
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
@@ -115,6 +116,19 @@ def test_natten_forms_and_scale() -> None:
 def test_natten_parameter_errors(kwargs: dict[str, object], exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         Natten(**kwargs)  # type: ignore[arg-type]
+
+
+def test_grid_extents_as_tensors_or_arrays_are_sequences() -> None:
+    # A 1-D tensor or array has __index__ like a scalar (it raises for several elements), so it was
+    # taken for one extent and refused as "must be an int".
+    np = pytest.importorskip("numpy")
+    want = Natten(canvas=(4, 6), kernel=(3, 5))
+    assert Natten(canvas=torch.tensor([4, 6]), kernel=np.array([3, 5])) == want
+    assert Natten(canvas=np.array([4, 6]), kernel=torch.tensor(3)) == Natten(canvas=(4, 6), kernel=3)
+    tile = SlidingTile(canvas=np.array([4, 8]), tile=torch.tensor([2, 2]), window=np.array([1, 3]))
+    assert tile == SlidingTile(canvas=(4, 8), tile=(2, 2), window=(1, 3))
+    with pytest.raises(TypeError, match=r"Natten\(canvas=...\) must be an int >= 1, got float"):
+        Natten(canvas=torch.tensor([4.0, 6.0]), kernel=3)
 
 
 def test_natten_needs_a_canvas_holding_the_problem() -> None:
@@ -220,6 +234,24 @@ def test_global_window_definition_per_row() -> None:
         GlobalWindow.from_positions([30], 30, left=1)
     with pytest.raises(ValueError, match="2 rows but the batch size is 3"):
         spec.validate(30, 30, 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("positions", "error", "match"),
+    [
+        ([1.9], TypeError, "must hold integers"),  # a cast would truncate it to position 1
+        (torch.tensor([2.5]), TypeError, "must hold integers"),
+        ([True], TypeError, "must hold ints, got a bool"),
+        ([[0, 1], [2, 3]], ValueError, "must be 1-D"),  # a cast would flatten it
+        ("ab", TypeError, "must be a list of ints"),
+    ],
+)
+def test_position_helpers_refuse_non_integer_positions(positions, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=rf"GlobalWindow.from_positions\(positions=...\) {match}"):
+        GlobalWindow.from_positions(positions, 5, left=1)
+    what = r"FlamingoCross.from_image_positions\(image_positions=...\)"
+    with pytest.raises(error, match=rf"{what} {match}"):
+        FlamingoCross.from_image_positions(positions, tokens_per_image=2, text_len=5)
 
 
 # ---- flamingo_cross ----------------------------------------------------------------------------

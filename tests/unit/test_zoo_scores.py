@@ -362,6 +362,14 @@ def test_graphormer_validate_names_the_mismatch() -> None:
         ({"spatial_pos": torch.zeros(4, dtype=torch.long)}, ValueError, r"shape \[B, N, N\] or \[N, N\]"),
         ({"spatial_pos": torch.full((2, 2), 4)}, ValueError, r"\[0, num_spatial\) = \[0, 4\).*from 4 to 4"),
         ({"spatial_pos": torch.full((2, 2), -1)}, ValueError, "from -1 to -1"),
+        # Beyond int32 (an "unreachable" sentinel): refused, not wrapped to 0 or 1, valid rows.
+        ({"spatial_pos": torch.full((2, 2), 2**32)}, ValueError, r"\[0, 4\).*to 2147483647"),
+        ({"spatial_pos": torch.full((2, 2), 1 - 2**32)}, ValueError, r"\[0, 4\).*from -2147483648"),
+        (
+            {"spatial_pos": Graphormer.add_virtual_node(torch.full((1, 1), 2**32), 3)},
+            ValueError,
+            r"\[0, 4\).*to 2147483647",
+        ),
         (
             {"spatial_bias": torch.zeros(4)},
             ValueError,
@@ -396,3 +404,28 @@ def test_graphormer_integer_table_becomes_float() -> None:
         spatial_pos=torch.zeros(2, 2, dtype=torch.long), spatial_bias=torch.ones(3, 1, dtype=torch.long)
     )
     assert spec.spatial_bias.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: score_mods.Alibi(num_heads=n(8)),
+        lambda n: Sandwich(num_heads=n(2), dim=n(8), max_len=n(16)),
+        lambda n: score_mods.RelPosBias(table=torch.ones(8, 2), max_distance=n(16)),
+        lambda n: score_mods.Sigmoid.for_length(n(8)),
+        lambda n: Graphormer.add_virtual_node(torch.zeros(2, 2, dtype=torch.long), n(3)),
+    ],
+    ids=["alibi", "sandwich", "rel_pos_bias", "sigmoid_for_length", "graphormer_virtual_node"],
+)
+def test_integer_parameters_take_numpy_integers(make) -> None:  # type: ignore[no-untyped-def]
+    """Integer parameters take numpy's integers, as the masks' and layers' do (a config read with
+    numpy gives them), and make the spec the Python int makes."""
+    np = pytest.importorskip("numpy")
+    for kind in (np.int64, np.int32):
+        got, want = make(kind), make(int)
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want)
+        else:
+            assert got == want and hash(got) == hash(want) and repr(got) == repr(want)
+    with pytest.raises(TypeError, match=r"\.\.\.\) must be an int, got bool"):
+        make(bool)
