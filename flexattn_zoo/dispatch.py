@@ -506,7 +506,8 @@ def _empty_result(
     link = (q.narrow(2, 0, 0).sum() + k.narrow(2, 0, 0).sum() + v.narrow(2, 0, 0).sum()) * 0
     assert p.v_dim is not None  # Problem.__post_init__ fills it in
     out = q.new_zeros(p.batch, p.heads, p.q_len, p.v_dim) + link
-    lse = torch.full((p.batch, p.heads, p.q_len), float("-inf"), device=q.device)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((p.batch, p.heads, p.q_len), float("-inf"), device=q.device, dtype=dtype)
     return out, lse
 
 
@@ -603,7 +604,8 @@ def attention(
         enable_gqa: allow fewer k/v heads than q heads (q head h reads kv head h // group).
         backend: ``"auto"`` or a route name (see ``fz.plan(...).explain()``); a named route never
             falls back, it raises ``ValueError`` with its reasons.
-        return_lse: also return the natural-log log-sum-exp ``[B, H, Lq]`` (float32).
+        return_lse: also return the natural-log log-sum-exp ``[B, H, Lq]`` (float32; float64 for
+            float64 inputs).
         deterministic: ``True`` takes only routes whose forward and backward are bitwise
             reproducible run to run (same inputs, shapes, machine and torch), and runs FA2 /
             memory-efficient backwards under torch's deterministic mode; routes that cannot

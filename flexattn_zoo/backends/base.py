@@ -422,14 +422,20 @@ def activation_output(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torc
 
     ``out [B, H, Lq, Dv]`` is ``sum_j w_ij v_j / W_i`` and ``lse [B, H, Lq]`` is ``log W_i``, so the
     product is ``sum_j w_ij v_j``; computed in float32 (float64 for float64 ``out``), returned in
-    ``out``'s dtype, with the lse as float32 (the API's lse dtype; a route may hand a float64 one
-    in). A row with no weight has ``out = 0`` and ``lse = -inf``: ``0 * 0 = 0``.
+    ``out``'s dtype, with the lse in the API's dtype (:func:`lse_in_api_dtype`). A row with no weight has ``out = 0`` and ``lse = -inf``: ``0 * 0 = 0``.
     """
     if lse is None:  # the problem asked the route for it (Problem.return_lse)
         raise RuntimeError("activation attention needs the route's lse, which it did not return")
     compute = torch.float64 if out.dtype == torch.float64 else torch.float32
     total = torch.exp(lse.to(compute)).unsqueeze(-1)
-    return (out.to(compute) * total).to(out.dtype), lse.float()
+    return (out.to(compute) * total).to(out.dtype), lse_in_api_dtype(lse, out.dtype)
+
+
+def lse_in_api_dtype(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The lse as ``fz.attention`` returns it for inputs of ``dtype``: float32, or float64 for
+    float64 inputs (a float32 lse would cost them their precision wherever it is used again:
+    sinks, activation attention, merges of partial results)."""
+    return lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
 
 
 class _DeterministicBackward(torch.autograd.Function):

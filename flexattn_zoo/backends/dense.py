@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.base import FLOATS, Backend
+from flexattn_zoo.backends.base import FLOATS, Backend, lse_in_api_dtype
 from flexattn_zoo.functions import check_mask_function, evaluate_as_flex
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.validation import env_number
@@ -161,10 +161,7 @@ class DenseBackend(Backend):
         out = torch.matmul(probs, vc).to(q.dtype)
         if not p.return_lse:
             return out, None
-        # Activation attention multiplies out by exp(lse) (base.activation_output, which returns
-        # the lse as float32): a float32 lse here would cost float64 inputs their precision.
-        keep_compute = p.score is not None and p.score.is_activation()
-        return out, (lse.squeeze(-1) if keep_compute else lse.squeeze(-1).float())
+        return out, lse_in_api_dtype(lse.squeeze(-1), q.dtype)
 
 
 DENSE = DenseBackend(

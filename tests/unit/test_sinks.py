@@ -54,6 +54,21 @@ def test_sigmoid_identity_matches_reference_in_float64() -> None:
     torch.testing.assert_close(got_lse, want_lse, rtol=0, atol=1e-13)
 
 
+def test_float64_layers_keep_float64_precision_with_sinks_and_lse() -> None:
+    # The lse of float64 inputs is float64: sinks applied to a float32 one were off by ~1e-8.
+    q, k, v, sinks = _qkv(torch.float64)
+    sinks = sinks.double()
+    _, lse = fz.attention(q, k, v, mask=masks.Causal(), enable_gqa=True, return_lse=True)
+    _, ref_lse = reference_attention(q, k, v, mask=masks.Causal(), enable_gqa=True, return_lse=True)
+    assert lse.dtype == torch.float64
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
+    layer = fz.Attention(mask=masks.Causal(), sinks=sinks)
+    want = reference_attention(q, k, v, mask=masks.Causal(), enable_gqa=True, sinks=sinks)
+    torch.testing.assert_close(layer(q, k, v), want, rtol=0, atol=1e-12)
+    empty, empty_lse = fz.attention(q[:, :, :0], k, v, enable_gqa=True, return_lse=True)
+    assert empty_lse.dtype == torch.float64 and empty.dtype == torch.float64
+
+
 def test_reference_rejects_bad_sinks() -> None:
     q, k, v, _ = _qkv(torch.float64)
     with pytest.raises(ValueError, match=r"sinks must be a float tensor \[H\]"):
