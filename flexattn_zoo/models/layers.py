@@ -338,10 +338,18 @@ class Attention(nn.Module):
             if num_heads is None:
                 raise ValueError("Attention(sinks=True) (or a preset layer with sinks) needs num_heads=")
             self.sinks = nn.Parameter(torch.zeros(num_heads))
-        elif isinstance(sinks, nn.Parameter):
-            self.sinks = sinks
         elif isinstance(sinks, torch.Tensor):
-            if sinks.requires_grad:
+            # Checked here as the call checks it (the call also matches H and the device).
+            if not sinks.is_floating_point() or sinks.dim() != 1:
+                raise TypeError(
+                    f"sinks must be a floating tensor [H] (one logit per query head), got dtype "
+                    f"{sinks.dtype} and shape {tuple(sinks.shape)}"
+                )
+            if num_heads is not None and sinks.shape[0] != num_heads:
+                raise ValueError(f"sinks has {sinks.shape[0]} entries but num_heads={num_heads}")
+            if isinstance(sinks, nn.Parameter):
+                self.sinks = sinks
+            elif sinks.requires_grad:
                 self.sinks = nn.Parameter(sinks)
             else:
                 self.register_buffer("sinks", sinks)

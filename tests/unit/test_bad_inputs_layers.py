@@ -80,6 +80,25 @@ ERRORS = [
             ("float", 2.0, TypeError),
         )
     ),
+    # sinks given as a tensor: refused when the layer is built, not at its first call
+    pytest.param(
+        lambda: fz.Attention(mask="causal", sinks=torch.zeros(H, dtype=torch.long)),
+        TypeError,
+        r"sinks must be a floating tensor \[H\].*torch.int64",
+        id="attention_sinks_int",
+    ),
+    pytest.param(
+        lambda: fz.Attention(mask="causal", sinks=torch.zeros(1, H)),
+        TypeError,
+        r"sinks must be a floating tensor \[H\].*shape \(1, \d+\)",
+        id="attention_sinks_2d",
+    ),
+    pytest.param(
+        lambda: fz.Attention(mask="causal", sinks=torch.zeros(H + 1), num_heads=H),
+        ValueError,
+        r"sinks has \d+ entries but num_heads=",
+        id="attention_sinks_vs_num_heads",
+    ),
     pytest.param(
         lambda: fz.presets.get("gpt_oss", num_heads=0),
         ValueError,
