@@ -2,7 +2,8 @@
 machine environment, written atomically and merged under a lock.
 
 * Directory: ``$FLEXATTN_ZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexattn_zoo``, else
-  ``~/.cache/flexattn_zoo`` (read at every load and save).
+  ``~/.cache/flexattn_zoo`` (read at every load and save; :data:`ENV_VARS` lists every variable
+  it depends on, ``HOME`` included, which the plan cache keys on).
 * File: ``tune-<device>-<hash>.json``, where the hash covers the *environment key*
   (:func:`environment`): the device name, the CPU architecture, the versions of torch (and its
   CUDA / HIP), cuDNN, Triton, FlashAttention-4 (``flash-attn-4``; ``"unknown"`` when
@@ -38,6 +39,9 @@ import torch
 from flexattn_zoo import _compat
 
 CACHE_DIR_ENV = "FLEXATTN_ZOO_CACHE_DIR"
+#: Every environment variable :func:`cache_dir` reads (``HOME`` through ``~``): a change of any of
+#: them can switch the tuning file, so cached plans chosen from the old file's table must go.
+ENV_VARS = (CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME")
 #: Bumped when the file layout changes (it is part of the environment key).
 FORMAT = 1
 
@@ -167,6 +171,7 @@ def remove(path: Path) -> None:
 
 __all__ = [
     "CACHE_DIR_ENV",
+    "ENV_VARS",
     "FORMAT",
     "cache_dir",
     "environment",

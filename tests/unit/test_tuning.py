@@ -454,6 +454,34 @@ def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.Monk
     assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
 
 
+@pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "HOME"])
+def test_every_variable_placing_the_cache_file_keys_the_plan_cache(
+    variable: str,
+    tuned: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Without FLEXATTN_ZOO_CACHE_DIR the file is under XDG_CACHE_HOME, else under HOME: moving
+    # either mid-run is another table, so a plan cached from the old one must not be reused.
+    monkeypatch.delenv(tuning_store.CACHE_DIR_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv(variable, str(tuned / "first"))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+
+    def call() -> None:
+        fz.attention(q, k, v, mask="causal", tune=True)
+
+    assert _route(caplog, call) == "flex_cpu"
+    assert tuning.cache_path().is_relative_to(tuned / "first")
+    monkeypatch.setenv(variable, str(tuned / "second"))
+    timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0})
+    monkeypatch.setattr(tuning, "time_routes", timer)
+    assert _route(caplog, call) == "sdpa_flash"  # that directory's table: measured there
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    assert tuning.cache_path().is_relative_to(tuned / "second")
+
+
 def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
     q, k, v = _qkv()
