@@ -588,7 +588,7 @@ def _parse(raw: list[dict[str, Any]], path: Path, device: str) -> dict[Signature
         try:
             sig = Signature.from_json(item.get("signature"))
             entry = Entry.from_json(item)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, ArithmeticError):  # OverflowError: an int beyond float's range
             bad += 1
             continue
         if sig.device == device and _newer(entry, out.get(sig)):

@@ -108,15 +108,17 @@ def read(path: Path) -> list[dict[str, Any]] | None:
     """The raw entries of ``path``; ``[]`` when it does not exist, None (with a warning) when it
     cannot be read or is not a tuning file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         return []
     except OSError as exc:
         warnings.warn(f"flexattn_zoo tuning: cannot read {path}: {exc}; ignoring it", stacklevel=2)
         return None
     try:
-        data = json.loads(text)
-    except ValueError as exc:
+        # Bytes, decoded by the parser: a corrupt file's undecodable bytes are a ValueError here
+        # (UnicodeDecodeError), its nesting beyond the parser's depth a RecursionError.
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
         warnings.warn(f"flexattn_zoo tuning: {path} is not valid JSON ({exc}); ignoring it", stacklevel=2)
         return None
     entries = data.get("entries") if isinstance(data, dict) else None

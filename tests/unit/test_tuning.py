@@ -522,6 +522,39 @@ def test_a_corrupt_file_is_ignored_with_a_warning(tuned: Path, monkeypatch: pyte
     assert plan.tuning is not None and plan.tuning.entry is not None
 
 
+def _huge_number_file(path: Path) -> bytes:
+    q, k, v = _qkv()
+    info = fz.plan(q, k, v, mask="causal", tune=True).tuning
+    assert info is not None
+    row = {"signature": info.signature.to_json(), **_entry("sdpa_flash").to_json()}
+    return json.dumps({"format": 1, "entries": [{**row, "ms": {"sdpa_flash": 10**400}}]}).encode()
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        lambda path: b'{"format": 1, "entries": [\xff\xfe',  # not UTF-8 (a corrupt disk block)
+        lambda path: b"[" * 100_000,  # nested beyond the JSON parser's depth
+        _huge_number_file,  # an entry whose number does not fit a float
+    ],
+    ids=["not-utf8", "too-deep", "huge-number"],
+)
+def test_no_corrupt_file_raises_into_a_call(
+    contents: Callable[[Path], bytes], tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tuning.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(contents(path))
+    _fresh_process(monkeypatch)
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning, match="not valid JSON|malformed"):
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    rows = json.loads(path.read_text())["entries"]  # replaced by a good file
+    assert len(rows) == 1 and rows[0]["winner"] == "sdpa_flash"
+
+
 def test_an_unwritable_cache_warns_and_keeps_the_measurement(
     tuned: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
