@@ -196,7 +196,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "flexattn-zoo tune") -> 
         if not args.quiet:
             console.print(rich_table(rows, title))
             if not args.no_save:
-                console.print(f"cache: {tuning.cache_path()}", markup=False)
+                try:
+                    where = str(tuning.cache_path())
+                except OSError as exc:  # no cache directory: the measurements were kept in memory
+                    where = f"none ({exc})"
+                console.print(f"cache: {where}", markup=False)
         if args.out is not None:
             if args.out.suffix.lower() == ".md":
                 args.out.write_text(markdown(rows, title))

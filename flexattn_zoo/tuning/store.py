@@ -16,7 +16,8 @@ machine environment, written atomically and merged under a lock.
   one, never a torn one, and entries another process wrote meanwhile survive.
 * A file that cannot be read or parsed is ignored with a warning (and replaced at the next
   write); an entry that does not parse is dropped with a warning. A failed write warns and keeps
-  the measurement in memory. Nothing here raises into an attention call.
+  the measurement in memory, and so does no directory at all (no home directory). Nothing here
+  raises into an attention call.
 """
 
 from __future__ import annotations
@@ -52,13 +53,22 @@ except ImportError:  # pragma: no cover - Windows: writes go unlocked
 
 
 def cache_dir() -> Path:
-    """The directory of the tuning files (see the module docstring)."""
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return (base / "flexattn_zoo").absolute()
+    """The directory of the tuning files (see the module docstring).
+
+    Raises:
+        OSError: no home directory to put it in (``HOME`` unset and the user not in the password
+            database, as for a container's arbitrary uid) and no variable naming another; callers
+            treat it as a directory that cannot be read or written.
+    """
+    try:
+        explicit = os.environ.get(CACHE_DIR_ENV)
+        if explicit:
+            return Path(explicit).expanduser().absolute()
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+        return (base / "flexattn_zoo").absolute()
+    except RuntimeError as exc:  # pathlib's "Could not determine home directory."
+        raise OSError(f"no tuning cache directory: {exc} Set {CACHE_DIR_ENV} or XDG_CACHE_HOME") from None
 
 
 def environment(device_name: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from learned_bias import LearnedHeadBias
 import flexattn_zoo as fz
 from flexattn_zoo import dispatch, masks, plan_cache, score_mods, tuning
 from flexattn_zoo.cli import app as cli
+from flexattn_zoo.cli import info
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.testing import assert_matches_reference
 from flexattn_zoo.tuning import store as tuning_store
@@ -567,6 +568,30 @@ def test_an_unwritable_cache_warns_and_keeps_the_measurement(
         fz.attention(q, k, v, mask="causal", tune=True)
     assert any("cannot write" in str(w.message) for w in caught)
     assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
+
+
+def test_no_home_directory_keeps_measurements_in_memory(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # HOME unset and a uid without a password entry (a container's): pathlib cannot place "~".
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(tuning_store.CACHE_DIR_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning, match="no tuning cache directory"):
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.tuning is not None and plan.tuning.entry is not None  # measured, kept in memory
+    with pytest.raises(OSError, match=tuning_store.CACHE_DIR_ENV):
+        tuning.cache_path()  # asked for by name: says what to set
+    with pytest.warns(UserWarning, match="cannot clear"):
+        tuning.clear()
+    assert tuning.table() == {}
+    assert info._tuning_summary()[1].startswith("none: no tuning cache directory")
+    assert cli.main(["env"]) == 0
 
 
 def test_clear_one_signature_or_all(tuned: Path) -> None:
