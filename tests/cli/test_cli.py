@@ -206,6 +206,27 @@ def test_module_entry_point_exit_code() -> None:
 # env and plan
 
 
+@pytest.mark.parametrize("installed", ["9.9.9", None])
+def test_version_is_the_running_codes(
+    installed: str | None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another version installed (a checkout on PYTHONPATH beside a wheel), or none at all: the
+    # version printed is the code's, as env prints it.
+    import importlib.metadata
+
+    import flexattn_zoo
+
+    def installed_version(name: str) -> str:
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", installed_version)
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert out.split() == ["flexattn-zoo", flexattn_zoo.__version__]
+
+
 def test_env_lists_versions_and_routes(capsys: pytest.CaptureFixture[str]) -> None:
     from flexattn_zoo.backends import BACKENDS
 
