@@ -91,6 +91,18 @@ def read_text_file(path: str | os.PathLike[str], what: str) -> str:
         raise ValueError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
 
 
+def check_output_file(path: str | os.PathLike[str], option: str) -> None:
+    """ValueError naming ``option`` when ``path`` cannot be an output file: a directory, or in a
+    folder that does not exist. Checked before a command's work, so a long run is not lost at the
+    end to a typo in its output path."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{option} {str(p)!r} is a directory; give a file name")
+    folder = p.absolute().parent
+    if not folder.is_dir():
+        raise ValueError(f"{option} {str(p)!r}: folder {str(folder)!r} does not exist")
+
+
 def load_yaml_spec(source: str | os.PathLike[str]) -> tuple[MaskSpec | None, ScoreSpec | None]:
     """Parse YAML text, or a path to a YAML file, into ``(mask, score_mod)`` specs."""
     text = str(source)

@@ -15,7 +15,8 @@ planning reads from them, so a hit returns exactly the plan the full path would 
   (the mode of a call whose inputs do not; ``flex_flash`` refuses such specs in any mode),
   ``enable_gqa``, ``return_lse``, the resolved ``deterministic`` flag, ``backend``, and
   ``dropout_p`` when above 0;
-* what planning reads from the process: ``FLEXATTN_ZOO_ARCH``, and what each registered route
+* what planning reads from the process: ``FLEXATTN_ZOO_ARCH``, the variables that place the
+  tuning file (``tuning.store.ENV_VARS``), and what each registered route
   declares it reads (``Backend.env_vars``) or needs installed (``Backend.requires``);
 * measured route choice (:mod:`flexattn_zoo.tuning`): the call's ``tune`` argument, the
   process-wide switch (``fz.tune.enable`` / ``disable``, ``FLEXATTN_ZOO_TUNE``) and the version of
@@ -60,7 +61,7 @@ PLANS: ClockCache[Any] = ClockCache(256)
 ENV_VARS = (
     ARCH_ENV,
     tuning.TUNE_ENV,
-    tuning.store.CACHE_DIR_ENV,
+    *tuning.store.ENV_VARS,  # where the tuning file is: a plan may come from its table
     *dict.fromkeys(name for b in BACKENDS for name in b.env_vars),
 )
 #: What the registered routes need installed (``Backend.requires``), each distinct one once.

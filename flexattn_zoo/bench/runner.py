@@ -15,7 +15,8 @@ rows already there (``--rerun``: the selected cases/routes/modes are measured ag
 no compiled graphs (:func:`fresh_compiles`), as a process running only that case would.
 ``--report-only`` rewrites the Markdown/PNGs from an existing ``--out`` JSON.
 
-Exit codes: 0 done, 1 matplotlib missing for ``--png``, 2 bad input, 3 stopped by the time budget.
+Exit codes: 0 done, 1 matplotlib missing for ``--png`` or a file that could not be written, 2 bad input
+(an output path that is a directory or in a missing folder included), 3 stopped by the time budget.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from flexattn_zoo.bench.env import block_fa4, collect_env
 from flexattn_zoo.bench.report import host_bound, markdown, rich_table, write_pngs
 from flexattn_zoo.bench.timing import free_memory, interleaved, visible_pairs
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
+from flexattn_zoo.config import check_output_file, read_text_file
 from flexattn_zoo.viz import MissingDependency
 
 FLOP_FACTOR = {"fwd": 1.0, "fwdbwd": 3.5}  # backward counted as 2.5x forward
@@ -412,17 +414,20 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
                 raise MissingDependency("--png needs matplotlib: pip install 'flexattn-zoo[viz]'")
         if (args.resume or args.report_only) and args.out is None:
             raise ValueError("--resume and --report-only need --out")
+        for option, path in (("--out", args.out), ("--md", args.md), ("--png", args.png)):
+            if path is not None:  # --png is a prefix: its folder must exist, as for a file
+                check_output_file(path, option)
         if args.rerun and not args.resume:
             raise ValueError("--rerun only makes sense with --resume (without it every row is measured anew)")
         complete = True
         if args.report_only:
-            data = json.loads(args.out.read_text())
+            data = json.loads(read_text_file(args.out, "--out results file"))
             cases = load_config(args.config)
         else:
             cases = _select(load_config(args.config), args)
             data = {"env": {}, "rows": []}
             if args.resume and args.out.is_file():
-                data = json.loads(args.out.read_text())
+                data = json.loads(read_text_file(args.out, "--out results file"))
                 previous = data.get("env", {})
                 # Each kept command names its commit: a resumed table mixes rows of several.
                 last = previous.get("command")
@@ -464,6 +469,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m flexattn_zoo.
             raise
         errors.print(f"error: {exc}", style="bold red", markup=False)
         return 2
+    except OSError as exc:  # writing a report failed (disk full, permissions): no traceback either
+        if os.environ.get("FLEXATTN_ZOO_DEBUG"):
+            raise
+        errors.print(f"error: {exc}", style="bold red", markup=False)
+        return 1
 
 
 if __name__ == "__main__":

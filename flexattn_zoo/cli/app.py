@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -202,10 +201,11 @@ _OWN_OPTIONS = {
 
 
 def _version() -> str:
-    try:
-        return importlib.metadata.version("flexattn-zoo")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    """The version of the code running, not of whatever distribution is installed (a checkout on
+    ``PYTHONPATH`` may run beside another installed version, or none)."""
+    import flexattn_zoo
+
+    return flexattn_zoo.__version__
 
 
 # ---------------------------------------------------------------------------------------------

@@ -197,7 +197,11 @@ def _tuning_summary() -> tuple[str, str]:
         state = "on" if tuning.is_enabled() else "off"
     except ValueError as exc:  # a bad FLEXATTN_ZOO_TUNE: say so here, it fails the next call
         state = str(exc)
-    return f"{state} (FLEXATTN_ZOO_TUNE, fz.tune); {len(tuning.table())} entries", str(tuning.cache_path())
+    summary = f"{state} (FLEXATTN_ZOO_TUNE, fz.tune); {len(tuning.table())} entries"
+    try:
+        return summary, str(tuning.cache_path())
+    except OSError as exc:  # no cache directory: measurements would stay in memory
+        return summary, f"none: {exc}"
 
 
 def _plugins_summary() -> str:

@@ -40,6 +40,7 @@ from flexattn_zoo.bench.config import MODES, Case, load_config, packaged_configs
 from flexattn_zoo.bench.report import md_table
 from flexattn_zoo.bench.routes import Inputs
 from flexattn_zoo.bench.runner import case_device
+from flexattn_zoo.config import check_output_file
 
 HEADER = ["case", "mode", "signature", "route", "static", "median ms", "compile s"]
 
@@ -189,14 +190,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "flexattn-zoo tune") -> 
         return exc.code if isinstance(exc.code, int) else 2
     try:
         cases = _select(load_config(args.config), args)
-        if args.out is not None and args.out.is_dir():
-            raise ValueError(f"--out {args.out} is a directory")
+        if args.out is not None:
+            check_output_file(args.out, "--out")
         rows = run(cases, args)
         title = f"flexattn_zoo route choice by measurement: {Path(args.config).stem}"
         if not args.quiet:
             console.print(rich_table(rows, title))
             if not args.no_save:
-                console.print(f"cache: {tuning.cache_path()}", markup=False)
+                try:
+                    where = str(tuning.cache_path())
+                except OSError as exc:  # no cache directory: the measurements were kept in memory
+                    where = f"none ({exc})"
+                console.print(f"cache: {where}", markup=False)
         if args.out is not None:
             if args.out.suffix.lower() == ".md":
                 args.out.write_text(markdown(rows, title))

@@ -563,7 +563,11 @@ def table() -> dict[Signature, Entry]:
 
 def cache_path(device: torch.device | str | None = None) -> Path:
     """The file holding ``device``'s measurements in this environment (default: the current CUDA
-    device when there is one, else the CPU). It may not exist yet."""
+    device when there is one, else the CPU). It may not exist yet.
+
+    Raises:
+        OSError: there is no cache directory (no home directory, and no variable naming one).
+    """
     if device is None:
         return store.path_for(device_name(_default_device()))
     return store.path_for(device_name(check_device_arg(device, "fz.tune.cache_path(device=...)")))
@@ -588,7 +592,7 @@ def _parse(raw: list[dict[str, Any]], path: Path, device: str) -> dict[Signature
         try:
             sig = Signature.from_json(item.get("signature"))
             entry = Entry.from_json(item)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, ArithmeticError):  # OverflowError: an int beyond float's range
             bad += 1
             continue
         if sig.device == device and _newer(entry, out.get(sig)):
@@ -618,7 +622,11 @@ def _load(name: str) -> None:
     replaces the entries read from the previous one. Nothing is read with ``persist=False``."""
     if not _SETTINGS.persist:
         return
-    path = store.path_for(name)
+    try:
+        path = store.path_for(name)
+    except OSError as exc:  # no cache directory: nothing to read, what is in memory stays
+        warnings.warn(f"flexattn_zoo tuning: {exc}; measurements stay in memory", stacklevel=3)
+        return
     if _LOADED.get(name) == path:
         return
     with _LOCK:
@@ -644,7 +652,11 @@ def _save(name: str, drop: frozenset[Signature] = frozenset()) -> None:
     table), leaving out ``drop``: under the file's lock, atomically. Warns instead of raising."""
     if not _SETTINGS.persist:
         return
-    path = store.path_for(name)
+    try:
+        path = store.path_for(name)
+    except OSError as exc:  # no cache directory
+        warnings.warn(f"flexattn_zoo tuning: {exc}; kept in memory", stacklevel=3)
+        return
     try:
         with store.locked(path):
             disk = {s: e for s, e in _parse(store.read(path) or [], path, name).items() if s not in drop}
@@ -695,7 +707,10 @@ def clear(signature: Signature | None = None) -> None:
         _bump()
         if _SETTINGS.persist:  # the files go below: nothing left to load from them
             for name in names:
-                _LOADED[name] = store.path_for(name)
+                try:
+                    _LOADED[name] = store.path_for(name)
+                except OSError:  # no cache directory: no file to clear (warned below)
+                    _LOADED.pop(name, None)
     if not _SETTINGS.persist:
         return
     for name in sorted(names):
@@ -704,8 +719,8 @@ def clear(signature: Signature | None = None) -> None:
                 store.remove(store.path_for(name))
             else:
                 _save(name, drop=frozenset({signature}))
-        except OSError as exc:
-            warnings.warn(f"flexattn_zoo tuning: cannot clear {store.path_for(name)}: {exc}", stacklevel=2)
+        except OSError as exc:  # the message names the file, or says there is no directory
+            warnings.warn(f"flexattn_zoo tuning: cannot clear the {name} cache file: {exc}", stacklevel=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 machine environment, written atomically and merged under a lock.
 
 * Directory: ``$FLEXATTN_ZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexattn_zoo``, else
-  ``~/.cache/flexattn_zoo`` (read at every load and save).
+  ``~/.cache/flexattn_zoo`` (read at every load and save; :data:`ENV_VARS` lists every variable
+  it depends on, ``HOME`` included, which the plan cache keys on).
 * File: ``tune-<device>-<hash>.json``, where the hash covers the *environment key*
   (:func:`environment`): the device name, the CPU architecture, the versions of torch (and its
   CUDA / HIP), cuDNN, Triton, FlashAttention-4 (``flash-attn-4``; ``"unknown"`` when
@@ -15,7 +16,8 @@ machine environment, written atomically and merged under a lock.
   one, never a torn one, and entries another process wrote meanwhile survive.
 * A file that cannot be read or parsed is ignored with a warning (and replaced at the next
   write); an entry that does not parse is dropped with a warning. A failed write warns and keeps
-  the measurement in memory. Nothing here raises into an attention call.
+  the measurement in memory, and so does no directory at all (no home directory). Nothing here
+  raises into an attention call.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ import torch
 from flexattn_zoo import _compat
 
 CACHE_DIR_ENV = "FLEXATTN_ZOO_CACHE_DIR"
+#: Every environment variable :func:`cache_dir` reads (``HOME`` through ``~``): a change of any of
+#: them can switch the tuning file, so cached plans chosen from the old file's table must go.
+ENV_VARS = (CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME")
 #: Bumped when the file layout changes (it is part of the environment key).
 FORMAT = 1
 
@@ -48,13 +53,22 @@ except ImportError:  # pragma: no cover - Windows: writes go unlocked
 
 
 def cache_dir() -> Path:
-    """The directory of the tuning files (see the module docstring)."""
-    explicit = os.environ.get(CACHE_DIR_ENV)
-    if explicit:
-        return Path(explicit).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return (base / "flexattn_zoo").absolute()
+    """The directory of the tuning files (see the module docstring).
+
+    Raises:
+        OSError: no home directory to put it in (``HOME`` unset and the user not in the password
+            database, as for a container's arbitrary uid) and no variable naming another; callers
+            treat it as a directory that cannot be read or written.
+    """
+    try:
+        explicit = os.environ.get(CACHE_DIR_ENV)
+        if explicit:
+            return Path(explicit).expanduser().absolute()
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+        return (base / "flexattn_zoo").absolute()
+    except RuntimeError as exc:  # pathlib's "Could not determine home directory."
+        raise OSError(f"no tuning cache directory: {exc} Set {CACHE_DIR_ENV} or XDG_CACHE_HOME") from None
 
 
 def environment(device_name: str) -> dict[str, Any]:
@@ -104,15 +118,17 @@ def read(path: Path) -> list[dict[str, Any]] | None:
     """The raw entries of ``path``; ``[]`` when it does not exist, None (with a warning) when it
     cannot be read or is not a tuning file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         return []
     except OSError as exc:
         warnings.warn(f"flexattn_zoo tuning: cannot read {path}: {exc}; ignoring it", stacklevel=2)
         return None
     try:
-        data = json.loads(text)
-    except ValueError as exc:
+        # Bytes, decoded by the parser: a corrupt file's undecodable bytes are a ValueError here
+        # (UnicodeDecodeError), its nesting beyond the parser's depth a RecursionError.
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
         warnings.warn(f"flexattn_zoo tuning: {path} is not valid JSON ({exc}); ignoring it", stacklevel=2)
         return None
     entries = data.get("entries") if isinstance(data, dict) else None
@@ -167,6 +183,7 @@ def remove(path: Path) -> None:
 
 __all__ = [
     "CACHE_DIR_ENV",
+    "ENV_VARS",
     "FORMAT",
     "cache_dir",
     "environment",

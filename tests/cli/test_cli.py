@@ -214,6 +214,27 @@ def test_module_entry_point_exit_code() -> None:
 # env and plan
 
 
+@pytest.mark.parametrize("installed", ["9.9.9", None])
+def test_version_is_the_running_codes(
+    installed: str | None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another version installed (a checkout on PYTHONPATH beside a wheel), or none at all: the
+    # version printed is the code's, as env prints it.
+    import importlib.metadata
+
+    import flexattn_zoo
+
+    def installed_version(name: str) -> str:
+        if installed is None:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(importlib.metadata, "version", installed_version)
+    code, out, _ = run(capsys, "--version")
+    assert code == 0
+    assert out.split() == ["flexattn-zoo", flexattn_zoo.__version__]
+
+
 def test_env_lists_versions_and_routes(capsys: pytest.CaptureFixture[str]) -> None:
     from flexattn_zoo.backends import BACKENDS
 
@@ -450,3 +471,46 @@ def fz_presets_names() -> list[str]:
     from flexattn_zoo.models import presets
 
     return presets.names()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench and tune output files
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "smoke", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
+        (["bench", "smoke", "--md", "{tmp}/no dir/r.md"], "--md '{tmp}/no dir/r.md': folder"),
+        (["bench", "smoke", "--out", "{tmp}/no dir/r.json"], "--out '{tmp}/no dir/r.json': folder"),
+        (["bench", "smoke", "--report-only", "--out", "{tmp}/gone.json"], "--out results file"),
+        (["tune", "smoke", "--out", "{tmp}/no dir/t.md"], "--out '{tmp}/no dir/t.md': folder"),
+        (["tune", "smoke", "--out", "{tmp}"], "--out '{tmp}' is a directory"),
+    ],
+)
+def test_a_bad_output_path_is_refused_before_any_work(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Refused up front, naming the option (a sweep is not lost at its end to a typo in a path).
+    code, out, err = run(capsys, *(a.format(tmp=tmp_path) for a in argv))
+    assert code == 2
+    assert message.format(tmp=tmp_path) in " ".join(err.split())
+    assert "Traceback" not in err and out == ""
+
+
+def test_bench_a_report_that_cannot_be_written_exits_1_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flexattn_zoo.bench import runner
+
+    def disk_full(*args: object, **kwargs: object) -> str:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(runner, "markdown", disk_full)
+    results = tmp_path / "r.json"
+    results.write_text('{"env": {}, "rows": []}')
+    code, _, err = run(
+        capsys, "bench", "smoke", "--report-only", "--out", str(results), "--md", str(tmp_path / "r.md")
+    )
+    assert code == 1
+    assert "No space left on device" in err and "Traceback" not in err

@@ -25,6 +25,7 @@ from learned_bias import LearnedHeadBias
 import flexattn_zoo as fz
 from flexattn_zoo import dispatch, masks, plan_cache, score_mods, tuning
 from flexattn_zoo.cli import app as cli
+from flexattn_zoo.cli import info
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.testing import assert_matches_reference
 from flexattn_zoo.tuning import store as tuning_store
@@ -454,6 +455,34 @@ def test_round_trip_through_the_cache_file(tuned: Path, monkeypatch: pytest.Monk
     assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
 
 
+@pytest.mark.parametrize("variable", ["XDG_CACHE_HOME", "HOME"])
+def test_every_variable_placing_the_cache_file_keys_the_plan_cache(
+    variable: str,
+    tuned: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Without FLEXATTN_ZOO_CACHE_DIR the file is under XDG_CACHE_HOME, else under HOME: moving
+    # either mid-run is another table, so a plan cached from the old one must not be reused.
+    monkeypatch.delenv(tuning_store.CACHE_DIR_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv(variable, str(tuned / "first"))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+
+    def call() -> None:
+        fz.attention(q, k, v, mask="causal", tune=True)
+
+    assert _route(caplog, call) == "flex_cpu"
+    assert tuning.cache_path().is_relative_to(tuned / "first")
+    monkeypatch.setenv(variable, str(tuned / "second"))
+    timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0})
+    monkeypatch.setattr(tuning, "time_routes", timer)
+    assert _route(caplog, call) == "sdpa_flash"  # that directory's table: measured there
+    assert timer.calls == ["sdpa_flash", "flex_cpu"]
+    assert tuning.cache_path().is_relative_to(tuned / "second")
+
+
 def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
     q, k, v = _qkv()
@@ -494,6 +523,39 @@ def test_a_corrupt_file_is_ignored_with_a_warning(tuned: Path, monkeypatch: pyte
     assert plan.tuning is not None and plan.tuning.entry is not None
 
 
+def _huge_number_file(path: Path) -> bytes:
+    q, k, v = _qkv()
+    info = fz.plan(q, k, v, mask="causal", tune=True).tuning
+    assert info is not None
+    row = {"signature": info.signature.to_json(), **_entry("sdpa_flash").to_json()}
+    return json.dumps({"format": 1, "entries": [{**row, "ms": {"sdpa_flash": 10**400}}]}).encode()
+
+
+@pytest.mark.parametrize(
+    "contents",
+    [
+        lambda path: b'{"format": 1, "entries": [\xff\xfe',  # not UTF-8 (a corrupt disk block)
+        lambda path: b"[" * 100_000,  # nested beyond the JSON parser's depth
+        _huge_number_file,  # an entry whose number does not fit a float
+    ],
+    ids=["not-utf8", "too-deep", "huge-number"],
+)
+def test_no_corrupt_file_raises_into_a_call(
+    contents: Callable[[Path], bytes], tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tuning.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_bytes(contents(path))
+    _fresh_process(monkeypatch)
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning, match="not valid JSON|malformed"):
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    rows = json.loads(path.read_text())["entries"]  # replaced by a good file
+    assert len(rows) == 1 and rows[0]["winner"] == "sdpa_flash"
+
+
 def test_an_unwritable_cache_warns_and_keeps_the_measurement(
     tuned: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -506,6 +568,30 @@ def test_an_unwritable_cache_warns_and_keeps_the_measurement(
         fz.attention(q, k, v, mask="causal", tune=True)
     assert any("cannot write" in str(w.message) for w in caught)
     assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
+
+
+def test_no_home_directory_keeps_measurements_in_memory(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # HOME unset and a uid without a password entry (a container's): pathlib cannot place "~".
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(tuning_store.CACHE_DIR_ENV)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0}))
+    q, k, v = _qkv()
+    with pytest.warns(UserWarning, match="no tuning cache directory"):
+        out = fz.attention(q, k, v, mask="causal", tune=True)
+    assert_matches_reference(out, q, k, v, mask="causal")
+    plan = fz.plan(q, k, v, mask="causal", tune=True)
+    assert plan.tuning is not None and plan.tuning.entry is not None  # measured, kept in memory
+    with pytest.raises(OSError, match=tuning_store.CACHE_DIR_ENV):
+        tuning.cache_path()  # asked for by name: says what to set
+    with pytest.warns(UserWarning, match="cannot clear"):
+        tuning.clear()
+    assert tuning.table() == {}
+    assert info._tuning_summary()[1].startswith("none: no tuning cache directory")
+    assert cli.main(["env"]) == 0
 
 
 def test_clear_one_signature_or_all(tuned: Path) -> None:
