@@ -659,7 +659,12 @@ def _save(name: str, drop: frozenset[Signature] = frozenset()) -> None:
         return
     try:
         with store.locked(path):
-            disk = {s: e for s, e in _parse(store.read(path) or [], path, name).items() if s not in drop}
+            try:
+                found = store.read(path, unreadable_raises=True)
+            except OSError as exc:  # entries of other processes may be there: never replace them
+                warnings.warn(f"flexattn_zoo tuning: cannot read {path}: {exc}; kept in memory", stacklevel=3)
+                return
+            disk = {s: e for s, e in _parse(found or [], path, name).items() if s not in drop}
             with _LOCK:
                 merged = dict(disk)
                 for sig, entry in _TABLE.items():

@@ -29,7 +29,7 @@ import json
 import os
 import platform
 import re
-import tempfile
+import secrets
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -114,14 +114,18 @@ def _file_name(device_name: str, digest: str) -> str:
     return f"tune-{slug}-{digest}.json"
 
 
-def read(path: Path) -> list[dict[str, Any]] | None:
+def read(path: Path, *, unreadable_raises: bool = False) -> list[dict[str, Any]] | None:
     """The raw entries of ``path``; ``[]`` when it does not exist, None (with a warning) when it
-    cannot be read or is not a tuning file."""
+    cannot be read or is not a tuning file. ``unreadable_raises``: an existing file that cannot
+    be read (permissions, I/O) raises its ``OSError`` instead, for a writer that must not replace
+    entries it could not see (a corrupt file still reads as None: replacing it is its repair)."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return []
     except OSError as exc:
+        if unreadable_raises:
+            raise
         warnings.warn(f"flexattn_zoo tuning: cannot read {path}: {exc}; ignoring it", stacklevel=2)
         return None
     try:
@@ -159,7 +163,11 @@ def locked(path: Path) -> Iterator[None]:
 def write(path: Path, env: Mapping[str, Any], entries: list[dict[str, Any]]) -> None:
     """Replace ``path`` atomically with ``entries`` (call under :func:`locked`)."""
     data = {"format": FORMAT, "env": dict(env), "entries": entries}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    # Created like any file of the user's (mode 0o666 less the umask), not mkstemp's 0o600: a
+    # cache directory shared by a team stays readable to it. O_EXCL and a random name keep
+    # concurrent writers off each other's temporary files.
+    tmp = str(path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(data, handle, indent=1)  # insertion order: routes as they were timed

@@ -570,6 +570,44 @@ def test_an_unwritable_cache_warns_and_keeps_the_measurement(
     assert fz.plan(q, k, v, mask="causal", tune=True).backend == "flex_cpu"
 
 
+def test_a_file_that_cannot_be_read_is_never_replaced(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Other processes' entries may be in it: a writer that could not read them keeps its own in
+    # memory instead of writing a file without them. A corrupt file, by contrast, is replaced.
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", tune=True)
+    path = tuning.cache_path()
+    before = path.read_bytes()
+    real = Path.read_bytes
+
+    def denied(self: Path) -> bytes:
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    q2, k2, v2 = _qkv((1, 2, 32, 16))
+    with pytest.warns(UserWarning, match="cannot read"):
+        fz.attention(q2, k2, v2, mask="causal", tune=True)
+    monkeypatch.setattr(Path, "read_bytes", real)
+    assert path.read_bytes() == before
+    assert fz.plan(q2, k2, v2, mask="causal", tune=True).measured  # kept in memory
+
+
+def test_the_cache_file_takes_the_users_umask_not_owner_only(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    old = os.umask(0o022)
+    try:
+        q, k, v = _qkv()
+        fz.attention(q, k, v, mask="causal", tune=True)
+    finally:
+        os.umask(old)
+    assert tuning.cache_path().stat().st_mode & 0o777 == 0o644
+    assert not list(tuned.glob("*.tmp"))
+
+
 def test_no_home_directory_keeps_measurements_in_memory(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # HOME unset and a uid without a password entry (a container's): pathlib cannot place "~".
     def no_home() -> Path:
