@@ -6,7 +6,7 @@ Subcommands (``python -m flexattn_zoo`` is the same program)::
     flexattn-zoo show NAME [--param value ...] --len N [--kv-len M] [--png FILE]
     flexattn-zoo env
     flexattn-zoo plan --mask NAME [--param value ...] [--score NAME] --len N [--kv-len M]
-                      --heads H[,HKV] --dim D --dtype bf16 [--batch B] [--arch sm90] [--grad]
+                      --heads H[,HKV] --dim D --dtype bf16 [--batch B] [--arch sm90] [--grad] [--tune]
     flexattn-zoo demo [--device cpu|cuda] [--len N] [--only TEXT]
     flexattn-zoo bench CONFIG [--out F.json] [--md F.md] [--cases a,b] [--routes x,y] [--modes fwd]
     flexattn-zoo tune CONFIG [--out F.json|F.md] [--cases a,b] [--modes fwd] [--force]
@@ -140,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", help="sm80, sm90, sm100, ... or cpu (default: this machine)")
     p.add_argument("--grad", action="store_true", help="inputs require grad (forward + backward)")
     p.add_argument("--lse", action="store_true", help="also return the log-sum-exp")
+    p.add_argument(
+        "--tune",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="take this machine's measured winner from the tuning cache, as fz.plan does "
+        "(default: FLEXATTN_ZOO_TUNE); only for this machine's own arch",
+    )
 
     p = sub.add_parser(
         "demo", help="run every zoo preset, time it and check it against float64", allow_abbrev=False
@@ -194,6 +201,8 @@ _OWN_OPTIONS = {
         "--arch": True,
         "--grad": False,
         "--lse": False,
+        "--tune": False,
+        "--no-tune": False,
         "-h": False,
         "--help": False,
     },
@@ -325,11 +334,32 @@ def cmd_plan(args: argparse.Namespace, params: list[tuple[str, str | None]], con
         score=score,
         return_lse=args.lse,
     )
-    plan = plan_problem(problem)
+    plan = plan_problem(problem, tune=_tuned_here(args.tune, arch), device=torch.device(problem.device_type))
     # The same text as fz.plan(...).explain(), plus the specs with their parameters.
     console.print(plan.explain(), markup=False)
     console.print(f"mask: {describe_spec(mask)}    score_mod: {describe_spec(score)}", markup=False)
     return 0
+
+
+def _tuned_here(tune: bool | None, arch: str) -> bool:
+    """Whether ``plan`` reads the tuning cache: asked for (``--tune``, else ``FLEXATTN_ZOO_TUNE``)
+    and planning for this machine, whose measurements are the only ones the cache holds."""
+    import torch
+
+    from flexattn_zoo import tuning
+    from flexattn_zoo.arch import detect_arch
+
+    if not tuning.resolve(tune):
+        return False
+    here = detect_arch()
+    if arch != here:
+        if tune:  # asked for by name: say why it cannot be
+            raise ValueError(
+                f"--tune reads this machine's measurements ({here}); --arch {arch} is another machine"
+            )
+        return False
+    tuning.ensure_loaded(torch.device("cpu" if arch == "cpu" else "cuda"))
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

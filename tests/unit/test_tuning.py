@@ -815,6 +815,32 @@ def test_tune_cli_on_a_tiny_config(tuned: Path, tmp_path: Path, monkeypatch: pyt
     assert cli.main(["tune", str(config), "--modes", "sideways"]) == 2
 
 
+def test_plan_cli_reads_this_machines_measurements_when_tuning_is_on(
+    tuned: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The static order puts sdpa_flash first for this problem; the measurement says flex_cpu.
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+    fz.attention(q, k, v, mask="causal", tune=True)
+    _fresh_process(monkeypatch)  # another process: the CLI reads the file
+    args = ["plan", "--mask", "causal", "--len", "64", "--heads", "2", "--dim", "16", "--dtype", "fp32"]
+    args += ["--arch", "cpu"]
+
+    def route(*extra: str) -> str:
+        capsys.readouterr()
+        assert cli.main([*args, *extra]) == 0
+        return capsys.readouterr().out.splitlines()[0]
+
+    assert "route: sdpa_flash" in route()  # tuning off (FLEXATTN_ZOO_TUNE unset)
+    assert "route: flex_cpu" in route("--tune")
+    monkeypatch.setenv(tuning.TUNE_ENV, "1")
+    assert "route: flex_cpu" in route()
+    assert "route: sdpa_flash" in route("--no-tune")
+    capsys.readouterr()
+    assert cli.main([*args[:-2], "--arch", "sm90", "--tune"]) == 2  # another machine's plan
+    assert "--tune reads this machine's measurements" in capsys.readouterr().err
+
+
 def test_tune_cli_no_save_writes_nothing(
     tuned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
