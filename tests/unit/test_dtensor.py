@@ -212,6 +212,27 @@ def test_score_on_shard_offsets_heads() -> None:
     assert capped.softcap_form() == score_mods.SoftCap(cap=20.0).softcap_form()
 
 
+def test_shards_keep_sdpa_attn_mask_forms() -> None:
+    # Old code dropped every attn_mask form on a shard, so a named SDPA route refused a batch- or
+    # head-sharded call with a mask tensor, KeyPadding or a Bias that it runs unsharded.
+    q, k, v = _qkv(b=4, h=4, length=8)
+    gen = torch.Generator().manual_seed(1)
+    valid = torch.arange(8)[None] < torch.tensor([3, 8, 5, 1])[:, None]
+    calls: list[dict[str, Any]] = [
+        dict(mask=masks.KeyPadding(valid=valid)),
+        dict(mask=masks.Dense(mask=torch.rand(4, 4, 8, 8, generator=gen) > 0.3)),
+        dict(score_mod=score_mods.Bias(bias=torch.randn(4, 1, 8, 8, generator=gen))),
+        dict(score_mod=score_mods.Bias(bias=torch.randn(1, 4, 8, 8, generator=gen))),
+    ]
+    for kw in calls:
+        whole = fz.attention(q, k, v, backend="sdpa_math", **kw)
+        for rows, heads in (((2, 4), (0, 4)), ((0, 4), (2, 4)), ((1, 3), (1, 2))):
+            part = {name: on_shard(spec, batch=rows, heads=heads, total=(4, 4)) for name, spec in kw.items()}
+            local = [t[rows[0] : rows[1], heads[0] : heads[1]] for t in (q, k, v)]
+            got = fz.attention(*local, backend="sdpa_math", **part)
+            torch.testing.assert_close(got, whole[rows[0] : rows[1], heads[0] : heads[1]])
+
+
 # ---------------------------------------------------------------------------------------------
 # Two processes
 
