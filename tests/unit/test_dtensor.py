@@ -257,6 +257,7 @@ def _two_rank_worker(rank: int, store_path: str) -> None:
 
         doc = masks.Document(doc_ids=ids) & masks.Causal()
         _check_sharded(mesh, Shard(0), (q, k, v), mask=doc, score_mod=row_bias)
+        _check_sinks(mesh)
         # GQA heads that would split a group: 6 q heads / 3 k/v heads give rank 0 q heads [0, 3)
         # but k/v heads [0, 2). Refused on every rank alike.
         parts = [distribute_tensor(t, mesh, [Shard(1)]) for t in _qkv(b=1, h=6, hkv=3)]
@@ -296,6 +297,42 @@ def _check_sharded(mesh: Any, placement: Any, qkv: tuple[torch.Tensor, ...], **k
     for got, full in zip(leaves, qkv, strict=True):
         assert got.grad is not None and full.grad is not None
         torch.testing.assert_close(got.grad.full_tensor(), full.grad)
+
+
+def _check_sinks(mesh: Any) -> None:
+    """fz.Attention with a plain sinks tensor [H] on DTensors sharded by heads and by batch rows:
+    out and lse against the unsharded layer and the float64 reference, and gradients (each rank's
+    sinks gradient is its rows' and heads' part; summed over the ranks, the unsharded one).
+    Old code: the sinks were applied to the DTensor out, and a plain tensor beside a DTensor is a
+    RuntimeError ("got mixed torch.Tensor and DTensor")."""
+    q, k, v = _qkv(b=2, h=4, hkv=2, length=8, seed=4)
+    kw: dict[str, Any] = dict(mask="causal", score_mod=score_mods.Alibi(num_heads=4), return_lse=True)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+    for placement in (Shard(1), Shard(0)):
+        whole, shard = (fz.Attention(sinks=sinks.clone().requires_grad_(), **kw) for _ in range(2))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        want, want_lse = whole(*leaves)
+        ref, ref_lse = reference_attention(
+            q, k, v, mask=kw["mask"], score_mod=kw["score_mod"], enable_gqa=True, return_lse=True, sinks=sinks
+        )
+        dts = [distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (q, k, v)]
+        out, lse = shard(*dts)
+        assert isinstance(out, DTensor) and tuple(out.placements) == (placement,)
+        torch.testing.assert_close(out.full_tensor(), want)
+        torch.testing.assert_close(lse.full_tensor(), want_lse)
+        torch.testing.assert_close(out.full_tensor().double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.full_tensor().double(), ref_lse, atol=1e-5, rtol=1e-5)
+        want.backward(grad)
+        out.backward(distribute_tensor(grad, mesh, [placement]))
+        assert whole.sinks is not None and whole.sinks.grad is not None
+        assert shard.sinks is not None and shard.sinks.grad is not None
+        summed = shard.sinks.grad.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, whole.sinks.grad)
+        for got, full in zip(dts, leaves, strict=True):
+            assert got.grad is not None and full.grad is not None
+            torch.testing.assert_close(got.grad.full_tensor(), full.grad)
 
 
 def test_two_ranks_shard_heads_and_batch(tmp_path: Any) -> None:
