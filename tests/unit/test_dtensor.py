@@ -146,6 +146,23 @@ def test_context_parallel_refuses_local_only_routes(mesh: Any) -> None:
     torch.testing.assert_close(fz.attention(qg, k, v, mask=window), before)
 
 
+def test_context_parallel_refuses_local_only_routes_while_compiled(mesh: Any) -> None:
+    # Old code checked the route only eagerly: traced by torch.compile, the call ran the dense
+    # route on the local slice of the sequence, silently. (backend="eager": Dynamo traces the
+    # call as any compile does, without generating code.)
+    from torch.distributed.tensor.experimental import context_parallel
+
+    q, k, v = _qkv()
+    window = masks.SlidingWindow(left=2)
+    compiled = torch.compile(lambda q, k, v: fz.attention(q, k, v, mask=window), backend="eager")
+    before = compiled(q, k, v)
+    buffer = torch.zeros(1, 1, 8, 1)
+    with context_parallel(mesh, buffers=[buffer], buffer_seq_dims=[2]):
+        with pytest.raises(ValueError, match="context_parallel.*local slice only"):
+            compiled(q, k, v)
+    torch.testing.assert_close(compiled(q, k, v), before)
+
+
 def _cuda_problem(mask: Any) -> Problem:
     return Problem(
         batch=1, heads=2, kv_heads=2, q_len=16, kv_len=16, head_dim=64, dtype=torch.bfloat16,
