@@ -126,6 +126,28 @@ def test_refuses_mixed_and_mismatched_inputs(mesh: Any) -> None:
         fz.attention(dq, k1, dv)
 
 
+def test_refuses_dtensors_inside_specs(mesh: Any) -> None:
+    # Old code built the spec and failed deep in a route ("got mixed torch.Tensor and DTensor"),
+    # or ran collectives inside the spec's checks and hashes.
+    q, k, v = _qkv()
+    dq, dk, dv = _dt(mesh, [Shard(0)], q, k, v)
+    ids, keep, bias = _dt(
+        mesh,
+        [Replicate()],
+        torch.tensor([[0] * 4 + [1] * 4] * 2),
+        torch.ones(2, 1, 8, 8, dtype=torch.bool),
+        torch.randn(2, 4, 8, 8),
+    )
+    calls = {
+        r"Document\(doc_ids=\.\.\.\)": lambda: fz.attention(dq, dk, dv, mask=masks.Document(doc_ids=ids)),
+        r"Dense\(mask=\.\.\.\)": lambda: fz.attention(q, k, v, mask=keep),
+        r"Bias\(bias=\.\.\.\)": lambda: fz.attention(dq, dk, dv, score_mod=bias),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=name + r" is a DTensor.*full_tensor\(\)"):
+            call()
+
+
 def test_context_parallel_refuses_local_only_routes(mesh: Any) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
