@@ -524,6 +524,12 @@ def outside_inference_mode(make: Callable[[], _T]) -> _T:
         return make()
 
 
+def dtensor_class() -> type | None:
+    """torch's DTensor class if anything imported it (else no tensor can be one); one dict lookup."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None
+
+
 def is_compiling() -> bool:
     """Whether torch.compile or torch.export is tracing *this* call.
 

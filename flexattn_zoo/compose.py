@@ -14,12 +14,12 @@ ids of row ``b``. The wrappers hold the part of the whole call a shard covers --
 ``[b0, b1)`` and query heads ``[h0, h1)`` of a call with ``total = (B, H)`` -- and give the inner
 spec global indices: ``mask_mod(b, h, ...)`` is the inner ``mask_mod(b + b0, h + h0, ...)``. Nothing
 is sliced to build them, so specs holding ``[B, ...]`` tensors and raw callables work alike. Forms
-stay exact: those that cannot depend on ``b`` or ``h`` (SDPA, split, soft-cap, future keys hidden,
-lowest visible key: each holds for every row and head of the whole call, so for every row and head
-of a shard) pass through; those that can are sliced to the shard (varlen segments ``[B, S]``, block
-maps ``[B|1, H|1, ...]``, per-head linear-bias slopes). ``validate`` checks the inner spec against
-the whole call and the local sizes against the shard; the dense oracles evaluate the inner oracle
-on the whole call and slice it.
+stay exact: those that cannot depend on ``b`` or ``h`` (SDPA's ``is_causal``, split, soft-cap,
+future keys hidden, lowest visible key: each holds for every row and head of the whole call, so for
+every row and head of a shard) pass through; those that can are sliced to the shard (SDPA
+``attn_mask`` tensors and block maps ``[B|1, H|1, ...]``, varlen segments ``[B, S]``, per-head
+linear-bias slopes). ``validate`` checks the inner spec against the whole call and the local sizes
+against the shard; the dense oracles evaluate the inner oracle on the whole call and slice it.
 """
 
 from __future__ import annotations
@@ -420,6 +420,14 @@ def _slice_rows_heads(t: torch.Tensor, batch: Range, heads: Range) -> torch.Tens
     return t
 
 
+def _sdpa_form_on_shard(form: SdpaForm | None, batch: Range, heads: Range) -> SdpaForm | None:
+    """``form`` of the whole call with its ``attn_mask`` (``[B|1, H|1, Lq|1, Lkv|1]``) cut to the
+    shard's rows and heads: a view, no copy. ``empty_rows`` stays the whole call's (a safe "maybe")."""
+    if form is None or form.attn_mask is None:
+        return form
+    return dataclasses.replace(form, attn_mask=_slice_rows_heads(as_4d(form.attn_mask), batch, heads))
+
+
 @spec_dataclass
 class MaskOnShard(MaskSpec):
     """``part`` on the shard of batch rows ``batch = (b0, b1)`` and query heads ``heads = (h0, h1)``
@@ -476,9 +484,7 @@ class MaskOnShard(MaskSpec):
                 )
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        form = self.part.sdpa_form(q_len, kv_len)
-        # An attn_mask covers the global batch and heads, not this shard's: no SDPA form.
-        return None if form is None or form.attn_mask is not None else form
+        return _sdpa_form_on_shard(self.part.sdpa_form(q_len, kv_len), self.batch, self.heads)
 
     def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
         return self.part.split_form(q_len, kv_len)
@@ -563,6 +569,9 @@ class ScoreOnShard(ScoreSpec):
 
     def softcap_form(self) -> SoftCapForm | None:
         return self.part.softcap_form()
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        return _sdpa_form_on_shard(self.part.sdpa_form(q_len, kv_len), self.batch, self.heads)
 
     def linear_bias_form(self) -> LinearBiasForm | None:
         form = self.part.linear_bias_form()

@@ -904,10 +904,13 @@ def _traced_attention(
             plan_problem(problem, backend)
         out, lse = _empty_result(q, k, v, problem)
         return (out, lse) if return_lse else out
-    tune_on = _tune_on(tune, backend, kernel_options, dropout_p, sharding.context_parallel_active())
+    context_parallel = sharding.context_parallel_active()
+    tune_on = _tune_on(tune, backend, kernel_options, dropout_p, context_parallel)
     if tune_on:
         tuning.ensure_loaded(q.device)
     chosen = plan_problem(problem, backend, tune=tune_on, device=q.device)
+    if context_parallel:
+        chosen = _under_context_parallel(chosen)
     out, maybe_lse = execute_plan(chosen, q, k, v, scale=scale, block_mask=user_bm)
     if not return_lse:
         return out

@@ -19,7 +19,9 @@ raises alike instead of some ranks running on into a collective:
 * grouped-query attention whose head shards split a group (each rank's query heads must read
   exactly its own k/v heads: ``H / H_kv`` query heads per local k/v head);
 * a user ``BlockMask`` with sharded inputs: it is built for the whole call's indices (pass the mask
-  spec or ``mask_mod`` instead, which are re-based).
+  spec or ``mask_mod`` instead, which are re-based);
+* a DTensor inside a spec (refused when the spec is built, :mod:`flexattn_zoo.spec`): specs take
+  plain tensors of the whole call.
 
 **Context parallel.** ``torch.distributed.tensor.experimental.context_parallel(mesh, ...)`` swaps
 ``torch.nn.functional.scaled_dot_product_attention`` for a wrapper that treats plain q, k, v as
@@ -58,12 +60,6 @@ _CONTEXT_PARALLEL_HINT = (
 )
 
 
-def _dtensor_class() -> type | None:
-    """torch's DTensor class if anything imported it (else no argument can be one); cheap."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None) if module is not None else None
-
-
 def holds_dtensor(*tensors: object) -> bool:
     """Whether any argument is a DTensor (a subclass of Tensor: none when every argument is a
     plain Tensor, checked first; else one dict lookup when DTensor was never imported)."""
@@ -72,7 +68,7 @@ def holds_dtensor(*tensors: object) -> bool:
             break
     else:
         return False
-    cls = _dtensor_class()
+    cls = _compat.dtensor_class()
     if cls is None:
         return False
     for t in tensors:

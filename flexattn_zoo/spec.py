@@ -77,6 +77,7 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     init = klass.__init__
 
     def build(self: Any, *args: Any, **kwargs: Any) -> None:
+        _refuse_dtensors(klass.__name__, kwargs)
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         _take_ownership(self)
 
@@ -216,6 +217,24 @@ def _adopt(value: Any, callers: tuple[bool, ...] = ()) -> None:
     for i, t in enumerate(_tensors_in(value)):
         learned = t.requires_grad or (i < len(callers) and callers[i])
         _remember(_BORROWED if learned else _OWNED, t)
+
+
+def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
+    """``ValueError`` for a DTensor among a spec's arguments, before the spec reads it: a spec's
+    tensors hold the whole call, indexed by its global batch rows and heads (a DTensor call runs
+    each shard with them re-based, ``compose.on_shard``), and reading a sharded one would mix it
+    with the kernels' plain tensors or run collectives. Decided from types alone, so every rank
+    raises alike."""
+    dtensor = _compat.dtensor_class()
+    if dtensor is None:
+        return  # nothing imported DTensor: no argument can be one
+    for name, value in fields.items():
+        if any(isinstance(t, dtensor) for t in _tensors_in(value)):
+            raise ValueError(
+                f"{owner}({name}=...) is a DTensor; specs take plain tensors of the whole call (a "
+                "DTensor call re-bases them to each shard's batch rows and heads): pass "
+                f"{name}.full_tensor() (the same on every rank)"
+            )
 
 
 def _take_ownership(spec: Any) -> None:

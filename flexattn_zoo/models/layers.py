@@ -28,6 +28,7 @@ from typing import Any, Literal, overload
 import torch
 from torch import nn
 
+from flexattn_zoo import sharding
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args, with_causal
 from flexattn_zoo.dispatch import as_bhsd, attention, check_backend, check_layout
 from flexattn_zoo.models import presets as _presets
@@ -139,6 +140,11 @@ def _run(
         kwargs["dropout_p"] = dropout_p
     if sinks is None:
         return attention(q, k, v, return_lse=return_lse, **kwargs)
+    if sharding.holds_dtensor(q, k, v) and not sharding.holds_dtensor(sinks):
+        return _run_on_shard(
+            q, k, v, la, scale=scale, enable_gqa=gqa, return_lse=return_lse, sinks=sinks,
+            backend=backend, dropout_p=dropout_p,
+        )  # fmt: skip
     if not _plain_4d(q):  # q's heads and device are read for the sinks: say what is wrong first
         check_qkv(q, k, v, enable_gqa=gqa)  # (a plain 4-D q is checked by attention, once)
     check_sinks(sinks, q.shape[1], q.device)
@@ -151,6 +157,35 @@ def _run(
     out, lse = attention(q, k, v, return_lse=True, **kwargs)
     out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _run_on_shard(
+    q: Any,
+    k: Any,
+    v: Any,
+    la: LayerAttention,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    return_lse: bool,
+    sinks: torch.Tensor,
+    backend: str,
+    dropout_p: float | None,
+) -> Any:
+    """``_run`` of DTensor ``q, k, v`` with plain-tensor ``sinks [H]`` (one logit per head of the
+    whole call): this rank's local call, its specs re-based as ``fz.attention`` re-bases them, with
+    the sinks of its own heads, wrapped back as DTensors. The sinks' gradient on each rank is that
+    of its own rows and heads, as for any tensor a spec reads (no communication)."""
+    local = sharding.localize(q, k, v, enable_gqa=enable_gqa)
+    check_sinks(sinks, local.total[1], local.q.device)
+    mask, score_mod = sharding.rebase(local, *tensor_args(la.mask, la.score_mod))
+    start, stop = local.heads
+    result = _run(
+        local.q, local.k, local.v, dataclasses.replace(la, mask=mask, score_mod=score_mod),
+        scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks[start:stop],
+        backend=backend, dropout_p=dropout_p,
+    )  # fmt: skip
+    return local.to_global(result)
 
 
 @overload

@@ -126,6 +126,28 @@ def test_refuses_mixed_and_mismatched_inputs(mesh: Any) -> None:
         fz.attention(dq, k1, dv)
 
 
+def test_refuses_dtensors_inside_specs(mesh: Any) -> None:
+    # Old code built the spec and failed deep in a route ("got mixed torch.Tensor and DTensor"),
+    # or ran collectives inside the spec's checks and hashes.
+    q, k, v = _qkv()
+    dq, dk, dv = _dt(mesh, [Shard(0)], q, k, v)
+    ids, keep, bias = _dt(
+        mesh,
+        [Replicate()],
+        torch.tensor([[0] * 4 + [1] * 4] * 2),
+        torch.ones(2, 1, 8, 8, dtype=torch.bool),
+        torch.randn(2, 4, 8, 8),
+    )
+    calls = {
+        r"Document\(doc_ids=\.\.\.\)": lambda: fz.attention(dq, dk, dv, mask=masks.Document(doc_ids=ids)),
+        r"Dense\(mask=\.\.\.\)": lambda: fz.attention(q, k, v, mask=keep),
+        r"Bias\(bias=\.\.\.\)": lambda: fz.attention(dq, dk, dv, score_mod=bias),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=name + r" is a DTensor.*full_tensor\(\)"):
+            call()
+
+
 def test_context_parallel_refuses_local_only_routes(mesh: Any) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -144,6 +166,23 @@ def test_context_parallel_refuses_local_only_routes(mesh: Any) -> None:
         assert sharding.context_parallel_active()
     assert not sharding.context_parallel_active()
     torch.testing.assert_close(fz.attention(qg, k, v, mask=window), before)
+
+
+def test_context_parallel_refuses_local_only_routes_while_compiled(mesh: Any) -> None:
+    # Old code checked the route only eagerly: traced by torch.compile, the call ran the dense
+    # route on the local slice of the sequence, silently. (backend="eager": Dynamo traces the
+    # call as any compile does, without generating code.)
+    from torch.distributed.tensor.experimental import context_parallel
+
+    q, k, v = _qkv()
+    window = masks.SlidingWindow(left=2)
+    compiled = torch.compile(lambda q, k, v: fz.attention(q, k, v, mask=window), backend="eager")
+    before = compiled(q, k, v)
+    buffer = torch.zeros(1, 1, 8, 1)
+    with context_parallel(mesh, buffers=[buffer], buffer_seq_dims=[2]):
+        with pytest.raises(ValueError, match="context_parallel.*local slice only"):
+            compiled(q, k, v)
+    torch.testing.assert_close(compiled(q, k, v), before)
 
 
 def _cuda_problem(mask: Any) -> Problem:
@@ -212,6 +251,27 @@ def test_score_on_shard_offsets_heads() -> None:
     assert capped.softcap_form() == score_mods.SoftCap(cap=20.0).softcap_form()
 
 
+def test_shards_keep_sdpa_attn_mask_forms() -> None:
+    # Old code dropped every attn_mask form on a shard, so a named SDPA route refused a batch- or
+    # head-sharded call with a mask tensor, KeyPadding or a Bias that it runs unsharded.
+    q, k, v = _qkv(b=4, h=4, length=8)
+    gen = torch.Generator().manual_seed(1)
+    valid = torch.arange(8)[None] < torch.tensor([3, 8, 5, 1])[:, None]
+    calls: list[dict[str, Any]] = [
+        dict(mask=masks.KeyPadding(valid=valid)),
+        dict(mask=masks.Dense(mask=torch.rand(4, 4, 8, 8, generator=gen) > 0.3)),
+        dict(score_mod=score_mods.Bias(bias=torch.randn(4, 1, 8, 8, generator=gen))),
+        dict(score_mod=score_mods.Bias(bias=torch.randn(1, 4, 8, 8, generator=gen))),
+    ]
+    for kw in calls:
+        whole = fz.attention(q, k, v, backend="sdpa_math", **kw)
+        for rows, heads in (((2, 4), (0, 4)), ((0, 4), (2, 4)), ((1, 3), (1, 2))):
+            part = {name: on_shard(spec, batch=rows, heads=heads, total=(4, 4)) for name, spec in kw.items()}
+            local = [t[rows[0] : rows[1], heads[0] : heads[1]] for t in (q, k, v)]
+            got = fz.attention(*local, backend="sdpa_math", **part)
+            torch.testing.assert_close(got, whole[rows[0] : rows[1], heads[0] : heads[1]])
+
+
 # ---------------------------------------------------------------------------------------------
 # Two processes
 
@@ -236,6 +296,7 @@ def _two_rank_worker(rank: int, store_path: str) -> None:
 
         doc = masks.Document(doc_ids=ids) & masks.Causal()
         _check_sharded(mesh, Shard(0), (q, k, v), mask=doc, score_mod=row_bias)
+        _check_sinks(mesh)
         # GQA heads that would split a group: 6 q heads / 3 k/v heads give rank 0 q heads [0, 3)
         # but k/v heads [0, 2). Refused on every rank alike.
         parts = [distribute_tensor(t, mesh, [Shard(1)]) for t in _qkv(b=1, h=6, hkv=3)]
@@ -275,6 +336,42 @@ def _check_sharded(mesh: Any, placement: Any, qkv: tuple[torch.Tensor, ...], **k
     for got, full in zip(leaves, qkv, strict=True):
         assert got.grad is not None and full.grad is not None
         torch.testing.assert_close(got.grad.full_tensor(), full.grad)
+
+
+def _check_sinks(mesh: Any) -> None:
+    """fz.Attention with a plain sinks tensor [H] on DTensors sharded by heads and by batch rows:
+    out and lse against the unsharded layer and the float64 reference, and gradients (each rank's
+    sinks gradient is its rows' and heads' part; summed over the ranks, the unsharded one).
+    Old code: the sinks were applied to the DTensor out, and a plain tensor beside a DTensor is a
+    RuntimeError ("got mixed torch.Tensor and DTensor")."""
+    q, k, v = _qkv(b=2, h=4, hkv=2, length=8, seed=4)
+    kw: dict[str, Any] = dict(mask="causal", score_mod=score_mods.Alibi(num_heads=4), return_lse=True)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(5))
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(6))
+    for placement in (Shard(1), Shard(0)):
+        whole, shard = (fz.Attention(sinks=sinks.clone().requires_grad_(), **kw) for _ in range(2))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        want, want_lse = whole(*leaves)
+        ref, ref_lse = reference_attention(
+            q, k, v, mask=kw["mask"], score_mod=kw["score_mod"], enable_gqa=True, return_lse=True, sinks=sinks
+        )
+        dts = [distribute_tensor(t, mesh, [placement]).requires_grad_() for t in (q, k, v)]
+        out, lse = shard(*dts)
+        assert isinstance(out, DTensor) and tuple(out.placements) == (placement,)
+        torch.testing.assert_close(out.full_tensor(), want)
+        torch.testing.assert_close(lse.full_tensor(), want_lse)
+        torch.testing.assert_close(out.full_tensor().double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.full_tensor().double(), ref_lse, atol=1e-5, rtol=1e-5)
+        want.backward(grad)
+        out.backward(distribute_tensor(grad, mesh, [placement]))
+        assert whole.sinks is not None and whole.sinks.grad is not None
+        assert shard.sinks is not None and shard.sinks.grad is not None
+        summed = shard.sinks.grad.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed, whole.sinks.grad)
+        for got, full in zip(dts, leaves, strict=True):
+            assert got.grad is not None and full.grad is not None
+            torch.testing.assert_close(got.grad.full_tensor(), full.grad)
 
 
 def test_two_ranks_shard_heads_and_batch(tmp_path: Any) -> None:
