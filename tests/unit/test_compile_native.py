@@ -602,3 +602,15 @@ def test_a_layer_holding_a_callable_compiles_and_reads_in_place_writes() -> None
         assert_matches_reference(layer(q, k, v), q, k, v, mask=same_document)
     assert counter.frame_count == 1
 
+
+def test_a_named_routes_refusal_of_a_callable_made_in_the_graph_says_why() -> None:
+    # The note added to a traced refusal walked the callable's closure, which a lambda made in the
+    # graph does not show Dynamo: an AttributeError from the walk replaced the route's reasons.
+    q, k, v = _inputs(grad=False)
+    ids = torch.arange(L) // 16
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, mask=lambda bi, h, qi, kv: ids[qi] == ids[kv], backend="sdpa_flash")
+
+    with pytest.raises(Exception, match=r"backend 'sdpa_flash' cannot run this call: mask FunctionMask"):
+        torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
