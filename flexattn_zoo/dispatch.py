@@ -384,6 +384,7 @@ def _problem(
         nonpositive_scale=scale is not None and scale <= 0,
         kernel_options=kernel_options,
         dropout_p=dropout_p,
+        func_transform=not traced and _compat.under_func_transform(),
     )
     return problem, user_bm
 
