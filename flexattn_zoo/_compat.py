@@ -539,6 +539,19 @@ def is_compiling() -> bool:
     return bool(torch.compiler.is_compiling()) and _tracing_in_this_thread()
 
 
+def under_func_transform() -> bool:
+    """Whether an eager call runs under a ``torch.func`` transform that torch.compile'd functions
+    cannot be called in (``vmap``, ``grad``, ``jvp``: Dynamo refuses them and the function runs
+    uncompiled, pytorch/pytorch#128711). Inside a traced graph Dynamo inlines the transform
+    instead: False there. (Asked on every eager call: the transform stack first, which is empty
+    outside transforms, so those calls do not ask ``is_compiling``.)"""
+    top = torch._C._functorch.peek_interpreter_stack()
+    if top is None or is_compiling():
+        return False
+    kind = torch._C._functorch.TransformType
+    return top.key() in (kind.Vmap, kind.Grad, kind.Jvp)
+
+
 #: What Dynamo raises when a compiled function is called while torch's FX tracing flag is set.
 _NESTED_FX_TRACE = "symbolically trace a dynamo-optimized function"
 #: How long :func:`call_compiled` waits for another thread's trace to end (torch without

@@ -210,7 +210,18 @@ TRACED_DATA_NOTE = (
 
 
 def _holds_tensors(problem: Problem) -> bool:
-    return any(spec is not None and bool(spec.tensors()) for spec in (problem.mask, problem.score))
+    """Whether the call's mask or score holds tensors of its own (a ``Document``'s ids, a ``Bias``),
+    the values forms are built from. What a raw callable captures does not count: no form is built
+    from it, and a callable made inside the graph shows Dynamo no closure to walk (the walk raised
+    in place of the route's refusal)."""
+    return any(spec is not None and _owns_tensors(spec) for spec in (problem.mask, problem.score))
+
+
+def _owns_tensors(spec: Spec) -> bool:
+    for part in spec._parts():  # a plain loop: this runs while traced
+        if isinstance(part, torch.Tensor) or (isinstance(part, Spec) and _owns_tensors(part)):
+            return True
+    return False
 
 
 def plan_problem(
@@ -373,6 +384,7 @@ def _problem(
         nonpositive_scale=scale is not None and scale <= 0,
         kernel_options=kernel_options,
         dropout_p=dropout_p,
+        func_transform=not traced and _compat.under_func_transform(),
     )
     return problem, user_bm
 

@@ -357,7 +357,10 @@ class _TracksCallable(Spec):
         return tuple(getattr(self, "hazards", ()))
 
     def live(self: _TrackedT) -> _TrackedT:
-        if not self.tracked:
+        # Traced, ``capture_state`` is ``()`` (see there), which never equals the state of a spec
+        # built eagerly: the probe would run in the graph (its verdict reads tensor data). Nothing
+        # is cached while traced, and Dynamo guards the callable, so the spec is live as it is.
+        if not self.tracked or _compat.is_compiling():
             return self
         state = self._capture()
         if state == self.state:

@@ -32,7 +32,7 @@ plan of each verdict, and every hit scans the inputs as the full path does (``lo
 ``store``).
 
 Not cached (the full path runs): a ``BlockMask`` as mask, calls traced by ``torch.compile``,
-arguments that fail validation (errors come from the full path), and a score_mod given by
+calls under ``torch.func.vmap`` / ``grad`` / ``jvp``, arguments that fail validation (errors come from the full path), and a score_mod given by
 registry name while grad mode is on and q/k/v do not require grad (the mode then depends on the
 tensors of a spec only the full path builds).
 """
@@ -105,6 +105,8 @@ def call_key(
         return None
     if isinstance(mask, _compat.BlockMask):
         return None
+    if _compat.under_func_transform():
+        return None  # planned apart (Problem.func_transform), and q/k/v are the transform's wrappers
     device = q.device
     dtype = q.dtype
     if dtype not in SUPPORTED_DTYPES or not (

@@ -54,6 +54,10 @@ class Problem:
     #: kept ones scaled by ``1 / (1 - dropout_p)``. 0.0 (no dropout) leaves every verdict as it
     #: was; above it only the routes whose kernels drop (``Backend.dropout_devices``) accept.
     dropout_p: float = 0.0
+    #: Called eagerly under ``torch.func.vmap`` / ``grad`` / ``jvp``
+    #: (``_compat.under_func_transform``): routes whose kernel is a torch.compile'd function
+    #: (``Backend.compiles_kernel``) refuse, as torch.compile does not compile there.
+    func_transform: bool = False
 
     def __post_init__(self) -> None:
         if self.v_dim is None:

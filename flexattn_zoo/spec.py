@@ -519,9 +519,10 @@ class Spec:
         spec with the new versions, so every cache keyed by the spec misses and rebuilds (the
         BlockMask above all). The same when a learned tensor in it got new storage
         (``param.data = ...``; see :meth:`_learned_storage`). Specs without callables or learned
-        tensors return ``self`` at the cost of one lookup.
+        tensors return ``self`` at the cost of one lookup. While ``torch.compile`` traces, ``self``:
+        no cache is read there, and the graph reads the captured tensors as inputs.
         """
-        if not self._holds_callables() and not self._holds_learned():
+        if _compat.is_compiling() or (not self._holds_callables() and not self._holds_learned()):
             return self
         changes: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]

@@ -337,8 +337,10 @@ def aligned_qkv_acceptable(
 def inputs_nonfinite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether q/k/v are known to hold NaN/inf: checked on the CPU only, where it costs no device
     synchronization (on CUDA, and while torch.compile traces us, where the data-dependent branch
-    would break the graph, non-finite inputs go unchecked: False)."""
-    if q.device.type != "cpu" or _compat.is_compiling():
+    would break the graph, non-finite inputs go unchecked: False). Nor under ``torch.func.vmap``
+    / ``grad`` / ``jvp``, which refuse reading a value: the route that reads the verdict
+    (``flex_cpu``) refuses such calls anyway (``Problem.func_transform``)."""
+    if q.device.type != "cpu" or _compat.is_compiling() or _compat.under_func_transform():
         return False
     # A tensor passed twice (self-attention with q is k is v) is read once.
     tensors = (q,) + ((k,) if k is not q else ()) + ((v,) if v is not q and v is not k else ())

@@ -318,8 +318,18 @@ class Backend:
                 )
         if p.kernel_options is not None:
             out.extend(self.kernel_options_reasons(p))
+        if p.func_transform:
+            blocker = self.func_transform_blocker(p)
+            if blocker:
+                out.append(f"{blocker}, which torch.func.vmap / grad / jvp cannot call")
         out.extend(self.mask_reasons(p))
         return out
+
+    def func_transform_blocker(self, p: Problem) -> str | None:
+        """What this route runs ``p`` through eagerly that torch.func transforms cannot call
+        (``Problem.func_transform``), completing "..., which torch.func.vmap / grad / jvp cannot
+        call"; None where nothing (plain torch ops)."""
+        return None
 
     def kernel_options_reasons(self, p: Problem) -> list[str]:
         """Why this route cannot take the caller's ``kernel_options`` (flex routes override)."""

@@ -149,6 +149,10 @@ class FlexBackend(Backend):
     #: (forward -21%), so only the Triton route asks.
     spells_key_starts: bool = False
 
+    def func_transform_blocker(self, p: Problem) -> str | None:
+        # Eagerly, flex_attention runs compiled (flexattn_zoo.compile).
+        return "its kernel is a torch.compile'd function (pytorch/pytorch#128711)"
+
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.mask is not None and _mask_captures_grad_tensors(p.mask):
             # flex_attention asserts on it while tracing ("Captured buffers from mask mod that

@@ -185,6 +185,9 @@ class SplitBackend(Backend):
     cuda_dtypes: frozenset[torch.dtype] = LOW_PRECISION
     cuda_head_dims: tuple[int, int] = (8, 128)
 
+    def func_transform_blocker(self, p: Problem) -> str | None:
+        return "it runs its parts as a torch.autograd.Function without functorch rules"
+
     def mask_reasons(self, p: Problem) -> list[str]:
         out = cuda_kernel_reasons(p, self.cuda_dtypes, self.cuda_head_dims, multiple=8)  # cuDNN's limits
         form = None if p.user_block_mask or p.mask is None else p.mask.split_form(p.q_len, p.kv_len)

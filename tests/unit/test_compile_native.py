@@ -580,3 +580,37 @@ def test_a_score_mod_calling_a_global_helper_traces_without_warnings() -> None:
             backend="aot_eager",
         )(q, k, v)
     assert_matches_reference(out, q, k, v, score_mod=_capped_by_a_global_helper)
+
+
+def test_a_layer_holding_a_callable_compiles_and_reads_in_place_writes() -> None:
+    # A spec wrapping a raw callable, built eagerly (here by the layer), was brought up to date
+    # while traced: the trace's empty capture state never matched the eager one, so the eager-only
+    # probe ran in the graph and failed on its data-dependent comparison. The graph reads the
+    # captured ids as an input: a write between calls is seen without a recompile.
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = _inputs(grad=False)
+    ids = masks.Document.from_lengths([[20, 28]]).doc_ids[0].clone()
+
+    def same_document(b: Any, h: Any, qi: Any, kv: Any) -> Any:
+        return (ids[qi] == ids[kv]) & (qi >= kv)
+
+    counter = CompileCounter()
+    layer = torch.compile(fz.Attention(mask=same_document), fullgraph=True, backend=counter)
+    for lengths in ([20, 28], [40, 8]):
+        ids.copy_(masks.Document.from_lengths([lengths]).doc_ids[0])
+        assert_matches_reference(layer(q, k, v), q, k, v, mask=same_document)
+    assert counter.frame_count == 1
+
+
+def test_a_named_routes_refusal_of_a_callable_made_in_the_graph_says_why() -> None:
+    # The note added to a traced refusal walked the callable's closure, which a lambda made in the
+    # graph does not show Dynamo: an AttributeError from the walk replaced the route's reasons.
+    q, k, v = _inputs(grad=False)
+    ids = torch.arange(L) // 16
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, mask=lambda bi, h, qi, kv: ids[qi] == ids[kv], backend="sdpa_flash")
+
+    with pytest.raises(Exception, match=r"backend 'sdpa_flash' cannot run this call: mask FunctionMask"):
+        torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
