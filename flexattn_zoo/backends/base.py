@@ -432,7 +432,8 @@ def activation_output(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torc
 
     ``out [B, H, Lq, Dv]`` is ``sum_j w_ij v_j / W_i`` and ``lse [B, H, Lq]`` is ``log W_i``, so the
     product is ``sum_j w_ij v_j``; computed in float32 (float64 for float64 ``out``), returned in
-    ``out``'s dtype, with the lse in the API's dtype (:func:`lse_in_api_dtype`). A row with no weight has ``out = 0`` and ``lse = -inf``: ``0 * 0 = 0``.
+    ``out``'s dtype, with the lse in the API's dtype (:func:`lse_in_api_dtype`). A row with no
+    weight has ``out = 0`` and ``lse = -inf``: ``0 * 0 = 0``.
     """
     if lse is None:  # the problem asked the route for it (Problem.return_lse)
         raise RuntimeError("activation attention needs the route's lse, which it did not return")
