@@ -300,7 +300,7 @@ class Backend:
                 else "cannot return lse"
             )
         if p.requires_grad and not self.backward:
-            out.append("has no backward (inputs require grad)")
+            out.append("has no backward (q/k/v or tensors the score_mod captures require grad)")
         if p.gqa and not self.gqa:
             out.append(f"no grouped-query attention ({p.heads} q heads vs {p.kv_heads} kv heads)")
         if p.dropout_p > 0 and p.device_type not in self.dropout_devices:
