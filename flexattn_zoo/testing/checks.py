@@ -129,7 +129,9 @@ def varlen_dense(form: VarlenForm, length: int, batch: int, kv_len: int | None =
     if segs is None:
         ids = torch.zeros(1, length, dtype=torch.long)
     else:
-        rows = segs.cpu().long().reshape(-1, segs.shape[-1])
+        # [n] -> [1, n]; not reshape(-1, n), which cannot infer the leading size when n == 0.
+        rows = segs.cpu().long()
+        rows = rows.unsqueeze(0) if rows.dim() == 1 else rows.flatten(0, -2)
         if bool((rows.sum(dim=-1) != length).any()):
             raise AssertionError(f"VarlenForm segments {rows.tolist()} do not tile length {length}")
         ids = torch.stack([torch.repeat_interleave(torch.arange(r.numel()), r) for r in rows])
@@ -311,8 +313,9 @@ def _check_key_starts(bound: MaskSpec, dense: torch.Tensor) -> None:
                 f"{bound!r}: {what} must be int32 [L] or [B, L] with L >= {max(q_len, kv_len)}, "
                 f"got {starts.dtype} {tuple(starts.shape)}"
             )
-        rows = starts.cpu().view(-1, starts.shape[-1])[:, :q_len]
-        said = rows.view(-1, 1, q_len, 1) <= torch.arange(kv_len).view(1, 1, 1, kv_len)
+        # [L] -> [1, L]; not view(-1, L), which cannot infer the leading size when L == 0.
+        rows = (starts.unsqueeze(0) if starts.dim() == 1 else starts).cpu()[:, :q_len]
+        said = rows[:, None, :, None] <= torch.arange(kv_len).view(1, 1, 1, kv_len)
         past = torch.arange(kv_len).view(1, kv_len) <= torch.arange(q_len).view(q_len, 1)
         said = said.expand(batch, heads, q_len, kv_len)
         wrong = (said != dense) & past
@@ -385,7 +388,13 @@ def _check_lowest_key(spec: MaskSpec, dense: torch.Tensor, exact: bool) -> None:
     if not exact:
         return
     seen = dense.any(dim=-1)
-    lowest = torch.where(dense, j, kv_len).amin(dim=-1)  # each row's lowest visible key
+    # Each row's lowest visible key (kv_len where it sees none; the min over no keys at all,
+    # kv_len == 0, is kv_len too rather than amin's error on an empty dimension).
+    lowest = (
+        torch.where(dense, j, kv_len).amin(dim=-1)
+        if kv_len > 0
+        else torch.zeros(seen.shape, dtype=torch.long)
+    )
     loose = seen & (lowest != lo.clamp(min=0))
     if bool(loose.any()):
         where = _first(loose)
@@ -407,7 +416,10 @@ def _check_block_map(
 ) -> None:
     batch, heads, q_len, kv_len = dense.shape
     want_any, want_full = dense_block_map(dense, q_block, kv_block)
-    if vs_create:
+    # An empty problem has no elements to evaluate: create_block_mask would vmap the mask_mod
+    # over an empty index range, which fails inside torch (IndexError from select()) for most
+    # mask_mods, although the spec is fine. There is no block to compare either way.
+    if vs_create and q_len > 0 and kv_len > 0:
         bm = create_block_mask(
             bound.mask_mod(),
             batch if bound.uses_batch() else None,

@@ -155,3 +155,19 @@ def test_score_check_takes_the_specs_own_head_count() -> None:
     fzt.assert_score_consistent(score_mods.Alibi(num_heads=4), heads=4, batch=2)
     with pytest.raises(ValueError, match="num_heads"):
         fzt.assert_score_consistent(score_mods.Alibi(num_heads=2), heads=3)
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(0, 5), (5, 0), (0, 0)])
+def test_mask_check_accepts_empty_problems(q_len: int, kv_len: int) -> None:
+    """``assert_mask_consistent`` documents ``q_len, kv_len >= 0``: an empty problem has nothing
+    to disagree on, so correct specs pass (it once crashed in create_block_mask's vmap, in the
+    past_key_starts and varlen checks' reshapes and in the lowest-key check's amin)."""
+    from flexattn_zoo import masks
+
+    for spec in (
+        masks.Full(),
+        masks.SlidingWindow(left=2, right=1),
+        masks.Band(lo=-1, hi=2),
+        masks.Document(doc_ids=torch.zeros(5, dtype=torch.long)),
+    ):
+        fzt.assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=2)
