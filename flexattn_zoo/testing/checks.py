@@ -531,10 +531,9 @@ def assert_score_consistent(
         if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
             raise AssertionError(f"{spec!r}: {what} must return a floating tensor, got {type(got).__name__}")
         got = torch.broadcast_to(got, want.shape).double()
-        # Pairs the variant need not get right, and equal infinities (a Bias's -inf hides a key): 0.
-        same = got == want
-        err = torch.where(counted & ~same, (got - want).abs(), 0.0)
-        bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & counted & ~same)
+        # Pairs the variant need not get right count as agreeing.
+        bad, err = _mismatch(got, want, rtol, atol)
+        bad, err = bad & counted, torch.where(counted, err, 0.0)
         if bool(bad.any()):
             where = _first(bad)
             raise AssertionError(
@@ -575,12 +574,28 @@ def _check_score_forms(
         _require_close("sdpa_form attn_mask", scores + bias, want, spec, rtol, atol)
 
 
+def _mismatch(
+    got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bad, err)``: where ``got`` disagrees with the oracle ``want``, and the absolute errors.
+
+    Equal values agree, equal infinities included (a Bias's ``-inf`` hides a key). Otherwise a
+    non-finite value on either side is a disagreement: ``|x - (-inf)|`` is ``inf`` and so is the
+    relative tolerance ``rtol * inf``, so the tolerance test alone would let a score_mod leave
+    visible a key the oracle hides, and NaN fails every comparison, so it would let a NaN oracle
+    (or a NaN against it) pass.
+    """
+    same = got == want
+    err = torch.where(same, 0.0, (got - want).abs())
+    finite = torch.isfinite(got) & torch.isfinite(want)
+    bad = ~same & (~finite | (err > atol + rtol * want.abs()))
+    return bad, err
+
+
 def _require_close(
     what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec, rtol: float, atol: float
 ) -> None:
-    same = got == want  # equal infinities agree
-    err = torch.where(same, 0.0, (got - want).abs())
-    bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & ~same)
+    bad, err = _mismatch(got, want, rtol, atol)
     if bool(bad.any()):
         where = _first(bad)
         raise AssertionError(

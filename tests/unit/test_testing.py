@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import flexattn_zoo.testing as fzt
-from flexattn_zoo import score_mods
+from flexattn_zoo import ScoreSpec, masks, score_mods
+from flexattn_zoo.spec import ScoreMod, spec_dataclass
 from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
 
 Alibi, SoftCap = score_mods.Alibi, score_mods.SoftCap
@@ -162,8 +163,6 @@ def test_mask_check_accepts_empty_problems(q_len: int, kv_len: int) -> None:
     """``assert_mask_consistent`` documents ``q_len, kv_len >= 0``: an empty problem has nothing
     to disagree on, so correct specs pass (it once crashed in create_block_mask's vmap, in the
     past_key_starts and varlen checks' reshapes and in the lowest-key check's amin)."""
-    from flexattn_zoo import masks
-
     for spec in (
         masks.Full(),
         masks.SlidingWindow(left=2, right=1),
@@ -171,3 +170,44 @@ def test_mask_check_accepts_empty_problems(q_len: int, kv_len: int) -> None:
         masks.Document(doc_ids=torch.zeros(5, dtype=torch.long)),
     ):
         fzt.assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=2)
+
+
+def _diagonal_hiding_score(*, hides: bool, oracle_nan: bool = False) -> ScoreSpec:
+    """A user score spec whose oracle hides the diagonal with ``-inf``; its score_mod does the
+    same when ``hides``, else leaves the diagonal visible (a bug). ``oracle_nan``: a broken oracle
+    that returns NaN everywhere."""
+
+    @spec_dataclass
+    class HideDiagonal(ScoreSpec):
+        """``-inf`` on the diagonal ``q_idx == kv_idx``."""
+
+        hides: bool = True
+        oracle_nan: bool = False
+
+        def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+            hides = self.hides
+
+            def hide_diagonal(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+                return torch.where(q_idx == kv_idx, float("-inf"), score) if hides else score
+
+            return hide_diagonal
+
+        def dense(self, scores: torch.Tensor) -> torch.Tensor:
+            if self.oracle_nan:
+                return torch.full_like(scores, float("nan"))
+            q_len, kv_len = scores.shape[-2:]
+            diagonal = torch.arange(q_len)[:, None] == torch.arange(kv_len)[None, :]
+            return scores.masked_fill(diagonal, float("-inf"))
+
+    return HideDiagonal(hides=hides, oracle_nan=oracle_nan)
+
+
+def test_score_check_catches_infinite_and_nan_disagreements() -> None:
+    """A finite score where the oracle has ``-inf`` (a key left visible) and a NaN oracle are
+    disagreements: the relative tolerance ``rtol * |inf|`` is infinite and NaN fails every
+    comparison, so both once passed."""
+    fzt.assert_score_consistent(_diagonal_hiding_score(hides=True))
+    with pytest.raises(AssertionError, match=r"at index \(0, 0, 0, 0\): got [-\d.]+, oracle -inf"):
+        fzt.assert_score_consistent(_diagonal_hiding_score(hides=False))
+    with pytest.raises(AssertionError, match="oracle nan"):
+        fzt.assert_score_consistent(_diagonal_hiding_score(hides=True, oracle_nan=True))
