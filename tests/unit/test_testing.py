@@ -211,3 +211,14 @@ def test_score_check_catches_infinite_and_nan_disagreements() -> None:
         fzt.assert_score_consistent(_diagonal_hiding_score(hides=False))
     with pytest.raises(AssertionError, match="oracle nan"):
         fzt.assert_score_consistent(_diagonal_hiding_score(hides=True, oracle_nan=True))
+
+
+def test_a_nan_reference_fails_instead_of_passing_everything() -> None:
+    """A score spec whose oracle gives NaN makes the float64 reference NaN; every error is then
+    NaN, which once passed the budget comparison (``nan > budget`` is False) for any output."""
+    q, k, v = make_qkv(torch.float32, b=1, hq=1, hkv=1, lq=8, lkv=8)
+    broken = _diagonal_hiding_score(hides=True, oracle_nan=True)
+    with pytest.raises(
+        AssertionError, match=r"output: the float64 reference itself is nan at index \(0, 0, 0, 0\)"
+    ):
+        assert_matches_reference(torch.zeros_like(q), q, k, v, score_mod=broken)
