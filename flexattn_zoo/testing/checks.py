@@ -290,9 +290,13 @@ def assert_mask_consistent(
         raise AssertionError(f"{spec!r}: uses_head() is False but the mask differs across heads")
     if exact_blocks is None:
         exact_blocks = not isinstance(spec, (And, Or, Not))
+    # The routes read the forms and block map of the bound spec (Problem binds the mask), and
+    # callers may ask the spec itself: both must describe the mask.
+    checked = dict.fromkeys((spec, bound))  # one entry when bind() returns the spec itself
     for q_block, kv_block in block_sizes:
         _check_block_map(spec, bound, dense, q_block, kv_block, exact_blocks, check_create_block_mask)
-    _check_forms(spec, dense, batch)
+    for s in checked:
+        _check_forms(s, dense, batch)
     if exact_lowest_key is None:
         exact_lowest_key = not isinstance(spec, (And, Or, Not))
     for s in {spec, bound}:
@@ -433,6 +437,21 @@ def _check_block_map(
         tag = f"create_block_mask any (blocks {q_block}x{kv_block})"
         _require_equal(tag, c_any, want_any, spec)
         _require_equal(tag.replace("any", "full"), c_full, want_full, spec)
+    for s in dict.fromkeys((spec, bound)):  # both: see assert_mask_consistent
+        _check_closed_form_blocks(s, q_len, kv_len, want_any, want_full, q_block, kv_block, exact)
+
+
+def _check_closed_form_blocks(
+    spec: MaskSpec,
+    q_len: int,
+    kv_len: int,
+    want_any: torch.Tensor,
+    want_full: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    exact: bool,
+) -> None:
+    """``spec.block_map`` (where offered) against the dense block classification ``want_*``."""
     bmap = spec.block_map(q_len, kv_len, q_block, kv_block, "cpu")
     if bmap is None:
         return

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import flexattn_zoo.testing as fzt
-from flexattn_zoo import ScoreSpec, masks, score_mods
-from flexattn_zoo.spec import ScoreMod, spec_dataclass
+from flexattn_zoo import MaskSpec, ScoreSpec, masks, score_mods
+from flexattn_zoo.spec import BlockMap, MaskMod, ScoreMod, SdpaForm, spec_dataclass
 from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
+from flexattn_zoo.testing.checks import dense_block_map
 
 Alibi, SoftCap = score_mods.Alibi, score_mods.SoftCap
 
@@ -222,3 +223,62 @@ def test_a_nan_reference_fails_instead_of_passing_everything() -> None:
         AssertionError, match=r"output: the float64 reference itself is nan at index \(0, 0, 0, 0\)"
     ):
         assert_matches_reference(torch.zeros_like(q), q, k, v, score_mod=broken)
+
+
+@spec_dataclass
+class _Shifted(MaskSpec):
+    """Bound form of :class:`_BottomRightCausal`: key ``j`` visible to query ``i`` iff
+    ``j <= i + shift``. ``wrong_forms``: its block map ignores ``shift`` and its SDPA form claims
+    plain top-left ``is_causal`` (bugs that only the bound spec has)."""
+
+    shift: int
+    wrong_forms: bool = False
+
+    def _make_mask_mod(self) -> MaskMod:
+        shift = self.shift
+
+        def shifted(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return kv_idx <= q_idx + shift
+
+        return shifted
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(self.shift)[None, None]
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        return SdpaForm(is_causal=True) if self.wrong_forms or self.shift == 0 else None
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap:
+        shift = 0 if self.wrong_forms else self.shift
+        dense = torch.ones(q_len, kv_len, dtype=torch.bool).tril(shift)[None, None]
+        visible, full = dense_block_map(dense, q_block, kv_block)
+        return BlockMap(any=visible, full=full)
+
+
+@spec_dataclass
+class _BottomRightCausal(MaskSpec):
+    """Causal aligned to the last key; ``bind`` makes the shift ``Lkv - Lq`` explicit, as
+    ``masks.Causal(align="bottom_right")`` does."""
+
+    wrong_forms: bool = False
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        return _Shifted(shift=kv_len - q_len, wrong_forms=self.wrong_forms)
+
+    def _make_mask_mod(self) -> MaskMod:
+        raise NotImplementedError("needs the lengths: the routes and checks bind the spec first")
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+
+
+def test_mask_check_checks_the_bound_specs_forms_and_block_map() -> None:
+    """The routes read the forms and block map of ``spec.bind(Lq, Lkv)``: a wrong one there
+    computes wrong attention, so the check must see it (it once checked the unbound spec's only)."""
+    fzt.assert_mask_consistent(_BottomRightCausal(), 37, 53)
+    with pytest.raises(AssertionError, match=r"_Shifted\(shift=16, wrong_forms=True\): block_map"):
+        fzt.assert_mask_consistent(_BottomRightCausal(wrong_forms=True), 37, 53)
+    with pytest.raises(AssertionError, match=r"_Shifted\(shift=16, wrong_forms=True\): sdpa_form"):
+        fzt.assert_mask_consistent(_BottomRightCausal(wrong_forms=True), 37, 53, block_sizes=())
