@@ -17,7 +17,7 @@ import torch
 from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
-from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm, as_4d
 from flexattn_zoo.validation import check_tolerance
 
 #: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
@@ -455,11 +455,21 @@ def _check_closed_form_blocks(
     bmap = spec.block_map(q_len, kv_len, q_block, kv_block, "cpu")
     if bmap is None:
         return
-    got_any, got_full = bmap.any.cpu(), bmap.full.cpu()
-    if got_any.shape[-2:] != want_any.shape[-2:] or got_full.shape != got_any.shape:
+    # Read with fz.block_mask's convention (as_4d: a 3-d map is [B, n_q, n_kv], not numpy's
+    # right-aligned [H, n_q, n_kv]), so the check judges what the routes will use.
+    got_any, got_full = as_4d(bmap.any.cpu()), as_4d(bmap.full.cpu())
+    batch, heads, n_q, n_kv = want_any.shape
+    if (
+        got_any.dim() != 4
+        or got_any.shape[-2:] != (n_q, n_kv)
+        or got_any.shape[0] not in (1, batch)
+        or got_any.shape[1] not in (1, heads)
+        or got_full.shape != got_any.shape
+    ):
         raise AssertionError(
-            f"{spec!r}: block_map shapes any={tuple(got_any.shape)} full={tuple(got_full.shape)}, "
-            f"expected [..., {want_any.shape[-2]}, {want_any.shape[-1]}] for blocks {q_block}x{kv_block}"
+            f"{spec!r}: block_map shapes any={tuple(bmap.any.shape)} full={tuple(bmap.full.shape)}, "
+            f"expected [B|1, H|1, {n_q}, {n_kv}] with B, H = {batch}, {heads} (or [B|1, {n_q}, {n_kv}] "
+            f"or [{n_q}, {n_kv}]) for blocks {q_block}x{kv_block}"
         )
     got_any, got_full = got_any.expand_as(want_any), got_full.expand_as(want_full)
     where = f"(blocks {q_block}x{kv_block})"

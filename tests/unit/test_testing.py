@@ -282,3 +282,48 @@ def test_mask_check_checks_the_bound_specs_forms_and_block_map() -> None:
         fzt.assert_mask_consistent(_BottomRightCausal(wrong_forms=True), 37, 53)
     with pytest.raises(AssertionError, match=r"_Shifted\(shift=16, wrong_forms=True\): sdpa_form"):
         fzt.assert_mask_consistent(_BottomRightCausal(wrong_forms=True), 37, 53, block_sizes=())
+
+
+@spec_dataclass
+class _RowPrefix(MaskSpec):
+    """Batch row ``b`` sees keys ``j < visible[b]``; its block map is 3-d ``[B, n_q, n_kv]``
+    (``as_4d``'s convention, which ``fz.block_mask`` reads). ``swap_rows``: the map of each row
+    is the other row's (a bug)."""
+
+    visible: tuple[int, ...]
+    swap_rows: bool = False
+    depends_on_batch = True
+
+    def _make_mask_mod(self) -> MaskMod:
+        visible = torch.tensor(self.visible)
+
+        def row_prefix(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return kv_idx < visible[b]
+
+        return row_prefix
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        out = torch.zeros(len(self.visible), 1, q_len, kv_len, dtype=torch.bool)
+        for b, n in enumerate(self.visible):
+            out[b, :, :, :n] = True
+        return out
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap:
+        dense = self.dense(q_len, kv_len)
+        if self.swap_rows:
+            dense = dense.flip(0)
+        visible, full = dense_block_map(dense, q_block, kv_block)
+        return BlockMap(any=visible[:, 0], full=full[:, 0])  # [B, n_q, n_kv]
+
+
+def test_mask_check_reads_3d_block_maps_as_block_mask_does() -> None:
+    """A ``[B, n_q, n_kv]`` block map is per batch row (``as_4d``); the check once broadcast it
+    as ``[H, n_q, n_kv]``, failing a correct map (or crashing on the shapes)."""
+    fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40)), 37, 53, batch=2, heads=2)
+    fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40)), 37, 53, batch=2, heads=1)
+    with pytest.raises(
+        AssertionError, match=r"block_map misses a visible block at \(1, 0, 0, 1\) \(blocks 16x32\)"
+    ):
+        fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40), swap_rows=True), 37, 53, batch=2, heads=2)
