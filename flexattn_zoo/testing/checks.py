@@ -87,6 +87,19 @@ def _require_equal(what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec)
         )
 
 
+def _broadcast_to_mask(what: str, said: torch.Tensor, dense: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """``said`` (what a form describes) broadcast to the mask's ``[B, H, Lq, Lkv]``, or an
+    AssertionError naming the form and both shapes (not torch's expand error, which names neither;
+    e.g. a form with more batch rows than the problem, or one key too many)."""
+    try:
+        return said.expand_as(dense)
+    except RuntimeError:
+        raise AssertionError(
+            f"{spec!r}: {what} describes a mask of shape {tuple(said.shape)}, which does not broadcast to the mask's "
+            f"[B, H, Lq, Lkv] = {list(dense.shape)}"
+        ) from None
+
+
 def dense_block_map(dense: torch.Tensor, q_block: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(any, full)`` of a dense ``[B, H, Lq, Lkv]`` mask; padding counts as masked."""
     b, h, lq, lkv = dense.shape
@@ -321,7 +334,7 @@ def _check_key_starts(bound: MaskSpec, dense: torch.Tensor) -> None:
         rows = (starts.unsqueeze(0) if starts.dim() == 1 else starts).cpu()[:, :q_len]
         said = rows[:, None, :, None] <= torch.arange(kv_len).view(1, 1, 1, kv_len)
         past = torch.arange(kv_len).view(1, kv_len) <= torch.arange(q_len).view(q_len, 1)
-        said = said.expand(batch, heads, q_len, kv_len)
+        said = _broadcast_to_mask(what, said, dense, bound)
         wrong = (said != dense) & past
         if bool(wrong.any()):
             where = _first(wrong)
@@ -503,22 +516,30 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
                 raise AssertionError(
                     f"{spec!r}: a mask's sdpa_form() attn_mask must be bool, without is_causal"
                 )
-            want = sdpa.attn_mask.cpu().expand(-1, -1, q_len, kv_len)
+            if sdpa.attn_mask.dim() != 4:
+                raise AssertionError(
+                    f"{spec!r}: a mask's sdpa_form() attn_mask must be 4-d [B|1, H|1, Lq|1, Lkv|1], "
+                    f"got shape {tuple(sdpa.attn_mask.shape)}"
+                )
+            want = sdpa.attn_mask.cpu()
             if sdpa.empty_rows is False and not bool(dense.any(-1).all()):
                 raise AssertionError(f"{spec!r}: sdpa_form() says no row is empty, but one is")
-        _require_equal(f"sdpa_form {sdpa}", want.expand_as(dense), dense, spec)
+        what = f"sdpa_form {sdpa}"
+        _require_equal(what, _broadcast_to_mask(what, want, dense, spec), dense, spec)
     varlen = spec.varlen_form(q_len, kv_len, batch)
     if varlen is not None:
         if q_len != kv_len and varlen.kv_segments is None:
             raise AssertionError(
                 f"{spec!r}: varlen_form without kv_segments offered for q_len {q_len} != kv_len {kv_len}"
             )
-        _require_equal(
-            f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch, kv_len).expand_as(dense), dense, spec
-        )
+        what = f"varlen_form {varlen}"
+        said = varlen_dense(varlen, q_len, batch, kv_len)
+        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
     split = spec.split_form(q_len, kv_len)
     if split is not None:
-        _require_equal(f"split_form {split}", split_dense(split, q_len, kv_len).expand_as(dense), dense, spec)
+        what = f"split_form {split}"
+        said = split_dense(split, q_len, kv_len)
+        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
 
 
 def assert_score_consistent(

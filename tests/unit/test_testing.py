@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import flexattn_zoo.testing as fzt
 from flexattn_zoo import MaskSpec, ScoreSpec, masks, score_mods
-from flexattn_zoo.spec import BlockMap, MaskMod, ScoreMod, SdpaForm, spec_dataclass
+from flexattn_zoo.spec import BlockMap, MaskMod, ScoreMod, SdpaForm, VarlenForm, spec_dataclass
 from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
 from flexattn_zoo.testing.checks import dense_block_map
 
@@ -327,3 +327,42 @@ def test_mask_check_reads_3d_block_maps_as_block_mask_does() -> None:
         AssertionError, match=r"block_map misses a visible block at \(1, 0, 0, 1\) \(blocks 16x32\)"
     ):
         fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40), swap_rows=True), 37, 53, batch=2, heads=2)
+
+
+@spec_dataclass
+class _CausalWithMisshapedForms(MaskSpec):
+    """Top-left causal whose ``form`` (one of ``sdpa``, ``varlen``, ``starts``) has the wrong
+    shape: one key too many, or three batch rows for a two-row problem."""
+
+    form: str
+
+    def _make_mask_mod(self) -> MaskMod:
+        return causal
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril()[None, None]
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        if self.form != "sdpa":
+            return None
+        return SdpaForm(is_causal=False, attn_mask=self.dense(q_len, kv_len + 1))
+
+    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
+        if self.form != "varlen":
+            return None
+        return VarlenForm(segments=torch.tensor([[q_len]] * 3), window=(-1, 0))
+
+    def past_key_starts(self, q_len: int, kv_len: int) -> torch.Tensor | None:
+        if self.form != "starts":
+            return None
+        return torch.zeros(3, max(q_len, kv_len), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("form", ["sdpa", "varlen", "starts"])
+def test_misshapen_forms_fail_naming_the_form(form: str) -> None:
+    """A form whose shape does not broadcast to the mask's fails as an AssertionError naming the
+    form (it once raised torch's expand RuntimeError, which names neither the form nor the spec)."""
+    with pytest.raises(
+        AssertionError, match=r"which does not broadcast to the mask's \[B, H, Lq, Lkv\] = \[2, 2, 8, 8\]"
+    ):
+        fzt.assert_mask_consistent(_CausalWithMisshapedForms(form=form), 8, 8, batch=2, heads=2)
