@@ -236,6 +236,22 @@ def _check_call(
             raise ValueError(f"{fn}({name}=...) must be an int >= {minimum}, got {value}")
 
 
+def _check_block_sizes(block_sizes: object) -> None:
+    """``block_sizes`` must be ``(q_block, kv_block)`` pairs of positive ints: a flat pair
+    ``(16, 32)`` failed with "cannot unpack non-iterable int" and a 0 with ZeroDivisionError."""
+    valid = isinstance(block_sizes, (tuple, list)) and all(
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pair)
+        for pair in block_sizes
+    )
+    if not valid:
+        raise ValueError(
+            "assert_mask_consistent(block_sizes=...) must be a tuple of (q_block, kv_block) pairs of "
+            f"positive ints, e.g. ((128, 128), (16, 32)); got {block_sizes!r}"
+        )
+
+
 def assert_mask_consistent(
     spec: MaskSpec,
     q_len: int,
@@ -275,6 +291,7 @@ def assert_mask_consistent(
         batch,
         heads,
     )
+    _check_block_sizes(block_sizes)
     spec.validate(q_len, kv_len, batch, heads)
     dense = spec.dense(q_len, kv_len, batch=batch, heads=heads)
     if dense.dtype != torch.bool or dense.dim() != 4:

@@ -366,3 +366,13 @@ def test_misshapen_forms_fail_naming_the_form(form: str) -> None:
         AssertionError, match=r"which does not broadcast to the mask's \[B, H, Lq, Lkv\] = \[2, 2, 8, 8\]"
     ):
         fzt.assert_mask_consistent(_CausalWithMisshapedForms(form=form), 8, 8, batch=2, heads=2)
+
+
+@pytest.mark.parametrize("block_sizes", [(16, 32), ((0, 32),), ((16, 32, 8),), "16x32"])
+def test_mask_check_rejects_malformed_block_sizes(block_sizes: object) -> None:
+    """A flat pair (a natural slip for one block size) once failed with "cannot unpack
+    non-iterable int", a 0 with ZeroDivisionError; both now name the argument."""
+    with pytest.raises(
+        ValueError, match=r"block_sizes=\.\.\.\) must be a tuple of \(q_block, kv_block\) pairs"
+    ):
+        fzt.assert_mask_consistent(masks.Causal(), 8, 8, block_sizes=block_sizes)  # type: ignore[arg-type]
