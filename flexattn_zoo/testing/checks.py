@@ -265,7 +265,8 @@ def assert_mask_consistent(
     check_create_block_mask: bool = True,
 ) -> None:
     """Check a mask spec's ``mask_mod``, block map, cheap forms and lowest visible keys against
-    ``spec.dense``.
+    ``spec.dense``; the block map and forms of ``spec.bind(q_len, kv_len)`` too, which the routes
+    read. ``q_len`` or ``kv_len`` may be 0 (nothing to disagree on; create_block_mask is skipped).
 
     Args:
         spec: The mask spec (must be valid for this shape).
