@@ -201,14 +201,27 @@ class Registry(Generic[S]):
         def decorate(klass: type[C]) -> type[C]:
             if not (isinstance(klass, type) and issubclass(klass, self.base)):
                 raise TypeError(f"register expects a subclass of {self.base.__name__}, got {klass!r}")
-            if not dataclasses.is_dataclass(klass):
-                raise TypeError(f"{klass.__name__} must be a dataclass (use @spec_dataclass)")
+            # A plain @dataclass registers fine but its instances then fail at every use with
+            # "unhashable type" (eq=True drops Spec.__hash__, which plans and caches key on): only
+            # spec_dataclass's frozen, eq=False dataclasses keep Spec's equality and hash.
+            params = getattr(klass, "__dataclass_params__", None)
+            if not dataclasses.is_dataclass(klass) or params is None or params.eq or not params.frozen:
+                how = "not a dataclass" if not dataclasses.is_dataclass(klass) else "a plain dataclass"
+                raise TypeError(
+                    f"{klass.__name__} must be a spec dataclass, got {how}: decorate it with "
+                    f"@spec_dataclass (from flexattn_zoo.spec) placed below @{self._decorator_name()}, "
+                    "so that it is applied first"
+                )
             reg_name = name or snake_case(klass.__name__)
             self._add(Entry(reg_name, klass, _describe_params(klass), klass.__doc__ or ""))
             klass.name = reg_name
             return klass
 
         return decorate(cls) if cls is not None else decorate
+
+    def _decorator_name(self) -> str:
+        """How users spell this registry's class decorator, for error messages."""
+        return "masks.register" if self.base is MaskSpec else "score_mods.register"
 
     def register_function(
         self, name: str, fn: Callable[..., Any], *, doc: str | None = None

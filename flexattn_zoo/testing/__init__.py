@@ -173,6 +173,16 @@ def _compare(
     if tuple(got.shape) != tuple(ref.shape):
         raise AssertionError(f"{what}: shape {tuple(got.shape)} != expected {tuple(ref.shape)}")
     got64, ref, eager = got.detach().double().to(ref.device), ref.detach(), eager.detach()
+    # A NaN reference (a score spec's dense() giving NaN) would make every error NaN, and NaN
+    # fails the budget comparison, so any output would pass: refuse to judge against it.
+    ref_bad = torch.isnan(ref) | torch.isposinf(ref)
+    if ref_bad.any():
+        where = _first(ref_bad)
+        raise AssertionError(
+            f"{what}: the float64 reference itself is {ref[where].item()} at index {where}, so nothing "
+            "can be checked against it; check the specs' dense() oracles with assert_score_consistent "
+            "/ assert_mask_consistent"
+        )
     # -inf is legitimate (lse of a row that sees nothing) but must sit exactly where it should.
     got_inf, ref_inf = torch.isneginf(got64), torch.isneginf(ref)
     if not torch.equal(got_inf, ref_inf):

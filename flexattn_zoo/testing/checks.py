@@ -17,7 +17,7 @@ import torch
 from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
-from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm, as_4d
 from flexattn_zoo.validation import check_tolerance
 
 #: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
@@ -87,6 +87,19 @@ def _require_equal(what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec)
         )
 
 
+def _broadcast_to_mask(what: str, said: torch.Tensor, dense: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """``said`` (what a form describes) broadcast to the mask's ``[B, H, Lq, Lkv]``, or an
+    AssertionError naming the form and both shapes (not torch's expand error, which names neither;
+    e.g. a form with more batch rows than the problem, or one key too many)."""
+    try:
+        return said.expand_as(dense)
+    except RuntimeError:
+        raise AssertionError(
+            f"{spec!r}: {what} describes a mask of shape {tuple(said.shape)}, which does not broadcast to the mask's "
+            f"[B, H, Lq, Lkv] = {list(dense.shape)}"
+        ) from None
+
+
 def dense_block_map(dense: torch.Tensor, q_block: int, kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(any, full)`` of a dense ``[B, H, Lq, Lkv]`` mask; padding counts as masked."""
     b, h, lq, lkv = dense.shape
@@ -129,7 +142,9 @@ def varlen_dense(form: VarlenForm, length: int, batch: int, kv_len: int | None =
     if segs is None:
         ids = torch.zeros(1, length, dtype=torch.long)
     else:
-        rows = segs.cpu().long().reshape(-1, segs.shape[-1])
+        # [n] -> [1, n]; not reshape(-1, n), which cannot infer the leading size when n == 0.
+        rows = segs.cpu().long()
+        rows = rows.unsqueeze(0) if rows.dim() == 1 else rows.flatten(0, -2)
         if bool((rows.sum(dim=-1) != length).any()):
             raise AssertionError(f"VarlenForm segments {rows.tolist()} do not tile length {length}")
         ids = torch.stack([torch.repeat_interleave(torch.arange(r.numel()), r) for r in rows])
@@ -221,6 +236,22 @@ def _check_call(
             raise ValueError(f"{fn}({name}=...) must be an int >= {minimum}, got {value}")
 
 
+def _check_block_sizes(block_sizes: object) -> None:
+    """``block_sizes`` must be ``(q_block, kv_block)`` pairs of positive ints: a flat pair
+    ``(16, 32)`` failed with "cannot unpack non-iterable int" and a 0 with ZeroDivisionError."""
+    valid = isinstance(block_sizes, (tuple, list)) and all(
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in pair)
+        for pair in block_sizes
+    )
+    if not valid:
+        raise ValueError(
+            "assert_mask_consistent(block_sizes=...) must be a tuple of (q_block, kv_block) pairs of "
+            f"positive ints, e.g. ((128, 128), (16, 32)); got {block_sizes!r}"
+        )
+
+
 def assert_mask_consistent(
     spec: MaskSpec,
     q_len: int,
@@ -234,7 +265,8 @@ def assert_mask_consistent(
     check_create_block_mask: bool = True,
 ) -> None:
     """Check a mask spec's ``mask_mod``, block map, cheap forms and lowest visible keys against
-    ``spec.dense``.
+    ``spec.dense``; the block map and forms of ``spec.bind(q_len, kv_len)`` too, which the routes
+    read. ``q_len`` or ``kv_len`` may be 0 (nothing to disagree on; create_block_mask is skipped).
 
     Args:
         spec: The mask spec (must be valid for this shape).
@@ -260,6 +292,7 @@ def assert_mask_consistent(
         batch,
         heads,
     )
+    _check_block_sizes(block_sizes)
     spec.validate(q_len, kv_len, batch, heads)
     dense = spec.dense(q_len, kv_len, batch=batch, heads=heads)
     if dense.dtype != torch.bool or dense.dim() != 4:
@@ -288,9 +321,13 @@ def assert_mask_consistent(
         raise AssertionError(f"{spec!r}: uses_head() is False but the mask differs across heads")
     if exact_blocks is None:
         exact_blocks = not isinstance(spec, (And, Or, Not))
+    # The routes read the forms and block map of the bound spec (Problem binds the mask), and
+    # callers may ask the spec itself: both must describe the mask.
+    checked = dict.fromkeys((spec, bound))  # one entry when bind() returns the spec itself
     for q_block, kv_block in block_sizes:
         _check_block_map(spec, bound, dense, q_block, kv_block, exact_blocks, check_create_block_mask)
-    _check_forms(spec, dense, batch)
+    for s in checked:
+        _check_forms(s, dense, batch)
     if exact_lowest_key is None:
         exact_lowest_key = not isinstance(spec, (And, Or, Not))
     for s in {spec, bound}:
@@ -311,10 +348,11 @@ def _check_key_starts(bound: MaskSpec, dense: torch.Tensor) -> None:
                 f"{bound!r}: {what} must be int32 [L] or [B, L] with L >= {max(q_len, kv_len)}, "
                 f"got {starts.dtype} {tuple(starts.shape)}"
             )
-        rows = starts.cpu().view(-1, starts.shape[-1])[:, :q_len]
-        said = rows.view(-1, 1, q_len, 1) <= torch.arange(kv_len).view(1, 1, 1, kv_len)
+        # [L] -> [1, L]; not view(-1, L), which cannot infer the leading size when L == 0.
+        rows = (starts.unsqueeze(0) if starts.dim() == 1 else starts).cpu()[:, :q_len]
+        said = rows[:, None, :, None] <= torch.arange(kv_len).view(1, 1, 1, kv_len)
         past = torch.arange(kv_len).view(1, kv_len) <= torch.arange(q_len).view(q_len, 1)
-        said = said.expand(batch, heads, q_len, kv_len)
+        said = _broadcast_to_mask(what, said, dense, bound)
         wrong = (said != dense) & past
         if bool(wrong.any()):
             where = _first(wrong)
@@ -385,7 +423,13 @@ def _check_lowest_key(spec: MaskSpec, dense: torch.Tensor, exact: bool) -> None:
     if not exact:
         return
     seen = dense.any(dim=-1)
-    lowest = torch.where(dense, j, kv_len).amin(dim=-1)  # each row's lowest visible key
+    # Each row's lowest visible key (kv_len where it sees none; the min over no keys at all,
+    # kv_len == 0, is kv_len too rather than amin's error on an empty dimension).
+    lowest = (
+        torch.where(dense, j, kv_len).amin(dim=-1)
+        if kv_len > 0
+        else torch.zeros(seen.shape, dtype=torch.long)
+    )
     loose = seen & (lowest != lo.clamp(min=0))
     if bool(loose.any()):
         where = _first(loose)
@@ -407,7 +451,10 @@ def _check_block_map(
 ) -> None:
     batch, heads, q_len, kv_len = dense.shape
     want_any, want_full = dense_block_map(dense, q_block, kv_block)
-    if vs_create:
+    # An empty problem has no elements to evaluate: create_block_mask would vmap the mask_mod
+    # over an empty index range, which fails inside torch (IndexError from select()) for most
+    # mask_mods, although the spec is fine. There is no block to compare either way.
+    if vs_create and q_len > 0 and kv_len > 0:
         bm = create_block_mask(
             bound.mask_mod(),
             batch if bound.uses_batch() else None,
@@ -421,14 +468,39 @@ def _check_block_map(
         tag = f"create_block_mask any (blocks {q_block}x{kv_block})"
         _require_equal(tag, c_any, want_any, spec)
         _require_equal(tag.replace("any", "full"), c_full, want_full, spec)
+    for s in dict.fromkeys((spec, bound)):  # both: see assert_mask_consistent
+        _check_closed_form_blocks(s, q_len, kv_len, want_any, want_full, q_block, kv_block, exact)
+
+
+def _check_closed_form_blocks(
+    spec: MaskSpec,
+    q_len: int,
+    kv_len: int,
+    want_any: torch.Tensor,
+    want_full: torch.Tensor,
+    q_block: int,
+    kv_block: int,
+    exact: bool,
+) -> None:
+    """``spec.block_map`` (where offered) against the dense block classification ``want_*``."""
     bmap = spec.block_map(q_len, kv_len, q_block, kv_block, "cpu")
     if bmap is None:
         return
-    got_any, got_full = bmap.any.cpu(), bmap.full.cpu()
-    if got_any.shape[-2:] != want_any.shape[-2:] or got_full.shape != got_any.shape:
+    # Read with fz.block_mask's convention (as_4d: a 3-d map is [B, n_q, n_kv], not numpy's
+    # right-aligned [H, n_q, n_kv]), so the check judges what the routes will use.
+    got_any, got_full = as_4d(bmap.any.cpu()), as_4d(bmap.full.cpu())
+    batch, heads, n_q, n_kv = want_any.shape
+    if (
+        got_any.dim() != 4
+        or got_any.shape[-2:] != (n_q, n_kv)
+        or got_any.shape[0] not in (1, batch)
+        or got_any.shape[1] not in (1, heads)
+        or got_full.shape != got_any.shape
+    ):
         raise AssertionError(
-            f"{spec!r}: block_map shapes any={tuple(got_any.shape)} full={tuple(got_full.shape)}, "
-            f"expected [..., {want_any.shape[-2]}, {want_any.shape[-1]}] for blocks {q_block}x{kv_block}"
+            f"{spec!r}: block_map shapes any={tuple(bmap.any.shape)} full={tuple(bmap.full.shape)}, "
+            f"expected [B|1, H|1, {n_q}, {n_kv}] with B, H = {batch}, {heads} (or [B|1, {n_q}, {n_kv}] "
+            f"or [{n_q}, {n_kv}]) for blocks {q_block}x{kv_block}"
         )
     got_any, got_full = got_any.expand_as(want_any), got_full.expand_as(want_full)
     where = f"(blocks {q_block}x{kv_block})"
@@ -462,22 +534,30 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
                 raise AssertionError(
                     f"{spec!r}: a mask's sdpa_form() attn_mask must be bool, without is_causal"
                 )
-            want = sdpa.attn_mask.cpu().expand(-1, -1, q_len, kv_len)
+            if sdpa.attn_mask.dim() != 4:
+                raise AssertionError(
+                    f"{spec!r}: a mask's sdpa_form() attn_mask must be 4-d [B|1, H|1, Lq|1, Lkv|1], "
+                    f"got shape {tuple(sdpa.attn_mask.shape)}"
+                )
+            want = sdpa.attn_mask.cpu()
             if sdpa.empty_rows is False and not bool(dense.any(-1).all()):
                 raise AssertionError(f"{spec!r}: sdpa_form() says no row is empty, but one is")
-        _require_equal(f"sdpa_form {sdpa}", want.expand_as(dense), dense, spec)
+        what = f"sdpa_form {sdpa}"
+        _require_equal(what, _broadcast_to_mask(what, want, dense, spec), dense, spec)
     varlen = spec.varlen_form(q_len, kv_len, batch)
     if varlen is not None:
         if q_len != kv_len and varlen.kv_segments is None:
             raise AssertionError(
                 f"{spec!r}: varlen_form without kv_segments offered for q_len {q_len} != kv_len {kv_len}"
             )
-        _require_equal(
-            f"varlen_form {varlen}", varlen_dense(varlen, q_len, batch, kv_len).expand_as(dense), dense, spec
-        )
+        what = f"varlen_form {varlen}"
+        said = varlen_dense(varlen, q_len, batch, kv_len)
+        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
     split = spec.split_form(q_len, kv_len)
     if split is not None:
-        _require_equal(f"split_form {split}", split_dense(split, q_len, kv_len).expand_as(dense), dense, spec)
+        what = f"split_form {split}"
+        said = split_dense(split, q_len, kv_len)
+        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
 
 
 def assert_score_consistent(
@@ -519,10 +599,9 @@ def assert_score_consistent(
         if not isinstance(got, torch.Tensor) or not got.dtype.is_floating_point:
             raise AssertionError(f"{spec!r}: {what} must return a floating tensor, got {type(got).__name__}")
         got = torch.broadcast_to(got, want.shape).double()
-        # Pairs the variant need not get right, and equal infinities (a Bias's -inf hides a key): 0.
-        same = got == want
-        err = torch.where(counted & ~same, (got - want).abs(), 0.0)
-        bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & counted & ~same)
+        # Pairs the variant need not get right count as agreeing.
+        bad, err = _mismatch(got, want, rtol, atol)
+        bad, err = bad & counted, torch.where(counted, err, 0.0)
         if bool(bad.any()):
             where = _first(bad)
             raise AssertionError(
@@ -563,12 +642,28 @@ def _check_score_forms(
         _require_close("sdpa_form attn_mask", scores + bias, want, spec, rtol, atol)
 
 
+def _mismatch(
+    got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bad, err)``: where ``got`` disagrees with the oracle ``want``, and the absolute errors.
+
+    Equal values agree, equal infinities included (a Bias's ``-inf`` hides a key). Otherwise a
+    non-finite value on either side is a disagreement: ``|x - (-inf)|`` is ``inf`` and so is the
+    relative tolerance ``rtol * inf``, so the tolerance test alone would let a score_mod leave
+    visible a key the oracle hides, and NaN fails every comparison, so it would let a NaN oracle
+    (or a NaN against it) pass.
+    """
+    same = got == want
+    err = torch.where(same, 0.0, (got - want).abs())
+    finite = torch.isfinite(got) & torch.isfinite(want)
+    bad = ~same & (~finite | (err > atol + rtol * want.abs()))
+    return bad, err
+
+
 def _require_close(
     what: str, got: torch.Tensor, want: torch.Tensor, spec: Spec, rtol: float, atol: float
 ) -> None:
-    same = got == want  # equal infinities agree
-    err = torch.where(same, 0.0, (got - want).abs())
-    bad = (err > atol + rtol * want.abs()) | (~torch.isfinite(got) & ~same)
+    bad, err = _mismatch(got, want, rtol, atol)
     if bool(bad.any()):
         where = _first(bad)
         raise AssertionError(

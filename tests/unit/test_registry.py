@@ -222,3 +222,31 @@ def test_typical_examples_by_family() -> None:
     assert masks.Causal.typical_example(256, 256, 1, 2) == masks.Causal()  # the default: examples()[0]
     assert score_mods.SoftCap.typical_example(256, 256, 1, 2) == score_mods.SoftCap(cap=30.0)
     assert score_mods.Alibi.typical_example(256, 256, 1, 6) == score_mods.Alibi(num_heads=6)
+
+
+def test_register_refuses_a_plain_dataclass(temp_names: list) -> None:
+    """A ``@dataclasses.dataclass`` spec (eq=True, so ``__hash__`` is None) once registered and
+    then failed at every use with "unhashable type"; register names the fix instead. A subclass
+    of a spec dataclass that adds no fields (inheriting its dataclass parameters) still registers."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class PlainDiagonal(MaskSpec):
+        """Each query sees its own key."""
+
+        def _make_mask_mod(self) -> MaskMod:
+            return lambda b, h, q_idx, kv_idx: q_idx == kv_idx
+
+        def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+            return torch.eye(q_len, kv_len, dtype=torch.bool)[None, None]
+
+    with pytest.raises(TypeError, match=r"PlainDiagonal must be a spec dataclass, got a plain dataclass"):
+        masks.register(PlainDiagonal)
+    assert "plain_diagonal" not in masks.names()
+
+    class WideCausal(masks.Causal):
+        """``masks.Causal`` under another name."""
+
+    masks.register(WideCausal)
+    temp_names.append((MASKS, "wide_causal"))
+    assert hash(masks.get("wide_causal")) == hash(WideCausal())

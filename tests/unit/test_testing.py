@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import flexattn_zoo.testing as fzt
-from flexattn_zoo import score_mods
+from flexattn_zoo import MaskSpec, ScoreSpec, masks, score_mods
+from flexattn_zoo.spec import BlockMap, MaskMod, ScoreMod, SdpaForm, VarlenForm, spec_dataclass
 from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
+from flexattn_zoo.testing.checks import dense_block_map
 
 Alibi, SoftCap = score_mods.Alibi, score_mods.SoftCap
 
@@ -155,3 +157,222 @@ def test_score_check_takes_the_specs_own_head_count() -> None:
     fzt.assert_score_consistent(score_mods.Alibi(num_heads=4), heads=4, batch=2)
     with pytest.raises(ValueError, match="num_heads"):
         fzt.assert_score_consistent(score_mods.Alibi(num_heads=2), heads=3)
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(0, 5), (5, 0), (0, 0)])
+def test_mask_check_accepts_empty_problems(q_len: int, kv_len: int) -> None:
+    """``assert_mask_consistent`` documents ``q_len, kv_len >= 0``: an empty problem has nothing
+    to disagree on, so correct specs pass (it once crashed in create_block_mask's vmap, in the
+    past_key_starts and varlen checks' reshapes and in the lowest-key check's amin)."""
+    for spec in (
+        masks.Full(),
+        masks.SlidingWindow(left=2, right=1),
+        masks.Band(lo=-1, hi=2),
+        masks.Document(doc_ids=torch.zeros(5, dtype=torch.long)),
+    ):
+        fzt.assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=2)
+
+
+def _diagonal_hiding_score(*, hides: bool, oracle_nan: bool = False) -> ScoreSpec:
+    """A user score spec whose oracle hides the diagonal with ``-inf``; its score_mod does the
+    same when ``hides``, else leaves the diagonal visible (a bug). ``oracle_nan``: a broken oracle
+    that returns NaN everywhere."""
+
+    @spec_dataclass
+    class HideDiagonal(ScoreSpec):
+        """``-inf`` on the diagonal ``q_idx == kv_idx``."""
+
+        hides: bool = True
+        oracle_nan: bool = False
+
+        def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+            hides = self.hides
+
+            def hide_diagonal(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+                return torch.where(q_idx == kv_idx, float("-inf"), score) if hides else score
+
+            return hide_diagonal
+
+        def dense(self, scores: torch.Tensor) -> torch.Tensor:
+            if self.oracle_nan:
+                return torch.full_like(scores, float("nan"))
+            q_len, kv_len = scores.shape[-2:]
+            diagonal = torch.arange(q_len)[:, None] == torch.arange(kv_len)[None, :]
+            return scores.masked_fill(diagonal, float("-inf"))
+
+    return HideDiagonal(hides=hides, oracle_nan=oracle_nan)
+
+
+def test_score_check_catches_infinite_and_nan_disagreements() -> None:
+    """A finite score where the oracle has ``-inf`` (a key left visible) and a NaN oracle are
+    disagreements: the relative tolerance ``rtol * |inf|`` is infinite and NaN fails every
+    comparison, so both once passed."""
+    fzt.assert_score_consistent(_diagonal_hiding_score(hides=True))
+    with pytest.raises(AssertionError, match=r"at index \(0, 0, 0, 0\): got [-\d.]+, oracle -inf"):
+        fzt.assert_score_consistent(_diagonal_hiding_score(hides=False))
+    with pytest.raises(AssertionError, match="oracle nan"):
+        fzt.assert_score_consistent(_diagonal_hiding_score(hides=True, oracle_nan=True))
+
+
+def test_a_nan_reference_fails_instead_of_passing_everything() -> None:
+    """A score spec whose oracle gives NaN makes the float64 reference NaN; every error is then
+    NaN, which once passed the budget comparison (``nan > budget`` is False) for any output."""
+    q, k, v = make_qkv(torch.float32, b=1, hq=1, hkv=1, lq=8, lkv=8)
+    broken = _diagonal_hiding_score(hides=True, oracle_nan=True)
+    with pytest.raises(
+        AssertionError, match=r"output: the float64 reference itself is nan at index \(0, 0, 0, 0\)"
+    ):
+        assert_matches_reference(torch.zeros_like(q), q, k, v, score_mod=broken)
+
+
+@spec_dataclass
+class _Shifted(MaskSpec):
+    """Bound form of :class:`_BottomRightCausal`: key ``j`` visible to query ``i`` iff
+    ``j <= i + shift``. ``wrong_forms``: its block map ignores ``shift`` and its SDPA form claims
+    plain top-left ``is_causal`` (bugs that only the bound spec has)."""
+
+    shift: int
+    wrong_forms: bool = False
+
+    def _make_mask_mod(self) -> MaskMod:
+        shift = self.shift
+
+        def shifted(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return kv_idx <= q_idx + shift
+
+        return shifted
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(self.shift)[None, None]
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        return SdpaForm(is_causal=True) if self.wrong_forms or self.shift == 0 else None
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap:
+        shift = 0 if self.wrong_forms else self.shift
+        dense = torch.ones(q_len, kv_len, dtype=torch.bool).tril(shift)[None, None]
+        visible, full = dense_block_map(dense, q_block, kv_block)
+        return BlockMap(any=visible, full=full)
+
+
+@spec_dataclass
+class _BottomRightCausal(MaskSpec):
+    """Causal aligned to the last key; ``bind`` makes the shift ``Lkv - Lq`` explicit, as
+    ``masks.Causal(align="bottom_right")`` does."""
+
+    wrong_forms: bool = False
+
+    def bind(self, q_len: int, kv_len: int) -> MaskSpec:
+        return _Shifted(shift=kv_len - q_len, wrong_forms=self.wrong_forms)
+
+    def _make_mask_mod(self) -> MaskMod:
+        raise NotImplementedError("needs the lengths: the routes and checks bind the spec first")
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)[None, None]
+
+
+def test_mask_check_checks_the_bound_specs_forms_and_block_map() -> None:
+    """The routes read the forms and block map of ``spec.bind(Lq, Lkv)``: a wrong one there
+    computes wrong attention, so the check must see it (it once checked the unbound spec's only)."""
+    fzt.assert_mask_consistent(_BottomRightCausal(), 37, 53)
+    with pytest.raises(AssertionError, match=r"_Shifted\(shift=16, wrong_forms=True\): block_map"):
+        fzt.assert_mask_consistent(_BottomRightCausal(wrong_forms=True), 37, 53)
+    with pytest.raises(AssertionError, match=r"_Shifted\(shift=16, wrong_forms=True\): sdpa_form"):
+        fzt.assert_mask_consistent(_BottomRightCausal(wrong_forms=True), 37, 53, block_sizes=())
+
+
+@spec_dataclass
+class _RowPrefix(MaskSpec):
+    """Batch row ``b`` sees keys ``j < visible[b]``; its block map is 3-d ``[B, n_q, n_kv]``
+    (``as_4d``'s convention, which ``fz.block_mask`` reads). ``swap_rows``: the map of each row
+    is the other row's (a bug)."""
+
+    visible: tuple[int, ...]
+    swap_rows: bool = False
+    depends_on_batch = True
+
+    def _make_mask_mod(self) -> MaskMod:
+        visible = torch.tensor(self.visible)
+
+        def row_prefix(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            return kv_idx < visible[b]
+
+        return row_prefix
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        out = torch.zeros(len(self.visible), 1, q_len, kv_len, dtype=torch.bool)
+        for b, n in enumerate(self.visible):
+            out[b, :, :, :n] = True
+        return out
+
+    def block_map(
+        self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
+    ) -> BlockMap:
+        dense = self.dense(q_len, kv_len)
+        if self.swap_rows:
+            dense = dense.flip(0)
+        visible, full = dense_block_map(dense, q_block, kv_block)
+        return BlockMap(any=visible[:, 0], full=full[:, 0])  # [B, n_q, n_kv]
+
+
+def test_mask_check_reads_3d_block_maps_as_block_mask_does() -> None:
+    """A ``[B, n_q, n_kv]`` block map is per batch row (``as_4d``); the check once broadcast it
+    as ``[H, n_q, n_kv]``, failing a correct map (or crashing on the shapes)."""
+    fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40)), 37, 53, batch=2, heads=2)
+    fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40)), 37, 53, batch=2, heads=1)
+    with pytest.raises(
+        AssertionError, match=r"block_map misses a visible block at \(1, 0, 0, 1\) \(blocks 16x32\)"
+    ):
+        fzt.assert_mask_consistent(_RowPrefix(visible=(5, 40), swap_rows=True), 37, 53, batch=2, heads=2)
+
+
+@spec_dataclass
+class _CausalWithMisshapedForms(MaskSpec):
+    """Top-left causal whose ``form`` (one of ``sdpa``, ``varlen``, ``starts``) has the wrong
+    shape: one key too many, or three batch rows for a two-row problem."""
+
+    form: str
+
+    def _make_mask_mod(self) -> MaskMod:
+        return causal
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril()[None, None]
+
+    def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
+        if self.form != "sdpa":
+            return None
+        return SdpaForm(is_causal=False, attn_mask=self.dense(q_len, kv_len + 1))
+
+    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
+        if self.form != "varlen":
+            return None
+        return VarlenForm(segments=torch.tensor([[q_len]] * 3), window=(-1, 0))
+
+    def past_key_starts(self, q_len: int, kv_len: int) -> torch.Tensor | None:
+        if self.form != "starts":
+            return None
+        return torch.zeros(3, max(q_len, kv_len), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("form", ["sdpa", "varlen", "starts"])
+def test_misshapen_forms_fail_naming_the_form(form: str) -> None:
+    """A form whose shape does not broadcast to the mask's fails as an AssertionError naming the
+    form (it once raised torch's expand RuntimeError, which names neither the form nor the spec)."""
+    with pytest.raises(
+        AssertionError, match=r"which does not broadcast to the mask's \[B, H, Lq, Lkv\] = \[2, 2, 8, 8\]"
+    ):
+        fzt.assert_mask_consistent(_CausalWithMisshapedForms(form=form), 8, 8, batch=2, heads=2)
+
+
+@pytest.mark.parametrize("block_sizes", [(16, 32), ((0, 32),), ((16, 32, 8),), "16x32"])
+def test_mask_check_rejects_malformed_block_sizes(block_sizes: object) -> None:
+    """A flat pair (a natural slip for one block size) once failed with "cannot unpack
+    non-iterable int", a 0 with ZeroDivisionError; both now name the argument."""
+    with pytest.raises(
+        ValueError, match=r"block_sizes=\.\.\.\) must be a tuple of \(q_block, kv_block\) pairs"
+    ):
+        fzt.assert_mask_consistent(masks.Causal(), 8, 8, block_sizes=block_sizes)  # type: ignore[arg-type]
