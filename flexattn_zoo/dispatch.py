@@ -24,7 +24,7 @@ import torch
 from flexattn_zoo import _compat, plan_cache, sharding, tuning
 from flexattn_zoo.arch import Sizes, applied_rules, detect_arch, generation, priority
 from flexattn_zoo.backends import BACKENDS, BY_NAME
-from flexattn_zoo.backends.base import IN_GRAPH
+from flexattn_zoo.backends.base import IN_GRAPH, api_lse_dtype
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec, check_kernel_options, tensor_args, with_causal
 from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
@@ -518,8 +518,9 @@ def _empty_result(
     link = (q.narrow(2, 0, 0).sum() + k.narrow(2, 0, 0).sum() + v.narrow(2, 0, 0).sum()) * 0
     assert p.v_dim is not None  # Problem.__post_init__ fills it in
     out = q.new_zeros(p.batch, p.heads, p.q_len, p.v_dim) + link
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse = torch.full((p.batch, p.heads, p.q_len), float("-inf"), device=q.device, dtype=dtype)
+    lse = torch.full(
+        (p.batch, p.heads, p.q_len), float("-inf"), device=q.device, dtype=api_lse_dtype(q.dtype)
+    )
     return out, lse
 
 

@@ -32,9 +32,10 @@ plan of each verdict, and every hit scans the inputs as the full path does (``lo
 ``store``).
 
 Not cached (the full path runs): a ``BlockMask`` as mask, calls traced by ``torch.compile``,
-calls under ``torch.func.vmap`` / ``grad`` / ``jvp``, arguments that fail validation (errors come from the full path), and a score_mod given by
-registry name while grad mode is on and q/k/v do not require grad (the mode then depends on the
-tensors of a spec only the full path builds).
+calls under ``torch.func.vmap`` / ``grad`` / ``jvp``, arguments that fail validation (errors
+come from the full path), and a score_mod given by registry name while grad mode is on and
+q/k/v do not require grad (the mode then depends on the tensors of a spec only the full path
+builds).
 """
 
 from __future__ import annotations

@@ -55,8 +55,9 @@ class Problem:
     #: was; above it only the routes whose kernels drop (``Backend.dropout_devices``) accept.
     dropout_p: float = 0.0
     #: Called eagerly under ``torch.func.vmap`` / ``grad`` / ``jvp``
-    #: (``_compat.under_func_transform``): routes whose kernel is a torch.compile'd function
-    #: (``Backend.compiles_kernel``) refuse, as torch.compile does not compile there.
+    #: (``_compat.under_func_transform``): routes that run something such a transform cannot call
+    #: (a torch.compile'd kernel, an autograd.Function without functorch rules) refuse, saying
+    #: what (``Backend.func_transform_blocker``).
     func_transform: bool = False
 
     def __post_init__(self) -> None:

@@ -442,11 +442,16 @@ def activation_output(out: torch.Tensor, lse: torch.Tensor | None) -> tuple[torc
     return (out.to(compute) * total).to(out.dtype), lse_in_api_dtype(lse, out.dtype)
 
 
-def lse_in_api_dtype(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The lse as ``fz.attention`` returns it for inputs of ``dtype``: float32, or float64 for
-    float64 inputs (a float32 lse would cost them their precision wherever it is used again:
+def api_lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the lse ``fz.attention`` returns for inputs of ``dtype``: float32, or float64
+    for float64 inputs (a float32 lse would cost them their precision wherever it is used again:
     sinks, activation attention, merges of partial results)."""
-    return lse.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def lse_in_api_dtype(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``lse`` in :func:`api_lse_dtype` of inputs of ``dtype``."""
+    return lse.to(api_lse_dtype(dtype))
 
 
 class _DeterministicBackward(torch.autograd.Function):

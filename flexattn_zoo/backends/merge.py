@@ -77,8 +77,8 @@ def merge_attention(
 
     Returns:
         ``(out, lse)``: ``out`` ``[..., Lq, Dv]`` in the dtype of ``outs[0]``, ``lse`` ``[..., Lq]``
-        in float32 (float64 when any input is float64). Rows that see no key in any part give ``out`` 0 and
-        ``lse`` ``-inf``, never NaN. Differentiable with respect to every ``out`` and ``lse``.
+        in float32 (float64 when any input is float64). Rows that see no key in any part give
+        ``out`` 0 and ``lse`` ``-inf``, never NaN. Differentiable with respect to every ``out`` and ``lse``.
 
     The key sets must be disjoint for the result to be the attention over their union (a key in
     two parts would be counted twice); the merge itself cannot check that.
