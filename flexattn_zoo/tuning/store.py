@@ -3,7 +3,9 @@ machine environment, written atomically and merged under a lock.
 
 * Directory: ``$FLEXATTN_ZOO_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexattn_zoo``, else
   ``~/.cache/flexattn_zoo`` (read at every load and save; :data:`ENV_VARS` lists every variable
-  it depends on, ``HOME`` included, which the plan cache keys on).
+  it depends on, ``HOME`` included, which the plan cache keys on). A relative value is taken
+  relative to the working directory when the process first reads it, and keeps that meaning
+  after a change of directory.
 * File: ``tune-<device>-<hash>.json``, where the hash covers the *environment key*
   (:func:`environment`): the device name, the CPU architecture, the versions of torch (and its
   CUDA / HIP), cuDNN, Triton, FlashAttention-4 (``flash-attn-4``; ``"unknown"`` when
@@ -63,12 +65,20 @@ def cache_dir() -> Path:
     try:
         explicit = os.environ.get(CACHE_DIR_ENV)
         if explicit:
-            return Path(explicit).expanduser().absolute()
+            return _absolute(explicit)
         xdg = os.environ.get("XDG_CACHE_HOME")
-        base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-        return (base / "flexattn_zoo").absolute()
+        base = _absolute(xdg) if xdg else _absolute(str(Path.home())) / ".cache"
+        return base / "flexattn_zoo"
     except RuntimeError as exc:  # pathlib's "Could not determine home directory."
         raise OSError(f"no tuning cache directory: {exc} Set {CACHE_DIR_ENV} or XDG_CACHE_HOME") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _absolute(raw: str) -> Path:
+    """``raw`` (``~`` expanded) as an absolute path. A relative one is resolved against the working
+    directory the first time this process reads it and keeps that meaning: cached plans key on the
+    variables' values, so a later ``os.chdir`` must not switch the tuning file under them."""
+    return Path(raw).expanduser().absolute()
 
 
 def environment(device_name: str) -> dict[str, Any]:

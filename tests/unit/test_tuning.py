@@ -483,6 +483,39 @@ def test_every_variable_placing_the_cache_file_keys_the_plan_cache(
     assert tuning.cache_path().is_relative_to(tuned / "second")
 
 
+@pytest.mark.parametrize("variable", [tuning_store.CACHE_DIR_ENV, "XDG_CACHE_HOME"])
+def test_a_relative_cache_directory_keeps_its_meaning_after_a_change_of_directory(
+    variable: str,
+    tuned: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Cached plans key on the variables' values: a relative value read again after os.chdir must
+    # not name another directory (another table) while a plan chosen from the first one is reused.
+    monkeypatch.delenv(tuning_store.CACHE_DIR_ENV)
+    relative = f"relative-{tuned.parent.name}"  # unique: the process keeps each value's meaning
+    monkeypatch.setenv(variable, relative)
+    (tuned / "a").mkdir(parents=True)
+    (tuned / "b").mkdir()
+    monkeypatch.chdir(tuned / "a")
+    monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
+    q, k, v = _qkv()
+
+    def call() -> None:
+        fz.attention(q, k, v, mask="causal", tune=True)
+
+    assert _route(caplog, call) == "flex_cpu"
+    first = tuning.cache_path()
+    assert first.is_relative_to(tuned / "a") and first.is_file()
+    monkeypatch.chdir(tuned / "b")
+    assert tuning.cache_path() == first
+    _fresh_process(monkeypatch)  # nothing loaded or cached: the same file is read again
+    timer = FakeTimer({"sdpa_flash": 1.0, "flex_cpu": 2.0})
+    monkeypatch.setattr(tuning, "time_routes", timer)
+    assert _route(caplog, call) == "flex_cpu" and timer.calls == []
+    assert not (tuned / "b" / relative).exists()
+
+
 def test_an_environment_change_starts_a_new_file(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tuning, "time_routes", FakeTimer({"sdpa_flash": 2.0, "flex_cpu": 1.0}))
     q, k, v = _qkv()
