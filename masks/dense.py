@@ -179,7 +179,9 @@ class Dense(MaskSpec):
         return t.expand(t.shape[0], t.shape[1], q_len, kv_len).clone()
 
     def sdpa_form(self, q_len: int, kv_len: int) -> SdpaForm | None:
-        return SdpaForm(is_causal=False, attn_mask=self.mask, empty_rows=self.hides_whole_rows())
+        # A mask broadcast over no key (its last dim 1, Lkv = 0) leaves every query row empty.
+        no_keys = kv_len == 0 and q_len > 0
+        return SdpaForm(is_causal=False, attn_mask=self.mask, empty_rows=no_keys or self.hides_whole_rows())
 
     def hides_whole_rows(self) -> bool:
         """Whether some query row sees no key (True while traced: the data is not read then).

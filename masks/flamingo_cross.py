@@ -172,10 +172,15 @@ class FlamingoCross(MaskSpec):
 
         return flamingo_last_mask
 
+    @staticmethod
+    def _row_count(t: torch.Tensor) -> int:
+        # Not reshape(-1, n): that is ambiguous at n == 0.
+        return t.shape[0] if t.dim() == 2 else 1
+
     def _rows(self, q_len: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``[R, Lq]`` and ``[R, Lkv]`` index rows, ``R`` the rows of the batched tensor (or 1)."""
-        last = self.last_image[..., :q_len].reshape(-1, q_len)
-        keys = self.key_image[..., :kv_len].reshape(-1, kv_len)
+        last = self.last_image[..., :q_len].reshape(self._row_count(self.last_image), q_len)
+        keys = self.key_image[..., :kv_len].reshape(self._row_count(self.key_image), kv_len)
         rows = max(last.shape[0], keys.shape[0])
         return last.expand(rows, -1), keys.expand(rows, -1)
 

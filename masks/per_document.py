@@ -352,7 +352,7 @@ class PerDocument(MaskSpec):
         return {length for row in self._layout(n) for _, length in row}
 
     def _longest(self, n: int) -> int:
-        return max(self._lengths(n))
+        return max(self._lengths(n), default=0)  # no document at all when n == 0
 
     def _runs(self, n: int) -> torch.Tensor:
         """Run lengths as varlen segments: ``[S]``, or ``[B, S]`` zero-padded."""

@@ -13,7 +13,12 @@ from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
-from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent
+from flexattn_zoo.testing import (
+    assert_mask_consistent,
+    assert_matches_reference,
+    assert_score_consistent,
+    spec_examples,
+)
 
 
 @pytest.fixture
@@ -212,6 +217,21 @@ def test_typical_examples_are_valid_specs(q_len: int, kv_len: int) -> None:
                 assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=4, block_sizes=((16, 32),))
             else:
                 assert_score_consistent(spec, batch=2, heads=4, q_len=q_len, kv_len=kv_len)
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(0, 16), (16, 0), (0, 0)])
+def test_every_registered_mask_takes_empty_problems(q_len: int, kv_len: int) -> None:
+    """Lengths 0 are valid (a decode step with no cache yet, an empty pack): every family's
+    oracle, forms and block map agree there and the dense route gives zeros. FlamingoCross's
+    oracle, PerDocument's check and a broadcast Dense mask's SDPA form once failed or lied here."""
+    q = torch.randn(2, 2, q_len, 8, dtype=torch.float64)
+    kv = torch.randn(2, 2, kv_len, 8, dtype=torch.float64)
+    for name, spec in spec_examples("mask", 16, 16, batch=2, heads=2):
+        if isinstance(spec, masks.Dense) and spec.mask.shape[-2:] != (1, 1):
+            continue  # a mask tensor built for 16 x 16 is refused at other lengths, by design
+        assert_mask_consistent(spec, q_len, kv_len, batch=2, heads=2)
+        out = fz.attention(q, kv, kv, mask=spec, backend="dense")
+        assert out.shape == q.shape and not bool(out.any()), name
 
 
 def test_typical_examples_by_family() -> None:
