@@ -74,7 +74,17 @@ class GlobalWindow(MaskSpec):
             raise ValueError(
                 f"GlobalWindow(is_global=...) must have shape [L] or [B, L] with L, B >= 1, got {tuple(flags.shape)}"
             )
-        object.__setattr__(self, "is_global", flags if flags.dtype == torch.bool else flags != 0)
+        if flags.dtype != torch.bool:
+            # Only 0/1: Hugging Face Longformer's attention_mask (0 padding, 1 local, 2 global)
+            # passed here by mistake would otherwise make every non-padding token global.
+            if not tracing() and bool(((flags != 0) & (flags != 1)).any()):
+                raise ValueError(
+                    "GlobalWindow(is_global=...) takes bool or 0/1 integer flags, got values "
+                    f"{sorted(set(flags.unique().tolist()))[:8]}; for a Longformer attention_mask "
+                    "(1 local, 2 global) pass is_global=attention_mask == 2"
+                )
+            flags = flags != 0
+        object.__setattr__(self, "is_global", flags)
         object.__setattr__(self, "left", check_int("left", self.left, minimum=0, owner="GlobalWindow"))
         object.__setattr__(self, "right", check_int("right", self.right, minimum=0, owner="GlobalWindow"))
 

@@ -232,6 +232,12 @@ def test_global_window_definition_per_row() -> None:
     assert bmap is not None and bmap.any.shape[-2:] == (1024, 1024)
     with pytest.raises(ValueError, match="must lie in"):
         GlobalWindow.from_positions([30], 30, left=1)
+    # Longformer's attention_mask (0 padding, 1 local, 2 global) is not a flag tensor: taken as
+    # "non-zero is global" it made every token global. Refused, with the spelling that works.
+    longformer = torch.tensor([[2, 1, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match=r"0/1 integer flags, got values \[0, 1, 2\].*attention_mask == 2"):
+        GlobalWindow(is_global=longformer, left=1, right=1)
+    assert GlobalWindow(is_global=longformer == 2, left=1, right=1).is_global.tolist() == [[1, 0, 0, 0, 0, 0]]
     with pytest.raises(ValueError, match="2 rows but the batch size is 3"):
         spec.validate(30, 30, 3, 1)
 
