@@ -83,6 +83,7 @@ def eager_attention(
     scale: float | None = ...,
     enable_gqa: bool = ...,
     return_lse: Literal[False] = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def eager_attention(
@@ -95,6 +96,7 @@ def eager_attention(
     scale: float | None = ...,
     enable_gqa: bool = ...,
     return_lse: Literal[True],
+    sinks: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def eager_attention(
@@ -107,6 +109,7 @@ def eager_attention(
     scale: float | None = ...,
     enable_gqa: bool = ...,
     return_lse: bool = ...,
+    sinks: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -120,8 +123,11 @@ def eager_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention computed in ``q.dtype`` throughout (scores, softmax, output), autograd-able.
+    """Dense attention computed in ``q.dtype`` throughout (scores, softmax, output), autograd-able
+    (with respect to ``sinks`` too, a float tensor ``[H]`` of per-head sink logits, cast to
+    ``q.dtype`` like everything else).
 
     The conventions of :func:`reference_attention` (fully masked rows give 0 and lse -inf), with
     the score spec evaluated as the routes evaluate it, through its ``score_mod`` (e.g. a table
@@ -136,7 +142,7 @@ def eager_attention(
     if spec is not None and spec.is_activation():
         out, lse = dense_attention(
             q, k, v, mask=mask, score_mod=kernel_mod, scale=scale, enable_gqa=enable_gqa,
-            return_lse=True, dtype=q.dtype,
+            return_lse=True, sinks=sinks, dtype=q.dtype,
         )  # fmt: skip
         out = out * torch.exp(lse).unsqueeze(-1)
         return (out, lse) if return_lse else out
@@ -149,6 +155,7 @@ def eager_attention(
         scale=scale,
         enable_gqa=enable_gqa,
         return_lse=return_lse,
+        sinks=sinks,
         dtype=q.dtype,
     )
 
@@ -231,6 +238,7 @@ def assert_matches_reference(
     score_mod: Any = None,
     scale: float | None = None,
     enable_gqa: bool = False,
+    sinks: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     grads: Sequence[torch.Tensor | None] | None = None,
     grad_out: torch.Tensor | None = None,
@@ -243,19 +251,22 @@ def assert_matches_reference(
         out: The route's output for ``q, k, v`` (any dtype; compared in float64).
         q, k, v: The inputs the route was given (their dtype sets the expected precision).
         mask, score_mod, scale, enable_gqa: As given to the route (specs, names or callables).
+        sinks: The per-head sink logits ``[H]`` the route was given
+            (``fz.layers.attention_layer(sinks=...)``, ``fz.Attention(sinks=...)``), or None.
         lse: The route's log-sum-exp ``[B, H, Lq]``, checked too when given (natural log;
-            ``-inf`` exactly on rows that see no key).
-        grads: ``(dq, dk, dv)`` the route produced for the upstream gradient ``grad_out``
-            (``None`` entries are skipped).
+            ``-inf`` exactly on rows that see no key; with sinks it includes the sink logit).
+        grads: ``(dq, dk, dv)`` the route produced for the upstream gradient ``grad_out``, and
+            with ``sinks`` optionally a fourth, ``dsinks`` (``None`` entries are skipped).
         grad_out: Upstream gradient of ``out``; required with ``grads``.
         ratio, floor_ulps: The tolerance rule (see the module docstring).
 
     Raises:
         AssertionError: naming the quantity, the worst index, its error and the budget.
-        ValueError: ``grads`` without ``grad_out``, or a negative or non-finite ``ratio`` /
-            ``floor_ulps`` (TypeError for a non-number).
+        ValueError: ``grads`` without ``grad_out``, ``grads`` not 3 tensors (or 4 with
+            ``sinks``), ``sinks`` not ``[H]``, or a negative or non-finite ``ratio`` /
+            ``floor_ulps`` (TypeError for a non-number or a non-tensor ``sinks``).
     """
-    for name, given in (("out", out), ("lse", lse), ("grad_out", grad_out)):
+    for name, given in (("out", out), ("sinks", sinks), ("lse", lse), ("grad_out", grad_out)):
         if given is not None and not isinstance(given, torch.Tensor):
             raise TypeError(
                 f"assert_matches_reference({name}=...) must be a tensor, got {type(given).__name__}"
@@ -265,31 +276,45 @@ def assert_matches_reference(
     if grads is not None and grad_out is None:
         raise ValueError("assert_matches_reference(grads=...) needs grad_out= (the upstream gradient)")
     want_grads = grads is not None
+    allowed = (3,) if sinks is None else (3, 4)
+    if grads is not None and len(grads) not in allowed:
+        want = "(dq, dk, dv)" if sinks is None else "(dq, dk, dv) or (dq, dk, dv, dsinks)"
+        raise ValueError(f"assert_matches_reference(grads=...) must be {want}, got {len(grads)} tensors")
     kwargs: dict[str, Any] = dict(
         mask=mask, score_mod=score_mod, scale=scale, enable_gqa=enable_gqa, return_lse=True
     )
     ins64 = [t.detach().double().requires_grad_(want_grads) for t in (q, k, v)]
     ins_low = [t.detach().clone().requires_grad_(want_grads) for t in (q, k, v)]
+    sinks64 = sinks_low = None
+    if sinks is not None:
+        sinks64 = sinks.detach().double().requires_grad_(want_grads)
+        sinks_low = sinks.detach().clone().requires_grad_(want_grads)
     with torch.enable_grad():
-        ref, ref_lse = reference_attention(*ins64, **kwargs)
-        eager, eager_lse = eager_attention(*ins_low, **kwargs)
+        ref, ref_lse = reference_attention(*ins64, sinks=sinks64, **kwargs)
+        eager, eager_lse = eager_attention(*ins_low, sinks=sinks_low, **kwargs)
     dtype = q.dtype
     finite_lse = ref_lse.detach()[torch.isfinite(ref_lse.detach())]
     lse_scale = 1.0 + (float(finite_lse.abs().max()) if finite_lse.numel() else 0.0)
     rule: dict[str, Any] = dict(dtype=dtype, ratio=ratio, floor_ulps=floor_ulps, lse_scale=lse_scale)
     _compare("output", out, ref, eager, **rule)
     if lse is not None:
-        # lse is float32 by contract, also for float64 inputs: judge it at its own precision.
+        # lse is float32 (float64 for float64 inputs): judge it at the coarser of the two.
         coarser = lse.dtype if torch.finfo(lse.dtype).eps > torch.finfo(dtype).eps else dtype
         _compare("lse", lse, ref_lse, eager_lse, **{**rule, "dtype": coarser})
     if grads is not None:
         assert grad_out is not None
-        if len(grads) != 3:
-            raise ValueError(f"grads must be (dq, dk, dv), got {len(grads)} tensors")
-        ref_g = torch.autograd.grad(ref, ins64, grad_out.detach().double())
-        eager_g = torch.autograd.grad(eager, ins_low, grad_out.detach().to(dtype))
+        wrt64 = [*ins64, *([sinks64] if len(grads) == 4 else [])]
+        wrt_low = [*ins_low, *([sinks_low] if len(grads) == 4 else [])]
+        ref_g = torch.autograd.grad(ref, wrt64, grad_out.detach().double())
+        eager_g = torch.autograd.grad(eager, wrt_low, grad_out.detach().to(dtype))
         terms = _grad_terms(ins64, grad_out.detach().double(), scale)
-        for name, got, r, e, t in zip(("dq", "dk", "dv"), grads, ref_g, eager_g, terms, strict=True):
+        if len(grads) == 4:
+            # dsinks_h = -sum over the head's rows of p_sink * (dO . out): at most that many
+            # summands of size |dO . out|.
+            rows = (grad_out.detach().double() * ref.detach()).sum(-1).abs()
+            terms = (*terms, float(rows.sum(dim=(0, 2)).max()) if rows.numel() else 0.0)
+        names = ("dq", "dk", "dv", "dsinks")
+        for name, got, r, e, t in zip(names, grads, ref_g, eager_g, terms, strict=False):
             if got is not None:
                 _compare(name, got, r, e, **rule, terms=t)
 

@@ -16,7 +16,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.models import decode
-from flexattn_zoo.testing import FLOOR_ULPS, eager_attention, reference_attention
+from flexattn_zoo.testing import FLOOR_ULPS, assert_matches_reference, eager_attention, reference_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -185,9 +185,9 @@ def test_sink_gradients_on_flex() -> None:
     out = fz.layers.attention_layer(q, k, v, mask=mask, sinks=sinks, backend="flex")
     grad_out = torch.randn(out.shape, generator=g, device=DEV).to(out.dtype)
     grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    from sink_check import assert_sinks_match  # tests/sink_check.py (tests/ is on sys.path via conftest)
-
-    assert_sinks_match(out, q, k, v, sinks, mask=mask, grads=grads, grad_out=grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask=mask, enable_gqa=True, sinks=sinks, grads=grads, grad_out=grad_out
+    )
 
 
 def test_attention_module_reuses_masks_and_kernels_on_gpu() -> None:

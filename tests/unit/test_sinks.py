@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sink_check import assert_sinks_match
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.models.sinks import apply_sinks
-from flexattn_zoo.testing import reference_attention
+from flexattn_zoo.testing import assert_matches_reference, reference_attention
 
 
 def _qkv(
@@ -83,7 +82,30 @@ def test_layer_sinks_forward_and_grads_on_dense_route(dtype: torch.dtype, mask: 
     out, lse = fz.layers.attention_layer(q, k, v, mask=mask, sinks=sinks, return_lse=True, backend="dense")
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     grads = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
-    assert_sinks_match(out, q, k, v, sinks, mask=mask, grads=grads, grad_out=grad_out, lse=lse)
+    assert_matches_reference(
+        out, q, k, v, mask=mask, enable_gqa=True, sinks=sinks, lse=lse, grads=grads, grad_out=grad_out
+    )
+
+
+def test_the_reference_check_judges_sinks_and_their_gradient() -> None:
+    """``assert_matches_reference(sinks=...)``: a route that ignores the sinks, or returns a wrong
+    ``dsinks``, fails; the correct result passes, with three or four gradients."""
+    q, k, v, sinks = _qkv(torch.float32, grad=True)
+    out, lse = fz.layers.attention_layer(q, k, v, sinks=sinks, return_lse=True, backend="dense")
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    dq, dk, dv, dsinks = torch.autograd.grad(out, (q, k, v, sinks), grad_out)
+    check = dict(enable_gqa=True, sinks=sinks, grad_out=grad_out)
+    assert_matches_reference(out, q, k, v, lse=lse, grads=(dq, dk, dv, dsinks), **check)
+    assert_matches_reference(out, q, k, v, grads=(dq, dk, dv), **check)
+    plain = fz.attention(q, k, v, enable_gqa=True, backend="dense")
+    with pytest.raises(AssertionError, match="output"):
+        assert_matches_reference(plain, q, k, v, enable_gqa=True, sinks=sinks)
+    with pytest.raises(AssertionError, match="dsinks"):
+        assert_matches_reference(out, q, k, v, grads=(dq, dk, dv, dsinks * 1.01), **check)
+    with pytest.raises(ValueError, match=r"\(dq, dk, dv\) or \(dq, dk, dv, dsinks\), got 2"):
+        assert_matches_reference(out, q, k, v, grads=(dq, dk), **check)
+    with pytest.raises(TypeError, match=r"sinks=...\) must be a tensor"):
+        assert_matches_reference(out, q, k, v, enable_gqa=True, sinks=[0.0] * 4)  # type: ignore[arg-type]
 
 
 def test_module_learns_sinks_and_rows_without_keys_stay_zero() -> None:
