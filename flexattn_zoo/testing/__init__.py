@@ -303,16 +303,18 @@ def assert_matches_reference(
         _compare("lse", lse, ref_lse, eager_lse, **{**rule, "dtype": coarser})
     if grads is not None:
         assert grad_out is not None
-        wrt64 = [*ins64, *([sinks64] if len(grads) == 4 else [])]
-        wrt_low = [*ins_low, *([sinks_low] if len(grads) == 4 else [])]
-        ref_g = torch.autograd.grad(ref, wrt64, grad_out.detach().double())
-        eager_g = torch.autograd.grad(eager, wrt_low, grad_out.detach().to(dtype))
-        terms = _grad_terms(ins64, grad_out.detach().double(), scale)
+        wrt64, wrt_low = list(ins64), list(ins_low)
+        terms: list[float] = list(_grad_terms(ins64, grad_out.detach().double(), scale))
         if len(grads) == 4:
+            assert sinks64 is not None and sinks_low is not None
+            wrt64.append(sinks64)
+            wrt_low.append(sinks_low)
             # dsinks_h = -sum over the head's rows of p_sink * (dO . out): at most that many
             # summands of size |dO . out|.
             rows = (grad_out.detach().double() * ref.detach()).sum(-1).abs()
-            terms = (*terms, float(rows.sum(dim=(0, 2)).max()) if rows.numel() else 0.0)
+            terms.append(float(rows.sum(dim=(0, 2)).max()) if rows.numel() else 0.0)
+        ref_g = torch.autograd.grad(ref, wrt64, grad_out.detach().double())
+        eager_g = torch.autograd.grad(eager, wrt_low, grad_out.detach().to(dtype))
         names = ("dq", "dk", "dv", "dsinks")
         for name, got, r, e, t in zip(names, grads, ref_g, eager_g, terms, strict=False):
             if got is not None:
