@@ -717,6 +717,13 @@ def _needs_scalar(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, .
                 "torch.compile, where such a value has no Python truth value. Write the choice with "
                 f"tensor ops (torch.where, &, |, ~); torch said: {text.splitlines()[0]}"
             ) from exc
+        dtensor = _compat.dtensor_class()
+        if dtensor is not None and any(isinstance(t, dtensor) for t in captured_tensors(fn)):
+            raise TypeError(
+                f"{arg} callable captures a DTensor; mask and score callables index plain tensors of "
+                "the whole call (a DTensor call re-bases the indices to each shard): capture "
+                f"t.full_tensor() instead (the same on every rank); torch said: {text.splitlines()[0]}"
+            ) from exc
         raise TypeError(
             f"{arg} callable failed when called as flex calls it (0-d int index tensors, under "
             f"torch.vmap): {exc!r}"

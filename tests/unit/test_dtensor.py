@@ -148,6 +148,34 @@ def test_refuses_dtensors_inside_specs(mesh: Any) -> None:
             call()
 
 
+def test_callables_capturing_dtensors_are_refused_with_the_fix(mesh: Any) -> None:
+    """A raw mask or score callable that captures a DTensor failed with the probe's generic
+    "failed when called as flex calls it" and torch's mixed-tensor error; it now names the
+    DTensor and the fix, and the fix (capturing ``full_tensor()``) runs."""
+    q, k, v = _qkv()
+    dq, dk, dv = _dt(mesh, [Shard(1)], q, k, v)
+    (ids,) = _dt(mesh, [Replicate()], torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]))
+    (bias,) = _dt(mesh, [Replicate()], torch.randn(8))
+
+    def same_doc(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return ids[q_idx] == ids[kv_idx]
+
+    def key_bias(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return score + bias[kv_idx]
+
+    for kwargs in ({"mask": same_doc}, {"score_mod": key_bias}):
+        with pytest.raises(TypeError, match=r"callable captures a DTensor.*t\.full_tensor\(\)"):
+            fz.attention(dq, dk, dv, backend="dense", **kwargs)
+    whole = ids.full_tensor()
+
+    def same_doc_plain(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return whole[q_idx] == whole[kv_idx]
+
+    out = fz.attention(dq, dk, dv, mask=same_doc_plain, backend="dense")
+    want = reference_attention(q, k, v, mask=masks.Document(doc_ids=whole))
+    torch.testing.assert_close(out.full_tensor().double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_context_parallel_refuses_local_only_routes(mesh: Any) -> None:
     from torch.distributed.tensor.experimental import context_parallel
 
