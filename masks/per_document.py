@@ -169,7 +169,10 @@ class PerDocument(MaskSpec):
                 qn, kn = min(s + length, q_len) - s, min(s + length, kv_len) - s
                 if qn > 0 and kn > 0:
                     piece = inner.dense(qn, kn, batch=batch, heads=heads)
-                    out[r, :, s : s + qn, s : s + kn] = piece[r if piece.shape[0] > 1 else 0]
+                    # The oracle contract is [B|1, H|1]: an inner spec may give every head although
+                    # it reads none (a FunctionMask broadcasts to the call's), then any one will do.
+                    here = piece[r if piece.shape[0] > 1 else 0]
+                    out[r, :, s : s + qn, s : s + kn] = here[: out.shape[1]]
                 s += length
         return out
 

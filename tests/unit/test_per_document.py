@@ -10,6 +10,7 @@ from zoo_oracles import mask_mod_dense, qkv, table
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
+from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.masks import (
     Causal,
     Document,
@@ -113,6 +114,22 @@ class _HeadMask(MaskSpec):
         out = torch.zeros(1, heads, q_len, kv_len, dtype=torch.bool)
         out[:, 1:] = True
         return out
+
+
+def test_per_document_oracle_takes_an_inner_oracle_with_every_head() -> None:
+    # A FunctionMask's oracle has the call's batch and heads although the function reads neither
+    # (the [B|1, H|1] contract): PerDocument's oracle, and so the dense route and the reference,
+    # once failed to paint it into its one-head result at heads > 1.
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    spec = PerDocument(inner=FunctionMask(fn=causal), documents=Document.from_lengths([3, 5]))
+    want = (Document.from_lengths([3, 5]) & Causal()).dense(8, 8)
+    assert torch.equal(spec.dense(8, 8, batch=2, heads=2).expand(2, 2, 8, 8), want.expand(2, 2, 8, 8))
+    assert_mask_consistent(spec, 8, 8, batch=2, heads=2)
+    q, k, v = qkv(2, 8, 8)
+    out = fz.attention(q, k, v, mask=spec, backend="dense")
+    assert_matches_reference(out, q, k, v, mask=spec)
 
 
 def test_per_document_accepts_names_ids_and_refuses_the_rest() -> None:
