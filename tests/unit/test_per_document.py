@@ -132,6 +132,20 @@ def test_per_document_oracle_takes_an_inner_oracle_with_every_head() -> None:
     assert_matches_reference(out, q, k, v, mask=spec)
 
 
+def test_per_document_one_document_cut_by_unequal_lengths() -> None:
+    # One 8-token document with 5 queries: the inner Dense mask is its 8 x 8 square, of which the
+    # problem is the corner. Its SDPA form (the 8 x 8 tensor) once reached SDPA as the 5 x 8
+    # problem's attn_mask ("No available kernel" on auto's sdpa_flash), and the oracle refused.
+    square = torch.ones(8, 8, dtype=torch.bool).tril() | (torch.arange(8) % 3 == 0)
+    spec = PerDocument(inner=masks.Dense(mask=square), documents=Document.from_lengths([8]))
+    assert spec.sdpa_form(5, 8) is None and spec.sdpa_form(8, 8) is not None
+    assert torch.equal(spec.dense(5, 8), square[None, None, :5])
+    assert_mask_consistent(spec, 5, 8, block_sizes=((128, 128), (2, 4)))
+    q, k, v = qkv(1, 5, 8)
+    out = fz.attention(q, k, v, mask=spec)
+    assert_matches_reference(out, q, k, v, mask=spec)
+
+
 def test_per_document_accepts_names_ids_and_refuses_the_rest() -> None:
     spec = PerDocument.from_lengths("causal", [3, 5])
     assert spec == PerDocument(inner=Causal(), documents=[0, 0, 0, 1, 1, 1, 1, 1])
