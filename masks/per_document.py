@@ -60,7 +60,7 @@ class PerDocument(MaskSpec):
 
     * varlen, when ``Lq == Lkv`` and ``inner`` offers the same window form (no segments) at every
       document length: the documents as segments with that window (``Causal``, ``SlidingWindow``);
-    * SDPA and split forms of ``inner`` when one document covers the whole problem;
+    * SDPA and split forms of ``inner`` when one document covers the whole problem and ``Lq == Lkv``;
     * a block map: when every document starts on a multiple of both block sizes, composed from
       ``inner``'s own block maps (one per distinct document length, placed on the diagonal); else,
       when ``inner`` depends on neither batch nor head, by evaluating the ``mask_mod`` only on the
@@ -168,8 +168,13 @@ class PerDocument(MaskSpec):
             for length in lengths.tolist():
                 qn, kn = min(s + length, q_len) - s, min(s + length, kv_len) - s
                 if qn > 0 and kn > 0:
-                    piece = inner.dense(qn, kn, batch=batch, heads=heads)
-                    out[r, :, s : s + qn, s : s + kn] = piece[r if piece.shape[0] > 1 else 0]
+                    # The inner oracle at the document's own square (the lengths it is validated
+                    # for), cut to the part inside the problem when Lq != Lkv cuts the document.
+                    piece = inner.dense(length, length, batch=batch, heads=heads)[..., :qn, :kn]
+                    # The oracle contract is [B|1, H|1]: an inner spec may give every head although
+                    # it reads none (a FunctionMask broadcasts to the call's), then any one will do.
+                    here = piece[r if piece.shape[0] > 1 else 0]
+                    out[r, :, s : s + qn, s : s + kn] = here[: out.shape[1]]
                 s += length
         return out
 
@@ -193,9 +198,13 @@ class PerDocument(MaskSpec):
         return VarlenForm(segments=self._runs(q_len), window=windows.pop())
 
     def _single(self, q_len: int, kv_len: int) -> MaskSpec | None:
-        """The bound inner spec when one document spans the whole problem, else None."""
+        """The bound inner spec when one document spans the whole square problem, else None.
+
+        Square only: the inner spec is validated for its document's ``n x n`` square, and its
+        forms at other lengths need not describe that square's corner (a ``Dense`` inner's
+        ``attn_mask`` keeps its ``n x n`` shape)."""
         n = max(q_len, kv_len)
-        if tracing() or self._lengths(n) != {n}:
+        if tracing() or q_len != kv_len or self._lengths(n) != {n}:
             return None
         return self.inner.bind(n, n)
 

@@ -10,6 +10,7 @@ from zoo_oracles import mask_mod_dense, qkv, table
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
+from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.masks import (
     Causal,
     Document,
@@ -113,6 +114,36 @@ class _HeadMask(MaskSpec):
         out = torch.zeros(1, heads, q_len, kv_len, dtype=torch.bool)
         out[:, 1:] = True
         return out
+
+
+def test_per_document_oracle_takes_an_inner_oracle_with_every_head() -> None:
+    # A FunctionMask's oracle has the call's batch and heads although the function reads neither
+    # (the [B|1, H|1] contract): PerDocument's oracle, and so the dense route and the reference,
+    # once failed to paint it into its one-head result at heads > 1.
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    spec = PerDocument(inner=FunctionMask(fn=causal), documents=Document.from_lengths([3, 5]))
+    want = (Document.from_lengths([3, 5]) & Causal()).dense(8, 8)
+    assert torch.equal(spec.dense(8, 8, batch=2, heads=2).expand(2, 2, 8, 8), want.expand(2, 2, 8, 8))
+    assert_mask_consistent(spec, 8, 8, batch=2, heads=2)
+    q, k, v = qkv(2, 8, 8)
+    out = fz.attention(q, k, v, mask=spec, backend="dense")
+    assert_matches_reference(out, q, k, v, mask=spec)
+
+
+def test_per_document_one_document_cut_by_unequal_lengths() -> None:
+    # One 8-token document with 5 queries: the inner Dense mask is its 8 x 8 square, of which the
+    # problem is the corner. Its SDPA form (the 8 x 8 tensor) once reached SDPA as the 5 x 8
+    # problem's attn_mask ("No available kernel" on auto's sdpa_flash), and the oracle refused.
+    square = torch.ones(8, 8, dtype=torch.bool).tril() | (torch.arange(8) % 3 == 0)
+    spec = PerDocument(inner=masks.Dense(mask=square), documents=Document.from_lengths([8]))
+    assert spec.sdpa_form(5, 8) is None and spec.sdpa_form(8, 8) is not None
+    assert torch.equal(spec.dense(5, 8), square[None, None, :5])
+    assert_mask_consistent(spec, 5, 8, block_sizes=((128, 128), (2, 4)))
+    q, k, v = qkv(1, 5, 8)
+    out = fz.attention(q, k, v, mask=spec)
+    assert_matches_reference(out, q, k, v, mask=spec)
 
 
 def test_per_document_accepts_names_ids_and_refuses_the_rest() -> None:
