@@ -22,7 +22,8 @@
   the floor barely matters. A real bug (wrong mask, scale, lse base) is orders of magnitude above.
 
   Gradients add ``floor_ulps * eps(compute) * T`` with ``T`` the size of their largest summand
-  (``|scale| * max|dO . v| * max|k|`` for dq, the same with ``q`` for dk, ``max|dO|`` for dv):
+  (``|scale| * max(|dO| . |v|) * max|k|`` for dq, the same with ``q`` for dk, ``max|dO|`` for dv;
+  ``|dO| . |v|``, the dot product of absolute values, is what rounding of ``dO . v`` scales with):
   ``dq = scale * sum_j p_ij (dp_ij - delta_i) k_j`` can cancel to exactly 0 (a row that sees one
   key) while a correct kernel leaves rounding of the size of its terms (fuzzing found -1e-7
   where the reference and eager are both exactly 0).
@@ -333,5 +334,7 @@ def _grad_terms(
         group = q.shape[1] // k.shape[1]
         v = v.repeat_interleave(group, dim=1)
     s = abs(1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
-    dp = float(torch.matmul(grad_out.to(v.device), v.transpose(-1, -2)).abs().max())
+    # The rounding of dp = dO . v (and of delta = dO . out) scales with |dO| . |v|, not |dO . v|,
+    # which can cancel to far less.
+    dp = float(torch.matmul(grad_out.to(v.device).abs(), v.abs().transpose(-1, -2)).max())
     return s * dp * float(k.abs().max()), s * dp * float(q.abs().max()), float(grad_out.abs().max())
