@@ -43,7 +43,7 @@ class PerDocument(MaskSpec):
 
     ``inner`` is any mask spec, bound as for equal query and key lengths (self-attention inside a
     document: ``Causal(align="bottom_right")`` acts as ``Causal()``); it may depend on the batch row
-    and head (it sees the call's ``b`` and ``h``), and it is validated for the longest document.
+    and head (it sees the call's ``b`` and ``h``), and it is validated at every document length.
 
     Picture (``inner=PrefixLM(prefix_len=2)``, documents of 3 and 5 tokens; ``#`` visible)::
 
@@ -180,9 +180,20 @@ class PerDocument(MaskSpec):
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         self.documents.validate(q_len, kv_len, batch, heads)
-        if not tracing():  # the longest document is read from the ids
-            n = self._longest(max(q_len, kv_len))
-            self.inner.bind(n, n).validate(n, n, batch, heads)
+        if tracing():  # the document lengths are read from the ids
+            return
+        n = max(q_len, kv_len)
+        inner = self.inner.bind(n, n)  # as the mask_mod and the oracle bind it
+
+        def check() -> bool:
+            # Every length, not only the longest: an inner spec sized for one length (a Dense
+            # tensor, a Natten canvas) must not run on the others' corners while its oracle
+            # refuses them.
+            for length in sorted(self._lengths(n), reverse=True):
+                inner.validate(length, length, batch, heads)
+            return True
+
+        self._cached(("validated", n, batch, heads), check)
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         if q_len != kv_len or tracing():
@@ -359,9 +370,6 @@ class PerDocument(MaskSpec):
 
     def _lengths(self, n: int) -> set[int]:
         return {length for row in self._layout(n) for _, length in row}
-
-    def _longest(self, n: int) -> int:
-        return max(self._lengths(n), default=0)  # no document at all when n == 0
 
     def _runs(self, n: int) -> torch.Tensor:
         """Run lengths as varlen segments: ``[S]``, or ``[B, S]`` zero-padded."""

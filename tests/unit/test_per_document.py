@@ -13,6 +13,7 @@ from flexattn_zoo import masks
 from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.masks import (
     Causal,
+    Dense,
     Document,
     GlobalWindow,
     Natten,
@@ -154,7 +155,12 @@ def test_per_document_accepts_names_ids_and_refuses_the_rest() -> None:
         PerDocument(inner=3, documents=[0, 1])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has length 8 but the problem needs"):
         spec.validate(9, 9, 1, 1)
-    # The inner spec is validated for the longest document.
+    # The inner spec is validated at every document length: a Dense inner sized for 8 tokens
+    # once ran on a 5-token document's corner while its oracle refused that document.
+    dense8 = Dense(mask=torch.ones(8, 8, dtype=torch.bool).tril())
+    PerDocument.from_lengths(dense8, [8, 8]).validate(16, 16, 1, 1)
+    with pytest.raises(ValueError, match=r"Dense\(mask=...\) has shape"):
+        PerDocument.from_lengths(dense8, [8, 5]).validate(13, 13, 1, 1)
     natten = PerDocument.from_lengths(Natten(canvas=(2, 3), kernel=1), [6, 6])
     natten.validate(12, 12, 1, 1)
     with pytest.raises(ValueError, match="canvas"):
