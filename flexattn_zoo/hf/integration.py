@@ -54,8 +54,11 @@ def _mask_builder(
         padding = attention_mask.padding
     elif attention_mask is not None:
         padding = attention_mask.to(torch.bool)
-        # Traced, whether anything is padded is unknown until run: the padding is kept (exact).
-        if not _compat.is_compiling() and bool(padding.all()):
+        # Keys past the mask's end are padding (transformers pads the 2-D mask with False), so a
+        # mask of ones shorter than the keys still hides some: it is no padding only when it
+        # covers every key. Traced, whether anything is padded is unknown until run: kept (exact).
+        covers_keys = padding.shape[-1] >= int(kv_offset) + int(kv_length)
+        if not _compat.is_compiling() and covers_keys and bool(padding.all()):
             padding = None
     if mask_function is None:
         mask_function = masking_utils().causal_mask_function

@@ -351,6 +351,37 @@ def test_untested_transformers_releases_take_the_exact_generic_path(monkeypatch:
     assert torch.equal(ours, _hf_dense(fn, 2, 8, 10, 2, 0, padding=PAD))
 
 
+@pytest.mark.parametrize("ones", [True, False], ids=["all_ones", "with_padding"])
+def test_keys_past_a_short_padding_mask_are_hidden(ones: bool, name: str) -> None:
+    """A 2-D ``attention_mask`` shorter than the keys (a decode step given the mask of its new
+    token only) hides the keys past its end: transformers pads it with False. The builder read a
+    mask of ones as no padding at all, so such a step saw the whole cache, unlike ``eager`` and
+    ``sdpa``, and only while no row of the batch had a 0 in its mask."""
+    short = torch.ones(2, 1, dtype=torch.bool)
+    if not ones:
+        short[1] = False
+    for fn, q_off in ((mu.causal_mask_function, 7), (mu.bidirectional_mask_function, 0)):
+        _, ours = _ours(fn, 2, 1, 8, q_off, 0, short)
+        assert torch.equal(ours, _hf_dense(fn, 2, 1, 8, q_off, 0, short))
+
+    model = _model("llama")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(8))
+    step_mask = torch.ones(2, 1, dtype=torch.long)
+    if not ones:
+        step_mask[1] = 0
+
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def step(impl: str) -> torch.Tensor:
+        model.set_attn_implementation(impl)
+        cache = {cache_kw: transformers.DynamicCache(config=model.config)}
+        with torch.no_grad():
+            model(input_ids=ids[:, :7], **cache)
+            return model(input_ids=ids[:, 7:], attention_mask=step_mask, **cache).logits
+
+    torch.testing.assert_close(step(name)[0], step("eager")[0], rtol=0, atol=1e-5)
+
+
 def test_four_d_masks_go_dense_and_biases_are_refused() -> None:
     q = torch.randn(1, 4, 6, 16)
     k = v = torch.randn(1, 2, 6, 16)
