@@ -306,10 +306,12 @@ class PageAllocator:
                 items: list[Any] = given.reshape(-1).tolist()
             elif isinstance(given, bool):
                 raise TypeError
-            elif hasattr(given, "__index__"):
-                items = [operator.index(given)]
-            else:
+            elif hasattr(given, "__iter__") and getattr(given, "ndim", 1) != 0:
+                # A sequence or an array of rows (a numpy array has ``__index__`` too, which
+                # refuses all but one element: rows=np.flatnonzero(done) was refused).
                 items = list(given)
+            else:
+                items = [operator.index(given)]
             if any(isinstance(r, bool) for r in items):
                 raise TypeError
             out = [operator.index(r) for r in items]
