@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -67,7 +68,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def _positive(value: Any, name: str, *, zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a plain int, numpy's integers included (counts read from numpy arrays)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"PageAllocator {name} must be an int, got {type(value).__name__}")
     if value < 0 or (value == 0 and not zero):
         raise ValueError(f"PageAllocator {name} must be {'>= 0' if zero else '> 0'}, got {value}")

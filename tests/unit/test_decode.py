@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -447,6 +448,20 @@ def test_bad_decode_arguments_are_named(case: str, exc: type[Exception], match: 
     call = _bad_call(case)
     with torch.no_grad(), pytest.raises(exc, match=match):
         call()
+
+
+def test_numpy_integer_lengths_are_ints() -> None:
+    """A length read from a numpy array (``np.int64``, not an int subclass) is an int length, as
+    the other integer arguments take it; it was a TypeError "must be an int ... got int64"."""
+    k, v = _cache(31)
+    q = torch.randn(B, H, 2, D, generator=torch.Generator().manual_seed(32))
+    with torch.no_grad():
+        got = decode.decode_step(q, k, v, np.int64(150), backend="dense")
+        assert torch.equal(got, decode.decode_step(q, k, v, 150, backend="dense"))
+    pool = torch.zeros(1, HKV, 4 * BS, D)
+    new = torch.randn(B, HKV, 3, D)
+    table = torch.tensor([[0, 1], [2, 3]])
+    assert decode.append_kv(pool, pool.clone(), table, np.int32(7), new, new) == 10
 
 
 def test_bad_pages_in_a_device_table_stay_inside_the_pool() -> None:

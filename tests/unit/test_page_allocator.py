@@ -275,7 +275,7 @@ def test_rows_take_numpy_arrays() -> None:
     alloc = fz.pages.PageAllocator(8, 4, 4, batch=3)
     alloc.extend(2, np.array([2, 0]))
     alloc.extend(1, np.flatnonzero([False, True, True]))
-    alloc.extend(1, np.int64(0))
+    alloc.extend(np.int64(1), np.int64(0))  # counts from numpy too
     alloc.free(np.array([2]))
     assert alloc.lengths == [3, 1, 0]
     with pytest.raises(TypeError, match=r"rows must be a row index"):

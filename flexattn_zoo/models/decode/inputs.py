@@ -7,6 +7,7 @@ graph capture); there the block counts are clamped instead (``DecodeMask.update`
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -21,13 +22,14 @@ def _lengths(
     host; an int stays an int (checked), one length for every row (``DecodeMask.update`` takes
     both). A tensor keeps its integer dtype: ``DecodeMask.update`` converts it where it copies it
     into the mask, so an int32 device tensor (a CUDA graph's) costs no separate cast per step."""
-    if isinstance(cache_len, int) and not isinstance(cache_len, bool):
+    if isinstance(cache_len, Integral) and not isinstance(cache_len, bool):
+        cache_len = int(cache_len)  # numpy's integers (not int subclasses) as a plain int
         if cache_len < q_len or cache_len > capacity:
             raise ValueError(
                 f"cache_len {cache_len} is out of range: each row's cache_len must be >= Lq = {q_len} (the "
                 f"new tokens are already in the cache) and <= the cache capacity {capacity}"
             )
-        return int(cache_len)  # an int subclass (e.g. numpy's) as a plain int
+        return cache_len
     if isinstance(cache_len, torch.Tensor):
         if cache_len.dtype == torch.bool or cache_len.is_floating_point() or cache_len.is_complex():
             raise TypeError(
