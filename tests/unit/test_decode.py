@@ -464,6 +464,16 @@ def test_numpy_integer_lengths_are_ints() -> None:
     assert decode.append_kv(pool, pool.clone(), table, np.int32(7), new, new) == 10
 
 
+@pytest.mark.parametrize(("window", "exc"), [(0, ValueError), (-4, ValueError), (True, TypeError)])
+def test_decode_step_varlen_refuses_windows_below_one_key(window: Any, exc: type[Exception]) -> None:
+    """window=0 became FlashAttention's left=-1, no window at all; checked before the CUDA check,
+    so on every device."""
+    q = torch.randn(1, H, 1, D)
+    pages = torch.zeros(4, 16, HKV, D)
+    with pytest.raises(exc, match=r"decode_step_varlen\(window=\.\.\.\) must be an int >= 1"):
+        decode.decode_step_varlen(q, pages, pages, torch.tensor([5]), torch.tensor([[0]]), window=window)
+
+
 def test_bad_pages_in_a_device_table_stay_inside_the_pool() -> None:
     """A CUDA block_table is not read on the host (a sync), so update() must keep whatever it holds
     inside the pool: page numbers gathered for the kernel are clamped, and pages past the pool
