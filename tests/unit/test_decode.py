@@ -255,6 +255,27 @@ def test_caches_too_large_for_one_launch_are_decoded_a_slice_of_rows_at_a_time(m
     _close(split, reference_decode(q, k, v, lens, mask))
 
 
+def test_slices_of_rows_stay_on_flex_unless_lse_is_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each slice of rows asks for lse only when the caller did: asked always, every slice left
+    flex_cpu for the dense route (which needs no asking on the CPU), and backend="flex_cpu"
+    raised "needs lse on CPU" for a call that asked for none."""
+    k, v = torch.randn(4, HKV, 256, D), torch.randn(4, HKV, 256, D)
+    q = torch.randn(4, H, 1, D)
+    lens = torch.tensor([256, 3, 100, 200])
+    mask = masks.SlidingWindow.from_hf(90)
+    ref = reference_decode(q, k, v, lens, mask)
+    monkeypatch.setattr(decode.launch, "MAX_FLEX_ELEMENTS", 2 * k[0].numel() + 1)  # two rows per launch
+    with torch.no_grad():
+        for backend in ("auto", "flex_cpu"):
+            decode.CACHE.clear()
+            _close(decode.decode_step(q, k, v, lens, mask=mask, backend=backend), ref)
+            runs = [run.backend for dm in decode.CACHE.values() for run in dm.runs.values()]
+            assert runs == ["flex_cpu"]  # one 2-row DecodeMask, planned on flex
+        out, lse = decode.decode_step(q, k, v, lens, mask=mask, return_lse=True)  # dense, with lse
+    _close(out, ref)
+    assert lse.shape == (4, H, 1) and bool(torch.isfinite(lse).all())
+
+
 def test_planned_runs_are_reused_and_exact() -> None:
     """The CUDA fast path (plan once per signature, then execute) exercised on the CPU's flex route."""
     k, v = _cache(5)
