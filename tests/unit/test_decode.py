@@ -501,6 +501,32 @@ def test_decode_step_varlen_refuses_windows_below_one_key(window: Any, exc: type
         decode.decode_step_varlen(q, pages, pages, torch.tensor([5]), torch.tensor([[0]]), window=window)
 
 
+def test_a_bias_score_mod_is_over_absolute_positions() -> None:
+    """A Bias is read at absolute query positions, as the mask is: one of [.., capacity, capacity]
+    decodes (it was refused as not [.., Lq, capacity]), one of [.., Lq, capacity] is refused by
+    name (it passed the check and raised an IndexError reading rows past Lq)."""
+    k, v = _cache(33)
+    g = torch.Generator().manual_seed(34)
+    q = torch.randn(B, H, 2, D, generator=g)
+    lens = torch.tensor([150, 640])
+    bias = torch.randn(1, H, CAP, CAP, generator=g)
+    with torch.no_grad():
+        out = decode.decode_step(q, k, v, lens, score_mod=score_mods.Bias(bias=bias), backend="dense")
+    for b, n in enumerate(lens.tolist()):
+        rows = score_mods.Bias(bias=bias[:, :, n - 2 : n, :n].contiguous())
+        ref = reference_attention(
+            q[b : b + 1].double(),
+            k[b : b + 1, :, :n].double(),
+            v[b : b + 1, :, :n].double(),
+            mask=masks.Causal(align="bottom_right"),
+            score_mod=rows,
+            enable_gqa=True,
+        )
+        _close(out[b : b + 1], ref)
+    with pytest.raises(ValueError, match=r"decode_step score_mod does not fit a cache of capacity 640: Bias"):
+        decode.decode_step(q, k, v, lens, score_mod=score_mods.Bias(bias=bias[:, :, :2]), backend="dense")
+
+
 def test_bad_pages_in_a_device_table_stay_inside_the_pool() -> None:
     """A CUDA block_table is not read on the host (a sync), so update() must keep whatever it holds
     inside the pool: page numbers gathered for the kernel are clamped, and pages past the pool

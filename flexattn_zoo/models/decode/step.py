@@ -220,7 +220,15 @@ def decode_step(
         except ValueError as exc:
             raise ValueError(f"decode_step mask does not fit a cache of capacity {capacity}: {exc}") from exc
     if score is not None:
-        score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
+        # Over absolute positions too (a Bias is read at query row cache_len - Lq + i, not i: one of
+        # [.., Lq, capacity] passed this check and then read past its rows), and e.g. Alibi(num_heads)
+        # against H.
+        try:
+            score.validate(capacity, capacity, batch, heads)
+        except ValueError as exc:
+            raise ValueError(
+                f"decode_step score_mod does not fit a cache of capacity {capacity}: {exc}"
+            ) from exc
     need_lse = sinks is not None or return_lse
     grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
     small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
