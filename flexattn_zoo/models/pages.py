@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -67,7 +68,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def _positive(value: Any, name: str, *, zero: bool = False) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a plain int, numpy's integers included (counts read from numpy arrays)."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
         raise TypeError(f"PageAllocator {name} must be an int, got {type(value).__name__}")
     if value < 0 or (value == 0 and not zero):
         raise ValueError(f"PageAllocator {name} must be {'>= 0' if zero else '> 0'}, got {value}")
@@ -306,10 +308,12 @@ class PageAllocator:
                 items: list[Any] = given.reshape(-1).tolist()
             elif isinstance(given, bool):
                 raise TypeError
-            elif hasattr(given, "__index__"):
-                items = [operator.index(given)]
-            else:
+            elif hasattr(given, "__iter__") and getattr(given, "ndim", 1) != 0:
+                # A sequence or an array of rows (a numpy array has ``__index__`` too, which
+                # refuses all but one element: rows=np.flatnonzero(done) was refused).
                 items = list(given)
+            else:
+                items = [operator.index(given)]
             if any(isinstance(r, bool) for r in items):
                 raise TypeError
             out = [operator.index(r) for r in items]

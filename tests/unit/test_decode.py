@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,6 +255,27 @@ def test_caches_too_large_for_one_launch_are_decoded_a_slice_of_rows_at_a_time(m
     _close(split, reference_decode(q, k, v, lens, mask))
 
 
+def test_slices_of_rows_stay_on_flex_unless_lse_is_asked(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each slice of rows asks for lse only when the caller did: asked always, every slice left
+    flex_cpu for the dense route (which needs no asking on the CPU), and backend="flex_cpu"
+    raised "needs lse on CPU" for a call that asked for none."""
+    k, v = torch.randn(4, HKV, 256, D), torch.randn(4, HKV, 256, D)
+    q = torch.randn(4, H, 1, D)
+    lens = torch.tensor([256, 3, 100, 200])
+    mask = masks.SlidingWindow.from_hf(90)
+    ref = reference_decode(q, k, v, lens, mask)
+    monkeypatch.setattr(decode.launch, "MAX_FLEX_ELEMENTS", 2 * k[0].numel() + 1)  # two rows per launch
+    with torch.no_grad():
+        for backend in ("auto", "flex_cpu"):
+            decode.CACHE.clear()
+            _close(decode.decode_step(q, k, v, lens, mask=mask, backend=backend), ref)
+            runs = [run.backend for dm in decode.CACHE.values() for run in dm.runs.values()]
+            assert runs == ["flex_cpu"]  # one 2-row DecodeMask, planned on flex
+        out, lse = decode.decode_step(q, k, v, lens, mask=mask, return_lse=True)  # dense, with lse
+    _close(out, ref)
+    assert lse.shape == (4, H, 1) and bool(torch.isfinite(lse).all())
+
+
 def test_planned_runs_are_reused_and_exact() -> None:
     """The CUDA fast path (plan once per signature, then execute) exercised on the CPU's flex route."""
     k, v = _cache(5)
@@ -417,6 +439,7 @@ def _bad_call(case: str):  # type: ignore[no-untyped-def]
         "block_size_float": lambda: decode.decode_step(q, k, v, 10, block_size=64.0),
         "q_rank_3": lambda: decode.decode_step(q[0], k, v, 10),
         "cache_rank_3": lambda: decode.decode_step(q, k[0], v[0], 10),
+        "empty_batch": lambda: decode.decode_step(q[:0], k[:0], v[:0], torch.zeros(0, dtype=torch.long)),
     }
     return calls[case]
 
@@ -439,6 +462,11 @@ def _bad_call(case: str):  # type: ignore[no-untyped-def]
         ("block_size_float", TypeError, r"block_size must be a positive int, got float"),
         ("q_rank_3", ValueError, r"q must have 4 dims \[B, H, Lq, D\]"),
         ("cache_rank_3", ValueError, r"k_cache must have 4 dims \[B, Hkv, capacity, D\]"),
+        (
+            "empty_batch",
+            ValueError,
+            r"decode_step q must hold at least one batch row, got shape \(0, 4, 2, 16\)",
+        ),
     ],
 )
 def test_bad_decode_arguments_are_named(case: str, exc: type[Exception], match: str) -> None:
@@ -447,6 +475,56 @@ def test_bad_decode_arguments_are_named(case: str, exc: type[Exception], match: 
     call = _bad_call(case)
     with torch.no_grad(), pytest.raises(exc, match=match):
         call()
+
+
+def test_numpy_integer_lengths_are_ints() -> None:
+    """A length read from a numpy array (``np.int64``, not an int subclass) is an int length, as
+    the other integer arguments take it; it was a TypeError "must be an int ... got int64"."""
+    k, v = _cache(31)
+    q = torch.randn(B, H, 2, D, generator=torch.Generator().manual_seed(32))
+    with torch.no_grad():
+        got = decode.decode_step(q, k, v, np.int64(150), backend="dense")
+        assert torch.equal(got, decode.decode_step(q, k, v, 150, backend="dense"))
+    pool = torch.zeros(1, HKV, 4 * BS, D)
+    new = torch.randn(B, HKV, 3, D)
+    table = torch.tensor([[0, 1], [2, 3]])
+    assert decode.append_kv(pool, pool.clone(), table, np.int32(7), new, new) == 10
+
+
+@pytest.mark.parametrize(("window", "exc"), [(0, ValueError), (-4, ValueError), (True, TypeError)])
+def test_decode_step_varlen_refuses_windows_below_one_key(window: Any, exc: type[Exception]) -> None:
+    """window=0 became FlashAttention's left=-1, no window at all; checked before the CUDA check,
+    so on every device."""
+    q = torch.randn(1, H, 1, D)
+    pages = torch.zeros(4, 16, HKV, D)
+    with pytest.raises(exc, match=r"decode_step_varlen\(window=\.\.\.\) must be an int >= 1"):
+        decode.decode_step_varlen(q, pages, pages, torch.tensor([5]), torch.tensor([[0]]), window=window)
+
+
+def test_a_bias_score_mod_is_over_absolute_positions() -> None:
+    """A Bias is read at absolute query positions, as the mask is: one of [.., capacity, capacity]
+    decodes (it was refused as not [.., Lq, capacity]), one of [.., Lq, capacity] is refused by
+    name (it passed the check and raised an IndexError reading rows past Lq)."""
+    k, v = _cache(33)
+    g = torch.Generator().manual_seed(34)
+    q = torch.randn(B, H, 2, D, generator=g)
+    lens = torch.tensor([150, 640])
+    bias = torch.randn(1, H, CAP, CAP, generator=g)
+    with torch.no_grad():
+        out = decode.decode_step(q, k, v, lens, score_mod=score_mods.Bias(bias=bias), backend="dense")
+    for b, n in enumerate(lens.tolist()):
+        rows = score_mods.Bias(bias=bias[:, :, n - 2 : n, :n].contiguous())
+        ref = reference_attention(
+            q[b : b + 1].double(),
+            k[b : b + 1, :, :n].double(),
+            v[b : b + 1, :, :n].double(),
+            mask=masks.Causal(align="bottom_right"),
+            score_mod=rows,
+            enable_gqa=True,
+        )
+        _close(out[b : b + 1], ref)
+    with pytest.raises(ValueError, match=r"decode_step score_mod does not fit a cache of capacity 640: Bias"):
+        decode.decode_step(q, k, v, lens, score_mod=score_mods.Bias(bias=bias[:, :, :2]), backend="dense")
 
 
 def test_bad_pages_in_a_device_table_stay_inside_the_pool() -> None:

@@ -11,6 +11,7 @@ compiles cost ~10 s each here: one).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,6 +267,19 @@ def test_rows_take_ints_of_any_kind() -> None:
     assert alloc.lengths == [1, 1, 2] and alloc.pages(2) == [0] and alloc.pages(torch.tensor(1)) == [2]
     with pytest.raises(TypeError, match=r"pages takes one row index"):
         alloc.pages([0, 1])  # type: ignore[arg-type]
+
+
+def test_rows_take_numpy_arrays() -> None:
+    """A numpy array of rows (``np.flatnonzero(done)``) is a sequence of rows: its ``__index__``,
+    which refuses arrays of more than one element, made it a TypeError."""
+    alloc = fz.pages.PageAllocator(8, 4, 4, batch=3)
+    alloc.extend(2, np.array([2, 0]))
+    alloc.extend(1, np.flatnonzero([False, True, True]))
+    alloc.extend(np.int64(1), np.int64(0))  # counts from numpy too
+    alloc.free(np.array([2]))
+    assert alloc.lengths == [3, 1, 0]
+    with pytest.raises(TypeError, match=r"rows must be a row index"):
+        alloc.extend(1, np.array([0.0]))
 
 
 @pytest.mark.parametrize(

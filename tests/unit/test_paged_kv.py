@@ -181,6 +181,33 @@ def test_missing_pages_below_a_rows_length_are_invisible_on_every_route() -> Non
             _close(out, ref)
 
 
+def test_holes_list_no_page_twice_and_no_owned_page_is_dropped() -> None:
+    """-1 entries among a row's pages are left out of the flex block list. Listed as page 0 (the
+    clamped -1), a hole made flex read page 0 a second time in a row that owns it, counting its
+    keys twice; and a row whose pages in range outnumber the pool's (a sink page and a recent
+    window, StreamingLLM style, in a pool of 4 pages) lost its last pages."""
+    page, n_pages = 16, 4
+    g = torch.Generator().manual_seed(21)
+    kp, vp = torch.randn(2, n_pages, page, HKV, D, generator=g)
+    table = torch.tensor([[0, -1, 2, -1, -1, 3, 1, -1], [-1, -1, -1, 0, -1, -1, -1, -1]])
+    lens = torch.tensor([7 * page - 5, 4 * page])
+    q = torch.randn(2, H, 1, D, generator=g)
+    refs = []
+    for b, n in enumerate(lens.tolist()):  # the row's own pages in logical order, cut to its length
+        owned = [(p, int(t)) for p, t in enumerate(table[b].tolist()) if t >= 0 and p * page < n]
+        keep = torch.cat([torch.arange(p * page, min(n, (p + 1) * page)) for p, _ in owned])
+        keys = torch.cat([kp[t] for _, t in owned])[: keep.numel()].transpose(0, 1)[None]
+        values = torch.cat([vp[t] for _, t in owned])[: keep.numel()].transpose(0, 1)[None]
+        refs.append(
+            reference_attention(q[b : b + 1].double(), keys.double(), values.double(), enable_gqa=True)[0]
+        )
+    ref = torch.stack(refs)
+    with torch.no_grad():
+        for backend in ("auto", "dense"):
+            out = decode.decode_step(q, kp, vp, lens, block_table=table, kv_layout="NHD", backend=backend)
+            _close(out, ref)
+
+
 def test_pages_below_the_flex_minimum_take_the_dense_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA flex needs kv blocks of >= 16 keys; smaller pages decode on the dense route over the
     gathered live pages. Exercised here by raising the CPU's minimum."""

@@ -7,6 +7,7 @@ graph capture); there the block counts are clamped instead (``DecodeMask.update`
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -21,13 +22,14 @@ def _lengths(
     host; an int stays an int (checked), one length for every row (``DecodeMask.update`` takes
     both). A tensor keeps its integer dtype: ``DecodeMask.update`` converts it where it copies it
     into the mask, so an int32 device tensor (a CUDA graph's) costs no separate cast per step."""
-    if isinstance(cache_len, int) and not isinstance(cache_len, bool):
+    if isinstance(cache_len, Integral) and not isinstance(cache_len, bool):
+        cache_len = int(cache_len)  # numpy's integers (not int subclasses) as a plain int
         if cache_len < q_len or cache_len > capacity:
             raise ValueError(
                 f"cache_len {cache_len} is out of range: each row's cache_len must be >= Lq = {q_len} (the "
                 f"new tokens are already in the cache) and <= the cache capacity {capacity}"
             )
-        return int(cache_len)  # an int subclass (e.g. numpy's) as a plain int
+        return cache_len
     if isinstance(cache_len, torch.Tensor):
         if cache_len.dtype == torch.bool or cache_len.is_floating_point() or cache_len.is_complex():
             raise TypeError(
@@ -76,6 +78,13 @@ def _check_inputs(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bo
                 )
             )
             raise ValueError(f"decode_step {name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
+    if q.shape[0] == 0:
+        # As fz.attention refuses an empty batch (the DecodeMask's own check named none of the
+        # caller's arguments): a serving loop with no live rows has no step to run.
+        raise ValueError(
+            f"decode_step q must hold at least one batch row, got shape {tuple(q.shape)} (no live rows: "
+            "skip the step)"
+        )
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"decode_step block_size must be a positive int, got {type(block_size).__name__}")
     if block_size <= 0:
@@ -100,6 +109,7 @@ def _well_formed(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: boo
         and isinstance(k_cache, tensor)
         and isinstance(v_cache, tensor)
         and q.dim() == 4
+        and q.shape[0] > 0
         and k_cache.dim() == 4
         and v_cache.dim() == 4
         and type(block_size) is int

@@ -112,6 +112,7 @@ class DecodeMask:
         )
         self._q_starts = torch.arange(n_q, dtype=torch.int64, device=device) * self.q_block_size
         self._steps = torch.arange(n_kv, dtype=torch.int64, device=device)
+        self._logical_steps = torch.arange(self.n_logical, dtype=torch.int64, device=device)
         # Blocks 0 .. last for every row when the pattern has no lower bound on a contiguous cache:
         # kv_indices never changes, and update() writes only the lengths and counts (one or two
         # fills for an int length, four ops for a tensor, instead of about 20).
@@ -262,16 +263,10 @@ class DecodeMask:
         q_abs = (lens - self.q_len)[:, None] + self._q_starts[None, :]  # first query of each q block
         first = torch.div(lowest_key(self.spec, q_abs).clamp(min=0), bs, rounding_mode="floor")
         last = torch.div((lens - 1).clamp(min=0), bs, rounding_mode="floor")[:, None]
-        num = (last - first + 1).clamp(0, self.kv_indices.shape[-1]) * (lens > 0)[:, None]
-        logical_blocks = (first[..., None] + self._steps).clamp(max=self.n_logical - 1)
         if self.paged:
             assert block_table is not None
             table = block_table.to(self.cache_len.device, torch.int64)
-            flat = logical_blocks.reshape(logical_blocks.shape[0], -1)
             n_phys = self.page_start.shape[1] - 1
-            # Clamped into the pool: decode_step checks page numbers only in a CPU table (a CUDA
-            # one would cost a sync), and a bad one must not make the kernel read outside the pool.
-            indices = table.gather(1, flat).view_as(logical_blocks).clamp(0, n_phys - 1)
             # page_start[b, physical page] = first logical position stored there; -block_size
             # (so every key of the page maps below 0, i.e. invisible) for pages row b does not own.
             # Unowned table entries (-1, or past the pool) scatter into a spare last column that
@@ -282,11 +277,48 @@ class DecodeMask:
             starts.scatter_(1, torch.where(owned, table, n_phys), pages)
             self.page_start.copy_(starts)
             self.page_owned.copy_(owned[:, : self.n_logical])
+            num, indices = self._owned_blocks(table, owned, first, last, lens)
         else:
-            indices = logical_blocks
+            num = (last - first + 1).clamp(0, self.kv_indices.shape[-1]) * (lens > 0)[:, None]
+            indices = (first[..., None] + self._steps).clamp(max=self.n_logical - 1)
         self.kv_num_blocks.copy_(num[:, None, :])
         self.kv_indices.copy_(indices[:, None, :, :])
         return self.block_mask
+
+    def _owned_blocks(
+        self,
+        table: torch.Tensor,
+        owned: torch.Tensor,
+        first: torch.Tensor,
+        last: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kv block list of a paged cache: ``(counts [B, n_q], physical pages [B, n_q, n_kv])``,
+        the pages of logical pages ``first .. last`` that each row owns, in logical order.
+
+        Entries without a page (-1, or past the pool) are left out of the list, not listed as a
+        clamped page number: flex reads a listed block as many times as it is listed, so a hole
+        listed as page 0 counted page 0's keys twice in a row that owns page 0, and a row with
+        more logical pages in range than the pool has pages lost the pages past that many. The
+        owned pages are moved to the front with a cumulative sum and a scatter (device ops only,
+        as the rest of :meth:`update`); the others go to a spare last column that is never read.
+        """
+        n_kv, n_phys = self.kv_indices.shape[-1], self.page_start.shape[1] - 1
+        span = first[..., None] + self._logical_steps  # [B, n_q, n_logical] logical pages
+        rows = span.shape[0]
+        clamped = span.clamp(max=self.n_logical - 1).reshape(rows, -1)
+        listed = (
+            owned.gather(1, clamped).view_as(span) & (span <= last[..., None]) & (lens > 0)[:, None, None]
+        )
+        slot = torch.where(listed, listed.cumsum(-1) - 1, span.shape[-1])
+        compact = torch.zeros(*span.shape[:-1], span.shape[-1] + 1, dtype=torch.int64, device=span.device)
+        compact.scatter_(-1, slot, table.gather(1, clamped).view_as(span))
+        # Clamped into the pool (a row cannot own more distinct pages than the pool holds; the
+        # clamps only keep a malformed CUDA table, not read on the host, inside the pool).
+        num = listed.sum(-1).clamp(max=n_kv)
+        if compact.shape[-1] < n_kv:
+            compact = torch.nn.functional.pad(compact, (0, n_kv - compact.shape[-1]))
+        return num, compact[..., :n_kv].clamp(0, n_phys - 1)
 
 
 def _page_map(page_start: torch.Tensor, page: int) -> Any:

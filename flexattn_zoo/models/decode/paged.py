@@ -10,6 +10,7 @@ sync); on the device they are clamped or sent out of range instead.
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import Any, overload
 
 import torch
@@ -260,7 +261,8 @@ def append_kv(
             )
     _check_block_table(block_table, batch)
     max_pages = block_table.shape[1]
-    if isinstance(seq_lens, int) and not isinstance(seq_lens, bool):
+    if isinstance(seq_lens, Integral) and not isinstance(seq_lens, bool):  # numpy's integers too
+        seq_lens = int(seq_lens)
         start: torch.Tensor = torch.full((batch,), seq_lens, dtype=torch.int64)
     elif isinstance(seq_lens, torch.Tensor) and not (
         seq_lens.dtype == torch.bool or seq_lens.is_floating_point() or seq_lens.is_complex()

@@ -220,7 +220,15 @@ def decode_step(
         except ValueError as exc:
             raise ValueError(f"decode_step mask does not fit a cache of capacity {capacity}: {exc}") from exc
     if score is not None:
-        score.validate(q_len, capacity, batch, heads)  # e.g. Alibi(num_heads) against H
+        # Over absolute positions too (a Bias is read at query row cache_len - Lq + i, not i: one of
+        # [.., Lq, capacity] passed this check and then read past its rows), and e.g. Alibi(num_heads)
+        # against H.
+        try:
+            score.validate(capacity, capacity, batch, heads)
+        except ValueError as exc:
+            raise ValueError(
+                f"decode_step score_mod does not fit a cache of capacity {capacity}: {exc}"
+            ) from exc
     need_lse = sinks is not None or return_lse
     grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
     small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
@@ -248,8 +256,9 @@ def decode_step(
     if use_flex and not paged and batch > 1:
         rows = _rows_per_launch(k_cache, v_cache)
         if rows < batch:  # a cache too large for one flex launch: decode it a slice of rows at a time
-            parts = [
-                decode_step(
+            outs, lses = [], []
+            for i in range(0, batch, rows):
+                part = decode_step(
                     q[i : i + rows],
                     k_cache[i : i + rows],
                     v_cache[i : i + rows],
@@ -259,14 +268,19 @@ def decode_step(
                     scale=scale,
                     enable_gqa=gqa,
                     sinks=sinks,
-                    return_lse=True,
+                    # As asked, not always: on the CPU a step that needs lse leaves flex_cpu for
+                    # the dense route (and a named flex_cpu raised), so each slice asks only for
+                    # what the caller asked.
+                    return_lse=return_lse,
                     backend=backend,
                     block_size=block_size,
                 )
-                for i in range(0, batch, rows)
-            ]
-            out = torch.cat([o for o, _ in parts])
-            return (out, torch.cat([lse for _, lse in parts])) if return_lse else out
+                if isinstance(part, tuple):
+                    lses.append(part[1])
+                    part = part[0]
+                outs.append(part)
+            out = torch.cat(outs)
+            return (out, torch.cat(lses)) if return_lse else out
     # Per calling thread (see _caller): the mask's tensors are written by this step's update and
     # read by this step's kernel, so no two threads may share them.
     key = (spec, batch, q_len, capacity, n_physical, block_size, q_block_size, q.device, _caller())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.validation import check_count
 
 
 def decode_step_varlen(
@@ -23,10 +24,13 @@ def decode_step_varlen(
 
     ``q [B, H, Lq, D]``; ``k_pages``/``v_pages`` ``[n_pages, page_size, Hkv, D]`` (varlen's paged
     layout); ``cache_len [B]`` valid keys per row (new tokens included); ``block_table [B,
-    max_pages]`` int32; ``window``: Hugging Face ``sliding_window`` (W keys, own included) or None.
+    max_pages]`` int32; ``window``: Hugging Face ``sliding_window`` (W >= 1 keys, own included) or None.
     FlashAttention aligns causal masks bottom-right to ``cache_len``, which is the decode
     convention. Returns ``[B, H, Lq, D]``. Not covered by CPU tests (varlen is CUDA-only).
     """
+    if window is not None:
+        # Checked before the kernel: window=0 became FlashAttention's left=-1, i.e. no window at all.
+        window = check_count("decode_step_varlen(window=...)", window)
     fn = _compat.varlen_attn_fn()
     if fn is None or not _compat.varlen_supports("block_table") or not q.is_cuda:
         raise ValueError(
