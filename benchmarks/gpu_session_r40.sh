@@ -9,6 +9,8 @@
 #                    # CUDA-graph / static-cache decoding compile tests, the pair-load probe (torch's
 #                    # default tiles tried first), the host-cost table with the score-mod flex
 #                    # cases, and the zoo sweep's pair-loaded rows
+#   bash benchmarks/gpu_session_r40.sh decode 110     # the decoding GPU tests (paged block lists
+#                    # leave out -1 table entries since the forty-first session)
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
 #                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side (the
 #                    # committed no-FA4 row predates building the BlockMask once per forward)
@@ -22,7 +24,7 @@
 #   bash benchmarks/gpu_session_r40.sh llamaprefill 150    # (FA4 installed) compiled Llama prefill,
 #                    # HF flex_attention and flexattn_zoo in one process
 set -uo pipefail
-step="${1:?usage: $0 verify|gemma2prefill|fa4host|noisy|softcap|llamaprefill [BUDGET_S]}"
+step="${1:?usage: $0 verify|decode|gemma2prefill|fa4host|noisy|softcap|llamaprefill [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r40
@@ -41,6 +43,10 @@ case "$step" in
     run zoo_pairload_r40 "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
       --cases zoo_graphormer,zoo_rel_pos_bias --out "$out/zoo_pairload_r40.json" \
       --md "$out/zoo_pairload_r40.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  decode)
+    run gpu_tests_decode_r41 "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+      tests/gpu/test_decode_gpu.py
     ;;
   fa4host)
     run fa4_host_probe_h200_r40 "$(( $(left) - 5 ))" python3 benchmarks/fa4_host_probe.py --rounds 20
