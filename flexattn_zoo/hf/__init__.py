@@ -27,7 +27,9 @@ descriptor is shared by every layer of one type) into specs:
   no mask, ModernBERT-style bidirectional window -> ``SlidingWindow(left=W, right=W)``;
 * cache offsets shift the band: with ``d = q_offset - kv_offset`` a causal band becomes
   ``OffsetCausal(d)`` and a window ``Band(lo + d, hi + d)`` (the decode step); both read their
-  offsets from captured tensors, so every step of a ``generate`` reuses one compiled kernel;
+  offsets from captured tensors, so every step of a ``generate`` reuses one compiled kernel. A
+  chunked layer's step (Llama 4) whose queries lie in one chunk per row reads as a
+  ``KeyPadding`` of that chunk's keys (eagerly: its offsets' values are read);
 * **padding**: the 2-D ``attention_mask`` (True = real token) becomes
   ``KeyPadding(valid=attention_mask[:, kv_offset : kv_offset + Lkv])``: padded keys are invisible, as in
   transformers. A query row that sees only padding outputs 0 here, while ``eager`` outputs the mean

@@ -327,7 +327,7 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
     if kind == "chunked":
         size, left_padding = node[1], torch.as_tensor(node[2])
         if maybe_true(m.q_offset != 0) or maybe_true(m.kv_offset != 0):
-            raise _Unknown("chunked attention with a cache offset")
+            return _chunk_of_the_step(size, left_padding, m)
         # Traced, the padding's values are unknown: the chunk-id form, exact for any of them.
         if not tracing() and not bool(left_padding.any()):
             return Chunked(size=size)
@@ -344,6 +344,27 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
     if kind == "padding":
         return KeyPadding(valid=_key_slice(node[1], m))
     raise _Unknown(f"{kind} outside packed sequences")
+
+
+def _chunk_of_the_step(size: int, left_padding: torch.Tensor, m: HFMask) -> MaskSpec:
+    """Chunked attention in a cache step (Llama 4 decoding): query ``i`` of row ``b`` sits at
+    ``q_offset + i`` and key ``j`` at ``kv_offset + j``, each in chunk ``(p - left_padding[b]) //
+    size``. When every query of a row is in one chunk (a decode step of one token, or a few that
+    do not cross a chunk boundary), the keys of that chunk are a per-row key mask: an exact
+    ``KeyPadding``, which SDPA takes as a broadcast ``attn_mask``. Read from the offsets' values,
+    so not while traced (the generic path, exact for any offset, serves compiled steps)."""
+    if tracing():
+        raise _Unknown("chunked attention with a cache offset, traced")
+    if m.q_length == 0:
+        return KeyPadding(valid=torch.ones(m.batch_size, m.kv_length, dtype=torch.bool))
+    lead = left_padding.to(torch.int64).reshape(-1, 1)
+    q_pos = int(m.q_offset) + torch.arange(m.q_length, device=lead.device)[None, :] - lead
+    kv_pos = int(m.kv_offset) + torch.arange(m.kv_length, device=lead.device)[None, :] - lead
+    q_chunk = torch.div(q_pos, size, rounding_mode="floor")
+    if not bool((q_chunk == q_chunk[:, :1]).all()):
+        raise _Unknown("chunked attention with a cache offset, queries across a chunk boundary")
+    visible = torch.div(kv_pos, size, rounding_mode="floor") == q_chunk[:, :1]
+    return KeyPadding(valid=visible.expand(m.batch_size, m.kv_length))
 
 
 def _key_slice(mask: torch.Tensor, m: HFMask) -> torch.Tensor:

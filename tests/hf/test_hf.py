@@ -171,11 +171,12 @@ def test_logits_match_eager(kind: str, inputs: str, name: str, caplog: pytest.Lo
     _assert_close(ours, eager32, eager64, keep)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["mistral", "gpt_oss", "llama4"])
 def test_cached_decoding_matches_eager(kind: str, name: str) -> None:
     # Prefill 12 tokens, then 4 single-token steps: sliding layers' caches keep only the window,
-    # so the masks carry query/key offsets (Band / OffsetCausal specs). Row 1 is left-padded;
-    # the oracle decodes each row's real tokens alone with the same positions.
+    # so the masks carry query/key offsets (Band / OffsetCausal specs; Llama 4's chunked layers a
+    # KeyPadding of the step's chunk). Row 1 is left-padded; the oracle decodes each row's real
+    # tokens alone with the same positions.
     model = _model(kind)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
     pad = torch.ones(2, 16, dtype=torch.long)
@@ -320,6 +321,31 @@ def test_chunks_count_from_the_first_real_token_under_left_padding() -> None:
     spec, ours = _ours(fn, 2, 10, 10, padding=PAD)
     assert "Document" in repr(spec) and "KeyPadding" in repr(spec)
     assert torch.equal(ours, _hf_dense(fn, 2, 10, 10, padding=PAD))
+
+
+@READER
+@pytest.mark.parametrize("left_padding", [[0, 0], [2, 0], [3, 5]])
+def test_chunked_cache_steps_are_read_exactly(
+    left_padding: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Llama 4 decoding: chunked layers in a cache step carry query/key offsets. A step whose
+    queries share one chunk per row is a per-row key mask (``KeyPadding``, which SDPA takes),
+    once the generic path with a "not recognised" warning on every generation; a step whose
+    queries cross a chunk boundary still takes the exact generic path."""
+    fn = mu.chunked_causal_mask_function(4, torch.tensor(left_padding))
+    steps = [(1, 9, 8, 0), (1, 10, 9, 0), (2, 10, 8, 0), (1, 6, 9, 4), (3, 12, 9, 0), (0, 9, 9, 0)]
+    for q_len, kv_len, q_off, kv_off in steps:
+        for padding in (None, PAD[:, : kv_off + kv_len]):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="flexattn_zoo.hf"):
+                spec, ours = _ours(fn, 2, q_len, kv_len, q_off, kv_off, padding)
+            want = _hf_dense(fn, 2, q_len, kv_len, q_off, kv_off, padding)
+            assert torch.equal(ours, want), (q_len, kv_len, q_off, kv_off)
+            lead = torch.tensor(left_padding)
+            chunks = (q_off + torch.arange(q_len)[None, :] - lead[:, None]).div(4, rounding_mode="floor")
+            one_chunk = bool((chunks == chunks[:, :1]).all())
+            assert ("ShiftedFunctionMask" in repr(spec)) != one_chunk, repr(spec)
+            assert not one_chunk or "not recognised" not in caplog.text
 
 
 @READER
