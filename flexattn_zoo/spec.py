@@ -442,6 +442,12 @@ class Spec:
     #: ``None``: whenever the spec holds tensors of its own (the safe answer); specs whose tensors
     #: are read per query or per key only (document ids, lengths, flags) set ``False``.
     pair_loads: ClassVar[bool | None] = None
+    #: Whether those per-pair reads are gathers from a small table at an index computed from the
+    #: positions alone (a relative position, or its bucket: Sandwich, T5), not a tile of a tensor
+    #: indexed by (query, key) (a bias, Graphormer's distances). The flex route starts such
+    #: problems on its shallower forward pipeline instead of trying torch's defaults first
+    #: (:meth:`gathers_pairs_only`).
+    pair_gathers: ClassVar[bool] = False
 
     def _fields(self) -> tuple[Any, ...]:
         values = [getattr(self, name) for name in _field_names(self)]
@@ -658,6 +664,21 @@ class Spec:
             elif own is None and isinstance(part, torch.Tensor):
                 return True
         return bool(own)
+
+    def gathers_pairs_only(self) -> bool:
+        """Whether this spec reads values per (query, key) pair (:meth:`loads_pairs`) and every
+        such read, its own and its parts', is a positional gather (:attr:`pair_gathers`)."""
+        if not self.loads_pairs():
+            return False
+        if type(self).pair_gathers:
+            return True
+        parts = self._parts()
+        own = type(self).pair_loads
+        if own or (own is None and any(isinstance(part, torch.Tensor) for part in parts)):
+            return False  # reads a tensor of its own per pair, not declared a gather
+        return all(
+            part.gathers_pairs_only() for part in parts if isinstance(part, Spec) and part.loads_pairs()
+        )
 
     def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []

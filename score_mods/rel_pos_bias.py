@@ -96,6 +96,7 @@ class RelPosBias(ScoreSpec):
     """
 
     depends_on_head = True
+    pair_gathers = True  # table[bucket(kv - q), h]: a gather at a position-computed index
 
     table: torch.Tensor
     bidirectional: bool = True

@@ -119,6 +119,7 @@ class Sandwich(ScoreSpec):
 
     depends_on_head = True
     pair_loads = True  # its table (not a field) is read at kv - q
+    pair_gathers = True
 
     num_heads: int
     dim: int = 128

@@ -78,7 +78,9 @@ def _loads_pairs(p: Problem) -> bool:
 #: 4K); at D=128 the defaults fit (benchmarks/gathered_tile_probe.py). Eager calls therefore try
 #: the defaults first and compile the shallower pipeline only when the defaults fail to compile
 #: (``FlexCall.launch``); a traced call cannot catch its caller's compile error, so it takes the
-#: shallow pipeline at once.
+#: shallow pipeline at once. Positional gathers (``Spec.pair_gathers``: T5's bucketed table,
+#: Sandwich's table[kv - q]) start on the shallow pipeline too: T5's compiled with the defaults but
+#: ran about 1.9x slower at D=64 (1K and 4K, causal), Sandwich's did not compile with them.
 PAIR_LOAD_SHALLOW_HEAD_DIM = 64
 PAIR_LOAD_STAGES = 2
 
@@ -108,6 +110,13 @@ def _default_tiles_faster(p: Problem) -> bool:
         # from them would become a float guard: traced calls keep the measured tiles.
         return False
     return p.mask.visible_fraction(p.q_len, p.kv_len) < PINNED_TILES_MIN_VISIBLE
+
+
+def _pair_gathers_only(p: Problem) -> bool:
+    """Whether every per-pair read of ``p`` is a positional gather (``Spec.gathers_pairs_only``):
+    then the shallow pipeline is the first choice, not a retry."""
+    loading = [s for s in (p.mask, p.score) if s is not None and s.loads_pairs()]
+    return bool(loading) and all(s.gathers_pairs_only() for s in loading)
 
 
 def _pair_load_options(p: Problem) -> dict[str, Any]:
@@ -360,7 +369,7 @@ class FlexBackend(Backend):
             )
             return key, options
 
-        options = self.options(p, block_mask, shallow_pair_loads=False)
+        options = self.options(p, block_mask, shallow_pair_loads=_pair_gathers_only(p))
         shallow = self.options(p, block_mask)
         key, _ = keyed(options)
         return FlexCall(
