@@ -10,7 +10,7 @@
 #                    # default tiles tried first), the host-cost table with the score-mod flex
 #                    # cases, and the zoo sweep's pair-loaded rows
 #   bash benchmarks/gpu_session_r40.sh decode 110     # the decoding GPU tests (paged block lists
-#                    # leave out -1 table entries since the forty-first session)
+#                    # leave out -1 table entries since the fortieth session)
 #   bash benchmarks/gpu_session_r40.sh gemma2prefill 200   # compiled Gemma 2 prefill without FA4
 #                    # (--no-fa4 hides it): HF flex_attention and flexattn_zoo side by side (the
 #                    # committed no-FA4 row predates building the BlockMask once per forward)
@@ -45,7 +45,7 @@ case "$step" in
       --md "$out/zoo_pairload_r40.md" --quiet --time-budget "$(( $(left) - 30 ))"
     ;;
   decode)
-    run gpu_tests_decode_r41 "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+    run gpu_tests_decode_r40 "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
       tests/gpu/test_decode_gpu.py
     ;;
   fa4host)
