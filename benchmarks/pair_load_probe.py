@@ -1,12 +1,14 @@
 """Triton flex through the library on pair-loaded score mods (a value read per query-key pair from
-a captured tensor): torch's default forward pipeline, tried first eagerly, against two stages
-forced by the caller, side by side in one process.
+a captured tensor): the library's own pipeline choice (torch's default forward pipeline tried
+first eagerly, or two stages first for positional gathers, ``Spec.pair_gathers``) against two
+stages forced by the caller, side by side in one process.
 
 For each score mod's ``typical_example`` (Graphormer's gathered table, a dense ``[B|1, H, L, L]``
 bias, T5's bucketed table, Sandwich) under a causal mask, at each head dim and length: forward
 median ms (``tuning.timing.time_routes``: rotated rounds, warmed up), the first call's seconds
-(compiles, and for the default-first call a failed compile where the defaults run out of shared
-memory), and the kernel options the route's prepared call ended with.
+(compiles, and for the library's call a failed compile where the defaults run out of shared
+memory), and the kernel options the route's prepared call ended with after such a retry. (Before
+positional gathers started on two stages, the first column was "default first" for every mod.)
 
     PYTHONPATH=. python benchmarks/pair_load_probe.py [--lengths 1024 4096] [--head-dims 64 128]
 """
@@ -53,7 +55,7 @@ def main() -> int:
                 kw: dict[str, Any] = {"mask": masks.Causal(), "score_mod": spec, "backend": "flex"}
                 flex_backend.CALLS.clear()
                 steps = {
-                    "default first": _call(q, k, v, kw),
+                    "library": _call(q, k, v, kw),
                     "2 stages": _call(q, k, v, {**kw, "kernel_options": {"fwd_num_stages": 2}}),
                 }
                 with torch.no_grad():
@@ -69,7 +71,7 @@ def main() -> int:
                 print(
                     f"{name:13s} D={d:<3d} L={n:<5d} "
                     + " | ".join(cells)
-                    + f" | default-first ended on {ended}"
+                    + f" | retried calls ended on {ended}"
                 )
     return 0
 

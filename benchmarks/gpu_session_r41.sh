@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU steps prepared by the fortieth session. One step per argument, under its own time limit;
+# outputs go into $OUT/r41/, packed into $OUT/r41_STEP.tar after every sub-step. FA4: three calls
+# (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session); transformers into /tmp/site
+# (carry .whl). Durations measured on the H200 in the fortieth session are in brackets.
+#
+#   bash benchmarks/gpu_session_r41.sh tests 420      # the zoo GPU tests (-n 8) [125 s], the
+#                    # export / CUDA-graph / static-cache compile tests [75 s] and the decoding
+#                    # tests [80 s]; each sub-step gets a share of the budget, not a fixed offset
+#   bash benchmarks/gpu_session_r41.sh gathers 200    # the zoo rows of T5 buckets and Sandwich
+#                    # (auto vs raw_flex), now on two stages first, and the rest of the pair-load
+#                    # probe (D=64 and D=128)
+#   bash benchmarks/gpu_session_r41.sh gemma2prefill 280  # compiled Gemma 2 prefill without FA4,
+#                    # HF flex_attention and flexattn_zoo [HF's row alone took 86 s]
+#   bash benchmarks/gpu_session_r41.sh llamaprefill 260   # (FA4 installed) compiled Llama prefill
+set -uo pipefail
+step="${1:?usage: $0 tests|gathers|gemma2prefill|llamaprefill [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r41
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+share() { echo $(( budget * $1 / 100 )); }  # share PERCENT: that part of the budget, in seconds
+
+case "$step" in
+  tests)
+    run gpu_tests_zoo_r41 "$(share 45)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 8 \
+      -W ignore::UserWarning -W ignore::DeprecationWarning tests/gpu/test_zoo_gpu.py
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run gpu_tests_compile_r41 "$(share 27)" python3 -m pytest -m gpu \
+      -q -rfE -p no:cacheprovider -n 4 tests/gpu/test_compile_gpu.py \
+      -k "export or reduce_overhead or hf_generate or decode_steps_over or eager_call_replays"
+    run gpu_tests_decode_r41 "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+      tests/gpu/test_decode_gpu.py
+    ;;
+  gathers)
+    run zoo_gathers_r41 "$(share 55)" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
+      --cases zoo_rel_pos_bias,zoo_sandwich,zoo_graphormer --out "$out/zoo_gathers_r41.json" \
+      --md "$out/zoo_gathers_r41.md" --quiet --time-budget "$(( $(share 55) - 20 ))"
+    run pair_load_probe_h200_r41 "$(( $(left) - 5 ))" python3 benchmarks/pair_load_probe.py \
+      --mods rel_pos_bias sandwich --head-dims 64 128
+    ;;
+  gemma2prefill)
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run compiled_models_gemma2_prefill_nofa4_r41 "$(( $(left) - 5 ))" \
+      python3 benchmarks/compiled_models.py --models gemma2 --impls flex_attention,flexattn_zoo \
+      --modes prefill --steps 10 --warmup 2 --no-fa4 --json "$out/compiled_models_gemma2_prefill_nofa4_r41.json" \
+      --md "$out/compiled_models_gemma2_prefill_nofa4_r41.md" --time-budget "$(( $(left) - 30 ))"
+    ;;
+  llamaprefill)
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run compiled_models_llama_prefill_fa4_r41 "$(( $(left) - 5 ))" \
+      python3 benchmarks/compiled_models.py --models llama --impls flex_attention,flexattn_zoo \
+      --modes prefill --steps 10 --warmup 2 --json "$out/compiled_models_llama_prefill_fa4_r41.json" \
+      --md "$out/compiled_models_llama_prefill_fa4_r41.md" --time-budget "$(( $(left) - 30 ))"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
