@@ -32,6 +32,9 @@ class BlockDiffusion(MaskSpec):
     parts, with ``noisy_len`` its ``n``. ``Lq`` and ``Lkv`` are free (usually both
     ``2 * noisy_len``); positions past the clean copy's end continue its blocks.
 
+    Convention next to attention-gym's: ``generate_block_diffusion_mask(seq_len, block_size)``
+    (``2 * seq_len`` positions) is ``BlockDiffusion(block_size=block_size, noisy_len=seq_len)``.
+
     Picture (``block_size=2, noisy_len=4``, ``Lq = Lkv = 8``: ``x_t`` | ``x_0``)::
 
         ##.. ....

@@ -25,7 +25,9 @@ class GlobalWindow(MaskSpec):
     :class:`SlidingWindow` (both ends inclusive, absolute positions). ``is_global`` flags the global
     positions: a bool tensor ``[L]`` shared by every batch row, or ``[B, L]`` per row (Hugging Face
     Longformer's ``global_attention_mask``), with ``L >= max(Lq, Lkv)``; queries and keys index the
-    same flags. Longformer's ``attention_window=w`` is ``left=right=w // 2``.
+    same flags. Longformer's ``attention_window=w`` is ``left=right=w // 2``; attention-gym's
+    ``generate_global_sliding_window(window_size=w, is_global)`` (``|i - j| <= w``) is
+    ``GlobalWindow(is_global, left=w, right=w)``.
 
     Picture (``left=1, right=1``, global position 2, ``Lq = Lkv = 7``; ``#`` visible)::
 

@@ -42,6 +42,11 @@ class SharedPrefix(MaskSpec):
     label form one continuation), and :meth:`from_lengths` builds them from continuation lengths.
     With ``prefix_len=0`` the mask is ``Document(doc_ids) & Causal()``.
 
+    Convention next to attention-gym's: ``generate_shared_prefix_mask_mod(offsets,
+    prefix_document_id)`` with one prompt document of length ``p`` followed by continuations of
+    lengths ``n1, n2, ...`` (``prefix_document_id`` all 0) is ``SharedPrefix.from_lengths(p, [n1,
+    n2, ...])``; several prompts with their own continuations in one row are not one spec here.
+
     Picture (``prefix_len=3``, ``doc_ids = [0, 0, 1, 1, 1]``: prompt | a a | b b b)::
 
         #.......
