@@ -82,7 +82,11 @@ class Natten(MaskSpec):
     is ``Natten(canvas=(canvas_h, canvas_w), kernel=(kernel_h, kernel_w))`` on a square canvas with
     a square kernel. On other shapes they differ: it clamps the row ``p // canvas_w`` with the
     width's bounds and ``kernel_w`` (and the column with the height's), where NATTEN and this spec
-    clamp each axis within its own extent and kernel.
+    clamp each axis within its own extent and kernel: on a square canvas with a non-square kernel it
+    is ``Natten(canvas=(S, S), kernel=(kernel_w, kernel_h))``. Its ``generate_tiled_natten(W, H,
+    K_W, K_H, T_W, T_H)`` (``K_W`` spanning columns there) is ``Natten(canvas=(H, W), kernel=(K_H,
+    K_W))`` on tokens permuted by ``SlidingTile(canvas=(H, W), tile=(T_H, T_W),
+    window=1).tiled_order()``, and ``generate_morton_natten`` the same on a Morton-ordered one.
 
     Forms offered: SDPA ``is_causal=False`` when the kernel covers the canvas on every axis (every
     key visible); a closed-form block map for any lengths (each block's run of positions is cut
