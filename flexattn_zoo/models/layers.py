@@ -305,7 +305,9 @@ class Attention(nn.Module):
         return_lse: forward also returns the lse.
         sinks: None; True to learn per-head sink logits (a parameter of zeros, needs ``num_heads``;
             also implied by a preset layer with sinks); or a tensor ``[H]`` (a parameter if it
-            requires grad, else a buffer).
+            requires grad, else a buffer). A tensor that requires grad must be a leaf: one
+            computed from others (a view of a larger parameter) raises ``TypeError``, as its
+            gradient could not reach them through the layer's own parameter.
         backend: as for ``fz.attention``.
         is_causal: as for ``fz.attention`` (SDPA's flag): the layer's mask becomes ``mask & Causal()``
             (``Causal()`` without one). A mask given later (``set_mask``, ``forward(mask=)``)
@@ -384,6 +386,17 @@ class Attention(nn.Module):
                 raise ValueError(f"sinks has {sinks.shape[0]} entries but num_heads={num_heads}")
             if isinstance(sinks, nn.Parameter):
                 self.sinks = sinks
+            elif sinks.requires_grad and sinks.grad_fn is not None:
+                # nn.Parameter(sinks) would be a new leaf over the same storage: the gradient would
+                # stop there and never reach the tensors sinks was computed from (a row of a
+                # parameter of all layers' sinks, a reparametrization), which would silently not train.
+                raise TypeError(
+                    "sinks requires grad but is computed from other tensors (it has a grad_fn, e.g. "
+                    "a row or view of a larger parameter): the layer keeps its sinks as a parameter "
+                    "of its own, so their gradient would not reach those tensors. Pass an "
+                    "nn.Parameter [H] (or sinks=True), or compute the sinks per call and pass them to "
+                    "fz.layers.attention_layer(..., sinks=...)"
+                )
             elif sinks.requires_grad:
                 self.sinks = nn.Parameter(sinks)
             else:

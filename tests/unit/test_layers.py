@@ -106,6 +106,21 @@ def test_bad_configurations(kwargs: dict, error: type, match: str) -> None:
         fz.Attention(**kwargs)
 
 
+def test_sinks_computed_from_a_parameter_are_refused_not_detached() -> None:
+    """A row of a parameter holding every layer's sinks requires grad but is no leaf. Old code
+    wrapped it in a new nn.Parameter, a leaf over the same storage: the layer trained that copy and
+    the model's own parameter never got a gradient, silently."""
+    every_layer = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="sinks requires grad but is computed from other tensors"):
+        fz.Attention(mask="causal", sinks=every_layer[1])
+    # Leaves are kept as they were: a parameter as given, a plain tensor as a buffer.
+    own = torch.nn.Parameter(torch.zeros(4))
+    assert fz.Attention(mask="causal", sinks=own).sinks is own
+    assert [n for n, _ in fz.Attention(mask="causal", sinks=every_layer[1].detach()).named_buffers()] == [
+        "sinks"
+    ]
+
+
 def test_preset_with_sinks_needs_them_in_functional_form() -> None:
     q, k, v = _qkv(hkv=4)
     with pytest.raises(ValueError, match="has learned attention sinks"):
