@@ -21,6 +21,7 @@ is used as given (a parameter if it requires grad).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any, Literal, overload
@@ -34,6 +35,7 @@ from flexattn_zoo.dispatch import as_bhsd, attention, check_backend, check_layou
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
+from flexattn_zoo.registry import did_you_mean
 from flexattn_zoo.validation import check_count, check_dropout_p, check_flag, check_qkv, check_scale
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
@@ -287,6 +289,18 @@ def attention_layer(
     )  # fmt: skip
 
 
+def _check_own_keywords(config: Any, preset_params: Mapping[str, Any]) -> None:
+    """``TypeError`` for a keyword that is no parameter of ``config``'s preset but close to one of
+    ``Attention``'s own (``dropout=`` for ``dropout_p=``, ``num_head=``): every other keyword is
+    taken as a preset parameter, and the preset's error would not name the argument meant."""
+    known = _presets.entry(config).params if isinstance(config, str) and config in _presets.names() else ()
+    own = [p for p in inspect.signature(Attention).parameters if p not in ("config", "preset_params")]
+    for name in preset_params:
+        hint = did_you_mean(name, own)
+        if name not in known and hint:
+            raise TypeError(f"Attention() got an unexpected keyword argument {name!r}.{hint}")
+
+
 #: ``Attention.set_mask``'s "not given" (None means "no mask").
 _KEEP: Any = object()
 
@@ -353,6 +367,7 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads is not None:  # checked even where unused: a wrong count is a bug either way
             check_count("Attention(num_heads=...)", num_heads)
+        _check_own_keywords(config, preset_params)
         self.layout = check_layout(layout)
         self.dropout_p = check_dropout_p(dropout_p)
         self.spec = resolve_config(

@@ -121,6 +121,24 @@ def test_sinks_computed_from_a_parameter_are_refused_not_detached() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "meant"),
+    [
+        (dict(mask="causal", dropout=0.1), "dropout_p"),  # nn.MultiheadAttention's name
+        (dict(config="gemma2", dropout=0.1), "dropout_p"),
+        (dict(config="bloom", num_head=4), "num_heads"),
+        (dict(mask="causal", causal=True), "is_causal"),
+    ],
+)
+def test_a_misspelt_keyword_names_the_attention_argument_meant(kwargs: dict, meant: str) -> None:
+    """Keywords beyond Attention's own are preset parameters. Old code took a misspelt one of its
+    own for one: "preset parameters (dropout) need config= to name a preset", or "preset 'bloom'
+    got unknown parameter(s) 'num_head'; valid: (none)", never naming the argument meant."""
+    name = next(iter(set(kwargs) - {"mask", "config"}))
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'. Did you mean '{meant}'"):
+        fz.Attention(**kwargs)
+
+
 def test_preset_with_sinks_needs_them_in_functional_form() -> None:
     q, k, v = _qkv(hkv=4)
     with pytest.raises(ValueError, match="has learned attention sinks"):
