@@ -250,9 +250,10 @@ def _bloom(layer: int, num_heads: int | None) -> LayerAttention:
 @preset("mpt", model="MPT-7B / MPT-30B", pattern="every layer: causal + ALiBi", needs_heads=True)
 def _mpt(layer: int, num_heads: int | None) -> LayerAttention:
     """MPT-7B model card (MosaicML, 2023: "ALiBi" instead of positional embeddings); its config
-    ``attn_config: {alibi: true, alibi_bias_max: 8}``, i.e. slopes ``2^(-8(h+1)/H)`` -- Press et
-    al.'s for H a power of two (MPT-7B: 32 heads). For other H, MPT orders the extra slopes
-    differently from Press et al.: pass ``Alibi(num_heads, slopes=...)`` yourself."""
+    ``attn_config: {alibi: true, alibi_bias_max: 8}``, i.e. slopes ``2^(-8(h+1)/H)`` for H a power
+    of two (MPT-7B: 32 heads). For other H, MPT's ``gen_slopes`` takes the odd-indexed slopes of
+    the next power of two, then the even-indexed ones: the same values in the same order as Press
+    et al.'s, which ``Alibi`` computes."""
     m, s = _masks(), _scores()
     return LayerAttention(mask=m.Causal(), score_mod=s.Alibi(num_heads=num_heads), kind="global")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import preset_params
 import pytest
 import torch
@@ -67,6 +69,22 @@ def test_alibi_presets_and_parameters() -> None:
     assert presets.get("gemma2", layer=2).scale == pytest.approx(256**-0.5)
     assert presets.get("mistral_7b", window=16).mask == masks.SlidingWindow.from_hf(16)
     assert presets.get("prefix_lm", prefix_len=5).mask == masks.PrefixLM(prefix_len=5)
+
+
+@pytest.mark.parametrize("heads", [8, 12, 24, 48, 56, 112])
+def test_alibi_preset_slopes_are_the_models_own(heads: int) -> None:
+    """BLOOM's ``build_alibi_tensor`` and MPT's ``gen_slopes`` (``alibi_bias_max=8``), written out
+    here, agree with the presets' slopes for every head count, powers of two or not."""
+    closest = 2 ** math.floor(math.log2(heads))
+    bloom = [2 ** (-8 * p / closest) for p in range(1, closest + 1)]
+    bloom += [2 ** (-8 * p / (2 * closest)) for p in range(1, 1 + 2 * (heads - closest), 2)]
+    upper = 2 ** math.ceil(math.log2(heads))
+    mpt = [2 ** (-8 * m / upper) for m in range(1, upper + 1)]
+    if upper != heads:
+        mpt = (mpt[1::2] + mpt[::2])[:heads]
+    for name, want in (("bloom", bloom), ("mpt", mpt)):
+        got = presets.get(name, num_heads=heads).score_mod.head_slopes()
+        assert got == pytest.approx(want, rel=1e-12), name
 
 
 @pytest.mark.parametrize(
