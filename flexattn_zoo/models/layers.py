@@ -207,6 +207,7 @@ def attention_layer(
     backend: str = ...,
     layout: str = ...,
     dropout_p: float | None = ...,
+    **preset_params: Any,
 ) -> torch.Tensor: ...
 @overload
 def attention_layer(
@@ -225,6 +226,7 @@ def attention_layer(
     backend: str = ...,
     layout: str = ...,
     dropout_p: float | None = ...,
+    **preset_params: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_layer(
@@ -243,6 +245,7 @@ def attention_layer(
     backend: str = ...,
     layout: str = ...,
     dropout_p: float | None = ...,
+    **preset_params: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -262,6 +265,7 @@ def attention_layer(
     backend: str = "auto",
     layout: str = "bhsd",
     dropout_p: float | None = None,
+    **preset_params: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
 
@@ -276,29 +280,34 @@ def attention_layer(
         layout: as for ``fz.attention``: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in
             and out, viewed with ``transpose(1, 2)``, no copy; the lse stays ``[B, H, Lq]``).
         dropout_p: as for ``fz.attention`` (applied whenever above 0: pass 0.0 in evaluation).
+        **preset_params: the preset's own parameters, as for :class:`Attention`, e.g.
+            ``attention_layer(q, k, v, config="prefix_lm", prefix_len=32)``.
 
     For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a
     preset or YAML config is resolved on every call (equal specs still hit the caches).
     """
     heads_dim = 2 if check_layout(layout) == "bshd" else 1
     heads = q.shape[heads_dim] if _plain_4d(q) else None
-    la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads)
+    _check_own_keywords(attention_layer, config, preset_params)
+    la = resolve_config(
+        config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads, preset_params=preset_params
+    )
     return _run(
         q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend,
         layout=layout, dropout_p=check_dropout_p(dropout_p),
     )  # fmt: skip
 
 
-def _check_own_keywords(config: Any, preset_params: Mapping[str, Any]) -> None:
+def _check_own_keywords(fn: Any, config: Any, preset_params: Mapping[str, Any]) -> None:
     """``TypeError`` for a keyword that is no parameter of ``config``'s preset but close to one of
-    ``Attention``'s own (``dropout=`` for ``dropout_p=``, ``num_head=``): every other keyword is
-    taken as a preset parameter, and the preset's error would not name the argument meant."""
+    ``fn``'s own (``dropout=`` for ``dropout_p=``, ``num_head=``): every other keyword is taken as a
+    preset parameter, and the preset's error would not name the argument meant."""
     known = _presets.entry(config).params if isinstance(config, str) and config in _presets.names() else ()
-    own = [p for p in inspect.signature(Attention).parameters if p not in ("config", "preset_params")]
+    own = [p for p in inspect.signature(fn).parameters if p not in ("config", "preset_params")]
     for name in preset_params:
         hint = did_you_mean(name, own)
         if name not in known and hint:
-            raise TypeError(f"Attention() got an unexpected keyword argument {name!r}.{hint}")
+            raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {name!r}.{hint}")
 
 
 #: ``Attention.set_mask``'s "not given" (None means "no mask").
@@ -367,7 +376,7 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads is not None:  # checked even where unused: a wrong count is a bug either way
             check_count("Attention(num_heads=...)", num_heads)
-        _check_own_keywords(config, preset_params)
+        _check_own_keywords(Attention, config, preset_params)
         self.layout = check_layout(layout)
         self.dropout_p = check_dropout_p(dropout_p)
         self.spec = resolve_config(

@@ -139,6 +139,22 @@ def test_a_misspelt_keyword_names_the_attention_argument_meant(kwargs: dict, mea
         fz.Attention(**kwargs)
 
 
+def test_functional_layer_takes_a_presets_own_parameters() -> None:
+    """Old code: attention_layer(config="prefix_lm") said "needs prefix_len=", and passing it was a
+    TypeError (no such keyword), so a preset with a required parameter could not be used by name;
+    gemma2's window= could not be changed either."""
+    q, k, v = _qkv(hkv=4)
+    out = fz.layers.attention_layer(q, k, v, config="prefix_lm", prefix_len=5, backend="dense")
+    assert_matches_reference(out, q, k, v, mask=masks.PrefixLM(prefix_len=5))
+    la = fz.presets.get("gemma2", window=8)
+    out = fz.layers.attention_layer(q, k, v, config="gemma2", window=8, backend="dense")
+    assert_matches_reference(out, q, k, v, mask=la.mask, score_mod=la.score_mod, scale=la.scale)
+    with pytest.raises(ValueError, match="unknown parameter.*'windw'"):
+        fz.layers.attention_layer(q, k, v, config="gemma2", windw=8)
+    with pytest.raises(TypeError, match="attention_layer.. got an unexpected keyword argument 'dropout'"):
+        fz.layers.attention_layer(q, k, v, config="gemma2", dropout=0.1)
+
+
 def test_preset_with_sinks_needs_them_in_functional_form() -> None:
     q, k, v = _qkv(hkv=4)
     with pytest.raises(ValueError, match="has learned attention sinks"):
