@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 from flexattn_zoo.registry import did_you_mean
@@ -59,8 +59,15 @@ class Preset:
     needs_heads: bool = False
 
     def layer(self, layer: int = 0, num_heads: int | None = None, **params: Any) -> LayerAttention:
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        # numpy's integers too, as check_count takes them for num_heads: a config read with numpy
+        # gives them, and a layer index is a count from 0.
+        if isinstance(layer, bool) or not isinstance(layer, Integral):
+            raise TypeError(
+                f"presets.get({self.name!r}, layer=...) must be an int >= 0, got {type(layer).__name__} {layer!r}"
+            )
+        if layer < 0:
             raise ValueError(f"presets.get({self.name!r}, layer=...) must be an int >= 0, got {layer!r}")
+        layer = int(layer)
         unknown = [p for p in params if p not in self.params]
         if unknown:
             raise ValueError(

@@ -102,6 +102,17 @@ def test_errors(call, match: str) -> None:  # type: ignore[no-untyped-def]
         call()
 
 
+def test_layer_index_takes_numpy_integers_and_refuses_other_types() -> None:
+    """A layer index from a numpy array (``np.arange(num_layers)``) is an int, as ``num_heads``
+    from numpy is (check_count). Old code: ValueError "must be an int >= 0, got np.int64(3)"."""
+    np = pytest.importorskip("numpy")
+    assert presets.get("llama4", layer=np.int64(3)) == presets.get("llama4", layer=3)
+    assert fz.Attention("gemma2", layer=np.int32(1)).mask == masks.Causal()
+    for bad in (1.0, "1", torch.tensor(1), True):
+        with pytest.raises(TypeError, match=r"layer=\.\.\.\) must be an int >= 0, got"):
+            presets.get("gemma2", layer=bad)
+
+
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_every_layer_kind_matches_reference(name: str) -> None:
     # Short windows so a 70-token problem exercises the local pattern; two layers cover both kinds.
