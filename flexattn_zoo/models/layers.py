@@ -303,7 +303,8 @@ def _check_own_keywords(fn: Any, config: Any, preset_params: Mapping[str, Any]) 
     ``fn``'s own (``dropout=`` for ``dropout_p=``, ``num_head=``): every other keyword is taken as a
     preset parameter, and the preset's error would not name the argument meant."""
     known = _presets.entry(config).params if isinstance(config, str) and config in _presets.names() else ()
-    own = [p for p in inspect.signature(fn).parameters if p not in ("config", "preset_params")]
+    params = inspect.signature(fn).parameters.values()
+    own = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
     for name in preset_params:
         hint = did_you_mean(name, own)
         if name not in known and hint:
