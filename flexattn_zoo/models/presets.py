@@ -306,7 +306,10 @@ def _modernbert(layer: int, num_heads: int | None, window: int = 128, every: int
     ``|i - j| <= 128 // 2``), ``global_attn_every_n_layers=3`` (layer i global iff ``i % 3 == 0``)."""
     m = _masks()
     local = layer % _period("modernbert", every) != 0
-    mask = m.SlidingWindow(left=window // 2, right=window // 2) if local else None
+    # Checked here, not by SlidingWindow: window // 2 would turn True into 0 and a str into
+    # Python's own TypeError, and a negative window's error would name left= with half its value.
+    half = check_count("presets.get('modernbert', window=...)", window) // 2
+    mask = m.SlidingWindow(left=half, right=half) if local else None
     return LayerAttention(mask=mask, kind="local" if local else "global")
 
 

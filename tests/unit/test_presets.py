@@ -113,6 +113,17 @@ def test_layer_index_takes_numpy_integers_and_refuses_other_types() -> None:
             presets.get("gemma2", layer=bad)
 
 
+@pytest.mark.parametrize(
+    ("window", "error"), [(True, TypeError), ("128", TypeError), (1.5, TypeError), (-2, ValueError)]
+)
+def test_modernbert_window_is_checked_and_named(window: object, error: type) -> None:
+    """Old code: window=True was a window of 0 (the diagonal), "128" raised Python's "unsupported
+    operand type(s) for //", and -2 said "SlidingWindow(left=...) must be an int >= 0, got -1"."""
+    with pytest.raises(error, match=r"presets.get\('modernbert', window=...\) must be an int >= 1"):
+        presets.get("modernbert", layer=1, window=window)
+    assert presets.get("modernbert", layer=1, window=129).mask == masks.SlidingWindow(left=64, right=64)
+
+
 @pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_every_layer_kind_matches_reference(name: str) -> None:
     # Short windows so a 70-token problem exercises the local pattern; two layers cover both kinds.
