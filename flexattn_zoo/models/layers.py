@@ -21,6 +21,7 @@ is used as given (a parameter if it requires grad).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any, Literal, overload
@@ -34,6 +35,7 @@ from flexattn_zoo.dispatch import as_bhsd, attention, check_backend, check_layou
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
+from flexattn_zoo.registry import did_you_mean
 from flexattn_zoo.validation import check_count, check_dropout_p, check_flag, check_qkv, check_scale
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
@@ -205,6 +207,7 @@ def attention_layer(
     backend: str = ...,
     layout: str = ...,
     dropout_p: float | None = ...,
+    **preset_params: Any,
 ) -> torch.Tensor: ...
 @overload
 def attention_layer(
@@ -223,6 +226,7 @@ def attention_layer(
     backend: str = ...,
     layout: str = ...,
     dropout_p: float | None = ...,
+    **preset_params: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
 def attention_layer(
@@ -241,6 +245,7 @@ def attention_layer(
     backend: str = ...,
     layout: str = ...,
     dropout_p: float | None = ...,
+    **preset_params: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -260,6 +265,7 @@ def attention_layer(
     backend: str = "auto",
     layout: str = "bhsd",
     dropout_p: float | None = None,
+    **preset_params: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Functional layer: ``fz.attention`` configured by a preset / YAML / specs, with sinks.
 
@@ -274,17 +280,35 @@ def attention_layer(
         layout: as for ``fz.attention``: ``"bhsd"`` (default) or ``"bshd"`` (``[B, L, H, D]`` in
             and out, viewed with ``transpose(1, 2)``, no copy; the lse stays ``[B, H, Lq]``).
         dropout_p: as for ``fz.attention`` (applied whenever above 0: pass 0.0 in evaluation).
+        **preset_params: the preset's own parameters, as for :class:`Attention`, e.g.
+            ``attention_layer(q, k, v, config="prefix_lm", prefix_len=32)``.
 
     For repeated calls prefer :class:`Attention`, which resolves the configuration once; here a
     preset or YAML config is resolved on every call (equal specs still hit the caches).
     """
     heads_dim = 2 if check_layout(layout) == "bshd" else 1
     heads = q.shape[heads_dim] if _plain_4d(q) else None
-    la = resolve_config(config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads)
+    _check_own_keywords(attention_layer, config, preset_params)
+    la = resolve_config(
+        config, mask=mask, score_mod=score_mod, layer=layer, num_heads=heads, preset_params=preset_params
+    )
     return _run(
         q, k, v, la, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse, sinks=sinks, backend=backend,
         layout=layout, dropout_p=check_dropout_p(dropout_p),
     )  # fmt: skip
+
+
+def _check_own_keywords(fn: Any, config: Any, preset_params: Mapping[str, Any]) -> None:
+    """``TypeError`` for a keyword that is no parameter of ``config``'s preset but close to one of
+    ``fn``'s own (``dropout=`` for ``dropout_p=``, ``num_head=``): every other keyword is taken as a
+    preset parameter, and the preset's error would not name the argument meant."""
+    known = _presets.entry(config).params if isinstance(config, str) and config in _presets.names() else ()
+    params = inspect.signature(fn).parameters.values()
+    own = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for name in preset_params:
+        hint = did_you_mean(name, own)
+        if name not in known and hint:
+            raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {name!r}.{hint}")
 
 
 #: ``Attention.set_mask``'s "not given" (None means "no mask").
@@ -305,7 +329,9 @@ class Attention(nn.Module):
         return_lse: forward also returns the lse.
         sinks: None; True to learn per-head sink logits (a parameter of zeros, needs ``num_heads``;
             also implied by a preset layer with sinks); or a tensor ``[H]`` (a parameter if it
-            requires grad, else a buffer).
+            requires grad, else a buffer). A tensor that requires grad must be a leaf: one
+            computed from others (a view of a larger parameter) raises ``TypeError``, as its
+            gradient could not reach them through the layer's own parameter.
         backend: as for ``fz.attention``.
         is_causal: as for ``fz.attention`` (SDPA's flag): the layer's mask becomes ``mask & Causal()``
             (``Causal()`` without one). A mask given later (``set_mask``, ``forward(mask=)``)
@@ -351,6 +377,7 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads is not None:  # checked even where unused: a wrong count is a bug either way
             check_count("Attention(num_heads=...)", num_heads)
+        _check_own_keywords(Attention, config, preset_params)
         self.layout = check_layout(layout)
         self.dropout_p = check_dropout_p(dropout_p)
         self.spec = resolve_config(
@@ -384,6 +411,17 @@ class Attention(nn.Module):
                 raise ValueError(f"sinks has {sinks.shape[0]} entries but num_heads={num_heads}")
             if isinstance(sinks, nn.Parameter):
                 self.sinks = sinks
+            elif sinks.requires_grad and sinks.grad_fn is not None:
+                # nn.Parameter(sinks) would be a new leaf over the same storage: the gradient would
+                # stop there and never reach the tensors sinks was computed from (a row of a
+                # parameter of all layers' sinks, a reparametrization), which would silently not train.
+                raise TypeError(
+                    "sinks requires grad but is computed from other tensors (it has a grad_fn, e.g. "
+                    "a row or view of a larger parameter): the layer keeps its sinks as a parameter "
+                    "of its own, so their gradient would not reach those tensors. Pass an "
+                    "nn.Parameter [H] (or sinks=True), or compute the sinks per call and pass them to "
+                    "fz.layers.attention_layer(..., sinks=...)"
+                )
             elif sinks.requires_grad:
                 self.sinks = nn.Parameter(sinks)
             else:

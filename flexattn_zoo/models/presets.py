@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any
 
 from flexattn_zoo.registry import did_you_mean
@@ -59,8 +59,15 @@ class Preset:
     needs_heads: bool = False
 
     def layer(self, layer: int = 0, num_heads: int | None = None, **params: Any) -> LayerAttention:
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        # numpy's integers too, as check_count takes them for num_heads: a config read with numpy
+        # gives them, and a layer index is a count from 0.
+        if isinstance(layer, bool) or not isinstance(layer, Integral):
+            raise TypeError(
+                f"presets.get({self.name!r}, layer=...) must be an int >= 0, got {type(layer).__name__} {layer!r}"
+            )
+        if layer < 0:
             raise ValueError(f"presets.get({self.name!r}, layer=...) must be an int >= 0, got {layer!r}")
+        layer = int(layer)
         unknown = [p for p in params if p not in self.params]
         if unknown:
             raise ValueError(
@@ -250,9 +257,10 @@ def _bloom(layer: int, num_heads: int | None) -> LayerAttention:
 @preset("mpt", model="MPT-7B / MPT-30B", pattern="every layer: causal + ALiBi", needs_heads=True)
 def _mpt(layer: int, num_heads: int | None) -> LayerAttention:
     """MPT-7B model card (MosaicML, 2023: "ALiBi" instead of positional embeddings); its config
-    ``attn_config: {alibi: true, alibi_bias_max: 8}``, i.e. slopes ``2^(-8(h+1)/H)`` -- Press et
-    al.'s for H a power of two (MPT-7B: 32 heads). For other H, MPT orders the extra slopes
-    differently from Press et al.: pass ``Alibi(num_heads, slopes=...)`` yourself."""
+    ``attn_config: {alibi: true, alibi_bias_max: 8}``, i.e. slopes ``2^(-8(h+1)/H)`` for H a power
+    of two (MPT-7B: 32 heads). For other H, MPT's ``gen_slopes`` takes the odd-indexed slopes of
+    the next power of two, then the even-indexed ones: the same values in the same order as Press
+    et al.'s, which ``Alibi`` computes."""
     m, s = _masks(), _scores()
     return LayerAttention(mask=m.Causal(), score_mod=s.Alibi(num_heads=num_heads), kind="global")
 
@@ -298,7 +306,10 @@ def _modernbert(layer: int, num_heads: int | None, window: int = 128, every: int
     ``|i - j| <= 128 // 2``), ``global_attn_every_n_layers=3`` (layer i global iff ``i % 3 == 0``)."""
     m = _masks()
     local = layer % _period("modernbert", every) != 0
-    mask = m.SlidingWindow(left=window // 2, right=window // 2) if local else None
+    # Checked here, not by SlidingWindow: window // 2 would turn True into 0 and a str into
+    # Python's own TypeError, and a negative window's error would name left= with half its value.
+    half = check_count("presets.get('modernbert', window=...)", window) // 2
+    mask = m.SlidingWindow(left=half, right=half) if local else None
     return LayerAttention(mask=mask, kind="local" if local else "global")
 
 

@@ -106,6 +106,55 @@ def test_bad_configurations(kwargs: dict, error: type, match: str) -> None:
         fz.Attention(**kwargs)
 
 
+def test_sinks_computed_from_a_parameter_are_refused_not_detached() -> None:
+    """A row of a parameter holding every layer's sinks requires grad but is no leaf. Old code
+    wrapped it in a new nn.Parameter, a leaf over the same storage: the layer trained that copy and
+    the model's own parameter never got a gradient, silently."""
+    every_layer = torch.nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="sinks requires grad but is computed from other tensors"):
+        fz.Attention(mask="causal", sinks=every_layer[1])
+    # Leaves are kept as they were: a parameter as given, a plain tensor as a buffer.
+    own = torch.nn.Parameter(torch.zeros(4))
+    assert fz.Attention(mask="causal", sinks=own).sinks is own
+    assert [n for n, _ in fz.Attention(mask="causal", sinks=every_layer[1].detach()).named_buffers()] == [
+        "sinks"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "meant"),
+    [
+        (dict(mask="causal", dropout=0.1), "dropout_p"),  # nn.MultiheadAttention's name
+        (dict(config="gemma2", dropout=0.1), "dropout_p"),
+        (dict(config="bloom", num_head=4), "num_heads"),
+        (dict(mask="causal", causal=True), "is_causal"),
+    ],
+)
+def test_a_misspelt_keyword_names_the_attention_argument_meant(kwargs: dict, meant: str) -> None:
+    """Keywords beyond Attention's own are preset parameters. Old code took a misspelt one of its
+    own for one: "preset parameters (dropout) need config= to name a preset", or "preset 'bloom'
+    got unknown parameter(s) 'num_head'; valid: (none)", never naming the argument meant."""
+    name = next(iter(set(kwargs) - {"mask", "config"}))
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{name}'. Did you mean '{meant}'"):
+        fz.Attention(**kwargs)
+
+
+def test_functional_layer_takes_a_presets_own_parameters() -> None:
+    """Old code: attention_layer(config="prefix_lm") said "needs prefix_len=", and passing it was a
+    TypeError (no such keyword), so a preset with a required parameter could not be used by name;
+    gemma2's window= could not be changed either."""
+    q, k, v = _qkv(hkv=4)
+    out = fz.layers.attention_layer(q, k, v, config="prefix_lm", prefix_len=5, backend="dense")
+    assert_matches_reference(out, q, k, v, mask=masks.PrefixLM(prefix_len=5))
+    la = fz.presets.get("gemma2", window=8)
+    out = fz.layers.attention_layer(q, k, v, config="gemma2", window=8, backend="dense")
+    assert_matches_reference(out, q, k, v, mask=la.mask, score_mod=la.score_mod, scale=la.scale)
+    with pytest.raises(ValueError, match="unknown parameter.*'windw'"):
+        fz.layers.attention_layer(q, k, v, config="gemma2", windw=8)
+    with pytest.raises(TypeError, match="attention_layer.. got an unexpected keyword argument 'dropout'"):
+        fz.layers.attention_layer(q, k, v, config="gemma2", dropout=0.1)
+
+
 def test_preset_with_sinks_needs_them_in_functional_form() -> None:
     q, k, v = _qkv(hkv=4)
     with pytest.raises(ValueError, match="has learned attention sinks"):

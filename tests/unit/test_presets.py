@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import preset_params
 import pytest
 import torch
@@ -69,6 +71,22 @@ def test_alibi_presets_and_parameters() -> None:
     assert presets.get("prefix_lm", prefix_len=5).mask == masks.PrefixLM(prefix_len=5)
 
 
+@pytest.mark.parametrize("heads", [8, 12, 24, 48, 56, 112])
+def test_alibi_preset_slopes_are_the_models_own(heads: int) -> None:
+    """BLOOM's ``build_alibi_tensor`` and MPT's ``gen_slopes`` (``alibi_bias_max=8``), written out
+    here, agree with the presets' slopes for every head count, powers of two or not."""
+    closest = 2 ** math.floor(math.log2(heads))
+    bloom = [2 ** (-8 * p / closest) for p in range(1, closest + 1)]
+    bloom += [2 ** (-8 * p / (2 * closest)) for p in range(1, 1 + 2 * (heads - closest), 2)]
+    upper = 2 ** math.ceil(math.log2(heads))
+    mpt = [2 ** (-8 * m / upper) for m in range(1, upper + 1)]
+    if upper != heads:
+        mpt = (mpt[1::2] + mpt[::2])[:heads]
+    for name, want in (("bloom", bloom), ("mpt", mpt)):
+        got = presets.get(name, num_heads=heads).score_mod.head_slopes()
+        assert got == pytest.approx(want, rel=1e-12), name
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -82,6 +100,28 @@ def test_alibi_presets_and_parameters() -> None:
 def test_errors(call, match: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_layer_index_takes_numpy_integers_and_refuses_other_types() -> None:
+    """A layer index from a numpy array (``np.arange(num_layers)``) is an int, as ``num_heads``
+    from numpy is (check_count). Old code: ValueError "must be an int >= 0, got np.int64(3)"."""
+    np = pytest.importorskip("numpy")
+    assert presets.get("llama4", layer=np.int64(3)) == presets.get("llama4", layer=3)
+    assert fz.Attention("gemma2", layer=np.int32(1)).mask == masks.Causal()
+    for bad in (1.0, "1", torch.tensor(1), True):
+        with pytest.raises(TypeError, match=r"layer=\.\.\.\) must be an int >= 0, got"):
+            presets.get("gemma2", layer=bad)
+
+
+@pytest.mark.parametrize(
+    ("window", "error"), [(True, TypeError), ("128", TypeError), (1.5, TypeError), (-2, ValueError)]
+)
+def test_modernbert_window_is_checked_and_named(window: object, error: type) -> None:
+    """Old code: window=True was a window of 0 (the diagonal), "128" raised Python's "unsupported
+    operand type(s) for //", and -2 said "SlidingWindow(left=...) must be an int >= 0, got -1"."""
+    with pytest.raises(error, match=r"presets.get\('modernbert', window=...\) must be an int >= 1"):
+        presets.get("modernbert", layer=1, window=window)
+    assert presets.get("modernbert", layer=1, window=129).mask == masks.SlidingWindow(left=64, right=64)
 
 
 @pytest.mark.parametrize("name", sorted(REQUIRED))
