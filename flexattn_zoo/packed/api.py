@@ -161,8 +161,8 @@ def varlen_attention(
         scale: as ``fz.attention`` (default ``1/sqrt(D)``).
         enable_gqa: allow ``H_kv < H`` (query head ``h`` reads kv head ``h // (H // H_kv)``).
         backend: ``"auto"`` or a route name, as ``fz.attention``.
-        return_lse: also return the log-sum-exp ``[H, Tq]`` (float32, FlashAttention's varlen
-            ``softmax_lse`` layout).
+        return_lse: also return the log-sum-exp ``[H, Tq]`` (FlashAttention's varlen
+            ``softmax_lse`` layout; float32, float64 for float64 inputs, as ``fz.attention``).
         deterministic: as ``fz.attention``.
         tune: as ``fz.attention``.
 
@@ -186,6 +186,15 @@ def varlen_attention(
     if k.shape[0] != v.shape[0]:
         raise ValueError(
             f"k and v must have the same number of rows (dim 0), got k={k.shape[0]}, v={v.shape[0]}"
+        )
+    # Checked here, in the packed layout, rather than by fz.attention on the [1, H, T, D] view,
+    # whose messages would name that view's dims and shape instead of the caller's.
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims (dim 2) differ: q={q.shape[2]}, k={k.shape[2]}")
+    if min(q.shape[1], k.shape[1], q.shape[2]) == 0:
+        raise ValueError(
+            "heads (dim 1) and head dim (dim 2) must be positive, got q shape "
+            f"{tuple(q.shape)}, k shape {tuple(k.shape)}"
         )
     causal = check_flag("causal", causal)
     left, right = _window(window_size)

@@ -413,6 +413,9 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("q_2d", {"q": torch.randn(10, 16)}, ValueError, "q must have 3 dims"),
     ("q_not_tensor", {"q": [1.0]}, TypeError, "q must be a torch.Tensor"),
     ("k_v_rows", {"v": torch.randn(5, H, D)}, ValueError, "k and v must have the same number of rows"),
+    # Named in the packed [T, H, D] layout, not in that of the [1, H, T, D] call it becomes.
+    ("head_dims", {"k": torch.randn(42, H, 8), "v": torch.randn(42, H, 8)}, ValueError, "q and k head dims (dim 2) differ: q=16, k=8"),
+    ("head_dim_0", {"q": torch.randn(38, H, 0), "k": torch.randn(42, H, 0)}, ValueError, "head dim (dim 2) must be positive, got q shape (38, 4, 0)"),
     ("cu_float", {"cu_seqlens_q": cu_seqlens(LENS_Q).float()}, TypeError, "cu_seqlens_q must have dtype int32 or int64"),
     ("cu_list", {"cu_seqlens_k": [0, 5]}, TypeError, "cu_seqlens_k must be an int32 or int64 tensor"),
     ("cu_2d", {"cu_seqlens_q": cu_seqlens(LENS_Q)[None]}, ValueError, "cu_seqlens_q must be 1-D"),
