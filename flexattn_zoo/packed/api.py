@@ -230,9 +230,17 @@ def varlen_attention(
         _check_max("max_seqlen_q", max_q, max((a for a, _ in lengths), default=0))
         _check_max("max_seqlen_k", max_k, max((b for _, b in lengths), default=0))
         same_offsets = bool(torch.equal(host_q, host_k))
-    for spec in (inner_mask, inner_score):
+    for arg, spec in (("mask", inner_mask), ("score_mod", inner_score)):
         if spec is not None:
-            spec.validate(max_q, max_k, 1, heads)
+            try:
+                spec.validate(max_q, max_k, 1, heads)
+            except ValueError as exc:
+                # The spec's message speaks of a problem's Lq and Lkv: here those are the max
+                # lengths, not the packed totals a caller may have sized a tensor for.
+                raise ValueError(
+                    f"{arg} is applied in each sequence's local coordinates, so it is checked for "
+                    f"B=1, Lq=max_seqlen_q={max_q}, Lkv=max_seqlen_k={max_k}: {exc}"
+                ) from exc
     if inner_mask is not None:
         inner_mask = _bind_once(inner_mask, lengths)
     totals = (q.shape[0], k.shape[0])

@@ -431,6 +431,9 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("causal_type", {"causal": 1}, TypeError, "causal must be a bool"),
     ("bottom_right_unbindable", {"mask": masks.Causal(align="bottom_right")}, ValueError, "pass causal=True"),
     ("mask_type", {"mask": 3}, TypeError, "mask must be None, a mask spec"),
+    # A tensor sized for the packed rows rather than for one sequence's local positions.
+    ("mask_packed_shape", {"mask": torch.ones(38, 42, dtype=torch.bool)}, ValueError, "mask is applied in each sequence's local coordinates, so it is checked for B=1, Lq=max_seqlen_q=17, Lkv=max_seqlen_k=23: Dense"),
+    ("score_packed_shape", {"score_mod": torch.zeros(38, 42)}, ValueError, "score_mod is applied in each sequence's local coordinates"),
     ("backend", {"backend": "nope"}, ValueError, "unknown backend"),
 ]  # fmt: skip
 
