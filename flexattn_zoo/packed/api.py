@@ -10,6 +10,7 @@ varlen form (the ``varlen`` and FA4 routes on GPUs); otherwise the flex routes a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any, Literal, overload
 
 import torch
@@ -20,7 +21,7 @@ from flexattn_zoo.dispatch import attention
 from flexattn_zoo.masks import Band, Causal, Document, Full, SlidingWindow
 from flexattn_zoo.packed.specs import PackedScore, PackedSequences, _rows
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
-from flexattn_zoo.validation import check_flag, check_strided
+from flexattn_zoo.validation import check_flag, check_integer, check_strided
 
 #: Masks that give the same answer for a pair wherever the pair sits (they read only ``j - i``):
 #: in packed coordinates they mean what they mean locally when every sequence has Lq_i == Lk_i.
@@ -280,13 +281,11 @@ def varlen_attention(
 
 
 def _window(window_size: Any) -> tuple[int, int]:
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or any(type(w) is not int for w in window_size)
-    ):
+    # numpy's integers too (as check_integer), as flash_attn's int arguments take them.
+    pair = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if not pair or any(isinstance(w, bool) or not isinstance(w, Integral) for w in window_size):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {tuple(window_size)}")
     return left, right
@@ -323,7 +322,9 @@ def _check_offsets(name: str, cu: torch.Tensor, total: int, tensor: str) -> None
 
 def _max_seqlen(name: str, value: Any) -> int:
     if type(value) is not int:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        # numpy's integers too, as flash_attn takes them (a max from numpy lengths); a plain int
+        # skips the check, which is all a traced call sees.
+        value = check_integer(name, value)
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value

@@ -450,6 +450,21 @@ def test_bad_arguments_are_named(
         fz.varlen_attention(*positional, **args)
 
 
+def test_numpy_integers_are_taken_for_lengths_and_window() -> None:
+    """As flash_attn takes them (a max computed from numpy lengths); a bool is still refused."""
+    np = pytest.importorskip("numpy")
+    args = _good()
+    args["max_seqlen_q"], args["max_seqlen_k"] = np.int64(17), np.int32(23)
+    with torch.no_grad():
+        got = fz.varlen_attention(*args.values(), window_size=(np.int64(3), -1), backend="dense")
+        want = fz.varlen_attention(*_good().values(), window_size=(3, -1), backend="dense")
+    torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        fz.varlen_attention(*_good().values(), window_size=(True, -1))
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got bool"):
+        fz.varlen_attention(*list(_good().values())[:5], True, 23)
+
+
 def test_a_block_mask_is_refused() -> None:
     bm = fz.block_mask(masks.Causal(), sum(LENS_Q), sum(LENS_K))
     args = _good()
