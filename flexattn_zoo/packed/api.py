@@ -351,7 +351,12 @@ def _bind_once(spec: MaskSpec, lengths: list[tuple[int, int]] | None) -> MaskSpe
             "Causal(align='bottom_right')), and the sequences' Lk_i - Lq_i differ; pass causal=True "
             "(bottom-right aligned per sequence, as flash_attn) instead"
         )
-    return bound.pop() if bound else spec
+    if not bound:
+        # No sequence has both queries and keys, so no pair is visible whatever the mask says;
+        # but it is still evaluated (ANDed with the sequence match), and a spec left unbound may
+        # have no mask_mod (Causal(align="bottom_right")): any lengths will do.
+        return spec.bind(1, 1)
+    return bound.pop()
 
 
 def _document(cu: torch.Tensor, total: int, inner: MaskSpec | None, left: int, right: int) -> MaskSpec:

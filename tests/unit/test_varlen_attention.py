@@ -401,6 +401,16 @@ def test_bottom_right_mask_spec_binds_when_every_offset_agrees() -> None:
     torch.testing.assert_close(a, b)
 
 
+def test_a_length_dependent_mask_on_a_pack_where_no_sequence_has_queries_and_keys() -> None:
+    # Sequence 0 has queries but no keys, sequence 1 keys but no queries: every row sees no key.
+    q, k, v = _inputs([3, 0], [0, 4])
+    out, lse = fz.varlen_attention(
+        q, k, v, cu_seqlens([3, 0]), cu_seqlens([0, 4]), 3, 4,
+        mask=masks.Causal(align="bottom_right"), return_lse=True, backend="dense",
+    )  # fmt: skip
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
 def _good() -> dict[str, Any]:
     q, k, v = _inputs(LENS_Q, LENS_K)
     return {
