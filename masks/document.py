@@ -137,6 +137,11 @@ class Document(MaskSpec):
         lengths = cu[1:] - cu[:-1]
         if bool((lengths < 0).any()):
             raise ValueError("Document.from_cu_seqlens(cu_seqlens=...) must be non-decreasing")
+        if int(cu[-1]) == 0:  # else from_lengths would refuse it under its own name
+            raise ValueError(
+                f"Document.from_cu_seqlens(cu_seqlens=...) needs a positive total length (its last "
+                f"entry), got {cu.tolist()[:8]}"
+            )
         return cls.from_lengths(lengths, device=dev)
 
     # ---- spec protocol ------------------------------------------------------------------------
@@ -346,6 +351,8 @@ def _int_vector(values: Any, what: str) -> torch.Tensor:
 def _length_rows(lengths: Any) -> tuple[list[torch.Tensor], bool]:
     """Split ``lengths`` into per-row 1-D length vectors; also say whether it was per-batch."""
     what = "Document.from_lengths(lengths=...)"
+    if isinstance(lengths, torch.Tensor) and lengths.dim() > 2:
+        raise ValueError(f"{what} must be 1-D [S] or 2-D [B, S], got shape {tuple(lengths.shape)}")
     if isinstance(lengths, torch.Tensor) and lengths.dim() == 2:
         rows, per_batch = [_int_vector(r, what) for r in lengths], True
     elif isinstance(lengths, torch.Tensor):

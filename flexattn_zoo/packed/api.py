@@ -10,6 +10,7 @@ varlen form (the ``varlen`` and FA4 routes on GPUs); otherwise the flex routes a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any, Literal, overload
 
 import torch
@@ -20,7 +21,7 @@ from flexattn_zoo.dispatch import attention
 from flexattn_zoo.masks import Band, Causal, Document, Full, SlidingWindow
 from flexattn_zoo.packed.specs import PackedScore, PackedSequences, _rows
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
-from flexattn_zoo.validation import check_flag, check_strided
+from flexattn_zoo.validation import check_flag, check_integer, check_strided
 
 #: Masks that give the same answer for a pair wherever the pair sits (they read only ``j - i``):
 #: in packed coordinates they mean what they mean locally when every sequence has Lq_i == Lk_i.
@@ -161,8 +162,8 @@ def varlen_attention(
         scale: as ``fz.attention`` (default ``1/sqrt(D)``).
         enable_gqa: allow ``H_kv < H`` (query head ``h`` reads kv head ``h // (H // H_kv)``).
         backend: ``"auto"`` or a route name, as ``fz.attention``.
-        return_lse: also return the log-sum-exp ``[H, Tq]`` (float32, FlashAttention's varlen
-            ``softmax_lse`` layout).
+        return_lse: also return the log-sum-exp ``[H, Tq]`` (FlashAttention's varlen
+            ``softmax_lse`` layout; float32, float64 for float64 inputs, as ``fz.attention``).
         deterministic: as ``fz.attention``.
         tune: as ``fz.attention``.
 
@@ -186,6 +187,15 @@ def varlen_attention(
     if k.shape[0] != v.shape[0]:
         raise ValueError(
             f"k and v must have the same number of rows (dim 0), got k={k.shape[0]}, v={v.shape[0]}"
+        )
+    # Checked here, in the packed layout, rather than by fz.attention on the [1, H, T, D] view,
+    # whose messages would name that view's dims and shape instead of the caller's.
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head dims (dim 2) differ: q={q.shape[2]}, k={k.shape[2]}")
+    if min(q.shape[1], k.shape[1], q.shape[2]) == 0:
+        raise ValueError(
+            "heads (dim 1) and head dim (dim 2) must be positive, got q shape "
+            f"{tuple(q.shape)}, k shape {tuple(k.shape)}"
         )
     causal = check_flag("causal", causal)
     left, right = _window(window_size)
@@ -221,9 +231,17 @@ def varlen_attention(
         _check_max("max_seqlen_q", max_q, max((a for a, _ in lengths), default=0))
         _check_max("max_seqlen_k", max_k, max((b for _, b in lengths), default=0))
         same_offsets = bool(torch.equal(host_q, host_k))
-    for spec in (inner_mask, inner_score):
+    for arg, spec in (("mask", inner_mask), ("score_mod", inner_score)):
         if spec is not None:
-            spec.validate(max_q, max_k, 1, heads)
+            try:
+                spec.validate(max_q, max_k, 1, heads)
+            except ValueError as exc:
+                # The spec's message speaks of a problem's Lq and Lkv: here those are the max
+                # lengths, not the packed totals a caller may have sized a tensor for.
+                raise ValueError(
+                    f"{arg} is applied in each sequence's local coordinates, so it is checked for "
+                    f"B=1, Lq=max_seqlen_q={max_q}, Lkv=max_seqlen_k={max_k}: {exc}"
+                ) from exc
     if inner_mask is not None:
         inner_mask = _bind_once(inner_mask, lengths)
     totals = (q.shape[0], k.shape[0])
@@ -263,13 +281,11 @@ def varlen_attention(
 
 
 def _window(window_size: Any) -> tuple[int, int]:
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or any(type(w) is not int for w in window_size)
-    ):
+    # numpy's integers too (as check_integer), as flash_attn's int arguments take them.
+    pair = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if not pair or any(isinstance(w, bool) or not isinstance(w, Integral) for w in window_size):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    left, right = window_size
+    left, right = (int(w) for w in window_size)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= 0, or -1 for unbounded; got {tuple(window_size)}")
     return left, right
@@ -306,7 +322,9 @@ def _check_offsets(name: str, cu: torch.Tensor, total: int, tensor: str) -> None
 
 def _max_seqlen(name: str, value: Any) -> int:
     if type(value) is not int:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        # numpy's integers too, as flash_attn takes them (a max from numpy lengths); a plain int
+        # skips the check, which is all a traced call sees.
+        value = check_integer(name, value)
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
@@ -333,7 +351,12 @@ def _bind_once(spec: MaskSpec, lengths: list[tuple[int, int]] | None) -> MaskSpe
             "Causal(align='bottom_right')), and the sequences' Lk_i - Lq_i differ; pass causal=True "
             "(bottom-right aligned per sequence, as flash_attn) instead"
         )
-    return bound.pop() if bound else spec
+    if not bound:
+        # No sequence has both queries and keys, so no pair is visible whatever the mask says;
+        # but it is still evaluated (ANDed with the sequence match), and a spec left unbound may
+        # have no mask_mod (Causal(align="bottom_right")): any lengths will do.
+        return spec.bind(1, 1)
+    return bound.pop()
 
 
 def _document(cu: torch.Tensor, total: int, inner: MaskSpec | None, left: int, right: int) -> MaskSpec:

@@ -367,6 +367,16 @@ def test_document_mask_mod_looks_up_int32_labels_without_merging_documents() -> 
         (lambda: Document.from_cu_seqlens([1, 3]), ValueError, "cu_seqlens"),
         (lambda: Document.from_cu_seqlens([0, 3, 2]), ValueError, "cu_seqlens"),
         (lambda: Document.from_cu_seqlens([[0, 3]]), ValueError, "cu_seqlens"),
+        (
+            lambda: Document.from_cu_seqlens([0, 0]),
+            ValueError,
+            r"from_cu_seqlens\(cu_seqlens=...\) needs a positive",
+        ),
+        (
+            lambda: Document.from_lengths(torch.ones(2, 2, 2, dtype=torch.long)),
+            ValueError,
+            r"1-D \[S\] or 2-D \[B, S\]",
+        ),
     ],
 )
 def test_document_constructor_errors(call: Callable[[], object], exc: type[Exception], match: str) -> None:

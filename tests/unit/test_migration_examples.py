@@ -149,6 +149,35 @@ def test_flash_attn_varlen_func() -> None:
     _close(ours, torch.cat(parts))
 
 
+def test_flash_attn_varlen_func_alibi_slopes_causal() -> None:
+    """flash_attn's ``alibi_slopes`` adds ``-slope * |r + Lk_i - Lq_i - c|`` (its docstring): under
+    ``causal=True`` that is ``score_mods.Alibi(signed=True)``; the unsigned ``|r - c|`` differs
+    once ``Lq_i < Lk_i`` (keys after ``r`` are visible)."""
+    lens_q, lens_k = [3, 6, 4], [5, 6, 9]
+    cu_q = torch.tensor([0, 3, 9, 13], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 11, 20], dtype=torch.int32)
+    q, k, v = _randn(13, H, D, seed=1), _randn(20, H, D, seed=2), _randn(20, H, D, seed=3)
+    slopes = [0.5, 0.25, 0.125, 0.0625]
+    parts = []
+    for i, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        qi, ki, vi = (t[cu[i] : cu[i + 1]][None] for t, cu in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        r, c = torch.arange(lq)[:, None], torch.arange(lk)[None]
+        bias = -torch.tensor(slopes, dtype=torch.float64).view(1, H, 1, 1) * (r + lk - lq - c).abs()
+        scores = qi.double().transpose(1, 2) @ ki.double().permute(0, 2, 3, 1) / math.sqrt(D) + bias
+        scores = scores.masked_fill(~flash_visible(lq, lk, -1, 0), float("-inf"))
+        parts.append((scores.softmax(-1) @ vi.double().transpose(1, 2))[0].transpose(0, 1))
+    theirs = torch.cat(
+        parts
+    )  # flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 9, causal=True, alibi_slopes=s)
+
+    def ours(signed: bool) -> torch.Tensor:
+        alibi = score_mods.Alibi(num_heads=H, slopes=slopes, signed=signed)
+        return fz.varlen_attention(q, k, v, cu_q, cu_k, 6, 9, causal=True, score_mod=alibi, backend="dense")
+
+    _close(ours(signed=True), theirs)
+    assert not torch.allclose(ours(signed=False).double(), theirs, atol=1e-3)
+
+
 # ---- flex_attention ---------------------------------------------------------------------------
 
 

@@ -401,6 +401,16 @@ def test_bottom_right_mask_spec_binds_when_every_offset_agrees() -> None:
     torch.testing.assert_close(a, b)
 
 
+def test_a_length_dependent_mask_on_a_pack_where_no_sequence_has_queries_and_keys() -> None:
+    # Sequence 0 has queries but no keys, sequence 1 keys but no queries: every row sees no key.
+    q, k, v = _inputs([3, 0], [0, 4])
+    out, lse = fz.varlen_attention(
+        q, k, v, cu_seqlens([3, 0]), cu_seqlens([0, 4]), 3, 4,
+        mask=masks.Causal(align="bottom_right"), return_lse=True, backend="dense",
+    )  # fmt: skip
+    assert bool((out == 0).all()) and bool(torch.isneginf(lse).all())
+
+
 def _good() -> dict[str, Any]:
     q, k, v = _inputs(LENS_Q, LENS_K)
     return {
@@ -413,6 +423,9 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("q_2d", {"q": torch.randn(10, 16)}, ValueError, "q must have 3 dims"),
     ("q_not_tensor", {"q": [1.0]}, TypeError, "q must be a torch.Tensor"),
     ("k_v_rows", {"v": torch.randn(5, H, D)}, ValueError, "k and v must have the same number of rows"),
+    # Named in the packed [T, H, D] layout, not in that of the [1, H, T, D] call it becomes.
+    ("head_dims", {"k": torch.randn(42, H, 8), "v": torch.randn(42, H, 8)}, ValueError, "q and k head dims (dim 2) differ: q=16, k=8"),
+    ("head_dim_0", {"q": torch.randn(38, H, 0), "k": torch.randn(42, H, 0)}, ValueError, "head dim (dim 2) must be positive, got q shape (38, 4, 0)"),
     ("cu_float", {"cu_seqlens_q": cu_seqlens(LENS_Q).float()}, TypeError, "cu_seqlens_q must have dtype int32 or int64"),
     ("cu_list", {"cu_seqlens_k": [0, 5]}, TypeError, "cu_seqlens_k must be an int32 or int64 tensor"),
     ("cu_2d", {"cu_seqlens_q": cu_seqlens(LENS_Q)[None]}, ValueError, "cu_seqlens_q must be 1-D"),
@@ -428,6 +441,9 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("causal_type", {"causal": 1}, TypeError, "causal must be a bool"),
     ("bottom_right_unbindable", {"mask": masks.Causal(align="bottom_right")}, ValueError, "pass causal=True"),
     ("mask_type", {"mask": 3}, TypeError, "mask must be None, a mask spec"),
+    # A tensor sized for the packed rows rather than for one sequence's local positions.
+    ("mask_packed_shape", {"mask": torch.ones(38, 42, dtype=torch.bool)}, ValueError, "mask is applied in each sequence's local coordinates, so it is checked for B=1, Lq=max_seqlen_q=17, Lkv=max_seqlen_k=23: Dense"),
+    ("score_packed_shape", {"score_mod": torch.zeros(38, 42)}, ValueError, "score_mod is applied in each sequence's local coordinates"),
     ("backend", {"backend": "nope"}, ValueError, "unknown backend"),
 ]  # fmt: skip
 
@@ -442,6 +458,21 @@ def test_bad_arguments_are_named(
     ]
     with pytest.raises(exc, match=message.replace("(", r"\(").replace(")", r"\)")):
         fz.varlen_attention(*positional, **args)
+
+
+def test_numpy_integers_are_taken_for_lengths_and_window() -> None:
+    """As flash_attn takes them (a max computed from numpy lengths); a bool is still refused."""
+    np = pytest.importorskip("numpy")
+    args = _good()
+    args["max_seqlen_q"], args["max_seqlen_k"] = np.int64(17), np.int32(23)
+    with torch.no_grad():
+        got = fz.varlen_attention(*args.values(), window_size=(np.int64(3), -1), backend="dense")
+        want = fz.varlen_attention(*_good().values(), window_size=(3, -1), backend="dense")
+    torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        fz.varlen_attention(*_good().values(), window_size=(True, -1))
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int, got bool"):
+        fz.varlen_attention(*list(_good().values())[:5], True, 23)
 
 
 def test_a_block_mask_is_refused() -> None:
