@@ -21,6 +21,7 @@ is used as given (a parameter if it requires grad).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 from collections.abc import Mapping
@@ -302,13 +303,21 @@ def _check_own_keywords(fn: Any, config: Any, preset_params: Mapping[str, Any]) 
     """``TypeError`` for a keyword that is no parameter of ``config``'s preset but close to one of
     ``fn``'s own (``dropout=`` for ``dropout_p=``, ``num_head=``): every other keyword is taken as a
     preset parameter, and the preset's error would not name the argument meant."""
+    if not preset_params:
+        return  # the common call: nothing to check (attention_layer runs this per call)
     known = _presets.entry(config).params if isinstance(config, str) and config in _presets.names() else ()
-    params = inspect.signature(fn).parameters.values()
-    own = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    own = _keyword_only(fn)
     for name in preset_params:
-        hint = did_you_mean(name, own)
+        hint = did_you_mean(name, list(own))
         if name not in known and hint:
             raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {name!r}.{hint}")
+
+
+@functools.cache
+def _keyword_only(fn: Any) -> tuple[str, ...]:
+    return tuple(
+        p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+    )
 
 
 #: ``Attention.set_mask``'s "not given" (None means "no mask").
