@@ -13,8 +13,11 @@
 #   bash benchmarks/gpu_session_r41.sh gemma2prefill 280  # compiled Gemma 2 prefill without FA4,
 #                    # HF flex_attention and flexattn_zoo [HF's row alone took 86 s]
 #   bash benchmarks/gpu_session_r41.sh llamaprefill 260   # (FA4 installed) compiled Llama prefill
+#   bash benchmarks/gpu_session_r41.sh tuned 300      # (FA4 installed) the auto_tuned rows of the
+#                    # 15 cases that have them, into a copy of the sweep (merge its rows into
+#                    # benchmarks/results/generalization_h200.json, then run regret.py)
 set -uo pipefail
-step="${1:?usage: $0 tests|gathers|gemma2prefill|llamaprefill [BUDGET_S]}"
+step="${1:?usage: $0 tests|gathers|gemma2prefill|llamaprefill|tuned [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r41
@@ -49,6 +52,13 @@ case "$step" in
       python3 benchmarks/compiled_models.py --models llama --impls flex_attention,flexattn_zoo \
       --modes prefill --steps 10 --warmup 2 --json "$out/compiled_models_llama_prefill_fa4_r41.json" \
       --md "$out/compiled_models_llama_prefill_fa4_r41.md" --time-budget "$(( $(left) - 30 ))"
+    ;;
+  tuned)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+    run generalization_tuned_r41 "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --routes auto_tuned --out "$out/generalization_h200.json" \
+      --cases alibi_bidir_l2048_b8_d64,bert_base_l128_b128,bert_base_l512_b32,decode_llama2_7b_b16_2k,decode_llama3_8b_b1_32k,dinov2_g_l1370_b8,docs_llama3_8b_l16k,gemma3_27b_l4096_b1,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,llama2_13b_l4096_b1,llama32_3b_l2048_b4,llama3_8b_l128_b64,modernbert_l8192_local,vit_b16_l197_b64 \
+      --md "$out/generalization_tuned_r41.md" --quiet --time-budget "$(( $(left) - 40 ))"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
