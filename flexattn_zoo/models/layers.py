@@ -337,7 +337,8 @@ class Attention(nn.Module):
         enable_gqa: None detects GQA from the head counts.
         return_lse: forward also returns the lse.
         sinks: None; True to learn per-head sink logits (a parameter of zeros, needs ``num_heads``;
-            also implied by a preset layer with sinks); or a tensor ``[H]`` (a parameter if it
+            also implied by a preset layer with sinks); False for none, also where the preset's
+            layer has them (an ablation: the layer then runs without); or a tensor ``[H]`` (a parameter if it
             requires grad, else a buffer). A tensor that requires grad must be a leaf: one
             computed from others (a view of a larger parameter) raises ``TypeError``, as its
             gradient could not reach them through the layer's own parameter.
@@ -437,6 +438,10 @@ class Attention(nn.Module):
                 self.register_buffer("sinks", sinks)
         elif sinks is None or sinks is False:
             self.sinks = None
+            if sinks is False and self.spec.uses_sinks:
+                # An explicit opt-out: the preset's layer without its sinks (every call would
+                # otherwise refuse for want of them).
+                self.spec = dataclasses.replace(self.spec, uses_sinks=False)
         else:
             raise TypeError(f"sinks must be None, True or a tensor [H], got {type(sinks).__name__}")
 

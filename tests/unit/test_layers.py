@@ -161,6 +161,18 @@ def test_preset_with_sinks_needs_them_in_functional_form() -> None:
         fz.layers.attention_layer(q, k, v, config="gpt_oss", backend="dense")
 
 
+def test_sinks_false_runs_a_preset_layer_without_its_sinks() -> None:
+    """``Attention("gpt_oss", sinks=False)`` was built and then refused every call for want of
+    sinks; an explicit False is the preset's layer without them (and None still learns them)."""
+    q, k, v = _qkv(hkv=4)
+    plain = fz.Attention("gpt_oss", layer=1, sinks=False, num_heads=q.shape[1], backend="dense")
+    assert plain.sinks is None and not plain.spec.uses_sinks
+    out = plain(q, k, v)
+    assert_matches_reference(out, q, k, v, mask=masks.Causal(), enable_gqa=True)
+    learned = fz.Attention("gpt_oss", layer=1, num_heads=q.shape[1], backend="dense")
+    assert isinstance(learned.sinks, torch.nn.Parameter) and learned.spec.uses_sinks
+
+
 @pytest.mark.parametrize(("q_len", "kv_len"), [(37, 37), (5, 140), (140, 33)])
 def test_band_and_key_padding_specs_match_their_oracles(q_len: int, kv_len: int) -> None:
     for spec in Band.examples(q_len, kv_len, 2, 1) + KeyPadding.examples(q_len, kv_len, 2, 1):
