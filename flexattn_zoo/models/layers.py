@@ -443,15 +443,25 @@ class Attention(nn.Module):
                 # otherwise refuse for want of them).
                 self.spec = dataclasses.replace(self.spec, uses_sinks=False)
         else:
-            raise TypeError(f"sinks must be None, True or a tensor [H], got {type(sinks).__name__}")
+            raise TypeError(f"sinks must be None, True, False or a tensor [H], got {type(sinks).__name__}")
 
     @property
     def mask(self) -> Any:
+        """The layer's mask spec (None: none); assigning to it is :meth:`set_mask`."""
         return self.spec.mask
+
+    @mask.setter
+    def mask(self, mask: Any) -> None:
+        self.set_mask(mask)
 
     @property
     def score_mod(self) -> Any:
+        """The layer's score spec (None: none); assigning to it is ``set_mask(score_mod=...)``."""
         return self.spec.score_mod
+
+    @score_mod.setter
+    def score_mod(self, score_mod: Any) -> None:
+        self.set_mask(score_mod=score_mod)
 
     def set_mask(self, mask: Any = _KEEP, *, score_mod: Any = _KEEP) -> None:
         """Replace the layer's mask and/or score mod (spec, registry name or callable; ``None``

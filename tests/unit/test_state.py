@@ -636,6 +636,14 @@ def test_attention_layer_set_mask() -> None:
     assert layer.score_mod is None and layer.mask == window
     layer.set_mask(None)
     assert_matches_reference(layer(q, k, v), q, k, v)
+    # Assigning to the properties is set_mask (it raised "property 'mask' ... has no setter").
+    layer.mask = "causal"
+    layer.score_mod = score_mods.SoftCap(cap=5.0)
+    assert layer.mask == masks.Causal() and layer.score_mod == score_mods.SoftCap(cap=5.0)
+    assert_matches_reference(layer(q, k, v), q, k, v, mask="causal", score_mod=score_mods.SoftCap(cap=5.0))
+    keep = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+    layer.mask = keep  # a tensor goes through the property too, not into the module's attributes
+    assert isinstance(layer.mask, masks.Dense) and "mask" not in layer._buffers
 
 
 def test_attention_layer_document_spec_is_a_snapshot_of_the_buffer() -> None:
