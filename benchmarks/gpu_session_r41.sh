@@ -13,11 +13,14 @@
 #   bash benchmarks/gpu_session_r41.sh gemma2prefill 280  # compiled Gemma 2 prefill without FA4,
 #                    # HF flex_attention and flexattn_zoo [HF's row alone took 86 s]
 #   bash benchmarks/gpu_session_r41.sh llamaprefill 260   # (FA4 installed) compiled Llama prefill
+#   bash benchmarks/gpu_session_r41.sh host 150       # (the forty-first session's code) the host
+#                    # table, then one-query decode steps of FlashAttention-2, SDPA's own choice
+#                    # and decode_step from 2 MB to 1 GB of k/v (where cuDNN starts to pay)
 #   bash benchmarks/gpu_session_r41.sh tuned 300      # (FA4 installed) the auto_tuned rows of the
 #                    # 15 cases that have them, into a copy of the sweep (merge its rows into
 #                    # benchmarks/results/generalization_h200.json, then run regret.py)
 set -uo pipefail
-step="${1:?usage: $0 tests|gathers|gemma2prefill|llamaprefill|tuned [BUDGET_S]}"
+step="${1:?usage: $0 tests|gathers|gemma2prefill|llamaprefill|tuned|host [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r41
@@ -32,7 +35,7 @@ case "$step" in
       -q -rfE -p no:cacheprovider -n 4 tests/gpu/test_compile_gpu.py \
       -k "export or reduce_overhead or hf_generate or decode_steps_over or eager_call_replays"
     run gpu_tests_decode_r41 "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
-      tests/gpu/test_decode_gpu.py
+      tests/gpu/test_decode_gpu.py tests/gpu/test_routes_gpu.py
     ;;
   gathers)
     run zoo_gathers_r41 "$(share 55)" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
@@ -59,6 +62,13 @@ case "$step" in
       --resume --rerun --routes auto_tuned --out "$out/generalization_h200.json" \
       --cases alibi_bidir_l2048_b8_d64,bert_base_l128_b128,bert_base_l512_b32,decode_llama2_7b_b16_2k,decode_llama3_8b_b1_32k,dinov2_g_l1370_b8,docs_llama3_8b_l16k,gemma3_27b_l4096_b1,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,llama2_13b_l4096_b1,llama32_3b_l2048_b4,llama3_8b_l128_b64,modernbert_l8192_local,vit_b16_l197_b64 \
       --md "$out/generalization_tuned_r41.md" --quiet --time-budget "$(( $(left) - 40 ))"
+    ;;
+  host)
+    run host_cost_h200_r41 "$(share 55)" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_h200_r41.md"
+    run decode_kernel_probe_h200_r41 "$(( $(left) - 5 ))" python3 benchmarks/decode_kernel_probe.py \
+      --rounds 3 --steps 100 --only flash,sdpa,decode_step \
+      --shapes 1:8:8:1024:64,1:32:8:4096:128,4:32:8:4096:128,8:32:8:4096:128,1:32:8:32768:128,16:32:8:4096:128,32:32:8:8192:128
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

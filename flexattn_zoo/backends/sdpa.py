@@ -159,6 +159,8 @@ class SdpaBackend(Backend):
         # shape's execution plan is built once and then reused; a growing cache never repeats one.
         repeated = self.repeated_shape_kernels(p)
         adaptive = repeated != kernels
+        if eager and not (expand or chunk or adaptive or has_tensor):
+            return _lean_launch(kernels, fused, is_causal, dropout_p, gqa)
         seen = [0]  # calls of this bound call (eager, not captured)
         warm = [False]  # whether ``repeated`` ran eagerly (so a CUDA graph may capture it)
 
@@ -221,6 +223,30 @@ def _asking_for(kernel: str) -> SdpaBackend:
     """A pinned SDPA route of ``kernel`` whose ``torch_reasons`` asks torch about that kernel
     (made once: a planned call, e.g. each step over a growing cache, asks again)."""
     return dataclasses.replace(SDPA_EFFICIENT, kernel=kernel)
+
+
+def _lean_launch(
+    kernels: tuple[str, ...] | None, fused: bool, is_causal: bool, dropout_p: float, gqa: bool
+) -> BoundCall:
+    """The eager bound call of a problem SDPA takes as it is (no mask tensor, k/v heads not
+    expanded, no chunking, one kernel choice): what ``launch`` does for it, in one frame (host
+    time: a short call's whole cost is host time)."""
+
+    def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, None]:
+        if fused:
+            q, k, v = fused_layout(q, False), fused_layout(k, False), fused_layout(v, False)
+        with SDPA_LOCK:  # see the module docstring
+            token = None if kernels is None else _compat.pin_sdpa_kernel(kernels)
+            try:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
+                )
+            finally:
+                if token is not None:
+                    _compat.restore_sdpa_kernels(token)
+        return out, None
+
+    return launch
 
 
 def _capturing(q: torch.Tensor) -> bool:
@@ -338,8 +364,9 @@ class SdpaChoiceBackend(SdpaBackend):
         # on the decoding rows of benchmarks/results/generalization_h200.json). Not elsewhere:
         # measured only there, and torch reports cuDNN decoding wrong on sm100 with fewer than 8
         # kv heads (pytorch/pytorch#193893) and its backward for one query row giving NaN
-        # (NVIDIA/cudnn-frontend#1072).
-        if p.arch == "sm90" and not p.requires_grad:
+        # (NVIDIA/cudnn-frontend#1072). Nor for a short cache, whose step is host-bound: cuDNN's
+        # per-call plan lookup costs more host time than FlashAttention-2's launch.
+        if p.arch == "sm90" and not p.requires_grad and cache_bytes(p) >= CUDNN_DECODE_MIN_CACHE_BYTES:
             return None
         return self.launch_kernels(p)
 
@@ -454,6 +481,16 @@ FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 DECODE_QUERIES = 16
 #: What it chooses among then.
 WITHOUT_CUDNN = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+#: Bytes of k and v a repeated decoding shape reads from which the route ``sdpa`` lets cuDNN in
+#: (``SdpaChoiceBackend.repeated_shape_kernels``): below it the step is host-bound.
+CUDNN_DECODE_MIN_CACHE_BYTES = 64 << 20
+
+
+def cache_bytes(p: Problem) -> int:
+    """Bytes of k and v one call of ``p`` reads (every kv head's keys and values, once)."""
+    return p.batch * p.kv_heads * p.kv_len * (p.head_dim + (p.v_dim or p.head_dim)) * p.dtype.itemsize
+
+
 SDPA_CHOICE = SdpaChoiceBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa",
