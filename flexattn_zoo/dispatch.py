@@ -437,6 +437,21 @@ def _under_autocast(
     return cast(q), cast(k), cast(v)
 
 
+def _call_args(
+    mask: Any, score_mod: Any, is_causal: Any, kernel_options: Any, dropout_p: Any
+) -> tuple[Any, Any, tuple[tuple[str, Any], ...] | None, float]:
+    """``(mask, score_mod, kernel_options, dropout_p)`` of a call, coerced and checked: tensors
+    as specs, ``is_causal`` folded into the mask. Each check is skipped where its argument has its
+    default (host time: every call passes through here, most with defaults for all of them)."""
+    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
+        mask, score_mod = tensor_args(mask, score_mod)
+    if is_causal is not False:
+        mask = with_causal(mask, is_causal)
+    options = None if kernel_options is None else check_kernel_options(kernel_options)
+    dropout = 0.0 if dropout_p is None else check_dropout_p(dropout_p)
+    return mask, score_mod, options, dropout
+
+
 def _live(arg: Any) -> Any:
     """A spec argument with the current state of any raw callable in it (``Spec.live``): a spec
     wrapping a callable (e.g. ``fz.Attention(mask=fn)``) keys every cache by the versions of the
@@ -489,14 +504,7 @@ def plan(
     deterministic mode on; the refusal says why).
     """
     q, k, v = as_bhsd(q, k, v, layout)
-    # Each check below is skipped where its argument has its default (host time: every call
-    # passes through here, most with defaults for all of them).
-    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
-        mask, score_mod = tensor_args(mask, score_mod)
-    if is_causal is not False:
-        mask = with_causal(mask, is_causal)
-    options = None if kernel_options is None else check_kernel_options(kernel_options)
-    dropout = 0.0 if dropout_p is None else check_dropout_p(dropout_p)
+    mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
     plain_inputs = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
     if not plain_inputs and sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
@@ -682,14 +690,7 @@ def attention(
             backend=backend, return_lse=return_lse, deterministic=deterministic, tune=tune,
             is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
-    # Each check below is skipped where its argument has its default (host time: every call
-    # passes through here, most with defaults for all of them).
-    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
-        mask, score_mod = tensor_args(mask, score_mod)
-    if is_causal is not False:
-        mask = with_causal(mask, is_causal)
-    options = None if kernel_options is None else check_kernel_options(kernel_options)
-    dropout = 0.0 if dropout_p is None else check_dropout_p(dropout_p)
+    mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
     plain_inputs = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
     if not plain_inputs and sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
