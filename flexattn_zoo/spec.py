@@ -676,9 +676,10 @@ class Spec:
         own = type(self).pair_loads
         if own or (own is None and any(isinstance(part, torch.Tensor) for part in parts)):
             return False  # reads a tensor of its own per pair, not declared a gather
-        return all(
-            part.gathers_pairs_only() for part in parts if isinstance(part, Spec) and part.loads_pairs()
-        )
+        loading = [part for part in parts if isinstance(part, Spec) and part.loads_pairs()]
+        # No loading part: the reads are this spec's own (a raw callable's captured tensors),
+        # which nothing declares a gather.
+        return bool(loading) and all(part.gathers_pairs_only() for part in loading)
 
     def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []

@@ -79,9 +79,12 @@ def _loads_pairs(p: Problem) -> bool:
 #: the defaults first and compile the shallower pipeline only when the defaults fail to compile
 #: (``FlexCall.launch``); a traced call cannot catch its caller's compile error, so it takes the
 #: shallow pipeline at once. Positional gathers (``Spec.pair_gathers``: T5's bucketed table,
-#: Sandwich's table[kv - q]) start on the shallow pipeline too: T5's compiled with the defaults but
-#: ran about 1.9x slower at D=64 (1K and 4K, causal), Sandwich's did not compile with them.
+#: Sandwich's table[kv - q]) start on the shallow pipeline, up to :data:`PAIR_GATHER_SHALLOW_HEAD_DIM`:
+#: T5's compiled with the defaults but ran about 1.9x slower at D=64 on the H200 and 2.3-2.4x
+#: slower at D=128 on an H100 (1K and 4K, causal; Sandwich at D=128 1.00-1.12x), and Sandwich's
+#: did not compile with them at D=64 (benchmarks/pair_load_probe.py).
 PAIR_LOAD_SHALLOW_HEAD_DIM = 64
+PAIR_GATHER_SHALLOW_HEAD_DIM = 128
 PAIR_LOAD_STAGES = 2
 
 
@@ -120,7 +123,10 @@ def _pair_gathers_only(p: Problem) -> bool:
 
 
 def _pair_load_options(p: Problem) -> dict[str, Any]:
-    if arch.generation(p.arch) == "sm90" and p.head_dim <= PAIR_LOAD_SHALLOW_HEAD_DIM:
+    """The shallow forward pipeline of a pair-loaded problem where it applies (see
+    :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), else no option."""
+    limit = PAIR_GATHER_SHALLOW_HEAD_DIM if _pair_gathers_only(p) else PAIR_LOAD_SHALLOW_HEAD_DIM
+    if arch.generation(p.arch) == "sm90" and p.head_dim <= limit:
         return {"fwd_num_stages": PAIR_LOAD_STAGES}
     return {}
 

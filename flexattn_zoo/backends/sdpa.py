@@ -364,9 +364,10 @@ class SdpaChoiceBackend(SdpaBackend):
         # on the decoding rows of benchmarks/results/generalization_h200.json). Not elsewhere:
         # measured only there, and torch reports cuDNN decoding wrong on sm100 with fewer than 8
         # kv heads (pytorch/pytorch#193893) and its backward for one query row giving NaN
-        # (NVIDIA/cudnn-frontend#1072). Nor for a short cache, whose step is host-bound: cuDNN's
-        # per-call plan lookup costs more host time than FlashAttention-2's launch.
-        if p.arch == "sm90" and not p.requires_grad and cache_bytes(p) >= CUDNN_DECODE_MIN_CACHE_BYTES:
+        # (NVIDIA/cudnn-frontend#1072). Short caches too: there a step is host-bound and cuDNN's
+        # plan lookup costs no more host time than FlashAttention-2's launch (H100, 2 MB to 1 GB
+        # of k/v: benchmarks/results/decode_kernel_probe_h100_r41.txt).
+        if p.arch == "sm90" and not p.requires_grad:
             return None
         return self.launch_kernels(p)
 
@@ -481,14 +482,6 @@ FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 DECODE_QUERIES = 16
 #: What it chooses among then.
 WITHOUT_CUDNN = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-#: Bytes of k and v a repeated decoding shape reads from which the route ``sdpa`` lets cuDNN in
-#: (``SdpaChoiceBackend.repeated_shape_kernels``): below it the step is host-bound.
-CUDNN_DECODE_MIN_CACHE_BYTES = 64 << 20
-
-
-def cache_bytes(p: Problem) -> int:
-    """Bytes of k and v one call of ``p`` reads (every kv head's keys and values, once)."""
-    return p.batch * p.kv_heads * p.kv_len * (p.head_dim + (p.v_dim or p.head_dim)) * p.dtype.itemsize
 
 
 SDPA_CHOICE = SdpaChoiceBackend(

@@ -343,16 +343,10 @@ def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:
 
 @pytest.mark.parametrize("hkv", [H, 2])
 @pytest.mark.parametrize("lq", [1, 16])
-def test_sdpa_route_decoding_a_repeated_shape(hkv: int, lq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sdpa_route_decoding_a_repeated_shape(hkv: int, lq: int) -> None:
     """The ``sdpa`` route decoding one exact shape again and again: FA2 / memory-efficient at
     first, SDPA's full choice (cuDNN where it takes the call) from the shape's third call; every
-    call against float64, forward and backward, then captured in a CUDA graph and replayed. (The
-    cache here is far below the size from which cuDNN joins; the limit is lowered to reach it.)"""
-    from flexattn_zoo import plan_cache
-    from flexattn_zoo.backends import sdpa as sdpa_module
-
-    monkeypatch.setattr(sdpa_module, "CUDNN_DECODE_MIN_CACHE_BYTES", 0)
-    plan_cache.PLANS.clear()  # bound calls read the limit when they are made
+    call against float64, forward and backward, then captured in a CUDA graph and replayed."""
     g = torch.Generator(device=DEV).manual_seed(3)
     q = torch.randn(B, H, lq, 128, device=DEV, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(B, hkv, 777, 128, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(2))

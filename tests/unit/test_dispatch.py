@@ -1024,7 +1024,6 @@ def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest
 
     monkeypatch.setattr(sdpa_module, "_launch_sdpa", recording)
     monkeypatch.setattr(sdpa_module, "_capturing", lambda q: capturing[0])
-    monkeypatch.setattr(sdpa_module, "CUDNN_DECODE_MIN_CACHE_BYTES", 0)  # the tiny cache below
     q = torch.zeros(2, 4, 1, 8)
     kv = torch.zeros(2, 4, 64, 8)
     decode = _problem(lq=1, lkv=64, heads=(4, 4), d=8, batch=2)
@@ -1071,24 +1070,6 @@ def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest
     for _ in range(3):
         compiling(q, kv)
     assert enabled and all(kernels == WITHOUT_CUDNN for kernels in enabled)
-
-
-def test_sdpa_route_keeps_cudnn_out_of_a_short_repeated_decode() -> None:
-    """A repeated decoding shape lets cuDNN in only from ``CUDNN_DECODE_MIN_CACHE_BYTES`` of k/v
-    on: below it the step is host-bound, and cuDNN's per-call plan lookup costs more host time."""
-    from flexattn_zoo.backends.sdpa import (
-        CUDNN_DECODE_MIN_CACHE_BYTES,
-        SDPA_CHOICE,
-        WITHOUT_CUDNN,
-        cache_bytes,
-    )
-
-    short = _problem(lq=1, lkv=1024, heads=(8, 8), d=64, batch=1)
-    assert cache_bytes(short) == 1 * 8 * 1024 * (64 + 64) * 2 < CUDNN_DECODE_MIN_CACHE_BYTES
-    assert SDPA_CHOICE.repeated_shape_kernels(short) == WITHOUT_CUDNN
-    long_ = _problem(lq=1, lkv=8192, heads=(32, 8), d=128, batch=32)
-    assert cache_bytes(long_) >= CUDNN_DECODE_MIN_CACHE_BYTES
-    assert SDPA_CHOICE.repeated_shape_kernels(long_) is None
 
 
 def _reasons_while_traced(backend: Any, p: Problem) -> list[str]:

@@ -18,6 +18,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import plan_cache, score_mods
 from flexattn_zoo.backends import flex as flex_backend
 from flexattn_zoo.compile import CACHE
+from flexattn_zoo.functions import FunctionMask
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.testing import assert_matches_reference
 
@@ -148,6 +149,9 @@ def test_positional_gathers_start_on_the_shallow_pipeline(monkeypatch: pytest.Mo
     assert t5.gathers_pairs_only() and sandwich.gathers_pairs_only() and (t5 >> sandwich).gathers_pairs_only()
     assert not bias.gathers_pairs_only() and not (t5 >> bias).gathers_pairs_only()
     assert not score_mods.SoftCap(cap=20.0).gathers_pairs_only()  # reads nothing per pair
+    ids = torch.zeros(32, dtype=torch.int64)
+    raw = FunctionMask(fn=lambda b, h, q, kv: ids[q] == ids[kv])  # its own reads: no declared gather
+    assert raw.loads_pairs() and not raw.gathers_pairs_only()
     with torch.no_grad():
         for score in (t5, sandwich, t5 >> sandwich):
             asked.clear()
@@ -160,3 +164,25 @@ def test_positional_gathers_start_on_the_shallow_pipeline(monkeypatch: pytest.Mo
         fz.attention(q, k, v, score_mod=t5 >> bias, mask="causal", backend="flex_cpu")
         (call,) = flex_backend.CALLS.values()
         assert call.options is None and call.shallow is not None and call.shallow[1] == SHALLOW
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_shallow_pipeline_head_dims_on_sm90(head_dim: int) -> None:
+    """On sm90 the shallow pipeline is offered to positional gathers up to D=128 (T5 ran 2.3x
+    faster with it at D=128 on an H100) and to other pair loads up to D=64 (at D=128 the defaults
+    fit them); never at D=256 nor off sm90."""
+    from flexattn_zoo.problem import Problem
+
+    def problem(score: Any, arch: str = "sm90") -> Problem:
+        return Problem(
+            batch=1, heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=head_dim, dtype=torch.bfloat16,
+            device_type="cuda", arch=arch, requires_grad=False, score=score,
+        )  # fmt: skip
+
+    t5 = score_mods.RelPosBias(table=torch.randn(32, 2))
+    bias = score_mods.Bias(bias=torch.randn(1, 2, 64, 64))
+    gathers = flex_backend._pair_load_options(problem(t5))
+    loads = flex_backend._pair_load_options(problem(bias))
+    assert gathers == (SHALLOW if head_dim <= 128 else {})
+    assert loads == (SHALLOW if head_dim <= 64 else {})
+    assert flex_backend._pair_load_options(problem(t5, arch="sm100")) == {}
