@@ -36,7 +36,7 @@ from flexattn_zoo.dispatch import as_bhsd, attention, check_backend, check_layou
 from flexattn_zoo.models import presets as _presets
 from flexattn_zoo.models.presets import LayerAttention
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
-from flexattn_zoo.registry import did_you_mean
+from flexattn_zoo.registry import MASKS, SCORES, did_you_mean
 from flexattn_zoo.validation import check_count, check_dropout_p, check_flag, check_qkv, check_scale
 
 __all__ = ["Attention", "attention_layer", "resolve_config"]
@@ -66,6 +66,9 @@ def resolve_config(
         )
     if config is None:
         mask, score_mod = tensor_args(mask, score_mod)
+        if num_heads is not None:  # a registry name with a num_heads parameter (e.g. "alibi") gets it
+            mask = _with_num_heads(mask, MASKS, num_heads)
+            score_mod = _with_num_heads(score_mod, SCORES, num_heads)
         return LayerAttention(mask=as_mask_spec(mask), score_mod=as_score_spec(score_mod))
     if isinstance(config, LayerAttention):
         return config
@@ -89,6 +92,16 @@ def resolve_config(
             f"got {type(config).__name__}"
         )
     return LayerAttention(mask=m, score_mod=s)
+
+
+def _with_num_heads(arg: Any, registry: Any, num_heads: int) -> Any:
+    """``arg`` built with ``num_heads=`` when it is the name of a registry entry taking that
+    parameter (``"alibi"``); anything else as given."""
+    if isinstance(arg, str):
+        entry = registry.find(arg)
+        if entry is not None and any(name == "num_heads" for name, _ in entry.params):
+            return registry.get(arg, num_heads=num_heads)
+    return arg
 
 
 def _plain_4d(t: object) -> bool:
@@ -332,7 +345,9 @@ class Attention(nn.Module):
             ``LayerAttention``, a YAML path or text, or a mapping. Exclusive with mask/score_mod.
         mask, score_mod: specs, registry names or callables.
         layer: layer index for presets.
-        num_heads: number of query heads (needed for ALiBi presets and for ``sinks=True``).
+        num_heads: number of query heads (needed for ALiBi presets and for ``sinks=True``; also
+            given to a ``mask=`` / ``score_mod=`` registry name that takes it, e.g.
+            ``score_mod="alibi"``).
         scale: overrides the preset's scale; default ``1/sqrt(D)``.
         enable_gqa: None detects GQA from the head counts.
         return_lse: forward also returns the lse.

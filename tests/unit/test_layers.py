@@ -197,3 +197,17 @@ def test_a_spec_class_instead_of_an_instance_is_named(arg: str, cls: type) -> No
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(TypeError, match=f"{arg} got the class {cls.__name__}, not a spec; pass an instance"):
         fz.attention(q, q, q, **{arg: cls})
+
+
+def test_num_heads_reaches_a_registry_name_that_takes_it() -> None:
+    """``Attention(score_mod="alibi", num_heads=H)`` builds ALiBi for H heads (the name alone needs
+    ``num_heads``); a name without that parameter is built as it is."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 16, 8, generator=g) for _ in range(3))
+    layer = fz.Attention(score_mod="alibi", mask="causal", num_heads=4)
+    assert layer.score_mod == score_mods.Alibi(num_heads=4)
+    out = layer(q, k, v)
+    expected = fz.attention(q, k, v, mask="causal", score_mod=score_mods.Alibi(num_heads=4))
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="num_heads"):
+        fz.Attention(score_mod="alibi")
