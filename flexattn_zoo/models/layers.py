@@ -15,7 +15,9 @@ detected from the shapes; and learned **attention sinks** (see :mod:`flexattn_zo
 applied through the route's lse, so they run on every route that returns a differentiable lse.
 
 ``Attention(..., sinks=True)`` creates the per-head sink logits as a parameter (zeros); a tensor
-is used as given (a parameter if it requires grad).
+is used as given (a parameter if it requires grad). ``nn.Parameter`` tensors inside the layer's
+specs (a learned ``RelPosBias`` table) are registered as the module's parameters too
+(``mask_param{i}`` / ``score_mod_param{i}``), so an optimizer over ``model.parameters()`` trains them.
 """
 
 from __future__ import annotations
@@ -459,6 +461,22 @@ class Attention(nn.Module):
                 self.spec = dataclasses.replace(self.spec, uses_sinks=False)
         else:
             raise TypeError(f"sinks must be None, True, False or a tensor [H], got {type(sinks).__name__}")
+        self._register_spec_parameters()
+
+    def _register_spec_parameters(self) -> None:
+        """Register the ``nn.Parameter`` tensors the layer's specs hold (a learned relative-position
+        table, ALiBi slopes made learnable) as parameters of this module, named
+        ``mask_param{i}`` / ``score_mod_param{i}`` in the specs' order: ``model.parameters()``
+        (an optimizer), ``state_dict`` and ``.to()`` reach them as they reach ``sinks``. Called
+        again when the specs change (:meth:`set_mask`), dropping the former ones."""
+        for name in [n for n in self._parameters if n.startswith(("mask_param", "score_mod_param"))]:
+            del self._parameters[name]
+        for kind, spec in (("mask", self.spec.mask), ("score_mod", self.spec.score_mod)):
+            if spec is None:
+                continue
+            params = [t for t in spec.tensors() if isinstance(t, nn.Parameter)]
+            for i, param in enumerate(dict.fromkeys(params)):  # one entry per parameter, in order
+                self.register_parameter(f"{kind}_param{i}", param)
 
     @property
     def mask(self) -> Any:
@@ -492,6 +510,7 @@ class Attention(nn.Module):
             changes["score_mod"] = as_score_spec(score_mod)
         if changes:
             self.spec = dataclasses.replace(self.spec, **changes)
+            self._register_spec_parameters()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, score_mod: Any = None

@@ -211,3 +211,26 @@ def test_num_heads_reaches_a_registry_name_that_takes_it() -> None:
     torch.testing.assert_close(out, expected)
     with pytest.raises(ValueError, match="num_heads"):
         fz.Attention(score_mod="alibi")
+
+
+def test_learned_spec_tensors_are_module_parameters() -> None:
+    """A spec's ``nn.Parameter`` (a learned T5 table) is a parameter of the layer: the optimizer
+    over ``layer.parameters()`` trains it, ``state_dict`` holds it, and replacing the score mod
+    replaces it."""
+    table = torch.nn.Parameter(torch.zeros(32, 2))
+    layer = fz.Attention(score_mod=score_mods.RelPosBias(table=table), mask="causal")
+    assert [p is table for p in layer.parameters()] == [True]
+    assert set(layer.state_dict()) == {"score_mod_param0"}
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+    opt = torch.optim.SGD(layer.parameters(), lr=1.0)
+    layer(q, k, v).square().sum().backward()
+    opt.step()
+    assert table.abs().sum() > 0  # trained through the optimizer
+    layer.score_mod = None
+    assert list(layer.parameters()) == [] and layer.state_dict() == {}
+    shared = fz.Attention(
+        mask=masks.Causal(),
+        score_mod=score_mods.RelPosBias(table=table) >> score_mods.RelPosBias(table=table),
+    )
+    assert len(list(shared.parameters())) == 1
