@@ -482,8 +482,6 @@ FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 DECODE_QUERIES = 16
 #: What it chooses among then.
 WITHOUT_CUDNN = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-
-
 SDPA_CHOICE = SdpaChoiceBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
     name="sdpa",

@@ -465,7 +465,7 @@ class Attention(nn.Module):
 
     def _register_spec_parameters(self) -> None:
         """Register the ``nn.Parameter`` tensors the layer's specs hold (a learned relative-position
-        table, ALiBi slopes made learnable) as parameters of this module, named
+        table) as parameters of this module, named
         ``mask_param{i}`` / ``score_mod_param{i}`` in the specs' order: ``model.parameters()``
         (an optimizer), ``state_dict`` and ``.to()`` reach them as they reach ``sinks``. Called
         again when the specs change (:meth:`set_mask`), dropping the former ones."""
