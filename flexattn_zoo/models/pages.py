@@ -30,6 +30,19 @@ Conventions:
   pools, as in vLLM): :meth:`PageAllocator.extend` once per step, then per layer
   :meth:`PageAllocator.write` its new keys and values and ``decode_step``.
   :meth:`PageAllocator.append` is ``extend`` + ``write`` for one layer.
+* Prefix sharing (:meth:`PageAllocator.fork`, for parallel sampling and beam search): a forked
+  row holds the same physical pages as its source, and each page counts the rows that hold it;
+  :meth:`PageAllocator.free` returns a page to the free list when its last holder lets it go.
+  Copy-on-write: tokens are only ever written at a row's positions past its length, so the one
+  shared page a row can write into is its last, partially filled one. :meth:`PageAllocator.extend`
+  gives the row a private page in its place (one more page from the free list, counted in its
+  all-or-nothing check; of the page's holders extended in one call, the last keeps the page if
+  no other row holds it then) and leaves the copy of the page's tokens pending; each
+  :meth:`PageAllocator.write` (hence :meth:`PageAllocator.append`) makes that copy in the pools it
+  is given, every layer its own (a caller that writes the tokens itself calls
+  :meth:`PageAllocator.copy_pending` per layer). The old page is kept off the free list until the
+  row's next ``extend`` or ``free``, so later layers still find the tokens to copy. Full shared
+  pages are never copied.
 * Not thread-safe: one allocator per serving loop (its calls change host lists and tensors).
 * ``decode_step`` requires every row's ``cache_len`` to be at least ``Lq``: a batch with idle
   rows (length 0) decodes its live rows, e.g. ``decode_step(q[live], ..., alloc.cache_len[live],
@@ -39,8 +52,8 @@ CUDA graphs: a captured ``decode_step(q, k_pool, v_pool, alloc.cache_len,
 block_table=alloc.block_table, kv_layout=...)`` reads the allocator's tensors on every replay,
 and since they are updated in place, a replay sees the current pages and lengths. Allocation is
 host work with host-to-device copies: call :meth:`~PageAllocator.extend`,
-:meth:`~PageAllocator.reserve`, :meth:`~PageAllocator.free` and :meth:`~PageAllocator.append`
-*outside* captured regions, between replays, on the stream that replays (the device writes are
+:meth:`~PageAllocator.reserve`, :meth:`~PageAllocator.free`, :meth:`~PageAllocator.fork` and
+:meth:`~PageAllocator.append` *outside* captured regions, between replays, on the stream that replays (the device writes are
 ordered after the kernels queued before them). ``write`` / ``append`` are not meant to be
 captured either (they build index tensors on the host).
 """
@@ -50,7 +63,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 from numbers import Integral
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -76,6 +89,15 @@ def _positive(value: Any, name: str, *, zero: bool = False) -> int:
     return int(value)
 
 
+class _Undo(NamedTuple):
+    """What :meth:`PageAllocator._extend` changed, for :meth:`PageAllocator._unextend`."""
+
+    grown: list[tuple[int, int]]  # (row, pages held before)
+    copies: list[tuple[int, int, int]]  # copy-on-write: (row, shared page, private page)
+    before: list[tuple[int, int, tuple[int, int, int] | None]]  # (row, fresh, pending) before
+    released: list[int]  # pages the finished pending copies put on the free list, in order
+
+
 class PageAllocator:
     """Pages of a KV pool for ``batch`` rows: a free list on the host, the block table and the
     lengths on the device (see the module docstring for the conventions).
@@ -98,6 +120,14 @@ class PageAllocator:
         out = decode_step(q, k_pool, v_pool, alloc.cache_len, block_table=alloc.block_table,
                           kv_layout="NHD")
         alloc.free(1)  # row 1 is done: its pages go back to the free list
+
+    Example: parallel sampling, three answers to row 0's prompt::
+
+        alloc.fork(0, [1, 2])  # rows 1 and 2 share row 0's pages (no copy), same length
+        alloc.append(k_pool, v_pool, k_new, v_new)  # [3, Hkv, 1, D]: a different token per row;
+        # a shared, partly filled last page is copied first (each row gets its own), full pages
+        # stay shared
+        alloc.free([0, 1, 2])  # each page goes back once, when its last row lets it go
     """
 
     def __init__(
@@ -133,6 +163,12 @@ class PageAllocator:
         self._lengths: list[int] = [0] * self.batch
         #: Tokens the last extend() added per row: what write() places (0: nothing to write).
         self._fresh: list[int] = [0] * self.batch
+        #: Rows holding each page (fork shares pages); a page is free when this and its pins are 0.
+        self._refs: list[int] = [0] * self.n_pages
+        #: Pending copy-on-write copies that read each page (see _pending).
+        self._pins: list[int] = [0] * self.n_pages
+        #: Per row, the copy its last extend left for write: (shared page, private page, tokens).
+        self._pending: list[tuple[int, int, int] | None] = [None] * self.batch
         i32 = torch.int32
         self._table = torch.full((self.batch, self.max_pages_per_row), -1, dtype=i32, device=self.device)
         self._cache_len = torch.zeros(self.batch, dtype=i32, device=self.device)
@@ -163,7 +199,7 @@ class PageAllocator:
 
     @property
     def n_free(self) -> int:
-        """Pages on the free list."""
+        """Pages on the free list (a page shared by several rows is not on it, and counts once)."""
         return len(self._free)
 
     def pages(self, row: int) -> list[int]:
@@ -186,40 +222,166 @@ class PageAllocator:
     def extend(self, n_tokens: int, rows: int | Iterable[int] | None = None) -> torch.Tensor:
         """Count ``n_tokens`` new tokens in each of ``rows`` (None: every row), taking the pages
         they need; returns :attr:`cache_len`. The new tokens' positions are then the last
-        ``n_tokens`` of each row, where :meth:`write` puts them."""
+        ``n_tokens`` of each row, where :meth:`write` puts them.
+
+        Copy-on-write: a row whose last page is partly filled and shared with another row
+        (:meth:`fork`) gets a private page in its place (one more page from the free list; the
+        other rows keep the old one, and the last of its holders in ``rows`` writes in it in place
+        when no row outside ``rows`` holds it). The tokens already in that page are copied into the new one
+        by each :meth:`write` of the row (every layer's pools), or by :meth:`copy_pending` for a
+        caller that writes the new tokens itself: do one or the other for every layer before
+        reading the row. The old page stays off the free list until the row's next ``extend`` or
+        :meth:`free`."""
         n = _positive(n_tokens, "n_tokens", zero=True)
         self._extend(n, self._rows(rows))
         return self._cache_len
 
-    def _extend(self, n: int, rows: list[int]) -> list[tuple[int, int, int]]:
-        """:meth:`extend`; returns ``(row, pages held, fresh)`` before it, for :meth:`_unextend`."""
-        grown = self._grow(rows, [self._lengths[r] + n for r in rows], n)
-        undo = [(r, held, self._fresh[r]) for r, held in grown]
+    def _extend(self, n: int, rows: list[int]) -> _Undo:
+        """:meth:`extend`; returns what it changed, for :meth:`_unextend`."""
+        page = self.page_size
+        # The rows' pending copies are done (write only writes the tokens of the last extend):
+        # a shared page that only they still read goes back first, and may serve this step.
+        before = [(r, self._fresh[r], self._pending[r]) for r in rows]
+        released = []
+        for r in rows:
+            done = self._pending[r]
+            self._pending[r] = None
+            if done is not None:
+                self._pins[done[0]] -= 1
+                if self._release(done[0]):
+                    released.append(done[0])
+        # The rows whose next token lands in a shared, partly filled page: copy-on-write, except
+        # for the last of its holders in this step, which keeps the page and writes in place.
+        cow = []
+        holders: dict[int, int] = {}
+        for r in rows:
+            if n and self._lengths[r] % page:
+                p = self._pages[r][self._lengths[r] // page]
+                left = holders.setdefault(p, self._refs[p])
+                if left > 1:
+                    cow.append(r)
+                    holders[p] = left - 1
+        try:
+            grown = self._grow(rows, [self._lengths[r] + n for r in rows], n, extra=len(cow))
+        except ValueError:
+            self._unrelease(before, released)
+            raise
+        # Nothing can fail from here on. The private pages are taken after the grown ones
+        # (_unextend puts them back in the reverse order).
+        flat, taken = [], []
+        copies = []
+        for r in cow:
+            i = self._lengths[r] // page
+            old, new = self._pages[r][i], self._free.pop()
+            self._pages[r][i] = new
+            self._refs[old] -= 1  # still held by the rows it was shared with
+            self._refs[new] = 1
+            self._pins[old] += 1  # kept until the copies are done
+            self._pending[r] = (old, new, self._lengths[r] % page)
+            flat.append(r * self.max_pages_per_row + i)
+            taken.append(new)
+            copies.append((r, old, new))
+        if flat:
+            self._set_entries(flat, taken)
         for r in rows:
             self._lengths[r] += n
             self._fresh[r] = n
         self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32))
-        return undo
+        return _Undo(grown, copies, before, released)
 
-    def _unextend(self, n: int, undo: list[tuple[int, int, int]]) -> None:
-        self._shrink([(r, held) for r, held, _ in undo])
-        for r, _, fresh in undo:
+    def _unrelease(
+        self, before: list[tuple[int, int, tuple[int, int, int] | None]], released: list[int]
+    ) -> None:
+        """Undo the release of the pending copies at the start of :meth:`_extend`."""
+        for p in reversed(released):  # the last pages pushed on the free list
+            popped = self._free.pop()
+            assert popped == p
+        for r, _, pending in before:
+            self._pending[r] = pending
+            if pending is not None:
+                self._pins[pending[0]] += 1
+
+    def _unextend(self, n: int, undo: _Undo) -> None:
+        """Undo :meth:`_extend` (right after it): pages, table, counts and lengths as before."""
+        flat, olds = [], []
+        for r, old, new in reversed(undo.copies):
+            i = (self._lengths[r] - n) // self.page_size  # the page of the length before extend
+            self._pages[r][i] = old
+            self._refs[old] += 1
+            self._pins[old] -= 1
+            self._refs[new] = 0
+            self._free.append(new)
+            flat.append(r * self.max_pages_per_row + i)
+            olds.append(old)
+        if flat:
+            self._set_entries(flat, olds)
+        self._shrink(undo.grown)
+        self._unrelease(undo.before, undo.released)
+        for r, fresh, _ in undo.before:
             self._lengths[r] -= n
             self._fresh[r] = fresh
         self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32))
 
     def free(self, rows: int | Iterable[int]) -> None:
-        """Return the pages of ``rows`` to the free list and empty them (length 0, table row -1):
-        the rows can start new sequences."""
+        """Let ``rows`` go of their pages and empty them (length 0, table row -1): the rows can
+        start new sequences. A page goes back to the free list when no row holds it any more
+        (pages shared by :meth:`fork` stay with the rows that still hold them)."""
         rows_ = self._rows(rows)
         for r in rows_:
-            self._free.extend(self._pages[r])  # the row's last page is the next one taken
+            pending = self._pending[r]
+            if pending is not None:
+                self._pins[pending[0]] -= 1
+                self._release(pending[0])
+            self._pending[r] = None
+            for p in self._pages[r]:  # the row's last page is the next one taken
+                self._refs[p] -= 1
+                self._release(p)
             self._pages[r] = []
             self._lengths[r] = self._fresh[r] = 0
         if rows_:
             idx = torch.tensor(rows_, dtype=torch.int64, device=self.device)
             self._table.index_fill_(0, idx, -1)
             self._cache_len.index_fill_(0, idx, 0)
+
+    def fork(self, src_row: int, dst_rows: int | Iterable[int]) -> None:
+        """Share row ``src_row``'s tokens with each of ``dst_rows`` (parallel sampling, beam
+        search): each destination row gets the source's length and the source's pages that hold
+        its tokens, the same physical pages in its block-table row (nothing is copied; pages the
+        source reserved past its length stay the source's alone). The rows then grow apart:
+        the first token a row writes into a shared, partly filled last page gives it a private
+        copy of that page (see :meth:`extend`); full shared pages stay shared until their last
+        holder is freed.
+
+        Every destination row must hold no pages (a fresh or :meth:`free`-d row) and differ from
+        ``src_row``; a destination row has no tokens to :meth:`write` until its next
+        :meth:`extend`. Raises ``ValueError`` / ``TypeError`` naming the row, changing nothing."""
+        src = self._rows(src_row)
+        if len(src) != 1 or not hasattr(src_row, "__index__"):
+            raise TypeError(f"PageAllocator.fork src_row must be one row index, got {src_row!r}")
+        s = src[0]
+        dsts = self._rows(dst_rows)
+        for d in dsts:
+            if d == s:
+                raise ValueError(f"PageAllocator.fork: row {d} is both the source and a destination")
+            if self._pages[d]:
+                raise ValueError(
+                    f"PageAllocator.fork: destination row {d} holds {len(self._pages[d])} pages (length "
+                    f"{self._lengths[d]}): free it first, a row forked into must hold no pages"
+                )
+        length = self._lengths[s]
+        shared = self._pages[s][: -(-length // self.page_size)]
+        flat, values = [], []
+        for d in dsts:
+            self._pages[d] = list(shared)
+            self._lengths[d] = length
+            self._fresh[d] = 0
+            flat += [d * self.max_pages_per_row + i for i in range(len(shared))]
+            values += shared
+        for p in shared:
+            self._refs[p] += len(dsts)
+        if flat:
+            self._set_entries(flat, values)
+        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32))
 
     # ---- writing tokens ------------------------------------------------------------------------
 
@@ -234,7 +396,9 @@ class PageAllocator:
         """Write the tokens the last :meth:`extend` of ``rows`` counted into one layer's pools, in
         place, with ``append_kv``: ``k_new`` / ``v_new`` ``[len(rows), Hkv, n, D]`` (None: every
         row, ``[batch, ...]``) go to each row's last ``n`` positions; ``n`` must be what that
-        extend counted. Call once per layer, each with its own pools."""
+        extend counted. Call once per layer, each with its own pools. A row that extend moved
+        off a shared page (copy-on-write, see :meth:`fork`) also gets that page's earlier tokens
+        copied into its private page here, in these pools."""
 
         rows_ = self._rows(rows)
         if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
@@ -267,6 +431,43 @@ class PageAllocator:
         append_kv(
             k_pool, v_pool, table, starts, k_new, v_new, kv_layout=self.kv_layout, block_size=self.page_size
         )
+        # Copy-on-write: the tokens before the new ones in a page that was shared (append_kv wrote
+        # the new ones past them; the shared page's tokens there are never overwritten).
+        self._copy(k_pool, v_pool, rows_)
+
+    def copy_pending(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: int | Iterable[int] | None = None
+    ) -> None:
+        """Make, in one layer's pools, the copies the last :meth:`extend` of ``rows`` (None: every
+        row) left pending: the tokens of a shared, partly filled last page, copied into the private
+        page that took its place in the row (a few slices per such row; nothing for the others).
+        :meth:`write` does this itself; call it per layer when writing the new tokens some other
+        way (e.g. ``append_kv`` through :attr:`block_table`). Copying twice is harmless."""
+        rows_ = self._rows(rows)
+        for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+            pages = self._pool_pages(pool)
+            if pages is None or pages < self.n_pages:
+                what = tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
+                raise ValueError(
+                    f"PageAllocator {name} must be a pool of at least n_pages={self.n_pages} pages for "
+                    f"kv_layout={self.kv_layout!r}, got {what}"
+                )
+        self._copy(k_pool, v_pool, rows_)
+
+    def _copy(self, k_pool: torch.Tensor, v_pool: torch.Tensor, rows: list[int]) -> None:
+        page = self.page_size
+        for r in rows:
+            pending = self._pending[r]
+            if pending is None:
+                continue
+            old, new, k = pending
+            for pool in (k_pool, v_pool):
+                if self.kv_layout == "NHD":
+                    pool[new, :k] = pool[old, :k]
+                elif self.kv_layout == "HND":
+                    pool[new, :, :k] = pool[old, :, :k]
+                else:
+                    pool[:, :, new * page : new * page + k] = pool[:, :, old * page : old * page + k]
 
     def append(
         self,
@@ -330,9 +531,10 @@ class PageAllocator:
             raise ValueError(f"PageAllocator rows must be distinct, got {out}")
         return out
 
-    def _grow(self, rows: list[int], targets: list[int], n: int) -> list[tuple[int, int]]:
+    def _grow(self, rows: list[int], targets: list[int], n: int, extra: int = 0) -> list[tuple[int, int]]:
         """Give each ``rows[i]`` pages for ``targets[i]`` tokens, all or none, with one device write
-        of the new table entries; returns ``(row, pages it held before)`` for :meth:`_shrink`."""
+        of the new table entries; returns ``(row, pages it held before)`` for :meth:`_shrink`.
+        Raises, taking nothing, unless ``extra`` more pages (copy-on-write) would be left free."""
         page = self.page_size
         need = []
         for r, target in zip(rows, targets, strict=True):
@@ -344,10 +546,11 @@ class PageAllocator:
                 )
             need.append(max(0, -(-target // page) - len(self._pages[r])))
         total = sum(need)
-        if total > len(self._free):
+        if total + extra > len(self._free):
+            cow = f" ({extra} of them private copies of shared pages)" if extra else ""
             raise ValueError(
-                f"PageAllocator is out of pages: n_tokens={n} for rows {rows} needs {total} new pages, "
-                f"{len(self._free)} of n_pages={self.n_pages} are free (free finished rows first)"
+                f"PageAllocator is out of pages: n_tokens={n} for rows {rows} needs {total + extra} new "
+                f"pages{cow}, {len(self._free)} of n_pages={self.n_pages} are free (free finished rows first)"
             )
         before = [(r, len(self._pages[r])) for r in rows]
         if total:
@@ -357,6 +560,7 @@ class PageAllocator:
                 for _ in range(k):
                     flat.append(r * self.max_pages_per_row + len(held))
                     held.append(self._free.pop())
+                    self._refs[held[-1]] = 1
                     taken.append(held[-1])
             self._set_entries(flat, taken)
         return before
@@ -367,10 +571,19 @@ class PageAllocator:
         for r, count in reversed(before):
             held = self._pages[r]
             flat += [r * self.max_pages_per_row + c for c in range(count, len(held))]
+            for p in held[count:]:
+                self._refs[p] = 0
             self._free.extend(reversed(held[count:]))
             del held[count:]
         if flat:
             self._set_entries(flat, [-1] * len(flat))
+
+    def _release(self, page: int) -> bool:
+        """Put ``page`` on the free list if no row holds it and no pending copy reads it."""
+        if self._refs[page] or self._pins[page]:
+            return False
+        self._free.append(page)
+        return True
 
     def _set_entries(self, flat: list[int], values: list[int]) -> None:
         """``block_table.view(-1)[flat] = values``: one host-to-device copy and one index write."""
