@@ -527,7 +527,7 @@ def plan(
 def _empty_result(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Problem
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lq == 0 or Lkv == 0: output zeros (lse -inf), still connected to the inputs' graph."""
+    """B == 0, Lq == 0 or Lkv == 0: output zeros (lse -inf), still connected to the inputs' graph."""
     link = (q.narrow(2, 0, 0).sum() + k.narrow(2, 0, 0).sum() + v.narrow(2, 0, 0).sum()) * 0
     assert p.v_dim is not None  # Problem.__post_init__ fills it in
     out = q.new_zeros(p.batch, p.heads, p.q_len, p.v_dim) + link
@@ -670,6 +670,13 @@ def attention(
     Returns:
         ``out`` with q's dtype (under ``torch.autocast``: the autocast dtype, as SDPA), or ``(out, lse)``. Rows that see no key give 0 and lse -inf.
 
+    Empty inputs, as SDPA: a batch of 0 (``B = 0``, a dynamic-batching server's empty step) or
+    empty sequences (``Lq = 0`` or ``Lkv = 0``) run no kernel; ``out`` is ``[B, H, Lq, Dv]``
+    (zeros where ``Lkv = 0``), the lse ``[B, H, Lq]`` (-inf), connected to the inputs' graph
+    (their gradients are zeros of their shapes). Masks and score mods are still checked against
+    the shapes, and a named ``backend`` must still accept the problem. Heads and head dims must
+    be positive.
+
     Non-finite inputs: NaN/inf are not checked on CUDA (that would cost a device sync per call);
     a NaN in query row ``i``, or in a key or value that row ``i`` sees, puts NaN in output row
     ``i`` on every route, as in SDPA (a value's NaN reaches only its own column). Rows that do
@@ -755,7 +762,7 @@ def attention(
         q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale_checked,
         kernel_options=options, dropout_p=dropout, scan=tune_on,
     )  # fmt: skip
-    if problem.q_len == 0 or problem.kv_len == 0:
+    if problem.batch == 0 or problem.q_len == 0 or problem.kv_len == 0:
         if backend != "auto":
             plan_problem(problem, backend)  # a named route must still be able to serve the call
         out, lse = _empty_result(q, k, v, problem)
@@ -926,7 +933,7 @@ def _traced_attention(
         q, k, v, mask, score_mod, enable_gqa, return_lse, deterministic, scale, traced=True,
         kernel_options=kernel_options, dropout_p=dropout_p,
     )  # fmt: skip
-    if problem.q_len == 0 or problem.kv_len == 0:
+    if problem.batch == 0 or problem.q_len == 0 or problem.kv_len == 0:
         if backend != "auto":
             plan_problem(problem, backend)
         out, lse = _empty_result(q, k, v, problem)

@@ -67,7 +67,7 @@ class Problem:
         # no call could have, so a plan never describes an impossible problem.
         for name in ("batch", "heads", "kv_heads", "head_dim", "v_dim", "q_len", "kv_len"):
             value = getattr(self, name)
-            low = 0 if name in ("q_len", "kv_len") else 1
+            low = 0 if name in ("batch", "q_len", "kv_len") else 1
             if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < low:
                 raise ValueError(f"Problem {name} must be an int >= {low}, got {value!r}")
         if self.heads % self.kv_heads:

@@ -279,8 +279,12 @@ def check_qkv(q: object, k: object, v: object, *, enable_gqa: bool = False) -> S
             )
         if hk == 0 or hq % hk != 0:
             raise ValueError(f"enable_gqa=True needs q heads ({hq}) to be a multiple of k/v heads ({hk})")
-    if min(b, hq, hk, d) == 0:
-        raise ValueError(f"batch, heads and head dim must be positive, got q shape {tuple(q.shape)}")
+    if min(hq, hk, d) == 0:
+        # (An empty batch is valid, as empty lengths are: SDPA gives an empty output.)
+        raise ValueError(
+            f"heads and head dim must be positive (only the batch and lengths may be 0), got q shape "
+            f"{tuple(q.shape)}, k shape {tuple(k.shape)}"
+        )
     return Shape(batch=b, heads=hq, kv_heads=hk, q_len=lq, kv_len=lk, head_dim=d, v_dim=dv)
 
 
@@ -326,7 +330,7 @@ def aligned_qkv_acceptable(
         )
         and not (q.is_sparse or k.is_sparse or v.is_sparse or q.is_nested or k.is_nested or v.is_nested)
         and k_shape[3] == dim
-        and batch > 0
+        and batch > 0  # stricter than check_qkv: an empty batch takes the callers' full path
         and heads > 0
         and kv_heads > 0
         and dim > 0

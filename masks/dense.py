@@ -149,8 +149,8 @@ class Dense(MaskSpec):
                 f"Dense(mask=...) must be a bool tensor (True = attend), got dtype {mask.dtype}{hint}"
             )
         mask = collapse_broadcast(as_4d_tensor(mask, "Dense(mask=...)"))
-        if mask.numel() == 0:
-            raise ValueError(f"Dense(mask=...) must not be empty, got shape {tuple(self.mask.shape)}")
+        # An empty mask (a batch or length of 0) is valid where it broadcasts (``validate``), as
+        # SDPA's ``attn_mask`` is: the call it fits is an empty problem, with nothing to mask.
         object.__setattr__(self, "mask", mask)
 
     def uses_batch(self) -> bool:

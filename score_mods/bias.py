@@ -41,8 +41,7 @@ class Bias(ScoreSpec):
             hint = " (a bool tensor is a mask: masks.Dense)" if bias.dtype == torch.bool else ""
             raise TypeError(f"Bias(bias=...) must be a floating tensor, got dtype {bias.dtype}{hint}")
         as_4d_tensor(bias, "Bias(bias=...)")  # the shape check
-        if bias.numel() == 0:
-            raise ValueError(f"Bias(bias=...) must not be empty, got shape {tuple(bias.shape)}")
+        # An empty bias (a batch or length of 0) is valid where it broadcasts (``validate``).
         if not bias.requires_grad:
             # A learned bias stays the caller's tensor (its identity is the spec's); others are
             # held 4-D at their own size (expanded dims collapsed) before the spec copies them.

@@ -78,13 +78,6 @@ def _check_inputs(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: bo
                 )
             )
             raise ValueError(f"decode_step {name} must have 4 dims {layout}, got shape {tuple(t.shape)}")
-    if q.shape[0] == 0:
-        # As fz.attention refuses an empty batch (the DecodeMask's own check named none of the
-        # caller's arguments): a serving loop with no live rows has no step to run.
-        raise ValueError(
-            f"decode_step q must hold at least one batch row, got shape {tuple(q.shape)} (no live rows: "
-            "skip the step)"
-        )
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"decode_step block_size must be a positive int, got {type(block_size).__name__}")
     if block_size <= 0:
@@ -109,7 +102,6 @@ def _well_formed(q: Any, k_cache: Any, v_cache: Any, block_size: Any, paged: boo
         and isinstance(k_cache, tensor)
         and isinstance(v_cache, tensor)
         and q.dim() == 4
-        and q.shape[0] > 0
         and k_cache.dim() == 4
         and v_cache.dim() == 4
         and type(block_size) is int

@@ -48,6 +48,7 @@ def one_query_over_prefix(
         and len(k_shape) == 4
         and len(v_shape) == 4
         and q_shape[2] == 1
+        and q_shape[0] > 0  # an empty batch: the general path's empty result
         and q_shape[0] == k_shape[0] == v_shape[0]
         and k_shape[1] == v_shape[1]
         and k_shape[2] == v_shape[2]

@@ -251,6 +251,8 @@ def decode_step(
         else:
             why = "needs lse on CPU, or inputs require grad"
         raise ValueError(f"backend {backend!r} cannot run this decode step ({why})")
+    if batch == 0:  # no live rows (a serving loop's empty batch); a DecodeMask needs a row
+        return _no_rows(q, k_cache, v_cache, scale, gqa, sinks, return_lse)
     if use_flex and on_cuda:
         backend = "flex" if backend == "auto" else backend
     if use_flex and not paged and batch > 1:
@@ -360,4 +362,28 @@ def decode_step(
     if not return_lse:
         return out
     assert lse is not None  # need_lse: return_lse asked the route for it
+    return out, lse
+
+
+def _no_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float | None,
+    gqa: bool,
+    sinks: torch.Tensor | None,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A step of batch 0, its arguments checked: ``fz.attention``'s empty result (as SDPA gives
+    one for an empty batch), ``[0, H, Lq, Dv]`` and lse ``[0, H, Lq]``, connected to the inputs'
+    graph (a paged pool's ``[1, ...]`` taken as no rows of it)."""
+    need_lse = sinks is not None or return_lse
+    out, lse = _attend(q, k_cache[:0], v_cache[:0], need_lse, scale=scale, enable_gqa=gqa, backend="dense")
+    if sinks is not None:
+        check_sinks(sinks, q.shape[1], q.device)
+        assert lse is not None
+        out, lse = apply_sinks(out, lse, sinks)
+    if not return_lse:
+        return out
+    assert lse is not None
     return out, lse
