@@ -7,9 +7,13 @@ asks (``_compat.sdpa_torch_refusal``), to prove the verdict reaches the plan and
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.nn.functional as F
 
+import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks
 from flexattn_zoo.backends.sdpa import SDPA_CUDNN
 from flexattn_zoo.dispatch import Problem, plan_problem
@@ -205,3 +209,33 @@ def test_length_classes_keep_what_torch_checks(
     assert (q_class == kv_class) == (q_len == kv_len)
     assert (q_class == 0, kv_class == 0) == (q_len == 0, kv_len == 0)
     assert (q_class, kv_class) == (q_len, kv_len) or max(q_len, kv_len) > 128
+
+
+def test_eager_bound_sdpa_call_restores_the_flags_when_sdpa_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan cache's eager bound call of a plain problem (one frame: pin, SDPA, restore) leaves
+    torch's SDPA flags as it found them when SDPA itself raises, and gives SDPA's own result
+    otherwise."""
+    from flexattn_zoo.backends import sdpa as sdpa_module
+
+    q = torch.randn(1, 2, 16, 8)
+    p = fz.plan(q, q, q, mask="causal", backend="sdpa_math").problem
+    run = sdpa_module.SDPA_MATH.eager_bound_run(p, q.device)
+    flags = tuple(
+        getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in ("flash", "math", "mem_efficient")
+    )
+    out, lse = run(q, q, q, 8**-0.5)
+    assert lse is None
+    with _compat.sdpa_kernel([_compat.SDPBackend.MATH]):
+        expected = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention", failing)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        run(q, q, q, 8**-0.5)
+    assert (
+        tuple(getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in ("flash", "math", "mem_efficient"))
+        == flags
+    )
