@@ -128,6 +128,8 @@ _FUNCTIONAL_CHECKS: dict[Hashable, TopLeftCheck] = {}
 
 
 def functional_check(mask: Any) -> TopLeftCheck | None:
+    """The check ``attention_layer`` runs for ``mask`` (one per mask value, as the function keeps
+    no state of its own); None while traced, or for a mask without a plain key."""
     if mask is None or _compat.is_compiling():
         return None
     key = mask.plain_key() if hasattr(mask, "plain_key") else None
