@@ -24,7 +24,9 @@ descriptor is shared by every layer of one type) into specs:
 * the pattern is read structurally from transformers' mask-function closures (their code objects
   and captured values, e.g. ``sliding_window``): causal -> ``Causal``, sliding window
   ``W`` -> ``SlidingWindow.from_hf(W)``, chunk ``C`` -> ``Chunked(C) & Causal()``, bidirectional ->
-  no mask, ModernBERT-style bidirectional window -> ``SlidingWindow(left=W, right=W)``;
+  no mask, ModernBERT-style bidirectional window -> ``SlidingWindow(left=W, right=W)``, bidirectional
+  Gemma 3 (its own ``|q - kv| < W`` overlay ORed over the causal window, and an always-true lambda
+  for full layers, both known by code object) -> ``SlidingWindow(left=W - 1, right=W - 1)`` / no mask;
 * cache offsets shift the band: with ``d = q_offset - kv_offset`` a causal band becomes
   ``OffsetCausal(d)`` and a window ``Band(lo + d, hi + d)`` (the decode step); both read their
   offsets from captured tensors, so every step of a ``generate`` reuses one compiled kernel. A

@@ -41,6 +41,18 @@ FACTORIES = {
     "remap": "remap_positions_for_packed_sequence",
     "padding": "padding_mask_function",
 }
+#: Overlays that model modules define for themselves, read eagerly by their code object: the
+#: reader's name for each -> ``(module, function name)`` of every copy (a module or function that
+#: this transformers lacks is skipped). Gemma 3 (and Step3p7) with
+#: ``use_bidirectional_attention=True``: ``abs(q_idx - kv_idx) < sliding_window``.
+MODEL_FACTORIES: dict[str, tuple[tuple[str, str], ...]] = {
+    "window_bidirectional": (
+        ("transformers.models.gemma3.modeling_gemma3", "_bidirectional_window_overlay"),
+        ("transformers.models.step3p7.modeling_step3p7", "_bidirectional_window_overlay"),
+    ),
+}
+#: Positional arguments that make a sample closure of each model overlay.
+MODEL_EXAMPLE_ARGS: dict[str, tuple[Any, ...]] = {"window_bidirectional": (1,)}
 
 
 def example_args(masking_utils: Any) -> dict[str, tuple[Any, ...]]:
@@ -160,4 +172,12 @@ def recorded(fn: Any) -> tuple[str, dict[str, Any]] | None:
     return getattr(fn, ATTRIBUTE, None)
 
 
-__all__ = ["ATTRIBUTE", "FACTORIES", "example_args", "install", "recorded"]
+__all__ = [
+    "ATTRIBUTE",
+    "FACTORIES",
+    "MODEL_EXAMPLE_ARGS",
+    "MODEL_FACTORIES",
+    "example_args",
+    "install",
+    "recorded",
+]

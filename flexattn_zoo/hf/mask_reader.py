@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -159,6 +162,77 @@ def _codes() -> dict[str, Any]:
     return _CODES
 
 
+#: Where a model's forward passes ``or_mask_function=lambda *args: torch.tensor(True, dtype=torch.bool)``
+#: (every pair visible): ``(module, class, method)``. Gemma 3 (and Step3p7) with
+#: ``use_bidirectional_attention=True``, for their full-attention layers.
+_ALWAYS_TRUE_LAMBDAS = (
+    ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextModel", "forward"),
+    ("transformers.models.step3p7.modeling_step3p7", "Step3p7TextModel", "forward"),
+)
+
+#: Model modules' mask code objects found so far: code -> the reader's kind (``"everything"`` for
+#: the always-true lambdas), with each code's module globals; and the modules already looked at.
+_MODEL_CODES: dict[Any, tuple[str, dict[str, Any]]] = {}
+_MODEL_MODULES_SEEN: set[str] = set()
+
+
+def _always_true_lambda(method: Any) -> Any:
+    """The code object of the one ``lambda *args: torch.tensor(True, dtype=torch.bool)`` in
+    ``method`` (searched through its nested code objects), or None if there is not exactly one."""
+    found = []
+    stack = [inspect.unwrap(method).__code__]
+    while stack:
+        code = stack.pop()
+        for const in code.co_consts:
+            if not isinstance(const, types.CodeType):
+                continue
+            stack.append(const)
+            if (
+                const.co_name == "<lambda>"
+                and const.co_argcount == 0
+                and const.co_kwonlyargcount == 0
+                and const.co_flags & inspect.CO_VARARGS
+                and not const.co_flags & inspect.CO_VARKEYWORDS
+                and not const.co_freevars
+                and const.co_names == ("torch", "tensor", "bool")
+                and const.co_consts == (None, True, ("dtype",))
+            ):
+                found.append(const)
+    return found[0] if len(found) == 1 else None
+
+
+def _model_codes() -> dict[Any, tuple[str, dict[str, Any]]]:
+    """Code objects of model modules' mask functions (:data:`factories.MODEL_FACTORIES` closures
+    and :data:`_ALWAYS_TRUE_LAMBDAS`), from the modules imported so far: a closure of a module
+    can only exist once its module is imported, and importing every model module would be slow."""
+    wanted = {m for copies in factories.MODEL_FACTORIES.values() for m, _ in copies}
+    wanted |= {m for m, _, _ in _ALWAYS_TRUE_LAMBDAS}
+    for module_name in wanted - _MODEL_MODULES_SEEN:
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        _MODEL_MODULES_SEEN.add(module_name)
+        found: dict[Any, tuple[str, dict[str, Any]]] = {}
+        for kind, copies in factories.MODEL_FACTORIES.items():
+            for m, name in copies:
+                original = getattr(module, name, None) if m == module_name else None
+                if not isinstance(original, types.FunctionType):
+                    continue
+                try:
+                    sample = original(*factories.MODEL_EXAMPLE_ARGS[kind])
+                except (TypeError, ValueError):  # another signature in this transformers version
+                    continue
+                if isinstance(sample, types.FunctionType):
+                    found[sample.__code__] = (kind, module.__dict__)
+        for m, cls, method in _ALWAYS_TRUE_LAMBDAS:
+            fn = getattr(getattr(module, cls, None), method, None) if m == module_name else None
+            code = _always_true_lambda(fn) if isinstance(fn, types.FunctionType) else None
+            if code is not None:
+                found[code] = ("everything", module.__dict__)
+        _MODEL_CODES.update(found)
+    return _MODEL_CODES
+
+
 def _cells(fn: Any) -> dict[str, Any]:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ()), strict=True))
 
@@ -176,7 +250,10 @@ def _factory(fn: Any) -> tuple[str, dict[str, Any]]:
     code = getattr(fn, "__code__", None)
     kind = next((k for k, c in _codes().items() if c is code), None)
     if kind is None:
-        raise _Unknown(name)
+        kind, module_globals = _model_codes().get(code, (None, None))
+        # The same code run with other globals (``torch`` rebound) is not provably the same function.
+        if kind is None or getattr(fn, "__globals__", None) is not module_globals:
+            raise _Unknown(name)
     return kind, _cells(fn)
 
 
@@ -207,6 +284,13 @@ def _read(fn: Any) -> Any:
     if kind == "sliding_bidirectional":  # |q - kv| <= W
         w = int(cell("sliding_window"))
         return _BandNode(-w, w)
+    if kind == "window_bidirectional":  # |q - kv| < W
+        w = cell("sliding_window")
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise _Unknown(f"{kind} closure with sliding_window={w!r}")
+        return _BandNode(1 - w, w - 1)
+    if kind == "everything":  # lambda *args: torch.tensor(True)
+        return _BandNode(None, None)
     if kind == "chunked":
         return ("chunked", int(cell("chunk_size")), cell("left_padding"))
     if kind == "packed":
@@ -279,6 +363,42 @@ def _and(specs: list[MaskSpec | None]) -> MaskSpec | None:
     return out
 
 
+def _as_band(node: Any) -> _BandNode | None:
+    """``node`` as one band ``lo <= kv - q <= hi`` if it is one (a band; an ``and`` of bands, their
+    intersection; an ``or`` of bands covering one interval), else None. An empty intersection is
+    None too (left to the general path)."""
+    if isinstance(node, _BandNode):
+        return node
+    if isinstance(node, tuple) and node[0] == "or":
+        return _union_band([_as_band(c) for c in node[1]])
+    if not (isinstance(node, tuple) and node[0] == "and"):
+        return None
+    bands = [_as_band(c) for c in node[1]]
+    if not bands or any(b is None for b in bands):
+        return None
+    los = [b.lo for b in bands if b is not None and b.lo is not None]
+    his = [b.hi for b in bands if b is not None and b.hi is not None]
+    lo, hi = (max(los) if los else None), (min(his) if his else None)
+    if lo is not None and hi is not None and lo > hi:
+        return None
+    return _BandNode(lo, hi)
+
+
+def _union_band(bands: list[_BandNode | None]) -> _BandNode | None:
+    """The union of ``bands`` if every one is a band and together they cover one interval of
+    ``kv - q`` (integers: each overlaps or touches the next), else None."""
+    if not bands or any(b is None for b in bands):
+        return None
+    # Sorted by lower end (None: unbounded below, first); sweep the covered interval.
+    ordered = sorted((b for b in bands if b is not None), key=lambda b: (b.lo is not None, b.lo or 0))
+    lo, hi = ordered[0].lo, ordered[0].hi
+    for b in ordered[1:]:
+        if hi is not None and b.lo is not None and b.lo > hi + 1:
+            return None  # a gap
+        hi = None if hi is None or b.hi is None else max(hi, b.hi)
+    return _BandNode(lo, hi)
+
+
 def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
     d = m.q_offset - m.kv_offset
     if isinstance(node, _BandNode):
@@ -308,14 +428,20 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
             children = _flatten_and(unwrapped)
         # Intersect the bands into one canonical spec (e.g. SlidingWindow), placed last as the zoo
         # writes compositions (Document(...) & Causal(), Chunked(...) & Causal()).
-        bands = [c for c in children if isinstance(c, _BandNode)]
-        specs: list[MaskSpec | None] = [_to_spec(c, m) for c in children if not isinstance(c, _BandNode)]
+        as_bands = [_as_band(c) for c in children]
+        bands = [b for b in as_bands if b is not None]
+        specs: list[MaskSpec | None] = [
+            _to_spec(c, m) for c, b in zip(children, as_bands, strict=True) if b is None
+        ]
         if bands:
             los = [b.lo for b in bands if b.lo is not None]
             his = [b.hi for b in bands if b.hi is not None]
             specs.append(_to_spec(_BandNode(max(los) if los else None, min(his) if his else None), m))
         return _and(specs)
     if kind == "or":
+        band = _as_band(node)
+        if band is not None:  # one band (Gemma 3's bidirectional window over its sliding window)
+            return _to_spec(band, m)
         parts = [_to_spec(c, m) for c in node[1]]
         present = [p for p in parts if p is not None]
         if len(present) < len(parts):

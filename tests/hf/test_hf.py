@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 from typing import Any
 
 import pytest
@@ -67,8 +68,35 @@ CONFIGS = {
         num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # An EmbeddingGemma-style encoder: full layers see every token, sliding layers |q - kv| < 7.
+    "gemma3_bidirectional": lambda: transformers.Gemma3TextConfig(
+        **COMMON,
+        sliding_window=7,
+        query_pre_attn_scalar=16,
+        use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
 }
 L = 24
+
+
+def _gemma3():  # type: ignore[no-untyped-def]
+    """transformers' gemma3 modeling module, if it has the bidirectional option (else skip)."""
+    g3 = pytest.importorskip("transformers.models.gemma3.modeling_gemma3")
+    if not hasattr(g3, "_bidirectional_window_overlay"):
+        pytest.skip("this transformers' Gemma 3 has no use_bidirectional_attention")
+    return g3
+
+
+def _gemma3_always_true():  # type: ignore[no-untyped-def]
+    """The ``lambda *args: torch.tensor(True)`` Gemma3TextModel.forward passes for full layers."""
+    g3 = _gemma3()
+    code = mask_reader._always_true_lambda(g3.Gemma3TextModel.forward)
+    if code is None:
+        pytest.skip("no single always-true lambda in this transformers' Gemma3TextModel.forward")
+    return types.FunctionType(code, g3.__dict__)
+
+
 # Two packed documents of 9 and 15 tokens in row 0; row 1 is one sequence.
 PACKED_POSITIONS = torch.tensor([list(range(9)) + list(range(15)), list(range(L))])
 
@@ -80,6 +108,8 @@ def name() -> str:
 
 
 def _model(kind: str):  # type: ignore[no-untyped-def]
+    if kind == "gemma3_bidirectional":
+        _gemma3()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         CONFIGS[kind](), attn_implementation="eager", experts_implementation="eager"
@@ -285,6 +315,23 @@ PAD = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0, 
             (10, 10, 0, 0),
             masks.SlidingWindow(left=2, right=2),
         ),
+        # Bidirectional Gemma 3: its sliding layers OR |q - kv| < W over the causal window (one
+        # band, W - 1 either side), its full layers OR an always-true lambda (no mask).
+        (
+            lambda: mu.or_masks(
+                mu.sliding_window_causal_mask_function(4), _gemma3()._bidirectional_window_overlay(4)
+            ),
+            (10, 10, 0, 0),
+            masks.SlidingWindow(left=3, right=3),
+        ),
+        (
+            lambda: mu.or_masks(
+                mu.sliding_window_causal_mask_function(4), _gemma3()._bidirectional_window_overlay(4)
+            ),
+            (2, 10, 8, 0),
+            Band(lo=5, hi=11),
+        ),
+        (lambda: mu.or_masks(mu.causal_mask_function, _gemma3_always_true()), (10, 10, 0, 0), None),
     ],
 )
 def test_mask_reader_matches_transformers(fn, shape, expected) -> None:  # type: ignore[no-untyped-def]
@@ -300,6 +347,51 @@ def test_mask_reader_matches_transformers(fn, shape, expected) -> None:  # type:
             isinstance(p, KeyPadding) for p in getattr(spec, "parts", ())
         )
         assert torch.equal(ours, _hf_dense(fn(), 2, q_len, kv_len, q_off, kv_off, padding))
+
+
+@READER
+@pytest.mark.parametrize("inputs", list(INPUTS))
+def test_bidirectional_gemma3_is_read_into_specs(
+    inputs: str, name: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 with ``use_bidirectional_attention=True`` (EmbeddingGemma-style encoders) ORs its
+    own overlays into the masks: ``abs(q - kv) < W`` (sliding layers) and an always-true lambda
+    (full layers). Both are read by code identity: a symmetric window and no mask, no warning,
+    and the logits of eager."""
+    model = _model("gemma3_bidirectional")
+    monkeypatch.setattr(mask_reader, "_WARNED", set())  # warned once per process: see this run's
+    read: list[Any] = []
+    translate = mask_reader.translate
+
+    def spy(m):  # type: ignore[no-untyped-def]
+        read.append(translate(m))
+        return read[-1]
+
+    monkeypatch.setattr(mask_reader, "translate", spy)
+    ids = torch.randint(0, 100, (2, L), generator=torch.Generator().manual_seed(1))
+    kwargs, keep = INPUTS[inputs](ids)
+    with caplog.at_level(logging.WARNING, logger="flexattn_zoo.hf"):
+        ours = _logits(model, name, torch.float32, **kwargs)
+    assert "not recognised" not in caplog.text
+    # The config stores sliding_window=7 as 7 // 2 + 1 = 4 for bidirectional models: |q - kv| <= 3.
+    w = model.config.sliding_window
+    window = masks.SlidingWindow(left=w - 1, right=w - 1)
+    assert len(read) == 2, read  # one mask per layer type
+    if inputs == "plain":
+        assert read == [None, window] or read == [window, None], read
+    elif inputs == "packed":
+        docs = masks.Document(doc_ids=mu.find_packed_sequence_indices(PACKED_POSITIONS))
+        assert sorted(map(repr, read)) == sorted(map(repr, [docs, docs & window])), read
+    else:
+        padding = KeyPadding(valid=kwargs["attention_mask"].bool())
+        assert sorted(map(repr, read)) == sorted(map(repr, [padding, window & padding])), read
+    if "padding" in inputs:
+        eager32, eager64 = (
+            _rowwise(model, "eager", dt, kwargs, keep) for dt in (torch.float32, torch.float64)
+        )
+    else:
+        eager32, eager64 = (_logits(model, "eager", dt, **kwargs) for dt in (torch.float32, torch.float64))
+    _assert_close(ours, eager32, eager64, keep)
 
 
 @READER
