@@ -10,6 +10,10 @@ export FLEXATTN_ZOO_GIT="${FLEXATTN_ZOO_GIT:-unknown}"
 # This checkout first, keeping what the caller put on PYTHONPATH (FA4 installed under /tmp/fa4).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+# The card, for result names (h100, h200, ...): lower-case model of GPU 0, "gpu" if unknown.
+gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]+|b[0-9]+|a[0-9]+' | head -1 | tr 'A-Z' 'a-z')"
+gpu="${gpu:-gpu}"
+
 pack() { tar cf "${OUT}/${session}_${step}.tar" -C "$out" .; }
 run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status appended
   local name="$1" limit="$2"
