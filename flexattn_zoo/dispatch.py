@@ -441,15 +441,10 @@ def _call_args(
     mask: Any, score_mod: Any, is_causal: Any, kernel_options: Any, dropout_p: Any
 ) -> tuple[Any, Any, tuple[tuple[str, Any], ...] | None, float]:
     """``(mask, score_mod, kernel_options, dropout_p)`` of a call, coerced and checked: tensors
-    as specs, ``is_causal`` folded into the mask. Each check is skipped where its argument has its
-    default (host time: every call passes through here, most with defaults for all of them)."""
-    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
-        mask, score_mod = tensor_args(mask, score_mod)
-    if is_causal is not False:
-        mask = with_causal(mask, is_causal)
-    options = None if kernel_options is None else check_kernel_options(kernel_options)
-    dropout = 0.0 if dropout_p is None else check_dropout_p(dropout_p)
-    return mask, score_mod, options, dropout
+    as specs, ``is_causal`` folded into the mask (``plan`` and ``attention`` alike)."""
+    mask, score_mod = tensor_args(mask, score_mod)
+    mask = with_causal(mask, is_causal)
+    return mask, score_mod, check_kernel_options(kernel_options), check_dropout_p(dropout_p)
 
 
 def _live(arg: Any) -> Any:
@@ -505,8 +500,7 @@ def plan(
     """
     q, k, v = as_bhsd(q, k, v, layout)
     mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
-    plain_inputs = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain_inputs and sharding.holds_dtensor(q, k, v):
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         q, k, v = local.q, local.k, local.v
@@ -698,8 +692,7 @@ def attention(
             is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
     mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
-    plain_inputs = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain_inputs and sharding.holds_dtensor(q, k, v):
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         result = attention(
@@ -725,18 +718,16 @@ def attention(
             q, k, v, mask, score_mod, scale_checked, enable_gqa, backend, return_lse, deterministic, tune,
             options, dropout,
         )  # fmt: skip
-    scale_checked = None if scale is None else check_scale(scale)
+    scale_checked = check_scale(scale)
     q, k, v = _under_autocast(q, k, v)
-    if isinstance(mask, Spec):
-        mask = mask.live()
-    if isinstance(score_mod, Spec):
-        score_mod = score_mod.live()
+    mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error. So does a call
     # under context_parallel, whose route choice is narrower (and must not be cached for others).
-    if deterministic is None:
-        det: bool | None = _compat.strict_deterministic_mode()
-    else:
-        det = deterministic if type(deterministic) is bool else None
+    det = (
+        _resolve_deterministic(deterministic)
+        if deterministic is None or type(deterministic) is bool
+        else None
+    )
     context_parallel = sharding.context_parallel_active()
     key = (
         None
@@ -780,8 +771,7 @@ def attention(
         chosen = _measured(chosen, q, k, v, scale_checked, user_bm)
     if context_parallel:
         chosen = _under_context_parallel(chosen)
-    if key is not None and det is not None and tuning.state() != state:
-        # The table changed: key the plan anew.
+    if key is not None and tuning.state() != state:  # the table changed: key the plan anew
         key = call_key(
             q, k, v, mask, score_mod, enable_gqa, return_lse, det, backend, scale_checked, tune, options,
             dropout,

@@ -40,7 +40,6 @@ builds).
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Hashable
 from typing import Any
@@ -107,7 +106,7 @@ def call_key(
         return None
     if isinstance(mask, _compat.BlockMask):
         return None
-    if torch._C._functorch.peek_interpreter_stack() is not None and _compat.under_func_transform():
+    if _compat.under_func_transform():
         return None  # planned apart (Problem.func_transform), and q/k/v are the transform's wrappers
     device = q.device
     dtype = q.dtype
@@ -231,20 +230,12 @@ def _arg_key(value: Any, kind: str) -> Hashable:
         if entry is None:
             return value  # the full path names the error
         factory = entry.factory
-        if isinstance(factory, type):
-            return _class_name_key(value)
-        return ("name", value, capture_state(factory, learned_versions=kind == "mask"))
+        learned = kind == "mask"
+        state = None if isinstance(factory, type) else capture_state(factory, learned_versions=learned)
+        return ("name", value, state)
     if callable(value) and not isinstance(value, type):
         return ("callable", value, capture_state(value, learned_versions=kind == "mask"))
     return value
-
-
-@functools.cache
-def _class_name_key(name: str) -> tuple[str, str, None]:
-    """The key part of a registry name whose factory is a class (no captured state): one tuple per
-    name, so the key compares it by identity. (The registries' versions are in every key, so an
-    entry registered anew under the name keys apart.)"""
-    return ("name", name, None)
 
 
 def _environ_reader() -> Any:
@@ -285,7 +276,7 @@ def process_state() -> Hashable:
         MASKS.version,
         SCORES.version,
         _read_environ(),
-        *[r.check() for r in REQUIREMENTS],
+        tuple([r.check() for r in REQUIREMENTS]),
         tuning.state(),
     )
 

@@ -159,8 +159,6 @@ class SdpaBackend(Backend):
         # shape's execution plan is built once and then reused; a growing cache never repeats one.
         repeated = self.repeated_shape_kernels(p)
         adaptive = repeated != kernels
-        if eager and not (expand or chunk or adaptive or has_tensor):
-            return _lean_launch(kernels, fused, is_causal, dropout_p, gqa)
         seen = [0]  # calls of this bound call (eager, not captured)
         warm = [False]  # whether ``repeated`` ran eagerly (so a CUDA graph may capture it)
 
@@ -223,30 +221,6 @@ def _asking_for(kernel: str) -> SdpaBackend:
     """A pinned SDPA route of ``kernel`` whose ``torch_reasons`` asks torch about that kernel
     (made once: a planned call, e.g. each step over a growing cache, asks again)."""
     return dataclasses.replace(SDPA_EFFICIENT, kernel=kernel)
-
-
-def _lean_launch(
-    kernels: tuple[str, ...] | None, fused: bool, is_causal: bool, dropout_p: float, gqa: bool
-) -> BoundCall:
-    """The eager bound call of a problem SDPA takes as it is (no mask tensor, k/v heads not
-    expanded, no chunking, one kernel choice): what ``launch`` does for it, in one frame (host
-    time: a short call's whole cost is host time)."""
-
-    def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, None]:
-        if fused:
-            q, k, v = fused_layout(q, False), fused_layout(k, False), fused_layout(v, False)
-        with SDPA_LOCK:  # see the module docstring
-            token = None if kernels is None else _compat.pin_sdpa_kernel(kernels)
-            try:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=gqa
-                )
-            finally:
-                if token is not None:
-                    _compat.restore_sdpa_kernels(token)
-        return out, None
-
-    return launch
 
 
 def _capturing(q: torch.Tensor) -> bool:

@@ -376,12 +376,15 @@ def _as_band(node: Any) -> _BandNode | None:
     bands = [_as_band(c) for c in node[1]]
     if not bands or any(b is None for b in bands):
         return None
-    los = [b.lo for b in bands if b is not None and b.lo is not None]
-    his = [b.hi for b in bands if b is not None and b.hi is not None]
-    lo, hi = (max(los) if los else None), (min(his) if his else None)
-    if lo is not None and hi is not None and lo > hi:
-        return None
-    return _BandNode(lo, hi)
+    both = _intersect([b for b in bands if b is not None])
+    return None if both.lo is not None and both.hi is not None and both.lo > both.hi else both
+
+
+def _intersect(bands: list[_BandNode]) -> _BandNode:
+    """The band every one of ``bands`` holds (empty where ``lo > hi``)."""
+    los = [b.lo for b in bands if b.lo is not None]
+    his = [b.hi for b in bands if b.hi is not None]
+    return _BandNode(max(los) if los else None, min(his) if his else None)
 
 
 def _union_band(bands: list[_BandNode | None]) -> _BandNode | None:
@@ -434,9 +437,7 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
             _to_spec(c, m) for c, b in zip(children, as_bands, strict=True) if b is None
         ]
         if bands:
-            los = [b.lo for b in bands if b.lo is not None]
-            his = [b.hi for b in bands if b.hi is not None]
-            specs.append(_to_spec(_BandNode(max(los) if los else None, min(his) if his else None), m))
+            specs.append(_to_spec(_intersect(bands), m))
         return _and(specs)
     if kind == "or":
         band = _as_band(node)

@@ -212,8 +212,8 @@ def test_length_classes_keep_what_torch_checks(
 
 
 def test_eager_bound_sdpa_call_restores_the_flags_when_sdpa_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plan cache's eager bound call of a plain problem (one frame: pin, SDPA, restore) leaves
-    torch's SDPA flags as it found them when SDPA itself raises, and gives SDPA's own result
+    """The plan cache's eager bound call of a plain problem (pin, SDPA, restore) leaves torch's
+    SDPA flags as it found them when SDPA itself raises, and gives the pinned kernel's result
     otherwise."""
     from flexattn_zoo.backends import sdpa as sdpa_module
 
