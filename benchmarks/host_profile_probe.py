@@ -19,6 +19,12 @@ With ``--fa4 B,H,HKV,LQ,LKV,D`` (CUDA, flash-attn-4 installed): FA4's own ``flas
 forward + backward (``--fa4-grad``).
 
     PYTHONPATH=. python benchmarks/host_profile_probe.py --fa4 32,32,8,1,8192,128
+
+With ``--decode``: one query per row against the live prefix of a KV cache (B=1, H=8, D=64, a
+cache of 2048 keys, the prefix length cycling over 64 values, as ``benchmarks/host_cost.py``'s
+``decode`` group): plain SDPA on the slices beside ``fz.attention`` on the same slices.
+
+    PYTHONPATH=. python benchmarks/host_profile_probe.py --device cuda --decode
 """
 
 from __future__ import annotations
@@ -107,6 +113,27 @@ def profile_fa4(shape: tuple[int, ...], grad: bool, args) -> None:  # type: igno
     profile('fz.attention(backend="fa4")', lambda: run(ours), args.calls, args.top)
 
 
+def profile_decode(dev: torch.device, dtype: torch.dtype, args) -> None:  # type: ignore[no-untyped-def]
+    cache = torch.randn(1, 8, 2048, 64, device=dev, dtype=dtype)
+    q1 = torch.randn(1, 8, 1, 64, device=dev, dtype=dtype)
+    lengths = iter(range(10**12))
+
+    def length() -> int:
+        return 1024 + next(lengths) % 64
+
+    def plain():  # type: ignore[no-untyped-def]
+        n = length()
+        return F.scaled_dot_product_attention(q1, cache[:, :, :n], cache[:, :, :n])
+
+    def ours():  # type: ignore[no-untyped-def]
+        n = length()
+        return fz.attention(q1, cache[:, :, :n], cache[:, :, :n])
+
+    print(f"# decode: B=1 H=8 D=64 {dtype} on {dev}, one query over 1024-1087 cached keys\n")
+    profile("F.scaled_dot_product_attention(q1, cache[:, :, :n])", plain, args.calls, args.top)
+    profile("fz.attention(q1, cache[:, :, :n])", ours, args.calls, args.top)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -116,12 +143,16 @@ def main() -> None:
     p.add_argument("--shape", default="2,16,4096,128", help="B,H,L,D for --example")
     p.add_argument("--fa4", default=None, help="B,H,HKV,LQ,LKV,D: FA4's own call beside the fa4 route")
     p.add_argument("--fa4-grad", action="store_true", help="with --fa4: forward + backward")
+    p.add_argument("--decode", action="store_true", help="one query over cycling cache prefixes")
     args = p.parse_args()
     if args.fa4 is not None:
         profile_fa4(tuple(int(n) for n in args.fa4.split(",")), args.fa4_grad, args)
         return
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if args.decode:
+        profile_decode(dev, dtype, args)
+        return
     if args.example is not None:
         profile_example(args.example, tuple(int(n) for n in args.shape.split(",")), dev, dtype, args)
         return
