@@ -14,8 +14,13 @@
 #                    # probe at D=64 and D=128 (two stages up to D=128 now)
 #   bash benchmarks/gpu_session_r42.sh mla 120        # the MLA d192 forward+backward rows of the
 #                    # sdpa route and plain SDPA, interleaved (the tables had them 3-4% apart)
+#   bash benchmarks/gpu_session_r42.sh rows 200       # (FA4 installed) every route of the two cases
+#                    # whose tuned rows fell below 0.97 against older route rows, with auto and
+#                    # auto_tuned, in one process (merge into generalization_h200.json)
+#   bash benchmarks/gpu_session_r42.sh tests 200      # the drop-in and decoding GPU tests (the SDPA
+#                    # bound call's layout decided once per shape and strides)
 set -uo pipefail
-step="${1:?usage: $0 tuned|host|gathers|mla [BUDGET_S]}"
+step="${1:?usage: $0 tuned|host|gathers|mla|rows|tests [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r42
@@ -45,6 +50,17 @@ case "$step" in
     run "mla_${gpu}_r42" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench h200 --resume --rerun \
       --routes sdpa,plain_sdpa --cases mla_d192 --modes fwdbwd --iters 50 \
       --out "$out/mla_${gpu}_r42.json" --md "$out/mla_${gpu}_r42.md" --quiet
+    ;;
+  rows)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_rows_${gpu}.json"
+    run "generalization_rows_${gpu}_r42" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_rows_${gpu}.json" --cases llama32_3b_l2048_b4,bert_base_l128_b128 \
+      --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_split,varlen,flex,flex_flash,fa4,raw_flex \
+      --md "$out/generalization_rows_${gpu}_r42.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  tests)
+    run "gpu_tests_dropin_decode_${gpu}_r42" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_dropin_gpu.py tests/gpu/test_decode_gpu.py
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac

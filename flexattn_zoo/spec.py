@@ -76,10 +76,11 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     klass = dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=True)(cls)
     init = klass.__init__
 
-    def build(self: Any, *args: Any, **kwargs: Any) -> None:
+    def build(self: Any, compiling: bool, *args: Any, **kwargs: Any) -> None:
         _refuse_dtensors(klass.__name__, kwargs)
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
-        _take_ownership(self)
+        if compiling or not _settle_plain(self):
+            _take_ownership(self)
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -88,14 +89,14 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
         if inference and type(self) in _HOLDS_TENSORS:
             # Not as inference tensors: caches keyed by the spec's value hand its tensors (and
             # what __post_init__ derives from them) to later calls, training ones too.
-            _compat.outside_inference_mode(lambda: build(self, *args, **kwargs))
+            _compat.outside_inference_mode(lambda: build(self, compiling, *args, **kwargs))
         else:
-            build(self, *args, **kwargs)
+            build(self, compiling, *args, **kwargs)
             if inference and _holds_inference_tensor(self):
                 # Built again outside inference mode; and so from now on for this class (leaving
                 # inference mode costs microseconds a spec without tensors need not pay).
                 _HOLDS_TENSORS.add(type(self))
-                _compat.outside_inference_mode(lambda: build(self, *args, **kwargs))
+                _compat.outside_inference_mode(lambda: build(self, compiling, *args, **kwargs))
         if compiling:
             # Made inside a graph being traced: see graph_memo.
             object.__setattr__(self, "_graph_memo", {})
@@ -235,6 +236,26 @@ def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
                 "DTensor call re-bases them to each shard's batch rows and heads): pass "
                 f"{name}.full_tensor() (the same on every rank)"
             )
+
+
+def _settle_plain(spec: Any) -> bool:
+    """For a freshly built spec whose parameters are all Python numbers, strings or None (a
+    ``Causal()`` or ``SlidingWindow(left=...)`` built anew for every call), fill in at once what
+    its first use would otherwise work out field by field: its plain key, and that it holds no
+    callable and no learned tensor (nor any tensor to own). Returns whether it did. Eager calls
+    only: a spec built while torch.compile traces leaves its per-instance caches alone."""
+    if type(spec)._fields is not Spec._fields:
+        return False  # the class compares more than its parameters (e.g. the device it is bound to)
+    values = spec.__dict__
+    names = _FIELD_NAMES.get(type(spec))
+    params = [values.get(name) for name in (_field_names(spec) if names is None else names)]
+    for value in params:
+        if type(value) not in _PLAIN_TYPES:
+            return False
+    values["_plain_key_value"] = (type(spec), *params)
+    values["_holds_callables_value"] = False
+    values["_holds_learned_value"] = False
+    return True
 
 
 def _take_ownership(spec: Any) -> None:

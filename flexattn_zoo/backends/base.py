@@ -101,17 +101,27 @@ def is_dense_block(t: torch.Tensor, traced: bool | None = None) -> bool:
     last dim is 100 is a dense block, but not an aligned one. While torch.compile traces, the start
     is not read: Dynamo cannot trace ``data_ptr`` (a traced call keeps what the graph gives it).
     ``traced``: whether torch.compile traces this call, where the caller knows it (None: asked here)."""
+    if not dense_block_strides(t):
+        return False
+    if t.is_cuda:
+        if traced is None:
+            traced = _compat.is_compiling()
+        return traced or not t.data_ptr() % 16
+    return True
+
+
+def dense_block_strides(t: torch.Tensor) -> bool:
+    """:func:`is_dense_block` by ``t``'s shape, strides and dtype alone, i.e. all of it but the
+    alignment of its start on CUDA: the same for every tensor of the same shape, strides, dtype
+    and device type."""
     shape, strides = t.shape, t.stride()
     if shape[3] > 1 and strides[3] != 1:
         return False
     if t.is_cuda:
         size = t.element_size()
-        if traced is None:
-            traced = _compat.is_compiling()
-        if (not traced and t.data_ptr() % 16) or any(
-            n > 1 and s * size % 16 for n, s in zip(shape[:3], strides[:3], strict=True)
-        ):
-            return False
+        for n, s in zip(shape[:3], strides[:3], strict=True):
+            if n > 1 and s * size % 16:
+                return False
     for order in ((2, 1, 0), (1, 2, 0)):  # innermost first, after D
         span = shape[3]  # elements from a row's first to one past its last
         for dim in order:
@@ -123,6 +133,22 @@ def is_dense_block(t: torch.Tensor, traced: bool | None = None) -> bool:
         else:
             return True
     return False
+
+
+def copies_by_strides(t: torch.Tensor) -> bool:
+    """Whether :func:`fused_layout` copies ``t`` whatever its start: neither contiguous nor a
+    dense block by its strides (:func:`dense_block_strides`). The same for every tensor of the
+    same shape, strides, dtype and device type, so a call bound to those decides it once and
+    leaves :func:`laid_out` only the start to check."""
+    return not (t.is_contiguous() or dense_block_strides(t))
+
+
+def laid_out(t: torch.Tensor, copies: bool) -> torch.Tensor:
+    """:func:`fused_layout` of an eager call's ``t`` given ``copies_by_strides(t)``: a contiguous
+    copy when it copies, or when ``t`` is on CUDA and starts off a 16-byte boundary; else ``t``."""
+    if copies or (t.is_cuda and t.data_ptr() % 16):
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def prefixes_are_dense_blocks(cache: torch.Tensor) -> bool:

@@ -41,10 +41,12 @@ from flexattn_zoo.backends.base import (
     LOW_PRECISION,
     Backend,
     BoundCall,
+    copies_by_strides,
     cpu_flash_reasons,
     cuda_kernel_reasons,
     expand_kv_heads,
     fused_layout,
+    laid_out,
 )
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
@@ -161,6 +163,9 @@ class SdpaBackend(Backend):
         adaptive = repeated != kernels
         seen = [0]  # calls of this bound call (eager, not captured)
         warm = [False]  # whether ``repeated`` ran eagerly (so a CUDA graph may capture it)
+        # Eager: which of q, k, v fused_layout copies by their strides alone, decided on the first
+        # call (the plan cache binds a call per key, which holds the exact shapes and strides).
+        copies: list[tuple[bool, bool, bool] | None] = [None]
 
         def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
             attn_mask = None
@@ -194,7 +199,13 @@ class SdpaBackend(Backend):
             if chunk:
                 q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
             if fused and not view_ok:
-                q, k, v = fused_layout(q, traced), fused_layout(k, traced), fused_layout(v, traced)
+                if eager:
+                    plan = copies[0]
+                    if plan is None:
+                        plan = copies[0] = (copies_by_strides(q), copies_by_strides(k), copies_by_strides(v))
+                    q, k, v = laid_out(q, plan[0]), laid_out(k, plan[1]), laid_out(v, plan[2])
+                else:
+                    q, k, v = fused_layout(q, traced), fused_layout(k, traced), fused_layout(v, traced)
             enabled = kernels
             capturing = False
             if adaptive and not traced:

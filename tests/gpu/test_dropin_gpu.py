@@ -90,6 +90,23 @@ def test_inputs_starting_off_a_16_byte_boundary(route: str, mask: str | None) ->
     _fwd_bwd_check(q, k, v, route, mask=mask)
 
 
+@pytest.mark.parametrize("route", [r for r in ROUTES if r == "auto" or r.startswith("sdpa")])
+def test_a_misaligned_start_after_aligned_calls_of_the_same_strides(route: str) -> None:
+    """A cache prefix (``cache[:, :, :n]``, read in place) starting on a 16-byte boundary, then
+    one of the same shape and strides starting 2 bytes past it: the second call is a plan-cache
+    hit whose bound SDPA call decided its layout on the first, and must still copy the
+    misaligned one (the fused kernels faulted on it) and match float64."""
+    g = torch.Generator(device=DEV).manual_seed(13)
+    q = torch.randn(B, H, 1, D, device=DEV, dtype=torch.bfloat16, generator=g)
+    for offset in (0, 1, 0):
+        flat = torch.randn(B * H * 2 * L * D + 1, device=DEV, dtype=torch.bfloat16, generator=g)
+        cache = flat[offset : offset + B * H * 2 * L * D].view(B, H, 2 * L, D)
+        k = v = cache[:, :, :L]
+        assert (k.data_ptr() % 16 != 0) is bool(offset)
+        out = fz.attention(q, k, v, backend=route)
+        assert_matches_reference(out, q, k, v)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("which", ["full", "key_padding", "two_d", "causal_tensor"])
 def test_bool_tensor_masks(route: str, which: str) -> None:

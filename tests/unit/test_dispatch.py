@@ -866,11 +866,28 @@ def _views() -> dict[str, tuple[torch.Tensor, bool]]:
 
 @pytest.mark.parametrize("name", list(_views()))
 def test_fused_sdpa_kernels_read_dense_blocks_without_a_copy(name: str) -> None:
-    from flexattn_zoo.backends.base import fused_layout, is_dense_block
+    from flexattn_zoo.backends.base import copies_by_strides, fused_layout, is_dense_block, laid_out
 
     view, dense = _views()[name]
     assert is_dense_block(view) is dense or view.is_contiguous()
     assert (fused_layout(view) is view) is (dense or view.is_contiguous())
+    # What a bound SDPA call decides once per shape and strides, and then does per call.
+    assert copies_by_strides(view) is not (dense or view.is_contiguous())
+    laid = laid_out(view, copies_by_strides(view))
+    assert (laid is view) is (dense or view.is_contiguous())
+    assert laid.is_contiguous() or laid is view
+    assert torch.equal(laid, view)
+
+
+@pytest.mark.parametrize("name", list(_views()))
+def test_repeated_calls_on_views_match_the_reference(name: str) -> None:
+    # Every call below runs the bound SDPA call the plan cache keeps for these shapes and strides
+    # (the second one a hit), which decides on its first call which inputs the kernel reads as
+    # they are: broadcast, overlapping and D-strided views must be copied every time.
+    view = _views()[name][0]
+    for _ in range(2):
+        out = fz.attention(view, view, view, backend="sdpa_flash")
+        assert_matches_reference(out, view, view, view)
 
 
 @pytest.mark.parametrize("name", ["cache prefix", "bshd prefix", "every other row", "one query row"])

@@ -427,6 +427,35 @@ def test_plain_keys_agree_with_spec_equality() -> None:
     assert masks.SlidingWindow(left=3).plain_key() != masks.SlidingWindow(left=4).plain_key()
 
 
+def test_what_a_new_spec_settles_when_built_is_what_its_first_use_works_out() -> None:
+    """A spec whose parameters are plain values gets its plain key and its "no callable, no
+    learned tensor" answers when built (a spec built anew for every call); they must be exactly
+    what the field-by-field computations give, over every registered example."""
+    import dataclasses
+
+    from flexattn_zoo.spec import _plain
+    from flexattn_zoo.testing import spec_examples
+
+    specs = [s for _, s in spec_examples("mask", 64, 64, batch=2, heads=4)]
+    specs += [s for _, s in spec_examples("score", 64, 64, batch=2, heads=4)]
+    specs += [masks.SlidingWindow(left=3) & masks.Causal(), masks.Causal(), masks.SlidingWindow(left=2**40)]
+    settled = 0
+    for spec in specs:
+        fresh = dataclasses.replace(spec)
+        caches = ("_plain_key_value", "_holds_callables_value", "_holds_learned_value")
+        found = {name: fresh.__dict__.get(name) for name in caches}
+        settled += found["_plain_key_value"] is not None
+        for name in caches:
+            fresh.__dict__.pop(name, None)
+        assert fresh.plain_key() == _plain(fresh), spec
+        if found["_plain_key_value"] is not None:
+            assert found["_plain_key_value"] == fresh.plain_key(), spec
+            assert found["_holds_callables_value"] is fresh._holds_callables() is False, spec
+            assert found["_holds_learned_value"] is fresh._holds_learned() is False, spec
+            assert fresh.tensors() == [], spec
+    assert settled >= 10
+
+
 def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
     q, k, v = _qkv()
     fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())
