@@ -8,12 +8,13 @@ noisy host moves them alike), on a tiny problem whose kernel is short next to th
   called directly (``CompiledFlex._fn``), through ``CompiledFlex.__call__``, ``FlexCall.launch``,
   the plan cache's bound call, and ``fz.attention``;
 * SDPA route (``mask="causal"``): ``F.scaled_dot_product_attention`` with the kernel the route
-  pins, the bound call, and ``fz.attention``;
+  pins, the bound call, ``fz.attention``, and ``fz.attention`` with a spec built anew per call
+  (``SlidingWindow(left=L - 1)``, SDPA's causal form);
 * the dispatcher alone: ``fz.attention`` whose cached bound call is replaced by a no-op (for
   ``Causal`` and, on an entry of its own, the flex route's mask kind), and the call key with its
   lookup;
-* a decode step (one query against a cache, a new length each call): SDPA on the live prefix and
-  ``fz.decode.decode_step``;
+* a decode step (one query against a cache, a new length each call): SDPA on the live prefix,
+  ``fz.decode.decode_step`` and ``fz.attention`` on the prefix slices;
 * what a decode step could launch instead (``decode-kernels``, CUDA): the two prefix slices alone,
   SDPA under the kernel pin ``decode_step`` sets, and torch's FlashAttention-2 and
   memory-efficient SDPA ops called directly on the slices.
@@ -143,6 +144,10 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         n = next_len()
         return F.scaled_dot_product_attention(q1, k_cache[:, :, :n], v_cache[:, :, :n])
 
+    def decode_fz() -> Any:
+        n = next_len()
+        return fz.attention(q1, k_cache[:, :, :n], v_cache[:, :, :n])
+
     aten = torch.ops.aten
 
     def decode_pinned() -> Any:
@@ -192,6 +197,10 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         f"sdpa: the same under sdpa_kernel({sdpa_hit.plan.backend}'s kernel)": plain_sdpa,
         "sdpa: bound call (plan-cache hit's run)": lambda: sdpa_hit.run(q, k, v, sdpa_hit.scale),
         'sdpa: fz.attention(mask="causal")': lambda: fz.attention(q, k, v, mask="causal"),
+        # A causal window over the whole length: SDPA's is_causal form, built anew per call.
+        "sdpa: fz.attention(mask=SlidingWindow(left=L - 1)), a new spec per call": lambda: fz.attention(
+            q, k, v, mask=masks.SlidingWindow(left=shape[2] - 1)
+        ),
         "dispatcher: fz.attention, no-op route": lambda: fz.attention(q, k, v, mask=causal_spec),
         "dispatcher: call_key + lookup, SlidingWindow & Causal": sliding_key_lookup,
         "dispatcher: fz.attention(SlidingWindow & Causal), no-op route": lambda: fz.attention(
@@ -201,6 +210,7 @@ def layers(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         "decode: fz.decode.decode_step(q1, cache, cache, n)": lambda: fz.decode.decode_step(
             q1, k_cache, v_cache, next_len()
         ),
+        "decode: fz.attention(q1, cache[:, :, :n])": decode_fz,
         **decode_kernels,
     }
 
