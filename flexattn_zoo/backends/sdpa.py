@@ -200,10 +200,10 @@ class SdpaBackend(Backend):
                 q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
             if fused and not view_ok:
                 if eager:
-                    plan = copies[0]
-                    if plan is None:
-                        plan = copies[0] = (copies_by_strides(q), copies_by_strides(k), copies_by_strides(v))
-                    q, k, v = laid_out(q, plan[0]), laid_out(k, plan[1]), laid_out(v, plan[2])
+                    flags = copies[0]
+                    if flags is None:
+                        flags = copies[0] = (copies_by_strides(q), copies_by_strides(k), copies_by_strides(v))
+                    q, k, v = laid_out(q, flags[0]), laid_out(k, flags[1]), laid_out(v, flags[2])
                 else:
                     q, k, v = fused_layout(q, traced), fused_layout(k, traced), fused_layout(v, traced)
             enabled = kernels
