@@ -243,22 +243,30 @@ def test_unused_lse_costs_no_second_backward(emulated: None, monkeypatch: pytest
     assert len(calls) == 1
 
 
+class _RecordedPacket:
+    """Stands in for an op's ``torch.ops`` packet: records its calls and passes every attribute
+    (``.default``, the schema) through to the real one, which torch itself looks up by name
+    while dispatching (a dispatch mode resolves ``torch.ops.flexattn_zoo.fa4_fwd.default``)."""
+
+    def __init__(self, name: str, real: Any, calls: list[str]) -> None:
+        self._name, self._real, self._calls = name, real, calls
+
+    def __call__(self, *args: Any) -> Any:
+        self._calls.append(self._name)
+        return self._real(*args)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._real, attr)
+
+
 @contextlib.contextmanager
 def _recorded_ops() -> Iterator[list[str]]:
     """Record calls of ``torch.ops.flexattn_zoo.fa4_fwd`` / ``fa4_bwd`` (still run)."""
     calls: list[str] = []
     real = {name: getattr(torch.ops.flexattn_zoo, name) for name in ("fa4_fwd", "fa4_bwd")}
-
-    def recording(name: str) -> Any:
-        def call(*args: Any) -> Any:
-            calls.append(name)
-            return real[name](*args)
-
-        return call
-
     try:
-        for name in real:
-            setattr(torch.ops.flexattn_zoo, name, recording(name))
+        for name, op in real.items():
+            setattr(torch.ops.flexattn_zoo, name, _RecordedPacket(name, op, calls))
         yield calls
     finally:
         for name, op in real.items():
