@@ -36,7 +36,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import generation
-from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Backend
+from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Backend, BoundCall
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
@@ -104,39 +104,57 @@ class FlashAttn4Backend(Backend):
         scale: float,
         block_mask: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b, h, lq, d = q.shape
-        layout = segment_layout(p.mask, b, lq)
-        assert layout is not None  # mask_reasons refused masks without one
-        kind, chunk, window = layout
-        softcap = _softcap(p)
+        return _launcher(p, q.shape[0], q.shape[2])(q, k, v, scale)
+
+    def bound_run(self, p: Problem, device: torch.device) -> BoundCall:
+        """:meth:`run` for ``p`` with its segment layout, window and soft-cap worked out once (a
+        plan-cache hit runs only the views, the kernel and the result's views)."""
+        return _launcher(p, p.batch, p.q_len)
+
+
+#: What a launch returns: ``out`` and, when the problem asks for it, the lse.
+Launched = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _launcher(p: Problem, batch: int, length: int) -> BoundCall:
+    """The call of ``p`` (``batch`` rows of ``length`` queries) as a function of ``(q, k, v, scale)``;
+    sizes are read from the tensors at each call (symbolic ones too, while traced)."""
+    layout = segment_layout(p.mask, batch, length)
+    assert layout is not None  # mask_reasons refused masks without one
+    kind, chunk, window = layout
+    softcap = _softcap(p)
+    return_lse = p.return_lse
+
+    def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Launched:
+        b, h, lq = q.shape[0], q.shape[1], q.shape[2]
+        seqs = cu_seqlens(p.mask, b, lq, lq, str(q.device))
+        # FA4 takes [tokens, heads, dim]; ours are [B, H, L, D] views of either layout.
+        qt, kt, vt = (t.transpose(1, 2).reshape(b * lq, t.shape[1], t.shape[3]) for t in (q, k, v))
+        out, lse = fa4_attention(
+            qt, kt, vt, scale=scale, softcap=softcap, window=window, cu_seqlens=seqs.cu_q,
+            max_seqlen=seqs.max_q,
+        )  # fmt: skip
+        out = out.view(b, lq, h, out.shape[-1]).transpose(1, 2)
+        return out, (lse.view(h, b, lq).transpose(0, 1) if return_lse else None)
+
+    def batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Launched:
+        b, h, lq = q.shape[0], q.shape[1], q.shape[2]
         # FA4 takes [batch, seq, heads, dim]; ours are [B, H, L, D] views of either layout.
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        if kind == "packed":
-            seqs = cu_seqlens(p.mask, b, lq, lq, str(q.device))
-            packed = [t.reshape(b * lq, t.shape[2], t.shape[3]) for t in (qt, kt, vt)]
-            out, lse = fa4_attention(
-                *packed,
-                scale=scale,
-                softcap=softcap,
-                window=window,
-                cu_seqlens=seqs.cu_q,
-                max_seqlen=seqs.max_q,
-            )
-            out = out.view(b, lq, h, out.shape[-1]).transpose(1, 2)
-            return out, (lse.view(h, b, lq).transpose(0, 1) if p.return_lse else None)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         n = lq // chunk if kind == "chunks" else 1
-        batched = (
-            [t.reshape(b * n, lq // n, t.shape[2], t.shape[3]) for t in (qt, kt, vt)]
-            if n > 1
-            else [qt, kt, vt]
-        )
-        out, lse = fa4_attention(*batched, scale=scale, softcap=softcap, window=window)
-        out = out.reshape(b, lq, h, out.shape[-1]).transpose(1, 2)
-        if not p.return_lse:
+        if n > 1:  # each chunk its own batch row
+            qt, kt, vt = (t.reshape(b * n, lq // n, t.shape[2], t.shape[3]) for t in (qt, kt, vt))
+        out, lse = fa4_attention(qt, kt, vt, scale=scale, softcap=softcap, window=window)
+        if n > 1:
+            out = out.reshape(b, lq, h, out.shape[-1])
+        out = out.transpose(1, 2)
+        if not return_lse:
             return out, None
         if n > 1:  # [B*n, H, c] -> [B, H, n*c]
             lse = lse.view(b, n, h, lq // n).permute(0, 2, 1, 3).reshape(b, h, lq)
         return out, lse
+
+    return packed if kind == "packed" else batched
 
 
 __all__ = ["FA4", "VALUE_DIM_PAIRS", "FlashAttn4Backend", "fa4_window"]

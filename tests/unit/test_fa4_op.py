@@ -8,6 +8,7 @@ not by autograd), so the lse-gradient call is checked against the reference for 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -397,6 +398,35 @@ def test_route_layouts_match_the_reference(emulated: None, case: str) -> None:
     want = torch.autograd.grad((ref_out * go).sum() + (ref_lse * gl).sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_bound_route_calls_match_the_route(emulated: None, case: str, return_lse: bool) -> None:
+    """The call the plan cache keeps (``bind``: the layout, window and soft-cap worked out once)
+    gives what the route's ``run`` gives, call after call, output, lse and gradients."""
+    mask, batch, length, score = ROUTE_CASES[case]
+    p = dataclasses.replace(_problem(mask, batch, length, score), return_lse=return_lse)
+    bound = FA4.bind(p, torch.device("cpu"))
+    for _ in range(2):
+        q, k, v = _route_inputs(batch, length)
+        out, lse = bound(q, k, v, 0.3)
+        want_out, want_lse = FA4.run(q, k, v, p, scale=0.3)
+        torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+        assert out.shape == want_out.shape and out.stride() == want_out.stride()
+        ref_score = score_mods.SoftCap(cap=score.cap) if score is not None else None  # exact tanh
+        ref = reference_attention(q, k, v, mask=mask, score_mod=ref_score, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(out, ref)
+        if return_lse:
+            assert lse is not None and want_lse is not None
+            torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+        else:
+            assert lse is None and want_lse is None
+        go = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), go)
+        want = torch.autograd.grad(want_out, (q, k, v), go)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 # -- inside torch.compile ------------------------------------------------------------------------
