@@ -17,8 +17,9 @@
 #   bash benchmarks/gpu_session_r42.sh rows 200       # (FA4 installed) every route of the two cases
 #                    # whose tuned rows fell below 0.97 against older route rows, with auto and
 #                    # auto_tuned, in one process (merge into generalization_h200.json)
-#   bash benchmarks/gpu_session_r42.sh tests 200      # the drop-in and decoding GPU tests (the SDPA
-#                    # bound call's layout decided once per shape and strides)
+#   bash benchmarks/gpu_session_r42.sh tests 300      # the drop-in and decoding GPU tests (the SDPA
+#                    # bound call's layout decided once per shape and strides), then the fa4
+#                    # route's tests (its bound call restructured; FA4 installed)
 set -uo pipefail
 step="${1:?usage: $0 tuned|host|gathers|mla|rows|tests [BUDGET_S]}"
 budget="${2:-200}"
@@ -59,8 +60,11 @@ case "$step" in
       --md "$out/generalization_rows_${gpu}_r42.md" --quiet --time-budget "$(( $(left) - 30 ))"
     ;;
   tests)
-    run "gpu_tests_dropin_decode_${gpu}_r42" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+    run "gpu_tests_dropin_decode_${gpu}_r42" "$(share 60)" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 4 tests/gpu/test_dropin_gpu.py tests/gpu/test_decode_gpu.py
+    # The fa4 route's restructured bound call (FA4 installed: otherwise these skip).
+    run "gpu_tests_fa4_route_${gpu}_r42" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k fa4
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
