@@ -4,7 +4,10 @@ FA4's kernels are replaced by functions that return preallocated tensors, so wha
 only the layer between ``fa4_attention`` and the kernels: the ``flexattn_zoo::fa4_fwd`` /
 ``fa4_bwd`` custom ops (dispatcher, autograd registration) against the eager path plain calls
 take (an ``autograd.Function`` around the same implementations). Forward without grad, and
-forward + backward. Median of interleaved rounds, us per call.
+forward + backward. Then the ``fa4`` route's own layer above it, forward without grad on the
+route's ``[B, H, L, D]`` views with ``mask=Causal()``: its ``run`` (what a call planned in full
+runs) and its bound call (what a plan-cache hit runs: ``Backend.bind``). Median of interleaved
+rounds, us per call.
 
     PYTHONPATH=. python benchmarks/fa4_op_overhead_probe.py [--rounds 20 --chunk 200]
 """
@@ -19,7 +22,9 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo import dispatch, masks
 from flexattn_zoo.backends import fa4_op
+from flexattn_zoo.backends.fa4 import FA4
 
 
 def main() -> None:
@@ -51,11 +56,24 @@ def main() -> None:
 
         return call
 
+    qh = q.detach().transpose(1, 2)  # the route's [B, H, L, D] view
+    problem, _ = dispatch._problem(qh, qh, qh, masks.Causal(), None, False, False, None, None)
+    bound = FA4.bind(problem, torch.device("cpu"))
+
+    def route(call: Callable[[], Any]) -> Callable[[], Any]:
+        def timed() -> Any:
+            fa4_op._plain_eager = real
+            return call()
+
+        return timed
+
     calls = {
         "forward, op": forward(False),
         "forward, eager path": forward(True),
         "forward + backward, op": training(False),
         "forward + backward, eager path": training(True),
+        "forward, fa4 route: run": route(lambda: FA4.run(qh, qh, qh, problem, scale=0.25)),
+        "forward, fa4 route: bound call": route(lambda: bound(qh, qh, qh, 0.25)),
     }
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
