@@ -1,6 +1,6 @@
 # Helpers shared by the gpu_session_rNN.sh step scripts (sourced, not run, from the repository
 # root). The caller sets `session` (e.g. r28), `step`, `budget` (seconds) and `OUT`; `start`
-# (epoch seconds) defaults to now. Outputs go into $OUT/$session/, packed into
+# (epoch seconds) defaults to now. Outputs go into $OUT/$session/, packed into `share PERCENT` gives that part of the budget in seconds.
 # $OUT/${session}_${step}.tar after every sub-step (a device call brings back only a few files).
 out="${OUT:?set OUT}/${session:?set session}"
 mkdir -p "$out"
@@ -24,3 +24,4 @@ run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status 
   pack
 }
 left() { echo $(( budget - ($(date +%s) - start) )); }
+share() { echo $(( budget * $1 / 100 )); }  # share PERCENT: that part of the budget, in seconds

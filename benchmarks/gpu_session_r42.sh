@@ -26,7 +26,6 @@ budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r42
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-share() { echo $(( budget * $1 / 100 )); }  # share PERCENT: that part of the budget, in seconds
 
 case "$step" in
   tuned)
