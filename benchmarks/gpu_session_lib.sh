@@ -1,7 +1,8 @@
 # Helpers shared by the gpu_session_rNN.sh step scripts (sourced, not run, from the repository
 # root). The caller sets `session` (e.g. r28), `step`, `budget` (seconds) and `OUT`; `start`
-# (epoch seconds) defaults to now. Outputs go into $OUT/$session/, packed into `share PERCENT` gives that part of the budget in seconds.
+# (epoch seconds) defaults to now. Outputs go into $OUT/$session/, packed into
 # $OUT/${session}_${step}.tar after every sub-step (a device call brings back only a few files).
+# `left` is the budget's seconds still left, `share PERCENT` that part of the whole budget.
 out="${OUT:?set OUT}/${session:?set session}"
 mkdir -p "$out"
 start="${start:-$(date +%s)}"
