@@ -10,9 +10,11 @@ rows, not totals with benchmarks/host_cost.py).
 
 With ``--example NAME`` (a registered mask, at ``--shape B,H,L,D``): that zoo entry's typical
 example on the flex route next to the same compiled flex call with a BlockMask prebuilt from its
-mask_mod, instead of the default pairs.
+mask_mod, instead of the default pairs. ``--route flex_flash`` (flash-attn-4 installed) profiles that
+route instead, beside compiled flex with ``kernel_options={"BACKEND": "FLASH"}``.
 
     PYTHONPATH=. python benchmarks/host_profile_probe.py --device cuda --example natten --shape 2,16,4096,128
+    PYTHONPATH=. python benchmarks/host_profile_probe.py --example block_select --route flex_flash --shape 2,16,4096,128
 
 With ``--fa4 B,H,HKV,LQ,LKV,D`` (CUDA, flash-attn-4 installed): FA4's own ``flash_attn_func`` on
 ``[B, L, H, D]`` views beside ``fz.attention(backend="fa4")``, no mask, forward without grad, then
@@ -64,7 +66,7 @@ def profile_example(name: str, shape: tuple[int, ...], dev: torch.device, dtype:
     b, h, length, d = shape
     spec = registry.MASKS.entry(name).factory.typical_example(length, length, b, h)
     q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
-    route = "flex" if dev.type == "cuda" else "flex_cpu"
+    route = args.route or ("flex" if dev.type == "cuda" else "flex_cpu")
     mod = spec.mask_mod()
     bm = create_block_mask(
         mod, b if spec.uses_batch() else None, h if spec.uses_head() else None, length, length, device=dev
@@ -77,9 +79,10 @@ def profile_flex_pair(qkv, bm, spec, route: str, label: str, args) -> None:  # t
     """Compiled flex on the prebuilt BlockMask ``bm``, then ``fz.attention`` with ``spec`` on ``route``."""
     q, k, v = qkv
     compiled = torch.compile(flex_attention)
+    options = {"BACKEND": "FLASH"} if route == "flex_flash" else None
     profile(
-        "torch.compile(flex_attention), prebuilt BlockMask",
-        lambda: compiled(q, k, v, block_mask=bm),
+        f"torch.compile(flex_attention), prebuilt BlockMask, kernel_options={options}",
+        lambda: compiled(q, k, v, block_mask=bm, kernel_options=options),
         args.calls,
         args.top,
     )
@@ -141,6 +144,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--example", default=None, help="a registered mask: profile its typical example")
     p.add_argument("--shape", default="2,16,4096,128", help="B,H,L,D for --example")
+    p.add_argument("--route", default=None, help="with --example: the route (default flex, flex_cpu on CPU)")
     p.add_argument("--fa4", default=None, help="B,H,HKV,LQ,LKV,D: FA4's own call beside the fa4 route")
     p.add_argument("--fa4-grad", action="store_true", help="with --fa4: forward + backward")
     p.add_argument("--decode", action="store_true", help="one query over cycling cache prefixes")

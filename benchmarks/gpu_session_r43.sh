@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# GPU steps of the forty-third session. One step per argument, under its own time limit; outputs go
+# into $OUT/r43/ (names carry the card, `$gpu` from gpu_session_lib.sh), packed into $OUT/r43_STEP.tar
+# after every sub-step. FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh
+# session).
+#
+#   bash benchmarks/gpu_session_r43.sh tests 300      # the drop-in and decoding GPU tests (the SDPA
+#                    # bound call's layout decided once per shape and strides), then the fa4
+#                    # route's tests (its bound call restructured; FA4 installed)
+#   bash benchmarks/gpu_session_r43.sh host 130       # the host table on the current code
+#   bash benchmarks/gpu_session_r43.sh ffprofile 150  # (FA4 installed) where flex_flash's eager host
+#                    # time goes: block_select and dilated_sliding_window forwards on flex_flash
+#                    # beside compiled flex with BACKEND="FLASH" on a prebuilt BlockMask
+#   bash benchmarks/gpu_session_r43.sh rows 200       # (FA4 installed) every route of the two cases
+#                    # whose tuned rows fell below 0.97 against older route rows, with auto and
+#                    # auto_tuned, in one process (merge into generalization_h200.json)
+set -uo pipefail
+step="${1:?usage: $0 tests|host|ffprofile|rows [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r43
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+
+case "$step" in
+  tests)
+    run "gpu_tests_dropin_decode_${gpu}_r43" "$(share 60)" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_dropin_gpu.py tests/gpu/test_decode_gpu.py
+    run "gpu_tests_fa4_route_${gpu}_r43" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k fa4
+    ;;
+  host)
+    run "host_cost_${gpu}_r43" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_${gpu}_r43.md"
+    ;;
+  ffprofile)
+    for example in block_select dilated_sliding_window; do
+      run "host_profile_flex_flash_${example}_${gpu}_r43" "$(share 48)" python3 benchmarks/host_profile_probe.py \
+        --device cuda --example "$example" --route flex_flash --shape 2,16,4096,128 --calls 500 --top 40
+    done
+    ;;
+  rows)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_rows_${gpu}.json"
+    run "generalization_rows_${gpu}_r43" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_rows_${gpu}.json" --cases llama32_3b_l2048_b4,bert_base_l128_b128 \
+      --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_split,varlen,flex,flex_flash,fa4,raw_flex \
+      --md "$out/generalization_rows_${gpu}_r43.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
