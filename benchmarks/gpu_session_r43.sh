@@ -8,8 +8,8 @@
 #                    # bound call's layout decided once per shape and strides), then the fa4
 #                    # route's tests (its bound call restructured; FA4 installed)
 #   bash benchmarks/gpu_session_r43.sh host 130       # the host table on the current code
-#   bash benchmarks/gpu_session_r43.sh ffprofile 150  # (FA4 installed) where flex_flash's eager host
-#                    # time goes: block_select and dilated_sliding_window forwards on flex_flash
+#   bash benchmarks/gpu_session_r43.sh ffprofile 150  # (FA4 installed) where the decode rows' and
+#                    # flex_flash's eager host time goes: host_profile_probe.py --decode, then block_select and dilated_sliding_window forwards on flex_flash
 #                    # beside compiled flex with BACKEND="FLASH" on a prebuilt BlockMask
 #   bash benchmarks/gpu_session_r43.sh rows 200       # (FA4 installed) every route of the two cases
 #                    # whose tuned rows fell below 0.97 against older route rows, with auto and
@@ -33,8 +33,9 @@ case "$step" in
       --out "$out/host_cost_${gpu}_r43.md"
     ;;
   ffprofile)
+    run "host_profile_decode_${gpu}_r43" "$(share 30)" python3 benchmarks/host_profile_probe.py --device cuda --decode --calls 2000 --top 35
     for example in block_select dilated_sliding_window; do
-      run "host_profile_flex_flash_${example}_${gpu}_r43" "$(share 48)" python3 benchmarks/host_profile_probe.py \
+      run "host_profile_flex_flash_${example}_${gpu}_r43" "$(share 33)" python3 benchmarks/host_profile_probe.py \
         --device cuda --example "$example" --route flex_flash --shape 2,16,4096,128 --calls 500 --top 40
     done
     ;;

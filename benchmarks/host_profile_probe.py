@@ -24,7 +24,8 @@ forward + backward (``--fa4-grad``).
 
 With ``--decode``: one query per row against the live prefix of a KV cache (B=1, H=8, D=64, a
 cache of 2048 keys, the prefix length cycling over 64 values, as ``benchmarks/host_cost.py``'s
-``decode`` group): plain SDPA on the slices beside ``fz.attention`` on the same slices.
+``decode`` group): plain SDPA on the slices beside ``fz.attention`` on the same slices, then
+``decode_step`` on the flex route (``decode-flex``).
 
     PYTHONPATH=. python benchmarks/host_profile_probe.py --device cuda --decode
 """
@@ -132,9 +133,15 @@ def profile_decode(dev: torch.device, dtype: torch.dtype, args) -> None:  # type
         n = length()
         return fz.attention(q1, cache[:, :, :n], cache[:, :, :n])
 
+    route = "flex" if dev.type == "cuda" else "flex_cpu"
+
+    def step_flex():  # type: ignore[no-untyped-def]
+        return fz.decode.decode_step(q1, cache, cache, length(), backend=route)
+
     print(f"# decode: B=1 H=8 D=64 {dtype} on {dev}, one query over 1024-1087 cached keys\n")
     profile("F.scaled_dot_product_attention(q1, cache[:, :, :n])", plain, args.calls, args.top)
     profile("fz.attention(q1, cache[:, :, :n])", ours, args.calls, args.top)
+    profile(f'fz.decode.decode_step(q1, cache, cache, n, backend="{route}")', step_flex, args.calls, args.top)
 
 
 def main() -> None:
