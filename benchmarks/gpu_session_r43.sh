@@ -11,11 +11,14 @@
 #   bash benchmarks/gpu_session_r43.sh ffprofile 150  # (FA4 installed) where the decode rows' and
 #                    # flex_flash's eager host time goes: host_profile_probe.py --decode, then block_select and dilated_sliding_window forwards on flex_flash
 #                    # beside compiled flex with BACKEND="FLASH" on a prebuilt BlockMask
+#   bash benchmarks/gpu_session_r43.sh ffpair 300     # (FA4 installed) device and host time of
+#                    # flex_flash vs hand-written FLASH / Triton flex on the same masks, each call
+#                    # timed alone (flex_flash_pair_probe.py; ffprofile's cProfile saw the launch wait)
 #   bash benchmarks/gpu_session_r43.sh rows 200       # (FA4 installed) every route of the two cases
 #                    # whose tuned rows fell below 0.97 against older route rows, with auto and
 #                    # auto_tuned, in one process (merge into generalization_h200.json)
 set -uo pipefail
-step="${1:?usage: $0 tests|host|ffprofile|rows [BUDGET_S]}"
+step="${1:?usage: $0 tests|host|ffprofile|ffpair|rows [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r43
@@ -38,6 +41,9 @@ case "$step" in
       run "host_profile_flex_flash_${example}_${gpu}_r43" "$(share 33)" python3 benchmarks/host_profile_probe.py \
         --device cuda --example "$example" --route flex_flash --shape 2,16,4096,128 --calls 500 --top 40
     done
+    ;;
+  ffpair)
+    run "flex_flash_pair_probe_${gpu}_r43" "$(( $(left) - 5 ))" python3 benchmarks/flex_flash_pair_probe.py
     ;;
   rows)
     cp benchmarks/results/generalization_h200.json "$out/generalization_rows_${gpu}.json"

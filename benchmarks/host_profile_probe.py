@@ -65,7 +65,7 @@ def profile(name: str, call, calls: int, top: int) -> None:  # type: ignore[no-u
 
 def profile_example(name: str, shape: tuple[int, ...], dev: torch.device, dtype: torch.dtype, args) -> None:  # type: ignore[no-untyped-def]
     b, h, length, d = shape
-    spec = registry.MASKS.entry(name).factory.typical_example(length, length, b, h)
+    spec = registry.MASKS.entry(name).factory.typical_example(length, length, b, h).to(dev)
     q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
     route = args.route or ("flex" if dev.type == "cuda" else "flex_cpu")
     mod = spec.mask_mod()
