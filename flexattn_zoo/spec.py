@@ -230,6 +230,8 @@ def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
     if dtensor is None:
         return  # nothing imported DTensor: no argument can be one
     for name, value in fields.items():
+        if type(value) in _PLAIN_TYPES:
+            continue  # a number, string or None (most parameters): no tensor inside
         if any(isinstance(t, dtensor) for t in _tensors_in(value)):
             raise ValueError(
                 f"{owner}({name}=...) is a DTensor; specs take plain tensors of the whole call (a "

@@ -469,6 +469,19 @@ def test_position_parameters_beyond_any_index_are_clamped_when_built() -> None:
     assert OffsetCausal(offset=-(2**64)).offset == -(2**31 - 1)
 
 
+@pytest.mark.parametrize("value", [0, 1, 2**31 - 2, 2**31 - 1, 2**31, -(2**31) + 1, -(2**31), -1])
+def test_int_parameters_at_the_clamp_and_minimum_edges(value: int) -> None:
+    # Plain ints in range take a shortcut when a spec is built; the edges around it must give
+    # what the full check gives (the value, the clamp, or the error for a negative window).
+    limit = 2**31 - 1
+    assert OffsetCausal(offset=value).offset == max(-limit, min(limit, value))
+    if value < 0:
+        with pytest.raises(ValueError, match=r"left.*>= 0"):
+            SlidingWindow(left=value)
+    else:
+        assert SlidingWindow(left=value).left == min(limit, value)
+
+
 def test_composites_built_directly_keep_their_parts_tensors() -> None:
     docs = Document(doc_ids=[0, 0, 1])
     both = And(parts=[Causal(), docs])  # a list, as a user might write it
