@@ -99,7 +99,12 @@ def check_int(name: str, value: object, *, minimum: int | None, owner: str) -> i
     differences within that range, so the mask is unchanged for every length a kernel can index,
     while mask_mods (int32) and block maps (int64) no longer overflow on ``2**40``-style
     "unbounded" values."""
-    if type(value) is int and -INDEX_LIMIT <= value <= INDEX_LIMIT and (minimum is None or value >= minimum):
+    if (
+        type(value) is int
+        and not torch.compiler.is_dynamo_compiling()  # Dynamo calls a SymInt an int: no guards on it
+        and -INDEX_LIMIT <= value <= INDEX_LIMIT
+        and (minimum is None or value >= minimum)
+    ):
         return value  # the common case, settled without the checks below (specs built per call)
     wanted = "an int" if minimum is None else f"an int >= {minimum}"
     if isinstance(value, bool) or not (isinstance(value, int) or hasattr(value, "__index__")):

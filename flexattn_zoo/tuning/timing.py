@@ -55,15 +55,25 @@ def warm_up(step: Callable[[], Any], device: torch.device, count: int, min_s: fl
     """Run ``step`` at least ``count`` times and for at least ``min_s`` seconds (at most
     ``max_calls`` times past ``count``), in batches that double after the first, each followed by
     a device synchronize (so little more than ``min_s`` of work is ever queued); returns the
-    seconds per call of the last batch."""
-    done, spent, per_call, batch = 0, 0.0, 0.0, max(count, 1)
-    while done < count or (spent < min_s and done < max_calls):
+    seconds per call of the last batch.
+
+    The first call runs alone, before the batches, and is left out of the estimate: one-time work
+    a step does after its first call (SDPA's decoding route lets cuDNN in from its second call,
+    which builds cuDNN's plan for the shape, tens of milliseconds of host time) would otherwise
+    make a 0.06 ms call look like a slow one, and :func:`fill_count` would give it a handful of
+    timed calls instead of hundreds."""
+    t0 = time.perf_counter()
+    step()
+    sync(device)
+    done, spent, per_call, batch = 1, time.perf_counter() - t0, 0.0, max(count, 1)
+    measured = False
+    while not measured or done < count or (spent < min_s and done < max_calls):
         t0 = time.perf_counter()
         for _ in range(batch):
             step()
         sync(device)
         took = time.perf_counter() - t0
-        done, spent, per_call = done + batch, spent + took, took / batch
+        done, spent, per_call, measured = done + batch, spent + took, took / batch, True
         batch = min(2 * batch, max_calls)
     return per_call
 

@@ -925,7 +925,27 @@ def test_time_routes_counts_are_minimums_filled_to_a_duration(monkeypatch: pytes
     assert int(timing.MIN_WARMUP_S / 1e-4) <= warm <= 2 * int(timing.MIN_WARMUP_S / 1e-4) + 2
     clock.log.clear()
     out = tuning.time_routes({"long": clock.step("long", lambda t: 1.0)}, CPU, warmup=2, reps=5)
-    assert _ms(out["long"]) == pytest.approx(1000.0) and len(clock.log) == 1 + 2 + 5
+    # the first call, the warm-up's lone first call and its batch of 2, the 5 timed calls
+    assert _ms(out["long"]) == pytest.approx(1000.0) and len(clock.log) == 1 + 1 + 2 + 5
+
+
+def test_one_time_work_after_the_first_call_does_not_cut_the_timed_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 0.1 ms call whose second call does 50 ms of one-time work (SDPA's decoding route builds
+    cuDNN's plan for the shape on its second call) is still a short call: timed over MIN_TIMED_S
+    (at most MAX_REPS calls), not over the handful of calls a 25 ms call would get."""
+    clock = FakeClock(monkeypatch)
+    calls = [0]
+
+    def seconds(now: float) -> float:
+        calls[0] += 1
+        return 0.05 if calls[0] == 2 else 1e-4
+
+    out = tuning.time_routes({"decode": clock.step("decode", seconds)}, CPU, warmup=2, reps=10)
+    assert _ms(out["decode"]) == pytest.approx(0.1)
+    warm = 1 + 2  # the warm-up's lone first call and its first batch: 50 ms, past MIN_WARMUP_S
+    assert len(clock.log) == 1 + warm + timing.MAX_REPS
 
 
 def test_time_routes_interleaves_so_drift_moves_every_route_alike(monkeypatch: pytest.MonkeyPatch) -> None:
