@@ -17,11 +17,14 @@
 #   bash benchmarks/gpu_session_r43.sh hostrows 200   # (FA4 installed) auto, sdpa and plain SDPA
 #                    # again, in one process, on the short cases whose `auto` rows (measured many
 #                    # host-path changes ago) were host-bound and 0.58-0.87x plain SDPA
+#   bash benchmarks/gpu_session_r43.sh warmfix 240    # (no FA4) after the warm-up fix: auto,
+#                    # auto_tuned, sdpa and plain SDPA on the two decode cases whose auto rows got 8
+#                    # timed calls, and on the short cases tuning missed, into a fresh no-FA4 file
 #   bash benchmarks/gpu_session_r43.sh rows 200       # (FA4 installed) every route of the two cases
 #                    # whose tuned rows fell below 0.97 against older route rows, with auto and
 #                    # auto_tuned, in one process (merge into generalization_h200.json)
 set -uo pipefail
-step="${1:?usage: $0 tests|host|ffprofile|ffpair|hostrows|rows [BUDGET_S]}"
+step="${1:?usage: $0 tests|host|ffprofile|ffpair|hostrows|warmfix|rows [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r43
@@ -54,6 +57,12 @@ case "$step" in
       --resume --rerun --out "$out/generalization_hostrows_${gpu}.json" --routes auto,sdpa,plain_sdpa \
       --cases bert_base_l128_b128,llama3_8b_l128_b64,gpt2_medium_l1024_b8,decode_llama3_70b_b8_4k,decode_qwen25_7b_b64_1k,vit_h14_l257_b16_d80,vit_b16_l197_b64 \
       --md "$out/generalization_hostrows_${gpu}_r43.md" --quiet --time-budget "$(( $(left) - 30 ))"
+    ;;
+  warmfix)
+    run "generalization_warmfix_${gpu}_r43" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+      --no-fa4 --out "$out/generalization_warmfix_${gpu}-nofa4.json" --routes auto,auto_tuned,sdpa,plain_sdpa \
+      --cases decode_llama3_70b_b8_4k,decode_qwen25_7b_b64_1k,bert_base_l128_b128,llama32_3b_l2048_b4,vit_h14_l257_b16_d80 \
+      --md "$out/generalization_warmfix_${gpu}_r43.md" --quiet --time-budget "$(( $(left) - 40 ))"
     ;;
   rows)
     cp benchmarks/results/generalization_h200.json "$out/generalization_rows_${gpu}.json"
