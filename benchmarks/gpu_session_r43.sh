@@ -9,8 +9,9 @@
 #                    # route's tests (its bound call restructured; FA4 installed)
 #   bash benchmarks/gpu_session_r43.sh host 130       # the host table on the current code
 #   bash benchmarks/gpu_session_r43.sh ffprofile 150  # (FA4 installed) where the decode rows' and
-#                    # flex_flash's eager host time goes: host_profile_probe.py --decode, then block_select and dilated_sliding_window forwards on flex_flash
-#                    # beside compiled flex with BACKEND="FLASH" on a prebuilt BlockMask
+#                    # flex_flash's eager host time goes: host_profile_probe.py --decode, then
+#                    # block_select and dilated_sliding_window forwards on flex_flash beside
+#                    # compiled flex with BACKEND="FLASH" on a prebuilt BlockMask
 #   bash benchmarks/gpu_session_r43.sh ffpair 300     # (FA4 installed) device and host time of
 #                    # flex_flash vs hand-written FLASH / Triton flex on the same masks, each call
 #                    # timed alone (flex_flash_pair_probe.py; ffprofile's cProfile saw the launch wait)

@@ -82,7 +82,8 @@ def profile_flex_pair(qkv, bm, spec, route: str, label: str, args) -> None:  # t
     compiled = torch.compile(flex_attention)
     options = {"BACKEND": "FLASH"} if route == "flex_flash" else None
     profile(
-        f"torch.compile(flex_attention), prebuilt BlockMask, kernel_options={options}",
+        "torch.compile(flex_attention), prebuilt BlockMask"
+        + ("" if options is None else f", kernel_options={options}"),
         lambda: compiled(q, k, v, block_mask=bm, kernel_options=options),
         args.calls,
         args.top,

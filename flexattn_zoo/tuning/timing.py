@@ -52,22 +52,22 @@ def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
 
 
 def warm_up(step: Callable[[], Any], device: torch.device, count: int, min_s: float, max_calls: int) -> float:
-    """Run ``step`` at least ``count`` times and for at least ``min_s`` seconds (at most
-    ``max_calls`` times past ``count``), in batches that double after the first, each followed by
-    a device synchronize (so little more than ``min_s`` of work is ever queued); returns the
-    seconds per call of the last batch.
+    """Run ``step`` at least ``count`` times (at least twice) and for at least ``min_s`` seconds,
+    adding calls only while fewer than ``max_calls`` ran, each batch of calls followed by a
+    device synchronize (so little more than ``min_s`` of work is ever queued); returns the seconds
+    per call of the last batch. Batches double after the first.
 
-    The first call runs alone, before the batches, and is left out of the estimate: one-time work
-    a step does after its first call (SDPA's decoding route lets cuDNN in from its second call,
-    which builds cuDNN's plan for the shape, tens of milliseconds of host time) would otherwise
-    make a 0.06 ms call look like a slow one, and :func:`fill_count` would give it a handful of
-    timed calls instead of hundreds."""
+    Callers have made the step's first call already (timed alone: it compiles). The warm-up's own
+    first call runs alone too and is left out of the estimate: one-time work a step does on its
+    second call (SDPA's decoding route lets cuDNN in from there, which builds cuDNN's plan for the
+    shape, tens of milliseconds of host time) would otherwise make a 0.06 ms call look like a
+    slow one, and :func:`fill_count` would give it a handful of timed calls instead of hundreds."""
     t0 = time.perf_counter()
     step()
     sync(device)
-    done, spent, per_call, batch = 1, time.perf_counter() - t0, 0.0, max(count, 1)
-    measured = False
-    while not measured or done < count or (spent < min_s and done < max_calls):
+    done, spent, per_call, batch = 1, time.perf_counter() - t0, 0.0, max(count - 1, 1)
+    measured = False  # the estimate comes from a batch after the lone call, whatever min_s says
+    while not measured or (spent < min_s and done < max_calls):
         t0 = time.perf_counter()
         for _ in range(batch):
             step()

@@ -925,8 +925,8 @@ def test_time_routes_counts_are_minimums_filled_to_a_duration(monkeypatch: pytes
     assert int(timing.MIN_WARMUP_S / 1e-4) <= warm <= 2 * int(timing.MIN_WARMUP_S / 1e-4) + 2
     clock.log.clear()
     out = tuning.time_routes({"long": clock.step("long", lambda t: 1.0)}, CPU, warmup=2, reps=5)
-    # the first call, the warm-up's lone first call and its batch of 2, the 5 timed calls
-    assert _ms(out["long"]) == pytest.approx(1000.0) and len(clock.log) == 1 + 1 + 2 + 5
+    # the first call, the warm-up's lone first call and its batch of 1, the 5 timed calls
+    assert _ms(out["long"]) == pytest.approx(1000.0) and len(clock.log) == 1 + 1 + 1 + 5
 
 
 def test_one_time_work_after_the_first_call_does_not_cut_the_timed_calls(
@@ -944,7 +944,7 @@ def test_one_time_work_after_the_first_call_does_not_cut_the_timed_calls(
 
     out = tuning.time_routes({"decode": clock.step("decode", seconds)}, CPU, warmup=2, reps=10)
     assert _ms(out["decode"]) == pytest.approx(0.1)
-    warm = 1 + 2  # the warm-up's lone first call and its first batch: 50 ms, past MIN_WARMUP_S
+    warm = 1 + 1  # the warm-up's lone first call (50 ms, past MIN_WARMUP_S) and one more
     assert len(clock.log) == 1 + warm + timing.MAX_REPS
 
 
