@@ -19,7 +19,7 @@
 #                    # again, in one process, on the short cases whose `auto` rows (measured many
 #                    # host-path changes ago) were host-bound and 0.58-0.87x plain SDPA
 #   bash benchmarks/gpu_session_r43.sh warmfix 240    # (no FA4) after the warm-up fix: auto,
-#                    # auto_tuned, sdpa and plain SDPA on the two decode cases whose auto rows got 8
+#                    # auto_tuned, sdpa and plain SDPA on a decode case whose auto row got 8
 #                    # timed calls, and on the short cases tuning missed, into a fresh no-FA4 file
 #   bash benchmarks/gpu_session_r43.sh rows 200       # (FA4 installed) every route of the two cases
 #                    # whose tuned rows fell below 0.97 against older route rows, with auto and
@@ -62,7 +62,7 @@ case "$step" in
   warmfix)
     run "generalization_warmfix_${gpu}_r43" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
       --no-fa4 --out "$out/generalization_warmfix_${gpu}-nofa4.json" --routes auto,auto_tuned,sdpa,plain_sdpa \
-      --cases decode_llama3_70b_b8_4k,decode_qwen25_7b_b64_1k,bert_base_l128_b128,llama32_3b_l2048_b4,vit_h14_l257_b16_d80 \
+      --cases decode_llama3_70b_b8_4k,bert_base_l128_b128,llama32_3b_l2048_b4 \
       --md "$out/generalization_warmfix_${gpu}_r43.md" --quiet --time-budget "$(( $(left) - 40 ))"
     ;;
   rows)
