@@ -5,8 +5,10 @@ on each mask's typical example (a BlockMask built once from its mask_mod by
 ``create_block_mask``): compiled ``flex_attention`` with ``kernel_options={"BACKEND": "FLASH"}``
 (``raw_flash``), the same on Triton (``raw_flex``), ``fz.attention(backend="flex_flash")`` and
 ``fz.attention`` on ``auto``. Each call is timed alone (a synchronization before it, CUDA events
-around it): ``device ms`` is the event time, ``host ms`` the wall time until the call returns
-(the launch queue is empty, so a launch never waits for the device). ``back-to-back ms`` is the
+around it): ``host ms`` is the wall time until the call returns (the launch queue is empty, so
+a launch never waits for the device); ``device ms`` is the event time, from before the call is
+issued to after its last kernel, so it holds the host's launch time too wherever the kernels
+wait for it (it is not the kernels' time alone). ``back-to-back ms`` is the
 event time with calls issued one after another, as the benchmark times them: when a call's host
 time exceeds its device time, the device waits and this column shows the host.
 
