@@ -66,14 +66,14 @@ def warm_up(step: Callable[[], Any], device: torch.device, count: int, min_s: fl
     step()
     sync(device)
     done, spent, per_call, batch = 1, time.perf_counter() - t0, 0.0, max(count - 1, 1)
-    measured = False  # the estimate comes from a batch after the lone call, whatever min_s says
-    while not measured or (spent < min_s and done < max_calls):
+    # done == 1: only the lone call ran; the estimate comes from a batch after it, whatever min_s says.
+    while done == 1 or (spent < min_s and done < max_calls):
         t0 = time.perf_counter()
         for _ in range(batch):
             step()
         sync(device)
         took = time.perf_counter() - t0
-        done, spent, per_call, measured = done + batch, spent + took, took / batch, True
+        done, spent, per_call = done + batch, spent + took, took / batch
         batch = min(2 * batch, max_calls)
     return per_call
 
