@@ -22,7 +22,7 @@ from flexattn_zoo.backends.base import (
     flash_cute_lock,
     is_dense_block,
 )
-from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, bound_mask_mod
+from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, DEFAULT_BLOCK_SIZE, bound_mask_mod
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
 from flexattn_zoo.functions import _Ref
@@ -174,6 +174,10 @@ class FlexBackend(Backend):
             # require grad are not supported"); the mask passes no gradient anyway.
             return ["flex cannot take a mask_mod that captures tensors requiring grad (capture t.detach())"]
         return []
+
+    def sparse_block_size(self, p: Problem) -> tuple[int, int]:
+        """The ``(q, kv)`` block size of the BlockMasks this route builds for ``p``."""
+        return DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE
 
     def tuned_options(self, p: Problem) -> dict[str, Any]:
         """The measured kernel options for ``p``'s generation, head dim and dtype, or {} (defaults)."""
@@ -327,7 +331,7 @@ class FlexBackend(Backend):
             # The eager builders, traced into the graph, their block ordering one opaque op
             # (blockmask.block_order: fused with this kernel it gave wrong rows on CUDA); on the
             # CPU, torch's create_block_mask hit an Inductor C++ codegen error where these do not.
-            block_mask = _traced_block_mask(p, mask, q.device)
+            block_mask = _traced_block_mask(p, mask, q.device, self.sparse_block_size(p))
         score_mod = None
         if score is not None:
             past = mask is not None and mask.hides_future_keys(p.q_len, p.kv_len)
@@ -355,6 +359,7 @@ class FlexBackend(Backend):
                 batch=p.batch,
                 heads=p.heads,
                 device=device,
+                block_size=self.sparse_block_size(p),
                 key_starts=self.spells_key_starts,
             )
         score_mod = None
@@ -391,9 +396,10 @@ class FlexBackend(Backend):
         )
 
 
-def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
-    """The BlockMask of ``p`` built in the graph being traced, once per trace for a spec made in
-    that graph (a model's layers share the spec its forward built; see ``spec.graph_memo``).
+def _traced_block_mask(p: Problem, mask: Any, device: torch.device, block_size: tuple[int, int]) -> Any:
+    """The BlockMask of ``p`` at ``block_size`` built in the graph being traced, once per trace
+    and block size for a spec made in that graph (a model's layers share the spec its forward
+    built; see ``spec.graph_memo``).
 
     ``mask`` is ``p.mask`` as the route runs it (on the CPU, a copy). Sizes are compared with
     ``==``, never hashed: under dynamic shapes they are symbols, equal in every layer of a model
@@ -403,14 +409,22 @@ def _traced_block_mask(p: Problem, mask: Any, device: torch.device) -> Any:
     ``mask_mod`` made in the graph; the ``mask_mod`` is made again from the spec."""
     memo = graph_memo(p.mask)
     sizes = (p.q_len, p.kv_len, p.batch, p.heads)
-    built: list[tuple[str, tuple[Any, ...], tuple[Any, ...]]] = (
+    built: list[tuple[str, tuple[int, int], tuple[Any, ...], tuple[Any, ...]]] = (
         [] if memo is None else memo.setdefault("block_masks", [])
     )
-    for where, seen, parts in built:
-        if where == str(device) and all(a == b for a, b in zip(seen, sizes, strict=True)):
+    for where, blocks, seen, parts in built:
+        if (
+            where == str(device)
+            and blocks == block_size
+            and all(a == b for a, b in zip(seen, sizes, strict=True))
+        ):
             return _compat.make_block_mask(*parts, bound_mask_mod(mask, p.q_len, p.kv_len, device))  # type: ignore[call-arg]  # the constructor's arguments, in order
-    block_mask = build_block_mask(mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device)
-    built.append((str(device), sizes, tuple(getattr(block_mask, name) for name in BLOCK_MASK_PARTS)))
+    block_mask = build_block_mask(
+        mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device, block_size=block_size
+    )
+    built.append(
+        (str(device), block_size, sizes, tuple(getattr(block_mask, name) for name in BLOCK_MASK_PARTS))
+    )
     return block_mask
 
 
@@ -699,7 +713,20 @@ def _batch_broadcast(t: torch.Tensor) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class FlexFlashBackend(FlexBackend):
-    """flex with ``BACKEND="FLASH"``: the FlashAttention-4 CuTe kernels (sm90/sm100)."""
+    """flex with ``BACKEND="FLASH"``: the FlashAttention-4 CuTe kernels (sm90/sm100).
+
+    FA4's block-sparse kernels read the BlockMask's kv blocks as their own key tiles, so a kv
+    block must be exactly the tile the kernel runs at that head dim, in the forward and in the
+    backward (flash-attn-4 4.0.0b36, sm90): 128 up to head dim 128; at head dim 256 the
+    backward's block-sparse tile is 64 keys wide and the forward's 80 (it narrows to a smaller
+    kv block, never widens to a larger one), so those BlockMasks are built with 64-key blocks
+    (``sparse_block_size``). Query blocks stay 128, two of the backward's 64-row tiles.
+    """
+
+    def sparse_block_size(self, p: Problem) -> tuple[int, int]:
+        if p.head_dim > WIDE_KV_TILE_MAX_HEAD_DIM:
+            return DEFAULT_BLOCK_SIZE, NARROW_KV_BLOCK
+        return DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
         with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
@@ -718,6 +745,12 @@ class FlexFlashBackend(FlexBackend):
         out = super().mask_reasons(p)
         if p.score is not None and p.score.captures_grad_tensors():
             out.append("FLASH cannot capture tensors that require grad in score_mod")
+        if p.user_block_mask and p.head_dim > WIDE_KV_TILE_MAX_HEAD_DIM:
+            out.append(
+                f"at head dim {p.head_dim} FA4's kernels need BlockMask blocks of "
+                f"({DEFAULT_BLOCK_SIZE}, {NARROW_KV_BLOCK}); a BlockMask given as mask is run up to "
+                f"head dim {WIDE_KV_TILE_MAX_HEAD_DIM} (pass the mask spec instead)"
+            )
         if p.return_lse and not _compat.FLASH_LSE_TRUSTWORTHY:
             out.append("FLASH lse is off by a factor ln 2 on this torch (< 2.13)")
         elif p.return_lse and p.requires_grad:
@@ -745,6 +778,12 @@ class FlexFlashBackend(FlexBackend):
             # not a TensorSSA); captured tables indexed by q_idx/kv_idx (Document) compile fine.
             out.append("FLASH cannot load the captured 0-d offset tensors of this mask (OffsetCausal, Band)")
         return out
+
+
+#: Up to this head dim FA4's sm90 kernels take 128-key blocks forward and backward; above it
+#: (head dim 256) flex_flash builds its BlockMasks with :data:`NARROW_KV_BLOCK`-key blocks.
+WIDE_KV_TILE_MAX_HEAD_DIM = 128
+NARROW_KV_BLOCK = 64
 
 
 #: The CPU flex route's ``pad_head_dims_to``: head dims below it reach the kernel zero-padded to
@@ -822,8 +861,14 @@ FLEX_FLASH = FlexFlashBackend(
     name="flex_flash",
     devices=frozenset({"cuda"}),
     dtypes=LOW_PRECISION,
-    head_dims=(64, 128),
+    head_dims=(64, 256),
     head_dim_multiple=32,
+    # 256 on sm90 only, with 64-key BlockMask blocks (FlexFlashBackend); 160-224 and 192 with a
+    # 128 value head dim (FA4 direct runs DeepSeek's) are not run through flex here.
+    head_dims_by_generation=(
+        ("sm90", frozenset({64, 96, 128, 256})),
+        ("sm100", frozenset({64, 96, 128})),
+    ),
     min_cc=(9, 0),
     max_cc=(10, 9),
     score_mods=True,

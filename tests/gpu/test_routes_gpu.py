@@ -535,3 +535,36 @@ def test_fa4_takes_projection_layout_and_scale() -> None:
     assert_matches_reference(
         out, q, k, v, mask="causal", score_mod=spec, scale=0.3, grads=grads, grad_out=grad_out
     )
+
+
+@pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4 (flash_attn.cute)")
+@pytest.mark.parametrize(
+    "preset", ["full", "causal", "sliding", "document_causal", "prefix_lm", "softcap_causal", "alibi_sliding"]
+)
+def test_flex_flash_at_head_dim_256(preset: str) -> None:
+    """Head dim 256 (Gemma-2/3) on FA4's kernels through flex, whose BlockMasks the route builds
+    with 64-key blocks there; L=333 leaves partial blocks of both sizes. Forward, lse and
+    backward against float64."""
+    make_mask, extra = PRESETS[preset]
+    score = _score(extra) if isinstance(extra, str) else None
+    q, k, v = _inputs(L, L, torch.bfloat16, d=256)
+    plan = fz.plan(q, k, v, mask=make_mask(), score_mod=score, backend="flex_flash")
+    built = BY_NAME["flex_flash"].prepared(plan.problem, q.device).block_mask  # type: ignore[attr-defined]
+    assert built is None or tuple(built.BLOCK_SIZE) == (128, 64)
+    _check(q, k, v, "flex_flash", make_mask(), score)
+
+
+@pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4 (flash_attn.cute)")
+def test_gemma2_local_attention_at_head_dim_256_with_gqa() -> None:
+    """Gemma-2's local layers: a sliding window with causal, exact soft-capping, GQA 4:2, D=256;
+    named flex_flash and auto (whichever route it takes at this size), against float64."""
+    mask = masks.SlidingWindow(left=100) & masks.Causal()
+    score = score_mods.SoftCap(cap=5.0)
+    q, k, v = _inputs(L, L, torch.bfloat16, d=256, hkv=2)
+    _check(q, k, v, "flex_flash", mask, score, gqa=True)
+    out = fz.attention(q, k, v, mask=mask, score_mod=score, enable_gqa=True)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, grads=grads, grad_out=grad_out
+    )
