@@ -697,12 +697,24 @@ class Spec:
             return True
         parts = self._parts()
         own = type(self).pair_loads
-        if own or (own is None and any(isinstance(part, torch.Tensor) for part in parts)):
+        # Loops, not any() / all() over generators: traced calls read this (see
+        # ``backends.flex._pair_gathers_only``).
+        if own:
             return False  # reads a tensor of its own per pair, not declared a gather
-        loading = [part for part in parts if isinstance(part, Spec) and part.loads_pairs()]
+        loading = []
+        for part in parts:
+            if own is None and isinstance(part, torch.Tensor):
+                return False
+            if isinstance(part, Spec) and part.loads_pairs():
+                loading.append(part)
         # No loading part: the reads are this spec's own (a raw callable's captured tensors),
         # which nothing declares a gather.
-        return bool(loading) and all(part.gathers_pairs_only() for part in loading)
+        if not loading:
+            return False
+        for part in loading:
+            if not part.gathers_pairs_only():
+                return False
+        return True
 
     def _collect_tensors(self) -> list[torch.Tensor]:
         found: list[torch.Tensor] = []

@@ -119,7 +119,14 @@ def _pair_gathers_only(p: Problem) -> bool:
     """Whether every per-pair read of ``p`` is a positional gather (``Spec.gathers_pairs_only``):
     then the shallow pipeline is the first choice, not a retry."""
     loading = [s for s in (p.mask, p.score) if s is not None and s.loads_pairs()]
-    return bool(loading) and all(s.gathers_pairs_only() for s in loading)
+    if not loading:
+        return False
+    # A loop, not all() over a generator: traced calls read this, and torch 2.11's Dynamo broke
+    # the graph there ("Failed to trace builtin operator"; a raw mask_mod over captured ids).
+    for spec in loading:
+        if not spec.gathers_pairs_only():
+            return False
+    return True
 
 
 def _pair_load_options(p: Problem) -> dict[str, Any]:

@@ -58,6 +58,7 @@ def _problem(
 
 DOC = masks.Document.from_lengths([300, 500, 224])
 LONG_DOC = masks.Document.from_lengths([4096, 2048, 6144, 4096])
+GEMMA_LOCAL = masks.SlidingWindow(left=4095) & masks.Causal()
 
 
 @pytest.mark.parametrize(
@@ -197,6 +198,39 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(masks.PrefixLM(prefix_len=100)), "flex_flash"),  # no FA4 form
         (_problem(masks.PrefixLM(prefix_len=100), grad=True), "flex_flash"),  # 558 vs sdpa_split ~440
         (_problem(masks.Causal(), lq=1000, lkv=1200), "flex_flash"),
+        # Gemma-2 at head dim 256 with exact soft-capping (FA4's own kernels soft-cap only
+        # approximately): flex_flash on 64-key blocks, forward and training (H100: 411 / 296
+        # TFLOP/s vs Triton flex 166 / 112, generalization_d256_h100_r44)
+        (
+            _problem(GEMMA_LOCAL, score_mods.SoftCap(cap=50.0), d=256, heads=(16, 8), batch=1, lq=8192),
+            "flex_flash",
+        ),
+        (
+            _problem(
+                GEMMA_LOCAL, score_mods.SoftCap(cap=50.0), d=256, heads=(16, 8), batch=1, lq=8192, grad=True
+            ),
+            "flex_flash",
+        ),
+        # approximate soft-capping at 256: forward flex_flash (435 vs fa4 436 on the H100, a tie),
+        # training fa4 (332 vs flex_flash 304)
+        (
+            _problem(
+                GEMMA_LOCAL, score_mods.SoftCap(cap=50.0, approx=True), d=256, heads=(16, 8), batch=2, lq=8192
+            ),
+            "flex_flash",
+        ),
+        (
+            _problem(
+                GEMMA_LOCAL,
+                score_mods.SoftCap(cap=50.0, approx=True),
+                d=256,
+                heads=(16, 8),
+                batch=2,
+                lq=8192,
+                grad=True,
+            ),
+            "fa4",
+        ),
     ],
 )
 def test_auto_route_table_with_fa4(problem: Problem, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,7 +302,7 @@ def test_priority_overrides_apply_only_with_all_traits() -> None:
     assert priority("sm90", "fwd", frozenset({"packed_segments", "score_mod"}))[:2] == ("flex_flash", "fa4")
     fast = frozenset({"score_mod", "fast_score_mod"})
     assert priority("sm90", "fwd", fast, Sizes(8, 16, 4096, 4096, 128))[:2] == ("flex", "flex_flash")
-    # Gemma-2's D=256: FA4's own soft-capping kernel first (after flex_flash, which refuses D=256)
+    # Gemma-2's D=256: flex_flash (64-key blocks there), then FA4's own soft-capping kernel
     assert priority("sm90", "fwd", fast, Sizes(2, 16, 8192, 8192, 256))[:2] == ("flex_flash", "fa4")
     assert priority("sm80", "fwd", frozenset({"score_mod", "packed_segments"})) == priority("sm80", "fwd")
 
