@@ -373,6 +373,20 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         generation="sm90",
+        modes=("fwd",),
+        min_head_dim=256,
+        min_work=10**10,
+        front=("fa4",),
+        why="forwards at head dim 256 from 1e10 of visible work: Triton flex runs D=256 at about a "
+        "third of FA4's rate (Gemma-3 global attention, 8K: 238 vs 755 TFLOP/s on an H100), so "
+        "FA4's host time is repaid at a third of the size the short-forward rule assumes "
+        "(Gemma-3-4B's 1024-key window, 8K, 1.6e10: fa4 0.252 vs flex 0.272 ms on the H200, "
+        "0.170 vs 0.273 on an H100)",
+        benchmark="generalization_h200.json",
+        evidence=("gemma3_4b_local1024_l8192_d256/fwd",),
+    ),
+    Rule(
+        generation="sm90",
         modes=("fwdbwd",),
         max_work=4 * 10**10,
         front=_SHORT_FIRST,

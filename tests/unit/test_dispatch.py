@@ -211,13 +211,13 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
             ),
             "flex_flash",
         ),
-        # approximate soft-capping at 256: forward flex_flash (435 vs fa4 436 on the H100, a tie),
-        # training fa4 (332 vs flex_flash 304)
+        # approximate soft-capping at 256: FA4's own kernel, forward (436 vs flex_flash 435 on the
+        # H100) and training (332 vs flex_flash 304)
         (
             _problem(
                 GEMMA_LOCAL, score_mods.SoftCap(cap=50.0, approx=True), d=256, heads=(16, 8), batch=2, lq=8192
             ),
-            "flex_flash",
+            "fa4",
         ),
         (
             _problem(
@@ -302,8 +302,8 @@ def test_priority_overrides_apply_only_with_all_traits() -> None:
     assert priority("sm90", "fwd", frozenset({"packed_segments", "score_mod"}))[:2] == ("flex_flash", "fa4")
     fast = frozenset({"score_mod", "fast_score_mod"})
     assert priority("sm90", "fwd", fast, Sizes(8, 16, 4096, 4096, 128))[:2] == ("flex", "flex_flash")
-    # Gemma-2's D=256: flex_flash (64-key blocks there), then FA4's own soft-capping kernel
-    assert priority("sm90", "fwd", fast, Sizes(2, 16, 8192, 8192, 256))[:2] == ("flex_flash", "fa4")
+    # Gemma-2's D=256: FA4's own soft-capping kernel, then flex_flash (64-key blocks there)
+    assert priority("sm90", "fwd", fast, Sizes(2, 16, 8192, 8192, 256))[:2] == ("fa4", "flex_flash")
     assert priority("sm80", "fwd", frozenset({"score_mod", "packed_segments"})) == priority("sm80", "fwd")
 
 
