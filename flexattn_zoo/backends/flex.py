@@ -718,6 +718,12 @@ def _batch_broadcast(t: torch.Tensor) -> bool:
     return t.stride(0) == 0 and t.stride(-1) == 1
 
 
+#: Up to this head dim FA4's sm90 kernels take 128-key blocks forward and backward; above it
+#: (head dim 256) flex_flash builds its BlockMasks with :data:`NARROW_KV_BLOCK`-key blocks.
+WIDE_KV_TILE_MAX_HEAD_DIM = 128
+NARROW_KV_BLOCK = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexFlashBackend(FlexBackend):
     """flex with ``BACKEND="FLASH"``: the FlashAttention-4 CuTe kernels (sm90/sm100).
@@ -785,12 +791,6 @@ class FlexFlashBackend(FlexBackend):
             # not a TensorSSA); captured tables indexed by q_idx/kv_idx (Document) compile fine.
             out.append("FLASH cannot load the captured 0-d offset tensors of this mask (OffsetCausal, Band)")
         return out
-
-
-#: Up to this head dim FA4's sm90 kernels take 128-key blocks forward and backward; above it
-#: (head dim 256) flex_flash builds its BlockMasks with :data:`NARROW_KV_BLOCK`-key blocks.
-WIDE_KV_TILE_MAX_HEAD_DIM = 128
-NARROW_KV_BLOCK = 64
 
 
 #: The CPU flex route's ``pad_head_dims_to``: head dims below it reach the kernel zero-padded to
