@@ -416,23 +416,25 @@ def _traced_block_mask(p: Problem, mask: Any, device: torch.device, block_size: 
     ``mask_mod`` made in the graph; the ``mask_mod`` is made again from the spec."""
     memo = graph_memo(p.mask)
     sizes = (p.q_len, p.kv_len, p.batch, p.heads)
-    built: list[tuple[str, tuple[int, int], tuple[Any, ...], tuple[Any, ...]]] = (
+    built: list[tuple[str, tuple[Any, ...], tuple[Any, ...]]] = (
         [] if memo is None else memo.setdefault("block_masks", [])
     )
-    for where, blocks, seen, parts in built:
+    for where, seen, parts in built:
         if (
             where == str(device)
-            and blocks == block_size
+            and tuple(parts[_BLOCK_SIZE_PART]) == block_size
             and all(a == b for a, b in zip(seen, sizes, strict=True))
         ):
             return _compat.make_block_mask(*parts, bound_mask_mod(mask, p.q_len, p.kv_len, device))  # type: ignore[call-arg]  # the constructor's arguments, in order
     block_mask = build_block_mask(
         mask, p.q_len, p.kv_len, batch=p.batch, heads=p.heads, device=device, block_size=block_size
     )
-    built.append(
-        (str(device), block_size, sizes, tuple(getattr(block_mask, name) for name in BLOCK_MASK_PARTS))
-    )
+    built.append((str(device), sizes, tuple(getattr(block_mask, name) for name in BLOCK_MASK_PARTS)))
     return block_mask
+
+
+#: Where a BlockMask's ``BLOCK_SIZE`` sits among :data:`BLOCK_MASK_PARTS`.
+_BLOCK_SIZE_PART = BLOCK_MASK_PARTS.index("BLOCK_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
