@@ -455,8 +455,10 @@ def strict_deterministic_mode() -> bool:
 
     A constant to Dynamo: both flags are part of the global state every compiled graph is guarded
     on, so a graph traced under one setting never runs under another."""
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    return torch.are_deterministic_algorithms_enabled() and not warn_only
+    return (
+        torch.are_deterministic_algorithms_enabled()
+        and not torch.is_deterministic_algorithms_warn_only_enabled()
+    )
 
 
 @torch.compiler.assume_constant_result

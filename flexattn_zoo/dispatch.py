@@ -442,6 +442,14 @@ def _call_args(
 ) -> tuple[Any, Any, tuple[tuple[str, Any], ...] | None, float]:
     """``(mask, score_mod, kernel_options, dropout_p)`` of a call, coerced and checked: tensors
     as specs, ``is_causal`` folded into the mask (``plan`` and ``attention`` alike)."""
+    if (
+        is_causal is False
+        and kernel_options is None
+        and dropout_p is None
+        and not isinstance(mask, torch.Tensor)
+        and not isinstance(score_mod, torch.Tensor)
+    ):
+        return mask, score_mod, None, 0.0  # nothing to coerce or check (most calls; host time)
     mask, score_mod = tensor_args(mask, score_mod)
     mask = with_causal(mask, is_causal)
     return mask, score_mod, check_kernel_options(kernel_options), check_dropout_p(dropout_p)
@@ -500,7 +508,8 @@ def plan(
     """
     q, k, v = as_bhsd(q, k, v, layout)
     mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
-    if sharding.holds_dtensor(q, k, v):
+    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    if not plain and sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         q, k, v = local.q, local.k, local.v
@@ -692,7 +701,8 @@ def attention(
             is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
     mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
-    if sharding.holds_dtensor(q, k, v):
+    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+    if not plain and sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         result = attention(
@@ -719,7 +729,8 @@ def attention(
             options, dropout,
         )  # fmt: skip
     scale_checked = check_scale(scale)
-    q, k, v = _under_autocast(q, k, v)
+    if _compat.any_autocast_enabled():
+        q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error. So does a call
     # under context_parallel, whose route choice is narrower (and must not be cached for others).

@@ -110,7 +110,10 @@ class ClockCache(_BoundedCache[V]):
     the lock: the CLOCK (second chance) approximation of least-recently-used. A hit marks its
     entry used; when an insert overflows ``size``, entries are examined oldest first, and a used
     one is unmarked and moved to the newest end instead of being dropped, so the entry dropped is
-    one not hit since the previous sweep passed it. Writes (``put``, ``replace``, ``clear``) take
+    one not hit since the previous sweep passed it. An entry comes in unmarked: keys met once
+    (a generation loop's ``fz.attention`` over a cache whose length is new every step) then leave
+    before any entry that was hit again, instead of each earning a second chance that pushes the
+    repeated ones out. Writes (``put``, ``replace``, ``clear``) take
     the lock; a hit races only with them, and each single dict operation is atomic.
 
     A hit leaves the stored key in place, so later lookups compare against it: made for keys that
@@ -136,7 +139,7 @@ class ClockCache(_BoundedCache[V]):
         with self._lock:
             entry = self._data.get(key)
             if entry is None:
-                entry = self._data[key] = [value, True]
+                entry = self._data[key] = [value, False]
                 self.inserts += 1
                 self._sweep()
             else:

@@ -67,6 +67,8 @@ ENV_VARS = (
 )
 #: What the registered routes need installed (``Backend.requires``), each distinct one once.
 REQUIREMENTS = tuple(dict.fromkeys(r for b in BACKENDS for r in b.requires))
+_REQUIREMENT_CHECKS = tuple(r.check for r in REQUIREMENTS)
+_SUPPORTED_DTYPES = frozenset(SUPPORTED_DTYPES)
 
 
 def call_key(
@@ -98,7 +100,9 @@ def call_key(
     """
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor):
         return None  # subclasses and non-tensors: the full path validates them
-    if q.is_nested or k.is_nested or v.is_nested:
+    try:
+        sizes = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride())
+    except RuntimeError:
         return None  # a strided nested tensor is a plain Tensor whose .shape raises: the full path refuses it
     if not (type(enable_gqa) is bool and type(return_lse) is bool and type(backend) is str):
         return None  # 1 == True as a key: let the full path refuse non-bool flags
@@ -110,7 +114,7 @@ def call_key(
         return None  # planned apart (Problem.func_transform), and q/k/v are the transform's wrappers
     device = q.device
     dtype = q.dtype
-    if dtype not in SUPPORTED_DTYPES or not (
+    if dtype not in _SUPPORTED_DTYPES or not (
         k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
     ):
         return None  # let the full path name what is wrong (before reading the data below)
@@ -144,12 +148,7 @@ def call_key(
         k_grad,  # call runs its compiled code directly, which Dynamo compiled for these flags
         v_grad,
         score_grad,
-        q.shape,
-        q.stride(),
-        k.shape,
-        k.stride(),
-        v.shape,
-        v.stride(),
+        sizes,
         dtype,
         device,
         process_state(),
@@ -276,7 +275,7 @@ def process_state() -> Hashable:
         MASKS.version,
         SCORES.version,
         _read_environ(),
-        tuple([r.check() for r in REQUIREMENTS]),
+        tuple([check() for check in _REQUIREMENT_CHECKS]),
         tuning.state(),
     )
 

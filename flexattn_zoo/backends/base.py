@@ -143,9 +143,21 @@ def copies_by_strides(t: torch.Tensor) -> bool:
     return not (t.is_contiguous() or dense_block_strides(t))
 
 
-def laid_out(t: torch.Tensor, copies: bool) -> torch.Tensor:
-    """:func:`fused_layout` of an eager call's ``t`` given ``copies_by_strides(t)``: a contiguous
-    copy when it copies, or when ``t`` is on CUDA and starts off a 16-byte boundary; else ``t``."""
+def laid_out(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, copies: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_layout` of an eager call's ``q, k, v`` (on one device) given
+    ``copies_by_strides`` of each: a contiguous copy of each that copies, or that is on CUDA and
+    starts off a 16-byte boundary; the others as they are. The usual case (nothing to copy) is
+    one check (host time: this runs on every call of a bound SDPA route)."""
+    if not (copies[0] or copies[1] or copies[2]) and not (
+        q.is_cuda and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16
+    ):
+        return q, k, v
+    return _laid_out(q, copies[0]), _laid_out(k, copies[1]), _laid_out(v, copies[2])
+
+
+def _laid_out(t: torch.Tensor, copies: bool) -> torch.Tensor:
     if copies or (t.is_cuda and t.data_ptr() % 16):
         return t.clone(memory_format=torch.contiguous_format)
     return t

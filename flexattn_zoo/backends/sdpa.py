@@ -203,7 +203,7 @@ class SdpaBackend(Backend):
                     flags = copies[0]
                     if flags is None:
                         flags = copies[0] = (copies_by_strides(q), copies_by_strides(k), copies_by_strides(v))
-                    q, k, v = laid_out(q, flags[0]), laid_out(k, flags[1]), laid_out(v, flags[2])
+                    q, k, v = laid_out(q, k, v, flags)
                 else:
                     q, k, v = fused_layout(q, traced), fused_layout(k, traced), fused_layout(v, traced)
             enabled = kernels
@@ -236,7 +236,7 @@ def _asking_for(kernel: str) -> SdpaBackend:
 
 def _capturing(q: torch.Tensor) -> bool:
     """Whether ``q`` is a CUDA tensor and a CUDA graph is being captured on the current stream."""
-    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _launch_sdpa(

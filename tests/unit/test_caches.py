@@ -385,7 +385,7 @@ def test_plan_cache_drops_an_entry_not_hit_since_the_last_sweep() -> None:
     for i in range(4):
         cache.put(i, i)
     assert cache.inserts == 4 and len(cache) == 4
-    cache.put(4, 4)  # every entry was used on insert: one sweep unmarks them all, then drops 0
+    cache.put(4, 4)  # no entry was hit since its insert: the oldest, 0, is dropped
     assert cache.get(0) is None and len(cache) == 4
     assert cache.get(1) == 1  # hit: marked
     cache.put(5, 5)  # 1 is oldest but marked: moved to the newest end; 2 is dropped
@@ -400,6 +400,27 @@ def test_plan_cache_drops_an_entry_not_hit_since_the_last_sweep() -> None:
     assert len(cache.values()) == len(cache) and 7 in cache.values()
     cache.clear()
     assert len(cache) == 0 and cache.inserts == 0 and cache.get(1) is None
+
+
+def test_plan_cache_keeps_repeated_calls_through_a_stream_of_one_off_keys() -> None:
+    """Keys met once (a decode loop's ``fz.attention`` over a cache of a new length every step)
+    come in unmarked, so they leave first: calls that repeat, each hit once per 8 inserts in a
+    cache of 16, stay cached. When an insert counted as a use, every one-off key got a second
+    chance and every repeated call missed."""
+    from flexattn_zoo.lru import ClockCache
+
+    cache: ClockCache[int] = ClockCache(16)
+    repeated = [("repeated", i) for i in range(8)]
+    for key in repeated:
+        cache.put(key, 0)
+    misses = 0
+    for step in range(100):
+        for i, key in enumerate(repeated):
+            if cache.get(key) is None:
+                misses += 1
+                cache.put(key, 0)
+            cache.put(("once", step, i), 0)
+    assert misses == 0 and len(cache) == 16
 
 
 def test_plan_cache_under_concurrent_hits_and_inserts() -> None:

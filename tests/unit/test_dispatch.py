@@ -907,10 +907,16 @@ def test_fused_sdpa_kernels_read_dense_blocks_without_a_copy(name: str) -> None:
     assert (fused_layout(view) is view) is (dense or view.is_contiguous())
     # What a bound SDPA call decides once per shape and strides, and then does per call.
     assert copies_by_strides(view) is not (dense or view.is_contiguous())
-    laid = laid_out(view, copies_by_strides(view))
-    assert (laid is view) is (dense or view.is_contiguous())
-    assert laid.is_contiguous() or laid is view
-    assert torch.equal(laid, view)
+    other = torch.randn(2, 4, 40, 16)  # contiguous: never copied, beside a view that may be
+    for position in range(3):
+        given = [other, other, other]
+        given[position] = view
+        flags = tuple(copies_by_strides(t) for t in given)
+        laid = laid_out(*given, flags)
+        assert (laid[position] is view) is (dense or view.is_contiguous())
+        assert laid[position].is_contiguous() or laid[position] is view
+        assert torch.equal(laid[position], view)
+        assert all(laid[i] is other for i in range(3) if i != position)
 
 
 @pytest.mark.parametrize("name", list(_views()))
