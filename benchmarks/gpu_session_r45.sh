@@ -11,10 +11,13 @@
 #   bash benchmarks/gpu_session_r45.sh gemma2fa4 560  # (FA4 and /tmp/site) compiled Gemma-2
 #                    # training, the zoo (its soft-capped layers now on flex_flash at head dim
 #                    # 256) beside HF flex_attention, in one process
+#   bash benchmarks/gpu_session_r45.sh host 200       # the host table after the plan cache's
+#                    # insert fix and the leaner hit path, the hit's pieces (host_path_probe.py)
+#                    # and the decode probe
 #   bash benchmarks/gpu_session_r45.sh d256 420       # (FA4 installed) the head-dim-256 cases on
 #                    # every route they list (for the H200 tables), then the D=256 GPU tests
 set -uo pipefail
-step="${1:?usage: $0 tracefix|gemma2fa4|d256 [BUDGET_S]}"
+step="${1:?usage: $0 tracefix|host|gemma2fa4|d256 [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r45
@@ -26,6 +29,12 @@ case "$step" in
   tracefix)
     run "gpu_tests_compile_callable_ids_${gpu}_r45" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 3 tests/gpu/test_compile_gpu.py -k "callable_ids or document_causal"
+    ;;
+  host)
+    run "host_cost_${gpu}_r45" "$(share 70)" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_${gpu}_r45.md"
+    run "host_path_probe_${gpu}_r45" "$(share 15)" python3 benchmarks/host_path_probe.py --device cuda
+    run "sdpa_decode_host_probe_${gpu}_r45" "$(( $(left) - 5 ))" python3 benchmarks/sdpa_decode_host_probe.py --device cuda
     ;;
   gemma2fa4)
     PYTHONPATH="/tmp/site:$PYTHONPATH" run "compiled_models_gemma2_fa4_${gpu}_r45" "$(( $(left) - 5 ))" \
