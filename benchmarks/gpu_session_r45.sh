@@ -14,10 +14,12 @@
 #   bash benchmarks/gpu_session_r45.sh host 200       # the host table after the plan cache's
 #                    # insert fix and the leaner hit path, the hit's pieces (host_path_probe.py)
 #                    # and the decode probe
+#   bash benchmarks/gpu_session_r45.sh tuned 330      # (FA4 installed) auto_tuned rows of the
+#                    # 15 tuned cases after the warm-up fix
 #   bash benchmarks/gpu_session_r45.sh d256 420       # (FA4 installed) the head-dim-256 cases on
 #                    # every route they list (for the H200 tables), then the D=256 GPU tests
 set -uo pipefail
-step="${1:?usage: $0 tracefix|host|gemma2fa4|d256 [BUDGET_S]}"
+step="${1:?usage: $0 tracefix|host|tuned|gemma2fa4|d256 [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r45
@@ -35,6 +37,13 @@ case "$step" in
       --out "$out/host_cost_${gpu}_r45.md"
     run "host_path_probe_${gpu}_r45" "$(share 15)" python3 benchmarks/host_path_probe.py --device cuda
     run "sdpa_decode_host_probe_${gpu}_r45" "$(( $(left) - 5 ))" python3 benchmarks/sdpa_decode_host_probe.py --device cuda
+    ;;
+  tuned)  # (FA4 installed) auto_tuned on the tuned cases, after the warm-up fix (issue 20)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_tuned_${gpu}.json"
+    run "generalization_tuned_${gpu}_r45" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --routes auto_tuned --out "$out/generalization_tuned_${gpu}.json" \
+      --cases alibi_bidir_l2048_b8_d64,bert_base_l128_b128,bert_base_l512_b32,decode_llama2_7b_b16_2k,decode_llama3_8b_b1_32k,dinov2_g_l1370_b8,docs_llama3_8b_l16k,gemma3_27b_l4096_b1,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,llama2_13b_l4096_b1,llama32_3b_l2048_b4,llama3_8b_l128_b64,modernbert_l8192_local,vit_b16_l197_b64 \
+      --md "$out/generalization_tuned_${gpu}_r45.md" --quiet --time-budget "$(( $(left) - 40 ))"
     ;;
   gemma2fa4)
     PYTHONPATH="/tmp/site:$PYTHONPATH" run "compiled_models_gemma2_fa4_${gpu}_r45" "$(( $(left) - 5 ))" \
