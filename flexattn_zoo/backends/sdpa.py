@@ -209,11 +209,14 @@ class SdpaBackend(Backend):
             enabled = kernels
             capturing = False
             if adaptive and not traced:
-                capturing = _capturing(q)
-                if seen[0] >= 1 and (warm[0] or not capturing):
-                    enabled = repeated
-                if not capturing:
-                    seen[0] += 1
+                if warm[0]:
+                    enabled = repeated  # captured or not (host time: no capture query per call)
+                else:
+                    capturing = _capturing(q)
+                    if seen[0] >= 1 and not capturing:
+                        enabled = repeated
+                    if not capturing:
+                        seen[0] += 1
             out = _launch_sdpa(sdpa, q, k, v, scale, enabled, traced)
             if enabled is not kernels and not capturing:
                 warm[0] = True  # after the call: its plan exists now

@@ -1079,8 +1079,14 @@ def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest
         enabled.append(kernels)
         return q
 
+    asked = [0]
+
+    def is_capturing(q: torch.Tensor) -> bool:
+        asked[0] += 1
+        return capturing[0]
+
     monkeypatch.setattr(sdpa_module, "_launch_sdpa", recording)
-    monkeypatch.setattr(sdpa_module, "_capturing", lambda q: capturing[0])
+    monkeypatch.setattr(sdpa_module, "_capturing", is_capturing)
     q = torch.zeros(2, 4, 1, 8)
     kv = torch.zeros(2, 4, 64, 8)
     decode = _problem(lq=1, lkv=64, heads=(4, 4), d=8, batch=2)
@@ -1098,8 +1104,10 @@ def test_sdpa_route_lets_cudnn_decode_a_shape_it_meets_again(monkeypatch: pytest
     run(q, kv, kv, 0.5)
     run(q, kv, kv, 0.5)  # the second eager call: cuDNN joins, eagerly
     capturing[0] = True
+    asked[0] = 0
     run(q, kv, kv, 0.5)  # now it may be captured
     assert enabled == [WITHOUT_CUDNN] * 4 + [None, None]
+    assert asked[0] == 0  # once cuDNN ran eagerly, capture no longer matters: not asked per call
 
     for other in (  # measured on sm90 forward only; cuDNN decoding bugs reported elsewhere
         _problem(lq=1, lkv=64, heads=(4, 4), d=8, batch=2, arch="sm100"),
