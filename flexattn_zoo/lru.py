@@ -126,6 +126,11 @@ class ClockCache(_BoundedCache[V]):
     def get(self, key: Hashable) -> V | None:
         if _compat.is_compiling():
             return None  # see the module docstring: a traced call neither reads nor stores
+        return self.get_eager(key)
+
+    def get_eager(self, key: Hashable) -> V | None:
+        """``get`` for a caller that has found already that no torch.compile trace is running
+        (host time: the question costs as much as the lookup)."""
         entry = self._data.get(key)
         if entry is None:
             return None

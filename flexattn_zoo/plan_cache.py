@@ -179,9 +179,10 @@ UNHASHABLE = object()
 def lookup(key: Hashable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
     """The cached ``dispatch.BoundPlan`` of a call with ``key`` (from :func:`call_key`), or None:
     the entry itself, or for a :class:`ByFiniteness` entry the one of these inputs' NaN/inf
-    verdict; :data:`UNHASHABLE` when the key cannot be hashed."""
+    verdict; :data:`UNHASHABLE` when the key cannot be hashed. Eager calls only: ``fz.attention``
+    takes its traced path before it looks up."""
     try:
-        found = PLANS.get(key)
+        found = PLANS.get_eager(key)
     except TypeError:
         return UNHASHABLE
     if type(found) is ByFiniteness:
