@@ -445,7 +445,7 @@ def _call_args(
     if (
         is_causal is False
         and kernel_options is None
-        and dropout_p is None
+        and (dropout_p is None or (type(dropout_p) is float and dropout_p == 0.0))
         and not isinstance(mask, torch.Tensor)
         and not isinstance(score_mod, torch.Tensor)
     ):

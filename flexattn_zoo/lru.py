@@ -40,6 +40,13 @@ class _BoundedCache(Generic[V]):
         self._lock = threading.RLock()
 
     def get(self, key: Hashable) -> V | None:
+        if _compat.is_compiling():
+            return None  # see the module docstring: a traced call neither reads nor stores
+        return self.get_eager(key)
+
+    def get_eager(self, key: Hashable) -> V | None:
+        """``get`` for a caller that has found already that no torch.compile trace is running
+        (host time: the question costs as much as a hit)."""
         raise NotImplementedError
 
     def put(self, key: Hashable, value: V) -> V:
@@ -73,9 +80,7 @@ class LRUCache(_BoundedCache[V]):
     def __init__(self, size: int) -> None:
         super().__init__(size, OrderedDict())
 
-    def get(self, key: Hashable) -> V | None:
-        if _compat.is_compiling():
-            return None  # see the module docstring: a traced call neither reads nor stores
+    def get_eager(self, key: Hashable) -> V | None:
         with self._lock:
             # Taken out and put back at the end under the caller's key (equal to the stored one):
             # one comparison of a new key with the stored one instead of two (``get`` then
@@ -123,14 +128,7 @@ class ClockCache(_BoundedCache[V]):
     def __init__(self, size: int) -> None:
         super().__init__(size, {})  # key -> [value, used since the last sweep]
 
-    def get(self, key: Hashable) -> V | None:
-        if _compat.is_compiling():
-            return None  # see the module docstring: a traced call neither reads nor stores
-        return self.get_eager(key)
-
     def get_eager(self, key: Hashable) -> V | None:
-        """``get`` for a caller that has found already that no torch.compile trace is running
-        (host time: the question costs as much as the lookup)."""
         entry = self._data.get(key)
         if entry is None:
             return None
@@ -146,17 +144,19 @@ class ClockCache(_BoundedCache[V]):
             if entry is None:
                 entry = self._data[key] = [value, False]
                 self.inserts += 1
-                self._sweep()
+                self._sweep(entry)
             else:
                 entry[1] = True
             return entry[0]
 
-    def _sweep(self) -> None:
+    def _sweep(self, new: list[Any]) -> None:
+        """Drop entries, oldest first, until ``size`` are left; never ``new`` (the entry just put),
+        which a sweep over a map whose every other entry was hit would otherwise reach first."""
         entries = self._data
         while len(entries) > self.size:
             oldest = next(iter(entries))
             entry = entries.pop(oldest)
-            if entry[1]:  # used since the last pass: a second chance, at the newest end
+            if entry[1] or entry is new:  # a second chance, at the newest end
                 entry[1] = False
                 entries[oldest] = entry
         # Each pass over a used entry unmarks it, so the loop ends within two rounds of the map.

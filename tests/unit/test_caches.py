@@ -422,6 +422,15 @@ def test_plan_cache_keeps_repeated_calls_through_a_stream_of_one_off_keys() -> N
             cache.put(("once", step, i), 0)
     assert misses == 0 and len(cache) == 16
 
+    # A new key in a cache whose every entry was hit since the last sweep stays (the sweep
+    # unmarks the others and drops the oldest of them, not the entry it was made room for).
+    cache = ClockCache(16)
+    for i in range(16):
+        cache.put(i, i)
+        cache.get(i)
+    assert cache.put("new", -1) == -1 and cache.get("new") == -1
+    assert len(cache) == 16 and cache.get(0) is None
+
 
 def test_plan_cache_under_concurrent_hits_and_inserts() -> None:
     """Hits take no lock: threads reading while others insert and sweep never see a wrong value,
