@@ -434,11 +434,13 @@ RULES: tuple[Rule, ...] = (
         min_head_dim=256,
         front=("sdpa", "sdpa_cudnn", "fa4"),
         why="training at head dim 256 (Gemma-2/3; at 192 FA4 leads, mla_d192 in h200.json): SDPA's own choice (cuDNN) where SDPA "
-        "expresses the mask (Gemma-3 global attention, 8K: 2.14 vs fa4 2.35 ms), else FA4, whose "
-        "backward at D=256 beats Triton flex's (Gemma-3 local window 1024, 8K: 1.10 vs 1.67 ms) "
-        "even on problems short enough that FA4's host time decides elsewhere",
+        "expresses the mask (Gemma-3 global attention, 8K: 2.14 vs fa4 2.35 ms in one H200 sweep, "
+        "402 vs 351 TFLOP/s on an H100, a tie in a later H200 run: 2.37 vs 2.34 ms, so not this "
+        "rule's evidence), else FA4, whose backward at D=256 beats Triton flex's (Gemma-3 local "
+        "window 1024, 8K: 1.29 vs 1.68 ms) even on problems short enough that FA4's host time "
+        "decides elsewhere",
         benchmark="generalization_h200.json",
-        evidence=("gemma3_4b_global_l8192_d256/fwdbwd", "gemma3_4b_local1024_l8192_d256/fwdbwd"),
+        evidence=("gemma3_4b_local1024_l8192_d256/fwdbwd",),
     ),
 )
 
