@@ -508,8 +508,7 @@ def plan(
     """
     q, k, v = as_bhsd(q, k, v, layout)
     mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
-    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain and sharding.holds_dtensor(q, k, v):
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         q, k, v = local.q, local.k, local.v
@@ -701,8 +700,7 @@ def attention(
             is_causal=is_causal, kernel_options=kernel_options, dropout_p=dropout_p,
         )  # fmt: skip
     mask, score_mod, options, dropout = _call_args(mask, score_mod, is_causal, kernel_options, dropout_p)
-    plain = type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-    if not plain and sharding.holds_dtensor(q, k, v):
+    if sharding.holds_dtensor(q, k, v):
         local = sharding.localize(q, k, v, enable_gqa=check_flag("enable_gqa", enable_gqa))
         mask, score_mod = sharding.rebase(local, mask, score_mod)
         result = attention(
@@ -729,8 +727,7 @@ def attention(
             options, dropout,
         )  # fmt: skip
     scale_checked = check_scale(scale)
-    if _compat.any_autocast_enabled():
-        q, k, v = _under_autocast(q, k, v)
+    q, k, v = _under_autocast(q, k, v)
     mask, score_mod = _live(mask), _live(score_mod)
     # A non-bool ``deterministic`` skips the cache: the full path names the error. So does a call
     # under context_parallel, whose route choice is narrower (and must not be cached for others).

@@ -77,7 +77,8 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     init = klass.__init__
 
     def build(self: Any, compiling: bool, *args: Any, **kwargs: Any) -> None:
-        _refuse_dtensors(klass.__name__, kwargs)
+        if kwargs:  # a spec without arguments (``Causal()``, often built per call) has none to check
+            _refuse_dtensors(klass.__name__, kwargs)
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         if compiling or not _settle_plain(self):
             _take_ownership(self)
@@ -86,14 +87,6 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         compiling = _compat.is_compiling()
         inference = not compiling and torch.is_inference_mode_enabled()
-        if not (compiling or inference):
-            # ``build`` inline: specs are often made anew for every call (host time).
-            if kwargs:
-                _refuse_dtensors(klass.__name__, kwargs)
-            init(self, *args, **kwargs)
-            if not _settle_plain(self):
-                _take_ownership(self)
-            return
         if inference and type(self) in _HOLDS_TENSORS:
             # Not as inference tensors: caches keyed by the spec's value hand its tensors (and
             # what __post_init__ derives from them) to later calls, training ones too.
@@ -255,14 +248,11 @@ def _settle_plain(spec: Any) -> bool:
     callable and no learned tensor (nor any tensor to own). Returns whether it did. Eager calls
     only: a spec built while torch.compile traces leaves its per-instance caches alone."""
     cls = type(spec)
-    names = _SETTLED_FIELDS.get(cls, _NOT_SEEN)
-    if names is _NOT_SEEN:
-        # None for a class that compares more than its parameters (e.g. the device it is bound to)
-        names = _SETTLED_FIELDS[cls] = _field_names(spec) if cls._fields is Spec._fields else None
-    if names is None:
-        return False
+    if cls._fields is not Spec._fields:
+        return False  # the class compares more than its parameters (e.g. the device it is bound to)
     values = spec.__dict__
-    params = [values.get(name) for name in names]
+    names = _FIELD_NAMES.get(cls)
+    params = [values.get(name) for name in (_field_names(spec) if names is None else names)]
     for value in params:
         if type(value) not in _PLAIN_TYPES:
             return False
@@ -391,10 +381,6 @@ def _made_for_the_cache(make: Callable[[], _ModT]) -> _ModT:
 
 #: Field names per spec class (``_field_names``).
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
-#: ``_settle_plain``'s per-class lookup: the field names, or None for a class whose equality
-#: reads more than its parameters.
-_SETTLED_FIELDS: dict[type, tuple[str, ...] | None] = {}
-_NOT_SEEN = ("not seen",)
 #: Field values that may hold tensors (``Spec.__eq__``).
 _NESTED = (torch.Tensor, tuple, list)
 
