@@ -58,6 +58,9 @@ _ModT = TypeVar("_ModT")
 #: Spec classes seen holding a tensor when built under ``torch.inference_mode``: built outside it
 #: from then on (see ``spec_dataclass``).
 _HOLDS_TENSORS: set[type] = set()
+#: Per spec class whose instance built without arguments holds only plain parameters: that
+#: instance's attributes right after it was built and settled (``spec_dataclass``'s ``build``).
+_BARE_SETTLED: dict[type, dict[str, Any]] = {}
 
 
 def _holds_inference_tensor(spec: Any) -> bool:
@@ -77,11 +80,21 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
     init = klass.__init__
 
     def build(self: Any, compiling: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs:  # a spec without arguments (``Causal()``, often built per call) has none to check
+        bare = not args and not kwargs and not compiling
+        if bare:
+            # A spec without arguments (``Causal()``, often built per call): every such spec of
+            # the class is the first one, settled (see _settle_plain), so it starts as a copy.
+            settled = _BARE_SETTLED.get(type(self))  # (a subclass may inherit this __init__)
+            if settled is not None:
+                self.__dict__.update(settled)
+                return
+        elif kwargs:
             _refuse_dtensors(klass.__name__, kwargs)
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         if compiling or not _settle_plain(self):
             _take_ownership(self)
+        elif bare:
+            _BARE_SETTLED[type(self)] = dict(self.__dict__)
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -457,6 +457,25 @@ def test_what_a_new_spec_settles_when_built_is_what_its_first_use_works_out() ->
     assert settled >= 10
 
 
+def test_a_spec_built_without_arguments_is_its_class_own_settled_value() -> None:
+    """``Causal()`` built per call starts as a copy of the first such spec of its class: equal,
+    its own object, and keyed by its own class, also for a subclass that inherits the spec's
+    ``__init__`` (a template shared with the parent would give the subclass's instances the
+    parent's plain key, so they would hit the parent's cached plans)."""
+
+    class Tagged(masks.Causal):  # not a spec_dataclass of its own: the parent's __init__
+        pass
+
+    for first, second in ((masks.Causal(), Tagged()), (Tagged(), masks.Causal())):
+        again = type(first)()
+        assert again == first and again is not first and again.__dict__ == first.__dict__
+        assert type(again) is type(first) and again.plain_key()[0] is type(first)
+        assert second.plain_key()[0] is type(second) and second != first
+    assert masks.Causal() == masks.Causal(align="top_left") and hash(masks.Causal()) == hash(
+        masks.Causal(align="top_left")
+    )
+
+
 def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
     q, k, v = _qkv()
     fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())

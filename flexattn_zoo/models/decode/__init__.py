@@ -37,7 +37,11 @@ patterns.
 
 Serving: a step is planned (validated and routed) once per call signature (:func:`run_signature`;
 on the CPU it includes whether q and the cache hold NaN/inf, which the inputs are scanned for
-every step, as ``fz.attention`` does). On CUDA a step is capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
+every step, as ``fz.attention`` does). A flex step over a contiguous cache whose arguments'
+kinds were seen before (the same shapes, specs, scale, flags and thread; any lengths) goes from
+its second call straight to the length update and the kernel, skipping the step's checks and
+planning (:data:`STEPS`, keyed like ``fz.attention``'s plan cache; clearing :data:`CACHE` drops
+them too). On CUDA a step is capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
 tensor) and the new tokens in place and replay; nothing syncs with the host or reallocates.
 Eager steps cost ~0.3 ms of host time on an H200 host, graphed ones run at the kernel's speed
 (benchmarks/results/decode_h200.md). A graph-captured mask is kept alive whatever the cache
@@ -69,6 +73,7 @@ from __future__ import annotations
 #   prefix  one_query_over_prefix: the plain generation step, SDPA over the live prefix
 #   mask    DecodeMask (updated in place each step), lowest_key, CAPTURED
 #   cache   CACHE, the DecodeMasks per calling thread
+#   hits    STEPS: repeated flex steps' plans (their DecodeMask and run), by the call's key
 #   runs    run_signature and a step's plan (_Run), kept per DecodeMask
 #   launch  running a step's attention (_run_planned, _attend), rows per flex launch
 #   routes  DECODE_ROUTES, MIN_FLEX_PAGE, CPU flex hazards
@@ -77,6 +82,7 @@ from __future__ import annotations
 #   varlen  decode_step_varlen (FlashAttention varlen, CUDA)
 from flexattn_zoo.models.decode.cache import CACHE as CACHE
 from flexattn_zoo.models.decode.cache import DECODE_CACHE_SIZE as DECODE_CACHE_SIZE
+from flexattn_zoo.models.decode.hits import STEPS as STEPS
 from flexattn_zoo.models.decode.launch import _run_planned as _run_planned
 from flexattn_zoo.models.decode.mask import CAPTURED as CAPTURED
 from flexattn_zoo.models.decode.mask import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE

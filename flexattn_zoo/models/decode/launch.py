@@ -1,5 +1,5 @@
 """Launching a decode step's attention: a flex call through a DecodeMask, planned once per
-signature (:func:`_run_planned`), ``fz.attention`` for the rest (:func:`_attend`), and how many
+signature (:func:`_run_planned`, :func:`_run_and_keep`), ``fz.attention`` for the rest (:func:`_attend`), and how many
 rows of a contiguous cache one flex launch can take (:func:`_rows_per_launch`).
 
 ``_rows_per_launch`` reads ``MAX_FLEX_ELEMENTS`` from this module's globals: a test that lowers
@@ -44,6 +44,14 @@ def _run_planned(
     """One flex call through ``dm``'s BlockMask, planned (validated, routed) once per signature
     (:func:`run_signature`). q/k/v are first cast as ``fz.attention`` casts them under
     ``torch.autocast``, so the plan, its signature and the kernel all see the dtype computed in."""
+    out, lse, _ = _run_and_keep(dm, q, k, v, bm, score, scale, gqa, need_lse, backend)
+    return out, lse
+
+
+def _run_and_keep(
+    dm: DecodeMask, q, k, v, bm, score, scale, gqa: bool, need_lse: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor | None, _Run]:
+    """:func:`_run_planned`, also returning the run it launched (``decode_step`` keeps it)."""
     q, k, v = _under_autocast(q, k, v)
     sig = run_signature(q, k, v, score, scale, gqa, need_lse, backend)
     run = dm.runs.get(sig)
@@ -60,4 +68,5 @@ def _run_planned(
             return_lse=need_lse,
         )
         run = dm.runs.put(sig, _Run(chosen, bm, q.device, scale))
-    return run(q, k, v, bm)
+    out, lse = run(q, k, v, bm)
+    return out, lse, run

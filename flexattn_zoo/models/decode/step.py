@@ -17,8 +17,9 @@ from flexattn_zoo.dispatch import needs_grad
 from flexattn_zoo.functions import FunctionMask, FunctionScore
 from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.decode.cache import CACHE, _caller
+from flexattn_zoo.models.decode.hits import STEPS, StepPlan, step_key
 from flexattn_zoo.models.decode.inputs import _check_inputs, _lengths
-from flexattn_zoo.models.decode.launch import _attend, _rows_per_launch, _run_planned
+from flexattn_zoo.models.decode.launch import _attend, _rows_per_launch, _run_and_keep
 from flexattn_zoo.models.decode.mask import DEFAULT_BLOCK_SIZE, DecodeMask
 from flexattn_zoo.models.decode.paged import (
     KV_LAYOUTS,
@@ -160,6 +161,17 @@ def decode_step(
         out = one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, enable_gqa)
         if out is not None:
             return out
+    hit_key = None
+    if block_table is None and kv_layout is None:
+        # A step of a kind already run: its plan (see .hits), without the checks below.
+        hit_key, q_run, k_run, v_run = step_key(
+            q, k_cache, v_cache, mask, score_mod, scale, enable_gqa, sinks, return_lse, backend, block_size
+        )  # fmt: skip
+        step_plan = STEPS.get_eager(hit_key) if hit_key is not None else None
+        if step_plan is not None:
+            result = step_plan(q_run, k_run, v_run, cache_len, sinks, return_lse)
+            if result is not None:
+                return result
     check_flag("return_lse", return_lse)
     spec = _CAUSAL if mask is None else as_mask_spec(mask)
     if spec is not None:
@@ -285,11 +297,11 @@ def decode_step(
             return (out, torch.cat(lses)) if return_lse else out
     # Per calling thread (see _caller): the mask's tensors are written by this step's update and
     # read by this step's kernel, so no two threads may share them.
-    key = (spec, batch, q_len, capacity, n_physical, block_size, q_block_size, q.device, _caller())
+    cache_key = (spec, batch, q_len, capacity, n_physical, block_size, q_block_size, q.device, _caller())
     # Built outside inference mode: later steps outside it (a no_grad loop after an
     # inference_mode one) update the mask's tensors in place, which inference tensors refuse.
     dm = CACHE.get_or_create(
-        key,
+        cache_key,
         lambda: _compat.outside_inference_mode(
             lambda: DecodeMask(
                 spec,
@@ -311,7 +323,10 @@ def decode_step(
             k_run, v_run = k_cache.expand(batch, -1, -1, -1), v_cache.expand(batch, -1, -1, -1)
         run_score = dm.score_spec(inner_score) if inner_score is not None else None
         if q_len > 0:
-            out, lse = _run_planned(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
+            out, lse, run = _run_and_keep(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
+            if hit_key is not None:  # not paged (the key is made only for contiguous caches)
+                # replace: a plan whose DecodeMask left decode.CACHE is stale (see StepPlan)
+                STEPS.replace(hit_key, StepPlan(cache_key, dm, run, batch, q_len, capacity))
         else:  # no queries: fz.attention's empty result
             out, lse = _attend(
                 q,
