@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# GPU steps of the forty-sixth session. One step per argument, under its own time limit; outputs
+# go into $OUT/r46/ (names carry the card), packed into $OUT/r46_STEP.tar after every sub-step.
+# FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
+#
+#   bash benchmarks/gpu_session_r46.sh host 420     # the host table twice (two processes, one
+#                    # host) after decode_step's step plans and the bare-spec copy, then the
+#                    # hit's pieces (host_path_probe.py)
+#   bash benchmarks/gpu_session_r46.sh tests 400    # GPU tests: routes + determinism (a), fuzz +
+#                    # decode (b) and the drop-in surfaces (e), in parallel (benchmarks/gpu_tests.sh)
+#   bash benchmarks/gpu_session_r46.sh tunedall 560 # (FA4 installed) the tuned cases, every route
+#                    # and auto_tuned in one process (the lowest-ratio cases first)
+set -uo pipefail
+step="${1:?usage: $0 host|tests|tunedall [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r46
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+
+case "$step" in
+  host)
+    for run_id in a b; do
+      run "host_cost_${gpu}_r46${run_id}" "$(share 42)" python3 benchmarks/host_cost.py --device cuda \
+        --out "$out/host_cost_${gpu}_r46${run_id}.md"
+    done
+    run "host_path_probe_${gpu}_r46" "$(( $(left) - 5 ))" python3 benchmarks/host_path_probe.py --device cuda
+    ;;
+  tests)
+    PARTS="a b e" TEST_TIMEOUT="$(( $(left) - 20 ))" OUT="$out" run "gpu_tests_abe_${gpu}_r46_log" \
+      "$(( $(left) - 10 ))" bash benchmarks/gpu_tests.sh "gpu_tests_abe_${gpu}_r46"
+    ;;
+  tunedall)  # (FA4 installed) the tuned cases with every route and auto_tuned in one process, so
+    # the tuning regret compares rows of one host (the tuned rows alone compare across sessions)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_tunedall_${gpu}.json"
+    run "generalization_tunedall_${gpu}_r46" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_tunedall_${gpu}.json" \
+      --cases bert_base_l128_b128,bert_base_l512_b32,vit_b16_l197_b64,decode_llama3_8b_b1_32k,llama2_13b_l4096_b1,dinov2_g_l1370_b8,gemma3_27b_l4096_b1,docs_llama3_8b_l16k,alibi_bidir_l2048_b8_d64,decode_llama2_7b_b16_2k,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,llama32_3b_l2048_b4,llama3_8b_l128_b64,modernbert_l8192_local \
+      --md "$out/generalization_tunedall_${gpu}_r46.md" --quiet --time-budget "$(( $(left) - 40 ))"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
