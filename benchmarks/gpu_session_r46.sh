@@ -9,9 +9,10 @@
 #   bash benchmarks/gpu_session_r46.sh tests 400    # GPU tests: routes + determinism (a), fuzz +
 #                    # decode (b) and the drop-in surfaces (e), in parallel (benchmarks/gpu_tests.sh)
 #   bash benchmarks/gpu_session_r46.sh tunedall 560 # (FA4 installed) the tuned cases, every route
-#                    # and auto_tuned in one process (the lowest-ratio cases first)
+#                    # and auto_tuned in one process (the lowest-ratio cases first; CASES=a,b to pick)
+#   bash benchmarks/gpu_session_r46.sh hostone 150  # the host table once more
 set -uo pipefail
-step="${1:?usage: $0 host|tests|tunedall [BUDGET_S]}"
+step="${1:?usage: $0 host|tests|tunedall|hostone [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r46
@@ -30,12 +31,18 @@ case "$step" in
       "$(( $(left) - 10 ))" bash benchmarks/gpu_tests.sh "gpu_tests_abe_${gpu}_r46"
     ;;
   tunedall)  # (FA4 installed) the tuned cases with every route and auto_tuned in one process, so
-    # the tuning regret compares rows of one host (the tuned rows alone compare across sessions)
+    # the tuning regret compares rows of one host (the tuned rows alone compare across sessions);
+    # CASES overrides the list (lowest tuned ratios first)
+    cases="${CASES:-vit_b16_l197_b64,bert_base_l512_b32,bert_base_l128_b128,gemma3_27b_l4096_b1,decode_llama3_8b_b1_32k,llama2_13b_l4096_b1,dinov2_g_l1370_b8,llama3_8b_l128_b64,docs_llama3_8b_l16k,alibi_bidir_l2048_b8_d64,decode_llama2_7b_b16_2k,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,llama32_3b_l2048_b4,modernbert_l8192_local}"
     cp benchmarks/results/generalization_h200.json "$out/generalization_tunedall_${gpu}.json"
     run "generalization_tunedall_${gpu}_r46" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
-      --resume --rerun --out "$out/generalization_tunedall_${gpu}.json" \
-      --cases bert_base_l128_b128,bert_base_l512_b32,vit_b16_l197_b64,decode_llama3_8b_b1_32k,llama2_13b_l4096_b1,dinov2_g_l1370_b8,gemma3_27b_l4096_b1,docs_llama3_8b_l16k,alibi_bidir_l2048_b8_d64,decode_llama2_7b_b16_2k,gemma3_4b_local1024_l8192_d256,gpt2_l1024_b16,llama32_3b_l2048_b4,llama3_8b_l128_b64,modernbert_l8192_local \
-      --md "$out/generalization_tunedall_${gpu}_r46.md" --quiet --time-budget "$(( $(left) - 40 ))"
+      --resume --rerun --out "$out/generalization_tunedall_${gpu}.json" --cases "$cases" \
+      --routes auto,auto_tuned,plain_sdpa,raw_flex,sdpa_dense_mask,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_split,varlen,flex,flex_flash,fa4 \
+      --md "$out/generalization_tunedall_${gpu}_r46.md" --quiet --time-budget "$(( $(left) - 60 ))"
+    ;;
+  hostone)
+    run "host_cost_${gpu}_r46c" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_${gpu}_r46c.md"
     ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
