@@ -17,7 +17,20 @@ is bound and cached, and a one-query call over a cache prefix):
 * ``tensor reads``: the tensor attributes the key reads (shape, stride, dtype, device,
   requires_grad of q, k, v), as plain Python.
 
+With ``--decode-flex``, the pieces of a repeated ``fz.decode.decode_step`` on the flex route
+(``flex_cpu`` on the CPU; one query over 1024 of 2048 cached keys, the length cycling over 64
+values as in host_cost.py's ``decode-flex`` group):
+
+* ``flex floor``: ``torch.compile(flex_attention)`` on the step's DecodeMask BlockMask (what
+  host_cost.py compares against), and ``floor + fill`` with the one length write a hand-written
+  step needs;
+* ``decode_step``: as a user calls it; ``step key`` its plan's key (``hits.step_key``),
+  ``step plan`` the kept plan called alone (length check, mask update, kernel);
+* ``run``: the plan's launch alone (the compiled graph with the step's BlockMask), ``update``:
+  ``DecodeMask.update`` alone.
+
     PYTHONPATH=. python benchmarks/host_path_probe.py --device cuda
+    PYTHONPATH=. python benchmarks/host_path_probe.py --device cuda --decode-flex
 """
 
 from __future__ import annotations
@@ -29,9 +42,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, plan_cache
+from flexattn_zoo.backends import BY_NAME
+from flexattn_zoo.models import decode
+from flexattn_zoo.models.decode import hits
 
 
 def main() -> None:
@@ -39,6 +56,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--number", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--decode-flex", action="store_true", help="the pieces of a flex decode step instead")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -52,6 +70,9 @@ def main() -> None:
     for _ in range(3):  # planned, bound, then the bound call's repeated-shape kernels
         fz.attention(q, k, v, mask="causal")
         fz.attention(q1, k1, v1)
+    if args.decode_flex:
+        _report(args, device, _decode_flex_pieces(q1, k_cache, v_cache, device), [])
+        return
     key = plan_cache.call_key(q, k, v, "causal", None, False, False, False, "auto")
     key1 = plan_cache.call_key(q1, k1, v1, None, None, False, False, False, "auto")
     hit, hit1 = plan_cache.lookup(key, q, k, v), plan_cache.lookup(key1, q1, k1, v1)
@@ -78,10 +99,72 @@ def main() -> None:
         "tensor reads": tensor_reads,
     }
 
+    _report(
+        args,
+        device,
+        pieces,
+        [("fz causal", "sdpa"), ("fz Causal()", "sdpa"), ("fz prefix", "sdpa prefix")],
+    )
+
+
+def _decode_flex_pieces(
+    q1: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, device: torch.device
+) -> dict[str, Callable[[], Any]]:
+    route = "flex" if device.type == "cuda" else "flex_cpu"
+    lengths = iter([])
+
+    def length() -> int:
+        nonlocal lengths
+        n = next(lengths, None)
+        if n is None:
+            lengths = iter(range(1024, 1088))
+            n = next(lengths)
+        return n
+
+    def step() -> Any:
+        return decode.decode_step(q1, k_cache, v_cache, length(), backend=route)
+
+    with torch.no_grad():  # (every piece runs under no_grad: see _report)
+        for _ in range(130):  # planned, then kept
+            step()
+        key, _, _, _ = hits.step_key(q1, k_cache, v_cache, None, None, None, None, None, False, route, None)
+    plan = decode.STEPS.get(key)
+    assert plan is not None, "the steps above kept no plan"
+    dm, bm = plan.dm, plan.dm.block_mask
+    chosen = fz.plan(q1, k_cache, v_cache, mask=bm, backend=route)
+    options = BY_NAME[chosen.backend].options(chosen.problem, bm)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    for _ in range(3):
+        compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options)
+
+    def floor_fill() -> Any:
+        dm.cache_len.fill_(length())
+        return compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options)
+
+    return {
+        "flex floor": lambda: compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options),
+        "floor + fill": floor_fill,
+        "decode_step": step,
+        "step key": lambda: hits.step_key(
+            q1, k_cache, v_cache, None, None, None, None, None, False, route, None
+        ),
+        "step plan": lambda: plan(q1, k_cache, v_cache, length(), None, False),
+        "run": lambda: plan.run(q1, k_cache, v_cache, bm),
+        "update": lambda: dm.update(length()),
+    }
+
+
+def _report(
+    args: argparse.Namespace,
+    device: torch.device,
+    pieces: dict[str, Callable[[], Any]],
+    differences: list[tuple[str, str]],
+) -> None:
     def drained(fn: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
-            for _ in range(args.number):
-                fn()
+            with torch.no_grad():
+                for _ in range(args.number):
+                    fn()
             if device.type == "cuda":
                 torch.cuda.synchronize()
 
@@ -97,11 +180,8 @@ def main() -> None:
     )
     for name, us in best.items():
         print(f"{name:14s} {us:8.2f}")
-    print(
-        f"fz causal - sdpa {best['fz causal'] - best['sdpa']:+.2f}; fz Causal() - sdpa "
-        f"{best['fz Causal()'] - best['sdpa']:+.2f}; fz prefix - sdpa prefix "
-        f"{best['fz prefix'] - best['sdpa prefix']:+.2f}"
-    )
+    if differences:
+        print("; ".join(f"{a} - {b} {best[a] - best[b]:+.2f}" for a, b in differences))
 
 
 if __name__ == "__main__":
