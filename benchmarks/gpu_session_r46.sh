@@ -11,8 +11,10 @@
 #   bash benchmarks/gpu_session_r46.sh tunedall 560 # (FA4 installed) the tuned cases, every route
 #                    # and auto_tuned in one process (the lowest-ratio cases first; CASES=a,b to pick)
 #   bash benchmarks/gpu_session_r46.sh hostone 150  # the host table once more
+#   bash benchmarks/gpu_session_r46.sh decodeflex 240  # host_path_probe.py --decode-flex, then
+#                    # the host table once more
 set -uo pipefail
-step="${1:?usage: $0 host|tests|tunedall|hostone [BUDGET_S]}"
+step="${1:?usage: $0 host|tests|tunedall|hostone|decodeflex [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r46
@@ -39,6 +41,12 @@ case "$step" in
       --resume --rerun --out "$out/generalization_tunedall_${gpu}.json" --cases "$cases" \
       --routes auto,auto_tuned,plain_sdpa,raw_flex,sdpa_dense_mask,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient,sdpa_split,varlen,flex,flex_flash,fa4 \
       --md "$out/generalization_tunedall_${gpu}_r46.md" --quiet --time-budget "$(( $(left) - 60 ))"
+    ;;
+  decodeflex)  # the pieces of a repeated flex decode step, then the host table once more
+    run "host_path_probe_decode_flex_${gpu}_r46" "$(share 35)" python3 benchmarks/host_path_probe.py \
+      --device cuda --decode-flex
+    run "host_cost_${gpu}_r46c" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_${gpu}_r46c.md"
     ;;
   hostone)
     run "host_cost_${gpu}_r46c" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
