@@ -43,8 +43,8 @@ its second call straight to the length update and the kernel, skipping the step'
 planning (:data:`STEPS`, keyed like ``fz.attention``'s plan cache; clearing :data:`CACHE` drops
 them too). On CUDA a step is capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
 tensor) and the new tokens in place and replay; nothing syncs with the host or reallocates.
-Eager steps cost ~0.3 ms of host time on an H200 host, graphed ones run at the kernel's speed
-(benchmarks/results/decode_h200.md). A graph-captured mask is kept alive whatever the cache
+Eager flex steps cost about 0.1 ms of host time on an H100 host, graphed ones run at the kernel's
+speed (benchmarks/results/decode_h200.md). A graph-captured mask is kept alive whatever the cache
 drops (:data:`CAPTURED`). Values held in CUDA tensors (``cache_len``, ``block_table``) are not
 checked (that would be a sync); block counts and page numbers are clamped instead, so bad values
 can never make the kernel read outside the cache. Ints and CPU tensors are checked. A contiguous
@@ -82,6 +82,7 @@ from __future__ import annotations
 #   varlen  decode_step_varlen (FlashAttention varlen, CUDA)
 from flexattn_zoo.models.decode.cache import CACHE as CACHE
 from flexattn_zoo.models.decode.cache import DECODE_CACHE_SIZE as DECODE_CACHE_SIZE
+from flexattn_zoo.models.decode.hits import STEP_PLANS_SIZE as STEP_PLANS_SIZE
 from flexattn_zoo.models.decode.hits import STEPS as STEPS
 from flexattn_zoo.models.decode.launch import _run_planned as _run_planned
 from flexattn_zoo.models.decode.mask import CAPTURED as CAPTURED
