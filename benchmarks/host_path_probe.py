@@ -71,7 +71,8 @@ def main() -> None:
         fz.attention(q, k, v, mask="causal")
         fz.attention(q1, k1, v1)
     if args.decode_flex:
-        _report(args, device, _decode_flex_pieces(q1, k_cache, v_cache, device), [])
+        pieces = _decode_flex_pieces(q1, k_cache, v_cache, device)
+        _report(args, device, pieces, [("decode_step", "flex floor"), ("run", "flex floor")])
         return
     key = plan_cache.call_key(q, k, v, "causal", None, False, False, False, "auto")
     key1 = plan_cache.call_key(q1, k1, v1, None, None, False, False, False, "auto")
@@ -136,6 +137,11 @@ def _decode_flex_pieces(
     compiled = torch.compile(flex_attention, dynamic=False)
     for _ in range(3):
         compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options)
+
+    memo = plan.run.ran[0]  # (entry, code, graph, ...) of the plan's last launch (FlexCall.launch)
+    print(
+        f"decode plan: route {plan.run.backend}, launches its graph unguarded: {memo is not None and memo[2] is not None}"
+    )
 
     def floor_fill() -> Any:
         dm.cache_len.fill_(length())
