@@ -146,11 +146,18 @@ def test_each_thread_gets_its_own_step_plan() -> None:
     assert len(masks_seen[1] - masks_seen[0]) == 1  # the worker's own mask and plan
 
 
-def test_no_plan_for_steps_that_record_gradients_or_are_paged(checks: list[int]) -> None:
+def test_steps_that_cannot_take_flex_keep_no_plan(checks: list[int]) -> None:
+    """Steps that record gradients, or need the lse on the CPU, run dense: every one takes the
+    full path, and none is kept."""
     g, k, v = _inputs(7)
     mask = masks.SlidingWindow(left=50) & masks.Causal()
+    inserts = decode.STEPS.inserts
     q = torch.randn(B, H, 1, D, generator=g, requires_grad=True)
     for _ in range(2):
         out = decode.decode_step(q, k, v, 90, mask=mask)  # dense: the flex kernel records none
         _close(out.detach(), _reference(q.detach(), k, v, 90, mask))
-    assert len(checks) == 2
+    with torch.no_grad():
+        for _ in range(2):
+            out, lse = decode.decode_step(q.detach(), k, v, 90, mask=mask, return_lse=True)
+            _close(out, _reference(q.detach(), k, v, 90, mask))
+    assert len(checks) == 4 and decode.STEPS.inserts == inserts

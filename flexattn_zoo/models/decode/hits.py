@@ -8,8 +8,9 @@ everything the full path reads besides the lengths (which every hit still checks
 ``fz.attention`` plan-cache key of the call (``plan_cache.call_key``: shapes, strides, dtypes
 after autocast, devices, the mask and score arguments by value or, for callables, identity and
 captured-tensor versions, grad flags, process state), plus the scale itself, the head-count
-flag as given, the block size, torch's determinism flags, whether sinks are given (and require
-grad), the NaN/inf verdict on the CPU and the calling thread. A plan also checks that its
+flag as given, the block size, torch's determinism flags, whether sinks are given, the NaN/inf
+verdict on the CPU and the calling thread. Steps that cannot take flex (``backend="dense"``, the
+lse or sinks on the CPU, inputs that require grad) get no key: they would keep nothing. A plan also checks that its
 DecodeMask is still the one ``decode.CACHE`` holds for it, so clearing that cache (or its
 eviction) sends the next step down the full path.
 
@@ -70,8 +71,23 @@ def step_key(
         or sharding.context_parallel_active()
     ):
         return None, q, k_cache, v_cache
-    if type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor:
-        q, k_cache, v_cache = _under_autocast(q, k_cache, v_cache)
+    if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor):
+        return None, q, k_cache, v_cache
+    if (
+        backend == "dense"
+        or (not q.is_cuda and (return_lse is not False or sinks is not None))  # the CPU lse: dense
+        or (
+            torch.is_grad_enabled()
+            and (
+                q.requires_grad
+                or k_cache.requires_grad
+                or v_cache.requires_grad
+                or (sinks is not None and sinks.requires_grad)
+            )
+        )  # a step that records gradients runs dense
+    ):
+        return None, q, k_cache, v_cache  # (no flex step: nothing would be kept under the key)
+    q, k_cache, v_cache = _under_autocast(q, k_cache, v_cache)
     if isinstance(mask, Spec):
         mask = mask.live()  # a callable's captured tensors now (its plain key otherwise)
     if isinstance(score_mod, Spec):
@@ -88,7 +104,7 @@ def step_key(
         block_size,
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
-        None if sinks is None else sinks.requires_grad,
+        sinks is None,
         q.device.type == "cpu" and inputs_nonfinite(q, k_cache, v_cache),  # flex_cpu refuses NaN/inf
         _caller(),
     )
