@@ -13,8 +13,10 @@
 #   bash benchmarks/gpu_session_r46.sh hostone 150  # the host table once more
 #   bash benchmarks/gpu_session_r46.sh decodeflex 240  # host_path_probe.py --decode-flex, then
 #                    # the host table once more
+#   bash benchmarks/gpu_session_r46.sh ffforward 300 # (FA4 installed; prepared, not run) can
+#                    # flex's FLASH backend run forward-only graphs with q/k/v frozen or copied?
 set -uo pipefail
-step="${1:?usage: $0 host|tests|tunedall|hostone|decodeflex [BUDGET_S]}"
+step="${1:?usage: $0 host|tests|tunedall|hostone|decodeflex|ffforward [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r46
@@ -47,6 +49,10 @@ case "$step" in
       --device cuda --decode-flex
     run "host_cost_${gpu}_r46c" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
       --out "$out/host_cost_${gpu}_r46c.md"
+    ;;
+  ffforward)  # (FA4 installed) flex with BACKEND="FLASH" in forward-only compiled graphs
+    run "flex_flash_forward_graph_probe_${gpu}_r46" "$(( $(left) - 5 ))" python3 \
+      benchmarks/flex_flash_forward_graph_probe.py
     ;;
   hostone)
     run "host_cost_${gpu}_r46c" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
