@@ -93,7 +93,7 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         if compiling or not _settle_plain(self):
             _take_ownership(self)
-        elif bare:
+        elif bare and _copyable(self.__dict__):
             _BARE_SETTLED[type(self)] = dict(self.__dict__)
 
     @functools.wraps(init)
@@ -252,6 +252,17 @@ def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
                 "DTensor call re-bases them to each shard's batch rows and heads): pass "
                 f"{name}.full_tensor() (the same on every rank)"
             )
+
+
+#: What ``_settle_plain`` writes into a spec's ``__dict__`` besides its fields.
+_SETTLED_CACHES = frozenset({"_plain_key_value", "_holds_callables_value", "_holds_learned_value"})
+
+
+def _copyable(values: dict[str, Any]) -> bool:
+    """Whether a settled spec's attributes may be copied into later specs of its class built
+    without arguments: each a Python number, string or None, besides what ``_settle_plain`` wrote
+    (no tensor, no memo dict or other object a ``__post_init__`` made, which copies would share)."""
+    return all(type(v) in _PLAIN_TYPES for name, v in values.items() if name not in _SETTLED_CACHES)
 
 
 def _settle_plain(spec: Any) -> bool:

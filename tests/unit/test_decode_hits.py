@@ -1,5 +1,7 @@
 """decode_step's step plans (``fz.decode`` ``hits``): a repeated flex step skips the step's
-checks and planning, stays exact, and never outlives what it was built from."""
+checks and planning, stays exact, and never outlives what it was built from.
+
+Plans are process-wide: each test uses a mask of its own, so that no test hits another's plan."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from flexattn_zoo import masks, score_mods
 from flexattn_zoo.models import decode
 from flexattn_zoo.models.decode import step as step_module
+from flexattn_zoo.models.decode.hits import step_key
 from flexattn_zoo.testing import reference_attention
 
 B, H, HKV, D, CAP = 2, 4, 2, 16, 256
@@ -77,9 +80,9 @@ def test_a_step_plan_keys_the_scale(checks: list[int]) -> None:
     assert len(checks) == 2  # one full-path step per scale
 
 
-def test_a_hit_still_checks_the_length() -> None:
+def test_a_hit_still_checks_the_length(checks: list[int]) -> None:
     g, k, v = _inputs(3)
-    mask = masks.SlidingWindow(left=64) & masks.Causal()
+    mask = masks.SlidingWindow(left=65) & masks.Causal()
     q = torch.randn(B, H, 1, D, generator=g)
     with torch.no_grad():
         decode.decode_step(q, k, v, 100, mask=mask, backend="flex_cpu")
@@ -87,9 +90,13 @@ def test_a_hit_still_checks_the_length() -> None:
             decode.decode_step(q, k, v, CAP + 1, mask=mask, backend="flex_cpu")
         with pytest.raises(ValueError, match="out of range"):
             decode.decode_step(q, k, v, torch.tensor([100, 0]), mask=mask, backend="flex_cpu")
+    assert len(checks) == 1  # both errors came from the kept plan's own check
 
 
-def test_a_callables_captured_tensor_written_in_place_misses_its_plan() -> None:
+def test_a_callables_captured_tensor_written_in_place_misses_its_plan(checks: list[int]) -> None:
+    """The key holds the versions of the tensors a raw callable captures: a write in place sends
+    the next step down the full path (which builds the DecodeMask from the new values); steps
+    without a write hit."""
     g, k, v = _inputs(4)
     width = torch.tensor(40)
 
@@ -97,11 +104,53 @@ def test_a_callables_captured_tensor_written_in_place_misses_its_plan() -> None:
         return (q_idx >= kv_idx) & (q_idx - kv_idx <= width)
 
     with torch.no_grad():
-        for w in (40, 40, 10):
-            width.fill_(w)
+        for w in (None, None, 10, None):
+            if w is not None:
+                width.fill_(w)
             q = torch.randn(B, H, 1, D, generator=g)
             out = decode.decode_step(q, k, v, 200, mask=window, backend="flex_cpu")
-            _close(out, _reference(q, k, v, 200, masks.SlidingWindow(left=w) & masks.Causal()))
+            _close(out, _reference(q, k, v, 200, masks.SlidingWindow(left=int(width)) & masks.Causal()))
+    assert len(checks) == 2  # the first step and the one after the write
+
+
+def test_a_tensor_mask_written_in_place_is_read_anew() -> None:
+    """A mask tensor is copied into a spec by the full path; the step's key never holds the
+    caller's tensor, so a write to it is seen by the next step."""
+    g, k, v = _inputs(8)
+    allowed = torch.ones(1, 1, CAP, CAP, dtype=torch.bool).tril()
+    with torch.no_grad():
+        for hide in (0, 0, 50, 50):
+            allowed[..., :hide] = False
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, 120, mask=allowed)
+            _close(out, _reference(q, k, v, 120, masks.Dense(mask=allowed[..., :120, :120].clone())))
+
+
+def test_an_unhashable_mask_gets_the_full_paths_error() -> None:
+    g, k, v = _inputs(9)
+    q = torch.randn(B, H, 1, D, generator=g)
+    with torch.no_grad(), pytest.raises(TypeError, match="mask must be"):
+        decode.decode_step(q, k, v, 100, mask=[1, 2])
+
+
+def test_a_cpu_step_with_nan_leaves_its_plan_to_the_full_path(checks: list[int]) -> None:
+    """On the CPU a hit scans q/k/v for NaN/inf as the full path does: flex_cpu refuses them, and
+    such a step runs on the dense route (NaN in its row), without touching the plan."""
+    g, k, v = _inputs(10)
+    mask = masks.SlidingWindow(left=66) & masks.Causal()
+    with torch.no_grad():
+        for poison in (False, False, True, False):
+            q = torch.randn(B, H, 1, D, generator=g)
+            if poison:
+                q[0, 0, 0, 0] = float("nan")
+            out = decode.decode_step(q, k, v, 150, mask=mask)
+            if poison:
+                assert out[0, 0].isnan().all() and not out[1].isnan().any()
+            else:
+                _close(out, _reference(q, k, v, 150, mask))
+    assert len(checks) == 2  # the first step and the poisoned one
+    (plan,) = [p for p in decode.STEPS.values() if p.dm.spec == mask.bind(CAP, CAP) and p.dm.batch == B]
+    assert plan.run.backend == "flex_cpu"  # the poisoned step's dense plan was not kept for the others
 
 
 def test_clearing_the_decode_cache_drops_the_step_plans(checks: list[int]) -> None:
@@ -150,7 +199,7 @@ def test_steps_that_cannot_take_flex_keep_no_plan(checks: list[int]) -> None:
     """Steps that record gradients, or need the lse on the CPU, run dense: every one takes the
     full path, and none is kept."""
     g, k, v = _inputs(7)
-    mask = masks.SlidingWindow(left=50) & masks.Causal()
+    mask = masks.SlidingWindow(left=51) & masks.Causal()
     inserts = decode.STEPS.inserts
     q = torch.randn(B, H, 1, D, generator=g, requires_grad=True)
     for _ in range(2):
@@ -161,3 +210,8 @@ def test_steps_that_cannot_take_flex_keep_no_plan(checks: list[int]) -> None:
             out, lse = decode.decode_step(q.detach(), k, v, 90, mask=mask, return_lse=True)
             _close(out, _reference(q.detach(), k, v, 90, mask))
     assert len(checks) == 4 and decode.STEPS.inserts == inserts
+    with torch.no_grad():
+        assert step_key(q.detach(), k, v, mask, None, None, None, None, True, "auto", None)[0] is None
+        assert step_key(q.detach(), k, v, mask, None, None, None, None, False, "dense", None)[0] is None
+        assert step_key(q.detach(), k, v, mask, None, None, None, None, False, "auto", None)[0] is not None
+    assert step_key(q, k, v, mask, None, None, None, None, False, "auto", None)[0] is None  # records grad

@@ -476,6 +476,28 @@ def test_a_spec_built_without_arguments_is_its_class_own_settled_value() -> None
     )
 
 
+def test_a_spec_whose_post_init_makes_objects_is_built_anew_each_time() -> None:
+    """Only attributes that are plain values are copied into later argument-less specs: a memo
+    dict or a tensor a ``__post_init__`` makes stays each spec's own (copies would share it), and
+    one made under ``torch.inference_mode`` is not handed to specs built outside it."""
+    from flexattn_zoo.spec import MaskSpec, spec_dataclass
+
+    @spec_dataclass
+    class Slopes(MaskSpec):
+        heads: int = 4
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "_slopes", torch.arange(self.heads, dtype=torch.float32))
+            object.__setattr__(self, "_memo", {})
+
+    with torch.inference_mode():
+        first = Slopes()
+    second, third = Slopes(), Slopes()
+    assert not second._slopes.is_inference() and not third._slopes.is_inference()
+    assert second._slopes is not third._slopes and second._memo is not third._memo
+    assert second == third == first
+
+
 def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
     q, k, v = _qkv()
     fz.attention(q, k, v, mask=masks.SlidingWindow(left=5) & masks.Causal())

@@ -40,8 +40,8 @@ on the CPU it includes whether q and the cache hold NaN/inf, which the inputs ar
 every step, as ``fz.attention`` does). A flex step over a contiguous cache whose arguments'
 kinds were seen before (the same shapes, specs, scale, flags and thread; any lengths) goes from
 its second call straight to the length update and the kernel, skipping the step's checks and
-planning (:data:`STEPS`, keyed like ``fz.attention``'s plan cache; clearing :data:`CACHE` drops
-them too). On CUDA a step is capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
+planning (:data:`STEPS`, keyed like ``fz.attention``'s plan cache; a plan runs only while its
+DecodeMask is the one :data:`CACHE` holds, so clearing that cache sends steps down the full path). On CUDA a step is capturable in a CUDA graph: capture one ``decode_step`` call, then write ``cache_len`` (a device
 tensor) and the new tokens in place and replay; nothing syncs with the host or reallocates.
 Eager flex steps cost about 0.1 ms of host time on an H100 host, graphed ones run at the kernel's
 speed (benchmarks/results/decode_h200.md). A graph-captured mask is kept alive whatever the cache

@@ -8,11 +8,14 @@ everything the full path reads besides the lengths (which every hit still checks
 ``fz.attention`` plan-cache key of the call (``plan_cache.call_key``: shapes, strides, dtypes
 after autocast, devices, the mask and score arguments by value or, for callables, identity and
 captured-tensor versions, grad flags, process state), plus the scale itself, the head-count
-flag as given, the block size, torch's determinism flags, whether sinks are given, the NaN/inf
-verdict on the CPU and the calling thread. Steps that cannot take flex (``backend="dense"``, the
-lse or sinks on the CPU, inputs that require grad) get no key: they would keep nothing. A plan also checks that its
+flag as given, the block size, torch's determinism flags, whether sinks are given and the
+calling thread. Steps that cannot take flex (``backend="dense"``, the lse or sinks on the CPU,
+inputs that require grad) get no key, nor do tensors given as ``mask`` / ``score_mod`` (the full
+path copies them into a spec; the key would hold the caller's object). On the CPU a hit scans
+q/k/v for NaN/inf as the full path does (``flex_cpu`` refuses them) and leaves such a step to it. A plan also checks that its
 DecodeMask is still the one ``decode.CACHE`` holds for it, so clearing that cache (or its
-eviction) sends the next step down the full path.
+eviction) sends the next step down the full path, which replaces the plan (a stale one stays in
+:data:`STEPS`, unused, until it is replaced or evicted).
 
 Paged caches (``block_table``, ``kv_layout``), traced steps and steps under torch's
 ``context_parallel`` always take the full path.
@@ -73,6 +76,10 @@ def step_key(
         return None, q, k_cache, v_cache
     if not (type(q) is torch.Tensor and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor):
         return None, q, k_cache, v_cache
+    if isinstance(mask, torch.Tensor) or isinstance(score_mod, torch.Tensor):
+        # The full path copies such a tensor into a spec (``masks.Dense``, ``score_mods.Bias``);
+        # keyed by the caller's object, an in-place write to it would not miss.
+        return None, q, k_cache, v_cache
     if (
         backend == "dense"
         or (not q.is_cuda and (return_lse is not False or sinks is not None))  # the CPU lse: dense
@@ -105,7 +112,6 @@ def step_key(
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         sinks is None,
-        q.device.type == "cpu" and inputs_nonfinite(q, k_cache, v_cache),  # flex_cpu refuses NaN/inf
         _caller(),
     )
     return key, q, k_cache, v_cache
@@ -134,10 +140,13 @@ class StepPlan:
         return_lse: bool,
     ) -> Any:
         """The step's output (``(out, lse)`` with ``return_lse``), or None when the DecodeMask is no
-        longer the cached one (the caller then takes the full path)."""
+        longer the cached one, or on the CPU when q/k/v hold NaN/inf (plans are made only for
+        finite inputs there): the caller then takes the full path."""
         dm = self.dm
         if CACHE.get_eager(self.cache_key) is not dm:
             return None
+        if not q.is_cuda and inputs_nonfinite(q, k_cache, v_cache):
+            return None  # flex_cpu refuses NaN/inf: the full path runs such a step dense
         lens = _lengths(cache_len, self.rows, self.q_len, self.capacity, q.device)
         out, lse = self.run(q, k_cache, v_cache, dm.update(lens))
         if sinks is not None:

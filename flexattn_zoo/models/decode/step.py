@@ -167,7 +167,10 @@ def decode_step(
         hit_key, q_run, k_run, v_run = step_key(
             q, k_cache, v_cache, mask, score_mod, scale, enable_gqa, sinks, return_lse, backend, block_size
         )  # fmt: skip
-        step_plan = STEPS.get_eager(hit_key) if hit_key is not None else None
+        try:
+            step_plan = STEPS.get_eager(hit_key) if hit_key is not None else None
+        except TypeError:  # an unhashable mask/score argument: the full path names the error
+            hit_key = step_plan = None
         if step_plan is not None:
             result = step_plan(q_run, k_run, v_run, cache_len, sinks, return_lse)
             if result is not None:
@@ -324,7 +327,10 @@ def decode_step(
         run_score = dm.score_spec(inner_score) if inner_score is not None else None
         if q_len > 0:
             out, lse, run = _run_and_keep(dm, q, k_run, v_run, bm, run_score, scale, gqa, need_lse, backend)
-            if hit_key is not None:  # not paged (the key is made only for contiguous caches)
+            # Kept for contiguous caches (the only ones keyed) and finite inputs: on the CPU a
+            # step holding NaN/inf is planned on dense (flex_cpu refuses them), which the key,
+            # leaving the verdict to each hit's scan, must not hand to finite steps.
+            if hit_key is not None and not run.plan.problem.nonfinite:
                 # replace: a plan whose DecodeMask left decode.CACHE is stale (see StepPlan)
                 STEPS.replace(hit_key, StepPlan(cache_key, dm, run, batch, q_len, capacity))
         else:  # no queries: fz.attention's empty result
