@@ -12,10 +12,11 @@ flag as given, the block size, torch's determinism flags, whether sinks are give
 calling thread. Steps that cannot take flex (``backend="dense"``, the lse or sinks on the CPU,
 inputs that require grad) get no key, nor do tensors given as ``mask`` / ``score_mod`` (the full
 path copies them into a spec; the key would hold the caller's object). On the CPU a hit scans
-q/k/v for NaN/inf as the full path does (``flex_cpu`` refuses them) and leaves such a step to it. A plan also checks that its
-DecodeMask is still the one ``decode.CACHE`` holds for it, so clearing that cache (or its
-eviction) sends the next step down the full path, which replaces the plan (a stale one stays in
-:data:`STEPS`, unused, until it is replaced or evicted).
+q/k/v for NaN/inf as the full path does (``flex_cpu`` refuses them) and leaves such a step to it;
+only plans made for finite inputs are kept. A plan also checks that its DecodeMask is still the
+one ``decode.CACHE`` holds for it, so clearing that cache (or its eviction) sends the next step
+down the full path, which replaces the plan (a stale one stays in :data:`STEPS`, unused, until it
+is replaced or evicted).
 
 Paged caches (``block_table``, ``kv_layout``), traced steps and steps under torch's
 ``context_parallel`` always take the full path.
