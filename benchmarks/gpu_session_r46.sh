@@ -15,8 +15,10 @@
 #                    # the host table once more
 #   bash benchmarks/gpu_session_r46.sh ffforward 300 # (FA4 installed; prepared, not run) can
 #                    # flex's FLASH backend run forward-only graphs with q/k/v frozen or copied?
+#   bash benchmarks/gpu_session_r46.sh fa4replay 200 # (FA4 installed; prepared, not run) FA4's
+#                    # forward host time against a replay of its recorded compiled call
 set -uo pipefail
-step="${1:?usage: $0 host|tests|tunedall|hostone|decodeflex|ffforward [BUDGET_S]}"
+step="${1:?usage: $0 host|tests|tunedall|hostone|decodeflex|ffforward|fa4replay [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r46
@@ -53,6 +55,10 @@ case "$step" in
   ffforward)  # (FA4 installed) flex with BACKEND="FLASH" in forward-only compiled graphs
     run "flex_flash_forward_graph_probe_${gpu}_r46" "$(( $(left) - 5 ))" python3 \
       benchmarks/flex_flash_forward_graph_probe.py
+    ;;
+  fa4replay)  # (FA4 installed) FA4's forward host time against replaying its recorded kernel call
+    run "fa4_replay_probe_${gpu}_r46" "$(share 50)" python3 benchmarks/fa4_replay_probe.py
+    run "fa4_replay_probe_causal_${gpu}_r46" "$(( $(left) - 5 ))" python3 benchmarks/fa4_replay_probe.py --causal
     ;;
   hostone)
     run "host_cost_${gpu}_r46c" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
