@@ -58,8 +58,9 @@ _ModT = TypeVar("_ModT")
 #: Spec classes seen holding a tensor when built under ``torch.inference_mode``: built outside it
 #: from then on (see ``spec_dataclass``).
 _HOLDS_TENSORS: set[type] = set()
-#: Per spec class whose instance built without arguments holds only plain parameters: that
-#: instance's attributes right after it was built and settled (``spec_dataclass``'s ``build``).
+#: Per spec class whose instance built without arguments holds only its fields, each a plain
+#: value, and what settling derived from them (``_copyable``): that instance's attributes right
+#: after it was built and settled (``spec_dataclass``'s ``build``).
 _BARE_SETTLED: dict[type, dict[str, Any]] = {}
 
 
@@ -93,7 +94,7 @@ def spec_dataclass(cls: type[_SpecT]) -> type[_SpecT]:
         init(self, *args, **kwargs)  # the class's own __post_init__ (checks, conversions) runs in here
         if compiling or not _settle_plain(self):
             _take_ownership(self)
-        elif bare and _copyable(self.__dict__):
+        elif bare and _copyable(self):
             _BARE_SETTLED[type(self)] = dict(self.__dict__)
 
     @functools.wraps(init)
@@ -258,11 +259,17 @@ def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
 _SETTLED_CACHES = frozenset({"_plain_key_value", "_holds_callables_value", "_holds_learned_value"})
 
 
-def _copyable(values: dict[str, Any]) -> bool:
-    """Whether a settled spec's attributes may be copied into later specs of its class built
-    without arguments: each a Python number, string or None, besides what ``_settle_plain`` wrote
-    (no tensor, no memo dict or other object a ``__post_init__`` made, which copies would share)."""
-    return all(type(v) in _PLAIN_TYPES for name, v in values.items() if name not in _SETTLED_CACHES)
+def _copyable(spec: Any) -> bool:
+    """Whether a settled spec built without arguments may be copied into later ones of its class:
+    its attributes are its fields, each a Python number, string or None, and what
+    ``_settle_plain`` derived from them. Anything else a ``__post_init__`` made (a tensor, a memo
+    dict, a value read from the process's state) is made anew for every spec instead: copies would
+    share it, or keep it past a change to what it was read from."""
+    fields = _field_names(spec)
+    values = spec.__dict__
+    return all(name in _SETTLED_CACHES or name in fields for name in values) and all(
+        type(values.get(name)) in _PLAIN_TYPES for name in fields
+    )
 
 
 def _settle_plain(spec: Any) -> bool:

@@ -477,9 +477,10 @@ def test_a_spec_built_without_arguments_is_its_class_own_settled_value() -> None
 
 
 def test_a_spec_whose_post_init_makes_objects_is_built_anew_each_time() -> None:
-    """Only attributes that are plain values are copied into later argument-less specs: a memo
-    dict or a tensor a ``__post_init__`` makes stays each spec's own (copies would share it), and
-    one made under ``torch.inference_mode`` is not handed to specs built outside it."""
+    """Only a spec made of its plain fields is copied into later argument-less specs: a memo dict
+    or a tensor a ``__post_init__`` makes stays each spec's own (copies would share it), one made
+    under ``torch.inference_mode`` is not handed to specs built outside it, and a value read from
+    the process's state is read again."""
     from flexattn_zoo.spec import MaskSpec, spec_dataclass
 
     @spec_dataclass
@@ -496,6 +497,17 @@ def test_a_spec_whose_post_init_makes_objects_is_built_anew_each_time() -> None:
     assert not second._slopes.is_inference() and not third._slopes.is_inference()
     assert second._slopes is not third._slopes and second._memo is not third._memo
     assert second == third == first
+
+    serials = iter(range(100))
+
+    @spec_dataclass
+    class Stamped(MaskSpec):
+        """A plain value read from the process's state in ``__post_init__``: read per spec."""
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "_serial", next(serials))
+
+    assert [Stamped()._serial for _ in range(3)] == [0, 1, 2]
 
 
 def test_a_new_spec_per_call_hits(plans: LRUCache) -> None:
