@@ -8,7 +8,8 @@ q/k/v computed in the graph, and freed a tensor the mask captures before the ker
 runs Triton flex. This probe compiles one attention block (projections in the graph, then flex)
 under ``torch.no_grad`` with ``fullgraph=True``, in variants of how q/k/v and the mask's captured
 tensor reach the kernel, and reports for each: whether it compiled and ran, the max error against
-the same block on Triton flex, and ms per call (CUDA events, median of ``--iters``).
+the same block on Triton flex, and ms per call (``flexattn_zoo.bench.timing.measure``: CUDA
+events, median of at least ``--iters`` calls).
 
 Variants of q/k/v:
 
@@ -28,7 +29,6 @@ the ids through ``materialize``. Score: soft-capping (exact tanh), as Gemma 2 us
 from __future__ import annotations
 
 import argparse
-import statistics
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +37,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from flexattn_zoo.backends.flex import materialize
+from flexattn_zoo.bench.timing import measure
 
 
 def _layout(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -83,18 +84,6 @@ class Block(torch.nn.Module):
         )
 
 
-def _time(fn: Callable[[], Any], iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -132,8 +121,8 @@ def main() -> None:
                 fn = torch.compile(flash, fullgraph=True)
                 out = fn(x, boundaries)
                 err = (out.float() - ref.float()).abs().max().item()
-                ms_flash = _time(lambda f=fn: f(x, boundaries), args.iters)
-                ms_triton = _time(lambda f=ref_fn: f(x, boundaries), args.iters)
+                ms_flash = measure(lambda f=fn: f(x, boundaries), x.device, 3, args.iters).median_ms
+                ms_triton = measure(lambda f=ref_fn: f(x, boundaries), x.device, 3, args.iters).median_ms
             print(f"{name} ran: max err vs Triton {err:.3e}; {ms_flash:.3f} ms vs Triton {ms_triton:.3f}")
         except Exception as exc:  # noqa: BLE001 - each variant's failure is a result
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()

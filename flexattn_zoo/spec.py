@@ -255,21 +255,21 @@ def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
             )
 
 
-#: What ``_settle_plain`` writes into a spec's ``__dict__`` besides its fields.
-_SETTLED_CACHES = frozenset({"_plain_key_value", "_holds_callables_value", "_holds_learned_value"})
+#: What ``_settle_plain`` writes beside the plain key: a spec of plain parameters holds no
+#: callable and no learned tensor.
+_SETTLED_ANSWERS = {"_holds_callables_value": False, "_holds_learned_value": False}
+#: Every attribute ``_settle_plain`` writes into a spec's ``__dict__``.
+_SETTLED_CACHES = frozenset({"_plain_key_value", *_SETTLED_ANSWERS})
 
 
 def _copyable(spec: Any) -> bool:
-    """Whether a settled spec built without arguments may be copied into later ones of its class:
-    its attributes are its fields, each a Python number, string or None, and what
-    ``_settle_plain`` derived from them. Anything else a ``__post_init__`` made (a tensor, a memo
-    dict, a value read from the process's state) is made anew for every spec instead: copies would
-    share it, or keep it past a change to what it was read from."""
+    """Whether a spec built without arguments and settled (its fields all plain values:
+    ``_settle_plain``) may be copied into later ones of its class: it holds nothing but its fields
+    and what settling wrote. Anything else a ``__post_init__`` made (a tensor, a memo dict, a
+    value read from the process's state) is made anew for every spec instead: copies would share
+    it, or keep it past a change to what it was read from."""
     fields = _field_names(spec)
-    values = spec.__dict__
-    return all(name in _SETTLED_CACHES or name in fields for name in values) and all(
-        type(values.get(name)) in _PLAIN_TYPES for name in fields
-    )
+    return all(name in _SETTLED_CACHES or name in fields for name in spec.__dict__)
 
 
 def _settle_plain(spec: Any) -> bool:
@@ -288,8 +288,7 @@ def _settle_plain(spec: Any) -> bool:
         if type(value) not in _PLAIN_TYPES:
             return False
     values["_plain_key_value"] = (cls, *params)
-    values["_holds_callables_value"] = False
-    values["_holds_learned_value"] = False
+    values.update(_SETTLED_ANSWERS)
     return True
 
 

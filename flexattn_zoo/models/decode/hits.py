@@ -120,16 +120,13 @@ def step_key(
 
 class StepPlan:
     """What the full path settled for one kind of flex step over a contiguous cache: its
-    DecodeMask (under ``cache_key`` in ``decode.CACHE``), its planned run and the sizes its
-    lengths are checked against."""
+    DecodeMask (under ``cache_key`` in ``decode.CACHE``; its batch, queries per row and capacity
+    are what the lengths are checked against) and its planned run."""
 
-    __slots__ = ("cache_key", "capacity", "dm", "q_len", "rows", "run")
+    __slots__ = ("cache_key", "dm", "run")
 
-    def __init__(
-        self, cache_key: Hashable, dm: DecodeMask, run: _Run, rows: int, q_len: int, capacity: int
-    ) -> None:
+    def __init__(self, cache_key: Hashable, dm: DecodeMask, run: _Run) -> None:
         self.cache_key, self.dm, self.run = cache_key, dm, run
-        self.rows, self.q_len, self.capacity = rows, q_len, capacity
 
     def __call__(
         self,
@@ -148,7 +145,7 @@ class StepPlan:
             return None
         if not q.is_cuda and inputs_nonfinite(q, k_cache, v_cache):
             return None  # flex_cpu refuses NaN/inf: the full path runs such a step dense
-        lens = _lengths(cache_len, self.rows, self.q_len, self.capacity, q.device)
+        lens = _lengths(cache_len, dm.batch, dm.q_len, dm.kv_len, q.device)  # kv_len: the capacity
         out, lse = self.run(q, k_cache, v_cache, dm.update(lens))
         if sinks is not None:
             check_sinks(sinks, q.shape[1], q.device)

@@ -332,7 +332,7 @@ def decode_step(
             # leaving the verdict to each hit's scan, must not hand to finite steps.
             if hit_key is not None and not run.plan.problem.nonfinite:
                 # replace: a plan whose DecodeMask left decode.CACHE is stale (see StepPlan)
-                STEPS.replace(hit_key, StepPlan(cache_key, dm, run, batch, q_len, capacity))
+                STEPS.replace(hit_key, StepPlan(cache_key, dm, run))
         else:  # no queries: fz.attention's empty result
             out, lse = _attend(
                 q,
