@@ -10,12 +10,16 @@
 #                    # and auto_tuned in one process (the lowest-ratio cases first; CASES=a,b to pick)
 #   bash benchmarks/gpu_session_r47.sh hostone 150  # the host table once more
 #   bash benchmarks/gpu_session_r47.sh compiletests 300  # (FA4 installed) the compile GPU suite
+#   bash benchmarks/gpu_session_r47.sh replay 300   # (FA4 installed) the replayed FA4 launches: their
+#                    # GPU tests, the fa4 route's tests, then fa4_host.py
+#   bash benchmarks/gpu_session_r47.sh fa4gen 400   # (FA4 installed) the cases where fa4 or auto's
+#                    # FA4 choice decide, routes that matter, with replayed launches (CASES= to pick)
 #   bash benchmarks/gpu_session_r47.sh ffforward 300 # (FA4 installed) can
 #                    # flex's FLASH backend run forward-only graphs with q/k/v frozen or copied?
 #   bash benchmarks/gpu_session_r47.sh fa4replay 200 # (FA4 installed) FA4's
 #                    # forward host time against a replay of its recorded compiled call
 set -uo pipefail
-step="${1:?usage: $0 host|compiletests|tunedall|hostone|ffforward|fa4replay [BUDGET_S]}"
+step="${1:?usage: $0 host|compiletests|replay|fa4gen|tunedall|hostone|ffforward|fa4replay [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r47
@@ -28,6 +32,20 @@ case "$step" in
         --out "$out/host_cost_${gpu}_r47${run_id}.md"
     done
     run "host_path_probe_${gpu}_r47" "$(( $(left) - 5 ))" python3 benchmarks/host_path_probe.py --device cuda
+    ;;
+  replay)
+    run "gpu_tests_fa4_replay_${gpu}_r47" "$(share 55)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      tests/gpu/test_fa4_replay_gpu.py tests/gpu/test_routes_gpu.py tests/gpu/test_dropin_gpu.py \
+      tests/gpu/test_compile_gpu.py -k "fa4 or replay"
+    run "fa4_host_${gpu}_r47" "$(( $(left) - 5 ))" python3 benchmarks/fa4_host.py --out "$out/fa4_host_${gpu}_r47.md"
+    ;;
+  fa4gen)
+    cases="${CASES:-dinov2_g_l1370_b8,gemma3_27b_l4096_b1,llama32_3b_l2048_b4,gpt2_l1024_b16,llama3_8b_l128_b64,vit_b16_l197_b64,bert_base_l128_b128,docs_llama3_8b_l16k}"
+    cp benchmarks/results/generalization_h200.json "$out/generalization_fa4replay_${gpu}.json"
+    run "generalization_fa4replay_${gpu}_r47" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_fa4replay_${gpu}.json" --cases "$cases" \
+      --routes auto,plain_sdpa,raw_flex,sdpa,flex,flex_flash,fa4 \
+      --md "$out/generalization_fa4replay_${gpu}_r47.md" --quiet --time-budget "$(( $(left) - 60 ))"
     ;;
   compiletests)  # (FA4 installed) tests/gpu/test_compile_gpu.py
     run "gpu_tests_compile_${gpu}_r47" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \

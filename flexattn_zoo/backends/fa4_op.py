@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Any
 
 import torch
 
 from flexattn_zoo import _compat
+from flexattn_zoo.backends import fa4_replay
 from flexattn_zoo.backends.base import flash_cute_lock
 
 FWD_SCHEMA = (
@@ -96,8 +98,9 @@ def _fa4_forward(
     window_left: int,
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FA4's public forward (``flash_attn_func`` / ``flash_attn_varlen_func``) with its lse."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+    """FA4's public forward (``flash_attn_func`` / ``flash_attn_varlen_func``) with its lse, replayed
+    from its recorded launch for a kind of call met before (:mod:`~flexattn_zoo.backends.fa4_replay`)."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func, interface
 
     common: dict[str, Any] = dict(
         softmax_scale=scale,
@@ -106,21 +109,29 @@ def _fa4_forward(
         softcap=softcap,
         return_lse=True,
     )
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> Any:
+        if cu_seqlens is None:
+            return flash_attn_func(q, k, v, **common)
+        return flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_k=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_k=max_seqlen,
+            **common,
+        )
+
+    inputs = (q, k, v, cu_seqlens)
     # No autograd graph of FA4's own: the op's autograd formula is ours (fa4_bwd).
     with torch.no_grad():
-        if cu_seqlens is None:
-            res = flash_attn_func(q, k, v, **common)
+        if fa4_replay.enabled():
+            key = ("fwd", *_replay_key(inputs), max_seqlen, scale, softcap, window_left, window_right)
+            res = fa4_replay.launch(key, interface, call, inputs)
         else:
-            res = flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_seqlens_q=cu_seqlens,
-                cu_seqlens_k=cu_seqlens,
-                max_seqlen_q=max_seqlen,
-                max_seqlen_k=max_seqlen,
-                **common,
-            )
+            res = call(*inputs)
     out, lse = _split(res)
     if lse is None:
         raise RuntimeError("flash_attn.cute returned no lse although return_lse=True was asked")
@@ -150,6 +161,7 @@ def _fa4_backward(
     public backward), called as FA4's own autograd Functions call it. Its keyword parameters
     differ between flash-attn-4 releases, so they are matched against its signature; one this
     call needs (a window, cu_seqlens) and the installed release lacks is an error, not dropped."""
+    from flash_attn.cute import interface
     from flash_attn.cute.interface import _flash_attn_bwd
 
     left, right = fa4_window((window_left, window_right))
@@ -176,10 +188,35 @@ def _fa4_backward(
             f"this flash-attn-4's backward (_flash_attn_bwd) takes no {', '.join(lacking)}: "
             "upgrade flash-attn-4, or pick another route for this mask"
         )
-    kwargs = {name: value for name, value in wanted.items() if name in known}
+    kwargs = {name: value for name, value in wanted.items() if name in known and name not in _CU_SEQLENS}
+
+    def call(*tensors: torch.Tensor | None) -> Any:
+        *qkv_out_dout_lse, cu = tensors
+        cu_kwargs = {name: cu for name in _CU_SEQLENS if name in known} if cu is not None else {}
+        return _flash_attn_bwd(*qkv_out_dout_lse, **kwargs, **cu_kwargs)
+
+    inputs = (q, k, v, out, dout, lse, cu_seqlens)
     with torch.no_grad():
-        dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout, lse, **kwargs)
+        if fa4_replay.enabled():
+            key = ("bwd", *_replay_key(inputs), tuple(sorted(kwargs.items())))
+            # FA4's backward accumulates dq (and dk/dv with grouped heads) with atomics: the check
+            # run of a recording compares within a tolerance.
+            dq, dk, dv = fa4_replay.launch(key, interface, call, inputs, exact=False)
+        else:
+            dq, dk, dv = call(*inputs)
     return dq, dk, dv
+
+
+_CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
+
+
+def _replay_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
+    """What FA4's launchers read from their tensor arguments and the process (fa4_replay)."""
+    return (
+        *(fa4_replay.tensor_key(t) for t in tensors),
+        fa4_replay.identities(tensors),
+        os.environ.get("FLASH_ATTENTION_NUM_SMS"),
+    )
 
 
 #: What the ops' real implementations call; tests replace them with a CPU reference.

@@ -1,0 +1,400 @@
+"""Replays of FlashAttention-4's launches: FA4's Python once per kind of call, its kernels every call.
+
+FA4's launchers (``flash_attn_func``, ``flash_attn_varlen_func``, ``_flash_attn_bwd``) spend
+80-400 us of host time per call in Python (checks, tile and scheduler choice, the JIT-cache key)
+before they allocate their outputs and call compiled CuTe kernels. For inputs with the same
+shapes, strides, dtypes, device, pointer alignment and scalar arguments they take the same
+decisions every time, so a kind of call needs that Python once.
+
+**Recording.** The first call of a kind (:func:`launch` with a new ``key``) runs FA4's launcher
+as usual while two things watch it: every compiled function FA4 looks up in the JIT caches of
+``flash_attn.cute.interface`` is wrapped to log its arguments when called, and a
+``TorchDispatchMode`` logs every torch op the launcher runs. The call becomes a :class:`Program`
+when everything it did is one of
+
+* a factory op (``empty``, ``zeros``, ``empty_like``, ...) or an in-place fill (``zero_``,
+  ``fill_``): re-run with the same arguments;
+* a view (``detach``, ``transpose``, ``as_strided``, ...): re-run (``detach`` / ``alias`` are
+  passed through, the kernels see the same memory);
+* a compiled-kernel call whose tensor arguments are the call's inputs or tensors made by the
+  steps above, and whose other arguments are plain values (numbers, strings, ``None``, dtypes,
+  and tuples of these and of such tensors);
+
+and the launcher's result is made of such tensors. Anything else (a copy, such as FA4's clone of
+an input whose pointer is not aligned, a reduction, a read of a tensor's value on the host, an
+argument the recording cannot place, a kernel launched outside the JIT caches) makes the kind
+*refused*: its calls keep running FA4's own launcher. Before a program is kept it is run once on
+the recorded call's inputs and must give what FA4 gave (equal values; within a tolerance of the largest
+magnitude for kernels that accumulate with atomics, FA4's backward: 2%, where a bfloat16 rounding
+moves a value by 0.4% and a program that misses work is off by far more). A call that compiled a
+kernel is not recorded (compilation runs torch ops of its own); the next call records.
+
+**Replaying.** A later call of the kind runs the program's steps on its own inputs: fresh
+outputs and scratch buffers allocated (and filled) as FA4 allocates them, the same kernels
+with the same non-tensor arguments. The kernels take the stream from torch's current stream
+when they are called, as FA4's own calls do.
+
+**Keys.** The caller's key must hold everything the launcher reads: each tensor's shape,
+strides, dtype, device, ``data_ptr() % 256`` and ``requires_grad`` (:func:`tensor_key`), the
+scalar arguments, which inputs are the same tensor, and what FA4 reads from the process per call
+(``FLASH_ATTENTION_NUM_SMS``). Calls are never recorded while a CUDA graph is being captured
+(the check runs a comparison on the host); programs recorded before replay in captures (their
+steps allocate through torch, so from the graph's pool).
+
+``FLEXATTN_ZOO_FA4_REPLAY=0`` turns replays off (every call runs FA4's launcher);
+:data:`PROGRAMS` holds the programs and refusals (``PROGRAMS.clear()`` forgets them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from flexattn_zoo.lru import ClockCache
+
+#: How many kinds of FA4 call keep a program (or a refusal).
+FA4_REPLAY_CACHE_SIZE = 64
+
+_FACTORIES = frozenset(
+    {
+        "empty",
+        "empty_strided",
+        "zeros",
+        "ones",
+        "full",
+        "empty_like",
+        "zeros_like",
+        "ones_like",
+        "full_like",
+        "new_empty",
+        "new_empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_full",
+        "zero_",
+        "fill_",
+    }
+)
+#: Views the kernels cannot tell from their source: passed through instead of re-run.
+_SAME_MEMORY = frozenset({"detach", "alias"})
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """A tensor of the program: index into the values of a run (the inputs first)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class _Nested:
+    """A tuple (or NamedTuple) argument holding tensors: rebuilt with the run's tensors."""
+
+    kind: type
+    items: tuple[Any, ...]
+
+
+def _fill(template: Any, values: list[Any]) -> Any:
+    if type(template) is _Ref:
+        return values[template.index]
+    if type(template) is _Nested:
+        items = [_fill(item, values) for item in template.items]
+        return template.kind(*items) if hasattr(template.kind, "_fields") else template.kind(items)
+    return template
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A kind of call that runs FA4's own launcher every time, and why."""
+
+    reason: str
+
+
+@dataclass
+class Program:
+    """A recorded FA4 launch: ``steps`` of ``(function, args, kwargs, makes_a_value)`` run on
+    values that start as the call's inputs; ``result`` templates the launcher's return value."""
+
+    inputs: int
+    steps: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], bool]] = field(
+        default_factory=list
+    )
+    result: Any = None
+
+    def run(self, inputs: Sequence[Any]) -> Any:
+        values = list(inputs)
+        for fn, args, kwargs, makes in self.steps:
+            out = fn(*[_fill(a, values) for a in args], **{k: _fill(a, values) for k, a in kwargs.items()})
+            if makes:
+                values.append(out)
+        return _fill(self.result, values)
+
+
+def _memory(t: torch.Tensor) -> Hashable:
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+
+
+class _Refusal(Exception):
+    pass
+
+
+class _Recorder:
+    """Builds a :class:`Program` from what one launcher call does (see the module docstring)."""
+
+    def __init__(self, inputs: Sequence[Any]) -> None:
+        self.program = Program(inputs=len(inputs))
+        self.index: dict[int, int] = {}
+        self.memory: dict[Hashable, set[int]] = {}  # the values of each exact (memory, layout)
+        self.keep: list[Any] = []  # every tensor seen stays alive, so ids are not reused
+        self.refusal: str | None = None
+        self.compiled = False
+        self.kernels = 0
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor):
+                self._know(t, i)
+        self.count = len(inputs)
+
+    def _know(self, t: torch.Tensor, i: int) -> None:
+        self.index[id(t)] = i
+        self.keep.append(t)
+        self.memory.setdefault(_memory(t), set()).add(i)
+
+    def refuse(self, reason: str) -> None:
+        if self.refusal is None:
+            self.refusal = reason
+
+    def template(self, value: Any, what: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            i = self.index.get(id(value))
+            if i is None:
+                # A new object over the memory and layout of exactly one value (an alias made
+                # below torch's dispatcher, e.g. by autograd returning a function's output).
+                same = self.memory.get(_memory(value), set())
+                if len(same) != 1:
+                    raise _Refusal(f"{what} is a tensor the recording cannot place")
+                i = next(iter(same))
+            return _Ref(i)
+        if isinstance(value, (tuple, list)):
+            items = tuple(self.template(v, what) for v in value)
+            if any(type(v) in (_Ref, _Nested) for v in items):
+                return _Nested(type(value), items)
+            return value
+        if isinstance(value, _PLAIN):
+            return value
+        raise _Refusal(f"{what} is a {type(value).__name__}, not a plain value")
+
+    def op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self.refusal is not None:
+            return
+        name = func.overloadpacket.__name__
+        try:
+            if name in _SAME_MEMORY and isinstance(out, torch.Tensor):
+                self._know(out, self.index[id(args[0])]) if id(args[0]) in self.index else self.refuse(
+                    f"FA4 took aten.{name} of a tensor the recording cannot place"
+                )
+                return
+            if name not in _FACTORIES and not func.is_view:
+                self.refuse(f"FA4 ran aten.{name}, which is not an allocation, a fill or a view")
+                return
+            if not isinstance(out, torch.Tensor):
+                self.refuse(f"aten.{name} returned {type(out).__name__}")
+                return
+            step_args = tuple(self.template(a, f"an argument of aten.{name}") for a in args)
+            step_kwargs = {k: self.template(a, f"argument {k} of aten.{name}") for k, a in kwargs.items()}
+        except _Refusal as exc:
+            self.refuse(str(exc))
+            return
+        if id(out) in self.index:  # an in-place fill returns its target
+            self.program.steps.append((func, step_args, step_kwargs, False))
+            return
+        self.program.steps.append((func, step_args, step_kwargs, True))
+        self._know(out, self.count)
+        self.count += 1
+
+    def call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.refusal is not None:
+            return
+        try:
+            step_args = tuple(
+                self.template(a, f"argument {i} of a compiled kernel") for i, a in enumerate(args)
+            )
+            step_kwargs = {
+                k: self.template(a, f"argument {k} of a compiled kernel") for k, a in kwargs.items()
+            }
+        except _Refusal as exc:
+            self.refuse(str(exc))
+            return
+        self.program.steps.append((fn, step_args, step_kwargs, False))
+        self.kernels += 1
+
+
+class _Watch(TorchDispatchMode):
+    """Logs every torch op run under it into a :class:`_Recorder` (after running it)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.recorder.op(func, tuple(args), dict(kwargs), out)
+        return out
+
+
+class _CacheSpy:
+    """Stands in for one FA4 JIT cache during a recording: lookups go to the real cache, each
+    compiled function handed out logs its calls, and a store (a compile) is noted."""
+
+    def __init__(self, inner: Any, recorder: _Recorder) -> None:
+        self.inner = inner
+        self.recorder = recorder
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self.inner
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.recorder.compiled = True
+        self.inner[key] = value
+
+    def __getitem__(self, key: Any) -> Callable[..., Any]:
+        fn = self.inner[key]
+        recorder = self.recorder
+
+        def logged(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            if result is not None:
+                recorder.refuse(f"a compiled kernel returned {type(result).__name__}")
+            recorder.call(fn, args, kwargs)
+            return result
+
+        return logged
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _jit_cached(module: Any) -> list[Any]:
+    """The functions of ``module`` that keep a JIT cache (``fn.compile_cache``)."""
+    return [fn for fn in vars(module).values() if callable(fn) and hasattr(fn, "compile_cache")]
+
+
+#: How far an inexact check run may be from FA4's own result, relative to the largest magnitude:
+#: atomics reorder float32 sums, and a gradient rounded to bfloat16 then moves by one unit in the
+#: last place (0.4% of a value near the largest); a program that misses work is off by far more.
+_TOLERANCE = 2e-2
+
+
+def _close(got: Any, want: Any, exact: bool) -> bool:
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.stride() != want.stride():
+            return False
+        if got.dtype != want.dtype:
+            return False
+        if exact or not want.is_floating_point():
+            return bool(torch.equal(got, want))
+        a, b = got.float(), want.float()
+        if not bool(torch.equal(a.isnan(), b.isnan())):
+            return False
+        a, b = a.nan_to_num(), b.nan_to_num()
+        return bool((a - b).abs().max() <= _TOLERANCE * b.abs().max() + 1e-6) if b.numel() else True
+    if isinstance(want, (tuple, list)):
+        return (
+            isinstance(got, (tuple, list))
+            and len(got) == len(want)
+            and all(_close(g, w, exact) for g, w in zip(got, want, strict=True))
+        )
+    return got is want or got == want
+
+
+def record(
+    module: Any, call: Callable[..., Any], inputs: Sequence[Any], exact: bool
+) -> tuple[Any, Program | Refused | None]:
+    """Run ``call(*inputs)`` (FA4's launcher) while recording it: ``(its result, the program or
+    the refusal; None when the call compiled a kernel)``. ``module`` holds the JIT-cached
+    functions (``flash_attn.cute.interface``); ``exact``: the check run must equal FA4's result."""
+    recorder = _Recorder(inputs)
+    watched = _jit_cached(module)
+    saved = [fn.compile_cache for fn in watched]
+    for fn, cache in zip(watched, saved, strict=True):
+        fn.compile_cache = _CacheSpy(cache, recorder)
+    try:
+        with _Watch(recorder):
+            result = call(*inputs)
+    finally:
+        for fn, cache in zip(watched, saved, strict=True):
+            fn.compile_cache = cache
+    if recorder.compiled:
+        return result, None
+    if recorder.refusal is not None:
+        return result, Refused(recorder.refusal)
+    if recorder.kernels == 0:
+        return result, Refused("FA4 called no compiled kernel")
+    try:
+        recorder.program.result = recorder.template(result, "the launcher's result")
+    except _Refusal as exc:
+        return result, Refused(str(exc))
+    if not _close(recorder.program.run(inputs), result, exact):
+        return result, Refused("the recorded program's check run differed from FA4's own call")
+    return result, recorder.program
+
+
+#: Programs (and refusals) per kind of FA4 call (module docstring).
+PROGRAMS: ClockCache[Program | Refused] = ClockCache(FA4_REPLAY_CACHE_SIZE)
+
+
+def tensor_key(t: torch.Tensor | None) -> Hashable:
+    """What an FA4 launcher reads from a tensor argument (the values it never reads)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 256, t.requires_grad)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def identities(tensors: Sequence[Any]) -> tuple[int, ...]:
+    """Which arguments are the same object (for each, the first position holding it): FA4
+    decides by identity in places (``k is v``)."""
+    ids = [id(t) for t in tensors]
+    return tuple(ids.index(i) for i in ids)
+
+
+def enabled() -> bool:
+    return os.environ.get("FLEXATTN_ZOO_FA4_REPLAY", "1") != "0"
+
+
+def launch(
+    key: Hashable, module: Any, call: Callable[..., Any], inputs: Sequence[Any], exact: bool = True
+) -> Any:
+    """``call(*inputs)``, or its program's replay once the kind ``key`` has one (module docstring)."""
+    key = (key, torch.get_default_dtype())  # what factory ops without a dtype allocate
+    entry = PROGRAMS.get_eager(key)
+    if type(entry) is Program:
+        return entry.run(inputs)
+    if entry is not None or _capturing():
+        return call(*inputs)
+    result, made = record(module, call, inputs, exact)
+    if made is not None:
+        PROGRAMS.put(key, made)
+    return result
+
+
+__all__ = [
+    "FA4_REPLAY_CACHE_SIZE",
+    "PROGRAMS",
+    "Program",
+    "Refused",
+    "enabled",
+    "identities",
+    "launch",
+    "record",
+    "tensor_key",
+]
