@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_session_r47.sh compiletests 300  # (FA4 installed) the compile GPU suite
 #   bash benchmarks/gpu_session_r47.sh replay 300   # (FA4 installed) the replayed FA4 launches: their
 #                    # GPU tests, the fa4 route's tests, then fa4_host.py
+#   bash benchmarks/gpu_session_r47.sh diag 200     # (FA4 installed) the replay GPU tests alone, then
+#                    # fa4_replay_diag.py (programs kept, cProfile of replayed calls)
 #   bash benchmarks/gpu_session_r47.sh fa4gen 400   # (FA4 installed) the cases where fa4 or auto's
 #                    # FA4 choice decide, routes that matter, with replayed launches (CASES= to pick)
 #   bash benchmarks/gpu_session_r47.sh ffforward 300 # (FA4 installed) can
@@ -19,7 +21,7 @@
 #   bash benchmarks/gpu_session_r47.sh fa4replay 200 # (FA4 installed) FA4's
 #                    # forward host time against a replay of its recorded compiled call
 set -uo pipefail
-step="${1:?usage: $0 host|compiletests|replay|fa4gen|tunedall|hostone|ffforward|fa4replay [BUDGET_S]}"
+step="${1:?usage: $0 host|compiletests|replay|diag|fa4gen|tunedall|hostone|ffforward|fa4replay [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r47
@@ -38,6 +40,11 @@ case "$step" in
       tests/gpu/test_fa4_replay_gpu.py tests/gpu/test_routes_gpu.py tests/gpu/test_dropin_gpu.py \
       tests/gpu/test_compile_gpu.py -k "fa4 or replay"
     run "fa4_host_${gpu}_r47" "$(( $(left) - 5 ))" python3 benchmarks/fa4_host.py --out "$out/fa4_host_${gpu}_r47.md"
+    ;;
+  diag)
+    run "gpu_tests_fa4_replay_only_${gpu}_r47" "$(share 45)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      tests/gpu/test_fa4_replay_gpu.py
+    run "fa4_replay_diag_${gpu}_r47" "$(( $(left) - 5 ))" python3 benchmarks/fa4_replay_diag.py
     ;;
   fa4gen)
     cases="${CASES:-dinov2_g_l1370_b8,gemma3_27b_l4096_b1,llama32_3b_l2048_b4,gpt2_l1024_b16,llama3_8b_l128_b64,vit_b16_l197_b64,bert_base_l128_b128,docs_llama3_8b_l16k}"
