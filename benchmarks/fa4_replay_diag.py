@@ -28,7 +28,7 @@ def _describe() -> list[str]:
         if isinstance(entry, fa4_replay.Refused):
             lines.append(f"  refused: {entry.reason}")
         else:
-            names = [getattr(fn, "__name__", type(fn).__name__) for fn, *_ in entry.steps]
+            names = [getattr(s.fn, "__name__", type(s.fn).__name__) for s in entry.steps]
             lines.append(f"  program, {len(entry.steps)} steps: {', '.join(names)}")
     return lines
 

@@ -35,10 +35,10 @@ case "$step" in
     done
     run "host_path_probe_${gpu}_r47" "$(( $(left) - 5 ))" python3 benchmarks/host_path_probe.py --device cuda
     ;;
-  replay)
-    run "gpu_tests_fa4_replay_${gpu}_r47" "$(share 55)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
-      tests/gpu/test_fa4_replay_gpu.py tests/gpu/test_routes_gpu.py tests/gpu/test_dropin_gpu.py \
-      tests/gpu/test_compile_gpu.py -k "fa4 or replay"
+  replay)  # the replay tests, the fa4 route's layout tests and its compiled / exported / graphed op
+    run "gpu_tests_fa4_replay_${gpu}_r47" "$(share 60)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      tests/gpu/test_fa4_replay_gpu.py "tests/gpu/test_routes_gpu.py::test_fa4_layouts_with_lse_and_gqa" \
+      "tests/gpu/test_routes_gpu.py::test_fa4_takes_projection_layout_and_scale" tests/gpu/test_compile_gpu.py -k "fa4 or replay"
     run "fa4_host_${gpu}_r47" "$(( $(left) - 5 ))" python3 benchmarks/fa4_host.py --out "$out/fa4_host_${gpu}_r47.md"
     ;;
   diag)

@@ -116,22 +116,74 @@ class Refused:
     reason: str
 
 
+#: Factory overloads replayed through their public functions, which parse their arguments in C++
+#: (calling the overload from Python costs several microseconds more per allocation).
+_FAST = {
+    "aten::empty.memory_format": torch.empty,
+    "aten::empty_like": torch.empty_like,
+    "aten::empty_strided": torch.empty_strided,
+    "aten::zeros": torch.zeros,
+    "aten::zeros_like": torch.zeros_like,
+}
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step of a :class:`Program`: ``fn(*args, **kwargs)`` with the run's tensors put at
+    ``refs`` (``(position, value index)``, keyword positions by name); ``nested``: some argument
+    is a :class:`_Nested` (rebuilt by :func:`_fill`); ``makes``: the result is a new value."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    refs: tuple[tuple[int | str, int], ...]
+    nested: bool
+    makes: bool
+
+    @classmethod
+    def of(cls, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], makes: bool) -> _Step:
+        name = fn.name() if isinstance(fn, torch._ops.OpOverload) else None
+        named: list[tuple[int | str, Any]] = [*enumerate(args), *kwargs.items()]
+        return cls(
+            fn=_FAST.get(name, fn) if name is not None else fn,
+            args=args,
+            kwargs=kwargs,
+            refs=tuple((where, a.index) for where, a in named if type(a) is _Ref),
+            nested=any(type(a) is _Nested for _, a in named),
+            makes=makes,
+        )
+
+    def __call__(self, values: list[Any]) -> Any:
+        if self.nested:
+            return self.fn(
+                *[_fill(a, values) for a in self.args],
+                **{k: _fill(a, values) for k, a in self.kwargs.items()},
+            )
+        if not self.refs:
+            return self.fn(*self.args, **self.kwargs)
+        args, kwargs = list(self.args), dict(self.kwargs)
+        for where, index in self.refs:
+            if isinstance(where, int):
+                args[where] = values[index]
+            else:
+                kwargs[where] = values[index]
+        return self.fn(*args, **kwargs)
+
+
 @dataclass
 class Program:
-    """A recorded FA4 launch: ``steps`` of ``(function, args, kwargs, makes_a_value)`` run on
-    values that start as the call's inputs; ``result`` templates the launcher's return value."""
+    """A recorded FA4 launch: :class:`_Step` s run on values that start as the call's inputs;
+    ``result`` templates the launcher's return value."""
 
     inputs: int
-    steps: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], bool]] = field(
-        default_factory=list
-    )
+    steps: list[_Step] = field(default_factory=list)
     result: Any = None
 
     def run(self, inputs: Sequence[Any]) -> Any:
         values = list(inputs)
-        for fn, args, kwargs, makes in self.steps:
-            out = fn(*[_fill(a, values) for a in args], **{k: _fill(a, values) for k, a in kwargs.items()})
-            if makes:
+        for step in self.steps:
+            out = step(values)
+            if step.makes:
                 values.append(out)
         return _fill(self.result, values)
 
@@ -211,9 +263,9 @@ class _Recorder:
             self.refuse(str(exc))
             return
         if id(out) in self.index:  # an in-place fill returns its target
-            self.program.steps.append((func, step_args, step_kwargs, False))
+            self.program.steps.append(_Step.of(func, step_args, step_kwargs, False))
             return
-        self.program.steps.append((func, step_args, step_kwargs, True))
+        self.program.steps.append(_Step.of(func, step_args, step_kwargs, True))
         self._know(out, self.count)
         self.count += 1
 
@@ -230,7 +282,7 @@ class _Recorder:
         except _Refusal as exc:
             self.refuse(str(exc))
             return
-        self.program.steps.append((fn, step_args, step_kwargs, False))
+        self.program.steps.append(_Step.of(fn, step_args, step_kwargs, False))
         self.kernels += 1
 
 
