@@ -51,7 +51,7 @@ case "$step" in
     cp benchmarks/results/generalization_h200.json "$out/generalization_fa4replay_${gpu}.json"
     run "generalization_fa4replay_${gpu}_r47" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
       --resume --rerun --out "$out/generalization_fa4replay_${gpu}.json" --cases "$cases" \
-      --routes auto,plain_sdpa,raw_flex,sdpa,flex,flex_flash,fa4 \
+      --routes auto,plain_sdpa,sdpa,flex_flash,fa4 \
       --md "$out/generalization_fa4replay_${gpu}_r47.md" --quiet --time-budget "$(( $(left) - 60 ))"
     ;;
   compiletests)  # (FA4 installed) tests/gpu/test_compile_gpu.py

@@ -39,7 +39,9 @@ around the same implementations and formula: less host time per call); traced ca
 subclasses and calls under a torch function / dispatch mode or a functorch transform take the ops.
 
 The real implementations call the module attributes ``_fwd_kernel`` / ``_bwd_kernel`` (FA4,
-under :func:`~flexattn_zoo.backends.base.flash_cute_lock`); tests substitute a CPU reference.
+under :func:`~flexattn_zoo.backends.base.flash_cute_lock`, its launches replayed from recordings
+for kinds of call met before: :mod:`~flexattn_zoo.backends.fa4_replay`); tests substitute a CPU
+reference.
 The ops are registered for every device (the route only ever sends CUDA tensors).
 """
 
