@@ -130,7 +130,15 @@ def _fa4_forward(
     # No autograd graph of FA4's own: the op's autograd formula is ours (fa4_bwd).
     with torch.no_grad():
         if fa4_replay.enabled():
-            key = ("fwd", *_replay_key(inputs), max_seqlen, scale, softcap, window_left, window_right)
+            key = (
+                "fwd",
+                *_replay_key(inputs, interface),
+                max_seqlen,
+                scale,
+                softcap,
+                window_left,
+                window_right,
+            )
             res = fa4_replay.launch(key, interface, call, inputs)
         else:
             res = call(*inputs)
@@ -200,7 +208,7 @@ def _fa4_backward(
     inputs = (q, k, v, out, dout, lse, cu_seqlens)
     with torch.no_grad():
         if fa4_replay.enabled():
-            key = ("bwd", *_replay_key(inputs), tuple(sorted(kwargs.items())))
+            key = ("bwd", *_replay_key(inputs, interface), tuple(sorted(kwargs.items())))
             # FA4's backward accumulates dq (and dk/dv with grouped heads) with atomics: the check
             # run of a recording compares within a tolerance.
             dq, dk, dv = fa4_replay.launch(key, interface, call, inputs, exact=False)
@@ -212,13 +220,25 @@ def _fa4_backward(
 _CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
 
 
-def _replay_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple[Any, ...]:
-    """What FA4's launchers read from their tensor arguments and the process (fa4_replay)."""
+def _replay_key(tensors: tuple[torch.Tensor | None, ...], interface: Any) -> tuple[Any, ...]:
+    """What FA4's launchers read from their tensor arguments and the process (fa4_replay): the
+    SM-count override, its log level (part of its kernels' compile key; ``set_fa_log_level``) and
+    the module-level tunables of ``flash_attn.cute.interface`` its varlen scheduling reads."""
     return (
         *(fa4_replay.tensor_key(t) for t in tensors),
         fa4_replay.identities(tensors),
         os.environ.get("FLASH_ATTENTION_NUM_SMS"),
+        _fa4_log_level(),
+        getattr(interface, "BIN_BATCH_SEARCH_THRESH", None),
+        getattr(interface, "USE_BLOCKS_TO_BATCH", None),
     )
+
+
+def _fa4_log_level() -> Any:
+    from flash_attn.cute import fa_logging
+
+    get = getattr(fa_logging, "get_fa_log_level", None)
+    return get() if get is not None else None
 
 
 #: What the ops' real implementations call; tests replace them with a CPU reference.

@@ -1,21 +1,23 @@
 """Replays of FlashAttention-4's launches: FA4's Python once per kind of call, its kernels every call.
 
-FA4's launchers (``flash_attn_func``, ``flash_attn_varlen_func``, ``_flash_attn_bwd``) spend
-80-400 us of host time per call in Python (checks, tile and scheduler choice, the JIT-cache key)
-before they allocate their outputs and call compiled CuTe kernels. For inputs with the same
+FA4's launchers (``flash_attn_func``, ``flash_attn_varlen_func``, ``_flash_attn_bwd``) spend tens
+of microseconds of host time per call in Python (checks, tile and scheduler choice, the JIT-cache
+key) before they allocate their outputs and call compiled CuTe kernels. For inputs with the same
 shapes, strides, dtypes, device, pointer alignment and scalar arguments they take the same
 decisions every time, so a kind of call needs that Python once.
 
 **Recording.** The first call of a kind (:func:`launch` with a new ``key``) runs FA4's launcher
-as usual while two things watch it: every compiled function FA4 looks up in the JIT caches of
-``flash_attn.cute.interface`` is wrapped to log its arguments when called, and a
-``TorchDispatchMode`` logs every torch op the launcher runs. The call becomes a :class:`Program`
-when everything it did is one of
+and notes the kind, so that kinds met once (a new document count every batch) cost nothing more.
+The second runs it again while two things watch it: every compiled function FA4 looks up in the
+JIT caches of ``flash_attn.cute.interface`` is wrapped to log its arguments when this thread
+calls it, and a ``TorchDispatchMode`` logs every torch op the launcher runs. The call becomes a
+:class:`Program` when everything it did is one of
 
-* a factory op (``empty``, ``zeros``, ``empty_like``, ...) or an in-place fill (``zero_``,
+* an allocation (``empty``, ``zeros``, ``empty_like``, ...) or an in-place fill (``zero_``,
   ``fill_``): re-run with the same arguments;
-* a view (``detach``, ``transpose``, ``as_strided``, ...): re-run (``detach`` / ``alias`` are
-  passed through, the kernels see the same memory);
+* a view (``transpose``, ``as_strided``, ...): re-run; ``detach`` and ``alias`` are passed
+  through, so the kernels get the tensor itself (the same memory; FA4's kernels take tensors
+  through DLPack's C exchange, which does not look at ``requires_grad``);
 * a compiled-kernel call whose tensor arguments are the call's inputs or tensors made by the
   steps above, and whose other arguments are plain values (numbers, strings, ``None``, dtypes,
   and tuples of these and of such tensors);
@@ -24,22 +26,27 @@ and the launcher's result is made of such tensors. Anything else (a copy, such a
 an input whose pointer is not aligned, a reduction, a read of a tensor's value on the host, an
 argument the recording cannot place, a kernel launched outside the JIT caches) makes the kind
 *refused*: its calls keep running FA4's own launcher. Before a program is kept it is run once on
-the recorded call's inputs and must give what FA4 gave (equal values; within a tolerance of the largest
-magnitude for kernels that accumulate with atomics, FA4's backward: 2%, where a bfloat16 rounding
-moves a value by 0.4% and a program that misses work is off by far more). A call that compiled a
-kernel is not recorded (compilation runs torch ops of its own); the next call records.
+the recorded call's inputs and must give what FA4 gave: equal values, or for kernels that
+accumulate with atomics (FA4's backward) within 2% of the largest magnitude, where a bfloat16
+rounding moves a value by 0.4% and a program that misses work is off by far more. A check run
+that raises (out of memory) refuses the kind; FA4's result of that call is returned either way.
+A call that compiled a kernel (compilation runs torch ops of its own) or whose result holds NaN
+(NaN never equals NaN; for the inexact comparison, infinities too) leaves the kind to be recorded
+by a later call.
 
 **Replaying.** A later call of the kind runs the program's steps on its own inputs: fresh
 outputs and scratch buffers allocated (and filled) as FA4 allocates them, the same kernels
 with the same non-tensor arguments. The kernels take the stream from torch's current stream
-when they are called, as FA4's own calls do.
+when they are called, as FA4's own calls do. A program keeps its compiled kernels alive: after
+clearing FA4's JIT caches, clear :data:`PROGRAMS` too.
 
 **Keys.** The caller's key must hold everything the launcher reads: each tensor's shape,
 strides, dtype, device, ``data_ptr() % 256`` and ``requires_grad`` (:func:`tensor_key`), the
-scalar arguments, which inputs are the same tensor, and what FA4 reads from the process per call
-(``FLASH_ATTENTION_NUM_SMS``). Calls are never recorded while a CUDA graph is being captured
-(the check runs a comparison on the host); programs recorded before replay in captures (their
-steps allocate through torch, so from the graph's pool).
+scalar arguments, which inputs are the same tensor (:func:`identities`), and what FA4 reads from
+the process per call (the fa4 route's key: ``FLASH_ATTENTION_NUM_SMS``, FA4's log level, the
+scheduling tunables of ``flash_attn.cute.interface``). Nothing is recorded while a CUDA graph is
+being captured (the check run compares on the host); programs recorded before a capture replay
+inside it (their allocations come from the graph's pool).
 
 ``FLEXATTN_ZOO_FA4_REPLAY=0`` turns replays off (every call runs FA4's launcher);
 :data:`PROGRAMS` holds the programs and refusals (``PROGRAMS.clear()`` forgets them).
@@ -48,6 +55,7 @@ steps allocate through torch, so from the graph's pool).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +68,7 @@ from flexattn_zoo.lru import ClockCache
 #: How many kinds of FA4 call keep a program (or a refusal).
 FA4_REPLAY_CACHE_SIZE = 64
 
-_FACTORIES = frozenset(
+_ALLOCATIONS_AND_FILLS = frozenset(
     {
         "empty",
         "empty_strided",
@@ -175,7 +183,6 @@ class Program:
     """A recorded FA4 launch: :class:`_Step` s run on values that start as the call's inputs;
     ``result`` templates the launcher's return value."""
 
-    inputs: int
     steps: list[_Step] = field(default_factory=list)
     result: Any = None
 
@@ -200,13 +207,14 @@ class _Recorder:
     """Builds a :class:`Program` from what one launcher call does (see the module docstring)."""
 
     def __init__(self, inputs: Sequence[Any]) -> None:
-        self.program = Program(inputs=len(inputs))
+        self.program = Program()
         self.index: dict[int, int] = {}
         self.memory: dict[Hashable, set[int]] = {}  # the values of each exact (memory, layout)
         self.keep: list[Any] = []  # every tensor seen stays alive, so ids are not reused
         self.refusal: str | None = None
         self.compiled = False
         self.kernels = 0
+        self.thread = threading.get_ident()  # FA4 calls of other threads are not this call's
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor):
                 self._know(t, i)
@@ -216,6 +224,12 @@ class _Recorder:
         self.index[id(t)] = i
         self.keep.append(t)
         self.memory.setdefault(_memory(t), set()).add(i)
+
+    def release(self) -> None:
+        """Let go of every tensor seen (the program holds none)."""
+        self.keep.clear()
+        self.index.clear()
+        self.memory.clear()
 
     def refuse(self, reason: str) -> None:
         if self.refusal is None:
@@ -236,7 +250,7 @@ class _Recorder:
             items = tuple(self.template(v, what) for v in value)
             if any(type(v) in (_Ref, _Nested) for v in items):
                 return _Nested(type(value), items)
-            return value
+            return list(value) if isinstance(value, list) else value  # a copy FA4 cannot change
         if isinstance(value, _PLAIN):
             return value
         raise _Refusal(f"{what} is a {type(value).__name__}, not a plain value")
@@ -251,7 +265,7 @@ class _Recorder:
                     f"FA4 took aten.{name} of a tensor the recording cannot place"
                 )
                 return
-            if name not in _FACTORIES and not func.is_view:
+            if name not in _ALLOCATIONS_AND_FILLS and not func.is_view:
                 self.refuse(f"FA4 ran aten.{name}, which is not an allocation, a fill or a view")
                 return
             if not isinstance(out, torch.Tensor):
@@ -312,7 +326,8 @@ class _CacheSpy:
         return key in self.inner
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self.recorder.compiled = True
+        if threading.get_ident() == self.recorder.thread:
+            self.recorder.compiled = True
         self.inner[key] = value
 
     def __getitem__(self, key: Any) -> Callable[..., Any]:
@@ -321,6 +336,8 @@ class _CacheSpy:
 
         def logged(*args: Any, **kwargs: Any) -> Any:
             result = fn(*args, **kwargs)
+            if threading.get_ident() != recorder.thread:
+                return result
             if result is not None:
                 recorder.refuse(f"a compiled kernel returned {type(result).__name__}")
             recorder.call(fn, args, kwargs)
@@ -343,19 +360,32 @@ def _jit_cached(module: Any) -> list[Any]:
 _TOLERANCE = 2e-2
 
 
+def _comparable(value: Any, exact: bool) -> bool:
+    """Whether a check run can compare against ``value``: no NaN (NaN never equals NaN), and for
+    an inexact comparison no infinity either (their differences are NaN). An lse of -inf (a row
+    that sees no key) compares exactly."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            return True
+        return not bool(torch.isnan(value).any()) if exact else bool(torch.isfinite(value).all())
+    if isinstance(value, (tuple, list)):
+        return all(_comparable(v, exact) for v in value)
+    return True
+
+
 def _close(got: Any, want: Any, exact: bool) -> bool:
+    """Whether a check run's result ``got`` is FA4's ``want`` (see :func:`_comparable`), with one
+    temporary of a result's size at most."""
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.stride() != want.stride():
             return False
         if got.dtype != want.dtype:
             return False
-        if exact or not want.is_floating_point():
+        if exact or not want.is_floating_point() or not want.numel():
             return bool(torch.equal(got, want))
-        a, b = got.float(), want.float()
-        if not bool(torch.equal(a.isnan(), b.isnan())):
-            return False
-        a, b = a.nan_to_num(), b.nan_to_num()
-        return bool((a - b).abs().max() <= _TOLERANCE * b.abs().max() + 1e-6) if b.numel() else True
+        low, high = torch.aminmax(want)
+        largest = max(-float(low), float(high))
+        return float((got - want).abs_().max()) <= _TOLERANCE * largest + 1e-6
     if isinstance(want, (tuple, list)):
         return (
             isinstance(got, (tuple, list))
@@ -369,8 +399,10 @@ def record(
     module: Any, call: Callable[..., Any], inputs: Sequence[Any], exact: bool
 ) -> tuple[Any, Program | Refused | None]:
     """Run ``call(*inputs)`` (FA4's launcher) while recording it: ``(its result, the program or
-    the refusal; None when the call compiled a kernel)``. ``module`` holds the JIT-cached
-    functions (``flash_attn.cute.interface``); ``exact``: the check run must equal FA4's result."""
+    the refusal)``, or ``(its result, None)`` when the recording says nothing for good (the call
+    compiled a kernel, or its result held NaN): a later call records again. ``module`` holds the JIT-cached functions (``flash_attn.cute.interface``);
+    ``exact``: the check run must equal FA4's result bit for bit. FA4's result is returned
+    whatever happens to the recording."""
     recorder = _Recorder(inputs)
     watched = _jit_cached(module)
     saved = [fn.compile_cache for fn in watched]
@@ -382,23 +414,44 @@ def record(
     finally:
         for fn, cache in zip(watched, saved, strict=True):
             fn.compile_cache = cache
+    return result, _verdict(recorder, result, inputs, exact)
+
+
+def _verdict(
+    recorder: _Recorder, result: Any, inputs: Sequence[Any], exact: bool
+) -> Program | Refused | None:
     if recorder.compiled:
-        return result, None
+        return None
     if recorder.refusal is not None:
-        return result, Refused(recorder.refusal)
+        return Refused(recorder.refusal)
     if recorder.kernels == 0:
-        return result, Refused("FA4 called no compiled kernel")
+        return Refused("FA4 called no compiled kernel")
     try:
         recorder.program.result = recorder.template(result, "the launcher's result")
     except _Refusal as exc:
-        return result, Refused(str(exc))
-    if not _close(recorder.program.run(inputs), result, exact):
-        return result, Refused("the recorded program's check run differed from FA4's own call")
-    return result, recorder.program
+        return Refused(str(exc))
+    program = recorder.program
+    recorder.release()  # FA4's scratch buffers go before the check run allocates its own
+    try:
+        if not _comparable(result, exact):
+            return None
+        if not _close(program.run(inputs), result, exact):
+            return Refused("the recorded program's check run differed from FA4's own call")
+    except Exception as exc:  # the call was served by FA4: the recording alone fails (a kind
+        # whose check run ran out of memory is not checked again on every call)
+        return Refused(f"the recorded program's check run raised {type(exc).__name__}: {exc}")
+    return program
+
+
+class _Seen:
+    """A kind met once: its second call records (a kind met once costs no recording)."""
+
+
+_SEEN = _Seen()
 
 
 #: Programs (and refusals) per kind of FA4 call (module docstring).
-PROGRAMS: ClockCache[Program | Refused] = ClockCache(FA4_REPLAY_CACHE_SIZE)
+PROGRAMS: ClockCache[Program | Refused | _Seen] = ClockCache(FA4_REPLAY_CACHE_SIZE)
 
 
 def tensor_key(t: torch.Tensor | None) -> Hashable:
@@ -426,16 +479,20 @@ def enabled() -> bool:
 def launch(
     key: Hashable, module: Any, call: Callable[..., Any], inputs: Sequence[Any], exact: bool = True
 ) -> Any:
-    """``call(*inputs)``, or its program's replay once the kind ``key`` has one (module docstring)."""
+    """``call(*inputs)``, or its program's replay once the kind ``key`` has one (module docstring).
+    The first call of a kind runs ``call`` and notes the kind; the second records."""
     key = (key, torch.get_default_dtype())  # what factory ops without a dtype allocate
     entry = PROGRAMS.get_eager(key)
     if type(entry) is Program:
         return entry.run(inputs)
-    if entry is not None or _capturing():
+    if entry is None:
+        PROGRAMS.put(key, _SEEN)
+        return call(*inputs)
+    if entry is not _SEEN or _capturing():
         return call(*inputs)
     result, made = record(module, call, inputs, exact)
     if made is not None:
-        PROGRAMS.put(key, made)
+        PROGRAMS.replace(key, made)
     return result
 
 

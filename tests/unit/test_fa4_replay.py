@@ -6,7 +6,10 @@ The real launchers run on the GPU suite (tests/gpu/test_fa4_replay_gpu.py)."""
 
 from __future__ import annotations
 
+import sys
+import threading
 import types
+import weakref
 from typing import Any, NamedTuple
 
 import pytest
@@ -268,3 +271,139 @@ def test_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fa4_replay.enabled()
     monkeypatch.setenv("FLEXATTN_ZOO_FA4_REPLAY", "0")
     assert not fa4_replay.enabled()
+
+
+def _counting_module(on_call: Any) -> types.SimpleNamespace:
+    """``_module(_plain)`` whose kernel, already compiled, runs ``on_call(n, args)`` first (its
+    ``n``-th run) and counts its runs in ``mod.count[0]``."""
+    count = [0]
+
+    def kernel(*args: Any) -> None:
+        count[0] += 1
+        on_call(count[0], args)
+        _scores(*args)
+
+    mod = _module(_plain)
+    mod.launcher.compile_cache["scores"] = kernel  # type: ignore[attr-defined]
+    mod.count = count
+    return mod
+
+
+def _entry(key: Any) -> Any:
+    return PROGRAMS.get_eager((key, torch.get_default_dtype()))
+
+
+def test_a_kind_met_once_runs_its_kernels_once() -> None:
+    """Kinds that change every call (a new document count per batch) pay no recording."""
+    PROGRAMS.clear()
+    mod = _counting_module(lambda n, args: None)
+    for step in range(10):
+        launch(("docs", step), mod, mod.launcher, _inputs(step))
+    assert mod.count[0] == 10  # no check runs
+    assert not any(isinstance(e, (Program, Refused)) for e in PROGRAMS.values())
+
+
+def test_an_error_in_the_check_run_returns_fa4s_result_and_refuses_the_kind() -> None:
+    PROGRAMS.clear()
+
+    def on_call(n: int, args: Any) -> None:
+        if n == 3:  # call 1 notes the kind, call 2 is FA4's own run while recording, 3 the check
+            raise torch.OutOfMemoryError("CUDA out of memory (check run)")
+
+    mod = _counting_module(on_call)
+    q, k = _inputs(0)
+    launch("oom", mod, mod.launcher, (q, k))
+    got = launch("oom", mod, mod.launcher, (q, k))
+    assert torch.equal(got[0], _plain(_scores, q, k)[0])
+    verdict = _entry("oom")
+    assert isinstance(verdict, Refused) and "OutOfMemoryError" in verdict.reason, verdict
+
+
+def test_fa4s_scratch_is_released_before_the_check_run() -> None:
+    PROGRAMS.clear()
+    scratch: list[weakref.ref[torch.Tensor]] = []
+    alive: list[bool] = []
+
+    def on_call(n: int, args: Any) -> None:
+        if n == 3:  # the check run: is run 2's k.t() view (held only by FA4's call) gone?
+            alive.append(scratch[-1]() is not None)
+        scratch.append(weakref.ref(args[1]))
+
+    mod = _counting_module(on_call)
+    for _ in range(2):
+        launch("scratch", mod, mod.launcher, _inputs(0))
+    assert isinstance(_entry("scratch"), Program)
+    assert alive == [False]
+
+
+def test_a_non_finite_result_leaves_the_kind_to_a_later_call() -> None:
+    PROGRAMS.clear()
+    mod = _module(_plain)
+    q, k = _inputs(0)
+    q[0, 0] = float("nan")
+    launch("nan", mod, mod.launcher, (q, k))  # notes the kind (and compiles)
+    launch("nan", mod, mod.launcher, (q, k))  # would record: NaN in the result says nothing
+    assert not isinstance(_entry("nan"), (Program, Refused))
+    launch("nan", mod, mod.launcher, _inputs(1))  # records
+    assert isinstance(_entry("nan"), Program)
+
+
+def test_another_threads_fa4_calls_during_a_recording_are_not_recorded() -> None:
+    """Other FA4 callers (torch's flex FLASH backward on an autograd thread, user code) do not
+    take this library's lock: their calls during a recording belong to them."""
+    PROGRAMS.clear()
+    holder: list[Any] = []
+
+    def on_call(n: int, args: Any) -> None:
+        if n == 2:  # during the recording
+            t = threading.Thread(target=lambda: holder[0].launcher(*_inputs(9)))
+            t.start()
+            t.join()
+
+    mod = _counting_module(on_call)
+    holder.append(mod)
+    for seed in range(2):
+        launch("race", mod, mod.launcher, _inputs(seed))
+    assert isinstance(_entry("race"), Program), _entry("race")
+
+
+def test_the_fa4_routes_key_reads_what_fa4_reads_from_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FA4's log level (in its kernels' compile key), its scheduling tunables and its SM-count
+    override change what its launcher does: each is in the fa4 route's replay key."""
+    from flexattn_zoo.backends import fa4_op
+
+    level = [0]
+    cute = types.ModuleType("flash_attn.cute")
+    cute.fa_logging = types.SimpleNamespace(get_fa_log_level=lambda: level[0])  # type: ignore[attr-defined]
+    package = types.ModuleType("flash_attn")
+    package.cute = cute  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    monkeypatch.delenv("FLASH_ATTENTION_NUM_SMS", raising=False)
+    interface = types.SimpleNamespace(BIN_BATCH_SEARCH_THRESH=256, USE_BLOCKS_TO_BATCH=True)
+    t = torch.zeros(2, 3)
+    base = fa4_op._replay_key((t, None), interface)
+    assert fa4_op._replay_key((t, None), interface) == base
+    level[0] = 2
+    assert fa4_op._replay_key((t, None), interface) != base
+    level[0] = 0
+    interface.BIN_BATCH_SEARCH_THRESH = 8
+    assert fa4_op._replay_key((t, None), interface) != base
+    interface.BIN_BATCH_SEARCH_THRESH = 256
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "66")
+    assert fa4_op._replay_key((t, None), interface) != base
+    monkeypatch.delenv("FLASH_ATTENTION_NUM_SMS")
+    assert fa4_op._replay_key((t, None), interface) == base
+    assert fa4_op._replay_key((t, t), interface) != fa4_op._replay_key((t, t.clone()), interface)
+
+
+def test_an_infinite_result_compares_exactly() -> None:
+    """An lse of -inf (a row that sees no key) is recorded: -inf equals -inf."""
+
+    def with_inf(kernel: Any, q: torch.Tensor, k: torch.Tensor) -> Any:
+        out, rowsum = _plain(kernel, q, k)
+        rowsum.fill_(float("-inf"))
+        return out, rowsum
+
+    _, program = _recorded(with_inf)
+    assert isinstance(program, Program), program
