@@ -59,16 +59,19 @@ def _call(case: str, seed: int) -> tuple[Any, ...]:
 
 
 def _kinds() -> dict[str, int]:
-    counts = {"programs": 0, "refused": 0}
+    counts = {"programs": 0, "refused": 0}  # kinds met once (not yet recorded) are neither
     for entry in fa4_replay.PROGRAMS.values():
-        counts["programs" if isinstance(entry, fa4_replay.Program) else "refused"] += 1
+        if isinstance(entry, fa4_replay.Program):
+            counts["programs"] += 1
+        elif isinstance(entry, fa4_replay.Refused):
+            counts["refused"] += 1
     return counts
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_replays_equal_fa4s_own_launcher(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fa4_replay.PROGRAMS.clear()
-    for seed in range(3):  # compiles (first run of the process), records, then replays
+    for seed in range(3):  # notes the kind (and compiles), records, then replays
         _call(case, seed)
     kinds = _kinds()
     refusals = [e.reason for e in fa4_replay.PROGRAMS.values() if isinstance(e, fa4_replay.Refused)]
