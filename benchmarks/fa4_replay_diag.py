@@ -27,6 +27,8 @@ def _describe() -> list[str]:
     for entry in fa4_replay.PROGRAMS.values():
         if isinstance(entry, fa4_replay.Refused):
             lines.append(f"  refused: {entry.reason}")
+        elif not isinstance(entry, fa4_replay.Program):
+            lines.append(f"  not recorded yet: {entry!r}")
         else:
             names = [getattr(s.fn, "__name__", type(s.fn).__name__) for s in entry.steps]
             lines.append(f"  program, {len(entry.steps)} steps: {', '.join(names)}")

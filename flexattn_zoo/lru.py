@@ -56,9 +56,9 @@ class _BoundedCache(Generic[V]):
         """Store ``value`` under ``key`` even if one is cached (counts as an insert)."""
         if _compat.is_compiling():
             return value
-        with self._lock:
+        with self._lock:  # one hold (the lock is re-entrant): no other store lands in between
             self._data.pop(key, None)
-        return self.put(key, value)
+            return self.put(key, value)
 
     def get_or_create(self, key: Hashable, make: Callable[[], V]) -> V:
         """The cached value, or ``make()`` stored and returned (built outside the lock)."""

@@ -220,25 +220,35 @@ def _fa4_backward(
 _CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
 
 
+#: Environment variables FA4's launchers read on every call (SM count; sm100 backward tiles).
+_FA4_PER_CALL_ENV = (
+    "FLASH_ATTENTION_NUM_SMS",
+    "FLASH_ATTENTION_BWD_TILE_N",
+    "FLASH_ATTENTION_HD256_GENERIC_BWD",
+)
+
+
 def _replay_key(tensors: tuple[torch.Tensor | None, ...], interface: Any) -> tuple[Any, ...]:
     """What FA4's launchers read from their tensor arguments and the process (fa4_replay): the
-    SM-count override, its log level (part of its kernels' compile key; ``set_fa_log_level``) and
-    the module-level tunables of ``flash_attn.cute.interface`` its varlen scheduling reads."""
+    environment variables of ``_FA4_PER_CALL_ENV``, FA4's log level (part of its kernels' compile
+    key; ``set_fa_log_level``) and the module-level tunables of ``flash_attn.cute.interface``
+    its varlen scheduling reads."""
     return (
         *(fa4_replay.tensor_key(t) for t in tensors),
         fa4_replay.identities(tensors),
-        os.environ.get("FLASH_ATTENTION_NUM_SMS"),
-        _fa4_log_level(),
+        *(os.environ.get(name) for name in _FA4_PER_CALL_ENV),
+        _fa4_log_level()(),
         getattr(interface, "BIN_BATCH_SEARCH_THRESH", None),
         getattr(interface, "USE_BLOCKS_TO_BATCH", None),
     )
 
 
+@functools.cache
 def _fa4_log_level() -> Any:
+    """FA4's log-level getter (imported once; a constant ``None`` where FA4 has none)."""
     from flash_attn.cute import fa_logging
 
-    get = getattr(fa_logging, "get_fa_log_level", None)
-    return get() if get is not None else None
+    return getattr(fa_logging, "get_fa_log_level", lambda: None)
 
 
 #: What the ops' real implementations call; tests replace them with a CPU reference.

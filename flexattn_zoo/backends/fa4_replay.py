@@ -26,13 +26,15 @@ and the launcher's result is made of such tensors. Anything else (a copy, such a
 an input whose pointer is not aligned, a reduction, a read of a tensor's value on the host, an
 argument the recording cannot place, a kernel launched outside the JIT caches) makes the kind
 *refused*: its calls keep running FA4's own launcher. Before a program is kept it is run once on
-the recorded call's inputs and must give what FA4 gave: equal values, or for kernels that
-accumulate with atomics (FA4's backward) within 2% of the largest magnitude, where a bfloat16
-rounding moves a value by 0.4% and a program that misses work is off by far more. A check run
-that raises (out of memory) refuses the kind; FA4's result of that call is returned either way.
-A call that compiled a kernel (compilation runs torch ops of its own) or whose result holds NaN
-(NaN never equals NaN; for the inexact comparison, infinities too) leaves the kind to be recorded
-by a later call.
+the recorded call's inputs, its uninitialized allocations first filled with NaN (-1, ``True``),
+so that a kernel the recording missed cannot pass by reading what FA4's own call left in reused
+memory, and must give what FA4 gave: the same bits, or for kernels that accumulate with atomics
+(FA4's backward) values within 2% of the largest magnitude, where a bfloat16 rounding moves a
+value by 0.4% and a program that misses work is off by far more. A check run that raises refuses
+the kind; FA4's result of that call is returned either way. A recording is inconclusive, and a
+later call records again, when the call compiled a kernel (compilation runs torch ops of its
+own), when an inexact comparison meets NaN or infinity, or when the check run runs out of memory;
+after ``MAX_INCONCLUSIVE`` such recordings the kind is refused.
 
 **Replaying.** A later call of the kind runs the program's steps on its own inputs: fresh
 outputs and scratch buffers allocated (and filled) as FA4 allocates them, the same kernels
@@ -43,8 +45,8 @@ clearing FA4's JIT caches, clear :data:`PROGRAMS` too.
 **Keys.** The caller's key must hold everything the launcher reads: each tensor's shape,
 strides, dtype, device, ``data_ptr() % 256`` and ``requires_grad`` (:func:`tensor_key`), the
 scalar arguments, which inputs are the same tensor (:func:`identities`), and what FA4 reads from
-the process per call (the fa4 route's key: ``FLASH_ATTENTION_NUM_SMS``, FA4's log level, the
-scheduling tunables of ``flash_attn.cute.interface``). Nothing is recorded while a CUDA graph is
+the process per call (the fa4 route's key: the environment variables FA4 reads per call, FA4's
+log level, the scheduling tunables of ``flash_attn.cute.interface``). Nothing is recorded while a CUDA graph is
 being captured (the check run compares on the host); programs recorded before a capture replay
 inside it (their allocations come from the graph's pool).
 
@@ -88,6 +90,8 @@ _ALLOCATIONS_AND_FILLS = frozenset(
         "fill_",
     }
 )
+#: Allocations whose memory is whatever was there: a check run fills them with a poison first.
+_UNINITIALIZED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
 #: Views the kernels cannot tell from their source: passed through instead of re-run.
 _SAME_MEMORY = frozenset({"detach", "alias"})
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -124,6 +128,13 @@ class Refused:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Inconclusive:
+    """A recording that says nothing for good about its kind, and why: a later call records."""
+
+    reason: str
+
+
 #: Factory overloads replayed through their public functions, which parse their arguments in C++
 #: (calling the overload from Python costs several microseconds more per allocation).
 _FAST = {
@@ -147,6 +158,7 @@ class _Step:
     refs: tuple[tuple[int | str, int], ...]
     nested: bool
     makes: bool
+    uninitialized: bool = False
 
     @classmethod
     def of(cls, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], makes: bool) -> _Step:
@@ -159,6 +171,8 @@ class _Step:
             refs=tuple((where, a.index) for where, a in named if type(a) is _Ref),
             nested=any(type(a) is _Nested for _, a in named),
             makes=makes,
+            uninitialized=isinstance(fn, torch._ops.OpOverload)
+            and fn.overloadpacket.__name__ in _UNINITIALIZED,
         )
 
     def __call__(self, values: list[Any]) -> Any:
@@ -186,13 +200,27 @@ class Program:
     steps: list[_Step] = field(default_factory=list)
     result: Any = None
 
-    def run(self, inputs: Sequence[Any]) -> Any:
+    def run(self, inputs: Sequence[Any], poison: bool = False) -> Any:
+        """The launch on ``inputs``; ``poison`` (a check run): uninitialized allocations are
+        filled with NaN (-1, ``True`` for integers and booleans) first, so that a kernel the
+        recording missed cannot pass by reading what FA4's own call left in reused memory."""
         values = list(inputs)
         for step in self.steps:
             out = step(values)
             if step.makes:
+                if poison and step.uninitialized:
+                    _poison(out)
                 values.append(out)
         return _fill(self.result, values)
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    else:
+        t.fill_(torch.iinfo(t.dtype).max if not t.dtype.is_signed else -1)
 
 
 def _memory(t: torch.Tensor) -> Hashable:
@@ -360,29 +388,33 @@ def _jit_cached(module: Any) -> list[Any]:
 _TOLERANCE = 2e-2
 
 
-def _comparable(value: Any, exact: bool) -> bool:
-    """Whether a check run can compare against ``value``: no NaN (NaN never equals NaN), and for
-    an inexact comparison no infinity either (their differences are NaN). An lse of -inf (a row
-    that sees no key) compares exactly."""
+def _finite(value: Any) -> bool:
+    """Whether every floating-point tensor of ``value`` is finite: an inexact comparison needs
+    that (a difference of infinities is NaN)."""
     if isinstance(value, torch.Tensor):
-        if not value.is_floating_point():
-            return True
-        return not bool(torch.isnan(value).any()) if exact else bool(torch.isfinite(value).all())
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
     if isinstance(value, (tuple, list)):
-        return all(_comparable(v, exact) for v in value)
+        return all(_finite(v) for v in value)
     return True
 
 
+#: Integer dtypes of each element size, to compare floating-point results bit for bit.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _close(got: Any, want: Any, exact: bool) -> bool:
-    """Whether a check run's result ``got`` is FA4's ``want`` (see :func:`_comparable`), with one
-    temporary of a result's size at most."""
+    """Whether a check run's result ``got`` is FA4's ``want``: bit for bit when ``exact`` (the
+    same kernels on the same inputs give the same bits, NaN included), else within
+    ``_TOLERANCE`` of ``want``'s largest magnitude (finite values: :func:`_finite`), with one
+    temporary of a result's size."""
     if isinstance(want, torch.Tensor):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.stride() != want.stride():
             return False
         if got.dtype != want.dtype:
             return False
         if exact or not want.is_floating_point() or not want.numel():
-            return bool(torch.equal(got, want))
+            bits = _BITS.get(want.element_size()) if want.is_floating_point() else None
+            return bool(torch.equal(got.view(bits), want.view(bits)) if bits else torch.equal(got, want))
         low, high = torch.aminmax(want)
         largest = max(-float(low), float(high))
         return float((got - want).abs_().max()) <= _TOLERANCE * largest + 1e-6
@@ -397,12 +429,11 @@ def _close(got: Any, want: Any, exact: bool) -> bool:
 
 def record(
     module: Any, call: Callable[..., Any], inputs: Sequence[Any], exact: bool
-) -> tuple[Any, Program | Refused | None]:
-    """Run ``call(*inputs)`` (FA4's launcher) while recording it: ``(its result, the program or
-    the refusal)``, or ``(its result, None)`` when the recording says nothing for good (the call
-    compiled a kernel, or its result held NaN): a later call records again. ``module`` holds the JIT-cached functions (``flash_attn.cute.interface``);
-    ``exact``: the check run must equal FA4's result bit for bit. FA4's result is returned
-    whatever happens to the recording."""
+) -> tuple[Any, Program | Refused | _Inconclusive]:
+    """Run ``call(*inputs)`` (FA4's launcher) while recording it: ``(its result, the program,
+    the refusal, or why the recording says nothing for good)``. ``module`` holds the JIT-cached
+    functions (``flash_attn.cute.interface``); ``exact``: the check run must give FA4's result
+    bit for bit. FA4's result is returned whatever happens to the recording."""
     recorder = _Recorder(inputs)
     watched = _jit_cached(module)
     saved = [fn.compile_cache for fn in watched]
@@ -419,9 +450,9 @@ def record(
 
 def _verdict(
     recorder: _Recorder, result: Any, inputs: Sequence[Any], exact: bool
-) -> Program | Refused | None:
+) -> Program | Refused | _Inconclusive:
     if recorder.compiled:
-        return None
+        return _Inconclusive("the call compiled a kernel")
     if recorder.refusal is not None:
         return Refused(recorder.refusal)
     if recorder.kernels == 0:
@@ -431,23 +462,33 @@ def _verdict(
     except _Refusal as exc:
         return Refused(str(exc))
     program = recorder.program
-    recorder.release()  # FA4's scratch buffers go before the check run allocates its own
+    recorder.release()  # FA4's scratch goes before the check run (which poisons what it reuses)
+    if not exact and not _finite(result):
+        return _Inconclusive("the result held NaN or infinity")
     try:
-        if not _comparable(result, exact):
-            return None
-        if not _close(program.run(inputs), result, exact):
+        if not _close(program.run(inputs, poison=True), result, exact):
             return Refused("the recorded program's check run differed from FA4's own call")
-    except Exception as exc:  # the call was served by FA4: the recording alone fails (a kind
-        # whose check run ran out of memory is not checked again on every call)
+    except torch.OutOfMemoryError as exc:
+        return _Inconclusive(f"the check run ran out of memory: {exc}")
+    except Exception as exc:  # the call was served by FA4: the recording alone fails
         return Refused(f"the recorded program's check run raised {type(exc).__name__}: {exc}")
     return program
 
 
 class _Seen:
-    """A kind met once: its second call records (a kind met once costs no recording)."""
+    """A kind met, not yet recorded: its next call records (a kind met once costs no recording);
+    ``tries``: recordings so far that said nothing for good (:class:`_Inconclusive`)."""
+
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def __repr__(self) -> str:
+        return f"Seen(tries={self.tries})"
 
 
-_SEEN = _Seen()
+#: Inconclusive recordings after which a kind is refused (its results keep holding NaN, its
+#: check runs keep running out of memory): each costs a recording and a host synchronization.
+MAX_INCONCLUSIVE = 3
 
 
 #: Programs (and refusals) per kind of FA4 call (module docstring).
@@ -486,12 +527,18 @@ def launch(
     if type(entry) is Program:
         return entry.run(inputs)
     if entry is None:
-        PROGRAMS.put(key, _SEEN)
+        PROGRAMS.put(key, _Seen())
         return call(*inputs)
-    if entry is not _SEEN or _capturing():
+    if type(entry) is not _Seen or _capturing():
         return call(*inputs)
     result, made = record(module, call, inputs, exact)
-    if made is not None:
+    if isinstance(made, _Inconclusive):
+        entry.tries += 1
+        if entry.tries >= MAX_INCONCLUSIVE:
+            PROGRAMS.replace(
+                key, Refused(f"{entry.tries} recordings were inconclusive, the last: {made.reason}")
+            )
+    else:
         PROGRAMS.replace(key, made)
     return result
 

@@ -455,3 +455,27 @@ def test_plan_cache_under_concurrent_hits_and_inserts() -> None:
     _in_threads([lambda s=s: reader(s) for s in range(3)] + [lambda s=s: writer(s) for s in range(3)])  # type: ignore[misc]
     assert not errors, errors[:5]
     assert len(cache) <= 32
+
+
+def test_replace_stores_its_value_when_another_thread_stores_meanwhile() -> None:
+    """``replace`` drops the old entry and stores the new one under one hold of the lock: a store
+    by another thread between the two cannot win over it."""
+    from flexattn_zoo.lru import ClockCache, LRUCache
+
+    for cache in (ClockCache(4), LRUCache(4)):
+        cache.put("k", "old")
+        plain_put = cache.put
+        others: list[threading.Thread] = []
+
+        def put(key: str, value: str, plain_put=plain_put, others=others) -> str:  # type: ignore[no-untyped-def]
+            other = threading.Thread(target=plain_put, args=(key, "other"))
+            other.start()
+            other.join(timeout=0.2)  # blocked on the lock while replace holds it
+            others.append(other)
+            return plain_put(key, value)
+
+        cache.put = put  # type: ignore[method-assign]
+        assert cache.replace("k", "new") == "new"
+        for other in others:
+            other.join()
+        assert cache.get("k") == "new"

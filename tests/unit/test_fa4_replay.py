@@ -18,9 +18,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from flexattn_zoo.backends import fa4_replay
 from flexattn_zoo.backends.fa4_replay import (
+    MAX_INCONCLUSIVE,
     PROGRAMS,
     Program,
     Refused,
+    _Inconclusive,
+    _Nested,
+    _Ref,
+    _Step,
     identities,
     launch,
     record,
@@ -95,7 +100,8 @@ def _recorded(body: Any) -> tuple[types.SimpleNamespace, Program | Refused | Non
 
 def test_a_call_that_compiles_is_not_recorded_and_the_next_one_is() -> None:
     mod = _module(_plain)
-    assert record(mod, mod.launcher, _inputs(0), True)[1] is None
+    verdict = record(mod, mod.launcher, _inputs(0), True)[1]
+    assert isinstance(verdict, _Inconclusive) and "compiled" in verdict.reason, verdict
     program = record(mod, mod.launcher, _inputs(0), True)[1]
     assert isinstance(program, Program), program
     assert isinstance(mod.launcher.compile_cache, JitCache)  # the real cache is put back
@@ -308,15 +314,36 @@ def test_an_error_in_the_check_run_returns_fa4s_result_and_refuses_the_kind() ->
 
     def on_call(n: int, args: Any) -> None:
         if n == 3:  # call 1 notes the kind, call 2 is FA4's own run while recording, 3 the check
+            raise RuntimeError("a kernel error in the check run")
+
+    mod = _counting_module(on_call)
+    q, k = _inputs(0)
+    launch("error", mod, mod.launcher, (q, k))
+    got = launch("error", mod, mod.launcher, (q, k))
+    assert torch.equal(got[0], _plain(_scores, q, k)[0])
+    verdict = _entry("error")
+    assert isinstance(verdict, Refused) and "a kernel error" in verdict.reason, verdict
+
+
+def test_a_check_run_out_of_memory_is_tried_again_then_refused() -> None:
+    PROGRAMS.clear()
+
+    def on_call(n: int, args: Any) -> None:
+        # call 1 runs once; each recording then runs FA4's call (n even) and the check (n odd)
+        if n in {2 * i + 1 for i in range(1, MAX_INCONCLUSIVE + 1)}:
             raise torch.OutOfMemoryError("CUDA out of memory (check run)")
 
     mod = _counting_module(on_call)
     q, k = _inputs(0)
-    launch("oom", mod, mod.launcher, (q, k))
-    got = launch("oom", mod, mod.launcher, (q, k))
-    assert torch.equal(got[0], _plain(_scores, q, k)[0])
+    for call in range(MAX_INCONCLUSIVE + 3):
+        got = launch("oom", mod, mod.launcher, (q, k))
+        assert torch.equal(got[0], _plain(_scores, q, k)[0])
+        if call < MAX_INCONCLUSIVE:
+            assert not isinstance(_entry("oom"), Refused)
     verdict = _entry("oom")
-    assert isinstance(verdict, Refused) and "OutOfMemoryError" in verdict.reason, verdict
+    assert isinstance(verdict, Refused) and "out of memory" in verdict.reason, verdict
+    assert mod.launcher.calls == MAX_INCONCLUSIVE + 3  # never replayed
+    assert mod.count[0] == 1 + 2 * MAX_INCONCLUSIVE + 2  # no recording after the refusal
 
 
 def test_fa4s_scratch_is_released_before_the_check_run() -> None:
@@ -336,16 +363,67 @@ def test_fa4s_scratch_is_released_before_the_check_run() -> None:
     assert alive == [False]
 
 
-def test_a_non_finite_result_leaves_the_kind_to_a_later_call() -> None:
+def test_nan_in_an_exact_result_compares_bit_for_bit() -> None:
+    """The same kernels on the same inputs give the same NaN bits: a NaN row (padding, a bad
+    step) does not keep a forward from being recorded."""
     PROGRAMS.clear()
     mod = _module(_plain)
     q, k = _inputs(0)
     q[0, 0] = float("nan")
     launch("nan", mod, mod.launcher, (q, k))  # notes the kind (and compiles)
-    launch("nan", mod, mod.launcher, (q, k))  # would record: NaN in the result says nothing
-    assert not isinstance(_entry("nan"), (Program, Refused))
-    launch("nan", mod, mod.launcher, _inputs(1))  # records
-    assert isinstance(_entry("nan"), Program)
+    launch("nan", mod, mod.launcher, (q, k))  # records
+    assert isinstance(_entry("nan"), Program), _entry("nan")
+
+
+def test_nan_in_an_inexact_result_is_tried_again_then_refused() -> None:
+    PROGRAMS.clear()
+    mod = _module(_plain)
+    q, k = _inputs(0)
+    q[0, 0] = float("nan")
+    launch("nan-inexact", mod, mod.launcher, (q, k), exact=False)
+    launch("nan-inexact", mod, mod.launcher, (q, k), exact=False)
+    assert isinstance(_entry("nan-inexact"), fa4_replay._Seen)
+    launch("nan-inexact", mod, mod.launcher, _inputs(1), exact=False)  # a finite call records
+    assert isinstance(_entry("nan-inexact"), Program)
+
+    PROGRAMS.clear()
+    for _ in range(MAX_INCONCLUSIVE + 2):
+        launch("always-nan", mod, mod.launcher, (q, k), exact=False)
+    verdict = _entry("always-nan")
+    assert isinstance(verdict, Refused) and "NaN" in verdict.reason, verdict
+
+
+def test_the_check_run_poisons_memory_a_missed_kernel_would_have_written() -> None:
+    """A kernel the recording cannot see (here: one launched outside the JIT caches) fills a
+    scratch buffer that a recorded kernel reads. On a GPU the check run's allocation can reuse
+    FA4's freed buffer, which still holds the right bytes; the poison makes the check fail."""
+    reused: list[torch.Tensor] = []
+
+    def body(kernel: Any, q: torch.Tensor, k: torch.Tensor) -> Any:
+        out = torch.empty(q.shape[0], k.shape[0])
+        rowsum = torch.empty(q.shape[0])
+        with _disable_current_modes():
+            rowsum.fill_(1.0)  # unseen: stands in for a kernel outside the JIT caches
+        kernel(q, k.t(), out, rowsum, 1.0)
+        return out, rowsum
+
+    _, verdict = _recorded(body)
+    assert isinstance(verdict, Refused) and "differed" in verdict.reason, verdict
+    assert not reused
+
+
+def test_a_poisoned_run_fills_every_uninitialized_allocation() -> None:
+    aten = torch.ops.aten
+    cpu = torch.device("cpu")
+    allocations = [
+        _Step.of(aten.empty.memory_format, ([3],), {"dtype": dtype, "device": cpu}, True)
+        for dtype in (torch.bfloat16, torch.int32, torch.uint8, torch.bool)
+    ]
+    zeros = _Step.of(aten.zeros.default, ([3],), {"dtype": torch.float32, "device": cpu}, True)
+    program = Program(steps=[*allocations, zeros], result=_Nested(tuple, tuple(_Ref(i) for i in range(5))))
+    floats, ints, bytes_, bools, zeroed = program.run((), poison=True)
+    assert floats.isnan().all() and (ints == -1).all() and (bytes_ == 255).all() and bools.all()
+    assert (zeroed == 0).all()  # initialized allocations keep their values
 
 
 def test_another_threads_fa4_calls_during_a_recording_are_not_recorded() -> None:
@@ -379,8 +457,17 @@ def test_the_fa4_routes_key_reads_what_fa4_reads_from_the_process(monkeypatch: p
     package.cute = cute  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
-    monkeypatch.delenv("FLASH_ATTENTION_NUM_SMS", raising=False)
+    for name in fa4_op._FA4_PER_CALL_ENV:
+        monkeypatch.delenv(name, raising=False)
     interface = types.SimpleNamespace(BIN_BATCH_SEARCH_THRESH=256, USE_BLOCKS_TO_BATCH=True)
+    fa4_op._fa4_log_level.cache_clear()  # the getter of this stand-in FA4, imported once
+    try:
+        _check_the_key(fa4_op, interface, level, monkeypatch)
+    finally:
+        fa4_op._fa4_log_level.cache_clear()
+
+
+def _check_the_key(fa4_op: Any, interface: Any, level: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     t = torch.zeros(2, 3)
     base = fa4_op._replay_key((t, None), interface)
     assert fa4_op._replay_key((t, None), interface) == base
@@ -394,6 +481,9 @@ def test_the_fa4_routes_key_reads_what_fa4_reads_from_the_process(monkeypatch: p
     assert fa4_op._replay_key((t, None), interface) != base
     monkeypatch.delenv("FLASH_ATTENTION_NUM_SMS")
     assert fa4_op._replay_key((t, None), interface) == base
+    monkeypatch.setenv("FLASH_ATTENTION_BWD_TILE_N", "64")
+    assert fa4_op._replay_key((t, None), interface) != base
+    monkeypatch.delenv("FLASH_ATTENTION_BWD_TILE_N")
     assert fa4_op._replay_key((t, t), interface) != fa4_op._replay_key((t, t.clone()), interface)
 
 
