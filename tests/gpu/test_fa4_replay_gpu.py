@@ -132,3 +132,46 @@ def test_replays_inside_an_eager_cuda_graph_capture() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(static_out, fz.attention(q, k, v, mask="causal", backend="fa4"))
+
+
+def _documents(lengths: list[int]) -> Any:
+    return masks.Document.from_lengths([lengths]) & masks.Causal()
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        [100, 150, 83],
+        # more documents than FA4's batch-lookup threshold (256): its varlen scheduling metadata
+        # is computed from cu_seqlens on the device, by compiled kernels the program re-runs
+        [8 + (i * 7) % 17 for i in range(300)],
+    ],
+    ids=["three", "three_hundred"],
+)
+def test_a_replay_follows_new_document_boundaries(first: list[int]) -> None:
+    """The key holds the number of documents and the longest one, not where they start: a replay
+    recorded on one packing must be exact on another of the same kind (the same lengths, rotated)."""
+    second = first[1:] + first[:1]
+    length = sum(first)
+    fa4_replay.PROGRAMS.clear()
+    g = torch.Generator(device=DEV).manual_seed(5)
+
+    def rand(heads: int) -> torch.Tensor:
+        t = torch.randn(1, heads, length, 64, device=DEV, dtype=torch.bfloat16, generator=g)
+        return t.requires_grad_(True)
+
+    for _ in range(2):  # notes the kind, then records it, on the first packing
+        q, k, v = rand(4), rand(2), rand(2)
+        out = fz.attention(q, k, v, mask=_documents(first), enable_gqa=True, backend="fa4")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert _kinds()["programs"] >= 2, _kinds()
+    inserts = fa4_replay.PROGRAMS.inserts
+    q, k, v = rand(4), rand(2), rand(2)
+    mask = _documents(second)
+    out, lse = fz.attention(q, k, v, mask=mask, enable_gqa=True, backend="fa4", return_lse=True)
+    grad_out = torch.randn(out.shape, device=DEV, dtype=out.dtype, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert fa4_replay.PROGRAMS.inserts == inserts  # forward and backward were replays
+    assert_matches_reference(
+        out, q, k, v, mask=mask, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out
+    )
