@@ -9,8 +9,10 @@ machine environment, written atomically and merged under a lock.
 * File: ``tune-<device>-<hash>.json``, where the hash covers the *environment key*
   (:func:`environment`): the device name, the CPU architecture, the versions of torch (and its
   CUDA / HIP), cuDNN, Triton, FlashAttention-4 (``flash-attn-4``; ``"unknown"`` when
-  ``flash_attn.cute`` imports from another distribution) and flexattn_zoo, and the file format. A change of any of
-  them starts a fresh file: timings measured under another kernel library are not reused.
+  ``flash_attn.cute`` imports from another distribution) and flexattn_zoo, the file format and
+  :data:`ROUTES_REVISION` (the routes' own cost per call). A change of any of them starts a
+  fresh file: timings measured under another kernel library, or with routes that cost
+  differently, are not reused.
 * Writes: under an exclusive advisory lock (``fcntl.flock`` on ``<file>.lock``; where there is no
   ``fcntl`` the write goes ahead unlocked), the file is read again, merged with what this process
   holds (per signature the newer measurement wins), written to a temporary file in the same
@@ -47,6 +49,10 @@ CACHE_DIR_ENV = "FLEXATTN_ZOO_CACHE_DIR"
 ENV_VARS = (CACHE_DIR_ENV, "XDG_CACHE_HOME", "HOME")
 #: Bumped when the file layout changes (it is part of the environment key).
 FORMAT = 1
+#: Bumped when a route's own cost per call changes enough to reorder routes (part of the
+#: environment key, so tables measured before are not reused): 2 = the ``fa4`` route replays
+#: FA4's recorded launches instead of running its Python launcher per call.
+ROUTES_REVISION = 2
 
 try:  # POSIX
     import fcntl
@@ -104,6 +110,7 @@ def _environment(device_name: str) -> tuple[tuple[str, Any], ...]:
         "fa4": _compat.dist_version("flash-attn-4", "flash_attn_4")
         or ("unknown" if _compat.flash_cute_available() else None),
         "flexattn_zoo": __version__,
+        "routes": ROUTES_REVISION,
     }
     return tuple(env.items())
 
@@ -203,6 +210,7 @@ __all__ = [
     "CACHE_DIR_ENV",
     "ENV_VARS",
     "FORMAT",
+    "ROUTES_REVISION",
     "cache_dir",
     "environment",
     "locked",

@@ -982,3 +982,12 @@ def test_time_routes_drops_a_failing_route_and_times_the_rest(monkeypatch: pytes
     assert list(out) == ["first_call", "later", "ok"]
     assert [str(out[n]) for n in ("first_call", "later")] == ["first_call broke", "later broke"]
     assert _ms(out["ok"]) == pytest.approx(2.0)
+
+
+def test_the_routes_revision_is_part_of_the_environment_key() -> None:
+    """Timings measured while a route cost more per call (the fa4 route before its launches were
+    replayed) must not choose routes after: the revision starts a fresh file."""
+    env = tuning_store.environment("cpu")
+    assert env["routes"] == tuning_store.ROUTES_REVISION >= 2
+    older = {**env, "routes": tuning_store.ROUTES_REVISION - 1}
+    assert tuning_store.env_hash(older) != tuning_store.env_hash(env)
