@@ -175,3 +175,33 @@ def test_a_replay_follows_new_document_boundaries(first: list[int]) -> None:
     assert_matches_reference(
         out, q, k, v, mask=mask, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out
     )
+
+
+def test_compiled_graphs_replay_the_fa4_ops() -> None:
+    """Inside a compiled model the fa4 ops run their implementations at run time: the forward
+    and the backward of a torch.compile'd block are replayed from the third step on."""
+    fa4_replay.PROGRAMS.clear()
+    g = torch.Generator(device=DEV).manual_seed(9)
+    mask = masks.SlidingWindow(left=64) & masks.Causal()
+
+    @torch.compile(fullgraph=True)
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return fz.attention(q, k, v, mask=mask, backend="fa4").sum(dim=1)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        q, k, v = (
+            torch.randn(2, 4, 256, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(3)
+        )
+        out = block(q, k, v)
+        return (q, k, v, out, *torch.autograd.grad(out.float().square().sum(), (q, k, v)))
+
+    for _ in range(2):
+        step()
+    kinds = _kinds()
+    assert kinds["programs"] >= 2 and kinds["refused"] == 0, kinds  # forward, backward(s)
+    inserts = fa4_replay.PROGRAMS.inserts
+    q, k, v, out, *grads = step()
+    assert fa4_replay.PROGRAMS.inserts == inserts  # replayed
+    full = fz.attention(q, k, v, mask=mask, backend="fa4")
+    torch.testing.assert_close(out, full.sum(dim=1))  # the sum compiled or not: bf16 tolerance
