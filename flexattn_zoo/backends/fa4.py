@@ -25,9 +25,9 @@ The kernels are called through the torch ops of :mod:`flexattn_zoo.backends.fa4_
 the route also runs inside a caller's ``torch.compile`` graph and in ``torch.export`` ed programs
 (rows and chunks; packed documents need ``cu_seqlens`` read from the mask's data, so a traced
 call refuses them). Gradients flow through both the output and the lse. Plain eager calls run
-the same implementations and formula without the ops' dispatch (less host time per call), and
-FA4's Python launchers run once per kind of call: later calls replay the recorded launch
-(:mod:`flexattn_zoo.backends.fa4_replay`).
+the same implementations and formula without the ops' dispatch (less host time per call). On
+both paths FA4's Python launcher runs on a kind of call's first two calls (the second records
+it); later calls replay the recorded launch (:mod:`flexattn_zoo.backends.fa4_replay`).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ around the same implementations and formula: less host time per call); traced ca
 subclasses and calls under a torch function / dispatch mode or a functorch transform take the ops.
 
 The real implementations call the module attributes ``_fwd_kernel`` / ``_bwd_kernel`` (FA4,
-under :func:`~flexattn_zoo.backends.base.flash_cute_lock`, its launches replayed from recordings
-for kinds of call met before: :mod:`~flexattn_zoo.backends.fa4_replay`); tests substitute a CPU
+under :func:`~flexattn_zoo.backends.base.flash_cute_lock`, its launches replayed for kinds of
+call already recorded: :mod:`~flexattn_zoo.backends.fa4_replay`); tests substitute a CPU
 reference.
 The ops are registered for every device (the route only ever sends CUDA tensors).
 """
@@ -101,7 +101,7 @@ def _fa4_forward(
     window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4's public forward (``flash_attn_func`` / ``flash_attn_varlen_func``) with its lse, replayed
-    from its recorded launch for a kind of call met before (:mod:`~flexattn_zoo.backends.fa4_replay`)."""
+    from its recorded launch for a kind of call already recorded (:mod:`~flexattn_zoo.backends.fa4_replay`)."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func, interface
 
     common: dict[str, Any] = dict(
@@ -220,11 +220,13 @@ def _fa4_backward(
 _CU_SEQLENS = ("cu_seqlens_q", "cu_seqlens_k")
 
 
-#: Environment variables FA4's launchers read on every call (SM count; sm100 backward tiles).
+#: Environment variables FA4's launchers read on every call (SM count; sm100 backward tiles and
+#: MLA kernel choice).
 _FA4_PER_CALL_ENV = (
     "FLASH_ATTENTION_NUM_SMS",
     "FLASH_ATTENTION_BWD_TILE_N",
     "FLASH_ATTENTION_HD256_GENERIC_BWD",
+    "FLASH_ATTENTION_MLA_1CTA",
 )
 
 

@@ -30,8 +30,9 @@ the recorded call's inputs, its uninitialized allocations first filled with NaN 
 so that a kernel the recording missed cannot pass by reading what FA4's own call left in reused
 memory, and must give what FA4 gave: the same bits, or for kernels that accumulate with atomics
 (FA4's backward) values within 2% of the largest magnitude, where a bfloat16 rounding moves a
-value by 0.4% and a program that misses work is off by far more. A check run that raises refuses
-the kind; FA4's result of that call is returned either way. A recording is inconclusive, and a
+value by 0.4% and a program that misses work is off by far more. A check run that raises (other
+than running out of memory, below) refuses the kind; FA4's result of that call is returned
+either way. A recording is inconclusive, and a
 later call records again, when the call compiled a kernel (compilation runs torch ops of its
 own), when an inexact comparison meets NaN or infinity, or when the check run runs out of memory;
 after ``MAX_INCONCLUSIVE`` such recordings the kind is refused.
