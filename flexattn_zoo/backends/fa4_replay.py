@@ -290,9 +290,11 @@ class _Recorder:
         name = func.overloadpacket.__name__
         try:
             if name in _SAME_MEMORY and isinstance(out, torch.Tensor):
-                self._know(out, self.index[id(args[0])]) if id(args[0]) in self.index else self.refuse(
-                    f"FA4 took aten.{name} of a tensor the recording cannot place"
-                )
+                source = self.index.get(id(args[0]))
+                if source is None:
+                    self.refuse(f"FA4 took aten.{name} of a tensor the recording cannot place")
+                else:
+                    self._know(out, source)
                 return
             if name not in _ALLOCATIONS_AND_FILLS and not func.is_view:
                 self.refuse(f"FA4 ran aten.{name}, which is not an allocation, a fill or a view")
