@@ -3,6 +3,7 @@
 # go into $OUT/r48/ (names carry the card), packed into $OUT/r48_STEP.tar after every sub-step.
 # FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
 #
+#   bash benchmarks/gpu_session_r48.sh ffprobe 150  # (FA4 installed) flex_flash_replay_probe.py
 #   bash benchmarks/gpu_session_r48.sh replay 230   # (FA4 installed) the replay tests, the fa4 route's
 #                    # layout tests and its compiled / exported / graphed op, then fa4_host.py
 #   bash benchmarks/gpu_session_r48.sh fa4gen 540   # (FA4 installed) the cases between 2e9 and 6e10
@@ -17,13 +18,18 @@
 #                    # --no-compile --target /tmp/site .whl/*.whl` there) the compiled Gemma-2
 #                    # model, prefill then training, fz against HF flex_attention, FA4 launches replayed
 set -uo pipefail
-step="${1:?usage: $0 replay|fa4gen|tunedall|host|compiletests|gemma2fa4 [BUDGET_S]}"
+step="${1:?usage: $0 ffprobe|replay|fa4gen|tunedall|host|compiletests|gemma2fa4 [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r48
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 
 case "$step" in
+  ffprobe)  # (FA4 installed) FA4 launches inside compiled FLASH-backend flex, replayed
+    tpl="$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')/_inductor/kernel/flex/templates"
+    grep -n "flash_attn\|_flash_attn_[fb]wd(" -A0 "$tpl"/flash_attention*.jinja > "$out/flash_templates_${gpu}_r48.txt" 2>&1
+    run "flex_flash_replay_probe_${gpu}_r48" "$(( $(left) - 5 ))" python3 benchmarks/flex_flash_replay_probe.py
+    ;;
   host)
     for run_id in a b; do
       run "host_cost_${gpu}_r48${run_id}" "$(share 42)" python3 benchmarks/host_cost.py --device cuda \
