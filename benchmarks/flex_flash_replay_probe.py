@@ -3,12 +3,12 @@
 torch's generated code for a FLASH-backend ``flex_attention`` imports
 ``flash_attn.cute.interface._flash_attn_fwd`` (``_flash_attn_bwd`` for the backward) inside the
 kernel function and calls it on every call, with the score and mask functions defined anew per
-call (tagged with a ``__cute_hash__``), the BlockMask's tensors, and preallocated outputs. This
-probe wraps those two module attributes with :func:`flexattn_zoo.backends.fa4_replay.launch`,
-keyed by every tensor argument's :func:`~flexattn_zoo.backends.fa4_replay.tensor_key`, the
-functions' hashes and the plain arguments, and reports for each case:
+call (tagged with a ``__cute_hash__``), the BlockMask's tensors, and preallocated outputs.
+``flexattn_zoo.backends.fa4_generated`` wraps those two module attributes so that such calls are
+replayed (``FLEXATTN_ZOO_FA4_REPLAY=0`` passes them through). For raw compiled flex, this probe
+reports per case:
 
-* whether the generated code goes through the wrapper, and what the replay recorded or refused;
+* what the replay recorded or refused for each kind;
 * the replayed results against unwrapped calls (forward bit for bit, gradients' largest
   difference);
 * host time per call (``perf_counter`` around back-to-back calls, synchronized between runs;
@@ -20,65 +20,11 @@ functions' hashes and the plain arguments, and reports for each case:
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
 import torch
-
-
-def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """A hashable picture of ``value`` with each tensor replaced by its key (and collected)."""
-    from flexattn_zoo.backends import fa4_replay
-
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return ("tensor", fa4_replay.tensor_key(value))
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, tuple(_flatten(v, tensors) for v in value))
-    if callable(value):
-        cute_hash = getattr(value, "__cute_hash__", None)
-        if cute_hash is None:
-            raise LookupError(f"{value!r} has no __cute_hash__")
-        return ("fn", cute_hash)
-    hash(value)
-    return value
-
-
-def _rebuild(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return tensors.pop(0)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_rebuild(v, tensors) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rebuild(v, tensors) for v in value)
-    return value
-
-
-STATS: dict[str, int] = {"fwd": 0, "bwd": 0, "unkeyed": 0}
-
-
-def _wrap(name: str, inner: Any, exact: bool) -> Any:
-    from flash_attn.cute import interface
-
-    from flexattn_zoo.backends import fa4_op, fa4_replay
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        STATS[name] += 1
-        tensors: list[torch.Tensor] = []
-        try:
-            shape = _flatten((args, sorted(kwargs.items())), tensors)
-        except (LookupError, TypeError):
-            STATS["unkeyed"] += 1
-            return inner(*args, **kwargs)
-
-        def call(*inputs: torch.Tensor) -> Any:
-            a, kw = _rebuild((args, sorted(kwargs.items())), list(inputs))
-            return inner(*a, **dict(kw))
-
-        key = (name, shape, *fa4_op._replay_key(tuple(tensors), interface))
-        return fa4_replay.launch(key, interface, call, tensors, exact=exact)
-
-    return wrapped
 
 
 def _host_us(fn: Any, number: int, repeat: int, grad: bool = True) -> float:
@@ -122,11 +68,9 @@ def main() -> None:
 
 
 def _case(flex: Any, shape: tuple[int, ...], mask: Any, score: Any, label: str, args: Any) -> None:
-    from flash_attn.cute import interface
+    from flexattn_zoo.backends import fa4_generated, fa4_replay
 
-    from flexattn_zoo.backends import fa4_replay
-
-    orig_fwd, orig_bwd = interface._flash_attn_fwd, interface._flash_attn_bwd
+    assert fa4_generated.install()
     torch.manual_seed(0)
     q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
@@ -143,6 +87,7 @@ def _case(flex: Any, shape: tuple[int, ...], mask: Any, score: Any, label: str, 
         step()
         return tuple(t.grad.clone() for t in (q, k, v))
 
+    os.environ["FLEXATTN_ZOO_FA4_REPLAY"] = "0"  # the wrappers pass every call through
     with torch.no_grad():
         want = fwd()
     want_g = grads()
@@ -150,8 +95,7 @@ def _case(flex: Any, shape: tuple[int, ...], mask: Any, score: Any, label: str, 
         _host_us(fwd, args.number, args.repeat, grad=False),
         _host_us(step, args.number // 4, args.repeat),
     )
-    interface._flash_attn_fwd = _wrap("fwd", orig_fwd, True)
-    interface._flash_attn_bwd = _wrap("bwd", orig_bwd, False)
+    os.environ["FLEXATTN_ZOO_FA4_REPLAY"] = "1"
     fa4_replay.PROGRAMS.clear()
     try:
         for _ in range(3):
@@ -170,12 +114,51 @@ def _case(flex: Any, shape: tuple[int, ...], mask: Any, score: Any, label: str, 
             _host_us(step, args.number // 4, args.repeat),
         )
     finally:
-        interface._flash_attn_fwd, interface._flash_attn_bwd = orig_fwd, orig_bwd
-    print(f"\n{label}: wrapper calls {STATS}; entries {entries}")
+        os.environ.pop("FLEXATTN_ZOO_FA4_REPLAY", None)
+    print(f"\n{label}: kinds {entries}")
     print(f"  forward bit-identical to unwrapped: {same}; grads max diff {gdiff:.3g} (largest {gscale:.3g})")
     print(
         f"  host us/call fwd: unwrapped {plain[0]:.1f}, replayed {replayed[0]:.1f};"
         f" fwd+bwd: unwrapped {plain[1]:.1f}, replayed {replayed[1]:.1f}"
+    )
+    _route(q, k, v, dout, score is not None, args)
+
+
+def _route(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, softcap: bool, args: Any
+) -> None:
+    """The same through the library's flex_flash route (plan-cache hits): ms per call by CUDA
+    events over back-to-back calls and host us per call, replays off then on."""
+    import flexattn_zoo as fz
+    from flexattn_zoo import score_mods
+
+    score = score_mods.SoftCap(cap=30.0) if softcap else None
+
+    def fwd() -> torch.Tensor:
+        return fz.attention(q, k, v, mask="causal", score_mod=score, backend="flex_flash")
+
+    def step() -> None:
+        fwd().backward(dout)
+
+    row = []
+    for switch in ("0", "1"):
+        os.environ["FLEXATTN_ZOO_FA4_REPLAY"] = switch
+        try:
+            for fn, n, grad in ((fwd, args.number, False), (step, args.number // 4, True)):
+                host = _host_us(fn, n, args.repeat, grad=grad)
+                with torch.set_grad_enabled(grad):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    start.record()
+                    for _ in range(n):
+                        fn()
+                    end.record()
+                    torch.cuda.synchronize()
+                row.append(f"{start.elapsed_time(end) / n * 1e3:.1f} us ({host:.1f} host)")
+        finally:
+            os.environ.pop("FLEXATTN_ZOO_FA4_REPLAY", None)
+    print(
+        f"  fz flex_flash route fwd: off {row[0]}, replayed {row[2]}; fwd+bwd: off {row[1]}, replayed {row[3]}"
     )
 
 

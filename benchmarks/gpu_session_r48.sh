@@ -4,6 +4,8 @@
 # FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
 #
 #   bash benchmarks/gpu_session_r48.sh ffprobe 150  # (FA4 installed) flex_flash_replay_probe.py
+#   bash benchmarks/gpu_session_r48.sh replay2 200  # (FA4 installed) tests/gpu/test_fa4_replay_gpu.py
+#   bash benchmarks/gpu_session_r48.sh ffgen 300    # (FA4 installed) flex_flash's cases, replayed
 #   bash benchmarks/gpu_session_r48.sh replay 230   # (FA4 installed) the replay tests, the fa4 route's
 #                    # layout tests and its compiled / exported / graphed op, then fa4_host.py
 #   bash benchmarks/gpu_session_r48.sh fa4gen 540   # (FA4 installed) the cases between 2e9 and 6e10
@@ -18,7 +20,7 @@
 #                    # --no-compile --target /tmp/site .whl/*.whl` there) the compiled Gemma-2
 #                    # model, prefill then training, fz against HF flex_attention, FA4 launches replayed
 set -uo pipefail
-step="${1:?usage: $0 ffprobe|replay|fa4gen|tunedall|host|compiletests|gemma2fa4 [BUDGET_S]}"
+step="${1:?usage: $0 ffprobe|replay2|ffgen|replay|fa4gen|tunedall|host|compiletests|gemma2fa4 [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r48
@@ -36,6 +38,19 @@ case "$step" in
         --out "$out/host_cost_${gpu}_r48${run_id}.md"
     done
     run "host_path_probe_${gpu}_r48" "$(( $(left) - 5 ))" python3 benchmarks/host_path_probe.py --device cuda
+    ;;
+  replay2)  # (FA4 installed) the replay GPU tests alone (fa4 route and flex_flash's generated code)
+    run "gpu_tests_fa4_replay2_${gpu}_r48" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      tests/gpu/test_fa4_replay_gpu.py
+    ;;
+  ffgen)  # (FA4 installed) the score-mod and prefix-LM cases flex_flash serves, its generated code's
+    # FA4 launches replayed (CASES= to pick)
+    cases="${CASES:-alibi_bidir_l2048_b8_d64,alibi_mpt7b_l2048_b4,softcap50_l2048_b8_d128,prefix512_l2048_b8_d64,gemma2_2b_global_softcap_l4096_d256,paligemma_prefix256_l1024_b4_d256}"
+    cp benchmarks/results/generalization_h200.json "$out/generalization_ffreplay_${gpu}.json"
+    run "generalization_ffreplay_${gpu}_r48" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_ffreplay_${gpu}.json" --cases "$cases" \
+      --routes auto,raw_flex,flex,flex_flash \
+      --md "$out/generalization_ffreplay_${gpu}_r48.md" --quiet --time-budget "$(( $(left) - 60 ))"
     ;;
   replay)  # the replay tests, the fa4 route's layout tests and its compiled / exported / graphed op
     run "gpu_tests_fa4_replay_${gpu}_r48" "$(share 60)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \

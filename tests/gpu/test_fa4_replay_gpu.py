@@ -160,18 +160,20 @@ def test_a_replay_follows_new_document_boundaries(first: list[int]) -> None:
         t = torch.randn(1, heads, length, 64, device=DEV, dtype=torch.bfloat16, generator=g)
         return t.requires_grad_(True)
 
-    for _ in range(2):  # notes the kind, then records it, on the first packing
+    def call(lengths: list[int]) -> tuple[Any, ...]:
         q, k, v = rand(4), rand(2), rand(2)
-        out = fz.attention(q, k, v, mask=_documents(first), enable_gqa=True, backend="fa4")
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        mask = _documents(lengths)
+        out, lse = fz.attention(q, k, v, mask=mask, enable_gqa=True, backend="fa4", return_lse=True)
+        # a cotangent laid out as every call's (its strides are part of the backward's kind)
+        grad_out = torch.randn(out.shape, device=DEV, dtype=out.dtype, generator=g)
+        return q, k, v, mask, out, lse, grad_out, torch.autograd.grad(out, (q, k, v), grad_out)
+
+    for _ in range(2):  # notes the kind, then records it, on the first packing
+        call(first)
     assert _kinds()["programs"] >= 2, _kinds()
     inserts = fa4_replay.PROGRAMS.inserts
-    q, k, v = rand(4), rand(2), rand(2)
-    mask = _documents(second)
-    out, lse = fz.attention(q, k, v, mask=mask, enable_gqa=True, backend="fa4", return_lse=True)
-    grad_out = torch.randn(out.shape, device=DEV, dtype=out.dtype, generator=g)
-    grads = torch.autograd.grad(out, (q, k, v), grad_out)
-    assert fa4_replay.PROGRAMS.inserts == inserts  # forward and backward were replays
+    q, k, v, mask, out, lse, grad_out, grads = call(second)
+    assert fa4_replay.PROGRAMS.inserts == inserts, list(fa4_replay.PROGRAMS.values())  # replays
     assert_matches_reference(
         out, q, k, v, mask=mask, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out
     )
@@ -205,3 +207,36 @@ def test_compiled_graphs_replay_the_fa4_ops() -> None:
     assert fa4_replay.PROGRAMS.inserts == inserts  # replayed
     full = fz.attention(q, k, v, mask=mask, backend="fa4")
     torch.testing.assert_close(out, full.sum(dim=1))  # the sum compiled or not: bf16 tolerance
+
+
+@pytest.mark.parametrize("score", [None, score_mods.SoftCap(cap=30.0)], ids=["plain", "softcap"])
+def test_flex_flash_replays_the_generated_codes_launches(score: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route flex_flash: the FA4 launches in Inductor's generated FLASH code (fa4_generated) are
+    recorded on the second call and replayed from the third, forward bit for bit with FA4's own
+    launcher, gradients as the float64 reference's."""
+    fa4_replay.PROGRAMS.clear()
+    g = torch.Generator(device=DEV).manual_seed(3)
+    mask = masks.SlidingWindow(left=200) & masks.Causal()
+
+    def call() -> tuple[Any, ...]:
+        q, k, v = (
+            torch.randn(2, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(3)
+        )
+        out = fz.attention(q, k, v, mask=mask, score_mod=score, backend="flex_flash")
+        grad_out = torch.randn(out.shape, device=DEV, dtype=out.dtype, generator=g)
+        return q, k, v, out, grad_out, torch.autograd.grad(out, (q, k, v), grad_out)
+
+    for _ in range(2):
+        call()
+    kinds = _kinds()
+    refusals = [e.reason for e in fa4_replay.PROGRAMS.values() if isinstance(e, fa4_replay.Refused)]
+    assert kinds["refused"] == 0, refusals
+    assert kinds["programs"] >= 2, kinds  # the forward and the backward
+    inserts = fa4_replay.PROGRAMS.inserts
+    q, k, v, out, grad_out, grads = call()
+    assert fa4_replay.PROGRAMS.inserts == inserts  # replayed
+    monkeypatch.setenv("FLEXATTN_ZOO_FA4_REPLAY", "0")
+    own = fz.attention(q, k, v, mask=mask, score_mod=score, backend="flex_flash")
+    assert torch.equal(out, own)
+    assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, grads=grads, grad_out=grad_out)
