@@ -4,6 +4,7 @@
 # FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
 #
 #   bash benchmarks/gpu_session_r48.sh ffprobe 150  # (FA4 installed) flex_flash_replay_probe.py
+#   bash benchmarks/gpu_session_r48.sh ffprofile 60  # (FA4 installed) flex_flash_host_profile.py
 #   bash benchmarks/gpu_session_r48.sh replay2 200  # (FA4 installed) tests/gpu/test_fa4_replay_gpu.py
 #   bash benchmarks/gpu_session_r48.sh ffgen 300    # (FA4 installed) flex_flash's cases, replayed
 #   bash benchmarks/gpu_session_r48.sh replay 230   # (FA4 installed) the replay tests, the fa4 route's
@@ -20,7 +21,7 @@
 #                    # --no-compile --target /tmp/site .whl/*.whl` there) the compiled Gemma-2
 #                    # model, prefill then training, fz against HF flex_attention, FA4 launches replayed
 set -uo pipefail
-step="${1:?usage: $0 ffprobe|replay2|ffgen|replay|fa4gen|tunedall|host|compiletests|gemma2fa4 [BUDGET_S]}"
+step="${1:?usage: $0 ffprobe|ffprofile|replay2|ffgen|replay|fa4gen|tunedall|host|compiletests|gemma2fa4 [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r48
@@ -38,6 +39,9 @@ case "$step" in
         --out "$out/host_cost_${gpu}_r48${run_id}.md"
     done
     run "host_path_probe_${gpu}_r48" "$(( $(left) - 5 ))" python3 benchmarks/host_path_probe.py --device cuda
+    ;;
+  ffprofile)  # (FA4 installed) cProfile of compiled FLASH-backend flex calls
+    run "flex_flash_host_profile_${gpu}_r48" "$(( $(left) - 5 ))" python3 benchmarks/flex_flash_host_profile.py
     ;;
   replay2)  # (FA4 installed) the replay GPU tests alone (fa4 route and flex_flash's generated code)
     run "gpu_tests_fa4_replay2_${gpu}_r48" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
