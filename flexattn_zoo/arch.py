@@ -402,6 +402,29 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         generation="sm90",
+        modes=BOTH,
+        absent=frozenset({"score_mod", "packed_segments"}),
+        min_work=2 * 10**10,
+        max_work=4 * 10**10,
+        front=("fa4",),
+        why="the top of the short range (visible B*H*Lq*Lkv*D from 2e10), without a score mod or "
+        "documents: with its launches replayed (backends.fa4_replay) FA4's host time per call is "
+        "about half its launcher's, and its kernels beat SDPA's from here (H100: DINOv2-g, 2.3e10: "
+        "0.225 vs 0.243 ms forward, 0.76 vs 0.95 forward+backward; a Llama-3.2-3B-style 4 x 2K "
+        "batch, 2.6e10: 0.205 vs 0.225, 0.88 vs 0.95); below it SDPA's lead stays (Llama-3-8B "
+        "heads at B=32, L=512, 1.7e10: sdpa 0.197 vs 0.269 forward, 1.22 vs 1.33 forward+backward). "
+        "Where fa4 refuses the problem the short-range order stands",
+        benchmark="generalization_fa4replay_h100.json",
+        evidence=(
+            "dinov2_g_l1370_b8/fwd",
+            "llama32_3b_l2048_b4/fwd",
+            "dinov2_g_l1370_b8/fwdbwd",
+            "llama32_3b_l2048_b4/fwdbwd",
+            "gemma3_27b_l4096_b1/fwdbwd",
+        ),
+    ),
+    Rule(
+        generation="sm90",
         modes=("fwdbwd",),
         traits=frozenset({"score_mod"}),
         min_work=3 * 10**10,

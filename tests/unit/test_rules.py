@@ -19,7 +19,11 @@ from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import lower_triangle_fraction
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-SWEEP_CONFIG = {"generalization_h200.json": "generalization", "h200.json": "h200"}
+SWEEP_CONFIG = {
+    "generalization_h200.json": "generalization",
+    "generalization_fa4replay_h100.json": "generalization",
+    "h200.json": "h200",
+}
 
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.generation}-{'+'.join(r.front[:2])}-{r.benchmark}")
