@@ -231,21 +231,13 @@ _FA4_PER_CALL_ENV = (
 
 
 def _replay_key(tensors: tuple[torch.Tensor | None, ...], interface: Any) -> tuple[Any, ...]:
-    """What FA4's launchers read from their tensor arguments (fa4_replay) and the process
-    (:func:`process_key`)."""
+    """What FA4's launchers read from their tensor arguments and the process (fa4_replay): the
+    environment variables of ``_FA4_PER_CALL_ENV``, FA4's log level (part of its kernels' compile
+    key; ``set_fa_log_level``) and the module-level tunables of ``flash_attn.cute.interface``
+    its varlen scheduling reads."""
     return (
         *(fa4_replay.tensor_key(t) for t in tensors),
         fa4_replay.identities(tensors),
-        *process_key(interface),
-    )
-
-
-def process_key(interface: Any) -> tuple[Any, ...]:
-    """What FA4's launchers read from the process on every call: the environment variables of
-    ``_FA4_PER_CALL_ENV``, FA4's log level (part of its kernels' compile key;
-    ``set_fa_log_level``) and the module-level tunables of ``flash_attn.cute.interface`` its
-    varlen scheduling reads."""
-    return (
         *(os.environ.get(name) for name in _FA4_PER_CALL_ENV),
         _fa4_log_level()(),
         getattr(interface, "BIN_BATCH_SEARCH_THRESH", None),

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from flexattn_zoo import _compat, arch
-from flexattn_zoo.backends import fa4_generated
 from flexattn_zoo.backends.base import (
     FLASH_CUTE,
     IN_GRAPH,
@@ -745,17 +744,10 @@ class FlexFlashBackend(FlexBackend):
         return DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE
 
     def run(self, q, k, v, p, *, scale, block_mask=None):
-        # The generated code's FA4 launches are replayed (fa4_generated); in a traced call the
-        # wrappers go in at trace time, before the graph's code first runs.
-        if _compat.is_compiling():
-            fa4_generated.installed()
-        else:
-            fa4_generated.install()
         with flash_cute_lock():  # the DSL's first-call compile is not thread-safe
             return super().run(q, k, v, p, scale=scale, block_mask=block_mask)
 
     def bound_run(self, p: Problem, device: torch.device, *, eager: bool = False) -> BoundCall:
-        fa4_generated.install()
         launch = super().bound_run(p, device, eager=eager)
 
         def locked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Any:

@@ -208,35 +208,3 @@ def test_compiled_graphs_replay_the_fa4_ops() -> None:
     full = fz.attention(q, k, v, mask=mask, backend="fa4")
     torch.testing.assert_close(out, full.sum(dim=1))  # the sum compiled or not: bf16 tolerance
 
-
-@pytest.mark.parametrize("score", [None, score_mods.SoftCap(cap=30.0)], ids=["plain", "softcap"])
-def test_flex_flash_replays_the_generated_codes_launches(score: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Route flex_flash: the FA4 launches in Inductor's generated FLASH code (fa4_generated) are
-    recorded on the second call and replayed from the third, forward bit for bit with FA4's own
-    launcher, gradients as the float64 reference's."""
-    fa4_replay.PROGRAMS.clear()
-    g = torch.Generator(device=DEV).manual_seed(3)
-    mask = masks.SlidingWindow(left=200) & masks.Causal()
-
-    def call() -> tuple[Any, ...]:
-        q, k, v = (
-            torch.randn(2, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-            for _ in range(3)
-        )
-        out = fz.attention(q, k, v, mask=mask, score_mod=score, backend="flex_flash")
-        grad_out = torch.randn(out.shape, device=DEV, dtype=out.dtype, generator=g)
-        return q, k, v, out, grad_out, torch.autograd.grad(out, (q, k, v), grad_out)
-
-    for _ in range(2):
-        call()
-    kinds = _kinds()
-    refusals = [e.reason for e in fa4_replay.PROGRAMS.values() if isinstance(e, fa4_replay.Refused)]
-    assert kinds["refused"] == 0, refusals
-    assert kinds["programs"] >= 2, kinds  # the forward and the backward
-    inserts = fa4_replay.PROGRAMS.inserts
-    q, k, v, out, grad_out, grads = call()
-    assert fa4_replay.PROGRAMS.inserts == inserts  # replayed
-    monkeypatch.setenv("FLEXATTN_ZOO_FA4_REPLAY", "0")
-    own = fz.attention(q, k, v, mask=mask, score_mod=score, backend="flex_flash")
-    assert torch.equal(out, own)
-    assert_matches_reference(out, q, k, v, mask=mask, score_mod=score, grads=grads, grad_out=grad_out)
