@@ -207,4 +207,3 @@ def test_compiled_graphs_replay_the_fa4_ops() -> None:
     assert fa4_replay.PROGRAMS.inserts == inserts  # replayed
     full = fz.attention(q, k, v, mask=mask, backend="fa4")
     torch.testing.assert_close(out, full.sum(dim=1))  # the sum compiled or not: bf16 tolerance
-
