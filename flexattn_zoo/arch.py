@@ -409,11 +409,13 @@ RULES: tuple[Rule, ...] = (
         front=("fa4",),
         why="the top of the short range (visible B*H*Lq*Lkv*D from 2e10), without a score mod or "
         "documents: with its launches replayed (backends.fa4_replay) FA4's host time per call is "
-        "about half its launcher's, and its kernels beat SDPA's from here (H100: DINOv2-g, 2.3e10: "
-        "0.225 vs 0.243 ms forward, 0.76 vs 0.95 forward+backward; a Llama-3.2-3B-style 4 x 2K "
-        "batch, 2.6e10: 0.205 vs 0.225, 0.88 vs 0.95); below it SDPA's lead stays (Llama-3-8B "
-        "heads at B=32, L=512, 1.7e10: sdpa 0.197 vs 0.269 forward, 1.22 vs 1.33 forward+backward). "
-        "Where fa4 refuses the problem the short-range order stands",
+        "about half its launcher's forward and 0.7-0.8 of it forward+backward, and its kernels "
+        "beat SDPA's from here (H100: DINOv2-g, 2.3e10: 0.225 vs 0.243 ms forward, 0.76 vs 0.95 "
+        "forward+backward; a Llama-3.2-3B-style 4 x 2K batch, 2.6e10: 0.205 vs 0.225, 0.88 vs "
+        "0.95); below it SDPA led on most rows (Llama-3-8B heads at B=32, L=512, 1.7e10: sdpa "
+        "0.197 vs 0.269 forward, 1.22 vs 1.33 forward+backward; at the same size with "
+        "Llama-3.2-1B heads, D=64, fa4 led forward+backward, 1.39 vs 1.48). Where fa4 refuses "
+        "the problem the short-range order stands",
         benchmark="generalization_fa4replay_h100.json",
         evidence=(
             "dinov2_g_l1370_b8/fwd",

@@ -94,8 +94,8 @@ def test_every_familys_visible_fraction_bounds_its_examples(name: str) -> None:
 
 
 #: The generalization sweeps, oldest first. The second measured 14 cases of the first again (an
-#: H100) after route fa4 began replaying FA4's launches, which halved its host time per call: the
-#: first's fa4 rows of those cases time the route as it was.
+#: H100) after route fa4 began replaying FA4's launches, which cut its host time per call (by half
+#: forward): the first's fa4 rows of those cases time the route as it was.
 SWEEPS = ("generalization_h200.json", "generalization_fa4replay_h100.json")
 
 
