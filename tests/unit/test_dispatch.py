@@ -151,11 +151,16 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384), "fa4"),
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=1, lq=16384, d=64), "flex"),
         (_problem(LONG_DOC & masks.Causal(), heads=(32, 8), batch=2, lq=16384), "flex_flash"),
-        # forwards either side of the short bound (3e10): a Gemma-3-27B-style 4K sequence (3.4e10)
-        # on FA4 (0.239 vs sdpa 0.277 ms), a Llama-3.2-3B-style 4 x 2K batch (2.6e10) on SDPA
+        # the top of the short range (2e10-4e10), FA4's launches replayed: FA4 (H100,
+        # generalization_fa4replay_h100): a Gemma-3-27B-style 4K sequence (3.4e10; 0.233 vs sdpa
+        # 0.298 ms forward, 0.99 vs 1.13 training), a Llama-3.2-3B-style 4 x 2K batch (2.6e10;
+        # 0.205 vs 0.225, 0.88 vs 0.95); below it SDPA (Llama-3-8B heads at B=32, L=512, 1.7e10:
+        # 0.197 vs fa4 0.269 forward, 1.22 vs 1.33 training)
         (_problem(masks.Causal(), heads=(32, 16), batch=1, lq=4096), "fa4"),
-        (_problem(masks.Causal(), heads=(24, 8), batch=4, lq=2048), "sdpa"),
-        (_problem(masks.Causal(), heads=(32, 16), batch=1, lq=4096, grad=True), "sdpa"),  # training: 4e10
+        (_problem(masks.Causal(), heads=(24, 8), batch=4, lq=2048), "fa4"),
+        (_problem(masks.Causal(), heads=(32, 16), batch=1, lq=4096, grad=True), "fa4"),
+        (_problem(masks.Causal(), heads=(32, 8), batch=32, lq=512), "sdpa"),
+        (_problem(masks.Causal(), heads=(32, 8), batch=32, lq=512, grad=True), "sdpa"),
         # exact score mods above the short forwards (3e10): flex_flash; below: flex
         (
             _problem(masks.Causal(), score_mods.Alibi(num_heads=32), heads=(32, 32), batch=4, lq=2048),
