@@ -93,10 +93,10 @@ def test_every_familys_visible_fraction_bounds_its_examples(name: str) -> None:
             assert dense <= bound + 1e-12 and bound <= 1.0, (spec, lq, lkv)
 
 
-#: The generalization sweeps, oldest first. The second measured 14 cases of the first again (an
-#: H100) after route fa4 began replaying FA4's launches, which cut its host time per call (by half
-#: forward): the first's fa4 rows of those cases time the route as it was.
-SWEEPS = ("generalization_h200.json", "generalization_fa4replay_h100.json")
+#: The generalization sweeps, oldest first (SWEEP_CONFIG's order). The second measured 14 cases of
+#: the first again (an H100) after route fa4 began replaying FA4's launches, which cut its host time
+#: per call (by half forward): the first's fa4 rows of those cases time the route as it was.
+SWEEPS = tuple(name for name, config in SWEEP_CONFIG.items() if config == "generalization")
 
 
 def test_replay_of_the_sweeps_improves_on_the_measured_order() -> None:
