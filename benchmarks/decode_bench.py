@@ -6,8 +6,8 @@ One decode step reads the whole live KV cache once, so its speed of light is
 
 * ``flex``        ``fz.decode.decode_step`` on a contiguous cache with a ``[B]`` lengths tensor
   (torch's flex-decoding kernel, BlockMask updated in place);
-* ``decode_int``  ``fz.decode.decode_step`` with the length as an int (every row equally long, no
-  mask beyond causal): the plain one-query step, SDPA over the live prefix;
+* ``decode_int``  ``fz.decode.decode_step`` with the length as an int (every row equally long):
+  the plain one-query step, SDPA over the live prefix (with ``--window``, over the window);
 * ``attention``   ``fz.attention(q, k[:, :, :L], v[:, :, :L], enable_gqa=True)``: the library's
   general entry on the live prefix, as a model without ``decode_step`` calls it;
 * ``flex_graph``  the same step captured once in a CUDA graph and replayed (the lengths tensor
@@ -16,7 +16,8 @@ One decode step reads the whole live KV cache once, so its speed of light is
 * ``flex_paged``  the same on a paged pool (``block_table``, page = 128 tokens, shuffled pages);
 * ``varlen_paged`` ``fz.decode.decode_step_varlen`` (FlashAttention varlen, torch >= 2.13);
 * ``sdpa``        ``F.scaled_dot_product_attention`` over ``cache[:, :, :L]`` with one query and no
-  mask (the same result for a full, causal cache of equal lengths): the library-free baseline.
+  mask (the same result for a full, causal cache of equal lengths; with ``--window W``, over
+  ``cache[:, :, L - W:L]``): the library-free baseline.
 
 Usage (GPU session)::
 
@@ -137,12 +138,13 @@ def run_case(
 
             def step():  # type: ignore[no-untyped-def]
                 return fz.attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
-        else:  # sdpa baseline: full attention over the live cache (exact only without a window)
-            if window:
-                return {"route": route, "skipped": "no sliding window in the SDPA baseline"}
+        else:  # sdpa baseline: attention over the keys the query sees (with a window, its slice)
+            start = length - live
 
             def step():  # type: ignore[no-untyped-def]
-                return F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], enable_gqa=True)
+                return F.scaled_dot_product_attention(
+                    q, k[:, :, start:length], v[:, :, start:length], enable_gqa=True
+                )
 
     with torch.no_grad():
         t0 = time.perf_counter()

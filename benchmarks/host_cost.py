@@ -26,6 +26,9 @@ Groups, each against its own baseline:
   same slices (one query, the SDPA routes; target: baseline + 15 us) and
   ``fz.decode.decode_step`` with an int ``cache_len`` (target: 40 us per step; one query per row
   under the default causal pattern: SDPA over the cache's live prefix).
+* ``decode-window``: the same steps under a sliding window of ``L / 2`` keys: SDPA over the
+  window's slice of the cache vs ``decode_step(mask=SlidingWindow.from_hf(L // 2))`` (target: 40 us
+  per step; SDPA over the same slice) and the same step on the flex route by name.
 * ``decode-growing``: the same one-query call over a cache whose length is new at every call
   (more lengths than the plan cache holds, as a generation loop meets them): each
   ``fz.attention`` call is planned in full, next to plain SDPA on the same slices.
@@ -202,6 +205,9 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
         return live_base + grow[0] % span + 1
 
     live = 2 * length
+    # A sliding-window layer's step (Mistral, Gemma's local layers): the window inside the live keys.
+    window = max(1, length // 2)
+    window_mask = masks.SlidingWindow.from_hf(window)
     cases += [
         Case(
             "decode",
@@ -234,6 +240,29 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
             "fz.attention(q1, cache[:, :, :n]), a new n every call (plan-cache miss)",
             lambda: fz.attention(q1, k_grow[:, :, : (n := grown_len())], v_grow[:, :, :n]),
             route=fz.plan(q1, k_grow[:, :, :live], v_grow[:, :, :live]).backend,
+        ),
+        Case(
+            "decode-window",
+            "F.scaled_dot_product_attention(cache[:, :, n - w:n])",
+            lambda: F.scaled_dot_product_attention(
+                q1, k_cache[:, :, (n := next_len()) - window : n], v_cache[:, :, n - window : n]
+            ),
+            baseline=True,
+        ),
+        Case(
+            "decode-window",
+            "fz.decode.decode_step(cache_len=n, mask=SlidingWindow.from_hf(w))",
+            lambda: fz.decode.decode_step(q1, k_cache, v_cache, next_len(), mask=window_mask),
+            route="SDPA over the window",
+            limit_us=DECODE_TARGET_US,
+        ),
+        Case(
+            "decode-window",
+            f'fz.decode.decode_step(cache_len=n, mask=SlidingWindow.from_hf(w), backend="{flex_route}")',
+            lambda: fz.decode.decode_step(
+                q1, k_cache, v_cache, next_len(), mask=window_mask, backend=flex_route
+            ),
+            route=flex_route,
         ),
         _decode_floor(q1, k_cache, v_cache, live, flex_route),
         Case(

@@ -187,6 +187,11 @@ class And(_Combined):
             known.append(torch.zeros_like(q_idx))
         return torch.stack(known).amax(0)
 
+    def sees_one_run(self) -> bool:
+        # Runs that all hold the query meet in one run, from the highest start: the bound above
+        # is then exact.
+        return all(p.sees_one_run() for p in self.parts)
+
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         maybe = [p.varlen_form(q_len, kv_len, batch) for p in self.parts]
         forms = [f for f in maybe if f is not None]
@@ -245,6 +250,11 @@ class Or(_Combined):
         if len(known) < len(bounds):
             return None
         return torch.stack(known).amin(0)
+
+    def sees_one_run(self) -> bool:
+        # Runs that all hold the query join into one run, from the lowest start: the bound above
+        # is then exact.
+        return all(p.sees_one_run() for p in self.parts)
 
     def __or__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "|")

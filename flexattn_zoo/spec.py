@@ -1114,6 +1114,18 @@ class MaskSpec(Spec):
         """
         return None
 
+    def sees_one_run(self) -> bool:
+        """True when, at equal lengths (``Lq == Lkv``) and for every batch row and head, each
+        query sees one contiguous run of keys that holds the query's own position and begins at
+        ``max(lowest_visible_key(q), 0)`` (at 0 where that is None). False is always safe.
+
+        Then the query at position ``p`` of a KV cache whose keys ``0 .. p`` are valid sees exactly
+        the keys from its run's start through ``p``, whatever the run does past ``p``: KV-cache
+        decoding runs such a one-query step as plain attention over that slice of the cache
+        (causal masks, sliding windows, chunks, prefix-LM, and ``&`` / ``|`` of them).
+        """
+        return False
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

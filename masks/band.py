@@ -126,6 +126,10 @@ class Band(CapturedOffsets, MaskSpec):
         # Key i + lo is in the band whenever the band is not empty (lo <= hi): exact.
         return None if self.lo is None else q_idx + self.lo
 
+    def sees_one_run(self) -> bool:
+        # Keys i + lo .. i + hi: one run, holding i when lo <= 0 <= hi.
+        return (self.lo is None or known_true(self.lo <= 0)) and (self.hi is None or known_true(self.hi >= 0))
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

@@ -94,6 +94,9 @@ class Causal(MaskSpec):
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self._offset(q_len, kv_len) <= 0
 
+    def sees_one_run(self) -> bool:
+        return True  # keys 0 .. i (both aligns agree at equal lengths)
+
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
         return lower_triangle_fraction(q_len, kv_len, self._offset(q_len, kv_len))
 

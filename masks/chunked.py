@@ -85,6 +85,9 @@ class Chunked(MaskSpec):
         # The first key of the query's own chunk (visible whenever it exists): exact.
         return torch.div(q_idx, self.size, rounding_mode="floor") * self.size
 
+    def sees_one_run(self) -> bool:
+        return True  # the query's own chunk
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

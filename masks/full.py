@@ -47,6 +47,9 @@ class Full(MaskSpec):
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         return VarlenForm(segments=None, window=(-1, -1)) if q_len == kv_len else None
 
+    def sees_one_run(self) -> bool:
+        return True  # every key
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

@@ -148,6 +148,9 @@ class PrefixLM(MaskSpec):
             )
         )
 
+    def sees_one_run(self) -> bool:
+        return True  # keys 0 .. max(i, prefix_len - 1), in every batch row
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

@@ -98,6 +98,9 @@ class SlidingWindow(MaskSpec):
         # Key i - left is inside the window whenever it exists (right >= 0): exact.
         return q_idx - self.left
 
+    def sees_one_run(self) -> bool:
+        return True  # keys i - left .. i + right
+
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str
     ) -> BlockMap | None:

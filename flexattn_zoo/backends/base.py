@@ -163,12 +163,12 @@ def _laid_out(t: torch.Tensor, copies: bool) -> torch.Tensor:
     return t
 
 
-def prefixes_are_dense_blocks(cache: torch.Tensor) -> bool:
-    """Whether every prefix ``cache.narrow(2, 0, n)`` of a ``[B, H, capacity, D]`` cache is a dense
-    block (:func:`is_dense_block`) by the cache alone: a prefix of a contiguous cache is one (same
-    start and strides, a shorter length), aligned on CUDA when the cache's start and a row of D are
-    16-byte aligned (every stride is a multiple of D). False: ``fused_layout`` decides per prefix.
-    Not for traced calls (reads the start)."""
+def slices_are_dense_blocks(cache: torch.Tensor) -> bool:
+    """Whether every slice along L, ``cache.narrow(2, start, n)``, of a ``[B, H, capacity, D]``
+    cache is a dense block (:func:`is_dense_block`) by the cache alone: a slice of a contiguous
+    cache is one (its strides, a shorter length), aligned on CUDA when the cache's start and a row
+    of D are 16-byte aligned (every stride is a multiple of D, and so is each slice's start).
+    False: ``fused_layout`` decides per slice. Not for traced calls (reads the start)."""
     if not cache.is_contiguous():
         return False
     return not cache.is_cuda or (

@@ -21,7 +21,7 @@ from flexattn_zoo.hf.mask_reader import transformers_module as _transformers
 from flexattn_zoo.masks import Causal, SlidingWindow
 from flexattn_zoo.masks.band import Band
 from flexattn_zoo.masks.causal import OffsetCausal
-from flexattn_zoo.models.decode import one_query_over_prefix
+from flexattn_zoo.models.decode import one_query_over_live_keys
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.score_mods import SoftCap
 
@@ -174,7 +174,7 @@ def _decode_step(
         form = mask.bind(1, kv_len).sdpa_form(1, kv_len)
         if form is None or form.is_causal or form.attn_mask is not None:
             return None
-    return one_query_over_prefix(query, key, value, kv_len, scale, gqa)
+    return one_query_over_live_keys(query, key, value, kv_len, scale, gqa)
 
 
 #: The masks :func:`_decode_step` reads: what the mask reader makes of a causal or windowed

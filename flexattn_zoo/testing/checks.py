@@ -333,6 +333,7 @@ def assert_mask_consistent(
     for s in {spec, bound}:
         _check_future_keys(s, dense)
         _check_lowest_key(s, dense, exact_lowest_key)
+        _check_one_run(s, dense)
     _check_key_starts(bound, dense)
 
 
@@ -437,6 +438,32 @@ def _check_lowest_key(spec: MaskSpec, dense: torch.Tensor, exact: bool) -> None:
             f"{spec!r}: {what} is {int(lo[where[2]])} for query {where[2]}, whose lowest visible key is "
             f"{int(lowest[where])} (batch {where[0]}, head {where[1]}); pass exact_lowest_key=False to "
             "accept a lower bound"
+        )
+
+
+def _check_one_run(spec: MaskSpec, dense: torch.Tensor) -> None:
+    """``sees_one_run`` (where True; checked at equal lengths, where it promises something): each
+    row's visible keys are one run that holds the query and starts at ``lowest_visible_key``
+    clamped to 0 (0 where that is None)."""
+    _, _, q_len, kv_len = dense.shape
+    if q_len != kv_len or q_len == 0 or not spec.sees_one_run():
+        return
+    q_idx = torch.arange(q_len, dtype=torch.int64)
+    lo = spec.lowest_visible_key(q_idx)
+    start = torch.zeros(q_len, dtype=torch.int64) if lo is None else lo.cpu().clamp(min=0)
+    j = torch.arange(kv_len)
+    visible = dense.sum(dim=-1)
+    # One run from start through the query's own key: the run's length covers every visible key.
+    stop = torch.where(dense, j, -1).amax(dim=-1)  # the highest visible key of each row
+    run = (j >= start.view(q_len, 1)) & (j <= stop.unsqueeze(-1)) & (stop.unsqueeze(-1) >= 0)
+    holds = dense[..., q_idx, q_idx]
+    wrong = (run != dense) | ~holds.unsqueeze(-1)
+    if bool(wrong.any()):
+        b, h, i, key = _first(wrong)
+        raise AssertionError(
+            f"{spec!r}: sees_one_run() is True, but at Lq = Lkv = {q_len} query {i} (batch {b}, head "
+            f"{h}) does not see exactly one run of keys from {int(start[i])} that holds it: key {key} is "
+            f"{'visible' if bool(dense[b, h, i, key]) else 'hidden'} ({int(visible[b, h, i])} visible)"
         )
 
 

@@ -16,6 +16,7 @@ import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.models import decode
+from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.testing import FLOOR_ULPS, assert_matches_reference, eager_attention, reference_attention
 
 pytestmark = [
@@ -334,12 +335,42 @@ def test_one_query_steps_run_sdpa_over_the_live_prefix(dtype: torch.dtype) -> No
     assert decode.CACHE.inserts == 0
 
 
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.SlidingWindow.from_hf(300),
+        masks.Chunked(size=512) & masks.Causal(),
+        masks.PrefixLM(prefix_len=700),
+        masks.SlidingWindow.from_hf(1024) | masks.Chunked(size=256),
+    ],
+    ids=repr,
+)
+def test_one_query_steps_under_one_run_masks_run_sdpa_over_the_run(mask: MaskSpec) -> None:
+    """A one-query step whose mask shows the query one run of keys (a sliding window, a chunk,
+    prefix-LM) is SDPA over that slice of the cache: no DecodeMask, within the error budget at
+    every length (inside the first window, on its edges, past it), on a contiguous and a
+    [B, L, H, D] cache."""
+    g = torch.Generator(device="cpu").manual_seed(7)
+    contiguous = _cache(torch.bfloat16)
+    bshd = tuple(
+        torch.randn(B, CAP, HKV, D, generator=g).to(DEV, torch.bfloat16).transpose(1, 2) for _ in range(2)
+    )
+    decode.CACHE.clear()
+    with torch.no_grad():
+        for k, v in (contiguous, bshd):
+            for n in (1, 299, 300, 301, 511, 512, 513, 700, 1500, CAP):
+                q = torch.randn(B, H, 1, D, generator=g).to(DEV, torch.bfloat16)
+                out = decode.decode_step(q, k, v, n, mask=mask)
+                assert_decode_matches(out, q, k, v, [n] * B, mask)
+    assert decode.CACHE.inserts == 0
+
+
 def test_one_query_steps_over_caches_of_every_layout() -> None:
     """A one-query step uses a prefix of a contiguous cache as it is when the cache's start and a
     row of D are 16-byte aligned; on CUDA caches of other layouts and alignments (a bf16 cache with
     D = 100 cut to 64, a cache starting one element in, a [B, L, H, D] cache) the shortcut must
     agree with the full check, and every step must match the float64 reference."""
-    from flexattn_zoo.backends.base import is_dense_block, prefixes_are_dense_blocks
+    from flexattn_zoo.backends.base import is_dense_block, slices_are_dense_blocks
 
     g = torch.Generator(device="cpu").manual_seed(5)
     wide = torch.randn(2, 2, 300, 100, generator=g).to(DEV, torch.bfloat16)
@@ -353,7 +384,7 @@ def test_one_query_steps_over_caches_of_every_layout() -> None:
     q = torch.randn(2, 8, 1, 64, generator=g).to(DEV, torch.bfloat16)
     for name, cache in caches.items():
         for n in (1, 77, 300):
-            if prefixes_are_dense_blocks(cache):
+            if slices_are_dense_blocks(cache):
                 assert is_dense_block(cache[:, :, :n]), name
             with torch.no_grad():
                 out = decode.decode_step(q, cache, cache, n)
@@ -370,14 +401,14 @@ def test_long_caches_over_many_rows_take_the_split_kernel(monkeypatch: pytest.Mo
     v_cache = torch.randn(b, hkv, n, d, generator=g).to(DEV, torch.bfloat16)
     q = torch.randn(b, hq, 1, d, generator=g).to(DEV, torch.bfloat16)
     seen = []
-    prefix = decode.one_query_over_prefix
+    prefix = decode.one_query_over_live_keys
 
     def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
         out = prefix(*args, **kwargs)
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(decode.step, "one_query_over_prefix", spy)  # where decode_step looks it up
+    monkeypatch.setattr(decode.step, "one_query_over_live_keys", spy)  # where decode_step looks it up
     for length, on_prefix in ((n, False), (n - 1, True)):
         with torch.no_grad():
             out = decode.decode_step(q, k_cache, v_cache, length)

@@ -961,7 +961,7 @@ def test_generation_steps_run_without_planning_where_no_key_is_hidden(
     integration = zhf.integration
     planned: list[int] = []
     stepped: list[int] = []
-    attention, step = integration.attention, integration.one_query_over_prefix
+    attention, step = integration.attention, integration.one_query_over_live_keys
 
     def spy_attention(q, *args, **kwargs):  # type: ignore[no-untyped-def]
         planned.append(q.shape[2])
@@ -973,7 +973,7 @@ def test_generation_steps_run_without_planning_where_no_key_is_hidden(
         return out
 
     monkeypatch.setattr(integration, "attention", spy_attention)
-    monkeypatch.setattr(integration, "one_query_over_prefix", spy_step)
+    monkeypatch.setattr(integration, "one_query_over_live_keys", spy_step)
     impl = zhf.register("flexattn_zoo_decode_auto", backend="auto")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(

@@ -786,11 +786,11 @@ def test_one_query_steps_take_sdpa_over_the_live_prefix(gqa: bool) -> None:
     q = torch.randn(B, H, 1, D, generator=g)
     for kwargs in (
         {"cache_len": torch.tensor([7] * B)},
-        {"cache_len": 7, "mask": masks.SlidingWindow(left=3)},
+        {"cache_len": 7, "mask": masks.DilatedSlidingWindow(left=4, dilation=2)},  # keys with gaps
         {"cache_len": 7, "backend": "flex_cpu"},
         {"cache_len": 7, "return_lse": True},
         {"cache_len": 7, "block_size": 64},
-        {"cache_len": 7, "mask": masks.Causal(align="bottom_right")},
+        {"cache_len": 7, "mask": masks.SlidingWindow(left=3), "score_mod": score_mods.SoftCap(cap=5.0)},
     ):
         decode.CACHE.clear()
         with torch.no_grad():
@@ -801,6 +801,77 @@ def test_one_query_steps_take_sdpa_over_the_live_prefix(gqa: bool) -> None:
         decode.decode_step(q.double(), k, v, 7)
     with pytest.raises(ValueError, match="scale"):
         decode.decode_step(q, k, v, 7, scale=float("nan"))
+
+
+ONE_RUN_MASKS = [
+    masks.SlidingWindow.from_hf(5),
+    masks.SlidingWindow(left=3, right=2),  # keys past the query are not in the cache yet
+    masks.Chunked(size=64),
+    masks.Chunked(size=64) & masks.Causal(),
+    masks.PrefixLM(prefix_len=100),
+    masks.Band(lo=-40, hi=3),
+    masks.Causal(align="bottom_right"),
+    masks.SlidingWindow.from_hf(200) | masks.Chunked(size=128),
+]
+
+
+@pytest.mark.parametrize("mask", ONE_RUN_MASKS, ids=repr)
+def test_one_query_steps_under_masks_that_see_one_run_take_sdpa_over_it(mask: MaskSpec) -> None:
+    """A one-query step whose mask shows the query one run of keys through its own
+    (``sees_one_run``) is SDPA over that run of the cache: no DecodeMask, and every length
+    matches the float64 reference (inside the first window or chunk, on its edges, past it)."""
+    assert mask.sees_one_run()
+    k, v = _cache(23)
+    g = torch.Generator().manual_seed(24)
+    decode.CACHE.clear()
+    with torch.no_grad():
+        for n in (1, 5, 6, 63, 64, 65, 100, 101, 129, 333, CAP):
+            q = torch.randn(B, H, 1, D, generator=g)
+            out = decode.decode_step(q, k, v, n, mask=mask, scale=0.3)
+            _close(out, reference_decode(q, k, v, torch.tensor([n] * B), mask, scale=0.3))
+    assert decode.CACHE.inserts == 0
+
+
+def test_one_query_steps_equal_sdpa_on_the_run_of_the_cache() -> None:
+    """The run is the cache keys from the mask's lowest visible key of the query's position: bit
+    for bit SDPA on ``cache.narrow(2, start, n - start)``, on contiguous and [B, L, H, D] caches."""
+    import torch.nn.functional as F
+
+    from flexattn_zoo.backends.base import fused_layout
+
+    g = torch.Generator().manual_seed(25)
+    base = torch.randn(2, 4, 90, 16, generator=g)
+    caches = [base, base.transpose(1, 2).contiguous().transpose(1, 2), base[:, 1:3]]
+    cases = [
+        (masks.SlidingWindow.from_hf(10), lambda n: max(0, n - 10)),
+        (masks.Chunked(size=32), lambda n: (n - 1) // 32 * 32),
+    ]
+    with torch.no_grad():
+        for cache in caches:
+            q = torch.randn(2, 4, 1, 16, generator=g)
+            gqa = cache.shape[1] != q.shape[1]
+            for mask, start in cases:
+                for n in (1, 9, 10, 11, 32, 33, 90):
+                    out = decode.decode_step(q, cache, cache, n, mask=mask)
+                    run = fused_layout(cache.narrow(2, start(n), n - start(n)))
+                    want = F.scaled_dot_product_attention(q, run, run, enable_gqa=gqa)
+                    assert torch.equal(out, want), (mask, cache.stride(), n)
+
+
+def test_one_query_steps_under_a_prefix_per_row_are_causal_steps() -> None:
+    """``PrefixLM`` with one prefix per row: the last query sees every live key whatever its
+    row's prefix, so the step equals the causal one; a prefix tensor of the wrong size is refused
+    as on the DecodeMask path."""
+    k, v = _cache(26)
+    q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(27))
+    decode.CACHE.clear()
+    with torch.no_grad():
+        for n in (3, 50, 200):
+            out = decode.decode_step(q, k, v, n, mask=masks.PrefixLM(prefix_len=torch.tensor([100, 7])))
+            assert torch.equal(out, decode.decode_step(q, k, v, n))
+        assert decode.CACHE.inserts == 0
+        with pytest.raises(ValueError, match="does not fit a cache"):
+            decode.decode_step(q, k, v, 9, mask=masks.PrefixLM(prefix_len=torch.tensor([1, 2, 3])))
 
 
 def test_one_query_steps_under_autocast_take_mixed_dtypes() -> None:
@@ -858,7 +929,7 @@ def test_one_query_steps_over_subclass_caches_take_narrow_views() -> None:
     g = torch.Generator().manual_seed(43)
     cache = torch.randn(2, 4, 24, 16, generator=g)
     q = torch.randn(2, 4, 1, 16, generator=g)
-    step = decode.one_query_over_prefix
+    step = decode.one_query_over_live_keys
     with torch.no_grad():
         want = step(q, cache, cache, 9, None, None)
         wrapped = cache.as_subclass(_NoStridedViews)
@@ -895,7 +966,7 @@ def test_prefix_layout_by_the_cache_agrees_with_is_dense_block() -> None:
     """A prefix of a contiguous cache is used as it is without the per-step layout check; where the
     shortcut says so, the full check (``is_dense_block``) must agree on every prefix, on caches
     of every layout."""
-    from flexattn_zoo.backends.base import is_dense_block, prefixes_are_dense_blocks
+    from flexattn_zoo.backends.base import is_dense_block, slices_are_dense_blocks
 
     base = torch.zeros(2, 3, 40, 16)
     caches = [
@@ -911,7 +982,7 @@ def test_prefix_layout_by_the_cache_agrees_with_is_dense_block() -> None:
     ]
     seen = 0
     for cache in caches:
-        if prefixes_are_dense_blocks(cache):
+        if slices_are_dense_blocks(cache):
             for n in (1, 2, 17, cache.shape[2]):
                 seen += 1
                 assert is_dense_block(cache.narrow(2, 0, n)), (cache.shape, cache.stride(), n)

@@ -268,14 +268,66 @@ def test_lowest_visible_key_offered_where_promised() -> None:
     assert torch.equal((window & chunks).lowest_visible_key(grid), torch.maximum(grid - 5, grid // 4 * 4))
 
 
+def test_sees_one_run_offered_where_promised() -> None:
+    """KV-cache decoding runs a one-query step as SDPA over a slice of the cache exactly for the
+    masks that say each query sees one run of keys through its own; checked against the dense
+    oracle at equal lengths (the consistency check), for the true and the false answers alike."""
+    window, chunks = SlidingWindow.from_hf(4), Chunked(size=3)
+    runs = [Full(), Causal(), Causal(align="bottom_right"), window, SlidingWindow(left=2, right=3), chunks]
+    runs += [PrefixLM(prefix_len=3), PrefixLM(prefix_len=torch.tensor([2, 5])), Band(lo=-3, hi=1), Band(hi=0)]
+    runs += [window & chunks, window | chunks, chunks & Causal(), PrefixLM(prefix_len=4) | window]
+    gaps = [Band(lo=1), Band(hi=-1), Document(doc_ids=[0, 0, 1, 1, 1, 2, 2, 2, 2]), ~window]
+    gaps += [
+        masks.DilatedSlidingWindow(left=4, dilation=2),
+        window & Document(doc_ids=[0, 0, 1, 1, 1, 2, 2, 2, 2]),
+    ]
+    for spec in runs + gaps:
+        assert spec.sees_one_run() == (spec in runs), spec
+        assert_mask_consistent(
+            spec, 9, 9, batch=2, heads=HEADS, block_sizes=(), check_create_block_mask=False
+        )
+
+
+def test_a_wrong_one_run_claim_fails_the_consistency_check() -> None:
+    """The check must catch a spec that claims one run: gaps in the run (a dilated window), a run
+    that misses the query (a band above the diagonal), a start that is not the lowest key."""
+
+    class GapsClaimed(masks.DilatedSlidingWindow):
+        def sees_one_run(self) -> bool:
+            return True
+
+    class MissesTheQuery(Band):
+        def sees_one_run(self) -> bool:
+            return True
+
+    class LowStart(SlidingWindow):
+        def sees_one_run(self) -> bool:
+            return True
+
+        def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
+            return q_idx - self.left - 1  # a sound bound, but not where the run starts
+
+    for spec in (GapsClaimed(left=4, dilation=2), MissesTheQuery(lo=1, hi=3), LowStart(left=2)):
+        with pytest.raises(AssertionError, match="sees_one_run"):
+            assert_mask_consistent(
+                spec, 9, 9, block_sizes=(), exact_lowest_key=False, check_create_block_mask=False
+            )
+
+
 class _TooHigh(SlidingWindow):
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         return q_idx - self.left + 1
+
+    def sees_one_run(self) -> bool:
+        return False  # its bound is not where the run starts (checked on its own below)
 
 
 class _TooLow(SlidingWindow):
     def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor | None:
         return q_idx - self.left - 1
+
+    def sees_one_run(self) -> bool:
+        return False
 
 
 class _Decreasing(Causal):

@@ -51,13 +51,15 @@ can never make the kernel read outside the cache. Ints and CPU tensors are check
 cache of >= 2**31 elements is decoded a slice of rows at a time (see
 ``backends.flex.MAX_FLEX_ELEMENTS``).
 
-Routes: one query per row under the default causal pattern with an int ``cache_len`` (no score
-mod, sinks, lse, pages or gradients: a plain generation step) is SDPA over the cache's live
-prefix ``cache[:, :, :cache_len]``, which that query sees exactly, read in place, no DecodeMask
-(eager host time of a plain SDPA call instead of a flex launch and a mask update), except on
-CUDA over long caches with many rows (8192 keys and 256 (batch x kv head) rows or more), where
-FlashAttention-2 leaves half of HBM bandwidth unused and the flex kernel, splitting the keys,
-does not. Otherwise CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
+Routes: one query per row with an int ``cache_len`` (no score mod, sinks, lse, pages or
+gradients: a plain generation step) under a pattern whose queries see one run of keys through
+their own (``MaskSpec.sees_one_run``: causal, sliding windows, chunks, prefix-LM, and ``&`` /
+``|`` of them) is SDPA over that run of the cache, ``cache[:, :, start:cache_len]`` (``start``
+from the pattern's lowest visible key; 0 when causal), which that query sees exactly, read in
+place, no DecodeMask (eager host time of a plain SDPA call instead of a flex launch and a mask
+update), except on CUDA over many keys with many rows (8192 keys and 256 (batch x kv head) rows
+or more), where FlashAttention-2 leaves half of HBM bandwidth unused and the flex kernel,
+splitting the keys, does not. Otherwise CUDA uses ``flex`` (any pattern, score mod, lse and sinks); CPU uses ``flex_cpu`` when
 no lse is needed (no sinks, no ``return_lse``), else the ``dense`` route over the live prefix of
 the cache (the pages gathered for paged caches): exact, but it materialises ``Lq x cache_len``.
 Pages smaller than a device's flex minimum (:data:`MIN_FLEX_PAGE`: 16 keys on CUDA) take that
@@ -69,17 +71,17 @@ from __future__ import annotations
 # The modules, each with one job (the names below are re-exported so that
 # ``flexattn_zoo.models.decode.X`` keeps working; mutable state lives in one module only, and a
 # test that patches a name patches it in the module that looks it up, not here):
-#   step    decode_step: checks a step, picks its route, runs it
-#   prefix  one_query_over_prefix: the plain generation step, SDPA over the live prefix
-#   mask    DecodeMask (updated in place each step), lowest_key, CAPTURED
-#   cache   CACHE, the DecodeMasks per calling thread
-#   hits    STEPS: repeated flex steps' plans (their DecodeMask and run), by the call's key
-#   runs    run_signature and a step's plan (_Run), kept per DecodeMask
-#   launch  running a step's attention (_run_planned, _attend), rows per flex launch
-#   routes  DECODE_ROUTES, MIN_FLEX_PAGE, CPU flex hazards
-#   inputs  checks of q, the caches and cache_len
-#   paged   page pools: KV_LAYOUTS, pool_view, append_kv, page checks and gathers
-#   varlen  decode_step_varlen (FlashAttention varlen, CUDA)
+#   step       decode_step: checks a step, picks its route, runs it
+#   one_query  one_query_over_live_keys: a one-query step, SDPA over the keys its mask leaves
+#   mask       DecodeMask (updated in place each step), lowest_key, CAPTURED
+#   cache      CACHE, the DecodeMasks per calling thread
+#   hits       STEPS: repeated flex steps' plans (their DecodeMask and run), by the call's key
+#   runs       run_signature and a step's plan (_Run), kept per DecodeMask
+#   launch     running a step's attention (_run_planned, _attend), rows per flex launch
+#   routes     DECODE_ROUTES, MIN_FLEX_PAGE, CPU flex hazards
+#   inputs     checks of q, the caches and cache_len
+#   paged      page pools: KV_LAYOUTS, pool_view, append_kv, page checks and gathers
+#   varlen     decode_step_varlen (FlashAttention varlen, CUDA)
 from flexattn_zoo.models.decode.cache import CACHE as CACHE
 from flexattn_zoo.models.decode.cache import DECODE_CACHE_SIZE as DECODE_CACHE_SIZE
 from flexattn_zoo.models.decode.hits import STEP_PLANS_SIZE as STEP_PLANS_SIZE
@@ -90,12 +92,12 @@ from flexattn_zoo.models.decode.mask import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_
 from flexattn_zoo.models.decode.mask import RUNS_PER_MASK as RUNS_PER_MASK
 from flexattn_zoo.models.decode.mask import DecodeMask, lowest_key
 from flexattn_zoo.models.decode.mask import _bounded_below as _bounded_below
+from flexattn_zoo.models.decode.one_query import _PREFIX_KERNELS as _PREFIX_KERNELS
+from flexattn_zoo.models.decode.one_query import one_query_over_live_keys as one_query_over_live_keys
 from flexattn_zoo.models.decode.paged import KV_LAYOUT_SHAPES as KV_LAYOUT_SHAPES
 from flexattn_zoo.models.decode.paged import KV_LAYOUTS as KV_LAYOUTS
 from flexattn_zoo.models.decode.paged import _gather_pages as _gather_pages
 from flexattn_zoo.models.decode.paged import append_kv, pool_view
-from flexattn_zoo.models.decode.prefix import _PREFIX_KERNELS as _PREFIX_KERNELS
-from flexattn_zoo.models.decode.prefix import one_query_over_prefix as one_query_over_prefix
 from flexattn_zoo.models.decode.routes import DECODE_ROUTES as DECODE_ROUTES
 from flexattn_zoo.models.decode.routes import MIN_FLEX_PAGE as MIN_FLEX_PAGE
 from flexattn_zoo.models.decode.runs import run_signature as run_signature

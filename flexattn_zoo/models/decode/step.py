@@ -1,7 +1,7 @@
 """``decode_step``: checks a step, picks its route and runs it (the design, the routes and the
 conventions are in the package docstring, ``flexattn_zoo.models.decode``).
 
-``decode_step`` looks up :func:`one_query_over_prefix` in this module's globals: a test that spies
+``decode_step`` looks up :func:`one_query_over_live_keys` in this module's globals: a test that spies
 on the prefix path patches it here (``flexattn_zoo.models.decode.step``).
 """
 
@@ -21,6 +21,7 @@ from flexattn_zoo.models.decode.hits import STEPS, StepPlan, step_key
 from flexattn_zoo.models.decode.inputs import _check_inputs, _lengths
 from flexattn_zoo.models.decode.launch import _attend, _rows_per_launch, _run_and_keep
 from flexattn_zoo.models.decode.mask import DEFAULT_BLOCK_SIZE, DecodeMask
+from flexattn_zoo.models.decode.one_query import one_query_over_live_keys
 from flexattn_zoo.models.decode.paged import (
     KV_LAYOUTS,
     _check_block_table,
@@ -28,9 +29,9 @@ from flexattn_zoo.models.decode.paged import (
     _gather_pages,
     _layout_views,
 )
-from flexattn_zoo.models.decode.prefix import one_query_over_prefix
 from flexattn_zoo.models.decode.routes import DECODE_ROUTES, MIN_FLEX_PAGE, _cpu_hazards
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
+from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import check_flag
 
 #: The default pattern, one object (a spec is immutable): the DecodeMask cache key then hashes
@@ -127,9 +128,10 @@ def decode_step(
         block_table: ``[B, max_pages]`` int, physical page of each logical page (-1: none); page
             numbers are checked when it is a CPU tensor.
         backend: ``"auto"``, ``"flex"``, ``"flex_cpu"`` or ``"dense"`` (the routes with
-            ``decode=True``). ``"auto"``: SDPA over the live prefix for a plain one-query step (see
-            the module docstring) but on CUDA from 8192 keys with 256 or more (batch x kv head)
-            rows, else on CUDA ``"flex"`` (torch's flex-decoding kernel for short ``Lq``).
+            ``decode=True``). ``"auto"``: SDPA over the keys a plain one-query step sees (the
+            live prefix, or the run a sliding window, chunk or prefix-LM leaves: see the module
+            docstring) but on CUDA from 8192 such keys with 256 or more (batch x kv head) rows,
+            else on CUDA ``"flex"`` (torch's flex-decoding kernel for short ``Lq``).
         block_size: kv block size, and the page size of paged caches (None: 128; with
             ``kv_layout``, the pools' page size, which it must equal if given).
         kv_layout: None, or the page layout of the pools a ``block_table`` points into, as
@@ -152,13 +154,18 @@ def decode_step(
         and block_size is None
         and kv_layout is None
         and type(cache_len) is int
-        and (mask is None or (type(mask) is Causal and mask.plain_key() == _CAUSAL.plain_key()))
         and type(q) is torch.Tensor
         and type(k_cache) is torch.Tensor
         and type(v_cache) is torch.Tensor
     ):
-        # Perhaps a plain generation step: one query per row over an int length (None: it is not).
-        out = one_query_over_prefix(q, k_cache, v_cache, cache_len, scale, enable_gqa)
+        # Perhaps a plain generation step: one query per row over an int length, seeing one run
+        # of the cache's keys (None: it is not).
+        if mask is None or (type(mask) is Causal and mask.plain_key() == _CAUSAL.plain_key()):
+            out = one_query_over_live_keys(q, k_cache, v_cache, cache_len, scale, enable_gqa)
+        elif isinstance(mask, MaskSpec):
+            out = one_query_over_live_keys(q, k_cache, v_cache, cache_len, scale, enable_gqa, mask)
+        else:
+            out = None
         if out is not None:
             return out
     hit_key = None
