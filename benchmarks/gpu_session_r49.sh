@@ -7,15 +7,17 @@
 #                    # the fa4 band rule (2e10-4e10 of visible work) on the H200 sweep's own card
 #   bash benchmarks/gpu_session_r49.sh decode 300   # the decode GPU tests, then decode steps under a
 #                    # sliding window of 4096 (SDPA over the window vs the flex step vs plain SDPA)
+#   bash benchmarks/gpu_session_r49.sh window 200  # one-query steps over a full 4096 window: SDPA's
+#                    # kernels one by one (window_kernel_probe.py), decode_step vs plain SDPA again
 #   bash benchmarks/gpu_session_r49.sh short 300    # the sweep's cases whose auto rows were host-bound
 #                    # against plain SDPA, auto and the SDPA routes side by side in one process
 #   bash benchmarks/gpu_session_r49.sh STEP BUDGET  # any step of gpu_session_r48.sh
 set -uo pipefail
-step="${1:?usage: $0 band|decode|short|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
+step="${1:?usage: $0 band|decode|short|window|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case "$step" in
-  band|decode|short) ;;
+  band|decode|short|window) ;;
   *) SESSION=r49 exec bash benchmarks/gpu_session_r48.sh "$@" ;;
 esac
 session=r49
@@ -27,6 +29,15 @@ if [ "$step" = decode ]; then
   run "decode_window_${gpu}_r49" "$(( $(left) - 5 ))" python3 benchmarks/decode_bench.py --window 4096 \
     --lens 8192,32768,131072 --batch 1,8,32 --routes decode_int,sdpa,flex,flex_graph \
     --md "$out/decode_window_${gpu}_r49.md" --json "$out/decode_window_${gpu}_r49.json"
+  pack
+  ls -la "$out"
+  exit 0
+fi
+if [ "$step" = window ]; then
+  run "window_kernel_probe_${gpu}_r49" "$(share 40)" python3 benchmarks/window_kernel_probe.py
+  run "decode_window2_${gpu}_r49" "$(( $(left) - 5 ))" python3 benchmarks/decode_bench.py --window 4096 \
+    --lens 32768 --batch 1,8,32 --routes decode_int,sdpa \
+    --md "$out/decode_window2_${gpu}_r49.md" --json "$out/decode_window2_${gpu}_r49.json"
   pack
   ls -la "$out"
   exit 0

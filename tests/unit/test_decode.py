@@ -858,6 +858,31 @@ def test_one_query_steps_equal_sdpa_on_the_run_of_the_cache() -> None:
                     assert torch.equal(out, want), (mask, cache.stride(), n)
 
 
+def test_only_a_full_sliding_window_keeps_its_slice_shape_from_step_to_step() -> None:
+    """On CUDA a one-query step over a run whose length is the previous step's (a full sliding
+    window: one shape every step) leaves SDPA's kernel choice open, cuDNN included, whose plan per
+    shape is then built once; a run that grows (the first steps of a window, a chunk, the causal
+    prefix) keeps cuDNN out. Starts are read across the blocks the cache keeps them in."""
+    from flexattn_zoo.models.decode.one_query import RUN_START_BLOCK, run_slides, run_start
+
+    window = masks.SlidingWindow.from_hf(5)
+    chunks = masks.Chunked(size=64) & masks.Causal()
+    edge = RUN_START_BLOCK
+    for n in (1, 2, 5, 6, 7, edge - 1, edge, edge + 1, edge + 2, CAP):
+        start = run_start(window, n, B, H, CAP)
+        assert start == max(0, n - 5) and run_slides(window, n, start) == (n > 5), n
+        start = run_start(chunks, n, B, H, CAP)
+        assert start == (n - 1) // 64 * 64 and not run_slides(chunks, n, start), n
+        assert run_start(masks.Causal(), n, B, H, CAP) == 0
+    band = masks.Band(lo=-3, hi=2)  # keys past the query are not in the cache: a window of 4
+    assert [run_slides(band, n, run_start(band, n, B, H, CAP)) for n in (3, 4, 5, 6)] == [
+        False,
+        False,
+        True,
+        True,
+    ]
+
+
 def test_one_query_steps_under_a_prefix_per_row_are_causal_steps() -> None:
     """``PrefixLM`` with one prefix per row: the last query sees every live key whatever its
     row's prefix, so the step equals the causal one; a prefix tensor of the wrong size is refused

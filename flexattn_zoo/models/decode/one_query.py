@@ -38,7 +38,8 @@ def one_query_over_live_keys(
     sees exactly the cache keys from its run's start (0 when causal) through its own, with no
     mask at all. SDPA runs that on views of the cache as they are (no copy:
     ``backends.base.fused_layout``) with its own kernel choice (on CUDA among FlashAttention-2,
-    the memory-efficient and the math kernel: cuDNN's per-shape plan would be rebuilt every step)
+    the memory-efficient and the math kernel, as cuDNN's per-shape plan would be rebuilt every
+    step; over a full sliding window, whose slice keeps one shape, among all of them)
     -- its math fallback holds only ``B x H x 1 x keys`` scores -- for a fraction of the host
     time of a flex launch and its per-step mask update. Checked in a few comparisons: a decode
     step's whole host time is a few tens of microseconds. On CUDA, from
@@ -106,9 +107,13 @@ def one_query_over_live_keys(
     with SDPA_LOCK:  # never under another thread's pin of a kernel (backends.sdpa)
         if not on_cuda:
             return _sdpa(q, k, v, scale, gqa)
-        # On CUDA without cuDNN: its SDPA builds an execution plan for every new shape, and a
-        # generation loop meets a new length every step (45 ms per call on the H200 for a new
-        # shape each call, benchmarks/results/host_cost_h200.md, decode-growing).
+        if mask is not None and run_slides(mask, length, start):
+            # One shape every step (a full window): SDPA's own choice, as a user's call over the
+            # same slice makes it; cuDNN's plan for the shape is built once and reused.
+            return _sdpa(q, k, v, scale, gqa)
+        # Otherwise on CUDA without cuDNN: its SDPA builds an execution plan for every new shape,
+        # and a generation loop meets a new length every step (45 ms per call on the H200 for a
+        # new shape each call, benchmarks/results/host_cost_h200.md, decode-growing).
         token = _compat.pin_sdpa_kernel(_PREFIX_KERNELS)
         try:
             return _sdpa(q, k, v, scale, gqa)
@@ -156,7 +161,17 @@ def run_start(mask: MaskSpec, length: int, batch: int, heads: int, capacity: int
         mask.validate(capacity, capacity, batch, heads)
     except ValueError:
         return None
-    position = length - 1
+    return _start_at(mask, length - 1)
+
+
+def run_slides(mask: MaskSpec, length: int, start: int) -> bool:
+    """Whether the run that starts at ``start`` for the query at ``length - 1`` (see
+    :func:`run_start`) is as long as the previous position's: a full sliding window, whose slice
+    of the cache keeps one shape from step to step."""
+    return start > 0 and _start_at(mask, length - 2) == start - 1
+
+
+def _start_at(mask: MaskSpec, position: int) -> int:
     block, offset = divmod(position, RUN_START_BLOCK)
     key = (mask, block)
     starts = RUN_STARTS.get_eager(key)
