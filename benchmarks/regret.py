@@ -76,8 +76,13 @@ def report(
         "rules_sdpa_as_plain": replay.summary(stand_in),
         "rules_without_sdpa_route": replay.summary(without),
     }
-    view = "with FA4" if fa4 else "without FA4 (FA4 routes dropped from the same rows)"
     env = data.get("env", {})
+    if not fa4:
+        view = "without FA4 (FA4 routes dropped from the same rows)"
+    elif env.get("flash_attn_cute") is False:
+        view = "every route that ran (FA4 was not importable in this run)"
+    else:
+        view = "with FA4"
     history = [*env.get("previous_commands", []), f"{env.get('command', '?')} @ {env.get('git', '?')}"]
     if not fa4 and auto_rows is None:
         measured_line = "* measured auto: not measured without FA4 (no `--nofa4-auto` file given)."
