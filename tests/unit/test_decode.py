@@ -219,6 +219,38 @@ class _Recent(MaskSpec):
         return q_idx - (self.width - 1)
 
 
+@pytest.mark.parametrize(
+    "mask",
+    [masks.SlidingWindow.from_hf(150), masks.Chunked(size=200) & masks.Causal(), masks.Band(lo=-300, hi=-20)],
+    ids=repr,
+)
+@pytest.mark.parametrize("q_len", [1, 130])
+def test_int_steps_rewrite_a_bounded_block_list_only_when_it_moves(mask: MaskSpec, q_len: int) -> None:
+    """An int length on a pattern bounded below (arithmetic bounds) is read on the host: the block
+    list is written when it moves (once every block of keys at most) and only the lengths
+    otherwise, and after every step it is what the lengths-tensor path writes. A step from a
+    lengths tensor in between forgets the record."""
+    dm = decode.DecodeMask(mask, B, q_len, CAP)
+    writes = []
+    real = dm._write_lists
+    dm._write_lists = lambda *a: (writes.append(1), real(*a))[1]  # type: ignore[method-assign]
+    lists = []
+    for n in [*range(q_len, CAP + 1, 7), CAP, 300, 300]:
+        dm.update(n)
+        want = decode.DecodeMask(mask, B, q_len, CAP)
+        want.update(torch.tensor([n] * B))
+        for name in ("cache_len", "kv_num_blocks", "kv_indices"):
+            assert torch.equal(getattr(dm, name), getattr(want, name)), (name, n)
+        lists.append(dm._list_written)
+    moves = sum(1 for i, now in enumerate(lists) if i == 0 or now != lists[i - 1])
+    assert len(writes) == moves < len(lists) / 3
+    dm.update(torch.tensor([500, 90]))
+    dm.update(300)  # the same int length as before, but the tensor step wrote other lists
+    want = decode.DecodeMask(mask, B, q_len, CAP)
+    want.update(torch.tensor([300] * B))
+    assert torch.equal(dm.kv_indices, want.kv_indices) and torch.equal(dm.kv_num_blocks, want.kv_num_blocks)
+
+
 def test_decode_skips_blocks_below_any_specs_lowest_visible_key() -> None:
     mask = _Recent(width=150)
     assert_mask_consistent(mask, 40, 47)
@@ -863,11 +895,12 @@ def test_only_a_full_sliding_window_keeps_its_slice_shape_from_step_to_step() ->
     window: one shape every step) leaves SDPA's kernel choice open, cuDNN included, whose plan per
     shape is then built once; a run that grows (the first steps of a window, a chunk, the causal
     prefix) keeps cuDNN out. Starts are read across the blocks the cache keeps them in."""
-    from flexattn_zoo.models.decode.one_query import RUN_START_BLOCK, run_slides, run_start
+    from flexattn_zoo.models.decode.mask import LOWEST_KEY_BLOCK
+    from flexattn_zoo.models.decode.one_query import run_slides, run_start
 
     window = masks.SlidingWindow.from_hf(5)
     chunks = masks.Chunked(size=64) & masks.Causal()
-    edge = RUN_START_BLOCK
+    edge = LOWEST_KEY_BLOCK
     for n in (1, 2, 5, 6, 7, edge - 1, edge, edge + 1, edge + 2, CAP):
         start = run_start(window, n, B, H, CAP)
         assert start == max(0, n - 5) and run_slides(window, n, start) == (n > 5), n
@@ -883,20 +916,18 @@ def test_only_a_full_sliding_window_keeps_its_slice_shape_from_step_to_step() ->
     ]
 
 
-def test_one_query_steps_under_a_prefix_per_row_are_causal_steps() -> None:
-    """``PrefixLM`` with one prefix per row: the last query sees every live key whatever its
-    row's prefix, so the step equals the causal one; a prefix tensor of the wrong size is refused
-    as on the DecodeMask path."""
+def test_one_query_steps_under_a_pattern_holding_tensors_take_the_decode_mask() -> None:
+    """The slice is found on the host from arithmetic bounds: a pattern holding tensors (one
+    prefix per row) takes the DecodeMask path, with the same result (the newest query sees every
+    live key whatever its row's prefix)."""
     k, v = _cache(26)
     q = torch.randn(B, H, 1, D, generator=torch.Generator().manual_seed(27))
-    decode.CACHE.clear()
     with torch.no_grad():
         for n in (3, 50, 200):
+            decode.CACHE.clear()
             out = decode.decode_step(q, k, v, n, mask=masks.PrefixLM(prefix_len=torch.tensor([100, 7])))
-            assert torch.equal(out, decode.decode_step(q, k, v, n))
-        assert decode.CACHE.inserts == 0
-        with pytest.raises(ValueError, match="does not fit a cache"):
-            decode.decode_step(q, k, v, 9, mask=masks.PrefixLM(prefix_len=torch.tensor([1, 2, 3])))
+            assert decode.CACHE.inserts == 1
+            torch.testing.assert_close(out, decode.decode_step(q, k, v, n), rtol=0, atol=2e-6)
 
 
 def test_one_query_steps_under_autocast_take_mixed_dtypes() -> None:

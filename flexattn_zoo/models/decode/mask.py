@@ -16,7 +16,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.functions import FunctionScore
-from flexattn_zoo.lru import LRUCache
+from flexattn_zoo.lru import ClockCache, LRUCache
 from flexattn_zoo.models.decode.runs import _Run
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import check_count, check_device_arg
@@ -38,6 +38,33 @@ def lowest_key(spec: MaskSpec | None, q_abs: torch.Tensor) -> torch.Tensor:
     """
     bound = spec.lowest_visible_key(q_abs) if spec is not None else None
     return torch.zeros_like(q_abs) if bound is None else bound
+
+
+#: Positions per entry of :data:`LOWEST_KEYS`: a generation loop moves one position per step, so
+#: a block's bounds serve that many steps.
+LOWEST_KEY_BLOCK = 128
+#: Entries of :data:`LOWEST_KEYS`: room for a model's few distinct patterns over a batch's spread
+#: of lengths.
+LOWEST_KEYS_SIZE = 256
+#: ``(spec, position // LOWEST_KEY_BLOCK)`` -> ``max(lowest_visible_key, 0)`` of that block's
+#: positions as Python ints, so a step with an int length reads its bound without a tensor op.
+#: Specs are immutable and compared by value: an entry holds for any equal spec (a new
+#: ``SlidingWindow`` per call finds it too). Only for specs that hold no tensor (their bound is
+#: arithmetic on the positions, computed on the CPU here).
+LOWEST_KEYS: ClockCache[list[int]] = ClockCache(LOWEST_KEYS_SIZE)
+
+
+def lowest_key_at(spec: MaskSpec, position: int) -> int:
+    """:func:`lowest_key` of one absolute position ``>= 0``, clamped to 0, as an int (cached: see
+    :data:`LOWEST_KEYS`). ``spec`` must hold no tensor."""
+    block, offset = divmod(position, LOWEST_KEY_BLOCK)
+    key = (spec, block)
+    bounds = LOWEST_KEYS.get_eager(key)
+    if bounds is None:
+        first = block * LOWEST_KEY_BLOCK
+        lo = spec.lowest_visible_key(torch.arange(first, first + LOWEST_KEY_BLOCK))
+        bounds = LOWEST_KEYS.put(key, [0] * LOWEST_KEY_BLOCK if lo is None else lo.clamp(min=0).tolist())
+    return bounds[offset]
 
 
 def _bounded_below(spec: MaskSpec | None, device: torch.device | str = "cpu") -> bool:
@@ -117,6 +144,12 @@ class DecodeMask:
         # kv_indices never changes, and update() writes only the lengths and counts (one or two
         # fills for an int length, four ops for a tensor, instead of about 20).
         self._indices_fixed = not self.paged and not _bounded_below(self.spec, device)
+        # A pattern bounded below whose bound is arithmetic (no tensor): for an int length the
+        # block list is known on the host, and update() rewrites it only when it changes.
+        self._host_bounds = (
+            not self.paged and not self._indices_fixed and self.spec is not None and not self.spec.tensors()
+        )
+        self._q_starts_host = [i * self.q_block_size for i in range(n_q)]
         self.logical_mask_mod = self._make_mod(paged=False)
         self.mask_mod = self._make_mod(paged=self.paged)
         # No block is marked "full" (mask_mod runs on every live block: cheap next to reading the
@@ -136,6 +169,9 @@ class DecodeMask:
         #: The block count update() last wrote for every row from the host (None: unknown), and
         #: whether a CUDA graph captured an update of this mask (see _fill_count).
         self._count_written: int | None = None
+        #: The block list update() last wrote from an int length on a host-bounded pattern:
+        #: (first block of each q block, last block, any key) (None: unknown).
+        self._list_written: tuple[tuple[int, ...], int, bool] | None = None
         self.captured = False
         #: score_mod / score_spec results per ``inner`` (bounded: a caller may pass a new score
         #: callable on every step).
@@ -196,6 +232,7 @@ class DecodeMask:
         and a replay must find its tensors alive (:data:`CAPTURED`, whatever the LRU drops)."""
         self.captured = True
         self._count_written = None
+        self._list_written = None
         CAPTURED.add(self)
 
     def score_mod(self, inner: Any, *, paged: bool | None = None) -> Any:
@@ -243,7 +280,34 @@ class DecodeMask:
                 self.cache_len.fill_(cache_len)
                 self._fill_count(min(max((cache_len + bs - 1) // bs, 0), self.kv_indices.shape[-1]))
                 return self.block_mask
+            if self._host_bounds:
+                # The block list from host ints: when it is the one written last (it moves once
+                # every block_size tokens), only the lengths are written, one fill instead of the
+                # 15-odd ops below. A captured mask never keeps a record (see _fill_count).
+                spec, starts = self.spec, self._q_starts_host
+                assert spec is not None  # _host_bounds: a pattern bounded below
+                listed = (
+                    tuple(lowest_key_at(spec, cache_len - self.q_len + s) // bs for s in starts),
+                    max(cache_len - 1, 0) // bs,
+                    cache_len > 0,
+                )
+                if listed == self._list_written:
+                    self.cache_len.fill_(cache_len)
+                    return self.block_mask
+                self._write_lists(
+                    torch.full((self.batch,), cache_len, dtype=torch.int64, device=self.cache_len.device),
+                    None,
+                )
+                self._list_written = None if self.captured else listed
+                return self.block_mask
             cache_len = torch.full((self.batch,), cache_len, dtype=torch.int64, device=self.cache_len.device)
+        self._write_lists(cache_len, block_table)
+        return self.block_mask
+
+    def _write_lists(self, cache_len: torch.Tensor, block_table: torch.Tensor | None) -> None:
+        """:meth:`update` from ``[B]`` lengths on the device: lengths, counts and block lists."""
+        bs = self.block_size
+        self._list_written = None  # written from device values
         self._count_written = None  # the counts below come from device values
         if self._indices_fixed:
             self.cache_len.copy_(cache_len)
@@ -257,7 +321,7 @@ class DecodeMask:
             else:
                 count = torch.div(self.cache_len + (bs - 1), bs, rounding_mode="floor").clamp_(0, n_kv)
                 self.kv_num_blocks.copy_(count[:, None, None].expand_as(self.kv_num_blocks))
-            return self.block_mask
+            return
         lens = cache_len.to(self.cache_len.device, torch.int64)
         self.cache_len.copy_(lens)
         q_abs = (lens - self.q_len)[:, None] + self._q_starts[None, :]  # first query of each q block
@@ -283,7 +347,6 @@ class DecodeMask:
             indices = (first[..., None] + self._steps).clamp(max=self.n_logical - 1)
         self.kv_num_blocks.copy_(num[:, None, :])
         self.kv_indices.copy_(indices[:, None, :, :])
-        return self.block_mask
 
     def _owned_blocks(
         self,

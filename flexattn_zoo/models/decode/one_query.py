@@ -12,7 +12,7 @@ from flexattn_zoo.arch import SPLIT_DECODE_MIN_KV_LEN, SPLIT_DECODE_MIN_KV_ROWS
 from flexattn_zoo.backends.base import fused_layout, slices_are_dense_blocks
 from flexattn_zoo.backends.sdpa import SDPA_LOCK
 from flexattn_zoo.dispatch import _under_autocast, needs_grad
-from flexattn_zoo.lru import ClockCache
+from flexattn_zoo.models.decode.mask import lowest_key_at
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import aligned_qkv_acceptable, check_qkv, check_scale, qkv_acceptable
 
@@ -138,46 +138,23 @@ def _keys_view(cache: torch.Tensor, size: tuple[int, int, int, int], start: int)
     return cache.narrow(2, start, size[2])
 
 
-#: Positions per entry of :data:`RUN_STARTS`: a generation loop moves one position per step, so
-#: a block's starts serve that many steps.
-RUN_START_BLOCK = 128
-#: Entries of :data:`RUN_STARTS` (a mask's starts for a block of positions): room for a model's
-#: few distinct masks over a batch's spread of lengths.
-RUN_STARTS_SIZE = 256
-#: ``(mask, position // RUN_START_BLOCK)`` -> the run starts of that block's positions, as Python
-#: ints: a step reads its start without a tensor op. Specs are immutable and compared by value,
-#: so an entry holds for any equal spec (a new ``SlidingWindow`` per call finds it too).
-RUN_STARTS: ClockCache[list[int]] = ClockCache(RUN_STARTS_SIZE)
-
-
 def run_start(mask: MaskSpec, length: int, batch: int, heads: int, capacity: int) -> int | None:
     """The first key the query at position ``length - 1`` sees under ``mask`` (positions absolute
     over a cache of ``capacity``), when it sees one run of keys through its own
-    (:meth:`~flexattn_zoo.spec.MaskSpec.sees_one_run`); None otherwise, or when ``mask`` does not
-    fit the cache (the general path names what is wrong)."""
-    if not mask.sees_one_run():
+    (:meth:`~flexattn_zoo.spec.MaskSpec.sees_one_run`) and ``mask`` holds no tensor (its bound is
+    arithmetic, read on the host by ``mask.lowest_key_at`` of this package); None otherwise, or
+    when ``mask`` does not fit the cache (the general path names what is wrong)."""
+    if not mask.sees_one_run() or mask.tensors():
         return None
     try:
         mask.validate(capacity, capacity, batch, heads)
     except ValueError:
         return None
-    return _start_at(mask, length - 1)
+    return min(lowest_key_at(mask, length - 1), length - 1)
 
 
 def run_slides(mask: MaskSpec, length: int, start: int) -> bool:
     """Whether the run that starts at ``start`` for the query at ``length - 1`` (see
     :func:`run_start`) is as long as the previous position's: a full sliding window, whose slice
     of the cache keeps one shape from step to step."""
-    return start > 0 and _start_at(mask, length - 2) == start - 1
-
-
-def _start_at(mask: MaskSpec, position: int) -> int:
-    block, offset = divmod(position, RUN_START_BLOCK)
-    key = (mask, block)
-    starts = RUN_STARTS.get_eager(key)
-    if starts is None:
-        first = block * RUN_START_BLOCK
-        lo = mask.lowest_visible_key(torch.arange(first, first + RUN_START_BLOCK))
-        starts = [0] * RUN_START_BLOCK if lo is None else lo.clamp(min=0).tolist()
-        starts = RUN_STARTS.put(key, starts)
-    return min(starts[offset], position)
+    return start > 0 and min(lowest_key_at(mask, length - 2), length - 2) == start - 1
