@@ -270,8 +270,8 @@ def test_lowest_visible_key_offered_where_promised() -> None:
 
 def test_sees_one_run_offered_where_promised() -> None:
     """KV-cache decoding runs a one-query step as SDPA over a slice of the cache exactly for the
-    masks that say each query sees one run of keys through its own; checked against the dense
-    oracle at equal lengths (the consistency check), for the true and the false answers alike."""
+    masks that say each query sees one run of keys through its own (the others say no, which is
+    always safe); each claim is checked against the dense oracle by the consistency check."""
     window, chunks = SlidingWindow.from_hf(4), Chunked(size=3)
     runs = [Full(), Causal(), Causal(align="bottom_right"), window, SlidingWindow(left=2, right=3), chunks]
     runs += [PrefixLM(prefix_len=3), PrefixLM(prefix_len=torch.tensor([2, 5])), Band(lo=-3, hi=1), Band(hi=0)]

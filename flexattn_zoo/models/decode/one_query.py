@@ -16,8 +16,8 @@ from flexattn_zoo.models.decode.mask import lowest_key_at
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import aligned_qkv_acceptable, check_qkv, check_scale, qkv_acceptable
 
-#: The SDPA kernels a one-query step over a cache prefix may take on CUDA (SDPA's own choice among
-#: them): those without per-shape setup.
+#: The SDPA kernels a one-query step over a slice whose length moves (a prefix, a chunk, a window
+#: filling up) may take on CUDA (SDPA's own choice among them): those without per-shape setup.
 _PREFIX_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 
