@@ -1,7 +1,8 @@
 """CUDA: which SDPA kernel serves a one-query step over a full sliding window, and how fast each
 is. One query per row over the last ``--window`` keys of a bf16 cache (GQA 32:8, D=128), SDPA
 pinned to each kernel in turn and unpinned (SDPA's own choice, as a user's call makes it);
-back-to-back steps timed with CUDA events, median of ``--rounds`` rounds of ``--steps`` steps.
+back-to-back steps timed with CUDA events (``decode_bench.time_steps``: 20 warm-up steps, median
+of ``--rounds`` rounds of ``--steps`` steps).
 
     python benchmarks/window_kernel_probe.py --window 4096 --batch 1,8,32
 """
@@ -9,10 +10,10 @@ back-to-back steps timed with CUDA events, median of ``--rounds`` rounds of ``--
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
+from decode_bench import time_steps  # this directory: benchmarks/
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 KERNELS = {
@@ -21,21 +22,6 @@ KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-
-
-def time_us(step, steps: int, rounds: int) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(20):
-        step()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(steps):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / steps)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -64,10 +50,11 @@ def main() -> None:
         for kernel in KERNELS.values():
             try:
                 if kernel is None:
-                    cells.append(f"{time_us(step, a.steps, a.rounds):.1f}")
+                    seconds = time_steps(step, 20, a.rounds, a.steps)
                 else:
                     with sdpa_kernel([kernel]):
-                        cells.append(f"{time_us(step, a.steps, a.rounds):.1f}")
+                        seconds = time_steps(step, 20, a.rounds, a.steps)
+                cells.append(f"{seconds * 1e6:.1f}")
             except RuntimeError as exc:
                 cells.append(f"refused ({str(exc).splitlines()[0][:40]})")
         print(f"| {batch} | " + " | ".join(cells) + " |")

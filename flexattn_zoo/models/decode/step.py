@@ -1,8 +1,8 @@
 """``decode_step``: checks a step, picks its route and runs it (the design, the routes and the
 conventions are in the package docstring, ``flexattn_zoo.models.decode``).
 
-``decode_step`` looks up :func:`one_query_over_live_keys` in this module's globals: a test that spies
-on the prefix path patches it here (``flexattn_zoo.models.decode.step``).
+``decode_step`` looks up :func:`one_query_over_live_keys` in this module's globals: a test that
+spies on the one-query path patches it here (``flexattn_zoo.models.decode.step``).
 """
 
 from __future__ import annotations
@@ -160,14 +160,14 @@ def decode_step(
     ):
         # Perhaps a plain generation step: one query per row over an int length, seeing one run
         # of the cache's keys (None: it is not).
-        if mask is None or (type(mask) is Causal and mask.plain_key() == _CAUSAL.plain_key()):
-            out = one_query_over_live_keys(q, k_cache, v_cache, cache_len, scale, enable_gqa)
-        elif isinstance(mask, MaskSpec):
-            out = one_query_over_live_keys(q, k_cache, v_cache, cache_len, scale, enable_gqa, mask)
-        else:
-            out = None
-        if out is not None:
-            return out
+        # The default pattern needs no run start (None: the live prefix); any other spec is asked.
+        plain = mask is None or (type(mask) is Causal and mask.plain_key() == _CAUSAL.plain_key())
+        if plain or isinstance(mask, MaskSpec):
+            out = one_query_over_live_keys(
+                q, k_cache, v_cache, cache_len, scale, enable_gqa, None if plain else mask
+            )
+            if out is not None:
+                return out
     hit_key = None
     if block_table is None and kv_layout is None:
         # A step of a kind already run: its plan (see .hits), without the checks below.
