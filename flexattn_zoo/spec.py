@@ -997,6 +997,45 @@ def block_ranges(
 
 
 # ---------------------------------------------------------------------------------------------
+# Forms follow the function they describe
+
+
+def _defining_class(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO whose own namespace defines ``name`` (None: none does)."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass
+    return None
+
+
+def _drop_stale_forms(cls: type, base: type, function: str, forms: tuple[str, ...]) -> None:
+    """Give ``cls`` the ``base`` defaults of the ``forms`` it inherits from a class whose
+    ``function`` (the maker of its mask_mod / score_mod) ``cls`` or a class between them replaced.
+
+    A form (an SDPA flag, a block map, a lower bound on the keys, a bias's slopes...) is a claim
+    about one function: a subclass of ``masks.Causal`` that hides the diagonal too inherits
+    ``sdpa_form`` = ``is_causal``, which its function no longer matches, and a route that trusts
+    the form would run the parent's mask. The defaults claim nothing (no form, the safe answer),
+    so such a class runs exactly on the routes that evaluate its function. A form the subclass
+    defines itself, or inherits from a class that does not define the function (a mixin), is
+    kept; a class whose new function keeps a parent's form true can say so by naming it in its
+    body (``sdpa_form = masks.Causal.sdpa_form``)."""
+    maker = _defining_class(cls, function)
+    if maker is None or maker is base:
+        return
+    for name in forms:
+        if name in cls.__dict__:
+            continue
+        owner = _defining_class(cls, name)
+        if owner is None or owner is base:
+            continue
+        written_beside = _defining_class(owner, function)
+        if written_beside is None or written_beside is base or written_beside is maker:
+            continue
+        setattr(cls, name, base.__dict__[name])
+
+
+# ---------------------------------------------------------------------------------------------
 # Masks
 
 
@@ -1007,6 +1046,27 @@ class MaskSpec(Spec):
     depends_on_batch: ClassVar[bool] = False
     #: True when visibility depends on the head index.
     depends_on_head: ClassVar[bool] = False
+
+    #: The methods that state facts about the function ``_make_mask_mod`` makes; a subclass that
+    #: replaces that function without restating one gets the default here (:func:`_drop_stale_forms`).
+    FORMS: ClassVar[tuple[str, ...]] = (
+        "bind",
+        "block_map",
+        "hides_future_keys",
+        "lowest_visible_key",
+        "past_key_starts",
+        "reads_scalar_tensors",
+        "sdpa_form",
+        "sees_one_run",
+        "split_form",
+        "starts_mask_mod",
+        "varlen_form",
+        "visible_fraction",
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _drop_stale_forms(cls, MaskSpec, "_make_mask_mod", MaskSpec.FORMS)
 
     def uses_batch(self) -> bool:
         """Whether this spec instance depends on the batch index (composites override)."""
@@ -1158,6 +1218,19 @@ class ScoreSpec(Spec):
     #: ``dense`` give log-weights ``log w_ij`` and the attention is ``sum_j w_ij v_j``, unnormalised
     #: (see :meth:`is_activation`).
     activation: ClassVar[bool] = False
+    #: The methods that state facts about the function ``_make_score_mod`` makes (the variant for
+    #: masks that hide future keys among them); a subclass that replaces that function without
+    #: restating one gets the default here (:func:`_drop_stale_forms`).
+    FORMS: ClassVar[tuple[str, ...]] = (
+        "_make_past_score_mod",
+        "linear_bias_form",
+        "sdpa_form",
+        "softcap_form",
+    )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _drop_stale_forms(cls, ScoreSpec, "_make_score_mod", ScoreSpec.FORMS)
 
     def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.

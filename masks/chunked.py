@@ -77,7 +77,7 @@ class Chunked(MaskSpec):
         # [size, ..., size, rest] by tensor ops, not a Python list: under torch.compile with
         # dynamic shapes the length is symbolic, and routes that lay the call out as equal chunks
         # read ``uniform`` alone (a guard on length % size), never these values.
-        starts = torch.arange(-(-q_len // self.size), dtype=torch.int64) * self.size
+        starts = torch.arange(-(-q_len // self.size), dtype=torch.int64, device="cpu") * self.size
         segments = (q_len - starts).clamp(max=self.size)
         return VarlenForm(segments=segments, window=(-1, -1), uniform=self.size)
 

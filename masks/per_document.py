@@ -373,7 +373,10 @@ class PerDocument(MaskSpec):
 
     def _runs(self, n: int) -> torch.Tensor:
         """Run lengths as varlen segments: ``[S]``, or ``[B, S]`` zero-padded."""
-        rows = [torch.tensor([length for _, length in row], dtype=torch.int64) for row in self._layout(n)]
+        rows = [
+            torch.tensor([length for _, length in row], dtype=torch.int64, device="cpu")
+            for row in self._layout(n)
+        ]
         if self.documents.doc_ids.dim() == 1:
             return rows[0]
         width = max(r.numel() for r in rows)

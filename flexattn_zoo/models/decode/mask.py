@@ -62,7 +62,7 @@ def lowest_key_at(spec: MaskSpec, position: int) -> int:
     bounds = LOWEST_KEYS.get_eager(key)
     if bounds is None:
         first = block * LOWEST_KEY_BLOCK
-        lo = spec.lowest_visible_key(torch.arange(first, first + LOWEST_KEY_BLOCK))
+        lo = spec.lowest_visible_key(torch.arange(first, first + LOWEST_KEY_BLOCK, device="cpu"))
         bounds = LOWEST_KEYS.put(key, [0] * LOWEST_KEY_BLOCK if lo is None else lo.clamp(min=0).tolist())
     return bounds[offset]
 

@@ -1,0 +1,249 @@
+"""A subclass of a preset that replaces its function drops the forms inherited from above it.
+
+Forms (an SDPA flag, a block map, a lower bound on the keys, one run of keys, a bias's slopes,
+the score variant for masks that hide future keys...) describe one function; a subclass that
+replaces the function and kept them would run its parent's attention on every route that trusts
+a form. Each case below computed the wrong attention before the forms followed the function.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks, score_mods
+from flexattn_zoo.models import decode
+from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
+from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent
+
+
+@spec_dataclass
+class StrictlyCausal(masks.Causal):
+    """Causal without the diagonal: each query sees only the keys before it."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        def strictly_causal(b, h, q_idx, kv_idx):
+            return kv_idx < q_idx
+
+        return strictly_causal
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(-1)[None, None]
+
+
+@spec_dataclass
+class RecentOnly(masks.SlidingWindow):
+    """The ``left`` keys before the query, the query's own key hidden."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        left = self.left
+
+        def recent_only(b, h, q_idx, kv_idx):
+            return (kv_idx < q_idx) & (kv_idx >= q_idx - left)
+
+        return recent_only
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(-1).triu(-self.left)[None, None]
+
+
+@spec_dataclass
+class ShiftedChunks(masks.Chunked):
+    """Chunks of ``size`` whose boundaries sit ``size // 2`` later than Chunked's."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        size, shift = self.size, self.size // 2
+
+        def shifted_chunks(b, h, q_idx, kv_idx):
+            return (q_idx + shift) // size == (kv_idx + shift) // size
+
+        return shifted_chunks
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        shift = self.size // 2
+        q = (torch.arange(q_len) + shift) // self.size
+        kv = (torch.arange(kv_len) + shift) // self.size
+        return (q[:, None] == kv[None, :])[None, None]
+
+
+@spec_dataclass
+class SquaredDistance(score_mods.Alibi):
+    """ALiBi's slopes on the squared distance: ``s - slope[h] * (i - j)^2``."""
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        slopes = self.head_slopes()
+
+        def squared_distance(score, b, h, q_idx, kv_idx):
+            return score - _slope(h, slopes) * ((q_idx - kv_idx) * (q_idx - kv_idx))
+
+        return squared_distance
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        q_len, kv_len = scores.shape[-2:]
+        slopes = torch.tensor(self.head_slopes(), dtype=torch.float64).view(-1, 1, 1)
+        i = torch.arange(q_len, dtype=torch.float64)[:, None]
+        j = torch.arange(kv_len, dtype=torch.float64)[None, :]
+        return scores - slopes * (i - j) ** 2
+
+
+def _slope(h: torch.Tensor, slopes: list[float]) -> torch.Tensor:
+    """``slopes[h]`` with elementwise ops (flex's score_mod sees ``h`` as a tensor)."""
+    out = torch.zeros_like(h, dtype=torch.float32)
+    for i, s in enumerate(slopes):
+        out = torch.where(h == i, torch.full_like(out, s), out)
+    return out
+
+
+MASKS = [StrictlyCausal(), RecentOnly(left=5), ShiftedChunks(size=16)]
+
+
+def _routes_that_accept(q, k, v, **kwargs) -> list[str]:
+    plan = fz.plan(q, k, v, **kwargs)
+    return [c.name for c in plan.candidates if c.accepted]
+
+
+@pytest.mark.parametrize("spec", MASKS, ids=lambda s: type(s).__name__)
+def test_inherited_mask_forms_give_way_to_the_defaults(spec: MaskSpec) -> None:
+    for name in MaskSpec.FORMS:
+        assert getattr(type(spec), name) is MaskSpec.__dict__[name], name
+    assert spec.sdpa_form(64, 64) is None
+    assert spec.sees_one_run() is False
+    assert spec.lowest_visible_key(torch.arange(8)) is None
+    assert spec.block_map(64, 64, 16, 16, "cpu") is None
+    assert spec.bind(64, 64) is spec
+    assert_mask_consistent(spec, 70, 70)
+
+
+@pytest.mark.parametrize("spec", MASKS, ids=lambda s: type(s).__name__)
+def test_a_subclass_with_its_own_mask_function_runs_exactly_on_every_route_that_takes_it(
+    spec: MaskSpec,
+) -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 70, 16) for _ in range(3))
+    routes = _routes_that_accept(q, k, v, mask=spec)
+    assert "flex_cpu" in routes and "dense" in routes
+    for route in ["auto", *routes]:
+        out = fz.attention(q, k, v, mask=spec, backend=route)
+        assert_matches_reference(out, q, k, v, mask=spec)
+
+
+@pytest.mark.parametrize("spec", MASKS, ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("length", [1, 6, 17, 40, 64])
+def test_a_subclass_with_its_own_mask_function_decodes_exactly(spec: MaskSpec, length: int) -> None:
+    torch.manual_seed(1)
+    k, v = (torch.randn(1, 2, 64, 8, dtype=torch.float64) for _ in range(2))
+    q_all = torch.randn(1, 2, length, 8, dtype=torch.float64)
+    ref = fz.attention(q_all, k[:, :, :length], v[:, :, :length], mask=spec, backend="dense")
+    with torch.no_grad():
+        out = decode.decode_step(q_all[:, :, -1:], k, v, length, mask=spec)
+    torch.testing.assert_close(out, ref[:, :, -1:], rtol=1e-9, atol=1e-9)
+
+
+def test_inherited_score_forms_give_way_to_the_defaults() -> None:
+    spec = SquaredDistance(num_heads=4)
+    for name in ScoreSpec.FORMS:
+        assert getattr(type(spec), name) is ScoreSpec.__dict__[name], name
+    assert spec.linear_bias_form() is None
+    assert spec.sdpa_form(32, 32) is None
+    assert spec.score_mod(future_keys_hidden=True) is spec.score_mod()
+    assert_score_consistent(spec, heads=4)
+
+
+@pytest.mark.parametrize("mask", [None, masks.Causal()], ids=["no mask", "causal"])
+def test_a_score_subclass_with_its_own_function_runs_exactly_on_every_route_that_takes_it(mask) -> None:
+    torch.manual_seed(2)
+    spec = SquaredDistance(num_heads=4)
+    q, k, v = (torch.randn(1, 4, 40, 16) * 0.5 for _ in range(3))
+    routes = _routes_that_accept(q, k, v, mask=mask, score_mod=spec)
+    assert "flex_cpu" in routes
+    for route in ["auto", *routes]:
+        out = fz.attention(q, k, v, mask=mask, score_mod=spec, backend=route)
+        assert_matches_reference(out, q, k, v, mask=mask, score_mod=spec)
+
+
+@spec_dataclass
+class Renamed(masks.SlidingWindow):
+    """SlidingWindow under another name: the same function, so the same forms."""
+
+
+@spec_dataclass
+class CausalSpelledAgain(masks.Causal):
+    """Causal's visibility spelled anew, restating the forms that still hold."""
+
+    sdpa_form = masks.Causal.sdpa_form
+    sees_one_run = masks.Causal.sees_one_run
+
+    def _make_mask_mod(self) -> MaskMod:
+        def causal_again(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        return causal_again
+
+
+class _OneRunMixin:
+    """A form from a class that defines no mask function: kept by every spec that mixes it in."""
+
+    def sees_one_run(self) -> bool:
+        return True
+
+
+@spec_dataclass
+class MixedIn(_OneRunMixin, MaskSpec):
+    """The ``left`` keys up to the query, its form from a mixin."""
+
+    left: int = 3
+
+    def _make_mask_mod(self) -> MaskMod:
+        left = self.left
+
+        def mixed_in(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (kv_idx >= q_idx - left)
+
+        return mixed_in
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril().triu(-self.left)[None, None]
+
+    def lowest_visible_key(self, q_idx: torch.Tensor) -> torch.Tensor:
+        return q_idx - self.left
+
+
+def test_forms_stay_where_the_function_stays_or_the_class_restates_them() -> None:
+    window = Renamed(left=4)
+    for name in MaskSpec.FORMS:
+        assert getattr(Renamed, name) is getattr(masks.SlidingWindow, name), name
+    assert window.sees_one_run() and window.sdpa_form(32, 32) == masks.SlidingWindow(left=4).sdpa_form(32, 32)
+    again = CausalSpelledAgain()
+    assert again.sdpa_form(8, 8) == masks.Causal().sdpa_form(8, 8)
+    assert again.sees_one_run()
+    assert CausalSpelledAgain.block_map is MaskSpec.block_map  # not restated: dropped
+    assert MixedIn().sees_one_run()
+    for spec in (window, again, MixedIn()):
+        assert_mask_consistent(spec, 40, 40)
+
+
+def test_no_class_the_library_ships_has_a_form_dropped() -> None:
+    """Every shipped spec class that replaces a parent's function restates the forms it keeps:
+    none holds a default put there in place of an inherited form."""
+
+    def subclasses(cls: type) -> list[type]:
+        found = []
+        for sub in cls.__subclasses__():
+            found += [sub, *subclasses(sub)]
+        return found
+
+    shipped = [
+        (base, c)
+        for base in (MaskSpec, ScoreSpec)
+        for c in subclasses(base)
+        if c.__module__.split(".")[0] in ("flexattn_zoo", "masks", "score_mods")
+    ]
+    assert len(shipped) > 30
+    dropped = [
+        (cls.__name__, name)
+        for base, cls in shipped
+        for name in base.FORMS
+        if cls.__dict__.get(name) is base.__dict__[name]
+    ]
+    assert dropped == []
