@@ -127,10 +127,10 @@ def _check_signature(
 
 
 def _grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
-    b = torch.arange(batch).view(batch, 1, 1, 1)
-    h = torch.arange(heads).view(1, heads, 1, 1)
-    q = torch.arange(q_len).view(1, 1, q_len, 1)
-    kv = torch.arange(kv_len).view(1, 1, 1, kv_len)
+    b = torch.arange(batch, device="cpu").view(batch, 1, 1, 1)
+    h = torch.arange(heads, device="cpu").view(1, heads, 1, 1)
+    q = torch.arange(q_len, device="cpu").view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device="cpu").view(1, 1, 1, kv_len)
     return b, h, q, kv
 
 

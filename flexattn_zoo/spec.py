@@ -333,7 +333,7 @@ def _fingerprint(t: torch.Tensor) -> int:
     sums = (
         torch.stack([flat.sum(), (flat * weights).sum()])
         if flat.numel()
-        else torch.zeros(2, dtype=torch.int64)
+        else torch.zeros(2, dtype=torch.int64, device="cpu")
     )
     a, b = sums.tolist()
     return hash((a, b))

@@ -111,8 +111,8 @@ class Document(MaskSpec):
             )
         built = []
         for row, total in zip(rows, totals, strict=True):
-            ids = torch.repeat_interleave(torch.arange(row.numel()), row)
-            pad = torch.full((width - total,), row.numel(), dtype=torch.int64)
+            ids = torch.repeat_interleave(torch.arange(row.numel(), device="cpu"), row)
+            pad = torch.full((width - total,), row.numel(), dtype=torch.int64, device="cpu")
             built.append(torch.cat([ids, pad]))
         ids = torch.stack(built) if per_batch else built[0]
         return cls(doc_ids=ids.to(dev))
@@ -338,7 +338,11 @@ def _int_vector(values: Any, what: str) -> torch.Tensor:
             raise TypeError(f"{what} must hold ints, got a bool")
         try:
             # An empty list would become float32; keep it integral so the caller reports "empty".
-            t = torch.as_tensor(values) if len(values) else torch.zeros(0, dtype=torch.int64)
+            t = (
+                torch.as_tensor(values, device="cpu")
+                if len(values)
+                else torch.zeros(0, dtype=torch.int64, device="cpu")
+            )
         except (TypeError, ValueError, RuntimeError) as exc:
             raise TypeError(f"{what} must be a list of ints or an integer tensor: {exc}") from exc
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():

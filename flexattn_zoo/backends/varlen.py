@@ -53,14 +53,14 @@ def cu_seqlens(mask: MaskSpec | None, batch: int, q_len: int, kv_len: int, devic
 def _offsets(seg: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
     """int64 lengths of every non-empty segment, row 0's first; one segment per row when None."""
     if seg is None:
-        return torch.full((batch,), length, dtype=torch.int64)
+        return torch.full((batch,), length, dtype=torch.int64, device="cpu")
     seg = seg.detach().to("cpu", torch.int64)
     seg = seg.expand(batch, -1) if seg.dim() == 1 else seg
     return seg[seg > 0]  # row-major: row 0's segments, then row 1's...
 
 
 def _cumulative(lengths: torch.Tensor, device: str) -> torch.Tensor:
-    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device="cpu")
     cu[1:] = lengths.cumsum(0)
     return cu.to(device)
 

@@ -78,3 +78,73 @@ def test_planning_block_masks_and_decoding_ignore_the_default_device(name: str) 
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
             else:
                 assert got == want
+
+
+def _paged_steps() -> list[torch.Tensor]:
+    """A few paged decoding steps with a page allocator (its lengths and table written on the
+    host), a freed row taking new pages and a fork: the outputs, lengths and table."""
+    page, kv_heads, heads, dim = 16, 2, 4, 8
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cpu")
+
+    k_pool, v_pool = (
+        torch.zeros(12, page, kv_heads, dim, device="cpu"),
+        torch.zeros(12, page, kv_heads, dim, device="cpu"),
+    )
+    alloc = fz.pages.PageAllocator(12, page, 4, batch=2, kv_layout="NHD", device="cpu")
+    alloc.append(k_pool, v_pool, *randn(2, 1, kv_heads, 40, dim), rows=0)
+    alloc.append(k_pool, v_pool, *randn(2, 1, kv_heads, 7, dim), rows=1)
+    found = []
+    for step in range(4):
+        if step == 2:
+            alloc.free(0)
+            alloc.append(k_pool, v_pool, *randn(2, 1, kv_heads, 20, dim), rows=0)
+        alloc.append(k_pool, v_pool, *randn(2, 2, kv_heads, 1, dim))
+        q = randn(2, heads, 1, dim)
+        found.append(
+            decode.decode_step(
+                q,
+                k_pool,
+                v_pool,
+                alloc.cache_len,
+                block_table=alloc.block_table,
+                kv_layout="NHD",
+                backend="dense",
+            )
+        )
+    alloc.free(0)
+    alloc.fork(1, 0)
+    return [*found, alloc.cache_len.clone(), alloc.block_table.clone()]
+
+
+def test_specs_from_lists_raw_callables_and_page_allocators_ignore_the_default_device() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    table = torch.arange(L) % 3
+
+    def same_third(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (table[kv_idx] == table[q_idx])
+
+    def work() -> list:
+        documents = masks.Document.from_lengths([[30, 70, 60], [L]])
+        assert documents.doc_ids.device.type == "cpu"  # no device given, no tensor: the CPU
+        found: list = [
+            fz.plan(q, k, v, mask=documents & masks.Causal()).explain(),
+            fz.plan(q, k, v, mask=same_third).explain(),
+            fz.attention(q, k, v, mask=same_third, backend="dense"),
+        ]
+        return found + _paged_steps()
+
+    _clear_host_caches()
+    with torch.device("meta"):
+        under_meta = work()
+    _clear_host_caches()
+    expected = work()
+    for got, want in zip(under_meta, expected, strict=True):
+        if isinstance(want, torch.Tensor):
+            assert got.device == want.device
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:
+            assert got == want

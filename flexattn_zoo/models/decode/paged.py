@@ -263,7 +263,7 @@ def append_kv(
     max_pages = block_table.shape[1]
     if isinstance(seq_lens, Integral) and not isinstance(seq_lens, bool):  # numpy's integers too
         seq_lens = int(seq_lens)
-        start: torch.Tensor = torch.full((batch,), seq_lens, dtype=torch.int64)
+        start: torch.Tensor = torch.full((batch,), seq_lens, dtype=torch.int64, device="cpu")
     elif isinstance(seq_lens, torch.Tensor) and not (
         seq_lens.dtype == torch.bool or seq_lens.is_floating_point() or seq_lens.is_complex()
     ):
