@@ -1035,6 +1035,16 @@ def _drop_stale_forms(cls: type, base: type, function: str, forms: tuple[str, ..
         setattr(cls, name, base.__dict__[name])
 
 
+def keeps_function_of(spec: Any, cls: type) -> bool:
+    """Whether ``spec`` is a ``cls`` that runs ``cls``'s own mask / score function (no subclass
+    between them replaced it): what a claim made of a class, rather than read from a form, needs
+    (a subclass of ``masks.Full`` that hides keys is no longer free of a mask)."""
+    if not isinstance(spec, cls):
+        return False
+    function = "_make_mask_mod" if isinstance(spec, MaskSpec) else "_make_score_mod"
+    return _defining_class(type(spec), function) is _defining_class(cls, function)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -1060,6 +1070,8 @@ class MaskSpec(Spec):
         "sees_one_run",
         "split_form",
         "starts_mask_mod",
+        "uses_batch",
+        "uses_head",
         "varlen_form",
         "visible_fraction",
     )
@@ -1226,6 +1238,7 @@ class ScoreSpec(Spec):
         "linear_bias_form",
         "sdpa_form",
         "softcap_form",
+        "uses_head",
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

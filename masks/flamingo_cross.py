@@ -137,8 +137,8 @@ class FlamingoCross(MaskSpec):
                 f"image (at least one), got {where.tolist()[:8]}"
             )
         # Text token i follows every image placed at or before it: the last of them is its image.
-        last = torch.searchsorted(where, torch.arange(n), right=True) - 1
-        keys = torch.arange(where.numel() * per) // per
+        last = torch.searchsorted(where, torch.arange(n, device="cpu"), right=True) - 1
+        keys = torch.arange(where.numel() * per, device="cpu") // per
         return cls(last_image=last.to(device), key_image=keys.to(device), attend=attend)
 
     def uses_batch(self) -> bool:

@@ -109,7 +109,7 @@ class GlobalWindow(MaskSpec):
             raise ValueError(
                 f"GlobalWindow.from_positions(positions=...) must lie in [0, {n}), got {where.tolist()[:8]}"
             )
-        flags = torch.zeros(n, dtype=torch.bool)
+        flags = torch.zeros(n, dtype=torch.bool, device="cpu")
         flags[where] = True
         return cls(is_global=flags.to(device), left=left, right=right)
 

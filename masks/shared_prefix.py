@@ -131,7 +131,7 @@ class SharedPrefix(MaskSpec):
         sizes = _int_vector(lengths, "SharedPrefix.from_lengths(lengths=...)")
         if bool((sizes < 0).any()):
             raise ValueError(f"SharedPrefix.from_lengths(lengths=...) must be >= 0, got {sizes.tolist()[:8]}")
-        ids = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
+        ids = torch.repeat_interleave(torch.arange(sizes.numel(), device="cpu"), sizes)
         return cls(prefix_len=prefix_len, doc_ids=ids.to(dev))
 
     def _make_mask_mod(self) -> MaskMod:

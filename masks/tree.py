@@ -133,12 +133,11 @@ class Tree(MaskSpec):
         # subtree's interval (context positions: themselves, and the whole row after them).
         order, span = _preorder(listed)
         dev = par.device
-        pre = torch.tensor(order, dtype=torch.int32) + prefix
-        context = torch.arange(prefix, dtype=torch.int32)
+        on_host = {"dtype": torch.int32, "device": "cpu"}
+        pre = torch.tensor(order, **on_host) + prefix
+        context = torch.arange(prefix, **on_host)
         number = torch.cat([context, pre]).to(dev)
-        end = torch.cat(
-            [torch.full((prefix,), size, dtype=torch.int32), pre + torch.tensor(span, dtype=torch.int32)]
-        ).to(dev)
+        end = torch.cat([torch.full((prefix,), size, **on_host), pre + torch.tensor(span, **on_host)]).to(dev)
         object.__setattr__(self, "_number", number)
         object.__setattr__(self, "_end", end)
         object.__setattr__(self, "_q_number", number[offset:].clone())
@@ -152,8 +151,8 @@ class Tree(MaskSpec):
         """Rotary / absolute positions of the row's tokens, int64 ``[L]``: ``0 .. prefix_len - 1``
         for the context, ``prefix_len + depth`` for a tree token (a root is at depth 0), so every
         drafted path has the positions it would have alone. The mask does not use them; models do."""
-        depth = torch.tensor(self.__dict__["_depth"], dtype=torch.int64) + self.prefix_len
-        return torch.cat([torch.arange(self.prefix_len), depth]).to(self.parents.device)
+        depth = torch.tensor(self.__dict__["_depth"], dtype=torch.int64, device="cpu") + self.prefix_len
+        return torch.cat([torch.arange(self.prefix_len, device="cpu"), depth]).to(self.parents.device)
 
     def _make_mask_mod(self) -> MaskMod:
         q_number: torch.Tensor = self.__dict__["_q_number"]

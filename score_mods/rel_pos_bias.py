@@ -131,13 +131,14 @@ class RelPosBias(ScoreSpec):
         distance = _check_int("max_distance", self.max_distance, exact + 1, MAX_DISTANCE_MAX)
         object.__setattr__(self, "max_distance", distance)
         # Bucket of every relative position j - i in [-max_distance, max_distance] (index + md).
-        n = torch.arange(distance + 1)
-        far = exact + torch.searchsorted(torch.tensor(_thresholds(side, exact, distance)), n, right=True)
+        n = torch.arange(distance + 1, device="cpu")
+        thresholds = torch.tensor(_thresholds(side, exact, distance), device="cpu")
+        far = exact + torch.searchsorted(thresholds, n, right=True)
         by_distance = torch.where(n < exact, n, far)  # bucket of a distance n, one side
         if self.bidirectional:
             behind, ahead = by_distance.flip(0), side + by_distance[1:]  # j - i <= 0, then > 0
         else:
-            behind, ahead = by_distance.flip(0), torch.zeros(distance, dtype=torch.int64)
+            behind, ahead = by_distance.flip(0), torch.zeros(distance, dtype=torch.int64, device="cpu")
         buckets = torch.cat([behind, ahead]).to(torch.int32)
         object.__setattr__(self, "_buckets", buckets.to(table.device))
 

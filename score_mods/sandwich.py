@@ -43,8 +43,8 @@ def _check_int(name: str, value: object, minimum: int, maximum: int) -> int:
 def _shifted_sums(dim: int, max_len: int) -> torch.Tensor:
     """float64 ``[max_len]``: ``sum_{k=1..dim/2} cos(n / 10000^(2k/dim)) - dim/2`` at ``n = 0 ..
     max_len - 1``, accumulated one frequency at a time (memory ``O(max_len)``)."""
-    n = torch.arange(max_len, dtype=torch.float64)
-    total = torch.zeros(max_len, dtype=torch.float64)
+    n = torch.arange(max_len, dtype=torch.float64, device="cpu")
+    total = torch.zeros(max_len, dtype=torch.float64, device="cpu")
     for k in range(1, dim // 2 + 1):
         total += torch.cos(n * math.pow(10000.0, -2.0 * k / dim))
     return total - dim / 2

@@ -84,3 +84,39 @@ def _slope(h: torch.Tensor, slopes: list[float]) -> torch.Tensor:
     for i, s in enumerate(slopes):
         out = torch.where(h == i, torch.full_like(out, s), out)
     return out
+
+
+@spec_dataclass
+class EvenKeys(masks.Full):
+    """Only the even keys (in the coordinates the mask sees)."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        def even_keys(b, h, q_idx, kv_idx):
+            return kv_idx % 2 == 0
+
+        return even_keys
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        out = torch.zeros(q_len, kv_len, dtype=torch.bool)
+        out[:, ::2] = True
+        return out[None, None]
+
+
+@spec_dataclass
+class DocumentsCausalOnOddRows(masks.Document):
+    """Documents in every batch row, causal within them in the odd rows: the function reads ``b``
+    where ``Document``'s reads only ``doc_ids``."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        ids = self.doc_ids
+
+        def documents_causal_on_odd_rows(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & ((b % 2 == 0) | (kv_idx <= q_idx))
+
+        return documents_causal_on_odd_rows
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        ids = self.doc_ids.cpu()
+        same = ids[:q_len, None] == ids[None, :kv_len]
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+        return torch.stack([same if b % 2 == 0 else same & causal for b in range(batch)])[:, None]

@@ -257,6 +257,12 @@ def _factory(fn: Any) -> tuple[str, dict[str, Any]]:
     return kind, _cells(fn)
 
 
+def _host_or_own(value: Any) -> torch.Tensor:
+    """``value`` as a tensor: a tensor stays on its device, a number goes to the CPU (not the
+    caller's default device)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class _BandNode:
     lo: int | None
@@ -419,7 +425,9 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
                     for n in _flatten_and([c[1]]):
                         if isinstance(n, tuple) and n[0] == "chunked":
                             # Chunks of the remapped positions (Llama 4 + packing): one more label.
-                            pos = c[2].expand(m.batch_size, -1) - torch.as_tensor(n[2]).view(-1, 1)
+                            pos = c[2].expand(m.batch_size, -1) - torch.as_tensor(
+                                n[2], device=c[2].device
+                            ).view(-1, 1)
                             labels.append(torch.div(pos, n[1], rounding_mode="floor"))
                         elif _difference_only(n):
                             unwrapped.append(n)
@@ -452,7 +460,7 @@ def _to_spec(node: Any, m: HFMask) -> MaskSpec | None:
             out = out | p
         return out
     if kind == "chunked":
-        size, left_padding = node[1], torch.as_tensor(node[2])
+        size, left_padding = node[1], _host_or_own(node[2])
         if maybe_true(m.q_offset != 0) or maybe_true(m.kv_offset != 0):
             return _chunk_of_the_step(size, left_padding, m)
         # Traced, the padding's values are unknown: the chunk-id form, exact for any of them.
@@ -483,7 +491,9 @@ def _chunk_of_the_step(size: int, left_padding: torch.Tensor, m: HFMask) -> Mask
     if tracing():
         raise _Unknown("chunked attention with a cache offset, traced")
     if m.q_length == 0:
-        return KeyPadding(valid=torch.ones(m.batch_size, m.kv_length, dtype=torch.bool))
+        return KeyPadding(
+            valid=torch.ones(m.batch_size, m.kv_length, dtype=torch.bool, device=left_padding.device)
+        )
     lead = left_padding.to(torch.int64).reshape(-1, 1)
     q_pos = int(m.q_offset) + torch.arange(m.q_length, device=lead.device)[None, :] - lead
     kv_pos = int(m.kv_offset) + torch.arange(m.kv_length, device=lead.device)[None, :] - lead

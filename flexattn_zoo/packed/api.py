@@ -20,12 +20,17 @@ from flexattn_zoo.coercion import as_mask_spec, as_score_spec, tensor_args
 from flexattn_zoo.dispatch import attention
 from flexattn_zoo.masks import Band, Causal, Document, Full, SlidingWindow
 from flexattn_zoo.packed.specs import PackedScore, PackedSequences, _rows
-from flexattn_zoo.spec import MaskSpec, ScoreSpec
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, keeps_function_of
 from flexattn_zoo.validation import check_flag, check_integer, check_strided
 
 #: Masks that give the same answer for a pair wherever the pair sits (they read only ``j - i``):
 #: in packed coordinates they mean what they mean locally when every sequence has Lq_i == Lk_i.
+#: A subclass that replaces the function is not (``_shift_invariant``).
 _SHIFT_INVARIANT = (Full, Causal, SlidingWindow, Band)
+
+
+def _shift_invariant(mask: MaskSpec) -> bool:
+    return any(keeps_function_of(mask, cls) for cls in _SHIFT_INVARIANT)
 
 _CU_DTYPES = (torch.int32, torch.int64)
 
@@ -251,7 +256,7 @@ def varlen_attention(
         # (its Document refused the empty ids with a message about a spec the caller never gave).
         packed_mask: Any = None
         packed_score: Any = None
-    elif same_offsets and (inner_mask is None or isinstance(inner_mask, _SHIFT_INVARIANT)):
+    elif same_offsets and (inner_mask is None or _shift_invariant(inner_mask)):
         # Every sequence is square, so a shift-invariant mask and a bottom-right window mean the
         # same in packed coordinates as locally: a plain Document mask, which keeps varlen forms.
         packed_mask = _document(cu_q, totals[0], inner_mask, left, right)
@@ -363,7 +368,7 @@ def _document(cu: torch.Tensor, total: int, inner: MaskSpec | None, left: int, r
     spec: MaskSpec = Document(doc_ids=_rows(cu, total)[0])
     if left >= 0 or right >= 0:
         spec = spec & Band(lo=None if left < 0 else -left, hi=None if right < 0 else right)
-    return spec if inner is None or isinstance(inner, Full) else spec & inner
+    return spec if inner is None or keeps_function_of(inner, Full) else spec & inner
 
 
 def _score(

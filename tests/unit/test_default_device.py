@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import flexattn_zoo as fz
-from flexattn_zoo import blockmask, masks, plan_cache, registry, segments
+from flexattn_zoo import blockmask, masks, plan_cache, registry, score_mods, segments
 from flexattn_zoo.backends import varlen
 from flexattn_zoo.models import decode
 from flexattn_zoo.models.decode import mask as decode_mask
@@ -148,3 +148,38 @@ def test_specs_from_lists_raw_callables_and_page_allocators_ignore_the_default_d
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         else:
             assert got == want
+
+
+def _specs_from_host_values() -> dict:
+    """Specs whose constructors compute tables on the host from CPU tensors and plain ints."""
+    table = torch.linspace(-1.0, 1.0, 32 * H, device="cpu").view(32, H)
+    cpu = {"device": "cpu"}
+    return {
+        "rel_pos_bias": {"score_mod": score_mods.RelPosBias(table=table)},
+        "sandwich": {"score_mod": score_mods.Sandwich(num_heads=H, dim=16, max_len=L)},
+        "tree": {"mask": masks.Tree(parents=torch.tensor([-1, 0, 0, 1], **cpu), prefix_len=L - 4)},
+        "global_window": {"mask": masks.GlobalWindow.from_positions(torch.tensor([0, 10], **cpu), L, left=4)},
+        "flamingo": {"mask": masks.FlamingoCross.from_image_positions(torch.tensor([0, 40], **cpu), 32, L)},
+        "shared_prefix": {"mask": masks.SharedPrefix.from_lengths(16, torch.tensor([72, 72], **cpu))},
+    }
+
+
+def test_specs_built_under_another_default_device_hold_host_tables() -> None:
+    """Built under ``torch.device("meta")`` from CPU values, each spec equals the one built
+    outside it, and its tables (Sandwich's, cached per size and device, too) stay on the CPU."""
+    from flexattn_zoo.score_mods import sandwich  # noqa: PLC0415  (its table cache is cleared)
+
+    sandwich._TABLES.clear()
+    with torch.device("meta"):
+        built = _specs_from_host_values()
+    expected = _specs_from_host_values()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+    kv_len = {"flamingo": 32 * 2}
+    for name, kwargs in built.items():
+        assert kwargs == expected[name], name
+        n = kv_len.get(name, L)
+        keys, values = k[:, :, :n], v[:, :, :n]
+        got = fz.attention(q, keys, values, backend="dense", **kwargs)
+        want = fz.attention(q, keys, values, backend="dense", **expected[name])
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from subclassed_specs import RecentOnly, ShiftedChunks, SquaredDistance, StrictlyCausal
+from subclassed_specs import (
+    DocumentsCausalOnOddRows,
+    EvenKeys,
+    RecentOnly,
+    ShiftedChunks,
+    SquaredDistance,
+    StrictlyCausal,
+)
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
 from flexattn_zoo.models import decode
+from flexattn_zoo.reference import reference_attention
 from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreSpec, spec_dataclass
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent
 
@@ -61,6 +69,39 @@ def test_a_subclass_with_its_own_mask_function_decodes_exactly(spec: MaskSpec, l
     with torch.no_grad():
         out = decode.decode_step(q_all[:, :, -1:], k, v, length, mask=spec)
     torch.testing.assert_close(out, ref[:, :, -1:], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("spec", [StrictlyCausal(), EvenKeys()], ids=lambda s: type(s).__name__)
+def test_packed_sequences_run_a_subclass_by_its_own_function(spec: MaskSpec) -> None:
+    """``fz.varlen_attention`` lays out masks that read only ``j - i`` (Full, Causal, ...) in packed
+    coordinates directly; a subclass with its own function is run per sequence instead."""
+    torch.manual_seed(3)
+    cu = torch.tensor([0, 5, 12, 18], dtype=torch.int32)
+    q, k, v = (torch.randn(18, 2, 8, dtype=torch.float64) for _ in range(3))
+    out = fz.varlen_attention(q, k, v, cu, cu, 7, 7, mask=spec, backend="dense")
+    bounds = cu.tolist()
+    ref = torch.cat(
+        [
+            reference_attention(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), mask=spec)[0].transpose(
+                0, 1
+            )
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_a_subclass_whose_function_reads_the_batch_row_gets_a_block_mask_per_row() -> None:
+    """``Document.uses_batch()`` says whether its ids differ per row; a subclass whose function
+    reads ``b`` falls back to ``depends_on_batch``, so its BlockMask is built per row (shared, the
+    first row's full blocks let the other rows see keys their function hides)."""
+    spec = DocumentsCausalOnOddRows(doc_ids=torch.tensor([0] * 128 + [1] * 128))
+    assert spec.uses_batch()
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 256, 16) for _ in range(3))
+    for route in ["flex_cpu", "dense"]:
+        out = fz.attention(q, k, v, mask=spec, backend=route)
+        assert_matches_reference(out, q, k, v, mask=spec)
 
 
 def test_inherited_score_forms_give_way_to_the_defaults() -> None:
