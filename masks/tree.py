@@ -133,11 +133,15 @@ class Tree(MaskSpec):
         # subtree's interval (context positions: themselves, and the whole row after them).
         order, span = _preorder(listed)
         dev = par.device
-        on_host = {"dtype": torch.int32, "device": "cpu"}
-        pre = torch.tensor(order, **on_host) + prefix
-        context = torch.arange(prefix, **on_host)
+        i32 = torch.int32
+        pre = torch.tensor(order, dtype=i32, device="cpu") + prefix
+        context = torch.arange(prefix, dtype=i32, device="cpu")
         number = torch.cat([context, pre]).to(dev)
-        end = torch.cat([torch.full((prefix,), size, **on_host), pre + torch.tensor(span, **on_host)]).to(dev)
+        ends = (
+            torch.full((prefix,), size, dtype=i32, device="cpu"),
+            pre + torch.tensor(span, dtype=i32, device="cpu"),
+        )
+        end = torch.cat(ends).to(dev)
         object.__setattr__(self, "_number", number)
         object.__setattr__(self, "_end", end)
         object.__setattr__(self, "_q_number", number[offset:].clone())

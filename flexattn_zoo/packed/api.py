@@ -32,6 +32,7 @@ _SHIFT_INVARIANT = (Full, Causal, SlidingWindow, Band)
 def _shift_invariant(mask: MaskSpec) -> bool:
     return any(keeps_function_of(mask, cls) for cls in _SHIFT_INVARIANT)
 
+
 _CU_DTYPES = (torch.int32, torch.int64)
 
 
