@@ -1351,6 +1351,7 @@ __all__ = [
     "as_4d",
     "block_ranges",
     "keep_static_float",
+    "keeps_function_of",
     "spec_dataclass",
     "static_float",
     "static_int",
