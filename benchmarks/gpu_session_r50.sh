@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session_r50.sh decode 400   # the decode GPU tests and those of presets'
 #                    # subclasses with their own functions, decode steps under a
 #                    # 4096 window on every route (the flex step's block list is read on the host
-#                    # since the forty-ninth session: not measured on a GPU yet), the host table
+#                    # since the forty-ninth session: not measured on a GPU yet), a cProfile of the decode steps
+#                    # (host_profile_probe.py --decode), the host table
 #   bash benchmarks/gpu_session_r50.sh STEP BUDGET  # any step of gpu_session_r48.sh
 set -uo pipefail
 step="${1:?usage: $0 decode|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
@@ -22,6 +23,8 @@ run "gpu_tests_decode_${gpu}_r50" "$(share 35)" python3 -m pytest -m gpu -q -rfE
 run "decode_window_${gpu}_r50" "$(share 30)" python3 benchmarks/decode_bench.py --window 4096 \
   --lens 32768 --batch 1,8,32 --routes decode_int,sdpa,flex,flex_graph \
   --md "$out/decode_window_${gpu}_r50.md" --json "$out/decode_window_${gpu}_r50.json"
+run "host_profile_decode_${gpu}_r50" "$(share 12)" python3 benchmarks/host_profile_probe.py --device cuda \
+  --decode --calls 2000 --top 35
 run "host_cost_${gpu}_r50" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
   --out "$out/host_cost_${gpu}_r50.md"
 pack
