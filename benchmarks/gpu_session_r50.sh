@@ -6,7 +6,7 @@
 #                    # subclasses with their own functions, decode steps under a
 #                    # 4096 window on every route (the flex step's block list is read on the host
 #                    # since the forty-ninth session: not measured on a GPU yet), a cProfile of the decode steps
-#                    # (host_profile_probe.py --decode), the host table
+#                    # (host_profile_probe.py --decode) and of the default pairs, the host table
 #   bash benchmarks/gpu_session_r50.sh STEP BUDGET  # any step of gpu_session_r48.sh
 set -uo pipefail
 step="${1:?usage: $0 decode|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
@@ -25,6 +25,7 @@ run "decode_window_${gpu}_r50" "$(share 30)" python3 benchmarks/decode_bench.py 
   --md "$out/decode_window_${gpu}_r50.md" --json "$out/decode_window_${gpu}_r50.json"
 run "host_profile_decode_${gpu}_r50" "$(share 12)" python3 benchmarks/host_profile_probe.py --device cuda \
   --decode --calls 2000 --top 35
+run "host_profile_${gpu}_r50" "$(share 8)" python3 benchmarks/host_profile_probe.py --device cuda --calls 2000 --top 35
 run "host_cost_${gpu}_r50" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
   --out "$out/host_cost_${gpu}_r50.md"
 pack
