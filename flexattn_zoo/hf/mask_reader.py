@@ -573,6 +573,11 @@ class ShiftedFunctionMask(CapturedOffsets, FunctionMask):
     q_offset: int = 0
     kv_offset: int = 0
 
+    # The shift moves positions only: whether the function reads the batch row or the head is
+    # the wrapped function's (a replaced function drops the forms it does not restate).
+    uses_batch = FunctionMask.uses_batch
+    uses_head = FunctionMask.uses_head
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("q_offset", "kv_offset"):
