@@ -72,9 +72,10 @@ class SquaredDistance(score_mods.Alibi):
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         q_len, kv_len = scores.shape[-2:]
-        slopes = torch.tensor(self.head_slopes(), dtype=torch.float64).view(-1, 1, 1)
-        i = torch.arange(q_len, dtype=torch.float64)[:, None]
-        j = torch.arange(kv_len, dtype=torch.float64)[None, :]
+        on = {"dtype": torch.float64, "device": scores.device}
+        slopes = torch.tensor(self.head_slopes(), **on).view(-1, 1, 1)
+        i = torch.arange(q_len, **on)[:, None]
+        j = torch.arange(kv_len, **on)[None, :]
         return scores - slopes * (i - j) ** 2
 
 
