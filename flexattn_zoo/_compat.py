@@ -121,8 +121,13 @@ def varlen_supports(param: str) -> bool:
 def flash_cute_available() -> bool:
     """Whether the FlashAttention-4 CuTe DSL package (flex ``BACKEND="FLASH"``) is importable.
 
-    Looked up once per process (every plan asks): installing flash-attn-4 needs a restart."""
+    Looked up once per process (every plan asks): installing flash-attn-4 needs a restart. The
+    package is looked up before its submodule: ``find_spec`` of a submodule imports the parent and
+    raises when there is none, which ``torch.compile`` (whose trace may make the first call) turns
+    into an internal error instead of letting the ``except`` below see it."""
     try:
+        if importlib.util.find_spec("flash_attn") is None:
+            return False
         return importlib.util.find_spec("flash_attn.cute") is not None
     except (ImportError, ValueError):
         return False

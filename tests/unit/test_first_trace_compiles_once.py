@@ -203,3 +203,32 @@ def test_each_step_function_compiles_once_in_a_fresh_process(group: str) -> None
     frames = _frames(group)
     compiled_again = {name: n for name, n in frames.items() if n != 1}
     assert frames and not compiled_again, f"not compiled exactly once: {compiled_again}; all: {frames}"
+
+
+def test_a_compiled_decode_step_as_a_process_first_call_runs() -> None:
+    """A function calling ``decode_step`` under ``torch.compile`` (graph breaks allowed) as the
+    process's first library call. The trace made the first lookup of flash-attn-4, whose
+    ``find_spec("flash_attn.cute")`` raises without the package; Dynamo turned that into an
+    internal error instead of letting the lookup's ``except`` answer "not installed"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXATTN_ZOO_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    code = textwrap.dedent(
+        """
+        import torch
+        from flexattn_zoo import masks
+        from flexattn_zoo.models import decode
+
+        q, k, v = (torch.randn(1, 2, n, 16) for n in (1, 64, 64))
+        window = masks.SlidingWindow(left=8)
+        step = torch.compile(lambda q, k, v, n: decode.decode_step(q, k, v, n, mask=window), backend="eager")
+        with torch.no_grad():
+            out = step(q, k, v, 40)
+            ref = decode.decode_step(q, k, v, 40, mask=window)
+        torch.testing.assert_close(out, ref)
+        print("OK")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-4000:]
