@@ -1008,21 +1008,34 @@ def _defining_class(cls: type, name: str) -> type | None:
     return None
 
 
-def _drop_stale_forms(cls: type, base: type, function: str, forms: tuple[str, ...]) -> None:
+def _drop_stale_forms(
+    cls: type, base: type, function: str, forms: tuple[str, ...], flags: tuple[str, ...]
+) -> None:
     """Give ``cls`` the ``base`` defaults of the ``forms`` it inherits from a class whose
-    ``function`` (the maker of its mask_mod / score_mod) ``cls`` or a class between them replaced.
+    ``function`` (the maker of its mask_mod / score_mod) ``cls`` or a class between them replaced,
+    and, where it replaced a parent's function, set the dependence ``flags`` it does not set
+    itself (``depends_on_batch`` / ``depends_on_head``) to True.
 
     A form (an SDPA flag, a block map, a lower bound on the keys, a bias's slopes...) is a claim
     about one function: a subclass of ``masks.Causal`` that hides the diagonal too inherits
     ``sdpa_form`` = ``is_causal``, which its function no longer matches, and a route that trusts
-    the form would run the parent's mask. The defaults claim nothing (no form, the safe answer),
-    so such a class runs exactly on the routes that evaluate its function. A form the subclass
-    defines itself, or inherits from a class that does not define the function (a mixin), is
-    kept; a class whose new function keeps a parent's form true can say so by naming it in its
-    body (``sdpa_form = masks.Causal.sdpa_form``)."""
+    the form would run the parent's mask. The defaults claim no form (the safe answer), and the
+    flags, which the defaults of ``uses_batch`` / ``uses_head`` read, claim that the new function
+    may read the batch row and the head (one BlockMask per row and head: exact, if more work, for
+    a function that reads neither); so such a class runs exactly on the routes that evaluate its
+    function. A form or flag the subclass defines itself, or a form it inherits from a class that
+    does not define the function (a mixin), is kept; a class whose new function keeps a parent's
+    form true can say so by naming it in its body (``sdpa_form = masks.Causal.sdpa_form``,
+    ``depends_on_batch = False``)."""
     maker = _defining_class(cls, function)
     if maker is None or maker is base:
         return
+    replaced = next((k for k in maker.__mro__[1:] if function in k.__dict__), None)
+    if replaced is not None and replaced is not base:
+        below_maker = cls.__mro__[: cls.__mro__.index(maker) + 1]
+        for flag in flags:
+            if not any(flag in k.__dict__ for k in below_maker):
+                setattr(cls, flag, True)
     for name in forms:
         if name in cls.__dict__:
             continue
@@ -1078,7 +1091,9 @@ class MaskSpec(Spec):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _drop_stale_forms(cls, MaskSpec, "_make_mask_mod", MaskSpec.FORMS)
+        _drop_stale_forms(
+            cls, MaskSpec, "_make_mask_mod", MaskSpec.FORMS, ("depends_on_batch", "depends_on_head")
+        )
 
     def uses_batch(self) -> bool:
         """Whether this spec instance depends on the batch index (composites override)."""
@@ -1243,7 +1258,7 @@ class ScoreSpec(Spec):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _drop_stale_forms(cls, ScoreSpec, "_make_score_mod", ScoreSpec.FORMS)
+        _drop_stale_forms(cls, ScoreSpec, "_make_score_mod", ScoreSpec.FORMS, ("depends_on_head",))
 
     def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.

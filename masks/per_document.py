@@ -18,6 +18,7 @@ from flexattn_zoo.spec import (
     Spec,
     SplitForm,
     VarlenForm,
+    keeps_function_of,
     spec_dataclass,
     tracing,
 )
@@ -91,6 +92,12 @@ class PerDocument(MaskSpec):
         docs: Any = self.documents
         if not isinstance(docs, Document):
             docs = Document(doc_ids=docs)
+        elif not keeps_function_of(docs, Document):
+            raise TypeError(
+                f"PerDocument(documents=...) reads only the document ids; {type(docs).__name__} "
+                "replaces Document's mask function, which it would ignore: pass a masks.Document "
+                "(or the ids) and combine the rest with & / |"
+            )
         object.__setattr__(self, "inner", inner)
         object.__setattr__(self, "documents", docs)
         run, start = _run_layout(docs.doc_ids)  # tensor ops only: fine while traced

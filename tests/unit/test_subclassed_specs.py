@@ -106,6 +106,60 @@ def test_a_subclass_whose_function_reads_the_batch_row_gets_a_block_mask_per_row
         assert_matches_reference(out, q, k, v, mask=spec)
 
 
+@spec_dataclass
+class CausalThenFullOnOddRows(masks.Causal):
+    """Causal in even batch rows, everything visible in odd ones: a function that reads ``b``
+    while Causal declares no batch dependence."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        def causal_then_full_on_odd_rows(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) | (b % 2 == 1)
+
+        return causal_then_full_on_odd_rows
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+        return torch.stack([causal if b % 2 == 0 else torch.ones_like(causal) for b in range(batch)])[:, None]
+
+
+@spec_dataclass
+class DiagonalHidden(masks.Causal):
+    """Causal without the diagonal, declaring that its function reads neither ``b`` nor ``h``."""
+
+    depends_on_batch = False
+    depends_on_head = False
+
+    def _make_mask_mod(self) -> MaskMod:
+        def diagonal_hidden(b, h, q_idx, kv_idx):
+            return kv_idx < q_idx
+
+        return diagonal_hidden
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        return torch.ones(q_len, kv_len, dtype=torch.bool).tril(-1)[None, None]
+
+
+def test_a_replaced_function_may_read_the_batch_row_and_head_unless_the_class_says_otherwise() -> None:
+    """A parent that declares no batch or head dependence says nothing about a new function: the
+    subclass's BlockMask is built per row and head unless it sets the flags itself."""
+    spec = CausalThenFullOnOddRows()
+    assert spec.uses_batch() and spec.uses_head()
+    assert not DiagonalHidden().uses_batch() and not DiagonalHidden().uses_head()
+    assert StrictlyCausal().uses_batch()  # declares nothing: may read the row, as far as anyone knows
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 256, 16) for _ in range(3))
+    for route in ["flex_cpu", "dense"]:
+        out = fz.attention(q, k, v, mask=spec, backend=route)
+        assert_matches_reference(out, q, k, v, mask=spec)
+
+
+def test_per_document_refuses_a_document_subclass_with_its_own_function() -> None:
+    with pytest.raises(TypeError, match="reads only the document ids"):
+        masks.PerDocument(
+            documents=DocumentsCausalOnOddRows(doc_ids=torch.tensor([0, 0, 1, 1])), inner="causal"
+        )
+
+
 def test_inherited_score_forms_give_way_to_the_defaults() -> None:
     spec = SquaredDistance(num_heads=4)
     for name in ScoreSpec.FORMS:
