@@ -37,7 +37,8 @@ def _clear_host_caches() -> None:
 
 
 def _block_tensors(bm) -> list[torch.Tensor]:
-    return [t for t in bm.as_tuple() if isinstance(t, torch.Tensor)]
+    """Copies: a DecodeMask's update rewrites the same tensors in place."""
+    return [t.clone() for t in bm.as_tuple() if isinstance(t, torch.Tensor)]
 
 
 def _host_work(spec, q, k, v):
