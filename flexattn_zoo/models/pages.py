@@ -286,7 +286,7 @@ class PageAllocator:
         for r in rows:
             self._lengths[r] += n
             self._fresh[r] = n
-        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32, device="cpu"))
+        self._write_lengths()
         return _Undo(grown, copies, before, released)
 
     def _unrelease(
@@ -320,7 +320,7 @@ class PageAllocator:
         for r, fresh, _ in undo.before:
             self._lengths[r] -= n
             self._fresh[r] = fresh
-        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32, device="cpu"))
+        self._write_lengths()
 
     def free(self, rows: int | Iterable[int]) -> None:
         """Let ``rows`` go of their pages and empty them (length 0, table row -1): the rows can
@@ -381,7 +381,7 @@ class PageAllocator:
             self._refs[p] += len(dsts)
         if flat:
             self._set_entries(flat, values)
-        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32, device="cpu"))
+        self._write_lengths()
 
     # ---- writing tokens ------------------------------------------------------------------------
 
@@ -584,6 +584,10 @@ class PageAllocator:
             return False
         self._free.append(page)
         return True
+
+    def _write_lengths(self) -> None:
+        """``cache_len`` from the host's lengths (one host-to-device copy)."""
+        self._cache_len.copy_(torch.tensor(self._lengths, dtype=torch.int32, device="cpu"))
 
     def _set_entries(self, flat: list[int], values: list[int]) -> None:
         """``block_table.view(-1)[flat] = values``: one host-to-device copy and one index write."""

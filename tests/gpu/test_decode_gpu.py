@@ -11,13 +11,14 @@ import math
 
 import pytest
 import torch
+from decode_checks import assert_decode_matches
 
 import flexattn_zoo as fz
 from flexattn_zoo import _compat, masks, score_mods
 from flexattn_zoo.compile import CACHE as COMPILE_CACHE
 from flexattn_zoo.models import decode
 from flexattn_zoo.spec import MaskSpec
-from flexattn_zoo.testing import FLOOR_ULPS, assert_matches_reference, eager_attention, reference_attention
+from flexattn_zoo.testing import assert_matches_reference, eager_attention, reference_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,45 +28,6 @@ pytestmark = [
 DEV = "cuda"
 B, H, HKV, D, BS = 3, 8, 2, 128, 128
 CAP = 2048
-
-
-def _full_problem(q, k, v, lens, b):  # type: ignore[no-untyped-def]
-    """Row ``b`` of a decode step as a full forward: q placed at the last Lq of ``lens[b]`` positions."""
-    n, lq = int(lens[b]), q.shape[2]
-    full_q = torch.zeros(1, q.shape[1], n, q.shape[3], dtype=q.dtype, device=q.device)
-    full_q[:, :, n - lq :] = q[b : b + 1]
-    return full_q, k[b : b + 1, :, :n], v[b : b + 1, :, :n]
-
-
-def assert_decode_matches(out, q, k, v, lens, mask, score=None, sinks=None) -> None:  # type: ignore[no-untyped-def]
-    lq = q.shape[2]
-    for b in range(q.shape[0]):
-        fq, fk, fv = _full_problem(q, k, v, lens, b)
-        ref, ref_lse = reference_attention(
-            fq.double(),
-            fk.double(),
-            fv.double(),
-            mask=mask,
-            score_mod=score,
-            enable_gqa=True,
-            sinks=None if sinks is None else sinks.double(),
-            return_lse=True,
-        )
-        eager = eager_attention(fq, fk, fv, mask=mask, score_mod=score, enable_gqa=True)
-        if sinks is not None:  # eager with sinks through the same identity, in the input dtype
-            _, lse = eager_attention(fq, fk, fv, mask=mask, score_mod=score, enable_gqa=True, return_lse=True)
-            eager = eager * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1)).unsqueeze(-1).to(
-                eager.dtype
-            )
-        ref, eager, ref_lse = ref[0, :, -lq:], eager[0, :, -lq:], ref_lse[0, :, -lq:]
-        err = float((out[b].double() - ref).abs().max())
-        eager_err = float((eager.double() - ref).abs().max())
-        finite = ref_lse[torch.isfinite(ref_lse)]
-        lse_scale = 1 + (float(finite.abs().max()) if finite.numel() else 0.0)
-        floor = float(ref.abs().max()) * (
-            torch.finfo(q.dtype).eps + FLOOR_ULPS * torch.finfo(torch.float32).eps * lse_scale
-        )
-        assert err <= 2 * eager_err + floor, f"row {b}: error {err:.3e} > 2 x {eager_err:.3e} + {floor:.3e}"
 
 
 def _cache(dtype=torch.bfloat16, seed=0):  # type: ignore[no-untyped-def]

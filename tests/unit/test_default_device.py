@@ -54,6 +54,17 @@ def _host_work(spec, q, k, v):
     return found
 
 
+def _assert_same(got: list, expected: list) -> None:
+    """Equal values; tensors bit for bit and on the same device."""
+    assert len(got) == len(expected)
+    for value, want in zip(got, expected, strict=True):
+        if isinstance(want, torch.Tensor):
+            assert value.device == want.device
+            torch.testing.assert_close(value, want, rtol=0, atol=0)
+        else:
+            assert value == want
+
+
 def _examples(name: str) -> list:
     return registry.MASKS.find(name).factory.examples(L, L, B, H)[:2]
 
@@ -72,13 +83,7 @@ def test_planning_block_masks_and_decoding_ignore_the_default_device(name: str) 
             under_meta = _host_work(spec, q, k, v)
         _clear_host_caches()
         expected = _host_work(spec, q, k, v)
-        assert len(under_meta) == len(expected)
-        for got, want in zip(under_meta, expected, strict=True):
-            if isinstance(want, torch.Tensor):
-                assert got.device == want.device
-                torch.testing.assert_close(got, want, rtol=0, atol=0)
-            else:
-                assert got == want
+        _assert_same(under_meta, expected)
 
 
 def _paged_steps() -> list[torch.Tensor]:
@@ -143,12 +148,7 @@ def test_specs_from_lists_raw_callables_and_page_allocators_ignore_the_default_d
         under_meta = work()
     _clear_host_caches()
     expected = work()
-    for got, want in zip(under_meta, expected, strict=True):
-        if isinstance(want, torch.Tensor):
-            assert got.device == want.device
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
-        else:
-            assert got == want
+    _assert_same(under_meta, expected)
 
 
 def _specs_from_host_values() -> dict:

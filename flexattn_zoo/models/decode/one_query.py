@@ -142,19 +142,24 @@ def run_start(mask: MaskSpec, length: int, batch: int, heads: int, capacity: int
     """The first key the query at position ``length - 1`` sees under ``mask`` (positions absolute
     over a cache of ``capacity``), when it sees one run of keys through its own
     (:meth:`~flexattn_zoo.spec.MaskSpec.sees_one_run`) and ``mask`` holds no tensor (its bound is
-    arithmetic, read on the host by ``mask.lowest_key_at`` of this package); None otherwise, or
-    when ``mask`` does not fit the cache (the general path names what is wrong)."""
+    arithmetic, read on the host by ``decode.mask.lowest_key_at``); None otherwise, or when
+    ``mask`` does not fit the cache (the general path names what is wrong)."""
     if not mask.sees_one_run() or mask.tensors():
         return None
     try:
         mask.validate(capacity, capacity, batch, heads)
     except ValueError:
         return None
-    return min(lowest_key_at(mask, length - 1), length - 1)
+    return _start_at(mask, length - 1)
 
 
 def run_slides(mask: MaskSpec, length: int, start: int) -> bool:
     """Whether the run that starts at ``start`` for the query at ``length - 1`` (see
     :func:`run_start`) is as long as the previous position's: a full sliding window, whose slice
     of the cache keeps one shape from step to step."""
-    return start > 0 and min(lowest_key_at(mask, length - 2), length - 2) == start - 1
+    return start > 0 and _start_at(mask, length - 2) == start - 1
+
+
+def _start_at(mask: MaskSpec, position: int) -> int:
+    """The first key of the run the query at ``position`` sees (its own key at the latest)."""
+    return min(lowest_key_at(mask, position), position)
