@@ -564,6 +564,23 @@ def evaluate_as_flex(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> 
         return _evaluate_chunked(fn, padded, shape)
 
 
+def evaluate_mask_mod(
+    mask_mod: Callable[..., Any], batch: int, heads: int, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor:
+    """The boolean ``[batch, heads, q_len, kv_len]`` visibility ``mask_mod`` gives, evaluated on
+    ``device`` as flex evaluates it (:func:`evaluate_as_flex`)."""
+    grids = tuple(g.to(device) for g in _grids(batch, heads, q_len, kv_len))
+    return evaluate_as_flex(mask_mod, grids).bool()
+
+
+def evaluate_score_mod(score_mod: Callable[..., Any], scores: torch.Tensor) -> torch.Tensor:
+    """``score_mod`` applied to a dense ``[B, H, Lq, Lkv]`` tensor of scores, evaluated as flex
+    evaluates it (:func:`evaluate_as_flex`), in the dtype of ``scores``; differentiable."""
+    batch, heads, q_len, kv_len = scores.shape
+    grids = tuple(g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))
+    return evaluate_as_flex(score_mod, (scores, *grids)).to(scores.dtype)
+
+
 def _scalar_mask_mod(fn: Callable[..., Any]) -> MaskMod:
     """``fn`` as a mask_mod that flex's kernels call as is (0-d indices), and that index grids
     (the oracle, the ``dense`` route, the BlockMask builder, composites) evaluate as flex does."""

@@ -1009,12 +1009,19 @@ def _defining_class(cls: type, name: str) -> type | None:
 
 
 def _drop_stale_forms(
-    cls: type, base: type, function: str, forms: tuple[str, ...], flags: tuple[str, ...]
+    cls: type,
+    base: type,
+    function: str,
+    forms: tuple[str, ...],
+    flags: tuple[str, ...],
+    oracle: Callable[..., Any],
 ) -> None:
     """Give ``cls`` the ``base`` defaults of the ``forms`` it inherits from a class whose
     ``function`` (the maker of its mask_mod / score_mod) ``cls`` or a class between them replaced,
     and, where it replaced a parent's function, set the dependence ``flags`` it does not set
-    itself (``depends_on_batch`` / ``depends_on_head``) to True.
+    itself (``depends_on_batch`` / ``depends_on_head``) to True. An oracle (``dense``) inherited
+    the same way describes the replaced function too: ``cls`` gets ``oracle`` instead, which
+    evaluates its own function.
 
     A form (an SDPA flag, a block map, a lower bound on the keys, a bias's slopes...) is a claim
     about one function: a subclass of ``masks.Causal`` that hides the diagonal too inherits
@@ -1036,7 +1043,7 @@ def _drop_stale_forms(
         for flag in flags:
             if not any(flag in k.__dict__ for k in below_maker):
                 setattr(cls, flag, True)
-    for name in forms:
+    for name in (*forms, "dense"):
         if name in cls.__dict__:
             continue
         owner = _defining_class(cls, name)
@@ -1045,7 +1052,34 @@ def _drop_stale_forms(
         written_beside = _defining_class(owner, function)
         if written_beside is None or written_beside is base or written_beside is maker:
             continue
-        setattr(cls, name, base.__dict__[name])
+        setattr(cls, name, oracle if name == "dense" else base.__dict__[name])
+
+
+def _device_of_tensors(spec: Spec) -> torch.device:
+    """Where ``spec``'s captured tensors live (the CPU if it captures none)."""
+    tensors = spec.tensors()
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def function_mask_oracle(
+    self: MaskSpec, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1
+) -> torch.Tensor:
+    """``dense`` of a class that replaced a parent's mask function without writing its own oracle
+    (the parent's describes the parent's function): the class's function evaluated on the index
+    grids as flex evaluates it (once per element, 0-d indices), where its tensors live, returned
+    on the CPU like every oracle. Not independent of the function, as a raw callable's is not."""
+    from flexattn_zoo.functions import evaluate_mask_mod  # functions.py imports this module
+
+    visible = evaluate_mask_mod(self.mask_mod(), batch, heads, q_len, kv_len, _device_of_tensors(self))
+    return visible.cpu()
+
+
+def function_score_oracle(self: ScoreSpec, scores: torch.Tensor) -> torch.Tensor:
+    """``dense`` of a class that replaced a parent's score function without writing its own oracle:
+    the class's exact function (``fast=False``) evaluated as flex evaluates it on ``scores``."""
+    from flexattn_zoo.functions import evaluate_score_mod  # functions.py imports this module
+
+    return evaluate_score_mod(self.score_mod(), scores)
 
 
 def keeps_function_of(spec: Any, cls: type) -> bool:
@@ -1092,7 +1126,12 @@ class MaskSpec(Spec):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _drop_stale_forms(
-            cls, MaskSpec, "_make_mask_mod", MaskSpec.FORMS, ("depends_on_batch", "depends_on_head")
+            cls,
+            MaskSpec,
+            "_make_mask_mod",
+            MaskSpec.FORMS,
+            ("depends_on_batch", "depends_on_head"),
+            function_mask_oracle,
         )
 
     def uses_batch(self) -> bool:
@@ -1258,7 +1297,9 @@ class ScoreSpec(Spec):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _drop_stale_forms(cls, ScoreSpec, "_make_score_mod", ScoreSpec.FORMS, ("depends_on_head",))
+        _drop_stale_forms(
+            cls, ScoreSpec, "_make_score_mod", ScoreSpec.FORMS, ("depends_on_head",), function_score_oracle
+        )
 
     def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.

@@ -577,6 +577,8 @@ class ShiftedFunctionMask(CapturedOffsets, FunctionMask):
     # the wrapped function's (a replaced function drops the forms it does not restate).
     uses_batch = FunctionMask.uses_batch
     uses_head = FunctionMask.uses_head
+    # FunctionMask's oracle applies ``index_offsets``: it is this class's too.
+    dense = FunctionMask.dense
 
     def __post_init__(self) -> None:
         super().__post_init__()

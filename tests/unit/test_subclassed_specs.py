@@ -22,10 +22,18 @@ from subclassed_specs import (
 )
 
 import flexattn_zoo as fz
-from flexattn_zoo import masks
+from flexattn_zoo import masks, score_mods
 from flexattn_zoo.models import decode
 from flexattn_zoo.reference import reference_attention
-from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreSpec, spec_dataclass
+from flexattn_zoo.spec import (
+    MaskMod,
+    MaskSpec,
+    ScoreMod,
+    ScoreSpec,
+    function_mask_oracle,
+    function_score_oracle,
+    spec_dataclass,
+)
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent
 
 MASKS = [StrictlyCausal(), RecentOnly(left=5), ShiftedChunks(size=16)]
@@ -272,3 +280,106 @@ def test_no_class_the_library_ships_has_a_form_dropped() -> None:
         if cls.__dict__.get(name) is base.__dict__[name]
     ]
     assert dropped == []
+    oracles = (function_mask_oracle, function_score_oracle)
+    assert [cls.__name__ for _, cls in shipped if cls.__dict__.get("dense") in oracles] == []
+
+
+# An oracle describes one function too: a subclass that replaces the function and writes no
+# `dense` of its own gets its function evaluated as flex evaluates it, not its parent's oracle
+# (which made every correct route fail the reference, and `assert_mask_consistent` fail).
+
+
+@spec_dataclass
+class StrictlyCausalUnwritten(masks.Causal):
+    """Causal without the diagonal; no oracle written."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        def strictly_causal(b, h, q_idx, kv_idx):
+            return kv_idx < q_idx
+
+        return strictly_causal
+
+
+@spec_dataclass
+class OddKeysHiddenInDocuments(masks.Document):
+    """Documents with their odd keys hidden, indexing the captured ids; no oracle written."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        ids = self.doc_ids
+
+        def odd_keys_hidden(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & (kv_idx % 2 == 0)
+
+        return odd_keys_hidden
+
+
+@spec_dataclass
+class LinearDistanceUnwritten(score_mods.Alibi):
+    """ALiBi's slopes on ``q - kv`` signed, for every pair; no oracle written."""
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        slopes = self.head_slopes()
+
+        def signed_distance(score, b, h, q_idx, kv_idx):
+            slope = torch.where(h == 0, slopes[0], slopes[1])
+            return score - slope * (q_idx - kv_idx)
+
+        return signed_distance
+
+
+def test_a_subclass_without_an_oracle_of_its_own_is_checked_against_its_own_function() -> None:
+    assert StrictlyCausalUnwritten.dense is function_mask_oracle
+    assert torch.equal(
+        StrictlyCausalUnwritten().dense(6, 6), torch.ones(6, 6, dtype=torch.bool).tril(-1)[None, None]
+    )
+    ids = torch.tensor([0] * 7 + [1] * 9)
+    documents = OddKeysHiddenInDocuments(doc_ids=ids)
+    expected = (ids[:, None] == ids[None, :]) & (torch.arange(16) % 2 == 0)
+    assert torch.equal(documents.dense(16, 16, batch=2), expected.expand(2, 1, 16, 16))
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
+    for spec in (StrictlyCausalUnwritten(), documents):
+        assert_mask_consistent(spec, 16, 16, batch=2, heads=2)
+        for route in ["auto", *_routes_that_accept(q, k, v, mask=spec)]:
+            out = fz.attention(q, k, v, mask=spec, backend=route)
+            assert_matches_reference(out, q, k, v, mask=spec)
+
+
+def test_a_score_subclass_without_an_oracle_of_its_own_is_checked_against_its_own_function() -> None:
+    spec = LinearDistanceUnwritten(num_heads=2)
+    assert LinearDistanceUnwritten.dense is function_score_oracle
+    scores = torch.zeros(1, 2, 5, 5, dtype=torch.float64, requires_grad=True)
+    slopes = torch.tensor(spec.head_slopes(), dtype=torch.float64).view(2, 1, 1)
+    distance = (torch.arange(5)[:, None] - torch.arange(5)[None, :]).double()
+    biased = spec.dense(scores)
+    assert biased.dtype == torch.float64
+    torch.testing.assert_close(biased, (-slopes * distance)[None])
+    biased.sum().backward()  # the reference's backward runs through the oracle
+    assert torch.equal(scores.grad, torch.ones_like(scores))
+    assert_score_consistent(spec, heads=2)
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 24, 8) * 0.5 for _ in range(3))
+    for mask in (None, masks.Causal()):
+        for route in ["auto", *_routes_that_accept(q, k, v, mask=mask, score_mod=spec)]:
+            out = fz.attention(q, k, v, mask=mask, score_mod=spec, backend=route)
+            assert_matches_reference(out, q, k, v, mask=mask, score_mod=spec)
+
+
+@spec_dataclass
+class CausalOracleRestated(masks.Causal):
+    """Causal spelled anew, restating the parent's oracle, which still describes it."""
+
+    dense = masks.Causal.dense
+
+    def _make_mask_mod(self) -> MaskMod:
+        def causal_again(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx
+
+        return causal_again
+
+
+def test_an_oracle_stays_where_the_function_stays_or_the_class_restates_it() -> None:
+    assert Renamed.dense is masks.SlidingWindow.dense
+    assert CausalOracleRestated.dense is masks.Causal.dense
+    assert StrictlyCausal.dense is not function_mask_oracle  # written in the class
+    assert_mask_consistent(CausalOracleRestated(), 12, 12)
