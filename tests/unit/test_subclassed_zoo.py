@@ -20,13 +20,16 @@ import flexattn_zoo as fz
 from flexattn_zoo import masks
 from flexattn_zoo.models import decode
 from flexattn_zoo.registry import MASKS, SCORES
-from flexattn_zoo.spec import MaskSpec, ScoreSpec, spec_dataclass
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, function_mask_oracle, function_score_oracle, spec_dataclass
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
 
 B, H, L, D = 2, 2, 96, 16
 
 
-def _thinned_class(parent: type) -> type:
+def _thinned_class(parent: type, *, oracle: bool = True) -> type:
+    """``parent`` with every key ``kv % 3 == 1`` hidden; with ``oracle`` its ``dense`` written too
+    (otherwise the class gets its function evaluated as its oracle)."""
+
     @spec_dataclass
     class Thinned(parent):  # type: ignore[misc, valid-type]
         def _make_mask_mod(self):
@@ -37,15 +40,20 @@ def _thinned_class(parent: type) -> type:
 
             return thinned
 
-        def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
-            visible = parent.dense(self, q_len, kv_len, batch=batch, heads=heads)
-            return visible & (torch.arange(kv_len, device=visible.device) % 3 != 1)
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        visible = parent.dense(self, q_len, kv_len, batch=batch, heads=heads)
+        return visible & (torch.arange(kv_len, device=visible.device) % 3 != 1)
 
+    if oracle:
+        Thinned.dense = dense
     Thinned.__name__ = Thinned.__qualname__ = f"Thinned{parent.__name__}"
     return Thinned
 
 
-def _shifted_class(parent: type) -> type:
+def _shifted_class(parent: type, *, oracle: bool = True) -> type:
+    """``parent`` with ``0.25 * ((q + 2 kv) % 5)`` added to every score; with ``oracle`` its
+    ``dense`` written too."""
+
     @spec_dataclass
     class Shifted(parent):  # type: ignore[misc, valid-type]
         def _make_score_mod(self, *, fast: bool):
@@ -56,12 +64,14 @@ def _shifted_class(parent: type) -> type:
 
             return shifted
 
-        def dense(self, scores: torch.Tensor) -> torch.Tensor:
-            q_len, kv_len = scores.shape[-2:]
-            q = torch.arange(q_len, dtype=scores.dtype, device=scores.device)[:, None]
-            kv = torch.arange(kv_len, dtype=scores.dtype, device=scores.device)[None, :]
-            return parent.dense(self, scores) + 0.25 * ((q + 2 * kv) % 5)
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        q_len, kv_len = scores.shape[-2:]
+        q = torch.arange(q_len, dtype=scores.dtype, device=scores.device)[:, None]
+        kv = torch.arange(kv_len, dtype=scores.dtype, device=scores.device)[None, :]
+        return parent.dense(self, scores) + 0.25 * ((q + 2 * kv) % 5)
 
+    if oracle:
+        Shifted.dense = dense
     Shifted.__name__ = Shifted.__qualname__ = f"Shifted{parent.__name__}"
     return Shifted
 
@@ -136,3 +146,41 @@ def test_every_score_family_subclassed_with_its_own_function_runs_exactly(name: 
         for route in ["auto", *routes]:
             out = fz.attention(q, k, v, mask=mask, score_mod=spec, backend=route)
             assert_matches_reference(out, q, k, v, mask=mask, score_mod=spec)
+
+
+@pytest.mark.parametrize("name", MASKS.names())
+def test_every_mask_family_subclassed_without_an_oracle_is_checked_against_its_own_function(
+    name: str,
+) -> None:
+    """The oracle a subclass gets when it writes none (its function evaluated as flex does) equals
+    the independent oracle written for the same function, family by family."""
+    parent, example = _example(MASKS, name)
+    if example is None:
+        pytest.skip(f"{name} is not a spec class with an example of its own class")
+    written = _rebuilt(example, _thinned_class(parent))
+    unwritten = _rebuilt(example, _thinned_class(parent, oracle=False))
+    assert type(unwritten).dense is function_mask_oracle
+    try:
+        written.validate(L, L, B, H)
+        written.bind(L, L).mask_mod()
+    except (ValueError, TypeError) as exc:
+        pytest.skip(f"{name}: {exc}")
+    want = written.dense(L, L, batch=B, heads=H)
+    got = unwritten.dense(L, L, batch=B, heads=H)
+    assert got.device.type == "cpu" and got.dtype == torch.bool
+    assert torch.equal(torch.broadcast_to(got, (B, H, L, L)), torch.broadcast_to(want, (B, H, L, L)))
+
+
+@pytest.mark.parametrize("name", _softmax_score_families())
+def test_every_score_family_subclassed_without_an_oracle_is_checked_against_its_own_function(
+    name: str,
+) -> None:
+    parent, example = _example(SCORES, name)
+    written = _rebuilt(example, _shifted_class(parent))
+    unwritten = _rebuilt(example, _shifted_class(parent, oracle=False))
+    assert type(unwritten).dense is function_score_oracle
+    torch.manual_seed(5)
+    scores = torch.randn(B, H, L, L, dtype=torch.float64)
+    torch.testing.assert_close(
+        unwritten.dense(scores.clone()), written.dense(scores.clone()), rtol=1e-6, atol=1e-6
+    )
