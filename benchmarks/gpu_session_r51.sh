@@ -10,18 +10,31 @@
 #   bash benchmarks/gpu_session_r51.sh fa4rows 560  # (FA4 installed; on an H200) the cases around the
 #                    # fa4 band rule (2e10-4e10 of visible work) into generalization_h200.json, then
 #                    # the score-mod and prefix-LM cases flex_flash serves into a copy of it
+#   bash benchmarks/gpu_session_r51.sh tests 560    # (FA4 installed) the compile GPU suite, the decode
+#                    # and subclass GPU tests, the host table
 #   bash benchmarks/gpu_session_r51.sh STEP BUDGET  # any step of gpu_session_r48.sh
 set -uo pipefail
-step="${1:?usage: $0 verify|fa4rows|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
+step="${1:?usage: $0 verify|fa4rows|tests|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case "$step" in
-  verify|fa4rows) ;;
+  verify|fa4rows|tests) ;;
   *) SESSION=r51 exec bash benchmarks/gpu_session_r48.sh "$@" ;;
 esac
 session=r51
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 
+if [ "$step" = tests ]; then
+  run "gpu_tests_compile_${gpu}_r51" "$(share 55)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+    tests/gpu/test_compile_gpu.py
+  run "gpu_tests_decode_${gpu}_r51" "$(share 30)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+    tests/gpu/test_decode_gpu.py tests/gpu/test_subclassed_specs_gpu.py
+  run "host_cost_${gpu}_r51" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
+    --out "$out/host_cost_${gpu}_r51.md"
+  pack
+  ls -la "$out"
+  exit 0
+fi
 if [ "$step" = verify ]; then
   run "gpu_tests_decode_${gpu}_r51" "$(share 35)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
     tests/gpu/test_decode_gpu.py tests/gpu/test_subclassed_specs_gpu.py
