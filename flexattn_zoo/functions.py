@@ -46,7 +46,7 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.lru import LRUCache
-from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, spec_dataclass
+from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, index_grids, spec_dataclass
 
 
 def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
@@ -124,14 +124,6 @@ def _check_signature(
             f"{count} positional arguments without defaults (extra parameters need defaults); "
             f"{getattr(fn, '__name__', fn)!r} {got}"
         )
-
-
-def _grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
-    b = torch.arange(batch, device="cpu").view(batch, 1, 1, 1)
-    h = torch.arange(heads, device="cpu").view(1, heads, 1, 1)
-    q = torch.arange(q_len, device="cpu").view(1, 1, q_len, 1)
-    kv = torch.arange(kv_len, device="cpu").view(1, 1, 1, kv_len)
-    return b, h, q, kv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +423,7 @@ class FunctionMask(_TracksCallable, MaskSpec):
         # Evaluated where the tensors the function indexes live (e.g. CUDA document ids), returned
         # on the CPU like the other specs' oracles (composites combine them).
         device = _captured_device(self.fn)
-        b, h, q, kv = (g.to(device) for g in _grids(batch, heads, q_len, kv_len))
+        b, h, q, kv = (g.to(device) for g in index_grids(batch, heads, q_len, kv_len))
         q_offset, kv_offset = self.index_offsets()
         fn = _scalar_mask_mod(self.fn) if self.scalar else self.fn
         out = torch.as_tensor(fn(b, h, q + q_offset, kv + kv_offset)).cpu()
@@ -477,7 +469,7 @@ class FunctionScore(_TracksCallable, ScoreSpec):
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
-        b, h, q, kv = (g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))
+        b, h, q, kv = (g.to(scores.device) for g in index_grids(batch, heads, q_len, kv_len))
         fn = _scalar_score_mod(self.fn) if self.scalar else self.fn
         return torch.broadcast_to(fn(scores, b, h, q, kv), scores.shape).to(scores.dtype)
 
@@ -562,23 +554,6 @@ def evaluate_as_flex(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> 
     padded = [a.reshape((1,) * (len(shape) - a.dim()) + tuple(a.shape)) for a in args]
     with _compat.index_with_tensors():
         return _evaluate_chunked(fn, padded, shape)
-
-
-def evaluate_mask_mod(
-    mask_mod: Callable[..., Any], batch: int, heads: int, q_len: int, kv_len: int, device: torch.device
-) -> torch.Tensor:
-    """The boolean ``[batch, heads, q_len, kv_len]`` visibility ``mask_mod`` gives, evaluated on
-    ``device`` as flex evaluates it (:func:`evaluate_as_flex`)."""
-    grids = tuple(g.to(device) for g in _grids(batch, heads, q_len, kv_len))
-    return evaluate_as_flex(mask_mod, grids).bool()
-
-
-def evaluate_score_mod(score_mod: Callable[..., Any], scores: torch.Tensor) -> torch.Tensor:
-    """``score_mod`` applied to a dense ``[B, H, Lq, Lkv]`` tensor of scores, evaluated as flex
-    evaluates it (:func:`evaluate_as_flex`), in the dtype of ``scores``; differentiable."""
-    batch, heads, q_len, kv_len = scores.shape
-    grids = tuple(g.to(scores.device) for g in _grids(batch, heads, q_len, kv_len))
-    return evaluate_as_flex(score_mod, (scores, *grids)).to(scores.dtype)
 
 
 def _scalar_mask_mod(fn: Callable[..., Any]) -> MaskMod:

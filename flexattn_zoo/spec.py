@@ -1055,31 +1055,36 @@ def _drop_stale_forms(
         setattr(cls, name, oracle if name == "dense" else base.__dict__[name])
 
 
-def _device_of_tensors(spec: Spec) -> torch.device:
-    """Where ``spec``'s captured tensors live (the CPU if it captures none)."""
-    tensors = spec.tensors()
-    return tensors[0].device if tensors else torch.device("cpu")
+def index_grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
+    """CPU int64 ``(b, h, q_idx, kv_idx)`` of shapes ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,Lq,1]``,
+    ``[1,1,1,Lkv]``: a spec's function called on them gives its values on the whole grid."""
+    b = torch.arange(batch, device="cpu").view(batch, 1, 1, 1)
+    h = torch.arange(heads, device="cpu").view(1, heads, 1, 1)
+    q = torch.arange(q_len, device="cpu").view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device="cpu").view(1, 1, 1, kv_len)
+    return b, h, q, kv
 
 
 def function_mask_oracle(
     self: MaskSpec, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1
 ) -> torch.Tensor:
     """``dense`` of a class that replaced a parent's mask function without writing its own oracle
-    (the parent's describes the parent's function): the class's function evaluated on the index
-    grids as flex evaluates it (once per element, 0-d indices), where its tensors live, returned
-    on the CPU like every oracle. Not independent of the function, as a raw callable's is not."""
-    from flexattn_zoo.functions import evaluate_mask_mod  # functions.py imports this module
-
-    visible = evaluate_mask_mod(self.mask_mod(), batch, heads, q_len, kv_len, _device_of_tensors(self))
-    return visible.cpu()
+    (the parent's describes the parent's function): the class's function called on the index
+    grids, as the ``dense`` route calls it, where its tensors live; returned on the CPU like every
+    oracle. Not independent of the function, as a raw callable's is not."""
+    tensors = self.tensors()
+    device = tensors[0].device if tensors else torch.device("cpu")
+    b, h, q, kv = (g.to(device) for g in index_grids(batch, heads, q_len, kv_len))
+    visible = torch.as_tensor(self.mask_mod()(b, h, q, kv), device=device).bool()
+    return torch.broadcast_to(visible, (batch, heads, q_len, kv_len)).cpu()
 
 
 def function_score_oracle(self: ScoreSpec, scores: torch.Tensor) -> torch.Tensor:
     """``dense`` of a class that replaced a parent's score function without writing its own oracle:
-    the class's exact function (``fast=False``) evaluated as flex evaluates it on ``scores``."""
-    from flexattn_zoo.functions import evaluate_score_mod  # functions.py imports this module
-
-    return evaluate_score_mod(self.score_mod(), scores)
+    the class's exact function (``fast=False``) called on ``scores`` and the index grids, in the
+    dtype of ``scores``."""
+    grids = (g.to(scores.device) for g in index_grids(*scores.shape))
+    return torch.broadcast_to(self.score_mod()(scores, *grids), scores.shape).to(scores.dtype)
 
 
 def keeps_function_of(spec: Any, cls: type) -> bool:

@@ -285,7 +285,7 @@ def test_no_class_the_library_ships_has_a_form_dropped() -> None:
 
 
 # An oracle describes one function too: a subclass that replaces the function and writes no
-# `dense` of its own gets its function evaluated as flex evaluates it, not its parent's oracle
+# `dense` of its own gets its own function called on the index grids, not its parent's oracle
 # (which made every correct route fail the reference, and `assert_mask_consistent` fail).
 
 

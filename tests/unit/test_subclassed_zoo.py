@@ -152,7 +152,7 @@ def test_every_score_family_subclassed_with_its_own_function_runs_exactly(name: 
 def test_every_mask_family_subclassed_without_an_oracle_is_checked_against_its_own_function(
     name: str,
 ) -> None:
-    """The oracle a subclass gets when it writes none (its function evaluated as flex does) equals
+    """The oracle a subclass gets when it writes none (its function called on index grids) equals
     the independent oracle written for the same function, family by family."""
     parent, example = _example(MASKS, name)
     if example is None:
