@@ -29,7 +29,7 @@ from flexattn_zoo.coercion import as_mask_spec, as_score_spec, check_kernel_opti
 from flexattn_zoo.plan_cache import call_key
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import segment_layout
-from flexattn_zoo.spec import Spec
+from flexattn_zoo.spec import Spec, unused_forms
 from flexattn_zoo.tuning import TuneInfo
 from flexattn_zoo.validation import (
     Shape,
@@ -98,6 +98,14 @@ class Plan:
             f"problem: B={p.batch} H={p.heads}/{p.kv_heads} Lq={p.q_len} Lkv={p.kv_len} D={p.head_dim} "
             f"{str(p.dtype).removeprefix('torch.')} on {p.device_type}; mask={mask} score_mod={score}",
         ]
+        for spec in (p.mask, p.score):
+            for cls, parent, unused in unused_forms(spec):
+                example = next((n for n in ("sdpa_form", "block_map") if n in unused), unused[0])
+                lines.append(
+                    f"note: {cls.__name__} replaces {parent.__name__}'s function, so it does not use "
+                    f"{parent.__name__}'s {', '.join(unused)} (restate in its class body one that still "
+                    f"holds, e.g. {example} = {parent.__name__}.{example})"
+                )
         if self.tuning is not None:
             lines.append(self.tuning.describe(self.backend))
             lines.append(f"signature: {self.tuning.signature.describe()}")

@@ -1087,6 +1087,40 @@ def function_score_oracle(self: ScoreSpec, scores: torch.Tensor) -> torch.Tensor
     return torch.broadcast_to(self.score_mod()(scores, *grids), scores.shape).to(scores.dtype)
 
 
+def unused_forms(spec: Any) -> list[tuple[type, type, tuple[str, ...]]]:
+    """For ``spec`` and every spec inside it (a composite's parts), each class that replaced a
+    parent's function: ``(class, parent, the parent's forms it does not use)``, where that list is
+    not empty. Routes that need those forms refuse the class (what ``explain`` says why)."""
+    found: list[tuple[type, type, tuple[str, ...]]] = []
+    seen: set[type] = set()
+
+    def visit(value: Any) -> None:
+        if not isinstance(value, Spec):
+            return
+        cls = type(value)
+        base, function = (
+            (MaskSpec, "_make_mask_mod") if isinstance(value, MaskSpec) else (ScoreSpec, "_make_score_mod")
+        )
+        maker = _defining_class(cls, function)
+        if cls not in seen and maker is not None and maker is not base:
+            seen.add(cls)
+            parent = next((k for k in maker.__mro__[1:] if function in k.__dict__), base)
+            if parent is not base:
+                defaults = base.__dict__
+                unused = tuple(
+                    name
+                    for name in base.FORMS  # type: ignore[attr-defined]
+                    if getattr(cls, name) is defaults[name] and getattr(parent, name) is not defaults[name]
+                )
+                if unused:
+                    found.append((cls, parent, unused))
+        for part in value._parts():
+            visit(part)
+
+    visit(spec)
+    return found
+
+
 def keeps_function_of(spec: Any, cls: type) -> bool:
     """Whether ``spec`` is a ``cls`` that runs ``cls``'s own mask / score function (no subclass
     between them replaced it): what a claim made of a class, rather than read from a form, needs

@@ -383,3 +383,26 @@ def test_an_oracle_stays_where_the_function_stays_or_the_class_restates_it() -> 
     assert CausalOracleRestated.dense is masks.Causal.dense
     assert StrictlyCausal.dense is not function_mask_oracle  # written in the class
     assert_mask_consistent(CausalOracleRestated(), 12, 12)
+
+
+def test_explain_names_the_forms_a_subclass_does_not_use() -> None:
+    q = torch.randn(1, 4, 32, 16)
+    text = fz.plan(
+        q, q, q, mask=StrictlyCausal() & masks.SlidingWindow(left=8), score_mod=SquaredDistance(num_heads=4)
+    ).explain()
+    notes = [line for line in text.splitlines() if line.startswith("note:")]
+    assert len(notes) == 2, text
+    assert notes[0].startswith(
+        "note: StrictlyCausal replaces Causal's function, so it does not use Causal's "
+    )
+    assert "sdpa_form" in notes[0] and "e.g. sdpa_form = Causal.sdpa_form" in notes[0]
+    assert (
+        notes[1].startswith("note: SquaredDistance replaces Alibi's function")
+        and "linear_bias_form" in notes[1]
+    )
+    # Restated forms are used, and a class keeping its parent's function has nothing to note.
+    again = fz.plan(q, q, q, mask=CausalSpelledAgain()).explain()
+    note = next(line for line in again.splitlines() if line.startswith("note:"))
+    assert "sdpa_form" not in note and "sees_one_run" not in note and "block_map" in note
+    assert "note:" not in fz.plan(q, q, q, mask=Renamed(left=4)).explain()
+    assert "note:" not in fz.plan(q, q, q, mask=masks.Causal()).explain()
