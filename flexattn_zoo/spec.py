@@ -1109,7 +1109,7 @@ def unused_forms(spec: Any) -> list[tuple[type, type, tuple[str, ...]]]:
                 defaults = base.__dict__
                 unused = tuple(
                     name
-                    for name in base.FORMS  # type: ignore[attr-defined]
+                    for name in base.FORMS
                     if getattr(cls, name) is defaults[name] and getattr(parent, name) is not defaults[name]
                 )
                 if unused:
