@@ -1069,13 +1069,15 @@ def function_mask_oracle(
     self: MaskSpec, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1
 ) -> torch.Tensor:
     """``dense`` of a class that replaced a parent's mask function without writing its own oracle
-    (the parent's describes the parent's function): the class's function called on the index
-    grids, as the ``dense`` route calls it, where its tensors live; returned on the CPU like every
-    oracle. Not independent of the function, as a raw callable's is not."""
+    (the parent's describes the parent's function): the class's function (of the spec bound to
+    the lengths, where the class restates ``bind``) called on the index grids, as the ``dense``
+    route calls it, where its tensors live; returned on the CPU like every oracle. Not
+    independent of the function, as a raw callable's is not."""
     tensors = self.tensors()
     device = tensors[0].device if tensors else torch.device("cpu")
     b, h, q, kv = (g.to(device) for g in index_grids(batch, heads, q_len, kv_len))
-    visible = torch.as_tensor(self.mask_mod()(b, h, q, kv), device=device).bool()
+    mask_mod = self.bind(q_len, kv_len).mask_mod()
+    visible = torch.as_tensor(mask_mod(b, h, q, kv), device=device).bool()
     return torch.broadcast_to(visible, (batch, heads, q_len, kv_len)).cpu()
 
 
