@@ -99,12 +99,19 @@ class Plan:
             f"{str(p.dtype).removeprefix('torch.')} on {p.device_type}; mask={mask} score_mod={score}",
         ]
         for spec in (p.mask, p.score):
-            for cls, parent, unused in unused_forms(spec):
-                example = next((n for n in ("sdpa_form", "block_map") if n in unused), unused[0])
+            for cls, maker, parent, unused in unused_forms(spec):
+                runs = "replaces" if maker is cls else f"runs {maker.__name__}'s function in place of"
+                public = [n for n in unused if not n.startswith("_")]
+                example = next((n for n in ("sdpa_form", "block_map", *public) if n in public), None)
                 lines.append(
-                    f"note: {cls.__name__} replaces {parent.__name__}'s function, so it does not use "
-                    f"{parent.__name__}'s {', '.join(unused)} (restate in its class body one that still "
-                    f"holds, e.g. {example} = {parent.__name__}.{example})"
+                    f"note: {cls.__name__} {runs} {parent.__name__}'s function, so it does not use "
+                    f"{parent.__name__}'s {', '.join(unused)}"
+                    + (
+                        f" (restate in its class body one that still holds, e.g. {example} = "
+                        f"{parent.__name__}.{example})"
+                        if example
+                        else ""
+                    )
                 )
         if self.tuning is not None:
             lines.append(self.tuning.describe(self.backend))

@@ -1037,7 +1037,7 @@ def _drop_stale_forms(
     maker = _defining_class(cls, function)
     if maker is None or maker is base:
         return
-    replaced = next((k for k in maker.__mro__[1:] if function in k.__dict__), None)
+    replaced = _replaced_by(cls, maker, function)
     if replaced is not None and replaced is not base:
         below_maker = cls.__mro__[: cls.__mro__.index(maker) + 1]
         for flag in flags:
@@ -1053,6 +1053,13 @@ def _drop_stale_forms(
         if written_beside is None or written_beside is base or written_beside is maker:
             continue
         setattr(cls, name, oracle if name == "dense" else base.__dict__[name])
+
+
+def _replaced_by(cls: type, maker: type, function: str) -> type | None:
+    """The class whose ``function`` ``maker``'s replaces in ``cls``: the next one along ``cls``'s
+    MRO that defines it (``maker`` may be a mixin, with no such class above it in its own MRO)."""
+    mro = cls.__mro__
+    return next((k for k in mro[mro.index(maker) + 1 :] if function in k.__dict__), None)
 
 
 def index_grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
@@ -1073,8 +1080,7 @@ def function_mask_oracle(
     the lengths, where the class restates ``bind``) called on the index grids, as the ``dense``
     route calls it, where its tensors live; returned on the CPU like every oracle. Not
     independent of the function, as a raw callable's is not."""
-    tensors = self.tensors()
-    device = tensors[0].device if tensors else torch.device("cpu")
+    device = next((t.device for t in self.tensors() if t.device.type != "cpu"), torch.device("cpu"))
     b, h, q, kv = (g.to(device) for g in index_grids(batch, heads, q_len, kv_len))
     mask_mod = self.bind(q_len, kv_len).mask_mod()
     visible = torch.as_tensor(mask_mod(b, h, q, kv), device=device).bool()
@@ -1089,11 +1095,12 @@ def function_score_oracle(self: ScoreSpec, scores: torch.Tensor) -> torch.Tensor
     return torch.broadcast_to(self.score_mod()(scores, *grids), scores.shape).to(scores.dtype)
 
 
-def unused_forms(spec: Any) -> list[tuple[type, type, tuple[str, ...]]]:
-    """For ``spec`` and every spec inside it (a composite's parts), each class that replaced a
-    parent's function: ``(class, parent, the parent's forms it does not use)``, where that list is
-    not empty. Routes that need those forms refuse the class (what ``explain`` says why)."""
-    found: list[tuple[type, type, tuple[str, ...]]] = []
+def unused_forms(spec: Any) -> list[tuple[type, type, type, tuple[str, ...]]]:
+    """For ``spec`` and every spec inside it (a composite's parts), each class whose function
+    replaced a parent's: ``(class, the class defining its function, parent, the parent's forms the
+    class does not use)``, where that list is not empty. Routes that need those forms refuse the
+    class (what ``explain`` says why)."""
+    found: list[tuple[type, type, type, tuple[str, ...]]] = []
     seen: set[type] = set()
 
     def visit(value: Any) -> None:
@@ -1106,8 +1113,8 @@ def unused_forms(spec: Any) -> list[tuple[type, type, tuple[str, ...]]]:
         maker = _defining_class(cls, function)
         if cls not in seen and maker is not None and maker is not base:
             seen.add(cls)
-            parent = next((k for k in maker.__mro__[1:] if function in k.__dict__), base)
-            if parent is not base:
+            parent = _replaced_by(cls, maker, function)
+            if parent is not None and parent is not base:
                 defaults = base.__dict__
                 unused = tuple(
                     name
@@ -1115,7 +1122,7 @@ def unused_forms(spec: Any) -> list[tuple[type, type, tuple[str, ...]]]:
                     if getattr(cls, name) is defaults[name] and getattr(parent, name) is not defaults[name]
                 )
                 if unused:
-                    found.append((cls, parent, unused))
+                    found.append((cls, maker, parent, unused))
         for part in value._parts():
             visit(part)
 
@@ -1447,9 +1454,13 @@ __all__ = [
     "VarlenForm",
     "as_4d",
     "block_ranges",
+    "function_mask_oracle",
+    "function_score_oracle",
+    "index_grids",
     "keep_static_float",
     "keeps_function_of",
     "spec_dataclass",
     "static_float",
     "static_int",
+    "unused_forms",
 ]

@@ -406,3 +406,59 @@ def test_explain_names_the_forms_a_subclass_does_not_use() -> None:
     assert "sdpa_form" not in note and "sees_one_run" not in note and "block_map" in note
     assert "note:" not in fz.plan(q, q, q, mask=Renamed(left=4)).explain()
     assert "note:" not in fz.plan(q, q, q, mask=masks.Causal()).explain()
+
+
+class _CausalOnOddRowsMixin:
+    """A mask function from a plain mixin class: the spec mixing it in before ``masks.Causal``
+    runs it in place of Causal's."""
+
+    def _make_mask_mod(self) -> MaskMod:
+        def causal_on_odd_rows(b, h, q_idx, kv_idx):
+            return (b % 2 == 0) | (kv_idx <= q_idx)
+
+        return causal_on_odd_rows
+
+
+@spec_dataclass
+class CausalOnOddRows(_CausalOnOddRowsMixin, masks.Causal):
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
+        return torch.stack([torch.ones_like(causal) if b % 2 == 0 else causal for b in range(batch)])[:, None]
+
+
+def test_a_function_from_a_mixin_replaces_the_parents_like_one_in_the_class_body() -> None:
+    spec = CausalOnOddRows()
+    assert spec.uses_batch() and spec.uses_head()  # its function may read b and h
+    assert spec.sdpa_form(16, 16) is None and not spec.sees_one_run()
+    # 256 keys: whole 128-blocks, which a BlockMask built for row 0 alone (all visible) marks full
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 2, 256, 8) for _ in range(3))
+    for route in ["auto", *_routes_that_accept(q, k, v, mask=spec)]:
+        out = fz.attention(q, k, v, mask=spec, backend=route)
+        assert_matches_reference(out, q, k, v, mask=spec)
+    note = next(
+        line for line in fz.plan(q, k, v, mask=spec).explain().splitlines() if line.startswith("note:")
+    )
+    assert note.startswith(
+        "note: CausalOnOddRows runs _CausalOnOddRowsMixin's function in place of Causal's function"
+    )
+
+
+def test_explain_suggests_no_private_form_and_names_an_inherited_function() -> None:
+    q = torch.randn(1, 4, 32, 16)
+    note = next(
+        line
+        for line in fz.plan(q, q, q, score_mod=SquaredDistance(num_heads=4)).explain().splitlines()
+        if line.startswith("note:")
+    )
+    assert "_make_past_score_mod" in note and "e.g. linear_bias_form = Alibi.linear_bias_form" in note
+
+    class Grandchild(StrictlyCausal):
+        pass
+
+    note = next(
+        line
+        for line in fz.plan(q, q, q, mask=Grandchild()).explain().splitlines()
+        if line.startswith("note:")
+    )
+    assert note.startswith("note: Grandchild runs StrictlyCausal's function in place of Causal's function")
