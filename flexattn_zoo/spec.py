@@ -1062,13 +1062,16 @@ def _replaced_by(cls: type, maker: type, function: str) -> type | None:
     return next((k for k in mro[mro.index(maker) + 1 :] if function in k.__dict__), None)
 
 
-def index_grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
-    """CPU int64 ``(b, h, q_idx, kv_idx)`` of shapes ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,Lq,1]``,
-    ``[1,1,1,Lkv]``: a spec's function called on them gives its values on the whole grid."""
-    b = torch.arange(batch, device="cpu").view(batch, 1, 1, 1)
-    h = torch.arange(heads, device="cpu").view(1, heads, 1, 1)
-    q = torch.arange(q_len, device="cpu").view(1, 1, q_len, 1)
-    kv = torch.arange(kv_len, device="cpu").view(1, 1, 1, kv_len)
+def index_grids(
+    batch: int, heads: int, q_len: int, kv_len: int, dtype: torch.dtype = torch.int64
+) -> tuple[torch.Tensor, ...]:
+    """CPU ``(b, h, q_idx, kv_idx)`` of shapes ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,Lq,1]``,
+    ``[1,1,1,Lkv]`` (int64, or ``dtype``: flex's kernels pass int32): a spec's function called on
+    them gives its values on the whole grid."""
+    b = torch.arange(batch, dtype=dtype, device="cpu").view(batch, 1, 1, 1)
+    h = torch.arange(heads, dtype=dtype, device="cpu").view(1, heads, 1, 1)
+    q = torch.arange(q_len, dtype=dtype, device="cpu").view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, dtype=dtype, device="cpu").view(1, 1, 1, kv_len)
     return b, h, q, kv
 
 

@@ -18,6 +18,7 @@ from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
 from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm, as_4d
+from flexattn_zoo.spec import index_grids as spec_index_grids
 from flexattn_zoo.validation import check_tolerance
 
 #: Block sizes checked by default: the kernels' 128, and small uneven blocks so short test
@@ -63,13 +64,7 @@ def spec_examples(
 
 def index_grids(batch: int, heads: int, q_len: int, kv_len: int) -> tuple[torch.Tensor, ...]:
     """int32 ``(b, h, q_idx, kv_idx)`` of shapes ``[B,1,1,1]``, ``[1,H,1,1]``, ``[1,1,Lq,1]``, ``[1,1,1,Lkv]``."""
-    i32 = torch.int32  # what the flex kernels pass
-    return (
-        torch.arange(batch, dtype=i32).view(batch, 1, 1, 1),
-        torch.arange(heads, dtype=i32).view(1, heads, 1, 1),
-        torch.arange(q_len, dtype=i32).view(1, 1, q_len, 1),
-        torch.arange(kv_len, dtype=i32).view(1, 1, 1, kv_len),
-    )
+    return spec_index_grids(batch, heads, q_len, kv_len, torch.int32)  # what the flex kernels pass
 
 
 def _first(diff: torch.Tensor) -> tuple[int, ...]:
