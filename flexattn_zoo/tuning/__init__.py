@@ -241,9 +241,10 @@ def bucket(n: Any) -> int:
 
 
 def spec_kind(spec: Spec | None) -> str:
-    """A spec's structure as text, without parameters or tensor values: registry names, ``&`` and
-    ``|`` parts sorted (they commute), ``~``, ``>>`` chains in order, ``fn:module.qualname`` for
-    raw callables, ``~approx`` on score specs that allow a fast variant; ``none`` for None."""
+    """A spec's structure as text, without parameters or tensor values: registry names (the class
+    name for a class that states none, such as a subclass of a preset), ``&`` and ``|`` parts
+    sorted (they commute), ``~``, ``>>`` chains in order, ``fn:module.qualname`` for raw
+    callables, ``~approx`` on score specs that allow a fast variant; ``none`` for None."""
     if spec is None:
         return "none"
     if isinstance(spec, (And, Or)):
@@ -259,7 +260,9 @@ def spec_kind(spec: Spec | None) -> str:
         fn = spec.fn
         name = getattr(fn, "__qualname__", None) or spec.label or type(fn).__qualname__
         return f"fn:{getattr(fn, '__module__', None) or '?'}.{name}"
-    kind = type(spec).name or type(spec).__name__
+    # The registry name a class states itself: a subclass inherits its parent's, but not its
+    # parent's function or forms, so its measurements are its own.
+    kind = type(spec).__dict__.get("name") or type(spec).__name__
     if isinstance(spec, ScoreSpec) and spec.has_fast_variant():
         kind += "~approx"
     return kind

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from learned_bias import LearnedHeadBias
+from subclassed_specs import SquaredDistance, StrictlyCausal
 
 import flexattn_zoo as fz
 from flexattn_zoo import dispatch, masks, plan_cache, score_mods, tuning
@@ -129,6 +130,9 @@ def test_spec_kind_is_structure_without_parameters() -> None:
     assert tuning.spec_kind(score_mods.SoftCap(cap=30.0)) == "softcap"
     chain = score_mods.Alibi(num_heads=2) >> score_mods.SoftCap(cap=5.0)
     assert tuning.spec_kind(chain) == "alibi >> softcap"
+    # A subclass of a preset runs a function of its own: its measurements are not its parent's.
+    assert tuning.spec_kind(StrictlyCausal() & masks.Causal()) == "(StrictlyCausal & causal)"
+    assert tuning.spec_kind(SquaredDistance(num_heads=2)) == "SquaredDistance"
 
     def near(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return (q_idx - kv_idx).abs() <= 2
