@@ -1012,16 +1012,15 @@ def _drop_stale_forms(
     cls: type,
     base: type,
     function: str,
-    forms: tuple[str, ...],
     flags: tuple[str, ...],
     oracle: Callable[..., Any],
 ) -> None:
-    """Give ``cls`` the ``base`` defaults of the ``forms`` it inherits from a class whose
-    ``function`` (the maker of its mask_mod / score_mod) ``cls`` or a class between them replaced,
-    and, where it replaced a parent's function, set the dependence ``flags`` it does not set
-    itself (``depends_on_batch`` / ``depends_on_head``) to True. An oracle (``dense``) inherited
-    the same way describes the replaced function too: ``cls`` gets ``oracle`` instead, which
-    evaluates its own function.
+    """Give ``cls`` the ``base`` defaults of the forms (``base.FORMS``) it inherits from a class
+    whose ``function`` (the maker of its mask_mod / score_mod) ``cls`` or a class between them
+    replaced, and, where it replaced a parent's function, set the dependence ``flags`` it does not
+    set itself (``depends_on_batch`` / ``depends_on_head``) to True. An oracle (``dense``)
+    inherited the same way describes the replaced function too: ``cls`` gets ``oracle`` in its
+    place, which evaluates its own function.
 
     A form (an SDPA flag, a block map, a lower bound on the keys, a bias's slopes...) is a claim
     about one function: a subclass of ``masks.Causal`` that hides the diagonal too inherits
@@ -1043,7 +1042,9 @@ def _drop_stale_forms(
         for flag in flags:
             if not any(flag in k.__dict__ for k in below_maker):
                 setattr(cls, flag, True)
-    for name in (*forms, "dense"):
+    stand_ins = {name: base.__dict__[name] for name in base.FORMS}  # type: ignore[attr-defined]
+    stand_ins["dense"] = oracle
+    for name, stand_in in stand_ins.items():
         if name in cls.__dict__:
             continue
         owner = _defining_class(cls, name)
@@ -1052,7 +1053,7 @@ def _drop_stale_forms(
         written_beside = _defining_class(owner, function)
         if written_beside is None or written_beside is base or written_beside is maker:
             continue
-        setattr(cls, name, oracle if name == "dense" else base.__dict__[name])
+        setattr(cls, name, stand_in)
 
 
 def _replaced_by(cls: type, maker: type, function: str) -> type | None:
@@ -1180,7 +1181,6 @@ class MaskSpec(Spec):
             cls,
             MaskSpec,
             "_make_mask_mod",
-            MaskSpec.FORMS,
             ("depends_on_batch", "depends_on_head"),
             function_mask_oracle,
         )
@@ -1348,9 +1348,7 @@ class ScoreSpec(Spec):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _drop_stale_forms(
-            cls, ScoreSpec, "_make_score_mod", ScoreSpec.FORMS, ("depends_on_head",), function_score_oracle
-        )
+        _drop_stale_forms(cls, ScoreSpec, "_make_score_mod", ("depends_on_head",), function_score_oracle)
 
     def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.

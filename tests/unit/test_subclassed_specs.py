@@ -291,13 +291,9 @@ def test_no_class_the_library_ships_has_a_form_dropped() -> None:
 
 @spec_dataclass
 class StrictlyCausalUnwritten(masks.Causal):
-    """Causal without the diagonal; no oracle written."""
+    """Causal without the diagonal (StrictlyCausal's function); no oracle written."""
 
-    def _make_mask_mod(self) -> MaskMod:
-        def strictly_causal(b, h, q_idx, kv_idx):
-            return kv_idx < q_idx
-
-        return strictly_causal
+    _make_mask_mod = StrictlyCausal._make_mask_mod
 
 
 @spec_dataclass
@@ -370,12 +366,7 @@ class CausalOracleRestated(masks.Causal):
     """Causal spelled anew, restating the parent's oracle, which still describes it."""
 
     dense = masks.Causal.dense
-
-    def _make_mask_mod(self) -> MaskMod:
-        def causal_again(b, h, q_idx, kv_idx):
-            return kv_idx <= q_idx
-
-        return causal_again
+    _make_mask_mod = CausalSpelledAgain._make_mask_mod
 
 
 def test_an_oracle_stays_where_the_function_stays_or_the_class_restates_it() -> None:
