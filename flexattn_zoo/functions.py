@@ -46,7 +46,16 @@ import torch
 
 from flexattn_zoo import _compat
 from flexattn_zoo.lru import LRUCache
-from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, Spec, index_grids, spec_dataclass
+from flexattn_zoo.spec import (
+    FUNCTION_CHECKS,
+    MaskMod,
+    MaskSpec,
+    ScoreMod,
+    ScoreSpec,
+    Spec,
+    index_grids,
+    spec_dataclass,
+)
 
 
 def _reads_argument(fn: Callable[..., Any], index: int) -> bool:
@@ -605,57 +614,96 @@ def _probe_grids(device: torch.device) -> tuple[torch.Tensor, ...]:
 
 
 #: :attr:`FunctionMask.hazards`, each measured with torch 2.13's compiled CPU flex, also without
-#: the library (tests/unit/test_scalar_callables.py has the callables). A reduction inside a mod
-#: (``(starts <= q_idx).sum()``) fails to lower ("Buffers cannot be created while lowering a
-#: pointwise subgraph").
+#: the library (tests/unit/test_scalar_callables.py has the callables;
+#: benchmarks/flex_mod_hazards_probe.py runs torch alone). A reduction inside a mod, over a
+#: captured row (``(starts <= q_idx).sum()``) or a 0-d value (``(q_idx - kv_idx).abs().amax()``),
+#: fails to lower ("Buffers cannot be created while lowering a pointwise subgraph").
 REDUCES = "reduces over a tensor (sum, any, amax...) inside the mod"
 #: Reading a row the mod gathered itself (``table[q_idx][kv_idx]``, ``bounds[i][0]``,
 #: ``lo, hi = bounds[i]``) compiles but reads out of bounds: "index out of bounds" at run time,
 #: or a corrupted heap (the process aborts). The same values read with one index
 #: (``table[q_idx, kv_idx]``, ``bounds[i, 0]``) run exactly.
 READS_GATHERED_ROW = "reads from a row it gathered (x[i][j], lo, hi = x[i]; write x[i, j])"
+#: ``torch.stack`` / ``torch.cat`` inside a mod fails to lower (an assertion on ``aten.cat``).
+CONCATENATES = "joins tensors (torch.stack, torch.cat) inside the mod"
+#: Ops that join tensors along a dimension (:data:`CONCATENATES`).
+_JOINS = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default})
 
 
 @dataclasses.dataclass(frozen=True)
 class Probed:
     """What :func:`check_mask_function` / :func:`check_score_function` learned of a callable:
-    whether it needs the scalar evaluation, and its :data:`REDUCES` / :data:`READS_GATHERED_ROW`."""
+    whether it needs the scalar evaluation, and its :data:`REDUCES` / :data:`READS_GATHERED_ROW`
+    / :data:`CONCATENATES`."""
 
     scalar: bool
     hazards: tuple[str, ...]
 
 
-def _hazards(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> tuple[str, ...]:
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """What one call of a mod on 0-d indices did (:func:`_trace_ops`)."""
+
+    hazards: tuple[str, ...]
+    #: Whether it reduced or joined a value computed from its index (or score) arguments: on
+    #: broadcast grids that op spans the grid's dims too, so only the scalar evaluation is exact
+    #: (however the zero-index probe compares).
+    whole_grid_op: bool
+
+
+def _flat_tensors(values: Any) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from _flat_tensors(value)
+
+
+def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Traced:
     """Call ``fn`` once on 0-d ``args`` (what flex's compiled kernel traces) and list what it does
-    that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`READS_GATHERED_ROW`): an
-    op whose input is a tensor of more than one element that the call itself made (a gathered
-    row, or a view of one), a reduction over such a tensor or a captured one."""
+    that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`READS_GATHERED_ROW`,
+    :data:`CONCATENATES`): a reduction, a join, or an op whose input is a tensor of more than one
+    element that the call itself made (a gathered row, or a view of one). Also follows which
+    tensors derive from ``args`` (:attr:`_Traced.whole_grid_op`)."""
     found: list[str] = []
-    made: list[torch.Tensor] = []  # kept alive, so their storages' addresses stay theirs
+    made: list[torch.Tensor] = []  # kept alive, so their storages' addresses and ids stay theirs
     made_storages: set[int] = set()
+    derived: set[int] = {id(a) for a in args}
+    whole_grid = [False]
 
     def note(hazard: str) -> None:
         if hazard not in found:
             found.append(hazard)
 
     def on_op(op: Any, op_args: tuple[Any, ...], out: Any) -> None:
+        inputs = list(_flat_tensors(op_args))
+        from_args = any(id(t) in derived for t in inputs)
         first = op_args[0] if op_args else None
-        if isinstance(first, torch.Tensor) and first.numel() > 1:
-            if torch.Tag.reduction in op.tags:
-                note(REDUCES)
-            elif first.untyped_storage().data_ptr() in made_storages:
-                note(READS_GATHERED_ROW)
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not op.is_view:
-                made.append(t)
+        if torch.Tag.reduction in op.tags:
+            note(REDUCES)
+            whole_grid[0] = whole_grid[0] or from_args
+        elif op in _JOINS:
+            note(CONCATENATES)
+            whole_grid[0] = whole_grid[0] or from_args
+        elif (
+            isinstance(first, torch.Tensor)
+            and first.numel() > 1
+            and first.untyped_storage().data_ptr() in made_storages
+        ):
+            note(READS_GATHERED_ROW)
+        for t in _flat_tensors(out if isinstance(out, (tuple, list)) else (out,)):
+            made.append(t)
+            if from_args:
+                derived.add(id(t))
+            if not op.is_view:
                 made_storages.add(t.untyped_storage().data_ptr())
 
     try:
         with _compat.index_with_tensors(), _compat.recording_mode(on_op):
             fn(*args)
     except Exception:  # noqa: BLE001 - the vmap probe ran it; nothing more to learn here
-        return ()
-    return tuple(found)
+        return _Traced((), False)
+    return _Traced(tuple(found), whole_grid[0])
 
 
 def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *, score: bool) -> Probed:
@@ -663,7 +711,9 @@ def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *,
     scalar evaluation, and its hazards. TypeError when flex could not run it either (naming
     ``arg``)."""
     zeros = tuple(g.reshape(-1)[0] for g in grids)  # 0-d, as flex's kernel passes them
-    return Probed(_needs_scalar(fn, arg, grids, score=score), _hazards(fn, zeros))
+    scalar = _needs_scalar(fn, arg, grids, score=score)
+    traced = _trace_ops(fn, zeros)
+    return Probed(scalar or traced.whole_grid_op, traced.hazards)
 
 
 def _fits(shape: torch.Size, full: torch.Size) -> bool:
@@ -766,17 +816,42 @@ def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> Probed:
     whether it needs the scalar (flex-style) evaluation on index grids and its hazards
     (``FunctionMask.scalar`` / ``.hazards``)."""
     _check_signature(fn, arg, "mask_mod", "b, h, q_idx, kv_idx", "bool", 4)
-    return _probed(fn, "mask", lambda: _probe(fn, arg, _probe_grids(_captured_device(fn)), score=False))
+    return _probed_function(fn, "mask", arg)
 
 
 def check_score_function(fn: Callable[..., Any], arg: str = "score_mod") -> Probed:
     """Reject a callable that is not a valid ``score_mod`` with a TypeError naming ``arg``; return
     what :func:`check_mask_function` returns (``FunctionScore.scalar`` / ``.hazards``)."""
     _check_signature(fn, arg, "score_mod", "score, b, h, q_idx, kv_idx", "score", 5)
+    return _probed_function(fn, "score", arg)
+
+
+def _probed_function(fn: Callable[..., Any], kind: str, arg: str) -> Probed:
+    """The probe's verdict on a ``kind`` (``"mask"`` / ``"score"``) function, cached."""
 
     def probe() -> Probed:
         grids = _probe_grids(_captured_device(fn))
+        if kind == "mask":
+            return _probe(fn, arg, grids, score=False)
         score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=grids[0].device)
         return _probe(fn, arg, (score, *grids), score=True)
 
-    return _probed(fn, "score", probe)
+    return _probed(fn, kind, probe)
+
+
+def _check_spec_function(
+    kind: str,
+) -> Callable[[Callable[..., Any], str], tuple[Callable[..., Any], tuple[str, ...]]]:
+    """The check :data:`flexattn_zoo.spec.FUNCTION_CHECKS` runs on a ``kind`` function written
+    outside the package: probed as a raw callable is, and wrapped to be evaluated as flex does
+    where the probe found a broadcast call wrong or failing."""
+    wrap = _scalar_mask_mod if kind == "mask" else _scalar_score_mod
+
+    def check(fn: Callable[..., Any], owner: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
+        probed = _probed_function(fn, kind, f"{owner}'s {kind}_mod")
+        return (wrap(fn) if probed.scalar else fn), probed.hazards
+
+    return check
+
+
+FUNCTION_CHECKS.update(mask=_check_spec_function("mask"), score=_check_spec_function("score"))

@@ -409,6 +409,43 @@ def _made_for_the_cache(make: Callable[[], _ModT]) -> _ModT:
         return make()
 
 
+#: How a mask / score function written outside this package is checked before the library
+#: evaluates it on broadcast index grids (the ``dense`` route and oracle, the BlockMask builder),
+#: by kind (``"mask"``, ``"score"``): given the made function and the spec class's name (for
+#: errors), the function to use and what
+#: torch's compiled CPU flex kernel cannot run in it (:meth:`Spec.flex_cpu_hazards`). A function
+#: written for flex's 0-d indices (``table[q_idx][kv_idx]``, a reduction) gives another answer on
+#: broadcast grids, or fails there; the check wraps it to be evaluated as flex does, as a raw
+#: callable is. :mod:`flexattn_zoo.functions` installs the checks (it imports this module).
+FUNCTION_CHECKS: dict[
+    str, Callable[[Callable[..., Any], str], tuple[Callable[..., Any], tuple[str, ...]]]
+] = {}
+
+
+def _written_outside(cls: type, function: str, base: type) -> bool:
+    """Whether ``cls``'s ``function`` (the maker of its mod) comes from a class outside this
+    package: a user's spec or a user's subclass of a preset. The package's own functions are
+    written for broadcast grids (each checked against its oracle by the registry-wide tests)."""
+    maker = _defining_class(cls, function)
+    if maker is None or maker is base:
+        return False
+    module = maker.__module__
+    return not (module == "flexattn_zoo" or module.startswith("flexattn_zoo."))
+
+
+def _checked_mod(spec: Any, kind: str, key: Hashable, make: Callable[[], Any]) -> tuple[Any, tuple[str, ...]]:
+    """``(mod, hazards)`` of a function written outside the package (:data:`FUNCTION_CHECKS`),
+    cached per spec value under ``key``. Traced, the function as made and no hazards: the check
+    reads the function's Python objects and calls it, which the trace must not record (as for a
+    raw callable passed inside the compiled region)."""
+    check = FUNCTION_CHECKS.get(kind)
+    if check is None or _compat.is_compiling():
+        return _made_for_the_cache(make), ()
+    return _MODS.get_or_create(
+        (key, spec, "checked"), lambda: check(_made_for_the_cache(make), type(spec).__name__)
+    )
+
+
 #: Field names per spec class (``_field_names``).
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 #: Field values that may hold tensors (``Spec.__eq__``).
@@ -503,6 +540,9 @@ class Spec:
     #: problems on its shallower forward pipeline instead of trying torch's defaults first
     #: (:meth:`gathers_pairs_only`).
     pair_gathers: ClassVar[bool] = False
+    #: Whether this class's mod is made by a function written outside the package, which the
+    #: library checks before evaluating it on index grids (:data:`FUNCTION_CHECKS`); set per class.
+    _CHECKS_FUNCTION: ClassVar[bool] = False
 
     def _fields(self) -> tuple[Any, ...]:
         values = [getattr(self, name) for name in _field_names(self)]
@@ -628,18 +668,19 @@ class Spec:
         return bool(cached)
 
     def flex_cpu_hazards(self) -> tuple[str, ...]:
-        """What the raw callables in this spec (or its parts) do that torch's compiled CPU flex
-        kernel mishandles (:func:`flexattn_zoo.functions.check_mask_function` finds it), each as
-        a phrase completing "a mod that ..."; () for specs without callables."""
-        if not self._holds_callables():
-            return ()
-        found: list[str] = []
-        for name in _field_names(self):
-            value = getattr(self, name)
-            for v in value if isinstance(value, tuple) else (value,):
-                if isinstance(v, Spec):
-                    found += [h for h in v.flex_cpu_hazards() if h not in found]
+        """What the raw callables in this spec (or its parts), and its own function where written
+        outside the package, do that torch's compiled CPU flex kernel mishandles
+        (:func:`flexattn_zoo.functions.check_mask_function` finds it), each as a phrase completing
+        "a mod that ..."; () for the package's own specs without callables."""
+        found = list(self._function_hazards())
+        for part in self._parts():
+            if isinstance(part, Spec):
+                found += [h for h in part.flex_cpu_hazards() if h not in found]
         return tuple(found)
+
+    def _function_hazards(self) -> tuple[str, ...]:
+        """:meth:`flex_cpu_hazards` of this spec's own function (MaskSpec / ScoreSpec)."""
+        return ()
 
     def __getstate__(self) -> dict[str, Any]:
         # The cached hash hashes a str (the class name), which differs between processes
@@ -1184,6 +1225,7 @@ class MaskSpec(Spec):
             ("depends_on_batch", "depends_on_head"),
             function_mask_oracle,
         )
+        cls._CHECKS_FUNCTION = _written_outside(cls, "_make_mask_mod", MaskSpec)
 
     def uses_batch(self) -> bool:
         """Whether this spec instance depends on the batch index (composites override)."""
@@ -1208,10 +1250,17 @@ class MaskSpec(Spec):
 
         ``_make_mask_mod`` passes the int parameters its function captures through
         :func:`static_int` (a constant to ``torch.compile``, whatever the spec's source)."""
+        if self._CHECKS_FUNCTION:
+            return _checked_mod(self, "mask", "mask", self._make_mask_mod)[0]
         return _MODS.get_or_create(("mask", self), lambda: _made_for_the_cache(self._make_mask_mod))
 
     def _make_mask_mod(self) -> MaskMod:
         raise NotImplementedError
+
+    def _function_hazards(self) -> tuple[str, ...]:
+        if not self._CHECKS_FUNCTION:
+            return ()
+        return _checked_mod(self, "mask", "mask", self._make_mask_mod)[1]
 
     def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
         """Independent boolean oracle of shape ``[B|1, H|1, q_len, kv_len]``.
@@ -1335,6 +1384,8 @@ class ScoreSpec(Spec):
     #: ``dense`` give log-weights ``log w_ij`` and the attention is ``sum_j w_ij v_j``, unnormalised
     #: (see :meth:`is_activation`).
     activation: ClassVar[bool] = False
+    #: :attr:`Spec._CHECKS_FUNCTION` for ``_make_past_score_mod``.
+    _CHECKS_PAST_FUNCTION: ClassVar[bool] = False
     #: The methods that state facts about the function ``_make_score_mod`` makes (the variant for
     #: masks that hide future keys among them); a subclass that replaces that function without
     #: restating one gets the default here (:func:`_drop_stale_forms`).
@@ -1349,6 +1400,8 @@ class ScoreSpec(Spec):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _drop_stale_forms(cls, ScoreSpec, "_make_score_mod", ("depends_on_head",), function_score_oracle)
+        cls._CHECKS_FUNCTION = _written_outside(cls, "_make_score_mod", ScoreSpec)
+        cls._CHECKS_PAST_FUNCTION = _written_outside(cls, "_make_past_score_mod", ScoreSpec)
 
     def score_mod(self, *, fast: bool = False, future_keys_hidden: bool = False) -> ScoreMod:
         """The flex ``score_mod(score, b, h, q_idx, kv_idx)``; one function object per value.
@@ -1361,10 +1414,17 @@ class ScoreSpec(Spec):
         variant return the same function object either way, so compiled kernels are shared.
         """
         if future_keys_hidden:
+            if self._CHECKS_PAST_FUNCTION:
+                make = functools.partial(self._make_past_score_mod, fast=fast)
+                return _checked_mod(self, "score", ("score", fast, "past"), make)[0]
             return _MODS.get_or_create(
                 ("score", self, fast, "past"),
                 lambda: _made_for_the_cache(lambda: self._make_past_score_mod(fast=fast)),
             )
+        if self._CHECKS_FUNCTION:
+            return _checked_mod(
+                self, "score", ("score", fast), functools.partial(self._make_score_mod, fast=fast)
+            )[0]
         return _MODS.get_or_create(
             ("score", self, fast),
             lambda: _made_for_the_cache(lambda: self._make_score_mod(fast=fast)),
@@ -1377,6 +1437,12 @@ class ScoreSpec(Spec):
         """The score_mod for ``future_keys_hidden=True``: it must equal ``score_mod(fast=fast)`` on
         every pair with ``kv_idx <= q_idx``. Default: that very function."""
         return self.score_mod(fast=fast)
+
+    def _function_hazards(self) -> tuple[str, ...]:
+        if not self._CHECKS_FUNCTION:
+            return ()
+        make = functools.partial(self._make_score_mod, fast=False)
+        return _checked_mod(self, "score", ("score", False), make)[1]
 
     def has_fast_variant(self) -> bool:
         """True when ``score_mod(fast=True)`` may differ from the exact one (an opted-in approximation)."""

@@ -74,6 +74,17 @@ def counted_documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return same & (q_idx >= kv_idx)
 
 
+def near_keys(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A reduction over a value of the indices alone: at all-zero indices its broadcast call gives
+    flex's answer, elsewhere one verdict for the whole grid (every row empty: a silent zero output
+    on ``dense`` before)."""
+    return (q_idx - kv_idx).abs().amax() <= 3
+
+
+def stacked_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return torch.stack([q_idx, kv_idx]).amax() <= q_idx
+
+
 def row_offset(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return torch.where(q_idx > 10, q_idx + OFFSETS[b] >= kv_idx, kv_idx <= 10)
 
@@ -92,6 +103,7 @@ def head_bias_one_index(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> 
 
 ROW = functions.READS_GATHERED_ROW
 REDUCES = functions.REDUCES
+JOINS = functions.CONCATENATES
 #: (callable, needs the scalar evaluation, hazards for torch's compiled CPU flex).
 MASK_CASES = {
     "flamingo": (flamingo, True, (ROW,)),
@@ -99,6 +111,8 @@ MASK_CASES = {
     "flamingo_one_index": (flamingo_one_index, False, ()),
     "chained_table": (chained_table, True, (ROW,)),
     "counted_documents": (counted_documents, True, (REDUCES,)),
+    "near_keys": (near_keys, True, (REDUCES,)),
+    "stacked_causal": (stacked_causal, True, (JOINS, REDUCES)),
     "row_offset": (row_offset, False, ()),
 }
 SCORE_CASES = {
@@ -221,7 +235,7 @@ def test_chunked_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     _check_dense(chained_table, mla_bias, loop_mask(chained_table))
 
 
-@pytest.mark.parametrize("name", ["flamingo", "counted_documents"])
+@pytest.mark.parametrize("name", ["flamingo", "counted_documents", "near_keys", "stacked_causal"])
 def test_auto_route(name: str) -> None:
     fn = MASK_CASES[name][0]
     q, k, v = qkv()
@@ -266,6 +280,8 @@ def test_flex_cpu_runs_one_index_forms() -> None:
         pytest.param(chained_table, None, "reads from a row it gathered", id="chained_table"),
         pytest.param(counted_documents, None, "reduces over a tensor", id="counted_documents"),
         pytest.param(None, latent_dot, "reduces over a tensor", id="latent_dot"),
+        pytest.param(near_keys, None, "reduces over a tensor", id="near_keys"),
+        pytest.param(stacked_causal, None, r"joins tensors \(torch.stack", id="stacked_causal"),
         pytest.param(
             masks.Causal() & as_mask_spec(flamingo_unpacked),
             None,

@@ -1,0 +1,62 @@
+"""Spec classes written for flex's 0-d index semantics (tests/flex_index_specs.py) on CUDA: ``auto``
+and every CUDA route that accepts them, forward and backward, against the float64 reference of a
+per-pair oracle. A route whose kernel cannot run such a function must refuse it with the reason
+(not fail while compiling); ``dense`` evaluates it exactly as flex does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flex_index_specs import GatheredBias, GatheredTable, NearKeys, near
+from zoo_oracles import table
+
+import flexattn_zoo as fz
+from flexattn_zoo import masks
+from flexattn_zoo.testing import assert_matches_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEV = "cuda"
+B, H, L, D = 2, 4, 256, 64
+
+
+def _tables() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.rand(L, L, generator=g) > 0.5, torch.randn(H, L, L, generator=g)
+
+
+def _cases() -> list[tuple[str, object, object, torch.Tensor | None, torch.Tensor | None]]:
+    """(id, mask, score_mod, the mask's per-pair oracle, the score's bias)."""
+    visible, bias = _tables()
+    return [
+        ("near_keys", NearKeys(), None, table(L, L, near), None),
+        ("gathered_table", GatheredTable(table=visible.to(DEV)), None, visible.view(1, 1, L, L), None),
+        ("causal_and_gathered_bias", masks.Causal(), GatheredBias(bias=bias.to(DEV)), None, bias),
+    ]
+
+
+CASES = _cases() if torch.cuda.is_available() else []
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_every_cuda_route_runs_a_flex_index_function_exactly_or_refuses_it(case) -> None:
+    _, mask, score, visible, bias = case
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (
+        (torch.randn(B, H, L, D, device=DEV, dtype=torch.bfloat16, generator=g) * 0.5).requires_grad_()
+        for _ in range(3)
+    )
+    ref_mask = masks.Causal() if visible is None else visible
+    ref_score = None if bias is None else bias.unsqueeze(0).expand(B, H, L, L).double()
+    plan = fz.plan(q, k, v, mask=mask, score_mod=score)
+    routes = ["auto", *(c.name for c in plan.candidates if c.accepted)]
+    for route in routes:
+        out = fz.attention(q, k, v, mask=mask, score_mod=score, backend=route)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_matches_reference(
+            out, q, k, v, mask=ref_mask, score_mod=ref_score, grads=grads, grad_out=grad_out
+        )
