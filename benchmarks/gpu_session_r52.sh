@@ -3,6 +3,7 @@
 # gpu_session_r48.sh's (see its header), run with this session's name on its outputs ($OUT/r52/).
 # FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
 #
+#   bash benchmarks/gpu_session_r52.sh probe 300    # the flex-index probe and GPU tests of `verify` only
 #   bash benchmarks/gpu_session_r52.sh verify 420   # which flex-index mods torch's compiled CUDA flex
 #                    # runs (benchmarks/flex_mod_hazards_probe.py), the decode GPU tests, the subclass
 #                    # GPU tests and the flex-index spec functions on every CUDA route
@@ -16,11 +17,11 @@
 #                    # and subclass GPU tests, the host table
 #   bash benchmarks/gpu_session_r52.sh STEP BUDGET  # any step of gpu_session_r48.sh
 set -uo pipefail
-step="${1:?usage: $0 verify|fa4rows|tests|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
+step="${1:?usage: $0 probe|verify|fa4rows|tests|STEP-of-gpu_session_r48.sh [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 case "$step" in
-  verify|fa4rows|tests) ;;
+  probe|verify|fa4rows|tests) ;;
   *) SESSION=r52 exec bash benchmarks/gpu_session_r48.sh "$@" ;;
 esac
 session=r52
@@ -33,6 +34,14 @@ if [ "$step" = tests ]; then
     tests/gpu/test_decode_gpu.py tests/gpu/test_subclassed_specs_gpu.py tests/gpu/test_spec_functions_probed_gpu.py
   run "host_cost_${gpu}_r52" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
     --out "$out/host_cost_${gpu}_r52.md"
+  pack
+  ls -la "$out"
+  exit 0
+fi
+if [ "$step" = probe ]; then
+  run "flex_mod_hazards_${gpu}_r52" "$(share 40)" python3 benchmarks/flex_mod_hazards_probe.py --device cuda
+  run "gpu_tests_probe_${gpu}_r52" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+    tests/gpu/test_spec_functions_probed_gpu.py tests/gpu/test_subclassed_specs_gpu.py tests/gpu/test_decode_gpu.py
   pack
   ls -la "$out"
   exit 0
