@@ -223,7 +223,8 @@ def cpu_flash_attention_backward(
 
 
 def recording_mode(on_op: Callable[[Any, tuple[Any, ...], Any], None]) -> Any:
-    """A ``TorchDispatchMode`` that runs every ATen op as usual and reports ``(op, args, out)`` to
+    """A ``TorchDispatchMode`` that runs every ATen op as usual and reports ``(op, args, out)`` (the
+    positional arguments, then the keyword arguments' values) to
     ``on_op``: how :mod:`flexattn_zoo.functions` sees which ops a user's mod runs on 0-d indices.
 
     ``torch.utils._python_dispatch.TorchDispatchMode``: private but stable since torch 1.13,
@@ -233,7 +234,7 @@ def recording_mode(on_op: Callable[[Any, tuple[Any, ...], Any], None]) -> Any:
     class _Recording(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = func(*args, **(kwargs or {}))
-            on_op(func, tuple(args), out)
+            on_op(func, (*args, *(kwargs or {}).values()), out)
             return out
 
     return _Recording()

@@ -35,6 +35,10 @@ from flexattn_zoo.spec import MaskSpec, ScoreSpec
 # grids) run only eagerly. While torch.compile traces, Dynamo cannot inspect signatures, and the
 # callable is traced into the graph anyway, so a bad one fails there with Dynamo's own error;
 # run the model once eagerly (or call fz.attention with the callable) for the named TypeError.
+# Without the probe's verdict a traced callable is evaluated on index grids as flex does (exact
+# for every callable flex runs; a broadcast call is not, for one written for 0-d indices), and
+# its CPU flex hazards are unknown.
+_TRACED_VERDICT = Probed(True, ())
 
 
 def _refuse_spec_class(value: Any, arg: str) -> None:
@@ -66,8 +70,8 @@ def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
         raise TypeError(f"{arg} got a score spec ({type(mask).__name__}); pass it as score_mod=")
     _refuse_spec_class(mask, arg)
     if callable(mask):
-        # see _check_callables_eagerly; while tracing, the broadcast evaluation is assumed.
-        probed = check_mask_function(mask, arg) if not _compat.is_compiling() else Probed(False, ())
+        # see _check_callables_eagerly
+        probed = check_mask_function(mask, arg) if not _compat.is_compiling() else _TRACED_VERDICT
         label = getattr(mask, "__name__", "mask_mod")
         return FunctionMask(fn=mask, label=label, scalar=probed.scalar, hazards=probed.hazards)
     raise TypeError(
@@ -95,8 +99,8 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
         raise TypeError(f"{arg} got a mask spec ({type(score).__name__}); pass it as mask=")
     _refuse_spec_class(score, arg)
     if callable(score):
-        # see _check_callables_eagerly; while tracing, the broadcast evaluation is assumed.
-        probed = check_score_function(score, arg) if not _compat.is_compiling() else Probed(False, ())
+        # see _check_callables_eagerly
+        probed = check_score_function(score, arg) if not _compat.is_compiling() else _TRACED_VERDICT
         label = getattr(score, "__name__", "score_mod")
         return FunctionScore(fn=score, label=label, scalar=probed.scalar, hazards=probed.hazards)
     raise TypeError(

@@ -48,6 +48,7 @@ from flexattn_zoo import _compat
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import (
     FUNCTION_CHECKS,
+    FunctionCheck,
     MaskMod,
     MaskSpec,
     ScoreMod,
@@ -492,9 +493,10 @@ SCALAR_CHUNK_ELEMENTS = 1 << 20
 
 
 def _flex_scalars(args: tuple[Any, ...]) -> bool:
-    """Whether a mod wrapper was called the way flex calls it (0-d index tensors: the compiled
-    kernel's scalars, or eager flex's and ``create_mask``'s vmap), or while being traced."""
-    return _compat.is_compiling() or all(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args)
+    """Whether a mod wrapper was called the way flex calls it: 0-d index tensors (the compiled
+    kernel's scalars, traced or not, or eager flex's and ``create_mask``'s vmap). Index grids
+    (the ``dense`` route, the BlockMask builder), traced or not, are evaluated as flex does."""
+    return all(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -523,7 +525,9 @@ def _evaluate_chunked(
     fn: Callable[..., Any], args: list[torch.Tensor], shape: tuple[int, ...]
 ) -> torch.Tensor:
     total = _numel(shape)
-    if total <= SCALAR_CHUNK_ELEMENTS or max(shape) == 1:
+    # Traced, one call: chunks would put a copy of the mod per chunk in the graph, and compare
+    # symbolic lengths with the chunk size (a guard and a recompile per size class).
+    if _compat.is_compiling() or total <= SCALAR_CHUNK_ELEMENTS or max(shape) == 1:
         out = _vmapped(fn, args, shape)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape:
             got = tuple(out.shape[len(shape) :]) if isinstance(out, torch.Tensor) else type(out).__name__
@@ -570,7 +574,8 @@ def _scalar_mask_mod(fn: Callable[..., Any]) -> MaskMod:
     (the oracle, the ``dense`` route, the BlockMask builder, composites) evaluate as flex does."""
 
     # An index fn never reads is evaluated at one value (the result broadcasts over that dim).
-    reads = tuple(_reads_argument_eagerly(fn, i) for i in range(4))
+    # Traced, every index is (Dynamo cannot read the function's bytecode; the values are the same).
+    reads = (True,) * 4 if _compat.is_compiling() else tuple(_reads_argument_eagerly(fn, i) for i in range(4))
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         args = (b, h, q_idx, kv_idx)
@@ -626,15 +631,44 @@ REDUCES = "reduces over a tensor (sum, any, amax...) inside the mod"
 READS_GATHERED_ROW = "reads from a row it gathered (x[i][j], lo, hi = x[i]; write x[i, j])"
 #: ``torch.stack`` / ``torch.cat`` inside a mod fails to lower (an assertion on ``aten.cat``).
 CONCATENATES = "joins tensors (torch.stack, torch.cat) inside the mod"
+#: Any other op that is not element by element (``sort``, ``topk``, ``median``, ``cumsum``,
+#: ``isin``...): ``median`` and ``topk`` fail to lower as reductions do; the rest are refused
+#: alike rather than tried (an out-of-bounds read aborts the process).
+SCANS = "sorts, scans or searches a tensor (sort, topk, median, cumsum...) inside the mod"
+
+_aten = torch.ops.aten
 #: Ops that join tensors along a dimension (:data:`CONCATENATES`).
-_JOINS = frozenset({torch.ops.aten.cat.default, torch.ops.aten.stack.default})
+_JOINS = frozenset({_aten.cat.default, _aten.stack.default})
+#: Ops not tagged pointwise that still act element by element on their tensor arguments (or
+#: gather from a table at them), so one broadcast call computes what flex's 0-d calls do, and
+#: the compiled kernels lower them. ``searchsorted`` is one where its sorted sequence is not
+#: computed from the indices (:func:`_trace_ops`).
+_ELEMENTWISE = frozenset(
+    {
+        _aten.index.Tensor,
+        _aten._to_copy.default,
+        _aten.copy_.default,
+        _aten.lift_fresh_copy.default,
+        _aten.scalar_tensor.default,
+        _aten.where.Scalar,
+        _aten.where.ScalarOther,
+        _aten.where.ScalarSelf,
+        _aten.floor_divide.default,
+        _aten.bucketize.Tensor,
+        _aten.zeros_like.default,
+        _aten.ones_like.default,
+        _aten.full_like.default,
+        _aten.empty_like.default,
+    }
+)
+_SEARCHSORTED = frozenset({_aten.searchsorted.Tensor, _aten.searchsorted.Scalar})
 
 
 @dataclasses.dataclass(frozen=True)
 class Probed:
     """What :func:`check_mask_function` / :func:`check_score_function` learned of a callable:
-    whether it needs the scalar evaluation, and its :data:`REDUCES` / :data:`READS_GATHERED_ROW`
-    / :data:`CONCATENATES`."""
+    whether it needs the scalar evaluation, and its hazards (:data:`REDUCES`,
+    :data:`READS_GATHERED_ROW`, :data:`CONCATENATES`, :data:`SCANS`)."""
 
     scalar: bool
     hazards: tuple[str, ...]
@@ -645,9 +679,10 @@ class _Traced:
     """What one call of a mod on 0-d indices did (:func:`_trace_ops`)."""
 
     hazards: tuple[str, ...]
-    #: Whether it reduced or joined a value computed from its index (or score) arguments: on
-    #: broadcast grids that op spans the grid's dims too, so only the scalar evaluation is exact
-    #: (however the zero-index probe compares).
+    #: Whether an op that is not element by element read a value computed from the index (or
+    #: score) arguments, or one of them with dimensions of its own (a gathered row): on
+    #: broadcast grids that op spans or shifts the grid's dims, so only the scalar evaluation is
+    #: exact (however the zero-index probe compares).
     whole_grid_op: bool
 
 
@@ -659,12 +694,22 @@ def _flat_tensors(values: Any) -> Iterator[torch.Tensor]:
             yield from _flat_tensors(value)
 
 
+def _elementwise(op: Any, op_args: tuple[Any, ...], derived: set[int]) -> bool:
+    """Whether ``op`` acts element by element on its arguments (see :data:`_ELEMENTWISE`)."""
+    if torch.Tag.pointwise in op.tags or op.is_view or op in _ELEMENTWISE:
+        return True
+    if op in _SEARCHSORTED:
+        return not (isinstance(op_args[0], torch.Tensor) and id(op_args[0]) in derived)
+    return False
+
+
 def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Traced:
     """Call ``fn`` once on 0-d ``args`` (what flex's compiled kernel traces) and list what it does
-    that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`READS_GATHERED_ROW`,
-    :data:`CONCATENATES`): a reduction, a join, or an op whose input is a tensor of more than one
-    element that the call itself made (a gathered row, or a view of one). Also follows which
-    tensors derive from ``args`` (:attr:`_Traced.whole_grid_op`)."""
+    that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`CONCATENATES`,
+    :data:`SCANS`: an op that is not element by element; :data:`READS_GATHERED_ROW`: an op whose
+    input is a tensor of more than one element that the call itself made, a gathered row or a
+    view of one). Also follows which tensors derive from ``args`` (through the ops' positional
+    and keyword arguments) for :attr:`_Traced.whole_grid_op`."""
     found: list[str] = []
     made: list[torch.Tensor] = []  # kept alive, so their storages' addresses and ids stay theirs
     made_storages: set[int] = set()
@@ -677,16 +722,19 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
 
     def on_op(op: Any, op_args: tuple[Any, ...], out: Any) -> None:
         inputs = list(_flat_tensors(op_args))
-        from_args = any(id(t) in derived for t in inputs)
+        from_args = [t for t in inputs if id(t) in derived]
+        elementwise = _elementwise(op, op_args, derived)
+        if not elementwise and inputs:
+            note(REDUCES if torch.Tag.reduction in op.tags else CONCATENATES if op in _JOINS else SCANS)
+        # A non-pointwise op on a derived value with dims of its own (``row[0]``, ``row[kv_idx]``
+        # for a gathered ``row``) reads another dim of the grid in a broadcast call.
+        pointwise = torch.Tag.pointwise in op.tags
+        if from_args and (not elementwise or (not pointwise and any(t.dim() for t in from_args))):
+            whole_grid[0] = True
         first = op_args[0] if op_args else None
-        if torch.Tag.reduction in op.tags:
-            note(REDUCES)
-            whole_grid[0] = whole_grid[0] or from_args
-        elif op in _JOINS:
-            note(CONCATENATES)
-            whole_grid[0] = whole_grid[0] or from_args
-        elif (
-            isinstance(first, torch.Tensor)
+        if (
+            elementwise
+            and isinstance(first, torch.Tensor)
             and first.numel() > 1
             and first.untyped_storage().data_ptr() in made_storages
         ):
@@ -839,19 +887,16 @@ def _probed_function(fn: Callable[..., Any], kind: str, arg: str) -> Probed:
     return _probed(fn, kind, probe)
 
 
-def _check_spec_function(
-    kind: str,
-) -> Callable[[Callable[..., Any], str], tuple[Callable[..., Any], tuple[str, ...]]]:
-    """The check :data:`flexattn_zoo.spec.FUNCTION_CHECKS` runs on a ``kind`` function written
-    outside the package: probed as a raw callable is, and wrapped to be evaluated as flex does
-    where the probe found a broadcast call wrong or failing."""
-    wrap = _scalar_mask_mod if kind == "mask" else _scalar_score_mod
+def _spec_function_check(kind: str) -> FunctionCheck:
+    """:data:`flexattn_zoo.spec.FUNCTION_CHECKS` for a ``kind`` function written outside the
+    package: probed as a raw callable is, evaluated as flex does where the probe found a
+    broadcast call wrong or failing."""
 
-    def check(fn: Callable[..., Any], owner: str) -> tuple[Callable[..., Any], tuple[str, ...]]:
+    def probe(fn: Callable[..., Any], owner: str) -> tuple[bool, tuple[str, ...]]:
         probed = _probed_function(fn, kind, f"{owner}'s {kind}_mod")
-        return (wrap(fn) if probed.scalar else fn), probed.hazards
+        return probed.scalar, probed.hazards
 
-    return check
+    return FunctionCheck(probe=probe, as_flex=_scalar_mask_mod if kind == "mask" else _scalar_score_mod)
 
 
-FUNCTION_CHECKS.update(mask=_check_spec_function("mask"), score=_check_spec_function("score"))
+FUNCTION_CHECKS.update(mask=_spec_function_check("mask"), score=_spec_function_check("score"))

@@ -409,17 +409,23 @@ def _made_for_the_cache(make: Callable[[], _ModT]) -> _ModT:
         return make()
 
 
-#: How a mask / score function written outside this package is checked before the library
-#: evaluates it on broadcast index grids (the ``dense`` route and oracle, the BlockMask builder),
-#: by kind (``"mask"``, ``"score"``): given the made function and the spec class's name (for
-#: errors), the function to use and what
-#: torch's compiled CPU flex kernel cannot run in it (:meth:`Spec.flex_cpu_hazards`). A function
-#: written for flex's 0-d indices (``table[q_idx][kv_idx]``, a reduction) gives another answer on
-#: broadcast grids, or fails there; the check wraps it to be evaluated as flex does, as a raw
-#: callable is. :mod:`flexattn_zoo.functions` installs the checks (it imports this module).
-FUNCTION_CHECKS: dict[
-    str, Callable[[Callable[..., Any], str], tuple[Callable[..., Any], tuple[str, ...]]]
-] = {}
+@dataclasses.dataclass(frozen=True)
+class FunctionCheck:
+    """How a mask / score function written outside this package is checked before the library
+    evaluates it on broadcast index grids (the ``dense`` route and oracle, the BlockMask builder).
+    A function written for flex's 0-d indices (``table[q_idx][kv_idx]``, a reduction) gives
+    another answer on broadcast grids, or fails there. ``probe(fn, owner)`` (``owner``: the spec
+    class's name, for errors) returns whether ``fn`` must be evaluated as flex does and what
+    torch's compiled CPU flex kernel cannot run in it (:meth:`Spec.flex_cpu_hazards`);
+    ``as_flex(fn)`` wraps ``fn`` to be evaluated so, as a raw callable is."""
+
+    probe: Callable[[Callable[..., Any], str], tuple[bool, tuple[str, ...]]]
+    as_flex: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+#: :class:`FunctionCheck` by kind (``"mask"``, ``"score"``). :mod:`flexattn_zoo.functions`
+#: installs them (it imports this module).
+FUNCTION_CHECKS: dict[str, FunctionCheck] = {}
 
 
 def _written_outside(cls: type, function: str, base: type) -> bool:
@@ -429,21 +435,40 @@ def _written_outside(cls: type, function: str, base: type) -> bool:
     maker = _defining_class(cls, function)
     if maker is None or maker is base:
         return False
-    module = maker.__module__
+    # The function's own module: a stand-in the package set on a user's class (a form's base
+    # default, :func:`_drop_stale_forms`) is the package's.
+    module = getattr(maker.__dict__[function], "__module__", None) or maker.__module__
     return not (module == "flexattn_zoo" or module.startswith("flexattn_zoo."))
 
 
 def _checked_mod(spec: Any, kind: str, key: Hashable, make: Callable[[], Any]) -> tuple[Any, tuple[str, ...]]:
     """``(mod, hazards)`` of a function written outside the package (:data:`FUNCTION_CHECKS`),
-    cached per spec value under ``key``. Traced, the function as made and no hazards: the check
-    reads the function's Python objects and calls it, which the trace must not record (as for a
-    raw callable passed inside the compiled region)."""
+    cached per spec value under ``key``; the verdict is kept on ``spec`` too, for traced calls.
+
+    Traced, the probe cannot run (it walks the function's Python objects and calls it on real
+    tensors): the verdict an eager call left on this spec object is used, else the function is
+    evaluated as flex does (exact for every function flex runs) with no hazards known."""
     check = FUNCTION_CHECKS.get(kind)
-    if check is None or _compat.is_compiling():
+    if check is None:
         return _made_for_the_cache(make), ()
-    return _MODS.get_or_create(
-        (key, spec, "checked"), lambda: check(_made_for_the_cache(make), type(spec).__name__)
-    )
+    if _compat.is_compiling():
+        verdicts = spec.__dict__.get("_function_verdicts") or {}
+        as_flex, hazards = verdicts.get(key, (True, ()))
+        made = make()
+        return (check.as_flex(made) if as_flex else made), hazards
+
+    def checked() -> tuple[Any, bool, tuple[str, ...]]:
+        made = _made_for_the_cache(make)
+        as_flex, hazards = check.probe(made, type(spec).__name__)
+        return (check.as_flex(made) if as_flex else made), as_flex, hazards
+
+    mod, as_flex, hazards = _MODS.get_or_create((key, spec, "checked"), checked)
+    verdicts = spec.__dict__.get("_function_verdicts")
+    if verdicts is None:
+        verdicts = {}
+        object.__setattr__(spec, "_function_verdicts", verdicts)
+    verdicts[key] = (as_flex, hazards)
+    return mod, hazards
 
 
 #: Field names per spec class (``_field_names``).
@@ -689,6 +714,7 @@ class Spec:
         state.pop("_hash_value", None)
         state.pop("_tensors_value", None)  # rebuilt on use (from the unpickled fields)
         state.pop("_learned_storage_value", None)  # this process's addresses
+        state.pop("_function_verdicts", None)  # probed again on use
         # Which tensors are the caller's (learned, possibly frozen since): unpickled or
         # deep-copied (``copy.deepcopy(model)`` for an EMA copy) they stay compared by identity.
         callers = {}
@@ -1439,10 +1465,18 @@ class ScoreSpec(Spec):
         return self.score_mod(fast=fast)
 
     def _function_hazards(self) -> tuple[str, ...]:
-        if not self._CHECKS_FUNCTION:
-            return ()
-        make = functools.partial(self._make_score_mod, fast=False)
-        return _checked_mod(self, "score", ("score", False), make)[1]
+        # Both variants: the CPU flex route runs the one for masks that hide future keys
+        # (``score_mod(future_keys_hidden=True)``) where the call's mask does.
+        found: list[str] = []
+        if self._CHECKS_FUNCTION:
+            make = functools.partial(self._make_score_mod, fast=False)
+            found += _checked_mod(self, "score", ("score", False), make)[1]
+        if self._CHECKS_PAST_FUNCTION:
+            make = functools.partial(self._make_past_score_mod, fast=False)
+            found += [
+                h for h in _checked_mod(self, "score", ("score", False, "past"), make)[1] if h not in found
+            ]
+        return tuple(found)
 
     def has_fast_variant(self) -> bool:
         """True when ``score_mod(fast=True)`` may differ from the exact one (an opted-in approximation)."""

@@ -85,6 +85,15 @@ def stacked_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return torch.stack([q_idx, kv_idx]).amax() <= q_idx
 
 
+def median_distance(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (q_idx - kv_idx).abs().median() <= 3
+
+
+def sorted_pair(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Causal, spelled with a sort of the pair: its larger index is the query's."""
+    return torch.sort(torch.stack([q_idx, kv_idx])).values[1] <= q_idx
+
+
 def row_offset(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return torch.where(q_idx > 10, q_idx + OFFSETS[b] >= kv_idx, kv_idx <= 10)
 
@@ -104,6 +113,7 @@ def head_bias_one_index(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> 
 ROW = functions.READS_GATHERED_ROW
 REDUCES = functions.REDUCES
 JOINS = functions.CONCATENATES
+SCANS = functions.SCANS
 #: (callable, needs the scalar evaluation, hazards for torch's compiled CPU flex).
 MASK_CASES = {
     "flamingo": (flamingo, True, (ROW,)),
@@ -113,6 +123,8 @@ MASK_CASES = {
     "counted_documents": (counted_documents, True, (REDUCES,)),
     "near_keys": (near_keys, True, (REDUCES,)),
     "stacked_causal": (stacked_causal, True, (JOINS, REDUCES)),
+    "median_distance": (median_distance, True, (SCANS,)),
+    "sorted_pair": (sorted_pair, True, (JOINS, SCANS, ROW)),
     "row_offset": (row_offset, False, ()),
 }
 SCORE_CASES = {
@@ -235,7 +247,9 @@ def test_chunked_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
     _check_dense(chained_table, mla_bias, loop_mask(chained_table))
 
 
-@pytest.mark.parametrize("name", ["flamingo", "counted_documents", "near_keys", "stacked_causal"])
+@pytest.mark.parametrize(
+    "name", ["flamingo", "counted_documents", "near_keys", "stacked_causal", "median_distance", "sorted_pair"]
+)
 def test_auto_route(name: str) -> None:
     fn = MASK_CASES[name][0]
     q, k, v = qkv()
@@ -282,6 +296,7 @@ def test_flex_cpu_runs_one_index_forms() -> None:
         pytest.param(None, latent_dot, "reduces over a tensor", id="latent_dot"),
         pytest.param(near_keys, None, "reduces over a tensor", id="near_keys"),
         pytest.param(stacked_causal, None, r"joins tensors \(torch.stack", id="stacked_causal"),
+        pytest.param(median_distance, None, "sorts, scans or searches a tensor", id="median_distance"),
         pytest.param(
             masks.Causal() & as_mask_spec(flamingo_unpacked),
             None,

@@ -21,7 +21,7 @@ from zoo_oracles import table
 
 import flexattn_zoo as fz
 from flexattn_zoo import functions, masks
-from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreSpec
+from flexattn_zoo.spec import MaskMod, MaskSpec, ScoreMod, ScoreSpec, spec_dataclass
 from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference, assert_score_consistent
 from flexattn_zoo.testing.checks import block_mask_map, dense_block_map
 
@@ -119,3 +119,70 @@ def test_the_packages_own_functions_are_not_probed() -> None:
     assert len(classes) > 30
     assert [c.__name__ for c in classes if c._CHECKS_FUNCTION] == []
     assert NearKeys._CHECKS_FUNCTION and GatheredTable._CHECKS_FUNCTION and GatheredBias._CHECKS_FUNCTION
+
+
+@spec_dataclass
+class GatheredPastBias(ScoreSpec):
+    """One-index reads in its function, a gathered row in the variant for masks that hide future
+    keys (which the CPU flex route runs under a causal mask)."""
+
+    bias: torch.Tensor
+
+    def _make_score_mod(self, *, fast: bool) -> ScoreMod:
+        bias = self.bias
+        return lambda score, b, h, q_idx, kv_idx: score + bias[q_idx, kv_idx]
+
+    def _make_past_score_mod(self, *, fast: bool) -> ScoreMod:
+        bias = self.bias
+        return lambda score, b, h, q_idx, kv_idx: score + bias[q_idx][kv_idx]
+
+    def dense(self, scores: torch.Tensor) -> torch.Tensor:
+        lq, lkv = scores.shape[-2:]
+        return scores + self.bias[:lq, :lkv].to(scores)
+
+
+def test_the_variant_for_masks_hiding_future_keys_is_probed_too() -> None:
+    """Its hazard reaches ``flex_cpu``, which runs that variant under a causal mask (a segfault in
+    torch's compiled CPU kernel before)."""
+    spec = GatheredPastBias(bias=BIAS[0])
+    assert spec.flex_cpu_hazards() == (functions.READS_GATHERED_ROW,)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="flex_cpu.*cannot run a mod that reads from a row it gathered"):
+        fz.attention(q.float(), k.float(), v.float(), mask=masks.Causal(), score_mod=spec, backend="flex_cpu")
+    out = fz.attention(q, k, v, mask=masks.Causal(), score_mod=spec)
+    bias = BIAS[0].view(1, 1, L, L).expand(B, H, L, L).double()
+    assert_matches_reference(out, q, k, v, mask=masks.Causal(), score_mod=bias)
+
+
+def _near_keys(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (q_idx - kv_idx).abs().amax() <= 3
+
+
+@pytest.mark.parametrize("first_eager", [False, True], ids=["first_in_graph", "used_eagerly_first"])
+@pytest.mark.parametrize("which", ["spec", "raw_callable"])
+def test_compiled_dense_evaluates_a_flex_index_function_as_flex_does(which: str, first_eager: bool) -> None:
+    """Inside ``torch.compile(fullgraph=True)`` the probe cannot run: the verdict an eager call
+    left is used, else the function is evaluated as flex does (the traced ``dense`` route gave the
+    whole-grid reduction's answer, an error of 1.9, before)."""
+    mask = NearKeys() if which == "spec" else _near_keys
+    q, k, v = _qkv()
+    if first_eager:
+        fz.attention(q, k, v, mask=mask, backend="dense")
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: fz.attention(q, k, v, mask=mask, backend="dense"), fullgraph=True
+    )
+    assert_matches_reference(compiled(q, k, v), q, k, v, mask=table(L, L, near))
+
+
+def test_compiled_flex_cpu_keeps_the_eager_verdicts_refusal() -> None:
+    spec = NearKeys()
+    q, k, v = (t.float() for t in _qkv())
+    fz.attention(q, k, v, mask=spec)  # eager: probed
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: fz.attention(q, k, v, mask=spec, backend="flex_cpu"), fullgraph=True
+    )
+    # Traced, the route's refusal is the ValueError Dynamo reports (fullgraph: as it was raised).
+    with pytest.raises(Exception, match="flex_cpu.*cannot run a mod that reduces over a tensor"):
+        compiled(q, k, v)
