@@ -636,6 +636,11 @@ CONCATENATES = "joins tensors (torch.stack, torch.cat) inside the mod"
 #: alike rather than tried (an out-of-bounds read aborts the process).
 SCANS = "sorts, scans or searches a tensor (sort, topk, median, cumsum...) inside the mod"
 
+#: The hazards torch's compiled CUDA (Triton) flex kernel shares (H100, torch 2.11,
+#: benchmarks/flex_mod_hazards_probe.py): it fails to lower a join, and runs reductions and
+#: gathered rows exactly. The CPU kernel has them all.
+CUDA_HAZARDS = frozenset({CONCATENATES})
+
 _aten = torch.ops.aten
 #: Ops that join tensors along a dimension (:data:`CONCATENATES`).
 _JOINS = frozenset({_aten.cat.default, _aten.stack.default})

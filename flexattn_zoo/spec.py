@@ -256,8 +256,12 @@ def _refuse_dtensors(owner: str, fields: dict[str, Any]) -> None:
 
 
 #: What ``_settle_plain`` writes beside the plain key: a spec of plain parameters holds no
-#: callable and no learned tensor.
-_SETTLED_ANSWERS = {"_holds_callables_value": False, "_holds_learned_value": False}
+#: callable, no learned tensor and no other spec.
+_SETTLED_ANSWERS = {
+    "_holds_callables_value": False,
+    "_holds_learned_value": False,
+    "_parts_may_have_hazards_value": False,
+}
 #: Every attribute ``_settle_plain`` writes into a spec's ``__dict__``.
 _SETTLED_CACHES = frozenset({"_plain_key_value", *_SETTLED_ANSWERS})
 
@@ -568,6 +572,8 @@ class Spec:
     #: Whether this class's mod is made by a function written outside the package, which the
     #: library checks before evaluating it on index grids (:data:`FUNCTION_CHECKS`); set per class.
     _CHECKS_FUNCTION: ClassVar[bool] = False
+    #: The same for a score spec's ``_make_past_score_mod`` (False for every other spec).
+    _CHECKS_PAST_FUNCTION: ClassVar[bool] = False
 
     def _fields(self) -> tuple[Any, ...]:
         values = [getattr(self, name) for name in _field_names(self)]
@@ -697,11 +703,29 @@ class Spec:
         outside the package, do that torch's compiled CPU flex kernel mishandles
         (:func:`flexattn_zoo.functions.check_mask_function` finds it), each as a phrase completing
         "a mod that ..."; () for the package's own specs without callables."""
-        found = list(self._function_hazards())
+        cls = type(self)
+        found = list(self._function_hazards()) if cls._CHECKS_FUNCTION or cls._CHECKS_PAST_FUNCTION else []
+        if not self._parts_may_have_hazards():
+            return tuple(found)
         for part in self._parts():
             if isinstance(part, Spec):
                 found += [h for h in part.flex_cpu_hazards() if h not in found]
         return tuple(found)
+
+    def _parts_may_have_hazards(self) -> bool:
+        """Whether a part of this spec (at any depth) wraps a raw callable or has a function
+        written outside the package (:attr:`_CHECKS_FUNCTION`): the parts
+        :meth:`flex_cpu_hazards` must ask. Cached per spec object, as :meth:`_holds_callables`."""
+        cached = self.__dict__.get("_parts_may_have_hazards_value")
+        if cached is None:
+            cached = self._holds_callables() or any(
+                isinstance(v, Spec)
+                and (type(v)._CHECKS_FUNCTION or type(v)._CHECKS_PAST_FUNCTION or v._parts_may_have_hazards())
+                for v in self._parts()
+            )
+            if not _compat.is_compiling():
+                object.__setattr__(self, "_parts_may_have_hazards_value", cached)
+        return bool(cached)
 
     def _function_hazards(self) -> tuple[str, ...]:
         """:meth:`flex_cpu_hazards` of this spec's own function (MaskSpec / ScoreSpec)."""
@@ -1410,8 +1434,6 @@ class ScoreSpec(Spec):
     #: ``dense`` give log-weights ``log w_ij`` and the attention is ``sum_j w_ij v_j``, unnormalised
     #: (see :meth:`is_activation`).
     activation: ClassVar[bool] = False
-    #: :attr:`Spec._CHECKS_FUNCTION` for ``_make_past_score_mod``.
-    _CHECKS_PAST_FUNCTION: ClassVar[bool] = False
     #: The methods that state facts about the function ``_make_score_mod`` makes (the variant for
     #: masks that hide future keys among them); a subclass that replaces that function without
     #: restating one gets the default here (:func:`_drop_stale_forms`).

@@ -25,7 +25,7 @@ from flexattn_zoo.backends.base import (
 from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, DEFAULT_BLOCK_SIZE, bound_mask_mod
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
-from flexattn_zoo.functions import _Ref
+from flexattn_zoo.functions import CUDA_HAZARDS, _Ref
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import graph_memo
@@ -180,7 +180,18 @@ class FlexBackend(Backend):
             # flex_attention asserts on it while tracing ("Captured buffers from mask mod that
             # require grad are not supported"); the mask passes no gradient anyway.
             return ["flex cannot take a mask_mod that captures tensors requiring grad (capture t.detach())"]
-        return []
+        return self.hazard_reasons(p)
+
+    def hazard_reasons(self, p: Problem) -> list[str]:
+        """What this route's compiled kernel cannot run in the call's user functions: on CUDA a
+        join (:data:`functions.CUDA_HAZARDS`: measured without the library,
+        benchmarks/flex_mod_hazards_probe.py; Triton flex runs the other hazards). dense
+        evaluates such a function exactly where it fits."""
+        return [
+            f"torch's compiled flex kernel cannot run a mod that {hazard}"
+            for hazard in _hazards_of(p)
+            if hazard in CUDA_HAZARDS
+        ]
 
     def sparse_block_size(self, p: Problem) -> tuple[int, int]:
         """The ``(q, kv)`` block size of the BlockMasks this route builds for ``p``."""
@@ -825,6 +836,15 @@ def _cut(
     return out[..., :v_dim], lse
 
 
+def _hazards_of(p: Problem) -> list[str]:
+    """:meth:`Spec.flex_cpu_hazards` of the call's mask and score specs, each once."""
+    found: list[str] = []
+    for spec in (p.mask, p.score):
+        if spec is not None:
+            found += [h for h in spec.flex_cpu_hazards() if h not in found]
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexCpuBackend(FlexBackend):
     """Head dims below :data:`CPU_FLEX_MIN_HEAD_DIM` run padded with zeros to it (exact; see
@@ -839,14 +859,14 @@ class FlexCpuBackend(FlexBackend):
             # only some of the rows that see it -- a silent wrong result, so refuse; other CPU
             # routes propagate NaN (see fz.attention's docstring).
             return ["q/k/v hold NaN or inf, which torch's CPU flex kernel drops silently"]
-        # A raw callable doing what torch's compiled CPU flex mishandles (functions.REDUCES,
-        # functions.READS_GATHERED_ROW; measured on torch 2.13 without the library too): a failed
-        # lowering, an out-of-bounds read or a corrupted heap. dense evaluates it exactly.
-        return super().mask_reasons(p) + [
-            f"torch's compiled CPU flex kernel cannot run a mod that {hazard}"
-            for spec in (p.mask, p.score)
-            if spec is not None
-            for hazard in spec.flex_cpu_hazards()
+        return super().mask_reasons(p)
+
+    def hazard_reasons(self, p: Problem) -> list[str]:
+        # Every hazard a user's function shows (functions.REDUCES, READS_GATHERED_ROW,
+        # CONCATENATES, SCANS; measured on torch 2.13 without the library too): a failed
+        # lowering, an out-of-bounds read or a corrupted heap.
+        return [
+            f"torch's compiled CPU flex kernel cannot run a mod that {hazard}" for hazard in _hazards_of(p)
         ]
 
 

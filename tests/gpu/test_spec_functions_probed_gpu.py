@@ -60,3 +60,18 @@ def test_every_cuda_route_runs_a_flex_index_function_exactly_or_refuses_it(case)
         assert_matches_reference(
             out, q, k, v, mask=ref_mask, score_mod=ref_score, grads=grads, grad_out=grad_out
         )
+
+
+def test_a_join_inside_a_mod_is_kept_off_the_cuda_flex_kernels() -> None:
+    """Triton flex fails to lower ``torch.stack`` in a mod: the flex routes refuse it, and auto
+    runs it exactly on another route."""
+
+    def stacked_causal(b, h, q_idx, kv_idx):
+        return torch.stack([q_idx, kv_idx]).amax() <= q_idx
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 128, 64, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    plan = fz.plan(q, k, v, mask=stacked_causal)
+    assert plan.backend not in ("flex", "flex_flash"), plan.explain()
+    out = fz.attention(q, k, v, mask=stacked_causal)
+    assert_matches_reference(out, q, k, v, mask=masks.Causal())

@@ -404,3 +404,22 @@ def test_decode_on_the_cpu_keeps_hazardous_callables_off_flex(monkeypatch: pytes
             full_q, k[b : b + 1, :, :n].double(), v[b : b + 1, :, :n].double(), mask=visible
         )
         torch.testing.assert_close(out[b].double(), ref[0, :, -1:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("name", "refused"),
+    [("stacked_causal", True), ("sorted_pair", True), ("counted_documents", False), ("chained_table", False)],
+)
+def test_the_cuda_flex_routes_refuse_only_what_their_kernel_cannot_lower(name: str, refused: bool) -> None:
+    """torch's compiled CUDA (Triton) flex kernel fails to lower a join and runs reductions and
+    gathered rows (H100, torch 2.11: benchmarks/flex_mod_hazards_probe.py). A route's mask
+    reasons read only the specs, so a CPU problem shows them."""
+    from flexattn_zoo.backends import BY_NAME
+
+    q, k, v = qkv()
+    problem = fz.plan(q, k, v, mask=MASK_CASES[name][0]).problem
+    for route in ("flex", "flex_flash"):
+        reasons = BY_NAME[route].mask_reasons(problem)
+        assert (
+            any("compiled flex kernel cannot run a mod that joins tensors" in r for r in reasons) == refused
+        )

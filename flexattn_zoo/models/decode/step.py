@@ -14,7 +14,7 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import needs_grad
-from flexattn_zoo.functions import FunctionMask, FunctionScore
+from flexattn_zoo.functions import CUDA_HAZARDS, FunctionMask, FunctionScore
 from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.decode.cache import CACHE, _caller
 from flexattn_zoo.models.decode.hits import STEPS, StepPlan, step_key
@@ -254,9 +254,11 @@ def decode_step(
     need_lse = sinks is not None or return_lse
     grad = needs_grad((q, k_cache, v_cache, sinks), score)  # a learned bias in score_mod counts
     small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
-    # What torch's compiled CPU flex kernel mishandles in the user's callables (the flex_cpu route
-    # refuses the same for fz.attention): decode's own wrappers hide them from the route's check.
-    hazards = () if on_cuda else _cpu_hazards(spec, score)
+    # What torch's compiled flex kernel mishandles in the user's functions (the flex routes refuse
+    # the same for fz.attention): decode's own wrappers hide them from the routes' check.
+    hazards = _cpu_hazards(spec, score)
+    if on_cuda:  # the CUDA kernel runs all but these
+        hazards = tuple(h for h in hazards if h in CUDA_HAZARDS)
     use_flex = (
         backend != "dense" and not grad and (on_cuda or not need_lse) and not small_page and not hazards
     )
@@ -269,7 +271,8 @@ def decode_step(
                 f"on {q.device.type}"
             )
         elif hazards:
-            why = f"the compiled CPU flex kernel cannot run a mod that {'; '.join(hazards)}"
+            kernel = "compiled flex kernel" if on_cuda else "compiled CPU flex kernel"
+            why = f"the {kernel} cannot run a mod that {'; '.join(hazards)}"
         else:
             why = "needs lse on CPU, or inputs require grad"
         raise ValueError(f"backend {backend!r} cannot run this decode step ({why})")
