@@ -702,7 +702,8 @@ class Spec:
         """What the raw callables in this spec (or its parts), and its own function where written
         outside the package, do that torch's compiled CPU flex kernel mishandles
         (:func:`flexattn_zoo.functions.check_mask_function` finds it), each as a phrase completing
-        "a mod that ..."; () for the package's own specs without callables."""
+        "a mod that ..."; () for the package's own specs without callables. The CUDA flex routes
+        refuse the part of it their kernel shares (``functions.CUDA_HAZARDS``)."""
         cls = type(self)
         found = list(self._function_hazards()) if cls._CHECKS_FUNCTION or cls._CHECKS_PAST_FUNCTION else []
         if not self._parts_may_have_hazards():
