@@ -4,9 +4,9 @@ flex calls a mod on 0-d index tensors, so a function written for that (``table[q
 reduction over a value of the indices) is a valid flex mod; on broadcast index grids (the
 ``dense`` route and the oracle of a subclass without its own, the BlockMask builder) it fails or
 gives another answer. Raw callables were probed for this; a user's spec class, or a user's
-subclass of a preset, was not: ``NearKeys`` (tests/flex_index_specs.py) gave a zero output on ``dense`` and a BlockMask
-missing its visible blocks, and ``GatheredTable`` failed on ``dense``. Each is checked against an
-oracle that calls the function once per pair in a Python loop.
+subclass of a preset, was not: ``NearKeys`` (tests/flex_index_specs.py) gave a zero output on
+``dense`` and a BlockMask missing its visible blocks, and ``GatheredTable`` failed on ``dense``.
+Each is checked against its rule written per (query, key) pair in plain Python.
 """
 
 from __future__ import annotations
