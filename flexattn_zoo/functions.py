@@ -641,6 +641,15 @@ SCANS = "sorts, scans or searches a tensor (sort, topk, median, cumsum...) insid
 #: gathered rows exactly. The CPU kernel has them all.
 CUDA_HAZARDS = frozenset({CONCATENATES})
 
+
+def kernel_hazards(specs: tuple[Any, ...], device_type: str) -> tuple[str, ...]:
+    """What torch's compiled flex kernel on ``device_type`` cannot run in the user functions of
+    ``specs`` (mask / score specs or None): :meth:`Spec.flex_cpu_hazards` of each, each phrase
+    once, on CUDA only :data:`CUDA_HAZARDS`. The flex routes and ``decode_step`` refuse these."""
+    found = dict.fromkeys(h for spec in specs if spec is not None for h in spec.flex_cpu_hazards())
+    return tuple(h for h in found if device_type != "cuda" or h in CUDA_HAZARDS)
+
+
 _aten = torch.ops.aten
 #: Ops that join tensors along a dimension (:data:`CONCATENATES`).
 _JOINS = frozenset({_aten.cat.default, _aten.stack.default})

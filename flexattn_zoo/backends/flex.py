@@ -25,7 +25,7 @@ from flexattn_zoo.backends.base import (
 from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, DEFAULT_BLOCK_SIZE, bound_mask_mod
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
-from flexattn_zoo.functions import CUDA_HAZARDS, _Ref
+from flexattn_zoo.functions import _Ref, kernel_hazards
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import graph_memo
@@ -170,6 +170,9 @@ class FlexBackend(Backend):
     #: forward / +6% forward+backward at D=64, +6% / +1% at D=128); slower on FA4's CuTe kernel
     #: (forward -21%), so only the Triton route asks.
     spells_key_starts: bool = False
+    #: The device type whose compiled flex kernel this route runs, for the user functions it
+    #: refuses (``functions.kernel_hazards``).
+    hazard_device: str = "cuda"
 
     def func_transform_blocker(self, p: Problem) -> str | None:
         # Eagerly, flex_attention runs compiled (flexattn_zoo.compile).
@@ -180,17 +183,13 @@ class FlexBackend(Backend):
             # flex_attention asserts on it while tracing ("Captured buffers from mask mod that
             # require grad are not supported"); the mask passes no gradient anyway.
             return ["flex cannot take a mask_mod that captures tensors requiring grad (capture t.detach())"]
-        return self.hazard_reasons(p)
-
-    def hazard_reasons(self, p: Problem) -> list[str]:
-        """What this route's compiled kernel cannot run in the call's user functions: on CUDA a
-        join (:data:`functions.CUDA_HAZARDS`: measured without the library,
-        benchmarks/flex_mod_hazards_probe.py; Triton flex runs the other hazards). dense
-        evaluates such a function exactly where it fits."""
+        # What this route's compiled kernel cannot lower or runs out of bounds in the call's user
+        # functions (functions.kernel_hazards: measured without the library,
+        # benchmarks/flex_mod_hazards_probe.py). dense evaluates them exactly where it fits.
+        kernel = "CPU flex kernel" if self.hazard_device == "cpu" else "flex kernel"
         return [
-            f"torch's compiled flex kernel cannot run a mod that {hazard}"
-            for hazard in _hazards_of(p)
-            if hazard in CUDA_HAZARDS
+            f"torch's compiled {kernel} cannot run a mod that {hazard}"
+            for hazard in kernel_hazards((p.mask, p.score), self.hazard_device)
         ]
 
     def sparse_block_size(self, p: Problem) -> tuple[int, int]:
@@ -836,15 +835,6 @@ def _cut(
     return out[..., :v_dim], lse
 
 
-def _hazards_of(p: Problem) -> list[str]:
-    """:meth:`Spec.flex_cpu_hazards` of the call's mask and score specs, each once."""
-    found: list[str] = []
-    for spec in (p.mask, p.score):
-        if spec is not None:
-            found += [h for h in spec.flex_cpu_hazards() if h not in found]
-    return found
-
-
 @dataclasses.dataclass(frozen=True)
 class FlexCpuBackend(FlexBackend):
     """Head dims below :data:`CPU_FLEX_MIN_HEAD_DIM` run padded with zeros to it (exact; see
@@ -852,6 +842,7 @@ class FlexCpuBackend(FlexBackend):
 
     pad_head_dims_to: int | None = CPU_FLEX_MIN_HEAD_DIM
     reads_finiteness: bool = True
+    hazard_device: str = "cpu"
 
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:
@@ -860,14 +851,6 @@ class FlexCpuBackend(FlexBackend):
             # routes propagate NaN (see fz.attention's docstring).
             return ["q/k/v hold NaN or inf, which torch's CPU flex kernel drops silently"]
         return super().mask_reasons(p)
-
-    def hazard_reasons(self, p: Problem) -> list[str]:
-        # Every hazard a user's function shows (functions.REDUCES, READS_GATHERED_ROW,
-        # CONCATENATES, SCANS; measured on torch 2.13 without the library too): a failed
-        # lowering, an out-of-bounds read or a corrupted heap.
-        return [
-            f"torch's compiled CPU flex kernel cannot run a mod that {hazard}" for hazard in _hazards_of(p)
-        ]
 
 
 FLEX = FlexBackend(

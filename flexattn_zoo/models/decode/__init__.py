@@ -78,7 +78,7 @@ from __future__ import annotations
 #   hits       STEPS: repeated flex steps' plans (their DecodeMask and run), by the call's key
 #   runs       run_signature and a step's plan (_Run), kept per DecodeMask
 #   launch     running a step's attention (_run_planned, _attend), rows per flex launch
-#   routes     DECODE_ROUTES, MIN_FLEX_PAGE, CPU flex hazards
+#   routes     DECODE_ROUTES, MIN_FLEX_PAGE
 #   inputs     checks of q, the caches and cache_len
 #   paged      page pools: KV_LAYOUTS, pool_view, append_kv, page checks and gathers
 #   varlen     decode_step_varlen (FlashAttention varlen, CUDA)

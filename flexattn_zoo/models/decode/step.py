@@ -14,7 +14,7 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.dispatch import needs_grad
-from flexattn_zoo.functions import CUDA_HAZARDS, FunctionMask, FunctionScore
+from flexattn_zoo.functions import FunctionMask, FunctionScore, kernel_hazards
 from flexattn_zoo.masks import Causal
 from flexattn_zoo.models.decode.cache import CACHE, _caller
 from flexattn_zoo.models.decode.hits import STEPS, StepPlan, step_key
@@ -29,7 +29,7 @@ from flexattn_zoo.models.decode.paged import (
     _gather_pages,
     _layout_views,
 )
-from flexattn_zoo.models.decode.routes import DECODE_ROUTES, MIN_FLEX_PAGE, _cpu_hazards
+from flexattn_zoo.models.decode.routes import DECODE_ROUTES, MIN_FLEX_PAGE
 from flexattn_zoo.models.sinks import apply_sinks, check_sinks
 from flexattn_zoo.spec import MaskSpec
 from flexattn_zoo.validation import check_flag
@@ -256,9 +256,7 @@ def decode_step(
     small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
     # What torch's compiled flex kernel mishandles in the user's functions (the flex routes refuse
     # the same for fz.attention): decode's own wrappers hide them from the routes' check.
-    hazards = _cpu_hazards(spec, score)
-    if on_cuda:  # the CUDA kernel runs all but these
-        hazards = tuple(h for h in hazards if h in CUDA_HAZARDS)
+    hazards = kernel_hazards((spec, score), q.device.type)
     use_flex = (
         backend != "dense" and not grad and (on_cuda or not need_lse) and not small_page and not hazards
     )
