@@ -17,6 +17,9 @@ reduction summing over the grid) selects the scalar evaluation; one that agrees 
 at other index values would not be caught.
 What flex rejects (Python ``if``/``and``/``or``, ``bool()``, ``int()``, ``.item()`` on a value
 computed from the indices) is refused with a TypeError that says so.
+The verdict is kept per callable and captured state (:data:`PROBED`) and per structure
+(:data:`PROBED_STRUCTURES`, :func:`_structure`): a closure built anew every step over new tensors
+of the same shapes is probed once.
 
 Captured state: a spec cannot own what a callable captures, so a wrapped callable's identity is
 not enough of a cache key (a BlockMask built for ``ids`` would survive ``ids[:] = ...`` and pair
@@ -686,6 +689,10 @@ class Probed:
 
     scalar: bool
     hazards: tuple[str, ...]
+    #: Whether the call read a tensor's value on the host (``bool()``, ``.item()``, ``torch.equal``
+    #: on what it captures): its ops may then change with those values, so the verdict holds for
+    #: these tensors only, not for every callable of the same structure (:func:`_structure`).
+    reads_values: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -698,6 +705,8 @@ class _Traced:
     #: broadcast grids that op spans or shifts the grid's dims, so only the scalar evaluation is
     #: exact (however the zero-index probe compares).
     whole_grid_op: bool
+    #: Whether an op returned a Python value rather than a tensor (:attr:`Probed.reads_values`).
+    reads_values: bool
 
 
 def _flat_tensors(values: Any) -> Iterator[torch.Tensor]:
@@ -729,6 +738,7 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
     made_storages: set[int] = set()
     derived: set[int] = {id(a) for a in args}
     whole_grid = [False]
+    reads_values = [False]
 
     def note(hazard: str) -> None:
         if hazard not in found:
@@ -753,7 +763,10 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
             and first.untyped_storage().data_ptr() in made_storages
         ):
             note(READS_GATHERED_ROW)
-        for t in _flat_tensors(out if isinstance(out, (tuple, list)) else (out,)):
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if any(not isinstance(o, torch.Tensor) for o in outs):
+            reads_values[0] = True
+        for t in _flat_tensors(outs):
             made.append(t)
             if from_args:
                 derived.add(id(t))
@@ -764,8 +777,8 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         with _compat.index_with_tensors(), _compat.recording_mode(on_op):
             fn(*args)
     except Exception:  # noqa: BLE001 - the vmap probe ran it; nothing more to learn here
-        return _Traced((), False)
-    return _Traced(tuple(found), whole_grid[0])
+        return _Traced((), False, True)
+    return _Traced(tuple(found), whole_grid[0], reads_values[0])
 
 
 def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *, score: bool) -> Probed:
@@ -775,7 +788,7 @@ def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *,
     zeros = tuple(g.reshape(-1)[0] for g in grids)  # 0-d, as flex's kernel passes them
     scalar = _needs_scalar(fn, arg, grids, score=score)
     traced = _trace_ops(fn, zeros)
-    return Probed(scalar or traced.whole_grid_op, traced.hazards)
+    return Probed(scalar or traced.whole_grid_op, traced.hazards, traced.reads_values)
 
 
 def _fits(shape: torch.Size, full: torch.Size) -> bool:
@@ -863,6 +876,10 @@ def _captured_device(fn: Callable[..., Any]) -> torch.device:
 #: Probe verdicts per (callable, :func:`capture_state`): a model calling ``fz.attention`` with the
 #: same callable and new shapes (a plan cache miss) probes it once (a few ms: the vmap call).
 PROBED: LRUCache[Probed] = LRUCache(256)
+#: Probe verdicts per callable structure (:func:`_structure`): a training or generation loop that
+#: builds its mask function (or its spec) anew every step, over new tensors of the same shapes,
+#: probes it once rather than every step.
+PROBED_STRUCTURES: LRUCache[Probed] = LRUCache(256)
 
 
 def _probed(fn: Callable[..., Any], kind: str, probe: Callable[[], Probed]) -> Probed:
@@ -870,7 +887,90 @@ def _probed(fn: Callable[..., Any], kind: str, probe: Callable[[], Probed]) -> P
         return probe()
     key = (kind, _Ref(fn), capture_state(fn, learned_versions=kind == "mask"))
     found = PROBED.get(key)
-    return found if found is not None else PROBED.put(key, probe())
+    if found is not None:
+        return found
+    structure = _structure(fn)
+    if structure is not None:
+        found = PROBED_STRUCTURES.get((kind, structure))
+        if found is not None:
+            return PROBED.put(key, found)
+    probed = PROBED.put(key, probe())
+    if structure is not None and not probed.reads_values:
+        PROBED_STRUCTURES.put((kind, structure), probed)
+    return probed
+
+
+_SCALARS = (str, bytes, int, float, complex, bool, type(None))
+
+
+def _structure(fn: Callable[..., Any]) -> Hashable | None:
+    """What decides the probe's verdict on ``fn``, or None where it cannot be told: the code of
+    every function ``fn`` reaches (the walk of :func:`capture_state`), the scalars among what it
+    captures by value, and the shape, dtype, device, layout and grad flag of every tensor, but not
+    the tensors' values. The verdict (which ops run, whether a broadcast call computes what flex's
+    0-d calls compute) does not depend on those values unless the function reads them on the host
+    (:attr:`Probed.reads_values`), which the probe notices. None for what cannot be keyed so: an
+    object the walk does not open (a captured model's submodule), a spec, an unhashable value,
+    a walk past :data:`WALK_LIMIT`."""
+    tokens: list[Hashable] = []
+    first_seen: dict[tuple[int, bool], int] = {}
+    stack: list[tuple[Any, bool]] = [(fn, True)]
+    while stack:
+        if len(tokens) >= WALK_LIMIT:
+            return None
+        value, expand = stack.pop()
+        if isinstance(value, _SCALARS):
+            tokens.append((type(value), value))
+            continue
+        seen = first_seen.get((id(value), expand))
+        if seen is not None:
+            tokens.append(("again", seen))
+            continue
+        first_seen[(id(value), expand)] = len(tokens)
+        if isinstance(value, torch.Tensor):
+            tokens.append(
+                (
+                    type(value),
+                    tuple(value.shape),
+                    value.dtype,
+                    value.device,
+                    value.layout,
+                    value.requires_grad,
+                )
+            )
+            continue
+        if isinstance(value, types.ModuleType):
+            tokens.append(("module", value.__name__))
+            continue
+        if isinstance(value, types.FunctionType):
+            module = value.__module__ or ""
+            if module == "torch" or module.startswith(("torch.", "flexattn_zoo")):
+                tokens.append(("library", value))  # long-lived and not the user's: by identity
+                continue
+            tokens.append(("function", value.__code__))
+        elif isinstance(value, (types.MethodType, functools.partial, list, tuple)):
+            tokens.append((type(value), len(value) if isinstance(value, (list, tuple)) else None))
+        elif isinstance(value, dict):
+            try:
+                tokens.append((dict, tuple(value)))
+            except TypeError:
+                return None
+        elif isinstance(value, Spec) or isinstance(value, (set, frozenset)):
+            return None
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            if not expand:
+                return None
+            tokens.append(("object", type(value)))
+        else:  # builtins, types, torch ops, dtypes: compared as themselves
+            try:
+                hash(value)
+            except TypeError:
+                return None
+            tokens.append(("value", value))
+            continue
+        children, expand_children = _children(value, expand)
+        stack.extend((child, expand_children) for child in reversed(children))
+    return tuple(tokens)
 
 
 def check_mask_function(fn: Callable[..., Any], arg: str = "mask") -> Probed:
