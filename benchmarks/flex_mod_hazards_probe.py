@@ -47,6 +47,18 @@ def mods(device: str) -> dict[str, tuple[str, Callable[..., Any]]]:
         "one_index": ("mask", lambda b, h, q, k: table[q, k]),
         "maximum": ("mask", lambda b, h, q, k: torch.maximum(q, k) <= q),
         "score_reduce_0d": ("score", lambda s, b, h, q, k: s + (q - k).abs().sum() * 0.01),
+        "searchsorted": (
+            "mask",
+            lambda b, h, q, k: (
+                torch.searchsorted(starts, q, right=True) == torch.searchsorted(starts, k, right=True)
+            ),
+        ),
+        "bucketize": (
+            "mask",
+            lambda b, h, q, k: (
+                torch.bucketize(q, starts, right=True) == torch.bucketize(k, starts, right=True)
+            ),
+        ),
     }
 
 

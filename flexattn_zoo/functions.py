@@ -638,6 +638,10 @@ CONCATENATES = "joins tensors (torch.stack, torch.cat) inside the mod"
 #: ``isin``...): ``median`` and ``topk`` fail to lower as reductions do; the rest are refused
 #: alike rather than tried (an out-of-bounds read aborts the process).
 SCANS = "sorts, scans or searches a tensor (sort, topk, median, cumsum...) inside the mod"
+#: ``torch.searchsorted`` / ``torch.bucketize`` of an index in a captured sorted tensor (a
+#: document's number from its starts) is element by element, and fails to lower all the same
+#: (torch 2.13, CPU: an unbacked-symbol or a pointwise-subgraph ``LoweringException``).
+SEARCHES = "searches a sorted tensor (torch.searchsorted, torch.bucketize) inside the mod"
 
 #: The hazards torch's compiled CUDA (Triton) flex kernel shares (H100, torch 2.11,
 #: benchmarks/flex_mod_hazards_probe.py): it fails to lower a join, and runs reductions and
@@ -679,13 +683,14 @@ _ELEMENTWISE = frozenset(
     }
 )
 _SEARCHSORTED = frozenset({_aten.searchsorted.Tensor, _aten.searchsorted.Scalar})
+_SEARCHES = _SEARCHSORTED | {_aten.bucketize.Tensor, _aten.bucketize.Scalar}
 
 
 @dataclasses.dataclass(frozen=True)
 class Probed:
     """What :func:`check_mask_function` / :func:`check_score_function` learned of a callable:
     whether it needs the scalar evaluation, and its hazards (:data:`REDUCES`,
-    :data:`READS_GATHERED_ROW`, :data:`CONCATENATES`, :data:`SCANS`)."""
+    :data:`READS_GATHERED_ROW`, :data:`CONCATENATES`, :data:`SCANS`, :data:`SEARCHES`)."""
 
     scalar: bool
     hazards: tuple[str, ...]
@@ -729,7 +734,8 @@ def _elementwise(op: Any, op_args: tuple[Any, ...], derived: set[int]) -> bool:
 def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Traced:
     """Call ``fn`` once on 0-d ``args`` (what flex's compiled kernel traces) and list what it does
     that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`CONCATENATES`,
-    :data:`SCANS`: an op that is not element by element; :data:`READS_GATHERED_ROW`: an op whose
+    :data:`SCANS`: an op that is not element by element; :data:`SEARCHES`: a search of a sorted
+    tensor; :data:`READS_GATHERED_ROW`: an op whose
     input is a tensor of more than one element that the call itself made, a gathered row or a
     view of one). Also follows which tensors derive from ``args`` (through the ops' positional
     and keyword arguments) for :attr:`_Traced.whole_grid_op`."""
@@ -750,6 +756,8 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         elementwise = _elementwise(op, op_args, derived)
         if not elementwise and inputs:
             note(REDUCES if torch.Tag.reduction in op.tags else CONCATENATES if op in _JOINS else SCANS)
+        elif op in _SEARCHES:
+            note(SEARCHES)
         # A non-pointwise op on a derived value with dims of its own (``row[0]``, ``row[kv_idx]``
         # for a gathered ``row``) reads another dim of the grid in a broadcast call.
         pointwise = torch.Tag.pointwise in op.tags

@@ -75,3 +75,34 @@ def test_a_join_inside_a_mod_is_kept_off_the_cuda_flex_kernels() -> None:
     assert plan.backend not in ("flex", "flex_flash"), plan.explain()
     out = fz.attention(q, k, v, mask=stacked_causal)
     assert_matches_reference(out, q, k, v, mask=masks.Causal())
+
+
+@pytest.mark.parametrize("search", ["searchsorted", "bucketize"])
+def test_a_search_of_sorted_starts_runs_exactly_or_is_refused(search: str) -> None:
+    """A document's number from its sorted starts (``torch.searchsorted`` / ``torch.bucketize``):
+    torch's compiled CPU flex fails to lower it; every CUDA route that accepts it runs it exactly,
+    forward and backward (a CUDA kernel that cannot must refuse it)."""
+    starts = torch.tensor([0, 40, 90, 200], device=DEV)
+
+    def doc(i):
+        if search == "searchsorted":
+            return torch.searchsorted(starts, i, right=True)
+        return torch.bucketize(i, starts, right=True)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (doc(q_idx) == doc(kv_idx)) & (kv_idx <= q_idx)
+
+    bounds = starts.tolist()
+    which = [sum(s <= i for s in bounds) for i in range(L)]
+    want = table(L, L, lambda i, j: which[i] == which[j] and j <= i)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    q, k, v = (
+        (torch.randn(1, 2, L, D, device=DEV, dtype=torch.bfloat16, generator=g) * 0.5).requires_grad_()
+        for _ in range(3)
+    )
+    plan = fz.plan(q, k, v, mask=same_doc_causal)
+    for route in ["auto", *(c.name for c in plan.candidates if c.accepted)]:
+        out = fz.attention(q, k, v, mask=same_doc_causal, backend=route)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_matches_reference(out, q, k, v, mask=want, grads=grads, grad_out=grad_out)

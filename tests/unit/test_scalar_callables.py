@@ -94,6 +94,16 @@ def sorted_pair(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return torch.sort(torch.stack([q_idx, kv_idx])).values[1] <= q_idx
 
 
+def searched_documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A position's document found by a search of the sorted starts (element by element)."""
+    same = torch.searchsorted(STARTS, q_idx, right=True) == torch.searchsorted(STARTS, kv_idx, right=True)
+    return same & (q_idx >= kv_idx)
+
+
+def bucketed_documents(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return torch.bucketize(q_idx, STARTS, right=True) == torch.bucketize(kv_idx, STARTS, right=True)
+
+
 def row_offset(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return torch.where(q_idx > 10, q_idx + OFFSETS[b] >= kv_idx, kv_idx <= 10)
 
@@ -114,6 +124,7 @@ ROW = functions.READS_GATHERED_ROW
 REDUCES = functions.REDUCES
 JOINS = functions.CONCATENATES
 SCANS = functions.SCANS
+SEARCHES = functions.SEARCHES
 #: (callable, needs the scalar evaluation, hazards for torch's compiled CPU flex).
 MASK_CASES = {
     "flamingo": (flamingo, True, (ROW,)),
@@ -125,6 +136,8 @@ MASK_CASES = {
     "stacked_causal": (stacked_causal, True, (JOINS, REDUCES)),
     "median_distance": (median_distance, True, (SCANS,)),
     "sorted_pair": (sorted_pair, True, (JOINS, SCANS, ROW)),
+    "searched_documents": (searched_documents, False, (SEARCHES,)),
+    "bucketed_documents": (bucketed_documents, False, (SEARCHES,)),
     "row_offset": (row_offset, False, ()),
 }
 SCORE_CASES = {
@@ -248,7 +261,17 @@ def test_chunked_evaluation(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["flamingo", "counted_documents", "near_keys", "stacked_causal", "median_distance", "sorted_pair"]
+    "name",
+    [
+        "flamingo",
+        "counted_documents",
+        "near_keys",
+        "stacked_causal",
+        "median_distance",
+        "sorted_pair",
+        "searched_documents",
+        "bucketed_documents",
+    ],
 )
 def test_auto_route(name: str) -> None:
     fn = MASK_CASES[name][0]
@@ -297,6 +320,8 @@ def test_flex_cpu_runs_one_index_forms() -> None:
         pytest.param(near_keys, None, "reduces over a tensor", id="near_keys"),
         pytest.param(stacked_causal, None, r"joins tensors \(torch.stack", id="stacked_causal"),
         pytest.param(median_distance, None, "sorts, scans or searches a tensor", id="median_distance"),
+        pytest.param(searched_documents, None, "searches a sorted tensor", id="searched_documents"),
+        pytest.param(bucketed_documents, None, "searches a sorted tensor", id="bucketed_documents"),
         pytest.param(
             masks.Causal() & as_mask_spec(flamingo_unpacked),
             None,
