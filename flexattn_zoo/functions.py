@@ -772,7 +772,7 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         ):
             note(READS_GATHERED_ROW)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        if any(not isinstance(o, torch.Tensor) for o in outs):
+        if any(not isinstance(o, torch.Tensor) for o in outs) or _shape_from_values(op, op_args):
             reads_values[0] = True
         for t in _flat_tensors(outs):
             made.append(t)
@@ -781,12 +781,52 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
             if not op.is_view:
                 made_storages.add(t.untyped_storage().data_ptr())
 
+    host_reads = _HostReads()
     try:
-        with _compat.index_with_tensors(), _compat.recording_mode(on_op):
+        with host_reads, _compat.index_with_tensors(), _compat.recording_mode(on_op):
             fn(*args)
     except Exception:  # noqa: BLE001 - the vmap probe ran it; nothing more to learn here
         return _Traced((), False, True)
-    return _Traced(tuple(found), whole_grid[0], reads_values[0])
+    return _Traced(tuple(found), whole_grid[0], reads_values[0] or host_reads.seen)
+
+
+#: Tensor methods that hand a tensor's values to Python (some reach no ATen op: ``tolist``).
+_TO_PYTHON = frozenset(
+    {
+        torch.Tensor.tolist,
+        torch.Tensor.numpy,
+        torch.Tensor.item,
+        torch.Tensor.__bool__,
+        torch.Tensor.__int__,
+        torch.Tensor.__float__,
+        torch.Tensor.__index__,
+        torch.Tensor.__complex__,
+        torch.Tensor.__array__,
+    }
+)
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Notes whether a call hands a tensor's values to Python (:attr:`Probed.reads_values`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _TO_PYTHON:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def _shape_from_values(op: Any, op_args: tuple[Any, ...]) -> bool:
+    """Whether ``op``'s output shape depends on its inputs' values (``t[mask]``, ``nonzero``,
+    ``unique``): gathering by integer indices (``aten.index`` is tagged so) does not."""
+    if torch.Tag.dynamic_output_shape not in op.tags:
+        return False
+    if op is not _aten.index.Tensor:
+        return True
+    return any(t.dtype in (torch.bool, torch.uint8) for t in _flat_tensors(op_args[1:]))
 
 
 def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *, score: bool) -> Probed:
@@ -890,17 +930,23 @@ PROBED: LRUCache[Probed] = LRUCache(256)
 PROBED_STRUCTURES: LRUCache[Probed] = LRUCache(256)
 
 
-def _probed(fn: Callable[..., Any], kind: str, probe: Callable[[], Probed]) -> Probed:
+def _probed(
+    fn: Callable[..., Any], kind: str, probe: Callable[[], Probed], runs: Callable[[], bool] = lambda: True
+) -> Probed:
+    """``probe()``'s verdict on ``fn``, from :data:`PROBED` or :data:`PROBED_STRUCTURES` where it
+    holds; a verdict by structure is taken only where ``runs()`` (a cheap call of ``fn``)."""
     if _compat.is_compiling():
         return probe()
-    key = (kind, _Ref(fn), capture_state(fn, learned_versions=kind == "mask"))
+    state = capture_state(fn, learned_versions=kind == "mask")
+    key = (kind, _Ref(fn), state)
     found = PROBED.get(key)
     if found is not None:
         return found
-    structure = _structure(fn)
+    # The invalidation epochs take part: after ``fz.invalidate`` a callable is probed again.
+    structure = _structure(fn, state[:2] if isinstance(state, tuple) else state)
     if structure is not None:
         found = PROBED_STRUCTURES.get((kind, structure))
-        if found is not None:
+        if found is not None and runs():
             return PROBED.put(key, found)
     probed = PROBED.put(key, probe())
     if structure is not None and not probed.reads_values:
@@ -908,76 +954,105 @@ def _probed(fn: Callable[..., Any], kind: str, probe: Callable[[], Probed]) -> P
     return probed
 
 
-_SCALARS = (str, bytes, int, float, complex, bool, type(None))
+class _Absent:
+    """An empty closure cell, or a global name a function loads that its module lacks."""
 
 
-def _structure(fn: Callable[..., Any]) -> Hashable | None:
-    """What decides the probe's verdict on ``fn``, or None where it cannot be told: the code of
-    every function ``fn`` reaches (the walk of :func:`capture_state`), the scalars among what it
-    captures by value, and the shape, dtype, device, layout and grad flag of every tensor, but not
-    the tensors' values. The verdict (which ops run, whether a broadcast call computes what flex's
-    0-d calls compute) does not depend on those values unless the function reads them on the host
-    (:attr:`Probed.reads_values`), which the probe notices. None for what cannot be keyed so: an
-    object the walk does not open (a captured model's submodule), a spec, an unhashable value,
-    a walk past :data:`WALK_LIMIT`."""
-    tokens: list[Hashable] = []
-    first_seen: dict[tuple[int, bool], int] = {}
-    stack: list[tuple[Any, bool]] = [(fn, True)]
+_ABSENT = _Absent()
+_TORCH_VALUES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload)
+
+
+def _from_library(module: str | None) -> bool:
+    return bool(module) and (
+        module in ("torch", "builtins", "math", "operator") or module.startswith(("torch.", "flexattn_zoo"))
+    )
+
+
+def _structure_token(value: Any) -> tuple[Hashable, list[Any]] | None:
+    """``(token, children)`` of one value of the walk of :func:`_structure`, or None where the
+    value cannot be keyed by its structure. Only what is listed here is keyed; everything else
+    (an object's attributes, a class's, a bound method's ``self``, a user module, a NumPy array)
+    makes the callable unkeyed, probed per value as before. Tokens hold no reference to the
+    user's objects (tensors by their layout only), so a cached key keeps nothing alive."""
+    if value is _ABSENT:
+        return ("absent",), []
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            return None
+        token = (type(value), value.dtype, value.device, value.requires_grad, tuple(value.shape))
+        return (*token, value.stride(), value.storage_offset()), []
+    if isinstance(value, types.FunctionType):
+        if value.__closure__ is None and _from_library(value.__module__):
+            return ("library", value), []  # module-level and long-lived: by identity
+        code = value.__code__
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                cells.append(_ABSENT)
+        names = value.__globals__
+        loaded = [names.get(n, _ABSENT) for n in _compat.global_names(code)]
+        return ("function", code), [*cells, value.__defaults__, value.__kwdefaults__, *loaded]
+    if isinstance(value, functools.partial):
+        return ("partial", len(value.args), tuple(value.keywords)), [
+            value.func,
+            *value.args,
+            *value.keywords.values(),
+        ]
+    if isinstance(value, (tuple, list)):
+        return (type(value), len(value)), list(value)
+    if isinstance(value, dict):
+        if not all(isinstance(k, (str, int, bool)) for k in value):
+            return None
+        return (dict, tuple(value)), list(value.values())
+    if isinstance(value, types.ModuleType):
+        return (("module", value.__name__), []) if _from_library(value.__name__) else None
+    if isinstance(value, types.BuiltinFunctionType):
+        owner = value.__self__
+        return (("builtin", value), []) if owner is None or isinstance(owner, types.ModuleType) else None
+    if isinstance(value, type):
+        return (("type", value), []) if _from_library(value.__module__) else None
+    if isinstance(value, (_TORCH_VALUES, torch._ops.OpOverloadPacket)):
+        return ("value", value), []
+    return None
+
+
+def _structure(fn: Callable[..., Any], epochs: Hashable) -> Hashable | None:
+    """What decides the probe's verdict on ``fn``, or None where it cannot be told (see
+    :func:`_structure_token` for what is keyed): the code of every function ``fn`` reaches
+    (through closure cells, defaults, the globals it loads, ``functools.partial``), the scalars and
+    containers among those by value, and the dtype, device, shape and strides of every tensor, but
+    not the tensors' values; with ``epochs`` (those of :func:`invalidate`). The verdict (which ops
+    run, whether a broadcast call computes what flex's 0-d calls compute) does not depend on the
+    values unless the function reads one on the host or makes a shape from one
+    (:attr:`Probed.reads_values`), which the probe notices. None past :data:`WALK_LIMIT`."""
+    tokens: list[Hashable] = [epochs]
+    first_seen: dict[int, int] = {}
+    keep: list[Any] = []  # what the walk reaches stays alive during it, so ids stay unique
+    stack: list[Any] = [fn]
     while stack:
         if len(tokens) >= WALK_LIMIT:
             return None
-        value, expand = stack.pop()
-        if isinstance(value, _SCALARS):
+        value = stack.pop()
+        if value is None or isinstance(value, (str, bytes, int, bool)):
             tokens.append((type(value), value))
             continue
-        seen = first_seen.get((id(value), expand))
+        if isinstance(value, (float, complex)):
+            tokens.append((type(value), repr(value)))  # -0.0 is not 0.0
+            continue
+        seen = first_seen.get(id(value))
         if seen is not None:
             tokens.append(("again", seen))
             continue
-        first_seen[(id(value), expand)] = len(tokens)
-        if isinstance(value, torch.Tensor):
-            tokens.append(
-                (
-                    type(value),
-                    tuple(value.shape),
-                    value.dtype,
-                    value.device,
-                    value.layout,
-                    value.requires_grad,
-                )
-            )
-            continue
-        if isinstance(value, types.ModuleType):
-            tokens.append(("module", value.__name__))
-            continue
-        if isinstance(value, types.FunctionType):
-            module = value.__module__ or ""
-            if module == "torch" or module.startswith(("torch.", "flexattn_zoo")):
-                tokens.append(("library", value))  # long-lived and not the user's: by identity
-                continue
-            tokens.append(("function", value.__code__))
-        elif isinstance(value, (types.MethodType, functools.partial, list, tuple)):
-            tokens.append((type(value), len(value) if isinstance(value, (list, tuple)) else None))
-        elif isinstance(value, dict):
-            try:
-                tokens.append((dict, tuple(value)))
-            except TypeError:
-                return None
-        elif isinstance(value, Spec) or isinstance(value, (set, frozenset)):
+        first_seen[id(value)] = len(tokens)
+        keep.append(value)
+        found = _structure_token(value)
+        if found is None:
             return None
-        elif hasattr(value, "__dict__") and not isinstance(value, type):
-            if not expand:
-                return None
-            tokens.append(("object", type(value)))
-        else:  # builtins, types, torch ops, dtypes: compared as themselves
-            try:
-                hash(value)
-            except TypeError:
-                return None
-            tokens.append(("value", value))
-            continue
-        children, expand_children = _children(value, expand)
-        stack.extend((child, expand_children) for child in reversed(children))
+        token, children = found
+        tokens.append(token)
+        stack.extend(reversed(children))
     return tuple(tokens)
 
 
@@ -1006,7 +1081,22 @@ def _probed_function(fn: Callable[..., Any], kind: str, arg: str) -> Probed:
         score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=grids[0].device)
         return _probe(fn, arg, (score, *grids), score=True)
 
-    return _probed(fn, kind, probe)
+    def runs_at_zero() -> bool:
+        """Whether one call at all-zero 0-d indices runs (what the probe's flex evaluation checks
+        first): a function of a known structure over new values that read out of range there
+        is probed in full, which names the error."""
+        device = _captured_device(fn)
+        zeros = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
+        if kind == "score":
+            zeros.insert(0, torch.zeros((), device=device))
+        try:
+            with torch.no_grad(), _compat.index_with_tensors():
+                fn(*zeros)
+        except Exception:  # noqa: BLE001 - the full probe tells why
+            return False
+        return True
+
+    return _probed(fn, kind, probe, runs_at_zero)
 
 
 def _spec_function_check(kind: str) -> FunctionCheck:

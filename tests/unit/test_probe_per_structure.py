@@ -10,8 +10,13 @@ reads a value on the host, which the probe notices.
 
 from __future__ import annotations
 
+import functools
+import gc
+import math
+import weakref
 from typing import Any
 
+import pytest
 import torch
 from zoo_oracles import table
 
@@ -156,15 +161,15 @@ def test_structure_keys() -> None:
     def make(t: torch.Tensor, w: int) -> Any:
         return lambda b, h, q_idx, kv_idx: (t[q_idx] == t[kv_idx]) & (q_idx - kv_idx <= w)
 
-    same = functions._structure(make(ids, 4))
+    same = functions._structure(make(ids, 4), ())
     assert same is not None
-    assert functions._structure(make(torch.ones(L, dtype=torch.long), 4)) == same  # values differ
-    assert functions._structure(make(ids, 5)) != same  # a captured scalar
-    assert functions._structure(make(ids[:-1], 4)) != same  # a shape
-    assert functions._structure(make(ids.int(), 4)) != same  # a dtype
-    assert functions._structure(make(ids.float().requires_grad_(), 4)) != same
+    assert functions._structure(make(torch.ones(L, dtype=torch.long), 4), ()) == same  # values differ
+    assert functions._structure(make(ids, 5), ()) != same  # a captured scalar
+    assert functions._structure(make(ids[:-1], 4), ()) != same  # a shape
+    assert functions._structure(make(ids.int(), 4), ()) != same  # a dtype
+    assert functions._structure(make(ids.float().requires_grad_(), 4), ()) != same
     other_code = lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx]) & (q_idx - kv_idx < 4)  # noqa: E731
-    assert functions._structure(other_code) != same
+    assert functions._structure(other_code, ()) != same
 
     class Holder:
         def __init__(self) -> None:
@@ -172,4 +177,122 @@ def test_structure_keys() -> None:
 
     holder = Holder()
     # An object the walk does not open (here a captured object's own attribute objects) is not keyed.
-    assert functions._structure(lambda b, h, q_idx, kv_idx, m=holder: q_idx >= kv_idx) is None
+    assert functions._structure(lambda b, h, q_idx, kv_idx, m=holder: q_idx >= kv_idx, ()) is None
+
+
+def _reduces_when(on: Any) -> Any:
+    """A mod that reduces over its indices when the host reads ``on`` as true (only flex's
+    per-element evaluation is exact then), and is element by element otherwise."""
+
+    def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if on():
+            return (q_idx - kv_idx).abs().amax() <= 3
+        return (q_idx - kv_idx).abs() <= 3
+
+    return mod
+
+
+def test_host_reads_that_reach_no_aten_op_keep_the_probe_per_value() -> None:
+    """``tolist()`` and ``numpy()`` hand values to Python without an ATen op."""
+    q, k, v = _qkv()
+    want = table(L, L, lambda i, j: abs(i - j) <= 3)
+    for read in (lambda t: t.tolist()[0], lambda t: t.numpy()[0]):
+        for on in (0, 1, 0, 1):
+            flag = torch.tensor([on])
+            out = fz.attention(
+                q, k, v, mask=_reduces_when(lambda flag=flag, read=read: read(flag)), backend="dense"
+            )
+            assert_matches_reference(out, q, k, v, mask=want)
+
+
+def test_a_shape_made_from_values_keeps_the_probe_per_value() -> None:
+    """``row[keep]`` has as many elements as ``keep`` has True values: one element or a row, which
+    is a gathered row the CPU kernel mishandles."""
+    row = torch.arange(8)
+
+    def made(keep: torch.Tensor) -> Any:
+        return lambda b, h, q_idx, kv_idx: row[keep][q_idx * 0] <= kv_idx + 100
+
+    one = torch.zeros(8, dtype=torch.bool)
+    one[0] = True
+    every = torch.ones(8, dtype=torch.bool)
+    verdicts = [functions.check_mask_function(made(keep)) for keep in (one, every)]
+    assert verdicts[0].hazards != verdicts[1].hazards
+    assert verdicts[1].hazards == functions.check_mask_function(made(every)).hazards
+
+
+def test_structure_keys_layouts_names_and_signed_zero() -> None:
+    square = torch.arange(16).reshape(4, 4)
+
+    def flat(t: torch.Tensor) -> Any:
+        return lambda b, h, q_idx, kv_idx: t.reshape(-1)[q_idx] <= kv_idx  # a view, or a copy
+
+    assert functions._structure(flat(square), ()) != functions._structure(flat(square.t()), ())
+
+    def pick(b: Any, h: Any, q_idx: Any, kv_idx: Any, *, x: Any, y: Any) -> Any:
+        return x[q_idx][kv_idx] & (y[q_idx] > 0)
+
+    row = torch.ones(4, dtype=torch.bool)
+    swapped = [
+        functions._structure(functools.partial(pick, **kw), ())
+        for kw in ({"x": square, "y": row}, {"y": square, "x": row})
+    ]
+    assert swapped[0] != swapped[1]
+
+    def signed(zero: float) -> Any:
+        return lambda b, h, q_idx, kv_idx: (
+            q_idx >= kv_idx if math.copysign(1.0, zero) > 0 else q_idx <= kv_idx
+        )
+
+    assert functions._structure(signed(0.0), ()) != functions._structure(signed(-0.0), ())
+    # Epochs (fz.invalidate) take part.
+    assert functions._structure(signed(0.0), (1, ())) != functions._structure(signed(0.0), (0, ()))
+
+
+def test_invalidate_probes_again() -> None:
+    """State the walk does not see (a captured object's attribute) is announced with
+    ``fz.invalidate``, after which the function is probed again, not taken by its structure."""
+
+    class Config:
+        reduce = False
+
+    def made() -> Any:
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            if Config.reduce:
+                return (q_idx - kv_idx).abs().amax() <= 3
+            return (q_idx - kv_idx).abs() <= 3
+
+        return mod
+
+    q, k, v = _qkv()
+    want = table(L, L, lambda i, j: abs(i - j) <= 3)
+    mod = made()
+    assert_matches_reference(fz.attention(q, k, v, mask=mod, backend="dense"), q, k, v, mask=want)
+    Config.reduce = True
+    fz.invalidate(mod)
+    assert_matches_reference(fz.attention(q, k, v, mask=mod, backend="dense"), q, k, v, mask=want)
+    assert_matches_reference(fz.attention(q, k, v, mask=made(), backend="dense"), q, k, v, mask=want)
+
+
+def test_an_index_out_of_range_is_still_named() -> None:
+    """A known structure over new values is called once at zero indices before its verdict is
+    reused: an out-of-range read there is refused with the probe's TypeError, as before."""
+    row = torch.arange(8)
+
+    def made(ix: torch.Tensor) -> Any:
+        return lambda b, h, q_idx, kv_idx: row[ix[q_idx]] >= kv_idx
+
+    functions.check_mask_function(made(torch.zeros(8, dtype=torch.long)))
+    with pytest.raises(TypeError, match="failed when called as flex calls it"):
+        functions.check_mask_function(made(torch.full((8,), 99)))
+
+
+def test_a_key_keeps_nothing_alive() -> None:
+    """A captured builtin bound to a tensor (``big.__getitem__``) makes the callable unkeyed
+    rather than kept alive by the cache."""
+    big = torch.zeros(1000)
+    ref = weakref.ref(big)
+    functions.check_mask_function(lambda b, h, q_idx, kv_idx, get=big.__getitem__: get(q_idx) <= kv_idx)
+    del big
+    gc.collect()
+    assert ref() is None
