@@ -53,6 +53,16 @@ def mods(device: str) -> dict[str, tuple[str, Callable[..., Any]]]:
                 torch.searchsorted(starts, q, right=True) == torch.searchsorted(starts, k, right=True)
             ),
         ),
+        # Element-by-element ops the library lets every flex route run (functions._ELEMENTWISE).
+        "floor_divide": ("mask", lambda b, h, q, k: torch.floor_divide(q, 16) == torch.floor_divide(k, 16)),
+        "remainder": ("mask", lambda b, h, q, k: (q % 7 == k % 7) | (q == k)),
+        "where_scalars": ("mask", lambda b, h, q, k: torch.where(q >= k, 1, 0) > 0),
+        "to_float": ("mask", lambda b, h, q, k: (q.float() - k.float()).abs() <= 8.5),
+        "full_like": ("mask", lambda b, h, q, k: torch.full_like(q, 5) + k <= q + 5),
+        "score_table_one_index": (
+            "score",
+            lambda s, b, h, q, k: s + table[q, k].to(s.dtype) * 0.5,
+        ),
         "bucketize": (
             "mask",
             lambda b, h, q, k: (
