@@ -17,8 +17,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ "$step" = verify ]; then
   session=r53
   source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-  for mod in searchsorted bucketize; do
-    run "flex_mod_hazards_${mod}_${gpu}_r53" 60 python3 benchmarks/flex_mod_hazards_probe.py --device cuda --only "$mod"
+  for mod in searchsorted bucketize floor_divide remainder where_scalars to_float full_like score_table_one_index; do
+    run "flex_mod_hazards_${mod}_${gpu}_r53" 40 python3 benchmarks/flex_mod_hazards_probe.py --device cuda --only "$mod"
   done
   budget=$(left)
 fi
