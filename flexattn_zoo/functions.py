@@ -694,9 +694,10 @@ class Probed:
 
     scalar: bool
     hazards: tuple[str, ...]
-    #: Whether the call read a tensor's value on the host (``bool()``, ``.item()``, ``torch.equal``
-    #: on what it captures): its ops may then change with those values, so the verdict holds for
-    #: these tensors only, not for every callable of the same structure (:func:`_structure`).
+    #: Whether the call read a tensor's value on the host (``bool()``, ``.item()``, ``.tolist()``,
+    #: ``torch.equal`` on what it captures) or made a shape from one (``row[keep]``): its ops may
+    #: then change with those values, so the verdict holds for these tensors only, not for every
+    #: callable of the same structure (:func:`_structure`).
     reads_values: bool = False
 
 
@@ -710,7 +711,8 @@ class _Traced:
     #: broadcast grids that op spans or shifts the grid's dims, so only the scalar evaluation is
     #: exact (however the zero-index probe compares).
     whole_grid_op: bool
-    #: Whether an op returned a Python value rather than a tensor (:attr:`Probed.reads_values`).
+    #: Whether the call handed a tensor's values to Python or made a shape from them
+    #: (:attr:`Probed.reads_values`).
     reads_values: bool
 
 
@@ -959,12 +961,22 @@ class _Absent:
 
 
 _ABSENT = _Absent()
-_TORCH_VALUES = (torch.dtype, torch.device, torch.layout, torch.memory_format, torch._ops.OpOverload)
+_TORCH_VALUES = (
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    type(_aten.add.Tensor),
+    type(_aten.add),
+)
 
 
 def _from_library(module: str | None) -> bool:
-    return bool(module) and (
-        module in ("torch", "builtins", "math", "operator") or module.startswith(("torch.", "flexattn_zoo"))
+    """Whether ``module`` is torch's, this package's or one of Python's own that mods call."""
+    if not module:
+        return False
+    return module in ("torch", "builtins", "math", "operator") or module.startswith(
+        ("torch.", "flexattn_zoo")
     )
 
 
@@ -1013,7 +1025,7 @@ def _structure_token(value: Any) -> tuple[Hashable, list[Any]] | None:
         return (("builtin", value), []) if owner is None or isinstance(owner, types.ModuleType) else None
     if isinstance(value, type):
         return (("type", value), []) if _from_library(value.__module__) else None
-    if isinstance(value, (_TORCH_VALUES, torch._ops.OpOverloadPacket)):
+    if isinstance(value, _TORCH_VALUES):
         return ("value", value), []
     return None
 
