@@ -640,13 +640,18 @@ CONCATENATES = "joins tensors (torch.stack, torch.cat) inside the mod"
 SCANS = "sorts, scans or searches a tensor (sort, topk, median, cumsum...) inside the mod"
 #: ``torch.searchsorted`` / ``torch.bucketize`` of an index in a captured sorted tensor (a
 #: document's number from its starts) is element by element, and fails to lower all the same
-#: (torch 2.13, CPU: an unbacked-symbol or a pointwise-subgraph ``LoweringException``).
-SEARCHES = "searches a sorted tensor (torch.searchsorted, torch.bucketize) inside the mod"
+#: (torch 2.13 CPU: an unbacked-symbol ``LoweringException``; torch 2.11 CUDA: "Buffers cannot
+#: be created while lowering a pointwise subgraph"). Searched once outside the mod, the result is
+#: a table the mod reads with one index, which every kernel runs.
+SEARCHES = (
+    "searches a sorted tensor (torch.searchsorted, torch.bucketize) inside the mod; search once "
+    "outside it (ids = torch.searchsorted(starts, torch.arange(L), right=True)) and read ids[q_idx]"
+)
 
 #: The hazards torch's compiled CUDA (Triton) flex kernel shares (H100, torch 2.11,
-#: benchmarks/flex_mod_hazards_probe.py): it fails to lower a join, and runs reductions and
-#: gathered rows exactly. The CPU kernel has them all.
-CUDA_HAZARDS = frozenset({CONCATENATES})
+#: benchmarks/flex_mod_hazards_probe.py): it fails to lower a join and a search, and runs
+#: reductions and gathered rows exactly. The CPU kernel has them all.
+CUDA_HAZARDS = frozenset({CONCATENATES, SEARCHES})
 
 
 def kernel_hazards(specs: tuple[Any, ...], device_type: str) -> tuple[str, ...]:

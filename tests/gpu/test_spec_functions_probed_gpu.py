@@ -62,26 +62,38 @@ def test_every_cuda_route_runs_a_flex_index_function_exactly_or_refuses_it(case)
         )
 
 
+def _kept_off_the_cuda_flex_kernels(mod, want: torch.Tensor, reason: str) -> None:
+    """The flex routes refuse ``mod`` with ``reason`` (no other CUDA route of auto's has a form
+    for a raw callable, so auto raises, naming it), and ``dense``, named, runs it exactly."""
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q, k, v = (
+        (torch.randn(1, 2, L, D, device=DEV, dtype=torch.bfloat16, generator=g) * 0.5).requires_grad_()
+        for _ in range(3)
+    )
+    for route in ("flex", "flex_flash"):
+        with pytest.raises(ValueError, match=reason):
+            fz.attention(q, k, v, mask=mod, backend=route)
+    with pytest.raises(ValueError, match=reason):
+        fz.attention(q, k, v, mask=mod)
+    out = fz.attention(q, k, v, mask=mod, backend="dense")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=want, grads=grads, grad_out=grad_out)
+
+
 def test_a_join_inside_a_mod_is_kept_off_the_cuda_flex_kernels() -> None:
-    """Triton flex fails to lower ``torch.stack`` in a mod: the flex routes refuse it, and auto
-    runs it exactly on another route."""
+    """Triton flex fails to lower ``torch.stack`` in a mod."""
 
     def stacked_causal(b, h, q_idx, kv_idx):
         return torch.stack([q_idx, kv_idx]).amax() <= q_idx
 
-    g = torch.Generator(device=DEV).manual_seed(1)
-    q, k, v = (torch.randn(1, 2, 128, 64, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(3))
-    plan = fz.plan(q, k, v, mask=stacked_causal)
-    assert plan.backend not in ("flex", "flex_flash"), plan.explain()
-    out = fz.attention(q, k, v, mask=stacked_causal)
-    assert_matches_reference(out, q, k, v, mask=masks.Causal())
+    _kept_off_the_cuda_flex_kernels(stacked_causal, table(L, L, lambda i, j: j <= i), "joins tensors")
 
 
 @pytest.mark.parametrize("search", ["searchsorted", "bucketize"])
-def test_a_search_of_sorted_starts_runs_exactly_or_is_refused(search: str) -> None:
+def test_a_search_inside_a_mod_is_kept_off_the_cuda_flex_kernels(search: str) -> None:
     """A document's number from its sorted starts (``torch.searchsorted`` / ``torch.bucketize``):
-    torch's compiled CPU flex fails to lower it; every CUDA route that accepts it runs it exactly,
-    forward and backward (a CUDA kernel that cannot must refuse it)."""
+    Triton flex fails to lower either (as CPU flex does)."""
     starts = torch.tensor([0, 40, 90, 200], device=DEV)
 
     def doc(i):
@@ -95,14 +107,26 @@ def test_a_search_of_sorted_starts_runs_exactly_or_is_refused(search: str) -> No
     bounds = starts.tolist()
     which = [sum(s <= i for s in bounds) for i in range(L)]
     want = table(L, L, lambda i, j: which[i] == which[j] and j <= i)
+    _kept_off_the_cuda_flex_kernels(same_doc_causal, want, "searches a sorted tensor")
+
+
+def test_the_search_done_outside_the_mod_runs_on_flex() -> None:
+    """What the refusal suggests: the search once outside the mod, read with one index."""
+    starts = torch.tensor([0, 40, 90, 200], device=DEV)
+    ids = torch.searchsorted(starts, torch.arange(L, device=DEV), right=True)
+
+    def same_doc_causal(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (kv_idx <= q_idx)
+
+    bounds = starts.tolist()
+    which = [sum(s <= i for s in bounds) for i in range(L)]
+    want = table(L, L, lambda i, j: which[i] == which[j] and j <= i)
     g = torch.Generator(device=DEV).manual_seed(2)
     q, k, v = (
         (torch.randn(1, 2, L, D, device=DEV, dtype=torch.bfloat16, generator=g) * 0.5).requires_grad_()
         for _ in range(3)
     )
-    plan = fz.plan(q, k, v, mask=same_doc_causal)
-    for route in ["auto", *(c.name for c in plan.candidates if c.accepted)]:
-        out = fz.attention(q, k, v, mask=same_doc_causal, backend=route)
-        grad_out = torch.randn_like(out)
-        grads = torch.autograd.grad(out, (q, k, v), grad_out)
-        assert_matches_reference(out, q, k, v, mask=want, grads=grads, grad_out=grad_out)
+    out = fz.attention(q, k, v, mask=same_doc_causal, backend="flex")
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=want, grads=grads, grad_out=grad_out)
