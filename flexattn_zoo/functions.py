@@ -39,6 +39,7 @@ import dis
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import types
 import weakref
@@ -637,7 +638,7 @@ CONCATENATES = "joins tensors (torch.stack, torch.cat) inside the mod"
 #: Any other op that is not element by element (``sort``, ``topk``, ``median``, ``cumsum``,
 #: ``isin``...): ``median`` and ``topk`` fail to lower as reductions do; the rest are refused
 #: alike rather than tried (an out-of-bounds read aborts the process).
-SCANS = "sorts, scans or searches a tensor (sort, topk, median, cumsum...) inside the mod"
+SCANS = "sorts or scans a tensor (sort, topk, median, cumsum...) inside the mod"
 #: ``torch.searchsorted`` / ``torch.bucketize`` of an index in a captured sorted tensor (a
 #: document's number from its starts) is element by element, and fails to lower all the same
 #: (torch 2.13 CPU: an unbacked-symbol ``LoweringException``; torch 2.11 CUDA: "Buffers cannot
@@ -666,9 +667,9 @@ _aten = torch.ops.aten
 #: Ops that join tensors along a dimension (:data:`CONCATENATES`).
 _JOINS = frozenset({_aten.cat.default, _aten.stack.default})
 #: Ops not tagged pointwise that still act element by element on their tensor arguments (or
-#: gather from a table at them), so one broadcast call computes what flex's 0-d calls do, and
-#: the compiled kernels lower them. ``searchsorted`` is one where its sorted sequence is not
-#: computed from the indices (:func:`_trace_ops`).
+#: gather from a table at them), so one broadcast call computes what flex's 0-d calls do; the
+#: compiled kernels lower them, but for the searches (``bucketize`` here, ``searchsorted`` where
+#: its sorted sequence is not computed from the indices: :func:`_trace_ops`), :data:`SEARCHES`.
 _ELEMENTWISE = frozenset(
     {
         _aten.index.Tensor,
@@ -704,6 +705,9 @@ class Probed:
     #: then change with those values, so the verdict holds for these tensors only, not for every
     #: callable of the same structure (:func:`_structure`).
     reads_values: bool = False
+    #: The ops the call ran at zero indices (:attr:`_Traced.signature`): a callable of the same
+    #: structure takes this verdict only where its own call runs the same ops.
+    signature: Hashable = dataclasses.field(default=None, compare=False, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -719,6 +723,10 @@ class _Traced:
     #: Whether the call handed a tensor's values to Python or made a shape from them
     #: (:attr:`Probed.reads_values`).
     reads_values: bool
+    #: Every op the call ran, in order, with its scalar arguments and the dtype and shape of each
+    #: tensor it read or made, and whether that tensor derives from the index arguments or was
+    #: made by the call: everything the hazards and ``whole_grid_op`` are read from.
+    signature: Hashable = None
 
 
 def _flat_tensors(values: Any) -> Iterator[torch.Tensor]:
@@ -752,6 +760,7 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
     derived: set[int] = {id(a) for a in args}
     whole_grid = [False]
     reads_values = [False]
+    signature: list[Hashable] = []
 
     def note(hazard: str) -> None:
         if hazard not in found:
@@ -781,6 +790,9 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if any(not isinstance(o, torch.Tensor) for o in outs) or _shape_from_values(op, op_args):
             reads_values[0] = True
+        signature.append(
+            (op, tuple(_op_arg_token(a, derived, made_storages) for a in op_args), _op_out_token(outs))
+        )
         for t in _flat_tensors(outs):
             made.append(t)
             if from_args:
@@ -794,7 +806,29 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
             fn(*args)
     except Exception:  # noqa: BLE001 - the vmap probe ran it; nothing more to learn here
         return _Traced((), False, True)
-    return _Traced(tuple(found), whole_grid[0], reads_values[0] or host_reads.seen)
+    return _Traced(tuple(found), whole_grid[0], reads_values[0] or host_reads.seen, tuple(signature))
+
+
+def _op_arg_token(value: Any, derived: set[int], made_storages: set[int]) -> Hashable:
+    """One argument of an op in :attr:`_Traced.signature`."""
+    if isinstance(value, torch.Tensor):
+        made = value.untyped_storage().data_ptr() in made_storages
+        return (value.dtype, tuple(value.shape), id(value) in derived, made)
+    if isinstance(value, (tuple, list)):
+        return tuple(_op_arg_token(v, derived, made_storages) for v in value)
+    if isinstance(value, float):
+        return repr(value)
+    try:
+        hash(value)
+    except TypeError:
+        return object()  # equal to nothing: a callable whose ops take one is probed in full
+    return value
+
+
+def _op_out_token(outs: Any) -> Hashable:
+    return tuple(
+        (o.dtype, tuple(o.shape)) if isinstance(o, torch.Tensor) else (type(o), repr(o)) for o in outs
+    )
 
 
 #: Tensor methods that hand a tensor's values to Python (some reach no ATen op: ``tolist``).
@@ -809,6 +843,8 @@ _TO_PYTHON = frozenset(
         torch.Tensor.__index__,
         torch.Tensor.__complex__,
         torch.Tensor.__array__,
+        torch.Tensor.__repr__,
+        torch.Tensor.__format__,
     }
 )
 
@@ -843,7 +879,7 @@ def _probe(fn: Callable[..., Any], arg: str, grids: tuple[torch.Tensor, ...], *,
     zeros = tuple(g.reshape(-1)[0] for g in grids)  # 0-d, as flex's kernel passes them
     scalar = _needs_scalar(fn, arg, grids, score=score)
     traced = _trace_ops(fn, zeros)
-    return Probed(scalar or traced.whole_grid_op, traced.hazards, traced.reads_values)
+    return Probed(scalar or traced.whole_grid_op, traced.hazards, traced.reads_values, traced.signature)
 
 
 def _fits(shape: torch.Size, full: torch.Size) -> bool:
@@ -938,10 +974,11 @@ PROBED_STRUCTURES: LRUCache[Probed] = LRUCache(256)
 
 
 def _probed(
-    fn: Callable[..., Any], kind: str, probe: Callable[[], Probed], runs: Callable[[], bool] = lambda: True
+    fn: Callable[..., Any], kind: str, probe: Callable[[], Probed], ops: Callable[[], Hashable] = lambda: None
 ) -> Probed:
     """``probe()``'s verdict on ``fn``, from :data:`PROBED` or :data:`PROBED_STRUCTURES` where it
-    holds; a verdict by structure is taken only where ``runs()`` (a cheap call of ``fn``)."""
+    holds; a verdict by structure is taken only where ``ops()`` (``fn``'s call at zero indices,
+    :attr:`_Traced.signature`, None where it failed or read values) is the probed callable's."""
     if _compat.is_compiling():
         return probe()
     state = capture_state(fn, learned_versions=kind == "mask")
@@ -953,7 +990,7 @@ def _probed(
     structure = _structure(fn, state[:2] if isinstance(state, tuple) else state)
     if structure is not None:
         found = PROBED_STRUCTURES.get((kind, structure))
-        if found is not None and runs():
+        if found is not None and found.signature is not None and ops() == found.signature:
             return PROBED.put(key, found)
     probed = PROBED.put(key, probe())
     if structure is not None and not probed.reads_values:
@@ -980,8 +1017,8 @@ def _from_library(module: str | None) -> bool:
     """Whether ``module`` is torch's, this package's or one of Python's own that mods call."""
     if not module:
         return False
-    return module in ("torch", "builtins", "math", "operator") or module.startswith(
-        ("torch.", "flexattn_zoo")
+    return module in ("torch", "builtins", "math", "operator", "flexattn_zoo") or module.startswith(
+        ("torch.", "flexattn_zoo.")
     )
 
 
@@ -994,12 +1031,25 @@ def _structure_token(value: Any) -> tuple[Hashable, list[Any]] | None:
     if value is _ABSENT:
         return ("absent",), []
     if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
+        # A subclass may carry state of its own (a DTensor's placements); a nested tensor has no
+        # one shape.
+        if (
+            type(value) not in (torch.Tensor, torch.nn.Parameter)
+            or value.layout != torch.strided
+            or value.is_nested
+        ):
             return None
         token = (type(value), value.dtype, value.device, value.requires_grad, tuple(value.shape))
         return (*token, value.stride(), value.storage_offset()), []
     if isinstance(value, types.FunctionType):
-        if value.__closure__ is None and _from_library(value.__module__):
+        if value.__dict__:
+            return None  # attributes a call may read (``fn.table``)
+        module = sys.modules.get(value.__module__ or "")
+        if (
+            value.__closure__ is None
+            and _from_library(value.__module__)
+            and value.__globals__ is getattr(module, "__dict__", None)
+        ):
             return ("library", value), []  # module-level and long-lived: by identity
         code = value.__code__
         cells = []
@@ -1017,9 +1067,9 @@ def _structure_token(value: Any) -> tuple[Hashable, list[Any]] | None:
             *value.args,
             *value.keywords.values(),
         ]
-    if isinstance(value, (tuple, list)):
+    if type(value) in (tuple, list):  # not subclasses: their own state is not walked
         return (type(value), len(value)), list(value)
-    if isinstance(value, dict):
+    if type(value) is dict:
         if not all(isinstance(k, (str, int, bool)) for k in value):
             return None
         return (dict, tuple(value)), list(value.values())
@@ -1098,22 +1148,18 @@ def _probed_function(fn: Callable[..., Any], kind: str, arg: str) -> Probed:
         score = torch.zeros(torch.broadcast_shapes(*(g.shape for g in grids)), device=grids[0].device)
         return _probe(fn, arg, (score, *grids), score=True)
 
-    def runs_at_zero() -> bool:
-        """Whether one call at all-zero 0-d indices runs (what the probe's flex evaluation checks
-        first): a function of a known structure over new values that read out of range there
-        is probed in full, which names the error."""
+    def ops_at_zero() -> Hashable:
+        """The ops ``fn`` runs at all-zero 0-d indices (a tenth of the probe's cost), or None where
+        that call fails (a new value read out of range: the full probe names the error) or reads
+        values on the host."""
         device = _captured_device(fn)
         zeros = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
         if kind == "score":
             zeros.insert(0, torch.zeros((), device=device))
-        try:
-            with torch.no_grad(), _compat.index_with_tensors():
-                fn(*zeros)
-        except Exception:  # noqa: BLE001 - the full probe tells why
-            return False
-        return True
+        traced = _trace_ops(fn, tuple(zeros))
+        return None if traced.reads_values else traced.signature
 
-    return _probed(fn, kind, probe, runs_at_zero)
+    return _probed(fn, kind, probe, ops_at_zero)
 
 
 def _spec_function_check(kind: str) -> FunctionCheck:

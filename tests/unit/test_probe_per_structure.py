@@ -10,6 +10,7 @@ reads a value on the host, which the probe notices.
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import math
@@ -296,3 +297,86 @@ def test_a_key_keeps_nothing_alive() -> None:
     del big
     gc.collect()
     assert ref() is None
+
+
+def _verdict(probe: Any) -> Any:
+    """``(scalar, hazards)`` of a probe, or the TypeError's class where it refuses the callable."""
+    try:
+        probed = probe()
+    except TypeError as exc:
+        return type(exc)
+    return probed.scalar, probed.hazards
+
+
+def _fresh(fn: Any) -> Any:
+    grids = functions._probe_grids(torch.device("cpu"))
+    return _verdict(lambda: functions._probe(fn, "mask", grids, score=False))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass with state of its own."""
+
+    gather_row = False
+
+
+def _pairs() -> dict[str, tuple[Any, Any]]:
+    """Two callables of one code each, whose verdicts differ through what the walk of
+    ``_structure`` cannot key by value (a container subclass's factory, a function attribute, a
+    tensor subclass's attribute, a shape made from values in C++, a value read through ``str``)."""
+    square = torch.arange(64).reshape(8, 8) > 10
+    row = torch.arange(8) > 3
+
+    def by_factory(make: Any) -> Any:
+        tables = collections.defaultdict(make)
+        return lambda b, h, q_idx, kv_idx: tables["t"][q_idx] & (q_idx >= kv_idx)
+
+    def by_attribute(t: torch.Tensor) -> Any:
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return mod.t[q_idx] & (q_idx >= kv_idx)  # type: ignore[attr-defined]
+
+        mod.t = t  # type: ignore[attr-defined]
+        return mod
+
+    def by_subclass(gather_row: bool) -> Any:
+        t = torch.arange(64).reshape(8, 8).as_subclass(_Tagged)
+        t.gather_row = gather_row
+
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            if t.gather_row:
+                return torch.Tensor(t)[q_idx][kv_idx] > 10
+            return torch.Tensor(t)[q_idx, kv_idx] > 10
+
+        return mod
+
+    def by_split(cut: torch.Tensor) -> Any:
+        source = torch.arange(8)
+        return lambda b, h, q_idx, kv_idx: (torch.tensor_split(source, cut)[0] + 0)[q_idx * 0] <= kv_idx + 100
+
+    def by_text(flag: torch.Tensor) -> Any:
+        def mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            if "1" in str(flag):
+                return (q_idx - kv_idx).abs().amax() <= 3
+            return (q_idx - kv_idx).abs() <= 3
+
+        return mod
+
+    return {
+        "defaultdict_factory": (by_factory(lambda: row), by_factory(lambda: square)),
+        "function_attribute": (by_attribute(row), by_attribute(square)),
+        "tensor_subclass_attribute": (by_subclass(False), by_subclass(True)),
+        "shape_made_in_cpp": (by_split(torch.tensor([1])), by_split(torch.tensor([5]))),
+        "value_read_through_str": (by_text(torch.tensor(0)), by_text(torch.tensor(1))),
+    }
+
+
+@pytest.mark.parametrize("name", list(_pairs()))
+def test_a_callable_of_a_known_structure_gets_its_own_verdict(name: str) -> None:
+    first, second = _pairs()[name]
+    assert _fresh(first) != _fresh(second)  # the pair tells the verdicts apart
+    functions.check_mask_function(first)
+    assert _verdict(lambda: functions.check_mask_function(second)) == _fresh(second)
+
+
+def test_a_nested_tensor_capture_is_probed() -> None:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    assert functions._structure(lambda b, h, q_idx, kv_idx, n=nested: q_idx >= kv_idx, ()) is None
