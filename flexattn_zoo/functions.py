@@ -19,7 +19,8 @@ What flex rejects (Python ``if``/``and``/``or``, ``bool()``, ``int()``, ``.item(
 computed from the indices) is refused with a TypeError that says so.
 The verdict is kept per callable and captured state (:data:`PROBED`) and per structure
 (:data:`PROBED_STRUCTURES`, :func:`_structure`): a closure built anew every step over new tensors
-of the same shapes is probed once.
+of the same shapes is probed once, and each new one only traced at zero indices to check it runs
+the same ops.
 
 Captured state: a spec cannot own what a callable captures, so a wrapped callable's identity is
 not enough of a cache key (a BlockMask built for ``ids`` would survive ``ids[:] = ...`` and pair
@@ -1149,7 +1150,7 @@ def _probed_function(fn: Callable[..., Any], kind: str, arg: str) -> Probed:
         return _probe(fn, arg, (score, *grids), score=True)
 
     def ops_at_zero() -> Hashable:
-        """The ops ``fn`` runs at all-zero 0-d indices (a tenth of the probe's cost), or None where
+        """The ops ``fn`` runs at all-zero 0-d indices (a fraction of the probe's cost), or None where
         that call fails (a new value read out of range: the full probe names the error) or reads
         values on the host."""
         device = _captured_device(fn)
