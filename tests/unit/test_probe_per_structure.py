@@ -3,9 +3,10 @@ spec) anew every step over new tensors probes once; and a structure is never tak
 
 A training loop with per-step document ids, or a generation loop building its mask from the
 step's lengths, makes a new closure (or a new spec value) every step. The probe (a vmap call and a
-traced call, milliseconds) ran on each. Its verdict depends on the function's code, the scalars it
-captures and its tensors' shapes, dtypes and devices, not on their values, unless the function
-reads a value on the host, which the probe notices.
+traced call, milliseconds) ran on each. A callable of a structure already probed (the function's
+code, the scalars it captures, its tensors' shapes, dtypes and devices) now takes the verdict
+where its own traced call at zero indices runs the same ops; one that reads a value on the host
+or makes a shape from one, and what the structure walk cannot key, are probed per value.
 """
 
 from __future__ import annotations
