@@ -975,7 +975,7 @@ PROBED_STRUCTURES: LRUCache[Probed] = LRUCache(256)
 
 
 def _probed(
-    fn: Callable[..., Any], kind: str, probe: Callable[[], Probed], ops: Callable[[], Hashable] = lambda: None
+    fn: Callable[..., Any], kind: str, probe: Callable[[], Probed], ops: Callable[[], Hashable]
 ) -> Probed:
     """``probe()``'s verdict on ``fn``, from :data:`PROBED` or :data:`PROBED_STRUCTURES` where it
     holds; a verdict by structure is taken only where ``ops()`` (``fn``'s call at zero indices,
