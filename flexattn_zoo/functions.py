@@ -44,7 +44,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -650,18 +650,41 @@ SEARCHES = (
     "outside it (ids = torch.searchsorted(starts, torch.arange(L), right=True)) and read ids[q_idx]"
 )
 
-#: The hazards torch's compiled CUDA (Triton) flex kernel shares (H100, torch 2.11,
-#: benchmarks/flex_mod_hazards_probe.py): it fails to lower a join and a search, and runs
-#: reductions and gathered rows exactly. The CPU kernel has them all.
+#: A ``torch.where`` whose condition and values come from ``b`` / ``h`` alone (a per-head value
+#: picked by ``torch.where(h == k, slope_k, ...)``), in a mod for FA4's CuTe flex kernel
+#: (``BACKEND="FLASH"``, flash-attn-4 4.0.0b36, torch 2.11, H100): such a value times an index
+#: term (``slope * (q_idx - kv_idx)``) came out wrong, a silent error of order 1 in the output
+#: (benchmarks/flex_flash_mod_ops_probe.py). The same value added to the score, or the
+#: per-head value read from a captured table (``slopes[h]``), a sum of indicators
+#: (``(h == k).float() * slope_k``) or a ``where`` between index terms, matched Triton flex; the
+#: route refuses every such ``where`` rather than the products alone (what else the lowering
+#: gets wrong is not known). Triton flex and the CPU kernel run it exactly.
+SELECTS_PER_HEAD = (
+    "selects a per-head or per-batch value with torch.where (from b or h alone), which FA4's CuTe "
+    "kernel computes wrongly; read it from a captured table instead (slopes[h])"
+)
+
+#: The hazards of each compiled flex kernel, by :attr:`FlexBackend.hazard_kernel`: torch's CPU
+#: kernel (torch 2.13) has every one but :data:`SELECTS_PER_HEAD`; the CUDA (Triton) kernel
+#: (H100, torch 2.11, benchmarks/flex_mod_hazards_probe.py) fails to lower a join and a search,
+#: and runs reductions and gathered rows exactly; FA4's CuTe kernel (``flash``) has the Triton
+#: kernel's and :data:`SELECTS_PER_HEAD`.
 CUDA_HAZARDS = frozenset({CONCATENATES, SEARCHES})
+KERNEL_HAZARDS = {
+    "cpu": frozenset({REDUCES, READS_GATHERED_ROW, CONCATENATES, SCANS, SEARCHES}),
+    "cuda": CUDA_HAZARDS,
+    "flash": CUDA_HAZARDS | {SELECTS_PER_HEAD},
+}
 
 
-def kernel_hazards(specs: tuple[Any, ...], device_type: str) -> tuple[str, ...]:
-    """What torch's compiled flex kernel on ``device_type`` cannot run in the user functions of
-    ``specs`` (mask / score specs or None): :meth:`Spec.flex_cpu_hazards` of each, each phrase
-    once, on CUDA only :data:`CUDA_HAZARDS`. The flex routes and ``decode_step`` refuse these."""
+def kernel_hazards(specs: tuple[Any, ...], kernel: str) -> tuple[str, ...]:
+    """What compiled flex kernel ``kernel`` (a key of :data:`KERNEL_HAZARDS`: ``"cpu"``, ``"cuda"``
+    for Triton, ``"flash"`` for FA4's CuTe kernel) cannot run in the user functions of ``specs``
+    (mask / score specs or None): :meth:`Spec.flex_cpu_hazards` of each that the kernel has,
+    each phrase once. The flex routes and ``decode_step`` refuse these."""
     found = dict.fromkeys(h for spec in specs if spec is not None for h in spec.flex_cpu_hazards())
-    return tuple(h for h in found if device_type != "cuda" or h in CUDA_HAZARDS)
+    has = KERNEL_HAZARDS[kernel]
+    return tuple(h for h in found if h in has)
 
 
 _aten = torch.ops.aten
@@ -690,6 +713,7 @@ _ELEMENTWISE = frozenset(
     }
 )
 _SEARCHSORTED = frozenset({_aten.searchsorted.Tensor, _aten.searchsorted.Scalar})
+_WHERES = frozenset({_aten.where.self, _aten.where.Scalar, _aten.where.ScalarOther, _aten.where.ScalarSelf})
 _SEARCHES = _SEARCHSORTED | {_aten.bucketize.Tensor, _aten.bucketize.Scalar}
 
 
@@ -725,8 +749,8 @@ class _Traced:
     #: (:attr:`Probed.reads_values`).
     reads_values: bool
     #: Every op the call ran, in order, with its scalar arguments and the dtype and shape of each
-    #: tensor it read or made, and whether that tensor derives from the index arguments or was
-    #: made by the call: everything the hazards and ``whole_grid_op`` are read from.
+    #: tensor it read or made, which of the arguments that tensor derives from, and whether it
+    #: was made by the call: everything the hazards and ``whole_grid_op`` are read from.
     signature: Hashable = None
 
 
@@ -738,7 +762,7 @@ def _flat_tensors(values: Any) -> Iterator[torch.Tensor]:
             yield from _flat_tensors(value)
 
 
-def _elementwise(op: Any, op_args: tuple[Any, ...], derived: set[int]) -> bool:
+def _elementwise(op: Any, op_args: tuple[Any, ...], derived: Container[int]) -> bool:
     """Whether ``op`` acts element by element on its arguments (see :data:`_ELEMENTWISE`)."""
     if torch.Tag.pointwise in op.tags or op.is_view or op in _ELEMENTWISE:
         return True
@@ -748,17 +772,21 @@ def _elementwise(op: Any, op_args: tuple[Any, ...], derived: set[int]) -> bool:
 
 
 def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Traced:
-    """Call ``fn`` once on 0-d ``args`` (what flex's compiled kernel traces) and list what it does
-    that torch's compiled CPU flex mishandles (:data:`REDUCES`, :data:`CONCATENATES`,
-    :data:`SCANS`: an op that is not element by element; :data:`SEARCHES`: a search of a sorted
-    tensor; :data:`READS_GATHERED_ROW`: an op whose
-    input is a tensor of more than one element that the call itself made, a gathered row or a
-    view of one). Also follows which tensors derive from ``args`` (through the ops' positional
-    and keyword arguments) for :attr:`_Traced.whole_grid_op`."""
+    """Call ``fn`` once on 0-d ``args`` (what flex's compiled kernel traces: ``b, h, q_idx,
+    kv_idx``, after ``score`` for a score mod) and list what it does that a compiled flex kernel
+    mishandles (:data:`REDUCES`, :data:`CONCATENATES`, :data:`SCANS`: an op that is not element
+    by element; :data:`SEARCHES`: a search of a sorted tensor; :data:`READS_GATHERED_ROW`: an op
+    whose input is a tensor of more than one element that the call itself made, a gathered row
+    or a view of one; :data:`SELECTS_PER_HEAD`: a ``where`` computed from ``b`` / ``h`` alone).
+    Also follows which of ``args`` each tensor derives from (through the ops' positional and
+    keyword arguments), for those and for :attr:`_Traced.whole_grid_op`."""
     found: list[str] = []
     made: list[torch.Tensor] = []  # kept alive, so their storages' addresses and ids stay theirs
     made_storages: set[int] = set()
-    derived: set[int] = {id(a) for a in args}
+    # Which arguments (by position) each tensor derives from; ``b`` and ``h`` come last but two.
+    sources: dict[int, frozenset[int]] = {id(a): frozenset({i}) for i, a in enumerate(args)}
+    derived = sources.keys()
+    batch_or_head = frozenset({len(args) - 4, len(args) - 3})
     whole_grid = [False]
     reads_values = [False]
     signature: list[Hashable] = []
@@ -770,11 +798,14 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
     def on_op(op: Any, op_args: tuple[Any, ...], out: Any) -> None:
         inputs = list(_flat_tensors(op_args))
         from_args = [t for t in inputs if id(t) in derived]
+        read = frozenset().union(*(sources[id(t)] for t in from_args))
         elementwise = _elementwise(op, op_args, derived)
         if not elementwise and inputs:
             note(REDUCES if torch.Tag.reduction in op.tags else CONCATENATES if op in _JOINS else SCANS)
         elif op in _SEARCHES:
             note(SEARCHES)
+        elif op in _WHERES and read and read <= batch_or_head:
+            note(SELECTS_PER_HEAD)
         # A non-pointwise op on a derived value with dims of its own (``row[0]``, ``row[kv_idx]``
         # for a gathered ``row``) reads another dim of the grid in a broadcast call.
         pointwise = torch.Tag.pointwise in op.tags
@@ -792,12 +823,12 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         if any(not isinstance(o, torch.Tensor) for o in outs) or _shape_from_values(op, op_args):
             reads_values[0] = True
         signature.append(
-            (op, tuple(_op_arg_token(a, derived, made_storages) for a in op_args), _op_out_token(outs))
+            (op, tuple(_op_arg_token(a, sources, made_storages) for a in op_args), _op_out_token(outs))
         )
         for t in _flat_tensors(outs):
             made.append(t)
             if from_args:
-                derived.add(id(t))
+                sources[id(t)] = read
             if not op.is_view:
                 made_storages.add(t.untyped_storage().data_ptr())
 
@@ -810,13 +841,13 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
     return _Traced(tuple(found), whole_grid[0], reads_values[0] or host_reads.seen, tuple(signature))
 
 
-def _op_arg_token(value: Any, derived: set[int], made_storages: set[int]) -> Hashable:
+def _op_arg_token(value: Any, sources: dict[int, frozenset[int]], made_storages: set[int]) -> Hashable:
     """One argument of an op in :attr:`_Traced.signature`."""
     if isinstance(value, torch.Tensor):
         made = value.untyped_storage().data_ptr() in made_storages
-        return (value.dtype, tuple(value.shape), id(value) in derived, made)
+        return (value.dtype, tuple(value.shape), sources.get(id(value)), made)
     if isinstance(value, (tuple, list)):
-        return tuple(_op_arg_token(v, derived, made_storages) for v in value)
+        return tuple(_op_arg_token(v, sources, made_storages) for v in value)
     if isinstance(value, float):
         return repr(value)
     try:

@@ -99,11 +99,12 @@ class Alibi(ScoreSpec):
 
     Default slopes are computed inline from ``h`` (one ``exp2`` of an affine function of ``h``),
     which measured clearly faster on the H200 than loading them from a captured tensor. Given
-    slopes are selected by a chain of ``torch.where(h == k, ...)``: it captures no tensor, so the
+    slopes are a sum of indicators, ``sum_k (h == k) * slope_k``: it captures no tensor, so the
     same ``score_mod`` runs on any device without ``spec.to(device)`` (a captured table would be
-    pinned to the device it was built on). In the Triton flex kernel ``h`` is one value per
-    program, so the chain should cost scalar work per tile rather than per score; not yet timed
-    on a GPU. On the CPU flex kernel at 64 heads it ran within ~10% of a captured table.
+    pinned to the device it was built on). Neither spelling selects a per-head value with
+    ``torch.where``, which FA4's CuTe flex kernel multiplied by the distance wrongly (H100,
+    flash-attn-4 4.0.0b36). In the Triton flex kernel ``h`` is one value per program, so the sum
+    costs scalar work per tile rather than per score.
 
     Forms offered: ``linear_bias_form()`` is ``LinearBiasForm(slopes=tuple(head_slopes()))``: the
     score mod is an additive bias (not for ``signed=True``, which that form cannot state).
@@ -223,7 +224,10 @@ def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
         if n == num_heads:
             exponent = hf * a1 + b1
         else:
-            exponent = torch.where(h < n, hf * a1 + b1, hf * a2 + b2)
+            # Both exponents are finite, so the indicator picks one exactly (x * 1 + y * 0 == x);
+            # not torch.where on h (functions.SELECTS_PER_HEAD).
+            low = (h < n).to(dtype)
+            exponent = (hf * a1 + b1) * low + (hf * a2 + b2) * (1 - low)
         return score - torch.exp2(exponent) * _distance(q_idx, kv_idx, past_only).to(dtype)
 
     return alibi_inline
@@ -231,10 +235,12 @@ def _inline_press_mod(num_heads: int, *, past_only: bool) -> ScoreMod:
 
 def _selected_slopes_mod(slopes: tuple[float, ...], *, past_only: bool) -> ScoreMod:
     def alibi_given(score, b, h, q_idx, kv_idx):
+        # One indicator is 1 and the others 0, so the sum is that head's slope exactly; not
+        # torch.where on h (functions.SELECTS_PER_HEAD).
         dtype = _compute_dtype(score)
-        slope = torch.full_like(h, slopes[0], dtype=dtype)
+        slope = (h == 0).to(dtype) * slopes[0]
         for k in range(1, len(slopes)):
-            slope = torch.where(h == k, slopes[k], slope)
+            slope = slope + (h == k).to(dtype) * slopes[k]
         return score - slope * _distance(q_idx, kv_idx, past_only).to(dtype)
 
     return alibi_given

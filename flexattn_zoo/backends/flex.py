@@ -170,9 +170,9 @@ class FlexBackend(Backend):
     #: forward / +6% forward+backward at D=64, +6% / +1% at D=128); slower on FA4's CuTe kernel
     #: (forward -21%), so only the Triton route asks.
     spells_key_starts: bool = False
-    #: The device type whose compiled flex kernel this route runs, for the user functions it
-    #: refuses (``functions.kernel_hazards``).
-    hazard_device: str = "cuda"
+    #: The compiled flex kernel this route runs (``"cuda"``: Triton; ``"cpu"``; ``"flash"``: FA4's
+    #: CuTe kernel), for the user functions it refuses (``functions.kernel_hazards``).
+    hazard_kernel: str = "cuda"
 
     def func_transform_blocker(self, p: Problem) -> str | None:
         # Eagerly, flex_attention runs compiled (flexattn_zoo.compile).
@@ -186,10 +186,10 @@ class FlexBackend(Backend):
         # What this route's compiled kernel cannot lower or runs out of bounds in the call's user
         # functions (functions.kernel_hazards: measured without the library,
         # benchmarks/flex_mod_hazards_probe.py). dense evaluates them exactly where it fits.
-        kernel = "CPU flex kernel" if self.hazard_device == "cpu" else "flex kernel"
+        kernel = "CPU flex kernel" if self.hazard_kernel == "cpu" else "flex kernel"
         return [
             f"torch's compiled {kernel} cannot run a mod that {hazard}"
-            for hazard in kernel_hazards((p.mask, p.score), self.hazard_device)
+            for hazard in kernel_hazards((p.mask, p.score), self.hazard_kernel)
         ]
 
     def sparse_block_size(self, p: Problem) -> tuple[int, int]:
@@ -748,6 +748,8 @@ class FlexFlashBackend(FlexBackend):
     (``sparse_block_size``). Query blocks stay 128, two of the backward's 64-row tiles.
     """
 
+    hazard_kernel: str = "flash"
+
     def sparse_block_size(self, p: Problem) -> tuple[int, int]:
         if p.head_dim > WIDE_KV_TILE_MAX_HEAD_DIM:
             return DEFAULT_BLOCK_SIZE, NARROW_KV_BLOCK
@@ -842,7 +844,7 @@ class FlexCpuBackend(FlexBackend):
 
     pad_head_dims_to: int | None = CPU_FLEX_MIN_HEAD_DIM
     reads_finiteness: bool = True
-    hazard_device: str = "cpu"
+    hazard_kernel: str = "cpu"
 
     def mask_reasons(self, p: Problem) -> list[str]:
         if p.nonfinite:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU steps of the fifty-fourth session (outputs in $OUT/r54/, packed into $OUT/r54_STEP.tar).
+# FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
+#
+#   bash benchmarks/gpu_session_r54.sh verify 560   # any sm90 card: the decode, subclass and
+#                    # spec-function GPU tests (the latter corrected after their first H100 run),
+#                    # then the host table with the rest of the budget
+#   bash benchmarks/gpu_session_r54.sh STEP BUDGET  # any step of gpu_session_r51.sh (fa4rows,
+#                    # tests) under this session's name
+set -uo pipefail
+step="${1:?usage: $0 verify|STEP-of-gpu_session_r51.sh [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r54
+if [ "$step" != verify ]; then
+  SESSION=$session EXTRA_GPU_TESTS="tests/gpu/test_spec_functions_probed_gpu.py" \
+    exec bash benchmarks/gpu_session_r51.sh "$step" "$budget"
+fi
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+run "gpu_tests_decode_${gpu}_${session}" "$(share 40)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider -n 4 \
+  tests/gpu/test_decode_gpu.py tests/gpu/test_subclassed_specs_gpu.py tests/gpu/test_spec_functions_probed_gpu.py
+run "host_cost_${gpu}_${session}" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
+  --out "$out/host_cost_${gpu}_${session}.md"
+pack
+ls -la "$out"

@@ -1,0 +1,165 @@
+"""Mods that FA4's CuTe flex kernel (route ``flex_flash``) computes wrongly: a per-head (or
+per-batch) value selected with ``torch.where`` from ``b`` / ``h`` alone.
+
+Measured on an H100 (flash-attn-4 4.0.0b36, torch 2.11; benchmarks/flex_flash_mod_ops_probe.py
+and flex_flash_alibi_probe.py): ``score - torch.where(h == k, slope_k, ...) * (q_idx - kv_idx)``
+gave errors of order 1 on ``BACKEND="FLASH"`` while Triton flex matched float64, and so did
+``Alibi`` with given slopes, spelled that way then. The route now refuses such user functions
+(``functions.SELECTS_PER_HEAD``, a hazard of the ``flash`` kernel only), and no preset is spelled
+so: both checked here on the CPU by tracing the functions, as the route's planning does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from subclassed_specs import SquaredDistance
+
+import flexattn_zoo as fz
+from flexattn_zoo import functions, masks, score_mods
+from flexattn_zoo.backends.flex import FLEX, FLEX_FLASH
+from flexattn_zoo.coercion import as_mask_spec, as_score_spec
+from flexattn_zoo.problem import Problem
+from flexattn_zoo.testing import assert_matches_reference
+from flexattn_zoo.testing.checks import spec_examples
+
+SELECTS = functions.SELECTS_PER_HEAD
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def where_slope_times_distance(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    slope = torch.where(h == 0, 0.5, torch.where(h == 1, 0.25, 0.125))
+    return score - slope * (q_idx - kv_idx)
+
+
+def where_on_batch(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score + torch.where(b == 0, 1.0, -1.0)
+
+
+def per_head_window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (kv_idx <= q_idx) & (q_idx - kv_idx <= torch.where(h == 0, 4, 8))
+
+
+def table_slope_times_distance(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score - SLOPES[h] * (q_idx - kv_idx)
+
+
+def indicator_slope_times_distance(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    slope = (h == 0).float() * 0.5 + (h == 1).float() * 0.25
+    return score - slope * (q_idx - kv_idx)
+
+
+def where_between_index_terms(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    distance = (q_idx - kv_idx).float()
+    return score - torch.where(h == 0, 0.5 * distance, 0.25 * distance)
+
+
+def where_on_indices(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return torch.where(q_idx > 3, kv_idx <= q_idx, kv_idx == 0)
+
+
+def _hazards(spec: Any, kernel: str) -> tuple[str, ...]:
+    return functions.kernel_hazards((spec,), kernel)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fn"),
+    [("score", where_slope_times_distance), ("score", where_on_batch), ("mask", per_head_window)],
+    ids=["where_slope_times_distance", "where_on_batch", "per_head_window"],
+)
+def test_a_per_head_where_is_a_hazard_of_the_flash_kernel_only(kind: str, fn: Any) -> None:
+    spec = as_score_spec(fn) if kind == "score" else as_mask_spec(fn)
+    assert _hazards(spec, "flash") == (SELECTS,)
+    assert _hazards(spec, "cuda") == ()
+    assert _hazards(spec, "cpu") == ()
+
+
+@pytest.mark.parametrize(
+    ("kind", "fn"),
+    [
+        ("score", table_slope_times_distance),
+        ("score", indicator_slope_times_distance),
+        ("score", where_between_index_terms),
+        ("mask", where_on_indices),
+    ],
+    ids=["table", "indicators", "where_between_index_terms", "where_on_indices"],
+)
+def test_spellings_the_flash_kernel_computes_exactly_are_not_hazards(kind: str, fn: Any) -> None:
+    spec = as_score_spec(fn) if kind == "score" else as_mask_spec(fn)
+    assert _hazards(spec, "flash") == ()
+
+
+def test_a_spec_subclass_with_a_per_head_where_is_a_flash_hazard() -> None:
+    """The test suite's ``SquaredDistance`` (ALiBi's slopes on ``(i - j)^2``, its slopes picked by
+    a ``torch.where`` chain on ``h``): 1.3-1.7 max error on flex_flash (H100)."""
+    assert _hazards(SquaredDistance(num_heads=4), "flash") == (SELECTS,)
+
+
+def _cuda_problem(mask: Any, score: Any) -> Problem:
+    return Problem(
+        batch=2, heads=4, kv_heads=4, q_len=256, kv_len=256, head_dim=64, dtype=torch.bfloat16,
+        device_type="cuda", arch="sm90", requires_grad=False, mask=mask, score=score,
+    )  # fmt: skip
+
+
+def test_flex_flash_refuses_it_and_triton_flex_takes_it() -> None:
+    p = _cuda_problem(masks.Causal(), as_score_spec(where_slope_times_distance))
+    reasons = FLEX_FLASH.mask_reasons(p)
+    assert reasons == [f"torch's compiled flex kernel cannot run a mod that {SELECTS}"]
+    assert FLEX.mask_reasons(p) == []
+
+
+def test_the_cpu_flex_kernel_runs_it_exactly() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=g) for _ in range(3))
+    out = fz.attention(q, k, v, mask=masks.Causal(), score_mod=where_slope_times_distance, backend="flex_cpu")
+    assert_matches_reference(out, q, k, v, mask=masks.Causal(), score_mod=where_slope_times_distance)
+
+
+def _preset_functions(spec: Any, kind: str, q_len: int, kv_len: int) -> list[Any]:
+    """Every function a flex route may hand a kernel for ``spec``."""
+    if kind == "score":
+        return [
+            spec.score_mod(fast=fast, future_keys_hidden=hidden)
+            for fast in (False, True)
+            for hidden in (False, True)
+        ]
+    bound = spec.bind(q_len, kv_len)
+    return [f for f in (bound.mask_mod(), bound.starts_mask_mod(q_len, kv_len)) if f is not None]
+
+
+@pytest.mark.parametrize("kind", ["mask", "score"])
+@pytest.mark.parametrize("heads", [4, 6])
+def test_no_preset_selects_a_per_head_value_with_where(kind: str, heads: int) -> None:
+    """Every registered family's examples (at a power-of-two head count and another), traced as
+    the route's planning traces user functions: ``Alibi`` with given slopes, and with 6 heads
+    (a second slope series), was a ``torch.where`` chain on ``h`` before."""
+    q_len = kv_len = 64
+    args = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    if kind == "score":
+        args.insert(0, torch.zeros(()))
+    checked = 0
+    for name, spec in spec_examples(kind, q_len, kv_len, batch=2, heads=heads):
+        for fn in _preset_functions(spec, kind, q_len, kv_len):
+            traced = functions._trace_ops(fn, tuple(args))
+            assert SELECTS not in traced.hazards, f"{name}: {spec!r}"
+            checked += 1
+    assert checked > 10
+
+
+def test_alibi_given_slopes_and_odd_head_counts_keep_their_values() -> None:
+    """The respelled ALiBi functions give the float64 oracle's scores on the CPU."""
+    scores = torch.zeros(1, 6, 16, 16, dtype=torch.float64)
+    for spec in (
+        score_mods.Alibi(num_heads=6),
+        score_mods.Alibi(num_heads=6, slopes=(0.5, 0.25, 0.2, 0.125, 0.1, 0.0625)),
+        score_mods.Alibi(num_heads=6, signed=True),
+    ):
+        want = spec.dense(scores)
+        b, h, i, j = torch.meshgrid(
+            torch.arange(1), torch.arange(6), torch.arange(16), torch.arange(16), indexing="ij"
+        )
+        got = spec.score_mod()(scores, b, h, i, j)
+        assert torch.equal(got, want), spec
