@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session_r54.sh verify 560   # any sm90 card: the decode, subclass and
 #                    # spec-function GPU tests (the latter corrected after their first H100 run),
 #                    # then the host table with the rest of the budget
-#   bash benchmarks/gpu_session_r54.sh flash 240   # (FA4 installed) ALiBi and SquaredDistance on
+#   bash benchmarks/gpu_session_r54.sh flash 480   # (FA4 installed) ALiBi and SquaredDistance on
 #                    # flex / flex_flash after the per-head where fix, the subclass GPU tests, then
 #                    # every family's examples on flex_flash (tests/gpu/test_examples_flex_routes_gpu.py)
 #   bash benchmarks/gpu_session_r54.sh STEP BUDGET  # any step of gpu_session_r51.sh (fa4rows,

@@ -658,10 +658,12 @@ SEARCHES = (
 #: per-head value read from a captured table (``slopes[h]``), a sum of indicators
 #: (``(h == k).float() * slope_k``) or a ``where`` between index terms, matched Triton flex; the
 #: route refuses every such ``where`` rather than the products alone (what else the lowering
-#: gets wrong is not known). Triton flex and the CPU kernel run it exactly.
+#: gets wrong is not known), and ``masked_fill`` / ``lerp`` with it (Inductor lowers both to a
+#: ``where``). Triton flex and the CPU kernel run it exactly.
 SELECTS_PER_HEAD = (
-    "selects a per-head or per-batch value with torch.where (from b or h alone), which FA4's CuTe "
-    "kernel computes wrongly; read it from a captured table instead (slopes[h])"
+    "selects a per-head or per-batch value with torch.where (or masked_fill / lerp, which compile "
+    "to it) from b or h alone, which FA4's CuTe kernel computes wrongly; read it from a captured "
+    "table instead (slopes[h])"
 )
 
 #: The hazards of each compiled flex kernel, by :attr:`FlexBackend.hazard_kernel`: torch's CPU
@@ -713,7 +715,39 @@ _ELEMENTWISE = frozenset(
     }
 )
 _SEARCHSORTED = frozenset({_aten.searchsorted.Tensor, _aten.searchsorted.Scalar})
-_WHERES = frozenset({_aten.where.self, _aten.where.Scalar, _aten.where.ScalarOther, _aten.where.ScalarSelf})
+#: Ops that select between values by a condition, as ``where`` (``masked_fill`` and ``lerp`` reach
+#: the compiled kernel as ``where``: Inductor decomposes them so).
+_WHERES = frozenset(
+    {
+        _aten.where.self,
+        _aten.where.self_out,
+        _aten.where.Scalar,
+        _aten.where.ScalarOther,
+        _aten.where.ScalarSelf,
+        _aten.masked_fill.Scalar,
+        _aten.masked_fill.Tensor,
+        _aten.masked_fill_.Scalar,
+        _aten.masked_fill_.Tensor,
+        _aten.lerp.Tensor,
+        _aten.lerp.Scalar,
+        _aten.lerp_.Tensor,
+        _aten.lerp_.Scalar,
+    }
+)
+#: Ops whose output takes only its input's shape and dtype, not its values: their outputs derive
+#: from no argument's value (``torch.full_like(score, 0.5)`` is a constant).
+_VALUE_FREE = frozenset(
+    {
+        _aten.zeros_like.default,
+        _aten.ones_like.default,
+        _aten.full_like.default,
+        _aten.empty_like.default,
+        _aten.new_zeros.default,
+        _aten.new_ones.default,
+        _aten.new_full.default,
+        _aten.new_empty.default,
+    }
+)
 _SEARCHES = _SEARCHSORTED | {_aten.bucketize.Tensor, _aten.bucketize.Scalar}
 
 
@@ -828,7 +862,8 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         for t in _flat_tensors(outs):
             made.append(t)
             if from_args:
-                sources[id(t)] = read
+                # Still derived (on broadcast grids it has the grid's shape), from no value.
+                sources[id(t)] = frozenset() if op in _VALUE_FREE else read
             if not op.is_view:
                 made_storages.add(t.untyped_storage().data_ptr())
 

@@ -104,7 +104,7 @@ class Alibi(ScoreSpec):
     pinned to the device it was built on). Neither spelling selects a per-head value with
     ``torch.where``, which FA4's CuTe flex kernel multiplied by the distance wrongly (H100,
     flash-attn-4 4.0.0b36). In the Triton flex kernel ``h`` is one value per program, so the sum
-    costs scalar work per tile rather than per score.
+    should cost scalar work per tile rather than per score; not timed on a GPU.
 
     Forms offered: ``linear_bias_form()`` is ``LinearBiasForm(slopes=tuple(head_slopes()))``: the
     score mod is an additive bias (not for ``signed=True``, which that form cannot state).

@@ -1043,3 +1043,12 @@ def test_prefix_layout_by_the_cache_agrees_with_is_dense_block() -> None:
                 seen += 1
                 assert is_dense_block(cache.narrow(2, 0, n)), (cache.shape, cache.stride(), n)
     assert seen >= 8
+
+
+def test_decode_step_on_the_meta_device_infers_the_shape() -> None:
+    """A device that is neither CPU nor CUDA (here ``meta``, as shape inference uses it) plans
+    like the CPU: the kernel hazards it checks are named per kernel, not per device type."""
+    q = torch.randn(1, 2, 1, 16, device="meta")
+    k = torch.randn(1, 2, 32, 16, device="meta")
+    out = decode.decode_step(q, k, k, 8)
+    assert out.shape == (1, 2, 1, 16) and out.device.type == "meta"

@@ -38,6 +38,21 @@ def where_on_batch(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return score + torch.where(b == 0, 1.0, -1.0)
 
 
+def masked_fill_slope(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    slope = torch.full_like(score, 0.5).masked_fill(h == 1, 0.25)
+    return score - slope * (q_idx - kv_idx)
+
+
+def lerp_slope(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    slope = torch.lerp(torch.full_like(score, 0.5), torch.full_like(score, 0.25), (h == 1).float())
+    return score - slope * (q_idx - kv_idx)
+
+
+def where_with_a_constant_from_score(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    slope = torch.where(h == 1, 0.25, torch.full_like(score, 0.5))
+    return score - slope * (q_idx - kv_idx)
+
+
 def per_head_window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return (kv_idx <= q_idx) & (q_idx - kv_idx <= torch.where(h == 0, 4, 8))
 
@@ -66,8 +81,22 @@ def _hazards(spec: Any, kernel: str) -> tuple[str, ...]:
 
 @pytest.mark.parametrize(
     ("kind", "fn"),
-    [("score", where_slope_times_distance), ("score", where_on_batch), ("mask", per_head_window)],
-    ids=["where_slope_times_distance", "where_on_batch", "per_head_window"],
+    [
+        ("score", where_slope_times_distance),
+        ("score", where_on_batch),
+        ("score", masked_fill_slope),
+        ("score", lerp_slope),
+        ("score", where_with_a_constant_from_score),
+        ("mask", per_head_window),
+    ],
+    ids=[
+        "where_slope_times_distance",
+        "where_on_batch",
+        "masked_fill_slope",
+        "lerp_slope",
+        "where_with_a_constant_from_score",
+        "per_head_window",
+    ],
 )
 def test_a_per_head_where_is_a_hazard_of_the_flash_kernel_only(kind: str, fn: Any) -> None:
     spec = as_score_spec(fn) if kind == "score" else as_mask_spec(fn)
@@ -144,22 +173,29 @@ def test_no_preset_selects_a_per_head_value_with_where(kind: str, heads: int) ->
     for name, spec in spec_examples(kind, q_len, kv_len, batch=2, heads=heads):
         for fn in _preset_functions(spec, kind, q_len, kv_len):
             traced = functions._trace_ops(fn, tuple(args))
+            assert traced.signature is not None, f"{name}: {spec!r} failed when traced"
             assert SELECTS not in traced.hazards, f"{name}: {spec!r}"
             checked += 1
     assert checked > 10
 
 
-def test_alibi_given_slopes_and_odd_head_counts_keep_their_values() -> None:
-    """The respelled ALiBi functions give the float64 oracle's scores on the CPU."""
-    scores = torch.zeros(1, 6, 16, 16, dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_alibi_given_slopes_and_odd_head_counts_keep_their_values(dtype: torch.dtype) -> None:
+    """The respelled ALiBi functions give the oracle's scores, everywhere and (the variant for
+    masks that hide later keys) on the keys at or before each query."""
+    heads, n = 6, 16
+    scores = torch.zeros(1, heads, n, n, dtype=dtype)
+    b, h, i, j = torch.meshgrid(
+        torch.arange(1), torch.arange(heads), torch.arange(n), torch.arange(n), indexing="ij"
+    )
+    past = j <= i
     for spec in (
-        score_mods.Alibi(num_heads=6),
-        score_mods.Alibi(num_heads=6, slopes=(0.5, 0.25, 0.2, 0.125, 0.1, 0.0625)),
-        score_mods.Alibi(num_heads=6, signed=True),
+        score_mods.Alibi(num_heads=heads),
+        score_mods.Alibi(num_heads=heads, slopes=(0.5, 0.25, 0.2, 0.125, 0.1, 0.0625)),
+        score_mods.Alibi(num_heads=heads, signed=True),
     ):
-        want = spec.dense(scores)
-        b, h, i, j = torch.meshgrid(
-            torch.arange(1), torch.arange(6), torch.arange(16), torch.arange(16), indexing="ij"
-        )
+        want = spec.dense(scores.double()).to(dtype)
         got = spec.score_mod()(scores, b, h, i, j)
-        assert torch.equal(got, want), spec
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=repr(spec))
+        got_past = spec.score_mod(future_keys_hidden=True)(scores, b, h, i, j)
+        torch.testing.assert_close(got_past[past], want[past], rtol=1e-6, atol=0, msg=repr(spec))

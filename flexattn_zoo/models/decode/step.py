@@ -256,7 +256,7 @@ def decode_step(
     small_page = block_size < MIN_FLEX_PAGE.get(q.device.type, 1)
     # What torch's compiled flex kernel mishandles in the user's functions (the flex routes refuse
     # the same for fz.attention): decode's own wrappers hide them from the routes' check.
-    hazards = kernel_hazards((spec, score), q.device.type)
+    hazards = kernel_hazards((spec, score), "cuda" if on_cuda else "cpu")  # decode runs Triton flex on CUDA
     use_flex = (
         backend != "dense" and not grad and (on_cuda or not need_lse) and not small_page and not hazards
     )
