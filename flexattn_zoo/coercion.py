@@ -27,6 +27,7 @@ from flexattn_zoo.functions import (
     Probed,
     check_mask_function,
     check_score_function,
+    traced_hazards,
 )
 from flexattn_zoo.registry import MASKS, SCORES
 from flexattn_zoo.spec import MaskSpec, ScoreSpec
@@ -37,8 +38,11 @@ from flexattn_zoo.spec import MaskSpec, ScoreSpec
 # run the model once eagerly (or call fz.attention with the callable) for the named TypeError.
 # Without the probe's verdict a traced callable is evaluated on index grids as flex does (exact
 # for every callable flex runs; a broadcast call is not, for one written for 0-d indices), and
-# its CPU flex hazards are unknown.
-_TRACED_VERDICT = Probed(True, ())
+# its hazards are what its code shows (functions.traced_hazards).
+
+
+def _traced_verdict(fn: Any) -> Probed:
+    return Probed(True, traced_hazards(fn))
 
 
 def _refuse_spec_class(value: Any, arg: str) -> None:
@@ -71,7 +75,7 @@ def as_mask_spec(mask: Any, *, arg: str = "mask") -> MaskSpec | None:
     _refuse_spec_class(mask, arg)
     if callable(mask):
         # see _check_callables_eagerly
-        probed = check_mask_function(mask, arg) if not _compat.is_compiling() else _TRACED_VERDICT
+        probed = check_mask_function(mask, arg) if not _compat.is_compiling() else _traced_verdict(mask)
         label = getattr(mask, "__name__", "mask_mod")
         return FunctionMask(fn=mask, label=label, scalar=probed.scalar, hazards=probed.hazards)
     raise TypeError(
@@ -100,7 +104,7 @@ def as_score_spec(score: Any, *, arg: str = "score_mod") -> ScoreSpec | None:
     _refuse_spec_class(score, arg)
     if callable(score):
         # see _check_callables_eagerly
-        probed = check_score_function(score, arg) if not _compat.is_compiling() else _TRACED_VERDICT
+        probed = check_score_function(score, arg) if not _compat.is_compiling() else _traced_verdict(score)
         label = getattr(score, "__name__", "score_mod")
         return FunctionScore(fn=score, label=label, scalar=probed.scalar, hazards=probed.hazards)
     raise TypeError(

@@ -666,17 +666,43 @@ SELECTS_PER_HEAD = (
     "table instead (slopes[h])"
 )
 
+#: A function traced by ``torch.compile`` before an eager call could probe it (a raw callable
+#: passed inside the compiled region, or a spec's function on its first, traced call) whose code
+#: names ``where``, ``masked_fill`` or ``lerp``: it may make a :data:`SELECTS_PER_HEAD`, which
+#: cannot be told from its code alone, so ``flex_flash`` refuses it (``flex`` runs it).
+MAY_SELECT_PER_HEAD = (
+    "may select a per-head or per-batch value with torch.where, masked_fill or lerp (traced before "
+    "an eager call could check which), which FA4's CuTe kernel computes wrongly"
+)
+
 #: The hazards of each compiled flex kernel, by :attr:`FlexBackend.hazard_kernel`: torch's CPU
 #: kernel (torch 2.13) has every one but :data:`SELECTS_PER_HEAD`; the CUDA (Triton) kernel
 #: (H100, torch 2.11, benchmarks/flex_mod_hazards_probe.py) fails to lower a join and a search,
 #: and runs reductions and gathered rows exactly; FA4's CuTe kernel (``flash``) has the Triton
-#: kernel's and :data:`SELECTS_PER_HEAD`.
+#: kernel's and :data:`SELECTS_PER_HEAD` (with :data:`MAY_SELECT_PER_HEAD`).
 CUDA_HAZARDS = frozenset({CONCATENATES, SEARCHES})
 KERNEL_HAZARDS = {
     "cpu": frozenset({REDUCES, READS_GATHERED_ROW, CONCATENATES, SCANS, SEARCHES}),
     "cuda": CUDA_HAZARDS,
-    "flash": CUDA_HAZARDS | {SELECTS_PER_HEAD},
+    "flash": CUDA_HAZARDS | {SELECTS_PER_HEAD, MAY_SELECT_PER_HEAD},
 }
+
+#: Attribute and global names of the selecting ops (:data:`MAY_SELECT_PER_HEAD`).
+_SELECT_NAMES = frozenset({"where", "masked_fill", "masked_fill_", "lerp", "lerp_"})
+
+
+def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The hazards of a function that could not be probed, traced by ``torch.compile``: from its
+    code alone (:data:`MAY_SELECT_PER_HEAD` where it or a function it reaches names a selecting
+    op, or where what it reaches cannot be walked). Dynamo traces this walk (no graph break)."""
+    listed = _compat.global_names.__wrapped__ if _compat.is_compiling() else _compat.global_names
+    try:
+        for value in _reachable(fn):
+            if isinstance(value, types.FunctionType) and not _SELECT_NAMES.isdisjoint(listed(value.__code__)):
+                return (MAY_SELECT_PER_HEAD,)
+    except AttributeError:  # a function made inside the compiled region shows Dynamo no closure
+        return (MAY_SELECT_PER_HEAD,)
+    return ()
 
 
 def kernel_hazards(specs: tuple[Any, ...], kernel: str) -> tuple[str, ...]:
@@ -1238,7 +1264,11 @@ def _spec_function_check(kind: str) -> FunctionCheck:
         probed = _probed_function(fn, kind, f"{owner}'s {kind}_mod")
         return probed.scalar, probed.hazards
 
-    return FunctionCheck(probe=probe, as_flex=_scalar_mask_mod if kind == "mask" else _scalar_score_mod)
+    return FunctionCheck(
+        probe=probe,
+        as_flex=_scalar_mask_mod if kind == "mask" else _scalar_score_mod,
+        traced_hazards=traced_hazards,
+    )
 
 
 FUNCTION_CHECKS.update(mask=_spec_function_check("mask"), score=_spec_function_check("score"))

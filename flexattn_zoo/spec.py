@@ -421,10 +421,13 @@ class FunctionCheck:
     another answer on broadcast grids, or fails there. ``probe(fn, owner)`` (``owner``: the spec
     class's name, for errors) returns whether ``fn`` must be evaluated as flex does and what
     torch's compiled CPU flex kernel cannot run in it (:meth:`Spec.flex_cpu_hazards`);
-    ``as_flex(fn)`` wraps ``fn`` to be evaluated so, as a raw callable is."""
+    ``as_flex(fn)`` wraps ``fn`` to be evaluated so, as a raw callable is; ``traced_hazards(fn)``
+    is what can be told of the hazards from ``fn``'s code while torch.compile traces, where the
+    probe cannot run."""
 
     probe: Callable[[Callable[..., Any], str], tuple[bool, tuple[str, ...]]]
     as_flex: Callable[[Callable[..., Any]], Callable[..., Any]]
+    traced_hazards: Callable[[Callable[..., Any]], tuple[str, ...]]
 
 
 #: :class:`FunctionCheck` by kind (``"mask"``, ``"score"``). :mod:`flexattn_zoo.functions`
@@ -449,16 +452,17 @@ def _checked_mod(spec: Any, kind: str, key: Hashable, make: Callable[[], Any]) -
     """``(mod, hazards)`` of a function written outside the package (:data:`FUNCTION_CHECKS`),
     cached per spec value under ``key``; the verdict is kept on ``spec`` too, for traced calls.
 
-    Traced, the probe cannot run (it walks the function's Python objects and calls it on real
-    tensors): the verdict an eager call left on this spec object is used, else the function is
-    evaluated as flex does (exact for every function flex runs) with no hazards known."""
+    Traced, the probe cannot run (it calls the function on real tensors): the verdict an eager
+    call left on this spec object is used, else the function is evaluated as flex does (exact
+    for every function flex runs) with the hazards its code shows (``traced_hazards``)."""
     check = FUNCTION_CHECKS.get(kind)
     if check is None:
         return _made_for_the_cache(make), ()
     if _compat.is_compiling():
         verdicts = spec.__dict__.get("_function_verdicts") or {}
-        as_flex, hazards = verdicts.get(key, (True, ()))
         made = make()
+        kept = verdicts.get(key)
+        as_flex, hazards = (True, check.traced_hazards(made)) if kept is None else kept
         return (check.as_flex(made) if as_flex else made), hazards
 
     def checked() -> tuple[Any, bool, tuple[str, ...]]:

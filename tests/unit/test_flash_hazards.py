@@ -199,3 +199,54 @@ def test_alibi_given_slopes_and_odd_head_counts_keep_their_values(dtype: torch.d
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=repr(spec))
         got_past = spec.score_mod(future_keys_hidden=True)(scores, b, h, i, j)
         torch.testing.assert_close(got_past[past], want[past], rtol=1e-6, atol=0, msg=repr(spec))
+
+
+MAY = functions.MAY_SELECT_PER_HEAD
+
+
+def plain_distance(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score - 0.1 * (q_idx - kv_idx)
+
+
+def _traced_hazards(make_spec: Any) -> tuple[bool, bool]:
+    """Whether the spec ``make_spec()`` builds, while ``torch.compile(fullgraph=True)`` traces,
+    reports :data:`MAY` and :data:`SELECTS` for the flash kernel (a Python decision in the trace,
+    so the compiled function's output carries it)."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        found = functions.kernel_hazards((make_spec(),), "flash")
+        return x + (MAY in found) + 2 * (SELECTS in found)
+
+    torch._dynamo.reset()
+    got = int(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(())))
+    return bool(got & 1), bool(got & 2)
+
+
+@pytest.mark.parametrize(
+    ("make", "want"),
+    [
+        pytest.param(lambda: as_score_spec(where_slope_times_distance), (True, False), id="raw_where"),
+        pytest.param(lambda: as_score_spec(masked_fill_slope), (True, False), id="raw_masked_fill"),
+        pytest.param(lambda: as_score_spec(plain_distance), (False, False), id="raw_plain"),
+        pytest.param(lambda: as_mask_spec(per_head_window), (True, False), id="raw_mask"),
+        # its where is in a module-level helper (_slope), reached through the function's globals
+        pytest.param(lambda: SquaredDistance(num_heads=4), (True, False), id="spec_subclass"),
+        pytest.param(lambda: score_mods.Alibi(num_heads=4), (False, False), id="preset"),
+    ],
+)
+def test_traced_before_any_probe_flex_flash_refuses_what_may_select(
+    make: Any, want: tuple[bool, bool]
+) -> None:
+    """Traced, a function cannot be called on real tensors: its code decides. A raw callable
+    passed inside the compiled region, or a spec's function on its first (traced) call, that
+    names where / masked_fill / lerp may select a per-head value, so flex_flash refuses it; one
+    that does not, and the presets (not probed at all), keep flex_flash."""
+    assert _traced_hazards(make) == want
+
+
+def test_a_spec_probed_eagerly_keeps_its_verdict_when_traced() -> None:
+    """An eager call leaves the probe's verdict on the spec object; traced calls of that object
+    read it instead of the code (here the precise hazard, not the possible one)."""
+    spec = SquaredDistance(num_heads=4)
+    assert _hazards(spec, "flash") == (SELECTS,)  # probes eagerly, keeps the verdict
+    assert _traced_hazards(lambda: spec) == (False, True)
