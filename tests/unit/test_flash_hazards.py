@@ -6,7 +6,9 @@ and flex_flash_alibi_probe.py): ``score - torch.where(h == k, slope_k, ...) * (q
 gave errors of order 1 on ``BACKEND="FLASH"`` while Triton flex matched float64, and so did
 ``Alibi`` with given slopes, spelled that way then. The route now refuses such user functions
 (``functions.SELECTS_PER_HEAD``, a hazard of the ``flash`` kernel only), and no preset is spelled
-so: both checked here on the CPU by tracing the functions, as the route's planning does.
+so: both checked here on the CPU by tracing the functions, as the route's planning does. A user
+function traced by ``torch.compile`` before any eager call could probe it is judged by its code
+(``functions.MAY_SELECT_PER_HEAD``), checked inside ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
