@@ -360,7 +360,7 @@ class _TracksCallable(Spec):
         # walks its closure, which Dynamo cannot trace: any user callable counts.
         return True
 
-    def flex_cpu_hazards(self) -> tuple[str, ...]:
+    def flex_hazards(self) -> tuple[str, ...]:
         return tuple(getattr(self, "hazards", ()))
 
     def live(self: _TrackedT) -> _TrackedT:
@@ -408,8 +408,9 @@ class FunctionMask(_TracksCallable, MaskSpec):
     #: Evaluated as flex does (:func:`evaluate_as_flex`) on index grids, not by one broadcast
     #: call: set where the probe found the broadcast call wrong or failing (see the module doc).
     scalar: bool = dataclasses.field(default=False, repr=False)
-    #: What the probe saw the callable do that torch's compiled CPU flex kernel mishandles
-    #: (:data:`REDUCES`, :data:`READS_GATHERED_ROW`): the ``flex_cpu`` route refuses it.
+    #: What the probe saw the callable do that a compiled flex kernel mishandles (:data:`REDUCES`,
+    #: :data:`READS_GATHERED_ROW`, :data:`SELECTS_PER_HEAD`, ...): each flex route refuses the
+    #: ones its kernel has (:data:`KERNEL_HAZARDS`).
     hazards: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     state: Hashable = dataclasses.field(default=(), init=False, repr=False)
     # Its BlockMask is built from the values it captures, learned or not.
@@ -623,7 +624,7 @@ def _probe_grids(device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.zeros(shape, dtype=torch.int32, device=device) for shape in shapes)
 
 
-#: :attr:`FunctionMask.hazards`, each measured with torch 2.13's compiled CPU flex, also without
+#: :attr:`FunctionMask.hazards`; these five measured with torch 2.13's compiled CPU flex, also without
 #: the library (tests/unit/test_scalar_callables.py has the callables;
 #: benchmarks/flex_mod_hazards_probe.py runs torch alone). A reduction inside a mod, over a
 #: captured row (``(starts <= q_idx).sum()``) or a 0-d value (``(q_idx - kv_idx).abs().amax()``),
@@ -708,9 +709,9 @@ def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
 def kernel_hazards(specs: tuple[Any, ...], kernel: str) -> tuple[str, ...]:
     """What compiled flex kernel ``kernel`` (a key of :data:`KERNEL_HAZARDS`: ``"cpu"``, ``"cuda"``
     for Triton, ``"flash"`` for FA4's CuTe kernel) cannot run in the user functions of ``specs``
-    (mask / score specs or None): :meth:`Spec.flex_cpu_hazards` of each that the kernel has,
+    (mask / score specs or None): :meth:`Spec.flex_hazards` of each that the kernel has,
     each phrase once. The flex routes and ``decode_step`` refuse these."""
-    found = dict.fromkeys(h for spec in specs if spec is not None for h in spec.flex_cpu_hazards())
+    found = dict.fromkeys(h for spec in specs if spec is not None for h in spec.flex_hazards())
     has = KERNEL_HAZARDS[kernel]
     return tuple(h for h in found if h in has)
 

@@ -420,7 +420,7 @@ class FunctionCheck:
     A function written for flex's 0-d indices (``table[q_idx][kv_idx]``, a reduction) gives
     another answer on broadcast grids, or fails there. ``probe(fn, owner)`` (``owner``: the spec
     class's name, for errors) returns whether ``fn`` must be evaluated as flex does and what
-    torch's compiled CPU flex kernel cannot run in it (:meth:`Spec.flex_cpu_hazards`);
+    the compiled flex kernels cannot run in it (:meth:`Spec.flex_hazards`);
     ``as_flex(fn)`` wraps ``fn`` to be evaluated so, as a raw callable is; ``traced_hazards(fn)``
     is what can be told of the hazards from ``fn``'s code while torch.compile traces, where the
     probe cannot run."""
@@ -702,25 +702,25 @@ class Spec:
                 object.__setattr__(self, "_holds_callables_value", cached)
         return bool(cached)
 
-    def flex_cpu_hazards(self) -> tuple[str, ...]:
+    def flex_hazards(self) -> tuple[str, ...]:
         """What the raw callables in this spec (or its parts), and its own function where written
-        outside the package, do that torch's compiled CPU flex kernel mishandles
+        outside the package, do that some compiled flex kernel mishandles
         (:func:`flexattn_zoo.functions.check_mask_function` finds it), each as a phrase completing
-        "a mod that ..."; () for the package's own specs without callables. The CUDA flex routes
-        refuse the part of it their kernel shares (``functions.CUDA_HAZARDS``)."""
+        "a mod that ..."; () for the package's own specs without callables. Each flex route
+        refuses the part its kernel has (``functions.KERNEL_HAZARDS``)."""
         cls = type(self)
         found = list(self._function_hazards()) if cls._CHECKS_FUNCTION or cls._CHECKS_PAST_FUNCTION else []
         if not self._parts_may_have_hazards():
             return tuple(found)
         for part in self._parts():
             if isinstance(part, Spec):
-                found += [h for h in part.flex_cpu_hazards() if h not in found]
+                found += [h for h in part.flex_hazards() if h not in found]
         return tuple(found)
 
     def _parts_may_have_hazards(self) -> bool:
         """Whether a part of this spec (at any depth) wraps a raw callable or has a function
         written outside the package (:attr:`_CHECKS_FUNCTION`): the parts
-        :meth:`flex_cpu_hazards` must ask. Cached per spec object, as :meth:`_holds_callables`."""
+        :meth:`flex_hazards` must ask. Cached per spec object, as :meth:`_holds_callables`."""
         cached = self.__dict__.get("_parts_may_have_hazards_value")
         if cached is None:
             cached = self._holds_callables() or any(
@@ -733,7 +733,7 @@ class Spec:
         return bool(cached)
 
     def _function_hazards(self) -> tuple[str, ...]:
-        """:meth:`flex_cpu_hazards` of this spec's own function (MaskSpec / ScoreSpec)."""
+        """:meth:`flex_hazards` of this spec's own function (MaskSpec / ScoreSpec)."""
         return ()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -77,7 +77,7 @@ def test_a_score_function_written_for_flex_indices_runs_exactly() -> None:
     bias = BIAS.unsqueeze(0).expand(B, H, L, L).double()
     assert_matches_reference(out, q, k, v, score_mod=bias, grads=grads, grad_out=grad_out)
     assert_score_consistent(spec, batch=B, heads=H, q_len=L, kv_len=L)
-    assert spec.flex_cpu_hazards() == (functions.READS_GATHERED_ROW,)
+    assert spec.flex_hazards() == (functions.READS_GATHERED_ROW,)
 
 
 def test_a_function_that_runs_on_broadcast_grids_is_used_as_made() -> None:
@@ -87,7 +87,7 @@ def test_a_function_that_runs_on_broadcast_grids_is_used_as_made() -> None:
     mod = spec.mask_mod()
     assert mod.__qualname__.startswith("StrictlyCausal.")
     assert spec.mask_mod() is mod
-    assert spec.flex_cpu_hazards() == ()
+    assert spec.flex_hazards() == ()
     assert NearKeys().mask_mod().__qualname__.startswith("_scalar_mask_mod.")
 
 
@@ -145,7 +145,7 @@ def test_the_variant_for_masks_hiding_future_keys_is_probed_too() -> None:
     """Its hazard reaches ``flex_cpu``, which runs that variant under a causal mask (a segfault in
     torch's compiled CPU kernel before)."""
     spec = GatheredPastBias(bias=BIAS[0])
-    assert spec.flex_cpu_hazards() == (functions.READS_GATHERED_ROW,)
+    assert spec.flex_hazards() == (functions.READS_GATHERED_ROW,)
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="flex_cpu.*cannot run a mod that reads from a row it gathered"):
         fz.attention(q.float(), k.float(), v.float(), mask=masks.Causal(), score_mod=spec, backend="flex_cpu")
