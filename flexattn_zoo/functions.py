@@ -667,6 +667,16 @@ SELECTS_PER_HEAD = (
     "table instead (slopes[h])"
 )
 
+#: A read of a captured tensor of one element (a 0-d offset, or a table whose every dim is 1),
+#: in a mod for FA4's CuTe flex kernel (flash-attn-4 4.0.0b36, torch 2.11, H200): Inductor
+#: loads it at a fixed index, spelled ``ssa_to_indexable(0, Int32)``, which the CuTe DSL rejects
+#: while compiling ("Expected TensorSSA, but got <class 'int'>"). Tables indexed by ``q_idx`` /
+#: ``kv_idx`` along a dim of two or more compile. Triton flex and the CPU kernel run it.
+LOADS_ONE_ELEMENT = (
+    "reads a captured tensor of one element (0-d, or every dim 1), which FA4's CuTe code "
+    "generator cannot load; capture a Python number instead"
+)
+
 #: A function traced by ``torch.compile`` before an eager call could probe it (a raw callable
 #: passed inside the compiled region, or a spec's function on its first, traced call) whose code
 #: names ``where``, ``masked_fill`` or ``lerp``: it may make a :data:`SELECTS_PER_HEAD`, which
@@ -677,15 +687,16 @@ MAY_SELECT_PER_HEAD = (
 )
 
 #: The hazards of each compiled flex kernel, by :attr:`FlexBackend.hazard_kernel`: torch's CPU
-#: kernel (torch 2.13) has every one but :data:`SELECTS_PER_HEAD`; the CUDA (Triton) kernel
-#: (H100, torch 2.11, benchmarks/flex_mod_hazards_probe.py) fails to lower a join and a search,
-#: and runs reductions and gathered rows exactly; FA4's CuTe kernel (``flash``) has the Triton
-#: kernel's and :data:`SELECTS_PER_HEAD` (with :data:`MAY_SELECT_PER_HEAD`).
+#: kernel (torch 2.13) has every one but :data:`SELECTS_PER_HEAD` and :data:`LOADS_ONE_ELEMENT`;
+#: the CUDA (Triton) kernel (H100, torch 2.11, benchmarks/flex_mod_hazards_probe.py) fails to
+#: lower a join and a search, and runs reductions and gathered rows exactly; FA4's CuTe kernel
+#: (``flash``) has the Triton kernel's, :data:`SELECTS_PER_HEAD` (with
+#: :data:`MAY_SELECT_PER_HEAD`) and :data:`LOADS_ONE_ELEMENT`.
 CUDA_HAZARDS = frozenset({CONCATENATES, SEARCHES})
 KERNEL_HAZARDS = {
     "cpu": frozenset({REDUCES, READS_GATHERED_ROW, CONCATENATES, SCANS, SEARCHES}),
     "cuda": CUDA_HAZARDS,
-    "flash": CUDA_HAZARDS | {SELECTS_PER_HEAD, MAY_SELECT_PER_HEAD},
+    "flash": CUDA_HAZARDS | {SELECTS_PER_HEAD, MAY_SELECT_PER_HEAD, LOADS_ONE_ELEMENT},
 }
 
 #: Attribute and global names of the selecting ops (:data:`MAY_SELECT_PER_HEAD`).
@@ -838,7 +849,9 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
     mishandles (:data:`REDUCES`, :data:`CONCATENATES`, :data:`SCANS`: an op that is not element
     by element; :data:`SEARCHES`: a search of a sorted tensor; :data:`READS_GATHERED_ROW`: an op
     whose input is a tensor of more than one element that the call itself made, a gathered row
-    or a view of one; :data:`SELECTS_PER_HEAD`: a ``where`` computed from ``b`` / ``h`` alone).
+    or a view of one; :data:`SELECTS_PER_HEAD`: a ``where`` computed from ``b`` / ``h`` alone;
+    :data:`LOADS_ONE_ELEMENT`: an op that reads, or a result that is, a captured tensor of one
+    element or a view of one).
     Also follows which of ``args`` each tensor derives from (through the ops' positional and
     keyword arguments), for those and for :attr:`_Traced.whole_grid_op`."""
     found: list[str] = []
@@ -856,8 +869,15 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
         if hazard not in found:
             found.append(hazard)
 
+    def captured_one_element(t: torch.Tensor) -> bool:
+        """Whether ``t`` is a captured tensor of one element, or a view of a captured tensor
+        (neither derived from the arguments nor made by the call) with one element."""
+        return t.numel() == 1 and id(t) not in derived and t.untyped_storage().data_ptr() not in made_storages
+
     def on_op(op: Any, op_args: tuple[Any, ...], out: Any) -> None:
         inputs = list(_flat_tensors(op_args))
+        if not op.is_view and any(captured_one_element(t) for t in inputs):
+            note(LOADS_ONE_ELEMENT)
         from_args = [t for t in inputs if id(t) in derived]
         read = frozenset().union(*(sources[id(t)] for t in from_args))
         elementwise = _elementwise(op, op_args, derived)
@@ -897,9 +917,11 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
     host_reads = _HostReads()
     try:
         with host_reads, _compat.index_with_tensors(), _compat.recording_mode(on_op):
-            fn(*args)
+            result = fn(*args)
     except Exception:  # noqa: BLE001 - the vmap probe ran it; nothing more to learn here
         return _Traced((), False, True)
+    if any(captured_one_element(t) for t in _flat_tensors((result,))):
+        note(LOADS_ONE_ELEMENT)  # returned as it is: the kernel loads it
     return _Traced(tuple(found), whole_grid[0], reads_values[0] or host_reads.seen, tuple(signature))
 
 

@@ -1340,9 +1340,11 @@ class MaskSpec(Spec):
         return None
 
     def reads_scalar_tensors(self) -> bool:
-        """True when the ``mask_mod`` loads a captured 0-d tensor (position offsets kept out of the
-        compiled kernel's constants, so one kernel serves every offset). A kernel generator that
-        cannot load one refuses the spec with that reason."""
+        """True when the ``mask_mod`` loads a captured tensor of one element: a 0-d tensor
+        (position offsets kept out of the compiled kernel's constants, so one kernel serves every
+        offset) or a table whose every dim is 1 (a broadcast ``[1, 1, 1, 1]`` mask), which a
+        compiled kernel reads at a fixed index. A kernel generator that cannot load one refuses
+        the spec with that reason (``flex_flash``)."""
         return False
 
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
@@ -1547,6 +1549,13 @@ class ScoreSpec(Spec):
     def captures_grad_tensors(self) -> bool:
         """True when the score_mod closes over tensors that require grad (learned biases)."""
         return any(t.requires_grad for t in self.tensors())
+
+    def reads_scalar_tensors(self) -> bool:
+        """True when the ``score_mod`` may load a captured tensor of one element, which a compiled
+        kernel reads at a fixed index (as :meth:`MaskSpec.reads_scalar_tensors`): by default,
+        when a tensor this spec captures (:meth:`tensors`) has one element. A spec whose function
+        reads a one-element table it derives from its fields says so itself."""
+        return any(t.numel() == 1 for t in self.tensors())
 
     def __rshift__(self, other: ScoreSpec) -> ScoreSpec:
         if not isinstance(other, ScoreSpec):

@@ -195,6 +195,10 @@ class BlockSelect(MaskSpec):
                 f"must be 1 or the problem's batch size and head count ({batch}, {heads})"
             )
 
+    def reads_scalar_tensors(self) -> bool:
+        # One query block and one key block: the table has one element, loaded at a fixed index.
+        return self.__dict__["_table"].numel() == 1
+
     def visible_fraction(self, q_len: int, kv_len: int) -> float:
         # A query sees at most k blocks of kv_block keys (duplicates and -1 only lower it).
         return min(1.0, self.indices.shape[-1] * self._sizes()[1] / max(1, kv_len))

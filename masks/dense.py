@@ -62,8 +62,9 @@ def broadcast_indexer(
     index grids alike.
 
     The size-1 dims are dropped from a view of ``t`` and only the other indices are used, so the
-    load never has a constant index: FlashAttention-4's CuTe code generator (torch 2.11) cannot
-    load a tensor at a constant index, nor lower ``minimum`` (a clamp)."""
+    load has no constant index unless every dim is 1: FlashAttention-4's CuTe code generator
+    (torch 2.11) cannot load a tensor at a constant index, nor lower ``minimum`` (a clamp). A spec
+    whose table may have one element says so (``reads_scalar_tensors``)."""
     keep = tuple(d for d, n in enumerate(t.shape) if n != 1)
     view = t.reshape(tuple(t.shape[d] for d in keep))  # a view: only size-1 dims go
 
@@ -161,6 +162,9 @@ class Dense(MaskSpec):
 
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         check_broadcast(self.mask, "Dense(mask=...)", q_len, kv_len, batch, heads)
+
+    def reads_scalar_tensors(self) -> bool:
+        return self.mask.numel() == 1  # every dim broadcast: one value, loaded at a fixed index
 
     def _make_mask_mod(self) -> MaskMod:
         index = broadcast_indexer(self.mask)

@@ -799,11 +799,17 @@ class FlexFlashBackend(FlexBackend):
                 f"{IN_GRAPH} without gradients, Inductor's CuTe flex template "
                 "fails on inputs computed in the graph and on tensors the mask captures"
             )
-        if p.mask is not None and p.mask.bind(p.q_len, p.kv_len).reads_scalar_tensors():
-            # H200, torch 2.11, flash-attn-4 4.0.0b36: Inductor's CuTe mask_mod loads a captured
-            # 0-d tensor as ssa_to_indexable(0, Int32), which the CuTe DSL rejects (a plain int,
-            # not a TensorSSA); captured tables indexed by q_idx/kv_idx (Document) compile fine.
-            out.append("FLASH cannot load the captured 0-d offset tensors of this mask (OffsetCausal, Band)")
+        if (p.mask is not None and p.mask.bind(p.q_len, p.kv_len).reads_scalar_tensors()) or (
+            p.score is not None and p.score.reads_scalar_tensors()
+        ):
+            # H200, torch 2.11, flash-attn-4 4.0.0b36: Inductor's CuTe mod loads a captured tensor
+            # of one element (0-d, or every dim 1) at a fixed index, ssa_to_indexable(0, Int32),
+            # which the CuTe DSL rejects while compiling (a plain int, not a TensorSSA); captured
+            # tables indexed by q_idx/kv_idx (Document) compile fine.
+            out.append(
+                "FLASH cannot load a captured tensor of one element (the 0-d offsets of OffsetCausal "
+                "and Band; a Dense mask, BlockSelect table or bias whose every dim is 1)"
+            )
         return out
 
 

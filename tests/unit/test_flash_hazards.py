@@ -255,3 +255,96 @@ def test_a_spec_probed_eagerly_keeps_its_verdict_when_traced() -> None:
     spec = SquaredDistance(num_heads=4)
     assert _hazards(spec, "flash") == (SELECTS,)  # probes eagerly, keeps the verdict
     assert _traced_hazards(lambda: spec) == (False, True)
+
+
+# ---- loads of a captured tensor of one element ------------------------------------------------
+# H200 with FA4 (flash-attn-4 4.0.0b36, torch 2.11): Inductor's CuTe mods load such a tensor at a
+# fixed index, which the CuTe DSL rejects while compiling ("Expected TensorSSA, but got <class
+# 'int'>"); Dense([[[[True]]]]) and one-block BlockSelect examples failed so on flex_flash.
+
+ONE_ELEMENT = functions.LOADS_ONE_ELEMENT
+OFFSET = torch.tensor(3, dtype=torch.int32)
+FLAG = torch.ones(1, 1, dtype=torch.bool)
+KEY_TABLE = torch.arange(64, dtype=torch.int32) % 5
+
+
+def causal_plus_captured_offset(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return kv_idx <= q_idx + OFFSET
+
+
+def causal_and_a_captured_flag(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return FLAG[0, 0] & (kv_idx <= q_idx)
+
+
+def returns_the_captured_flag(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return FLAG[0, 0]  # a view of the capture, loaded as it is
+
+
+def causal_plus_a_python_offset(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return kv_idx <= q_idx + 3
+
+
+def same_key_class(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return KEY_TABLE[q_idx] == KEY_TABLE[kv_idx]
+
+
+@pytest.mark.parametrize(
+    "fn", [causal_plus_captured_offset, causal_and_a_captured_flag, returns_the_captured_flag]
+)
+def test_a_one_element_capture_is_a_hazard_of_the_flash_kernel_only(fn: Any) -> None:
+    spec = as_mask_spec(fn)
+    assert _hazards(spec, "flash") == (ONE_ELEMENT,)
+    assert _hazards(spec, "cuda") == ()
+    assert _hazards(spec, "cpu") == ()
+
+
+@pytest.mark.parametrize("fn", [causal_plus_a_python_offset, same_key_class])
+def test_python_numbers_and_indexed_tables_are_not_one_element_loads(fn: Any) -> None:
+    assert _hazards(as_mask_spec(fn), "flash") == ()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: (masks.Dense(mask=torch.ones(1, 1, 1, 1, dtype=torch.bool)), None), id="dense"),
+        pytest.param(
+            lambda: (masks.BlockSelect(indices=torch.tensor([[0]]), block_size=256), None), id="block_select"
+        ),
+        pytest.param(lambda: (masks.Causal(), score_mods.Bias(bias=torch.ones(1, 1, 1, 1))), id="bias"),
+        pytest.param(lambda: (masks.Band(lo=-2, hi=0), None), id="band"),
+    ],
+)
+def test_flex_flash_refuses_one_element_tables_and_triton_flex_takes_them(make: Any) -> None:
+    mask, score = make()
+    p = _cuda_problem(mask, score)
+    assert any("captured tensor of one element" in r for r in FLEX_FLASH.mask_reasons(p))
+    assert FLEX.mask_reasons(p) == []
+
+
+def test_wider_tables_keep_flex_flash() -> None:
+    keys = torch.rand(2, 1, 1, 256) < 0.5
+    p = _cuda_problem(masks.Dense(mask=keys), score_mods.Bias(bias=torch.ones(1, 4, 1, 1)))
+    assert FLEX_FLASH.mask_reasons(p) == []
+
+
+@pytest.mark.parametrize("kind", ["mask", "score"])
+@pytest.mark.parametrize(("length", "heads"), [(64, 4), (256, 1)])
+def test_presets_declare_every_one_element_load(kind: str, length: int, heads: int) -> None:
+    """flex_flash refuses a preset by its ``reads_scalar_tensors`` (presets are not traced when
+    planned), so each function that route hands its kernel (a bound mask's ``mask_mod``; every
+    score variant), traced on 0-d indices, must load a one-element tensor only where the spec
+    declares it. ``Dense`` of one element and a one-block ``BlockSelect`` did not."""
+    args = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    if kind == "score":
+        args.insert(0, torch.zeros(()))
+    loads = 0
+    for name, spec in spec_examples(kind, length, length, batch=2, heads=heads):
+        declared = (spec.bind(length, length) if kind == "mask" else spec).reads_scalar_tensors()
+        fns = _preset_functions(spec, kind, length, length)[: 1 if kind == "mask" else None]
+        for fn in fns:
+            traced = functions._trace_ops(fn, tuple(args))
+            assert traced.signature is not None, f"{name}: {spec!r} failed when traced"
+            if ONE_ELEMENT in traced.hazards:
+                assert declared, f"{name}: {spec!r} loads a one-element tensor it does not declare"
+                loads += 1
+    assert kind == "score" or loads > 0  # the masks' examples include such loads (OffsetCausal, Dense)
