@@ -359,8 +359,7 @@ RULES: tuple[Rule, ...] = (
         "FA4's per-call host time (0.14-0.31 ms) exceeds the kernel time it saves; SDPA's kernels finish "
         "first (decoding: 2-10x faster than fa4 and flex). Near the bound the two split (DINOv2-g, 2.3e10: "
         "fa4 0.223 vs sdpa 0.246 ms; a Llama-3.2-3B-style 4 x 2K batch, 2.6e10: sdpa 0.216 vs fa4 0.271); "
-        "above it FA4 leads (a Gemma-3-27B-style 4K sequence, 3.4e10: fa4 0.239 vs sdpa 0.277; prefix-LM "
-        "512 at D=64, 3.4e10: flex_flash 0.231 vs flex 0.243)",
+        "above it FA4 leads (a Gemma-3-27B-style 4K sequence, 3.4e10: fa4 0.239 vs sdpa 0.277)",
         benchmark="generalization_h200.json",
         evidence=(
             "bert_base_l128_b128/fwd",
@@ -395,7 +394,6 @@ RULES: tuple[Rule, ...] = (
         benchmark="generalization_h200.json",
         evidence=(
             "llama3_8b_l512_b32/fwdbwd",
-            "llama32_1b_l512_b64/fwdbwd",
             "vit_l14_l577_b32/fwdbwd",
             "prefix512_l2048_b8_d64/fwdbwd",
         ),
@@ -424,6 +422,40 @@ RULES: tuple[Rule, ...] = (
             "llama32_3b_l2048_b4/fwdbwd",
             "gemma3_27b_l4096_b1/fwdbwd",
         ),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwd",),
+        absent=frozenset({"score_mod", "packed_segments"}),
+        min_work=3 * 10**10 + 1,
+        max_work=5 * 10**10,
+        max_head_dim=64,
+        front=("fa4", "sdpa", "sdpa_cudnn", "flex"),
+        why="forwards just above the short range (visible B*H*Lq*Lkv*D over 3e10 up to 5e10) at head "
+        "dims up to 64, without a score mod or documents, that fa4 and SDPA cannot run (prefix-LM, "
+        "masks without an SDPA form): Triton flex's kernel takes about as long as flex_flash's host "
+        "time per call (0.21-0.36 ms on the H200, varying run to run), so flex_flash gains at most "
+        "a few percent and loses far more when its host is slow (prefix-LM 512, B=8, H=16, L=2K: "
+        "flex 0.242 vs flex_flash 0.406 ms, flex_flash host-bound; 0.243 vs 0.231 in an earlier "
+        "run); sdpa_split is slower than both (0.325)",
+        benchmark="generalization_h200.json",
+        evidence=("prefix512_l2048_b8_d64/fwd",),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwdbwd",),
+        absent=frozenset({"score_mod", "packed_segments"}),
+        min_work=15 * 10**9,
+        max_work=2 * 10**10,
+        max_head_dim=64,
+        front=("fa4",),
+        why="training steps just below the top of the short range (visible B*H*Lq*Lkv*D from 1.5e10) "
+        "at head dims up to 64: FA4's replayed launches already beat SDPA there (Llama-3.2-1B heads, "
+        "B=64, L=512, 1.7e10: fa4 1.23 vs sdpa 1.32 ms on the H200, 1.39 vs 1.48 on an H100), "
+        "where at head dim 128 SDPA still leads (Llama-3-8B heads, B=32, L=512: 1.03 vs 1.08) and "
+        "below it by far (ViT-L/14, B=32, 1.1e10: 0.59 vs 1.09)",
+        benchmark="generalization_h200.json",
+        evidence=("llama32_1b_l512_b64/fwdbwd",),
     ),
     Rule(
         generation="sm90",
