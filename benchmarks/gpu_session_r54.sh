@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_session_r54.sh flash 480   # (FA4 installed) ALiBi and SquaredDistance on
 #                    # flex / flex_flash after the per-head where fix, the subclass GPU tests, then
 #                    # every family's examples on flex_flash (tests/gpu/test_examples_flex_routes_gpu.py)
+#   bash benchmarks/gpu_session_r54.sh band2 300   # (FA4 installed; on an H200) the two band cases
+#                    # fa4rows did not reach in its time budget, into generalization_h200.json
 #   bash benchmarks/gpu_session_r54.sh STEP BUDGET  # any step of gpu_session_r51.sh (fa4rows,
 #                    # tests) under this session's name
 set -uo pipefail
@@ -15,11 +17,21 @@ step="${1:?usage: $0 verify|flash|STEP-of-gpu_session_r51.sh [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r54
-if [ "$step" != verify ] && [ "$step" != flash ]; then
+if [ "$step" != verify ] && [ "$step" != flash ] && [ "$step" != band2 ]; then
   SESSION=$session EXTRA_GPU_TESTS="tests/gpu/test_spec_functions_probed_gpu.py" \
     exec bash benchmarks/gpu_session_r51.sh "$step" "$budget"
 fi
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+if [ "$step" = band2 ]; then
+  cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+  run "generalization_band2_${gpu}_${session}" "$(( $(left) - 10 ))" python3 -m flexattn_zoo.bench generalization \
+    --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
+    --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
+    --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 40 ))"
+  pack
+  ls -la "$out"
+  exit 0
+fi
 if [ "$step" = flash ]; then
   run "flex_flash_alibi_probe_${gpu}_${session}_after" "$(share 30)" python3 benchmarks/flex_flash_alibi_probe.py
   run "gpu_tests_subclassed_${gpu}_${session}_after" "$(share 20)" python3 -m pytest -m gpu -q -rfE \
