@@ -343,6 +343,9 @@ class Chain(ScoreSpec):
     def has_fast_variant(self) -> bool:
         return any(m.has_fast_variant() for m in self.mods)
 
+    def reads_scalar_tensors(self) -> bool:
+        return any(m.reads_scalar_tensors() for m in self.mods)
+
     def softcap_form(self) -> SoftCapForm | None:
         # Only a chain of one: capping twice, or capping a biased score, is not one soft-cap.
         return self.mods[0].softcap_form() if len(self.mods) == 1 else None
@@ -557,6 +560,9 @@ class ScoreOnShard(ScoreSpec):
 
     def has_fast_variant(self) -> bool:
         return self.part.has_fast_variant()
+
+    def reads_scalar_tensors(self) -> bool:
+        return self.part.reads_scalar_tensors()
 
     def uses_head(self) -> bool:
         return self.part.uses_head()

@@ -472,6 +472,11 @@ class FunctionScore(_TracksCallable, ScoreSpec):
         # What the function closes over: a learnable bias there makes the call need a backward.
         return captured_tensors(self.fn)
 
+    def reads_scalar_tensors(self) -> bool:
+        # Whether the function loads a one-element tensor is a hazard the probe traces
+        # (:data:`LOADS_ONE_ELEMENT`); what it merely reaches (a module's unused buffers) is not.
+        return False
+
     def captures_grad_tensors(self) -> bool:
         try:
             return super().captures_grad_tensors()
@@ -706,15 +711,24 @@ _SELECT_NAMES = frozenset({"where", "masked_fill", "masked_fill_", "lerp", "lerp
 def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
     """The hazards of a function that could not be probed, traced by ``torch.compile``: from its
     code alone (:data:`MAY_SELECT_PER_HEAD` where it or a function it reaches names a selecting
-    op, or where what it reaches cannot be walked). Dynamo traces this walk (no graph break)."""
+    op, or where what it reaches cannot be walked) and what it reaches (:data:`LOADS_ONE_ELEMENT`
+    where that holds a tensor of one element). Dynamo traces this walk (no graph break)."""
     listed = _compat.global_names.__wrapped__ if _compat.is_compiling() else _compat.global_names
+    found: list[str] = []
     try:
         for value in _reachable(fn):
-            if isinstance(value, types.FunctionType) and not _SELECT_NAMES.isdisjoint(listed(value.__code__)):
-                return (MAY_SELECT_PER_HEAD,)
+            if isinstance(value, torch.Tensor):
+                if value.numel() == 1 and LOADS_ONE_ELEMENT not in found:
+                    found.append(LOADS_ONE_ELEMENT)
+            elif (
+                MAY_SELECT_PER_HEAD not in found
+                and isinstance(value, types.FunctionType)
+                and not _SELECT_NAMES.isdisjoint(listed(value.__code__))
+            ):
+                found.append(MAY_SELECT_PER_HEAD)
     except AttributeError:  # a function made inside the compiled region shows Dynamo no closure
         return (MAY_SELECT_PER_HEAD,)
-    return ()
+    return tuple(found)
 
 
 def kernel_hazards(specs: tuple[Any, ...], kernel: str) -> tuple[str, ...]:
@@ -728,6 +742,8 @@ def kernel_hazards(specs: tuple[Any, ...], kernel: str) -> tuple[str, ...]:
 
 
 _aten = torch.ops.aten
+#: What ``torch.tensor`` / ``as_tensor`` in a call reach dispatch as (a view of the new tensor).
+_LIFTS = frozenset({_aten.lift_fresh.default})
 #: Ops that join tensors along a dimension (:data:`CONCATENATES`).
 _JOINS = frozenset({_aten.cat.default, _aten.stack.default})
 #: Ops not tagged pointwise that still act element by element on their tensor arguments (or
@@ -911,7 +927,7 @@ def _trace_ops(fn: Callable[..., Any], args: tuple[torch.Tensor, ...]) -> _Trace
             if from_args:
                 # Still derived (on broadcast grids it has the grid's shape), from no value.
                 sources[id(t)] = frozenset() if op in _VALUE_FREE else read
-            if not op.is_view:
+            if not op.is_view or op in _LIFTS:  # torch.tensor(...) in the call: made by it
                 made_storages.add(t.untyped_storage().data_ptr())
 
     host_reads = _HostReads()

@@ -222,6 +222,9 @@ class PackedScore(ScoreSpec):
     def uses_head(self) -> bool:
         return self.inner.uses_head()
 
+    def reads_scalar_tensors(self) -> bool:
+        return self.inner.reads_scalar_tensors()
+
     def _make_score_mod(self, *, fast: bool) -> ScoreMod:
         q_local, k_local = self.__dict__["_q_local"], self.__dict__["_k_local"]
         inner = self.inner.score_mod(fast=fast)

@@ -276,8 +276,26 @@ def causal_and_a_captured_flag(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return FLAG[0, 0] & (kv_idx <= q_idx)
 
 
+FLAG0 = torch.tensor(True)
+ONES11 = torch.ones(1, 1, dtype=torch.bool)
+PAIRS = torch.arange(128, dtype=torch.int32).view(64, 2)
+
+
 def returns_the_captured_flag(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    return FLAG[0, 0]  # a view of the capture, loaded as it is
+    return FLAG0  # no op reads it: the kernel loads the result as it is
+
+
+def indexes_a_table_whose_every_dim_is_one(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    # Indices that depend on q_idx / kv_idx, but the table has one element: a fixed-index load.
+    return ONES11[q_idx * 0, kv_idx * 0] & (kv_idx <= q_idx)
+
+
+def indexes_a_column_at_a_constant(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (PAIRS[q_idx, 0] >= PAIRS[kv_idx, 0]) & (kv_idx <= q_idx)
+
+
+def scales_by_a_tensor_it_makes(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return score * torch.tensor(0.5) + torch.where(kv_idx <= q_idx, 0.0, torch.tensor(-1.0))
 
 
 def causal_plus_a_python_offset(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -289,7 +307,13 @@ def same_key_class(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    "fn", [causal_plus_captured_offset, causal_and_a_captured_flag, returns_the_captured_flag]
+    "fn",
+    [
+        causal_plus_captured_offset,
+        causal_and_a_captured_flag,
+        returns_the_captured_flag,
+        indexes_a_table_whose_every_dim_is_one,
+    ],
 )
 def test_a_one_element_capture_is_a_hazard_of_the_flash_kernel_only(fn: Any) -> None:
     spec = as_mask_spec(fn)
@@ -298,9 +322,37 @@ def test_a_one_element_capture_is_a_hazard_of_the_flash_kernel_only(fn: Any) -> 
     assert _hazards(spec, "cpu") == ()
 
 
-@pytest.mark.parametrize("fn", [causal_plus_a_python_offset, same_key_class])
-def test_python_numbers_and_indexed_tables_are_not_one_element_loads(fn: Any) -> None:
-    assert _hazards(as_mask_spec(fn), "flash") == ()
+@pytest.mark.parametrize(
+    ("kind", "fn"),
+    [
+        ("mask", causal_plus_a_python_offset),
+        ("mask", same_key_class),
+        ("mask", indexes_a_column_at_a_constant),  # at 2 * q_idx: not a fixed index
+        ("score", scales_by_a_tensor_it_makes),  # made by the call, not captured
+    ],
+    ids=["python_number", "indexed_table", "constant_column", "made_tensors"],
+)
+def test_python_numbers_indexed_tables_and_made_tensors_are_not_one_element_loads(kind: str, fn: Any) -> None:
+    spec = as_score_spec(fn) if kind == "score" else as_mask_spec(fn)
+    assert _hazards(spec, "flash") == ()
+
+
+def test_a_score_closure_reaching_an_unread_one_element_tensor_keeps_flex_flash() -> None:
+    """The probe decides for callables: a 0-d tensor the function can reach but never reads
+    (a module's step counter) is no load."""
+
+    class Biased(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("step", torch.zeros((), dtype=torch.long))
+            self.register_buffer("bias", torch.linspace(-1.0, 1.0, 64))
+
+        def score(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return score + self.bias[kv_idx]
+
+    spec = as_score_spec(Biased().score)
+    assert not spec.reads_scalar_tensors()
+    assert FLEX_FLASH.mask_reasons(_cuda_problem(masks.Causal(), spec)) == []
 
 
 @pytest.mark.parametrize(
@@ -348,3 +400,29 @@ def test_presets_declare_every_one_element_load(kind: str, length: int, heads: i
                 assert declared, f"{name}: {spec!r} loads a one-element tensor it does not declare"
                 loads += 1
     assert kind == "score" or loads > 0  # the masks' examples include such loads (OffsetCausal, Dense)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        score_mods.Bias(bias=torch.ones(1, 1, 1, 1)),
+        score_mods.Bias(bias=torch.ones(1, 1, 1, 1)) >> score_mods.SoftCap(cap=30.0),
+    ],
+    ids=["bias", "chain"],
+)
+def test_a_one_element_score_table_is_traced_and_declared(spec: Any) -> None:
+    args = (torch.zeros(()), *(torch.zeros((), dtype=torch.int32) for _ in range(4)))
+    assert ONE_ELEMENT in functions._trace_ops(spec.score_mod(), args).hazards
+    assert spec.reads_scalar_tensors()
+
+
+def test_traced_before_any_probe_a_one_element_capture_loses_flex_flash() -> None:
+    """Traced, a raw callable that reaches a tensor of one element is taken to load it."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        offset = functions.kernel_hazards((as_mask_spec(causal_plus_captured_offset),), "flash")
+        table = functions.kernel_hazards((as_mask_spec(same_key_class),), "flash")
+        return x + (ONE_ELEMENT in offset) + 2 * (ONE_ELEMENT in table)
+
+    torch._dynamo.reset()
+    assert int(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(()))) == 1
