@@ -676,10 +676,13 @@ SELECTS_PER_HEAD = (
 #: in a mod for FA4's CuTe flex kernel (flash-attn-4 4.0.0b36, torch 2.11, H200): Inductor
 #: loads it at a fixed index, spelled ``ssa_to_indexable(0, Int32)``, which the CuTe DSL rejects
 #: while compiling ("Expected TensorSSA, but got <class 'int'>"). Tables indexed by ``q_idx`` /
-#: ``kv_idx`` along a dim of two or more compile. Triton flex and the CPU kernel run it.
+#: ``kv_idx`` along a dim of two or more compile. Triton flex and the CPU kernel run it. User
+#: functions are traced for it; the package's specs declare it (``reads_scalar_tensors``), and
+#: the flex routes whose kernel has it refuse either.
 LOADS_ONE_ELEMENT = (
-    "reads a captured tensor of one element (0-d, or every dim 1), which FA4's CuTe code "
-    "generator cannot load; capture a Python number instead"
+    "reads a captured tensor of one element (0-d, or every dim 1: the offset of Band or of Causal "
+    "between unequal lengths, a one-element Dense, BlockSelect table or Bias), which FA4's CuTe "
+    "code generator cannot load (a function may capture a Python number instead)"
 )
 
 #: A function traced by ``torch.compile`` before an eager call could probe it (a raw callable

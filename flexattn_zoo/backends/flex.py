@@ -25,7 +25,7 @@ from flexattn_zoo.backends.base import (
 from flexattn_zoo.blockmask import BLOCK_MASK_PARTS, DEFAULT_BLOCK_SIZE, bound_mask_mod
 from flexattn_zoo.blockmask import block_mask as build_block_mask
 from flexattn_zoo.compile import CACHE, UnfusedFallbackError
-from flexattn_zoo.functions import _Ref, kernel_hazards
+from flexattn_zoo.functions import KERNEL_HAZARDS, LOADS_ONE_ELEMENT, _Ref, kernel_hazards
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import graph_memo
@@ -187,10 +187,14 @@ class FlexBackend(Backend):
         # functions (functions.kernel_hazards: measured without the library,
         # benchmarks/flex_mod_hazards_probe.py). dense evaluates them exactly where it fits.
         kernel = "CPU flex kernel" if self.hazard_kernel == "cpu" else "flex kernel"
-        return [
-            f"torch's compiled {kernel} cannot run a mod that {hazard}"
-            for hazard in kernel_hazards((p.mask, p.score), self.hazard_kernel)
-        ]
+        hazards = kernel_hazards((p.mask, p.score), self.hazard_kernel)
+        if (
+            LOADS_ONE_ELEMENT in KERNEL_HAZARDS[self.hazard_kernel]
+            and LOADS_ONE_ELEMENT not in hazards
+            and _declares_one_element_load(p)
+        ):
+            hazards += (LOADS_ONE_ELEMENT,)
+        return [f"torch's compiled {kernel} cannot run a mod that {hazard}" for hazard in hazards]
 
     def sparse_block_size(self, p: Problem) -> tuple[int, int]:
         """The ``(q, kv)`` block size of the BlockMasks this route builds for ``p``."""
@@ -799,18 +803,17 @@ class FlexFlashBackend(FlexBackend):
                 f"{IN_GRAPH} without gradients, Inductor's CuTe flex template "
                 "fails on inputs computed in the graph and on tensors the mask captures"
             )
-        if (p.mask is not None and p.mask.bind(p.q_len, p.kv_len).reads_scalar_tensors()) or (
-            p.score is not None and p.score.reads_scalar_tensors()
-        ):
-            # H200, torch 2.11, flash-attn-4 4.0.0b36: Inductor's CuTe mod loads a captured tensor
-            # of one element (0-d, or every dim 1) at a fixed index, ssa_to_indexable(0, Int32),
-            # which the CuTe DSL rejects while compiling (a plain int, not a TensorSSA); captured
-            # tables indexed by q_idx/kv_idx (Document) compile fine.
-            out.append(
-                "FLASH cannot load a captured tensor of one element (the 0-d offsets of OffsetCausal "
-                "and Band; a Dense mask, BlockSelect table or bias whose every dim is 1)"
-            )
         return out
+
+
+def _declares_one_element_load(p: Problem) -> bool:
+    """Whether ``p``'s mask (bound to its lengths: ``Causal`` between unequal lengths keeps its
+    offset in a 0-d tensor) or score spec says its function loads a captured tensor of one
+    element (``reads_scalar_tensors``): the package's specs are not traced for
+    :data:`~flexattn_zoo.functions.LOADS_ONE_ELEMENT`, they declare it."""
+    return (p.mask is not None and p.mask.bind(p.q_len, p.kv_len).reads_scalar_tensors()) or (
+        p.score is not None and p.score.reads_scalar_tensors()
+    )
 
 
 #: The CPU flex route's ``pad_head_dims_to``: head dims below it reach the kernel zero-padded to

@@ -953,7 +953,7 @@ def test_flex_flash_refuses_masks_that_read_captured_scalar_offsets() -> None:
     from flexattn_zoo.masks.band import Band
     from flexattn_zoo.masks.causal import OffsetCausal
 
-    reason = "cannot load a captured tensor of one element"
+    reason = "reads a captured tensor of one element"
     for mask, lq, lkv in [
         (OffsetCausal(offset=3), 256, 256),
         (masks.Causal(align="bottom_right"), 200, 2047),  # binds to OffsetCausal

@@ -373,6 +373,12 @@ def test_flex_flash_refuses_one_element_tables_and_triton_flex_takes_them(make: 
     assert FLEX.mask_reasons(p) == []
 
 
+def test_a_declared_and_a_traced_load_give_one_reason() -> None:
+    """Presets declare the load and callables are traced for it: one hazard, named once."""
+    p = _cuda_problem(masks.Band(lo=-2, hi=0) & as_mask_spec(causal_plus_captured_offset), None)
+    assert FLEX_FLASH.mask_reasons(p) == [f"torch's compiled flex kernel cannot run a mod that {ONE_ELEMENT}"]
+
+
 def test_wider_tables_keep_flex_flash() -> None:
     keys = torch.rand(2, 1, 1, 256) < 0.5
     p = _cuda_problem(masks.Dense(mask=keys), score_mods.Bias(bias=torch.ones(1, 4, 1, 1)))
