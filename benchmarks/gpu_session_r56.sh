@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# GPU steps of the fifty-sixth session (outputs in $OUT/r56/, packed into $OUT/r56_STEP.tar).
+# FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
+# transformers 5.24 and its dependencies: one call carrying .whl (benchmarks/README.md, "Whole HF
+# models under torch.compile"), `python3 -m pip install -q --no-index --no-deps --no-compile
+# --target /tmp/site .whl/*.whl` before the step.
+#
+#   bash benchmarks/gpu_session_r56.sh band2ex 540   # (FA4 installed; on an H200) the two band
+#                    # cases the fifty-fifth session did not reach, into generalization_h200.json,
+#                    # then every family's examples on flex_flash after the one-element-load fix
+#   bash benchmarks/gpu_session_r56.sh compiled 560  # (FA4 and /tmp/site) compiled Llama and
+#                    # Mistral (window 2048) with FA4: HF sdpa / flex_attention / flexattn_zoo,
+#                    # train and prefill, one process; rerun to resume
+#   bash benchmarks/gpu_session_r56.sh host 200      # the eager host-cost table
+set -uo pipefail
+step="${1:?usage: $0 band2ex|compiled|host [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r56
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+case "$step" in
+  band2ex)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+    run "generalization_band2_${gpu}_${session}" "$(share 45)" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
+      --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
+      --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(share 45) - 30 ))"
+    run "gpu_tests_examples_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 6 tests/gpu/test_examples_flex_routes_gpu.py -k flex_flash
+    ;;
+  compiled)
+    PYTHONPATH="/tmp/site:$PYTHONPATH" run "compiled_models_fa4_${gpu}_${session}" "$(( $(left) - 5 ))" \
+      python3 benchmarks/compiled_models.py --models llama,mistral_swa --impls flexattn_zoo,flex_attention,sdpa \
+      --modes train,prefill --steps 10 --warmup 2 --resume --json "/root/compiled_models_fa4_${gpu}_${session}.json" \
+      --md "$out/compiled_models_fa4_${gpu}_${session}.md" --time-budget "$(( $(left) - 30 ))"
+    # the JSON stays in /root (kept while the machine is warm) so a second call resumes it
+    cp "/root/compiled_models_fa4_${gpu}_${session}.json" "$out/"
+    ;;
+  host)
+    run "host_cost_${gpu}_${session}" "$(( $(left) - 5 ))" python3 benchmarks/host_cost.py --device cuda \
+      --out "$out/host_cost_${gpu}_${session}.md"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
