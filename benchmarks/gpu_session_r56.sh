@@ -5,28 +5,32 @@
 # models under torch.compile"), `python3 -m pip install -q --no-index --no-deps --no-compile
 # --target /tmp/site .whl/*.whl` before the step.
 #
-#   bash benchmarks/gpu_session_r56.sh band2ex 540   # (FA4 installed; on an H200) the two band
-#                    # cases the fifty-fifth session did not reach, into generalization_h200.json,
-#                    # then every family's examples on flex_flash after the one-element-load fix
+#   bash benchmarks/gpu_session_r56.sh band2 300     # (FA4 installed; on an H200) the two band
+#                    # cases the fifty-fifth session did not reach, into generalization_h200.json
+#   bash benchmarks/gpu_session_r56.sh flexex 240    # any card: every family's examples on the
+#                    # (Triton) flex route (tests/gpu/test_examples_flex_routes_gpu.py -k "not
+#                    # flex_flash"; the flex_flash half ran on an H100 this session)
 #   bash benchmarks/gpu_session_r56.sh compiled 560  # (FA4 and /tmp/site) compiled Llama and
 #                    # Mistral (window 2048) with FA4: HF sdpa / flex_attention / flexattn_zoo,
 #                    # train and prefill, one process; rerun to resume
 #   bash benchmarks/gpu_session_r56.sh host 200      # the eager host-cost table
 set -uo pipefail
-step="${1:?usage: $0 band2ex|compiled|host [BUDGET_S]}"
+step="${1:?usage: $0 band2|flexex|compiled|host [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r56
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 case "$step" in
-  band2ex)
+  band2)
     cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
-    run "generalization_band2_${gpu}_${session}" "$(share 45)" python3 -m flexattn_zoo.bench generalization \
+    run "generalization_band2_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
       --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
       --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
-      --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(share 45) - 30 ))"
-    run "gpu_tests_examples_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
-      -p no:cacheprovider -n 6 tests/gpu/test_examples_flex_routes_gpu.py -k flex_flash
+      --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+    ;;
+  flexex)
+    run "gpu_tests_examples_flex_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 6 tests/gpu/test_examples_flex_routes_gpu.py -k "not flex_flash"
     ;;
   compiled)
     PYTHONPATH="/tmp/site:$PYTHONPATH" run "compiled_models_fa4_${gpu}_${session}" "$(( $(left) - 5 ))" \
