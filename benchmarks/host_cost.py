@@ -35,7 +35,10 @@ Groups, each against its own baseline:
 * ``decode-flex``: ``fz.decode.decode_step`` on the flex route by name (the DecodeMask path every
   other pattern takes), next to its floor: the same compiled flex kernel
   (``torch.compile(flex_attention)`` with the step's kernel options) called on a ``DecodeMask``'s
-  BlockMask prebuilt for one length, so without the per-step mask update.
+  BlockMask prebuilt for one length, so without the per-step mask update; ``decode-flex-len``:
+  the same step next to that call after one ``fill_`` of the length tensor its mask_mod reads,
+  the least per-step write a hand-written loop over a growing cache makes (target: baseline +
+  15 us).
 
 The lengths cycle over a window of 64, so every call after the warm-up is a plan-cache hit (a
 generation loop's ``fz.attention`` over a growing cache meets a new ``Lkv``, and a plan-cache
@@ -264,34 +267,54 @@ def build_cases(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
             ),
             route=flex_route,
         ),
-        _decode_floor(q1, k_cache, v_cache, live, flex_route),
-        Case(
-            "decode-flex",
-            f'fz.decode.decode_step(cache_len=n, backend="{flex_route}")',
-            decode_step_flex,
-            route=flex_route,
-            limit_us=DECODE_TARGET_US,
-        ),
+        *_decode_floors(q1, k_cache, v_cache, live, flex_route, decode_step_flex),
     ]
     return cases
 
 
-def _decode_floor(
-    q1: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, live: int, flex_route: str
-) -> Case:
-    """The compiled flex call a decode step makes, alone: ``torch.compile(flex_attention)`` with
-    the step's kernel options on a ``DecodeMask``'s BlockMask, updated once (to ``live`` keys)."""
+def _decode_floors(
+    q1: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    live: int,
+    flex_route: str,
+    decode_step_flex: Callable[[], Any],
+) -> list[Case]:
+    """``decode_step`` on the flex route against two floors, each its own group.
+
+    ``decode-flex``: the compiled flex call a decode step makes, alone: ``torch.compile(
+    flex_attention)`` with the step's kernel options on a ``DecodeMask``'s BlockMask, updated once
+    (to ``live`` keys), so with no per-step state at all. ``decode-flex-len``: the same call after
+    writing the length tensor its mask_mod reads (one ``fill_``), the least a hand-written
+    generation loop over a growing cache does per step to move the mask's end."""
     dm = fz.decode.DecodeMask(masks.Causal(), q1.shape[0], 1, k_cache.shape[2], device=q1.device)
     bm = dm.update(live)
     chosen = fz.plan(q1, k_cache, v_cache, mask=bm, backend=flex_route)
     options = BY_NAME[chosen.backend].options(chosen.problem, bm)
     compiled = torch.compile(flex_attention, dynamic=False)
-    return Case(
-        "decode-flex",
-        "torch.compile(flex_attention), prebuilt decode BlockMask",
-        lambda: compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options),
-        baseline=True,
-    )
+    lengths = dm.cache_len
+
+    def with_length_written() -> Any:
+        lengths.fill_(live)  # the same value every call: the mask stays the one built for ``live``
+        return compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options)
+
+    step_name = f'fz.decode.decode_step(cache_len=n, backend="{flex_route}")'
+    return [
+        Case(
+            "decode-flex",
+            "torch.compile(flex_attention), prebuilt decode BlockMask",
+            lambda: compiled(q1, k_cache, v_cache, block_mask=bm, kernel_options=options),
+            baseline=True,
+        ),
+        Case("decode-flex", step_name, decode_step_flex, route=flex_route, limit_us=DECODE_TARGET_US),
+        Case(
+            "decode-flex-len",
+            "torch.compile(flex_attention), prebuilt decode BlockMask, its length tensor written per call",
+            with_length_written,
+            baseline=True,
+        ),
+        Case("decode-flex-len", step_name, decode_step_flex, route=flex_route, slack_us=FLEX_SLACK_US),
+    ]
 
 
 def measure(
