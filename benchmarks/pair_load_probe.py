@@ -60,7 +60,7 @@ def main() -> int:
                 }
                 with torch.no_grad():
                     res = time_routes(steps, dev, warmup=5, reps=30)
-                ended = [c.held[2] for c in flex_backend.CALLS.values() if c.shallow is not None]
+                ended = [c.held[2] for c in flex_backend.CALLS.values() if c.fallbacks]
                 cells = []
                 for label, r in res.items():
                     cells.append(

@@ -86,6 +86,12 @@ def _loads_pairs(p: Problem) -> bool:
 PAIR_LOAD_SHALLOW_HEAD_DIM = 64
 PAIR_GATHER_SHALLOW_HEAD_DIM = 128
 PAIR_LOAD_STAGES = 2
+#: The last forward pipeline an eager pair-loaded call on CUDA falls back to when neither torch's
+#: defaults nor the shallow pipeline compile: one stage of 64 x 64 tiles (tiles that divide the
+#: BlockMask's blocks; see ``_tiles_within``). Graphormer with an edge bias beside its gathered
+#: distances (two pair-loaded tiles, one of int64 indices) needed 278528 bytes of shared memory at
+#: D=64 with two stages on an H100 (limit 232448). Slow, but it compiles where the others do not.
+PAIR_LOAD_SMALLEST = (("fwd_num_stages", 1), ("fwd_BLOCK_M", 64), ("fwd_BLOCK_N", 64))
 
 
 #: Below this share of visible pairs (``MaskSpec.visible_fraction``, an upper bound) torch's default
@@ -129,9 +135,12 @@ def _pair_gathers_only(p: Problem) -> bool:
     return True
 
 
-def _pair_load_options(p: Problem) -> dict[str, Any]:
-    """The shallow forward pipeline of a pair-loaded problem where it applies (see
-    :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), else no option."""
+def _pair_load_options(p: Problem, pipeline: str = "shallow") -> dict[str, Any]:
+    """The ``pipeline`` forward options of a pair-loaded problem: ``"shallow"``, where it applies
+    (see :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), else no option; ``"smallest"``,
+    :data:`PAIR_LOAD_SMALLEST` on CUDA (a last retry: shared memory is a GPU's limit)."""
+    if pipeline == "smallest":
+        return dict(PAIR_LOAD_SMALLEST) if p.device_type == "cuda" else {}
     limit = PAIR_GATHER_SHALLOW_HEAD_DIM if _pair_gathers_only(p) else PAIR_LOAD_SHALLOW_HEAD_DIM
     if arch.generation(p.arch) == "sm90" and p.head_dim <= limit:
         return {"fwd_num_stages": PAIR_LOAD_STAGES}
@@ -220,21 +229,23 @@ class FlexBackend(Backend):
         return width
 
     def options(
-        self, p: Problem, block_mask: Any = None, *, shallow_pair_loads: bool = True
+        self, p: Problem, block_mask: Any = None, *, pair_loads: str = "shallow"
     ) -> dict[str, Any] | None:
         """The kernel_options this route passes to flex_attention for ``p`` (and its BlockMask):
         the route's fixed ones, then the measured ones, then the caller's (``p.kernel_options``,
         which may not contradict the fixed ones: ``kernel_options_reasons``).
-        ``shallow_pair_loads=False``: torch's default pipeline where a pair-loaded tile may not
-        fit it (:data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), for a caller that retries with the shallow
-        one when the defaults fail to compile."""
+        ``pair_loads``: the forward pipeline of a problem with a pair-loaded tile: ``"shallow"``
+        where torch's defaults may leave it no room (:data:`PAIR_LOAD_SHALLOW_HEAD_DIM`),
+        ``"default"`` torch's own, ``"smallest"`` :data:`PAIR_LOAD_SMALLEST` on CUDA; an eager
+        caller tries them in the order :meth:`prepared` sets, each only when the ones before it
+        failed to compile."""
         opts = dict(self.kernel_options)
         if not _loads_pairs(p):
             tuned = self.tuned_options(p)
             if tuned and not _default_tiles_faster(p):
                 opts.update(_tiles_within(tuned, block_mask))
         elif (
-            shallow_pair_loads
+            pair_loads != "default"
             and opts.get("BACKEND", "TRITON") == "TRITON"
             and not any(name.startswith("fwd_") for name in opts)
         ):
@@ -242,7 +253,7 @@ class FlexBackend(Backend):
             # tile (a captured table under transformers' packed-sequence mask needed 233472 bytes
             # of the H200's 232448); torch's defaults do where they fit, shallower pipelines
             # where they do not.
-            opts.update(_pair_load_options(p))
+            opts.update(_tiles_within(_pair_load_options(p, pair_loads), block_mask))
         opts.update(p.kernel_options or ())
         if "BACKEND" not in opts and _decoding_kernel_chosen(p):
             if _decode_kernel_has_no_config(p, block_mask) or p.index_extent >= MAX_FLEX_ELEMENTS:
@@ -401,8 +412,15 @@ class FlexBackend(Backend):
             )
             return key, options
 
-        options = self.options(p, block_mask, shallow_pair_loads=_pair_gathers_only(p))
-        shallow = self.options(p, block_mask)
+        options = self.options(p, block_mask, pair_loads="shallow" if _pair_gathers_only(p) else "default")
+        # The pipelines an eager launch falls back to, in order, when the ones before fail to compile.
+        fallbacks: list[dict[str, Any] | None] = []
+        for pipeline in ("shallow", "smallest"):
+            if not _pair_load_options(p, pipeline):
+                continue  # not offered for this problem (off sm90, off CUDA, past its head dims)
+            other = self.options(p, block_mask, pair_loads=pipeline)
+            if other != options and other not in fallbacks:
+                fallbacks.append(other)
         key, _ = keyed(options)
         return FlexCall(
             block_mask,
@@ -413,7 +431,7 @@ class FlexBackend(Backend):
             p.gqa,
             self.detaches_inputs,
             self.pad_width(p),
-            shallow=None if shallow == options else keyed(shallow),
+            fallbacks=tuple(keyed(other) for other in fallbacks),
         )
 
 
@@ -469,13 +487,13 @@ class FlexCall:
     #: Pad q/k/v's head dims with zeros to this width, cutting the output back to v's head dim
     #: (``FlexBackend.pad_width``); None: launch them as they are.
     pad_to: int | None = None
-    #: ``(key, options)`` of a shallower forward pipeline for a pair-loaded tile, launched instead
-    #: once the first launch of :attr:`options` failed (see :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`);
-    #: None: no such retry.
-    shallow: tuple[Any, dict[str, Any] | None] | None = None
+    #: ``(key, options)`` of shallower forward pipelines for a pair-loaded tile, tried in order once
+    #: the first launch of :attr:`options` failed to compile (see :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`
+    #: and :data:`PAIR_LOAD_SMALLEST`); empty: no retry.
+    fallbacks: tuple[tuple[Any, dict[str, Any] | None], ...] = ()
     #: ``[entry, key, options]``: the compiled entry last used (None before the first launch) and
-    #: the key and options it is looked up by: :attr:`key` and :attr:`options`, or
-    #: :attr:`shallow`'s after the retry.
+    #: the key and options it is looked up by: :attr:`key` and :attr:`options`, or those of the
+    #: fallback that ran.
     held: list[Any] = dataclasses.field(default_factory=lambda: [None, None, None], compare=False, repr=False)
 
     def launch(
@@ -531,8 +549,7 @@ class FlexCall:
         entry = held[0]
         if entry is None or entry.retired:
             if held[1] is None:
-                failed = self.shallow is not None and DEFAULTS_DO_NOT_COMPILE.get(self.key)
-                held[1], held[2] = self.shallow if failed else (self.key, self.options)  # type: ignore[misc]
+                held[1], held[2] = self._pipeline_that_compiled()
             entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
         score_mod = self.score_mod
         # What Dynamo's guards check of q/k/v beyond the plan-cache key: which are one object
@@ -560,19 +577,13 @@ class FlexCall:
             except UnfusedFallbackError:
                 raise  # the recompile limit, handled below
             except Exception:
-                if self.shallow is None or held[1] is not self.key:
+                if not self.fallbacks or held[1] is not self.key:
                     raise
-                # torch's default pipeline did not compile (on the H200: "out of resource:
-                # shared memory" for the pair-loaded tile; whatever the reason, the shallow
-                # pipeline is the choice this route made before trying the defaults): the
-                # shallow one, whose own error is raised if it fails too. Once it runs, it is
-                # the choice for every caller of this prepared call and every later prepared call
-                # of the same entry key (a new bias each step must not fail a compile each step).
-                shallow = CACHE.get_keyed(*self.shallow, self.lse, self.gqa)
-                out, code = shallow.run(q, k, v, mask, scale, score_mod)
-                DEFAULTS_DO_NOT_COMPILE.put(self.key, True)
-                held[1], held[2] = self.shallow
-                entry = held[0] = shallow
+                # The first pipeline did not compile (on sm90: "out of resource: shared memory"
+                # for the pair-loaded tile; whatever the reason, the shallow pipeline is the
+                # choice this route made before trying the defaults): the fallbacks in turn,
+                # the last one's error raised if none compiles.
+                entry, out, code = self._fall_back(q, k, v, mask, scale, score_mod)
             if known is not None:
                 graph = entry.unguarded(code, q, k, v, mask, scale, score_mod)
                 # The BlockMask held weakly: a bound call must not keep it alive (see bound_run).
@@ -585,6 +596,38 @@ class FlexCall:
         # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
         entry = held[0] = CACHE.get_keyed(held[1], held[2], self.lse, self.gqa)
         return entry(q, k, v, mask, scale, self.score_mod)
+
+    def _pipeline_that_compiled(self) -> tuple[Any, dict[str, Any] | None]:
+        """``(key, options)`` to launch: the fallback an earlier prepared call of the same entry
+        key ran on (:data:`DEFAULTS_DO_NOT_COMPILE`), else :attr:`key` and :attr:`options`."""
+        if self.fallbacks:
+            ran = DEFAULTS_DO_NOT_COMPILE.get(self.key)
+            for fallback in self.fallbacks:
+                if ran is not None and fallback[1] == ran:
+                    return fallback
+        return self.key, self.options
+
+    def _fall_back(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, scale: float, score_mod: Any
+    ) -> tuple[Any, Any, Any]:
+        """``(entry, out, code)`` of the first of :attr:`fallbacks` that compiles and runs. It is
+        then the choice for every caller of this prepared call and every later prepared call of
+        the same entry key (a new bias each step must not fail a compile each step)."""
+        error: Exception | None = None
+        for key, options in self.fallbacks:
+            entry = CACHE.get_keyed(key, options, self.lse, self.gqa)
+            try:
+                out, code = entry.run(q, k, v, mask, scale, score_mod)
+            except UnfusedFallbackError:
+                raise
+            except Exception as exc:
+                error = exc
+                continue
+            DEFAULTS_DO_NOT_COMPILE.put(self.key, options)
+            self.held[:] = [entry, key, options]
+            return entry, out, code
+        assert error is not None  # fallbacks is not empty
+        raise error
 
 
 def _no_mask() -> None:
@@ -600,9 +643,9 @@ def _no_mask() -> None:
 CALLS: LRUCache[FlexCall] = LRUCache(64)
 
 #: Compiled-entry keys (``FlexCall.key``: structural, shared by new tensors of the same shapes)
-#: whose first launch with torch's default pipeline failed where the shallow one ran: their
-#: prepared calls launch :attr:`FlexCall.shallow` at once.
-DEFAULTS_DO_NOT_COMPILE: LRUCache[bool] = LRUCache(256)
+#: whose first launch with their first pipeline failed, with the options of the fallback that ran
+#: (one of :attr:`FlexCall.fallbacks`): their prepared calls launch that one at once.
+DEFAULTS_DO_NOT_COMPILE: LRUCache[dict[str, Any] | None] = LRUCache(256)
 
 
 def _tiles_within(options: dict[str, Any], block_mask: Any) -> dict[str, Any]:

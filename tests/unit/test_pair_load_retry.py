@@ -1,5 +1,6 @@
 """Pair-loaded score mods on Triton flex: eager calls try torch's default forward pipeline first and
-compile the shallower one only when the defaults fail to compile.
+compile the shallower one only when the defaults fail to compile, and on CUDA the smallest
+(``flex.PAIR_LOAD_SMALLEST``) only when that fails too.
 
 On an H200 at D=64 the defaults fit Graphormer's gathered table and are faster there, while a dense
 ``bias[h, q, kv]`` needs two stages to compile (``flex.PAIR_LOAD_SHALLOW_HEAD_DIM``). The GPU's
@@ -23,6 +24,7 @@ from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.testing import assert_matches_reference
 
 SHALLOW = {"fwd_num_stages": flex_backend.PAIR_LOAD_STAGES}
+SMALLEST = dict(flex_backend.PAIR_LOAD_SMALLEST)
 TRITON_MESSAGE = (
     "No valid triton configs. OutOfMemoryError: out of resource: triton_tem_fused_flex_attention_0 "
     "Required: 245760 Hardware limit:232448 Reducing block sizes or `num_stages` may help."
@@ -48,14 +50,31 @@ def _fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flex_backend, "DEFAULTS_DO_NOT_COMPILE", LRUCache(8))
 
 
+def _offer_pipelines(monkeypatch: pytest.MonkeyPatch, *, smallest: bool = False) -> None:
+    """The shallow pipeline offered on this (CPU) device as on sm90, and with ``smallest`` the
+    smallest one as on CUDA (off CUDA the real function offers none)."""
+    real = flex_backend._pair_load_options
+
+    def offered(p: Any, pipeline: str = "shallow") -> dict[str, Any]:
+        if pipeline == "shallow":
+            return dict(SHALLOW)
+        return dict(SMALLEST) if smallest else real(p, pipeline)
+
+    monkeypatch.setattr(flex_backend, "_pair_load_options", offered)
+
+
 def _bias_call(
-    monkeypatch: pytest.MonkeyPatch, error: Exception, shallow_error: Exception | None = None
+    monkeypatch: pytest.MonkeyPatch,
+    error: Exception,
+    shallow_error: Exception | None = None,
+    smallest_error: Exception | None = None,
+    smallest: bool = False,
 ) -> tuple[Any, _FailingEntry, list[Any]]:
-    """Fresh plan and prepared-call caches, the shallow pipeline offered on this (CPU) device as on
-    sm90, and the compile cache answering the default options' key with a failing entry (and the
-    shallow key too, with ``shallow_error``)."""
+    """Fresh plan and prepared-call caches, the pipelines offered (:func:`_offer_pipelines`), and
+    the compile cache answering the default options' key with a failing entry (and the shallow
+    and smallest keys too, with ``shallow_error`` / ``smallest_error``)."""
     _fresh_caches(monkeypatch)
-    monkeypatch.setattr(flex_backend, "_pair_load_options", lambda p: dict(SHALLOW))
+    _offer_pipelines(monkeypatch, smallest=smallest)
     failing = _FailingEntry(error)
     asked: list[Any] = []
     real = CACHE.get_keyed
@@ -64,7 +83,8 @@ def _bias_call(
         asked.append(options)
         if not options:
             return failing
-        return _FailingEntry(shallow_error) if shallow_error is not None else real(key, options, lse, gqa)
+        fails = shallow_error if options == SHALLOW else smallest_error
+        return _FailingEntry(fails) if fails is not None else real(key, options, lse, gqa)
 
     monkeypatch.setattr(CACHE, "get_keyed", get_keyed)
     g = torch.Generator().manual_seed(0)
@@ -115,15 +135,66 @@ def test_when_both_pipelines_fail_the_shallow_ones_error_is_raised(monkeypatch: 
     assert not flex_backend.DEFAULTS_DO_NOT_COMPILE.get(flex_backend.CALLS.values()[0].key)
 
 
+def test_when_the_shallow_pipeline_fails_too_the_smallest_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pair-loaded tiles (Graphormer's int64 distances beside an edge bias) did not fit an
+    H100's shared memory at D=64 even with two stages: on CUDA the smallest pipeline is the last
+    retry, and later calls of the same entry key launch it at once."""
+    (q, k, v, bias), failing, asked = _bias_call(
+        monkeypatch, RuntimeError(TRITON_MESSAGE), shallow_error=RuntimeError(TRITON_MESSAGE), smallest=True
+    )
+    with torch.no_grad():
+        out = fz.attention(q, k, v, score_mod=bias, backend="flex_cpu")
+        assert_matches_reference(out, q, k, v, score_mod=bias)
+        assert failing.launches == 1 and asked == [None, SHALLOW, SMALLEST], asked
+        (call,) = flex_backend.CALLS.values()
+        assert call.held[2] == SMALLEST
+        assert flex_backend.DEFAULTS_DO_NOT_COMPILE.get(call.key) == SMALLEST
+        flex_backend.CALLS.clear()
+        plan_cache.PLANS.clear()
+        asked.clear()
+        fz.attention(q, k, v, score_mod=score_mods.Bias(bias=bias.bias * 2), backend="flex_cpu")
+    assert asked == [SMALLEST], asked
+
+
+def test_when_every_pipeline_fails_the_last_ones_error_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    (q, k, v, bias), failing, asked = _bias_call(
+        monkeypatch,
+        RuntimeError(TRITON_MESSAGE),
+        shallow_error=RuntimeError(TRITON_MESSAGE),
+        smallest_error=ValueError("the score_mod is broken"),
+        smallest=True,
+    )
+    with torch.no_grad(), pytest.raises(ValueError, match="the score_mod is broken"):
+        fz.attention(q, k, v, score_mod=bias, backend="flex_cpu")
+    assert asked == [None, SHALLOW, SMALLEST], asked
+    assert not flex_backend.DEFAULTS_DO_NOT_COMPILE.get(flex_backend.CALLS.values()[0].key)
+
+
+def test_smallest_pipeline_only_on_cuda() -> None:
+    """Shared memory is a GPU's limit: off CUDA no smallest pipeline is offered (a CPU call whose
+    compile fails raises at once, not after compiling again)."""
+    from flexattn_zoo.problem import Problem
+
+    def problem(device_type: str) -> Problem:
+        return Problem(
+            batch=1, heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=64, dtype=torch.bfloat16,
+            device_type=device_type, arch="sm90" if device_type == "cuda" else "cpu", requires_grad=False,
+            score=score_mods.Bias(bias=torch.randn(1, 2, 64, 64)),
+        )  # fmt: skip
+
+    assert flex_backend._pair_load_options(problem("cuda"), "smallest") == SMALLEST
+    assert flex_backend._pair_load_options(problem("cpu"), "smallest") == {}
+
+
 def test_a_mask_without_pair_loads_has_no_retry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a pair-loaded tile may need the shallow pipeline: other problems keep their options."""
     _fresh_caches(monkeypatch)
-    monkeypatch.setattr(flex_backend, "_pair_load_options", lambda p: dict(SHALLOW))
+    _offer_pipelines(monkeypatch, smallest=True)
     q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
     with torch.no_grad():
         fz.attention(q, k, v, mask="causal", backend="flex_cpu")
     (call,) = flex_backend.CALLS.values()
-    assert call.shallow is None
+    assert call.fallbacks == ()
 
 
 def test_positional_gathers_start_on_the_shallow_pipeline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,7 +203,7 @@ def test_positional_gathers_start_on_the_shallow_pipeline(monkeypatch: pytest.Mo
     and did not compile Sandwich's, so those problems compile the shallow pipeline first and
     have no retry. A chain that also reads a bias tile keeps the defaults-first order."""
     _fresh_caches(monkeypatch)
-    monkeypatch.setattr(flex_backend, "_pair_load_options", lambda p: dict(SHALLOW))
+    _offer_pipelines(monkeypatch)
     asked: list[Any] = []
     real = CACHE.get_keyed
 
@@ -159,11 +230,11 @@ def test_positional_gathers_start_on_the_shallow_pipeline(monkeypatch: pytest.Mo
             out = fz.attention(q, k, v, score_mod=score, mask="causal", backend="flex_cpu")
             assert_matches_reference(out, q, k, v, score_mod=score, mask="causal")
             (call,) = flex_backend.CALLS.values()
-            assert call.options == SHALLOW and call.shallow is None and asked == [SHALLOW], asked
+            assert call.options == SHALLOW and call.fallbacks == () and asked == [SHALLOW], asked
         flex_backend.CALLS.clear()
         fz.attention(q, k, v, score_mod=t5 >> bias, mask="causal", backend="flex_cpu")
         (call,) = flex_backend.CALLS.values()
-        assert call.options is None and call.shallow is not None and call.shallow[1] == SHALLOW
+        assert call.options is None and [f[1] for f in call.fallbacks] == [SHALLOW], call.fallbacks
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
