@@ -360,6 +360,9 @@ class _TracksCallable(Spec):
         # walks its closure, which Dynamo cannot trace: any user callable counts.
         return True
 
+    def pair_tiles(self) -> int:
+        return 1  # what it captures is not looked into (see loads_pairs)
+
     def flex_hazards(self) -> tuple[str, ...]:
         return tuple(getattr(self, "hazards", ()))
 

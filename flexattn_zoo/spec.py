@@ -818,6 +818,20 @@ class Spec:
                 return True
         return bool(own)
 
+    def pair_tiles(self) -> int:
+        """How many tensors this spec and its parts may read per (query, key) pair (an upper
+        bound, 0 when :meth:`loads_pairs` is False): each is a ``[BLOCK_M, BLOCK_N]`` tile in
+        Triton flex's shared memory. Its own tensors count one each when :attr:`pair_loads` is
+        None, one in all when it is True (a table that is not a field), its parts theirs."""
+        own = type(self).pair_loads
+        count = 1 if own else 0
+        for part in self._parts():
+            if isinstance(part, Spec):
+                count += part.pair_tiles()
+            elif own is None and isinstance(part, torch.Tensor):
+                count += 1
+        return count
+
     def gathers_pairs_only(self) -> bool:
         """Whether this spec reads values per (query, key) pair (:meth:`loads_pairs`) and every
         such read, its own and its parts', is a positional gather (:attr:`pair_gathers`)."""

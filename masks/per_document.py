@@ -394,5 +394,8 @@ class PerDocument(MaskSpec):
         # reads per key (flags[kv], ids[kv]) is read at kv - start[q], per (query, key) pair.
         return self.inner.loads_pairs() or bool(self.inner.tensors())
 
+    def pair_tiles(self) -> int:
+        return max(self.inner.pair_tiles(), len(self.inner.tensors()))  # (see loads_pairs)
+
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
         return spec_cached(self, key, make)

@@ -168,6 +168,11 @@ class Graphormer(ScoreSpec):
     def num_spatial(self) -> int:
         return int(self.spatial_bias.shape[0])
 
+    def pair_tiles(self) -> int:
+        # ``spatial_pos`` and ``edge_bias`` are read per pair; the small table is gathered at
+        # ``spatial_pos``'s values, not streamed as a tile.
+        return 1 if self.edge_bias is None else 2
+
     def validate(self, q_len: int, kv_len: int, batch: int, heads: int) -> None:
         rows, lq, lkv = self.spatial_pos.shape
         if (lq, lkv) != (q_len, kv_len):

@@ -135,6 +135,27 @@ def _pair_gathers_only(p: Problem) -> bool:
     return True
 
 
+#: Tiles read per (query, key) pair (``Spec.pair_tiles``) from which a traced call on CUDA at head
+#: dims up to :data:`PAIR_LOAD_SHALLOW_HEAD_DIM` compiles :data:`PAIR_LOAD_SMALLEST` at once: it
+#: cannot catch its caller's compile error and retry as an eager call does, and Graphormer's two
+#: tiles did not fit two stages (its one-tile form, and a dense bias, fit them).
+PAIR_TILES_SMALLEST = 2
+
+
+def _traced_pair_pipeline(p: Problem) -> str:
+    """The pair-load pipeline (``FlexBackend.options``' ``pair_loads``) a traced call compiles:
+    ``"smallest"`` for :data:`PAIR_TILES_SMALLEST` or more tiles per pair that are not all
+    positional gathers, at head dims up to :data:`PAIR_LOAD_SHALLOW_HEAD_DIM` on CUDA; else
+    ``"shallow"``, where it applies."""
+    if p.device_type != "cuda" or p.head_dim > PAIR_LOAD_SHALLOW_HEAD_DIM or _pair_gathers_only(p):
+        return "shallow"
+    tiles = 0
+    for spec in (p.mask, p.score):  # a loop: traced calls read this (see _pair_gathers_only)
+        if spec is not None:
+            tiles += spec.pair_tiles()
+    return "smallest" if tiles >= PAIR_TILES_SMALLEST else "shallow"
+
+
 def _pair_load_options(p: Problem, pipeline: str = "shallow") -> dict[str, Any]:
     """The ``pipeline`` forward options of a pair-loaded problem: ``"shallow"``, where it applies
     (see :data:`PAIR_LOAD_SHALLOW_HEAD_DIM`), else no option; ``"smallest"``,
@@ -376,7 +397,7 @@ class FlexBackend(Backend):
             block_mask=block_mask,
             scale=scale,
             enable_gqa=p.gqa,
-            kernel_options=self.options(p, block_mask),  # type: ignore[arg-type]  # see compile._template
+            kernel_options=self.options(p, block_mask, pair_loads=_traced_pair_pipeline(p)),  # type: ignore[arg-type]  # see compile._template
             **_compat.flex_aux_request(p.return_lse),
         )
         result = _compat.unpack_flex_output(out, p.return_lse)

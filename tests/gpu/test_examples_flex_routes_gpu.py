@@ -37,6 +37,8 @@ def _examples(kind: str, heads: int) -> list[tuple[str, Any]]:
 
 SCORES = [(heads, *example) for heads in (4, 6) for example in _examples("score", heads)]
 MASKS = _examples("mask", 4)
+#: Score examples read per (query, key) pair (``Spec.loads_pairs``), at 4 heads.
+PAIR_LOADED = [(name, spec) for heads, name, spec in SCORES if heads == 4 and spec.loads_pairs()]
 
 
 def _inputs(heads: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
@@ -72,6 +74,23 @@ def test_every_score_example_matches_float64(
     kwargs = {"mask": masks.Causal() if causal else None, "score_mod": spec}
     _plan_or_skip(q, k, v, route, **kwargs)
     out = fz.attention(q, k, v, backend=route, **kwargs)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, grads=grads, grad_out=grad_out, **kwargs)
+
+
+@pytest.mark.parametrize(("name", "spec"), PAIR_LOADED, ids=[n for n, _ in PAIR_LOADED])
+def test_pair_loaded_score_examples_compile_when_traced(name: str, spec: Any) -> None:
+    """Traced, a call cannot retry another Triton pipeline after its caller's compile error, as
+    an eager one does: every pair-loaded example compiles under ``torch.compile(fullgraph=True)``
+    on ``flex``, forward and backward (Graphormer with an edge bias, two tiles per pair, ran out
+    of an H100's shared memory at D=64 on the two-stage pipeline)."""
+    spec = spec.to(DEV)
+    q, k, v = _inputs(4, requires_grad=True)
+    kwargs = {"mask": masks.Causal(), "score_mod": spec}
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fz.attention(q, k, v, backend="flex", **kwargs), fullgraph=True)
+    out = compiled(q, k, v)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     assert_matches_reference(out, q, k, v, grads=grads, grad_out=grad_out, **kwargs)

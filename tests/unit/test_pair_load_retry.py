@@ -10,6 +10,7 @@ failure is simulated here: the entry compiled with the default options raises Tr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -257,3 +258,53 @@ def test_shallow_pipeline_head_dims_on_sm90(head_dim: int) -> None:
     assert gathers == (SHALLOW if head_dim <= 128 else {})
     assert loads == (SHALLOW if head_dim <= 64 else {})
     assert flex_backend._pair_load_options(problem(t5, arch="sm100")) == {}
+
+
+def _cuda_problem(score: Any = None, mask: Any = None, head_dim: int = 64) -> Any:
+    from flexattn_zoo.problem import Problem
+
+    return Problem(
+        batch=2, heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=head_dim, dtype=torch.bfloat16,
+        device_type="cuda", arch="sm90", requires_grad=False, score=score, mask=mask,
+    )  # fmt: skip
+
+
+def test_pair_tiles_count_what_is_read_per_pair() -> None:
+    """``Spec.pair_tiles``: Graphormer reads its distances per pair, and its edge bias too when
+    given (its table is gathered); a bias one tile; compositions add their parts; masks that read
+    per query and per key none; a user callable one."""
+    from flexattn_zoo import masks
+
+    g = torch.Generator().manual_seed(2)
+    one, two = score_mods.Graphormer.examples(32, 32, 2, 2)
+    assert (one.edge_bias, two.edge_bias is not None) == (None, True)
+    bias = score_mods.Bias(bias=torch.randn(1, 2, 32, 32, generator=g))
+    assert (one.pair_tiles(), two.pair_tiles(), bias.pair_tiles()) == (1, 2, 1)
+    assert (bias >> one).pair_tiles() == 2 and (bias >> two).pair_tiles() == 3
+    assert score_mods.Sandwich(num_heads=2, max_len=64).pair_tiles() == 1  # its table is not a field
+    assert score_mods.SoftCap(cap=20.0).pair_tiles() == 0
+    ids = torch.tensor([0] * 16 + [1] * 16)
+    assert masks.Document(doc_ids=ids).pair_tiles() == 0 and masks.Causal().pair_tiles() == 0
+    assert FunctionMask(fn=lambda b, h, q, kv: ids[q] == ids[kv]).pair_tiles() == 1
+
+
+def test_traced_calls_take_the_smallest_pipeline_for_two_tiles_per_pair() -> None:
+    """A traced call cannot retry after its caller's compile error: with two or more tiles per
+    pair (Graphormer with an edge bias: out of an H100's shared memory at D=64 with two stages,
+    also traced) it compiles the smallest pipeline at once; one tile keeps the shallow one, as do
+    head dims above 64, positional gathers and CPU problems."""
+    from flexattn_zoo.backends import BY_NAME
+
+    one, two = score_mods.Graphormer.examples(256, 256, 2, 2)
+    flex = BY_NAME["flex"]
+    pipeline = flex_backend._traced_pair_pipeline
+    assert pipeline(_cuda_problem(two)) == "smallest"
+    assert flex.options(_cuda_problem(two), pair_loads=pipeline(_cuda_problem(two))) == SMALLEST
+    assert pipeline(_cuda_problem(one)) == "shallow"
+    assert flex.options(_cuda_problem(one), pair_loads=pipeline(_cuda_problem(one))) == SHALLOW
+    assert pipeline(_cuda_problem(two, head_dim=128)) == "shallow"
+    t5 = score_mods.RelPosBias(table=torch.randn(32, 2))
+    sandwich = score_mods.Sandwich(num_heads=2, max_len=64)
+    assert pipeline(_cuda_problem(t5 >> sandwich)) == "shallow"  # gathers only
+    cpu = dataclasses.replace(_cuda_problem(two), device_type="cpu", arch="cpu")
+    assert pipeline(cpu) == "shallow"
