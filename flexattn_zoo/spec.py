@@ -819,10 +819,11 @@ class Spec:
         return bool(own)
 
     def pair_tiles(self) -> int:
-        """How many tensors this spec and its parts may read per (query, key) pair (an upper
-        bound, 0 when :meth:`loads_pairs` is False): each is a ``[BLOCK_M, BLOCK_N]`` tile in
-        Triton flex's shared memory. Its own tensors count one each when :attr:`pair_loads` is
-        None, one in all when it is True (a table that is not a field), its parts theirs."""
+        """How many tensors this spec and its parts read per (query, key) pair (0 exactly when
+        :meth:`loads_pairs` is False): each is a ``[BLOCK_M, BLOCK_N]`` tile in Triton flex's
+        shared memory. Its own tensors count one each when :attr:`pair_loads` is None, one in all
+        when it is True (a table that is not a field), its parts theirs; a raw callable counts
+        one, whatever it captures (what it reads is not looked into)."""
         own = type(self).pair_loads
         count = 1 if own else 0
         for part in self._parts():

@@ -395,7 +395,11 @@ class PerDocument(MaskSpec):
         return self.inner.loads_pairs() or bool(self.inner.tensors())
 
     def pair_tiles(self) -> int:
-        return max(self.inner.pair_tiles(), len(self.inner.tensors()))  # (see loads_pairs)
+        # (See loads_pairs.) Not tensors() of an inner mask that loads pairs: a raw callable's
+        # walks its closure, which Dynamo cannot trace in a mask made in the graph.
+        if self.inner.loads_pairs():
+            return self.inner.pair_tiles()
+        return len(self.inner.tensors())
 
     def _cached(self, key: tuple[Any, ...], make: Any) -> Any:
         return spec_cached(self, key, make)

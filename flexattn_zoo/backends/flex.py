@@ -78,7 +78,7 @@ def _loads_pairs(p: Problem) -> bool:
 #: 4K); at D=128 the defaults fit (benchmarks/gathered_tile_probe.py). Eager calls therefore try
 #: the defaults first and compile the shallower pipeline only when the defaults fail to compile
 #: (``FlexCall.launch``); a traced call cannot catch its caller's compile error, so it takes the
-#: shallow pipeline at once. Positional gathers (``Spec.pair_gathers``: T5's bucketed table,
+#: shallow pipeline at once (or the smallest, :data:`PAIR_TILES_SMALLEST`). Positional gathers (``Spec.pair_gathers``: T5's bucketed table,
 #: Sandwich's table[kv - q]) start on the shallow pipeline, up to :data:`PAIR_GATHER_SHALLOW_HEAD_DIM`:
 #: T5's compiled with the defaults but ran about 1.9x slower at D=64 on the H200 and 2.3-2.4x
 #: slower at D=128 on an H100 (1K and 4K, causal; Sandwich at D=128 1.00-1.12x), and Sandwich's
@@ -87,10 +87,11 @@ PAIR_LOAD_SHALLOW_HEAD_DIM = 64
 PAIR_GATHER_SHALLOW_HEAD_DIM = 128
 PAIR_LOAD_STAGES = 2
 #: The last forward pipeline an eager pair-loaded call on CUDA falls back to when neither torch's
-#: defaults nor the shallow pipeline compile: one stage of 64 x 64 tiles (tiles that divide the
-#: BlockMask's blocks; see ``_tiles_within``). Graphormer with an edge bias beside its gathered
-#: distances (two pair-loaded tiles, one of int64 indices) needed 278528 bytes of shared memory at
-#: D=64 with two stages on an H100 (limit 232448). Slow, but it compiles where the others do not.
+#: defaults nor the shallow pipeline compile, and the one a traced call with several tiles per
+#: pair takes at once (:data:`PAIR_TILES_SMALLEST`): one stage of 64 x 64 tiles (tiles that divide
+#: the BlockMask's blocks; see ``_tiles_within``). Graphormer with an edge bias beside its
+#: distances (two pair-loaded tiles: int32 indices and a float32 bias) needed 278528 bytes of
+#: shared memory at D=64 with two stages on an H100 (limit 232448). Slower, but it compiles.
 PAIR_LOAD_SMALLEST = (("fwd_num_stages", 1), ("fwd_BLOCK_M", 64), ("fwd_BLOCK_N", 64))
 
 
@@ -135,19 +136,26 @@ def _pair_gathers_only(p: Problem) -> bool:
     return True
 
 
-#: Tiles read per (query, key) pair (``Spec.pair_tiles``) from which a traced call on CUDA at head
+#: Tiles read per (query, key) pair (``Spec.pair_tiles``) from which a traced call on sm90 at head
 #: dims up to :data:`PAIR_LOAD_SHALLOW_HEAD_DIM` compiles :data:`PAIR_LOAD_SMALLEST` at once: it
 #: cannot catch its caller's compile error and retry as an eager call does, and Graphormer's two
-#: tiles did not fit two stages (its one-tile form, and a dense bias, fit them).
+#: tiles did not fit two stages (its one-tile form, and a dense bias, fit them). Counted, not
+#: weighed by element size: other two-tile combinations (a boolean mask table beside a bias) were
+#: not measured and take the pipeline that compiles.
 PAIR_TILES_SMALLEST = 2
 
 
 def _traced_pair_pipeline(p: Problem) -> str:
     """The pair-load pipeline (``FlexBackend.options``' ``pair_loads``) a traced call compiles:
     ``"smallest"`` for :data:`PAIR_TILES_SMALLEST` or more tiles per pair that are not all
-    positional gathers, at head dims up to :data:`PAIR_LOAD_SHALLOW_HEAD_DIM` on CUDA; else
+    positional gathers, at head dims up to :data:`PAIR_LOAD_SHALLOW_HEAD_DIM` on sm90; else
     ``"shallow"``, where it applies."""
-    if p.device_type != "cuda" or p.head_dim > PAIR_LOAD_SHALLOW_HEAD_DIM or _pair_gathers_only(p):
+    if (
+        p.device_type != "cuda"
+        or arch.generation(p.arch) != "sm90"
+        or p.head_dim > PAIR_LOAD_SHALLOW_HEAD_DIM
+        or _pair_gathers_only(p)
+    ):
         return "shallow"
     tiles = 0
     for spec in (p.mask, p.score):  # a loop: traced calls read this (see _pair_gathers_only)
@@ -258,7 +266,7 @@ class FlexBackend(Backend):
         ``pair_loads``: the forward pipeline of a problem with a pair-loaded tile: ``"shallow"``
         where torch's defaults may leave it no room (:data:`PAIR_LOAD_SHALLOW_HEAD_DIM`),
         ``"default"`` torch's own, ``"smallest"`` :data:`PAIR_LOAD_SMALLEST` on CUDA; an eager
-        caller tries them in the order :meth:`prepared` sets, each only when the ones before it
+        caller tries them in the order :meth:`_prepare` sets, each only when the ones before it
         failed to compile."""
         opts = dict(self.kernel_options)
         if not _loads_pairs(p):
@@ -612,6 +620,7 @@ class FlexCall:
                 known[0] = (entry, code, graph, mask_ref, scale, score_mod, same)
             return out
         except UnfusedFallbackError:
+            entry = held[0]  # a fallback's entry, when a fallback met the limit
             if not entry.retire_if_over_limit():
                 raise
         # The recompile limit was lowered below the entry's graph count: a fresh entry compiles.
@@ -621,10 +630,10 @@ class FlexCall:
     def _pipeline_that_compiled(self) -> tuple[Any, dict[str, Any] | None]:
         """``(key, options)`` to launch: the fallback an earlier prepared call of the same entry
         key ran on (:data:`DEFAULTS_DO_NOT_COMPILE`), else :attr:`key` and :attr:`options`."""
-        if self.fallbacks:
-            ran = DEFAULTS_DO_NOT_COMPILE.get(self.key)
+        ran = DEFAULTS_DO_NOT_COMPILE.get(self.key) if self.fallbacks else None
+        if ran is not None:
             for fallback in self.fallbacks:
-                if ran is not None and fallback[1] == ran:
+                if fallback[1] == ran:
                     return fallback
         return self.key, self.options
 
@@ -640,6 +649,7 @@ class FlexCall:
             try:
                 out, code = entry.run(q, k, v, mask, scale, score_mod)
             except UnfusedFallbackError:
+                self.held[:] = [entry, key, options]  # the recompile limit: _launch retires this entry
                 raise
             except Exception as exc:
                 error = exc

@@ -308,3 +308,74 @@ def test_traced_calls_take_the_smallest_pipeline_for_two_tiles_per_pair() -> Non
     assert pipeline(_cuda_problem(t5 >> sandwich)) == "shallow"  # gathers only
     cpu = dataclasses.replace(_cuda_problem(two), device_type="cpu", arch="cpu")
     assert pipeline(cpu) == "shallow"
+
+
+def _composed_examples() -> list[tuple[str, Any]]:
+    """Every registered example, and compositions of them: ``& Causal()``, ``PerDocument`` around
+    each mask, ``>> Bias`` after each score."""
+    from flexattn_zoo import masks
+    from flexattn_zoo.testing.checks import spec_examples
+
+    found: list[tuple[str, Any]] = []
+    ids = torch.tensor([0] * 24 + [1] * 40)
+    bias = score_mods.Bias(bias=torch.randn(1, 4, 64, 64))
+    for name, spec in spec_examples("mask", 64, 64, batch=2, heads=4):
+        found += [(name, spec), (f"{name} & causal", spec & masks.Causal())]
+        try:
+            wrapped = masks.PerDocument(inner=spec, documents=masks.Document(doc_ids=ids))
+        except (TypeError, ValueError):
+            continue  # an inner mask PerDocument does not take
+        found.append((f"per_document({name})", wrapped))
+    for name, spec in spec_examples("score", 64, 64, batch=2, heads=4):
+        found += [(name, spec), (f"{name} >> bias", spec >> bias)]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("name", "spec"), _composed_examples(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_pair_tiles_agree_with_loads_pairs(name: str, spec: Any) -> None:
+    """A spec counts tiles per pair exactly when it loads pairs: a wrapper that loaded pairs but
+    counted none would let a traced call keep a pipeline its tiles do not fit."""
+    assert (spec.pair_tiles() > 0) == spec.loads_pairs(), (name, spec.pair_tiles(), spec.loads_pairs())
+
+
+def test_per_document_pair_tiles_trace_with_a_callable_made_in_the_graph() -> None:
+    """``PerDocument.pair_tiles`` of a raw callable's mask made inside the compiled function: the
+    callable's closure is not walked (Dynamo cannot trace that), as ``loads_pairs`` does not."""
+    from flexattn_zoo import masks
+
+    table = torch.rand(16, 16) > 0.5
+    ids = torch.tensor([0] * 6 + [1] * 10)
+
+    def count(x: torch.Tensor) -> torch.Tensor:
+        inner = FunctionMask(fn=lambda b, h, q, kv: table[q, kv])
+        spec = masks.PerDocument(inner=inner, documents=masks.Document(doc_ids=ids))
+        return x * spec.pair_tiles()
+
+    assert torch.compile(count, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [1.0, 1.0]
+
+
+def test_a_traced_call_compiles_the_pipeline_its_tiles_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FlexBackend._run_traced`` passes flex_attention the options of ``_traced_pair_pipeline``
+    (the smallest pipeline for Graphormer's two tiles on sm90), not the shallow one."""
+    from flexattn_zoo.backends import BY_NAME
+
+    seen: list[Any] = []
+
+    class Stop(Exception):
+        pass
+
+    def recorder(*args: Any, kernel_options: Any = None, **kwargs: Any) -> Any:
+        seen.append(kernel_options)
+        raise Stop
+
+    monkeypatch.setattr(flex_backend._compat, "flex_attention", recorder)
+    q, k, v = (torch.randn(2, 2, 256, 64) for _ in range(3))
+    for spec, expected in zip(
+        score_mods.Graphormer.examples(256, 256, 2, 2), (SHALLOW, SMALLEST), strict=True
+    ):
+        problem = _cuda_problem(spec)
+        with pytest.raises(Stop):
+            BY_NAME["flex"]._run_traced(q, k, v, problem, scale=0.125, block_mask=None)
+        assert seen[-1] == expected, seen
