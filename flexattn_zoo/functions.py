@@ -718,8 +718,23 @@ def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
     """The hazards of a function that could not be probed, traced by ``torch.compile``: from its
     code alone (:data:`MAY_SELECT_PER_HEAD` where it or a function it reaches names a selecting
     op, or where what it reaches cannot be walked) and what it reaches (:data:`LOADS_ONE_ELEMENT`
-    where that holds a tensor of one element). Dynamo traces this walk (no graph break)."""
-    listed = _compat.global_names.__wrapped__ if _compat.is_compiling() else _compat.global_names
+    where that holds a tensor of one element). Traced, the walk runs at trace time outside the
+    graph, its result a constant of it (no graph break)."""
+    if _compat.is_compiling():
+        if _compat.TORCH_VERSION >= TRACE_TIME_WALK_SINCE:
+            return _walked_at_trace_time(fn)
+        # Older Dynamo can neither call the walk at trace time (NotImplementedError for its
+        # function argument) nor trace it (``id()`` of a module among the globals is a graph
+        # break; reading closure cells breaks its later inlining of ``fn``): nothing is looked
+        # into, and flex_flash refuses.
+        return (MAY_SELECT_PER_HEAD,)
+    return _walked_hazards(fn)
+
+
+def _walked_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """:func:`traced_hazards` by walking what ``fn`` reaches (eagerly, or at trace time outside
+    the graph)."""
+    listed = _compat.global_names
     found: list[str] = []
     try:
         for value in _reachable(fn):
@@ -732,9 +747,24 @@ def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
                 and not _SELECT_NAMES.isdisjoint(listed(value.__code__))
             ):
                 found.append(MAY_SELECT_PER_HEAD)
-    except AttributeError:  # a function made inside the compiled region shows Dynamo no closure
+    except AttributeError:  # a closure or globals it cannot read
         return (MAY_SELECT_PER_HEAD,)
     return tuple(found)
+
+
+@torch.compiler.assume_constant_result
+def _walked_at_trace_time(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """:func:`_walked_hazards`, which Dynamo calls at trace time instead of tracing it: walked in
+    the graph, reading a closure's cells made Dynamo fail when it later inlined the same function
+    ("Expected CellVariable, got UserDefinedObjectVariable in load_cell", torch 2.11 and 2.13; a
+    raw mask_mod over captured document ids). A function of its own: the decorator marks the
+    function it is given."""
+    return _walked_hazards(fn)
+
+
+#: The torch from which Dynamo runs :func:`_walked_at_trace_time` at trace time (2.13 does; 2.11
+#: raised NotImplementedError for its function argument).
+TRACE_TIME_WALK_SINCE = (2, 13)
 
 
 def kernel_hazards(specs: tuple[Any, ...], kernel: str) -> tuple[str, ...]:

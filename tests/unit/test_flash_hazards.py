@@ -20,7 +20,7 @@ import torch
 from subclassed_specs import SquaredDistance
 
 import flexattn_zoo as fz
-from flexattn_zoo import functions, masks, score_mods
+from flexattn_zoo import _compat, functions, masks, score_mods
 from flexattn_zoo.backends.flex import FLEX, FLEX_FLASH
 from flexattn_zoo.coercion import as_mask_spec, as_score_spec
 from flexattn_zoo.problem import Problem
@@ -209,6 +209,10 @@ def test_alibi_given_slopes_and_odd_head_counts_keep_their_values(dtype: torch.d
 MAY = functions.MAY_SELECT_PER_HEAD
 
 
+def PRESET() -> Any:  # noqa: N802 - a constant's name: the preset case of the test below
+    return score_mods.Alibi(num_heads=4)
+
+
 def plain_distance(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return score - 0.1 * (q_idx - kv_idx)
 
@@ -236,7 +240,7 @@ def _traced_hazards(make_spec: Any) -> tuple[bool, bool]:
         pytest.param(lambda: as_mask_spec(per_head_window), (True, False), id="raw_mask"),
         # its where is in a module-level helper (_slope), reached through the function's globals
         pytest.param(lambda: SquaredDistance(num_heads=4), (True, False), id="spec_subclass"),
-        pytest.param(lambda: score_mods.Alibi(num_heads=4), (False, False), id="preset"),
+        pytest.param(PRESET, (False, False), id="preset"),
     ],
 )
 def test_traced_before_any_probe_flex_flash_refuses_what_may_select(
@@ -245,7 +249,10 @@ def test_traced_before_any_probe_flex_flash_refuses_what_may_select(
     """Traced, a function cannot be called on real tensors: its code decides. A raw callable
     passed inside the compiled region, or a spec's function on its first (traced) call, that
     names where / masked_fill / lerp may select a per-head value, so flex_flash refuses it; one
-    that does not, and the presets (not probed at all), keep flex_flash."""
+    that does not, and the presets (not probed at all), keep flex_flash. Before torch 2.13 Dynamo
+    can neither run nor trace that walk: every such function is refused."""
+    if _compat.TORCH_VERSION < functions.TRACE_TIME_WALK_SINCE and make is not PRESET:
+        want = (True, False)
     assert _traced_hazards(make) == want
 
 
@@ -423,12 +430,40 @@ def test_a_one_element_score_table_is_traced_and_declared(spec: Any) -> None:
 
 
 def test_traced_before_any_probe_a_one_element_capture_loses_flex_flash() -> None:
-    """Traced, a raw callable that reaches a tensor of one element is taken to load it."""
+    """Traced, a raw callable that reaches a tensor of one element is taken to load it; one that
+    reaches only a larger table keeps flex_flash. Before torch 2.13 Dynamo cannot walk what they
+    reach: both lose flex_flash, as functions that may select a per-head value."""
 
     def f(x: torch.Tensor) -> torch.Tensor:
         offset = functions.kernel_hazards((as_mask_spec(causal_plus_captured_offset),), "flash")
         table = functions.kernel_hazards((as_mask_spec(same_key_class),), "flash")
-        return x + (ONE_ELEMENT in offset) + 2 * (ONE_ELEMENT in table)
+        return x + (ONE_ELEMENT in offset) + 2 * (ONE_ELEMENT in table) + 4 * bool(offset) + 8 * bool(table)
 
     torch._dynamo.reset()
-    assert int(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(()))) == 1
+    got = int(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(())))
+    assert got == (4 + 8 if _compat.TORCH_VERSION < functions.TRACE_TIME_WALK_SINCE else 1 + 4)
+
+
+@pytest.mark.parametrize("route", ["dense", "flex_cpu"])
+def test_a_raw_callable_over_a_closure_traces_after_its_hazard_walk(route: str) -> None:
+    """Traced, a raw callable's hazards are read from what it reaches; walking its closure cells
+    in the graph made Dynamo fail when it then inlined the same function ("Expected CellVariable,
+    got UserDefinedObjectVariable in load_cell"): the traced call compiles, with no graph break,
+    and equals the eager one."""
+    ids = torch.tensor([[0] * 20 + [1] * 44, [0] * 50 + [1] * 14])
+
+    def same_doc_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 64, 32, generator=g) for _ in range(3))
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, mask=same_doc_causal, backend=route)
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, call(q, k, v))
