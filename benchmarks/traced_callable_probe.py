@@ -3,8 +3,11 @@ CUDA: ``torch._dynamo.explain`` of ``fz.attention(mask=callable)`` on the ``dens
 routes (tests/gpu/test_compile_gpu.py's ``callable_ids`` case), as the library runs it and with
 ``coercion._traced_verdict`` not walking the callable (``traced_hazards`` skipped), each in a fresh
 Dynamo. On an H100 with torch 2.11 and without FA4 the test failed with an empty AssertionError in
-Dynamo while tracing the flex-style (vmap) evaluation of the callable; it passed with FA4 on an
-earlier tree, and on the CPU (torch 2.11 and 2.13) it passes.
+Dynamo while tracing the flex-style (vmap) evaluation of the callable. The same shows on the CPU
+(torch 2.11 and 2.13) for a callable whose ids are a closure variable: walking the closure in the
+graph (``traced_hazards``) made Dynamo fail when it then inlined the function ("Expected
+CellVariable, got UserDefinedObjectVariable in load_cell"). Since the walk runs at trace time
+outside the graph (torch 2.13) or not at all (older torch), both lines give 0 graph breaks.
 
     PYTHONPATH=. python benchmarks/traced_callable_probe.py [--device cuda]
 """
