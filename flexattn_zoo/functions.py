@@ -481,15 +481,12 @@ class FunctionScore(_TracksCallable, ScoreSpec):
         return False
 
     def captures_grad_tensors(self) -> bool:
-        try:
-            return super().captures_grad_tensors()
-        except AttributeError:
-            # Traced, a function made inside the compiled region shows Dynamo no closure or
-            # globals to walk: what it captures is unknown, so it may be a learned tensor, whose
+        if _compat.is_compiling():
+            # Not walked in the graph (see walkable_at_trace_time); where it cannot be walked at
+            # trace time either, what it captures is unknown, so it may be a learned tensor, whose
             # gradient needs a route with a backward.
-            if not _compat.is_compiling():
-                raise
-            return True
+            return _captures_grad_at_trace_time(self.fn) if walkable_at_trace_time(self.fn) else True
+        return super().captures_grad_tensors()
 
     def dense(self, scores: torch.Tensor) -> torch.Tensor:
         batch, heads, q_len, kv_len = scores.shape
@@ -721,14 +718,29 @@ def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
     where that holds a tensor of one element). Traced, the walk runs at trace time outside the
     graph, its result a constant of it (no graph break)."""
     if _compat.is_compiling():
-        if _compat.TORCH_VERSION >= TRACE_TIME_WALK_SINCE:
-            return _walked_at_trace_time(fn)
-        # Older Dynamo can neither call the walk at trace time (NotImplementedError for its
-        # function argument) nor trace it (``id()`` of a module among the globals is a graph
-        # break; reading closure cells breaks its later inlining of ``fn``): nothing is looked
-        # into, and flex_flash refuses.
-        return (MAY_SELECT_PER_HEAD,)
+        # Not walked in the graph (see walkable_at_trace_time); where it cannot be walked at
+        # trace time either, nothing is looked into, and flex_flash refuses.
+        return _walked_at_trace_time(fn) if walkable_at_trace_time(fn) else (MAY_SELECT_PER_HEAD,)
     return _walked_hazards(fn)
+
+
+def walkable_at_trace_time(fn: Any) -> bool:
+    """Traced: whether what ``fn`` reaches can be walked at trace time, outside the graph
+    (:func:`_walked_at_trace_time`, :func:`_captures_grad_at_trace_time`). Never in the graph:
+    reading a closure's cells there made Dynamo fail when it later inlined the same function
+    ("Expected CellVariable, got UserDefinedObjectVariable in load_cell", torch 2.11 and 2.13; a
+    raw mod over captured document ids or slopes), and torch 2.11's Dynamo cannot take ``id()``
+    of a module or a float among the globals. At trace time: from torch 2.13 (2.11 raised
+    NotImplementedError for the function argument), and only for a function made outside the
+    compiled region (Dynamo shows one made inside it no ``__closure__``, and cannot hand it to a
+    trace-time call)."""
+    if _compat.TORCH_VERSION < TRACE_TIME_WALK_SINCE:
+        return False
+    try:
+        fn.__closure__  # noqa: B018 - the attribute's presence is the answer
+    except AttributeError:
+        return False
+    return True
 
 
 def _walked_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
@@ -754,12 +766,17 @@ def _walked_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
 
 @torch.compiler.assume_constant_result
 def _walked_at_trace_time(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """:func:`_walked_hazards`, which Dynamo calls at trace time instead of tracing it: walked in
-    the graph, reading a closure's cells made Dynamo fail when it later inlined the same function
-    ("Expected CellVariable, got UserDefinedObjectVariable in load_cell", torch 2.11 and 2.13; a
-    raw mask_mod over captured document ids). A function of its own: the decorator marks the
-    function it is given."""
+    """:func:`_walked_hazards`, which Dynamo calls at trace time instead of tracing it (see
+    :func:`walkable_at_trace_time`). A function of its own: the decorator marks the function it
+    is given."""
     return _walked_hazards(fn)
+
+
+@torch.compiler.assume_constant_result
+def _captures_grad_at_trace_time(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` reaches a tensor that requires grad, which Dynamo calls at trace time
+    instead of tracing it (see :func:`walkable_at_trace_time`)."""
+    return any(t.requires_grad for t in captured_tensors(fn))
 
 
 #: The torch from which Dynamo runs :func:`_walked_at_trace_time` at trace time (2.13 does; 2.11

@@ -467,3 +467,28 @@ def test_a_raw_callable_over_a_closure_traces_after_its_hazard_walk(route: str) 
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(out, call(q, k, v))
+
+
+@pytest.mark.parametrize("route", ["dense", "auto"])
+def test_a_raw_score_callable_over_a_closure_traces(route: str) -> None:
+    """A score callable closing over a tensor of slopes, traced: whether it captures tensors that
+    require grad is read at trace time outside the graph (walking its cells in the graph broke
+    Dynamo's later inlining of it, "Expected CellVariable ... in load_cell"); the traced call
+    compiles with no graph break and equals the eager one."""
+    slopes = torch.tensor([0.5, 0.25])
+
+    def sloped(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
+
+    def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return fz.attention(a, b, c, mask="causal", score_mod=sloped, backend=route)
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, call(q, k, v))
