@@ -329,7 +329,9 @@ def _resolve_deterministic(deterministic: Any) -> bool:
 def needs_grad(inputs: tuple[Any, ...], score: Any) -> bool:
     """Whether a call records a backward: grad mode is on and an input requires grad, or the score
     spec captures a learnable tensor (a spec's learned bias, or one a raw ``score_mod`` closes
-    over: ``functions.captured_tensors``) -- its gradient needs a route with a backward."""
+    over: ``functions.captured_tensors``) -- its gradient needs a route with a backward. Traced,
+    a raw ``score_mod`` that cannot be walked at trace time (made inside the compiled region, or
+    torch before 2.13: ``functions.walkable_at_trace_time``) counts as capturing one."""
     if not torch.is_grad_enabled():
         return False
     for t in inputs:  # a plain loop: this runs on every call (no generator to build)

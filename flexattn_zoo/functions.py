@@ -716,7 +716,8 @@ def traced_hazards(fn: Callable[..., Any]) -> tuple[str, ...]:
     code alone (:data:`MAY_SELECT_PER_HEAD` where it or a function it reaches names a selecting
     op, or where what it reaches cannot be walked) and what it reaches (:data:`LOADS_ONE_ELEMENT`
     where that holds a tensor of one element). Traced, the walk runs at trace time outside the
-    graph, its result a constant of it (no graph break)."""
+    graph, its result a constant of it (no graph break); where it cannot
+    (:func:`walkable_at_trace_time`), :data:`MAY_SELECT_PER_HEAD` alone."""
     if _compat.is_compiling():
         # Not walked in the graph (see walkable_at_trace_time); where it cannot be walked at
         # trace time either, nothing is looked into, and flex_flash refuses.
@@ -730,8 +731,8 @@ def walkable_at_trace_time(fn: Any) -> bool:
     reading a closure's cells there made Dynamo fail when it later inlined the same function
     ("Expected CellVariable, got UserDefinedObjectVariable in load_cell", torch 2.11 and 2.13; a
     raw mod over captured document ids or slopes), and torch 2.11's Dynamo cannot take ``id()``
-    of a module or a float among the globals. At trace time: from torch 2.13 (2.11 raised
-    NotImplementedError for the function argument), and only for a function made outside the
+    of a module or a float among the globals. At trace time: from torch 2.13 (before it; 2.11
+    raised NotImplementedError for the function argument), and only for a function made outside the
     compiled region (Dynamo shows one made inside it no ``__closure__``, and cannot hand it to a
     trace-time call)."""
     if _compat.TORCH_VERSION < TRACE_TIME_WALK_SINCE:
@@ -775,8 +776,12 @@ def _walked_at_trace_time(fn: Callable[..., Any]) -> tuple[str, ...]:
 @torch.compiler.assume_constant_result
 def _captures_grad_at_trace_time(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` reaches a tensor that requires grad, which Dynamo calls at trace time
-    instead of tracing it (see :func:`walkable_at_trace_time`)."""
-    return any(t.requires_grad for t in captured_tensors(fn))
+    instead of tracing it (see :func:`walkable_at_trace_time`); True where its closure or globals
+    cannot be read."""
+    try:
+        return any(t.requires_grad for t in captured_tensors(fn))
+    except AttributeError:
+        return True
 
 
 #: The torch from which Dynamo runs :func:`_walked_at_trace_time` at trace time (2.13 does; 2.11

@@ -1562,7 +1562,16 @@ class ScoreSpec(Spec):
         return None
 
     def captures_grad_tensors(self) -> bool:
-        """True when the score_mod closes over tensors that require grad (learned biases)."""
+        """True when the score_mod closes over tensors that require grad (learned biases). Traced,
+        a composite that wraps a raw callable asks each part (a raw callable's own answer is read
+        without walking it in the graph: ``functions.walkable_at_trace_time``)."""
+        if _compat.is_compiling() and self._holds_callables():
+            for part in self._parts():  # a loop: traced (see backends.flex._pair_gathers_only)
+                if isinstance(part, ScoreSpec) and part.captures_grad_tensors():
+                    return True
+                if isinstance(part, torch.Tensor) and part.requires_grad:
+                    return True
+            return False
         return any(t.requires_grad for t in self.tensors())
 
     def reads_scalar_tensors(self) -> bool:

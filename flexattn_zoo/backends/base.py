@@ -379,8 +379,16 @@ class Backend:
             return [f"not deterministic: {self.nondeterministic_why}"]
         if p.requires_grad and p.score is not None and p.score.captures_grad_tensors():
             # Every route accumulates gradients of captured tensors by scatter-add (atomics on
-            # CUDA, a parallel loop on CPU): the summation order changes between runs.
-            return ["not deterministic: gradients of tensors captured by the score_mod are scatter-added"]
+            # CUDA, a parallel loop on CPU): the summation order changes between runs. Traced,
+            # a raw callable that cannot be walked is taken to capture one.
+            return [
+                "not deterministic: gradients of tensors captured by the score_mod are scatter-added"
+                + (
+                    " (while traced, what a raw score_mod captures may be unknown: it counts)"
+                    if _compat.is_compiling()
+                    else ""
+                )
+            ]
         return []
 
     def execute(

@@ -249,8 +249,9 @@ def test_traced_before_any_probe_flex_flash_refuses_what_may_select(
     """Traced, a function cannot be called on real tensors: its code decides. A raw callable
     passed inside the compiled region, or a spec's function on its first (traced) call, that
     names where / masked_fill / lerp may select a per-head value, so flex_flash refuses it; one
-    that does not, and the presets (not probed at all), keep flex_flash. Before torch 2.13 Dynamo
-    can neither run nor trace that walk: every such function is refused."""
+    that does not, and the presets (not probed at all), keep flex_flash. Before torch 2.13 the
+    walk cannot run at trace time (and is not traced in the graph): every such function is
+    refused."""
     if _compat.TORCH_VERSION < functions.TRACE_TIME_WALK_SINCE and make is not PRESET:
         want = (True, False)
     assert _traced_hazards(make) == want
@@ -469,8 +470,9 @@ def test_a_raw_callable_over_a_closure_traces_after_its_hazard_walk(route: str) 
     torch.testing.assert_close(out, call(q, k, v))
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["alone", "chained"])
 @pytest.mark.parametrize("route", ["dense", "auto"])
-def test_a_raw_score_callable_over_a_closure_traces(route: str) -> None:
+def test_a_raw_score_callable_over_a_closure_traces(route: str, chained: bool) -> None:
     """A score callable closing over a tensor of slopes, traced: whether it captures tensors that
     require grad is read at trace time outside the graph (walking its cells in the graph broke
     Dynamo's later inlining of it, "Expected CellVariable ... in load_cell"); the traced call
@@ -483,8 +485,10 @@ def test_a_raw_score_callable_over_a_closure_traces(route: str) -> None:
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 64, 32, generator=g) for _ in range(3))
 
+    score: Any = as_score_spec(sloped) >> score_mods.SoftCap(cap=30.0) if chained else sloped
+
     def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return fz.attention(a, b, c, mask="causal", score_mod=sloped, backend=route)
+        return fz.attention(a, b, c, mask="causal", score_mod=score, backend=route)
 
     torch._dynamo.reset()
     try:
@@ -492,3 +496,30 @@ def test_a_raw_score_callable_over_a_closure_traces(route: str) -> None:
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(out, call(q, k, v))
+
+
+def test_traced_captures_grad_is_read_outside_the_graph() -> None:
+    """Traced, whether a raw score callable captures a tensor that requires grad: read at trace
+    time from torch 2.13 for a function made outside the compiled region (a learned slope: yes; a
+    constant one: no), taken as yes for one made inside it and before torch 2.13."""
+    learned = torch.tensor([0.5, 0.25], requires_grad=True)
+    fixed = torch.tensor([0.5, 0.25])
+
+    def with_learned(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score - learned[h] * (q_idx - kv_idx)
+
+    def with_fixed(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score - fixed[h] * (q_idx - kv_idx)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        made_inside = as_score_spec(lambda s, b, h, q, kv: s * 0.5).captures_grad_tensors()
+        return (
+            x
+            + as_score_spec(with_learned).captures_grad_tensors()
+            + 2 * as_score_spec(with_fixed).captures_grad_tensors()
+            + 4 * made_inside
+        )
+
+    torch._dynamo.reset()
+    got = int(torch.compile(f, backend="eager", fullgraph=True)(torch.zeros(())))
+    assert got == (1 + 2 + 4 if _compat.TORCH_VERSION < functions.TRACE_TIME_WALK_SINCE else 1 + 4)
