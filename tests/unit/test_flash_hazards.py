@@ -445,6 +445,17 @@ def test_traced_before_any_probe_a_one_element_capture_loses_flex_flash() -> Non
     assert got == (4 + 8 if _compat.TORCH_VERSION < functions.TRACE_TIME_WALK_SINCE else 1 + 4)
 
 
+def _assert_traced_equals_eager(call: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``call`` compiles under ``torch.compile(fullgraph=True)`` (no graph break) and gives what
+    it gives eagerly."""
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(out, call(q, k, v))
+
+
 @pytest.mark.parametrize("route", ["dense", "flex_cpu"])
 def test_a_raw_callable_over_a_closure_traces_after_its_hazard_walk(route: str) -> None:
     """Traced, a raw callable's hazards are read from what it reaches; walking its closure cells
@@ -462,12 +473,7 @@ def test_a_raw_callable_over_a_closure_traces_after_its_hazard_walk(route: str) 
     def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return fz.attention(a, b, c, mask=same_doc_causal, backend=route)
 
-    torch._dynamo.reset()
-    try:
-        out = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(out, call(q, k, v))
+    _assert_traced_equals_eager(call, q, k, v)
 
 
 @pytest.mark.parametrize("chained", [False, True], ids=["alone", "chained"])
@@ -490,12 +496,7 @@ def test_a_raw_score_callable_over_a_closure_traces(route: str, chained: bool) -
     def call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return fz.attention(a, b, c, mask="causal", score_mod=score, backend=route)
 
-    torch._dynamo.reset()
-    try:
-        out = torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(out, call(q, k, v))
+    _assert_traced_equals_eager(call, q, k, v)
 
 
 def test_traced_captures_grad_is_read_outside_the_graph() -> None:
