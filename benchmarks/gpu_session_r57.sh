@@ -17,7 +17,8 @@
 #   bash benchmarks/gpu_session_r57.sh compile 200   # any card (FA4 installed: more routes run):
 #                    # tests/gpu/test_compile_gpu.py on the tree with the traced-walk fix
 #   bash benchmarks/gpu_session_r57.sh zoo 300       # (FA4 installed) the zoo rows below the 1.3x
-#                    # goal again, into a copy of zoo_h200.json (CASES overrides the list)
+#                    # goal again, into a copy of zoo_h200.json on an H200 (CASES and ROUTES
+#                    # override the cases and routes)
 set -uo pipefail
 step="${1:?usage: $0 compile|band2|flexex|compiled|host|zoo [BUDGET_S]}"
 budget="${2:-200}"
@@ -31,8 +32,9 @@ case "$step" in
     ;;
   zoo)
     cases="${CASES:-zoo_dilated_sliding_window,zoo_flamingo_cross,zoo_global_window,zoo_rel_pos_bias,zoo_block_select,zoo_graphormer,zoo_tree}"
-    cp benchmarks/results/zoo_h200.json "$out/zoo_${gpu}_${session}.json"
-    run "zoo_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes auto,raw_flex \
+    # H200 rows join the committed H200 sweep; another card's start a file of their own.
+    [ "$gpu" = h200 ] && cp benchmarks/results/zoo_h200.json "$out/zoo_${gpu}_${session}.json"
+    run "zoo_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes "${ROUTES:-auto,raw_flex}" \
       --out "$out/zoo_${gpu}_${session}.json" --md "$out/zoo_${gpu}_${session}.md" --quiet --resume --rerun \
       --cases "$cases" --time-budget "$(( $(left) - 35 ))"
     ;;

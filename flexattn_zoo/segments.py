@@ -7,9 +7,12 @@ kernel sees them as separate sequences:
 * ``rows``: one segment per batch row (no mask, causal, sliding window): the call as it is;
 * ``chunks``: every segment ``chunk`` long, tiling each row (``Chunked``, equal documents): the
   rows viewed as a larger batch of chunks;
-* ``packed``: anything else (documents of unequal length): only varlen kernels (``cu_seqlens``).
+* ``packed``: anything else (documents of unequal length): only varlen kernels (``cu_seqlens``);
+* ``strided``: no varlen form, but a ``StridedForm`` (a dilated window) with ``L`` a multiple of
+  its stride (``chunk``): each residue class of positions mod the stride is a sequence of its
+  own, which kernels taking ``[B, L, H, D]`` see as heads of their own (:func:`fold_strided`).
 
-``window`` is the ``VarlenForm`` window inside each segment: ``(left, right)``, ``-1`` unbounded.
+``window`` is the form's window inside each segment (or class): ``(left, right)``, ``-1`` unbounded.
 """
 
 from __future__ import annotations
@@ -19,15 +22,17 @@ import torch
 from flexattn_zoo.lru import LRUCache
 from flexattn_zoo.spec import MaskSpec, VarlenForm, tracing
 
-#: ``(kind, chunk, window)``; ``chunk`` is the segment length for rows/chunks, 0 when packed.
+#: ``(kind, chunk, window)``; ``chunk`` is the segment length for rows/chunks, the stride when
+#: strided, 0 when packed.
 SegmentLayout = tuple[str, int, tuple[int, int]]
 #: Per (mask, batch, length): reading a document mask's segments is a device sync, so it is cached.
 LAYOUT_CACHE: LRUCache[SegmentLayout] = LRUCache(64)
 
 
 def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLayout | None:
-    """The layout of a ``[batch, length]`` call with ``Lq == Lkv``, or None when the mask has no
-    varlen form; cached per (mask, batch, length). No mask is ``("rows", length, (-1, -1))``."""
+    """The layout of a ``[batch, length]`` call with ``Lq == Lkv``, or None when the mask has
+    neither a varlen form nor a strided one that tiles ``length``; cached per (mask, batch,
+    length). No mask is ``("rows", length, (-1, -1))``."""
     if mask is None:
         return "rows", length, (-1, -1)
     key = (mask, batch, length)
@@ -35,7 +40,12 @@ def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLay
     if found is not None:
         return found
     form = mask.varlen_form(length, length, batch)
-    if form is None or form.kv_segments is not None:
+    if form is None:
+        strided = mask.strided_form(length, length)
+        if strided is None or length % strided.stride:
+            return None
+        return LAYOUT_CACHE.put(key, ("strided", strided.stride, strided.window))
+    if form.kv_segments is not None:
         return None  # keys segmented apart from queries: only a varlen kernel with two offset lists
     return LAYOUT_CACHE.put(key, _layout(form, length))
 
@@ -75,4 +85,36 @@ def from_chunks(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.reshape(batch, n, h, chunk, d).transpose(1, 2).reshape(batch, h, n * chunk, d)
 
 
-__all__ = ["LAYOUT_CACHE", "SegmentLayout", "as_chunks", "from_chunks", "segment_layout"]
+def fold_strided(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """``[B, L, H, D]`` -> ``[B, L // stride, stride * H, D]``: position ``u * stride + r`` of head
+    ``h`` becomes position ``u`` of head ``r * H + h`` (each residue class its own heads; with
+    fewer k/v heads, q head ``r * H + h`` still reads k/v head ``r * Hkv + h // group``). A view
+    of a contiguous ``[B, L, H, D]`` tensor (a projection's output), else one copy."""
+    b, length, h, d = t.shape
+    return t.reshape(b, length // stride, stride * h, d)
+
+
+def unfold_strided(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of :func:`fold_strided` for an output ``[B, L / stride, stride * H, Dv]`` of
+    ``heads`` = H heads: ``[B, L, H, Dv]`` (a view of a contiguous output)."""
+    b, classes_len, folded, d = t.shape
+    return t.reshape(b, classes_len * (folded // heads), heads, d)
+
+
+def unfold_strided_lse(lse: torch.Tensor, heads: int) -> torch.Tensor:
+    """The lse ``[B, stride * H, L / stride]`` of a folded call as ``[B, H, L]`` (one copy)."""
+    b, folded, classes_len = lse.shape
+    stride = folded // heads
+    return lse.view(b, stride, heads, classes_len).permute(0, 2, 3, 1).reshape(b, heads, classes_len * stride)
+
+
+__all__ = [
+    "LAYOUT_CACHE",
+    "SegmentLayout",
+    "as_chunks",
+    "fold_strided",
+    "from_chunks",
+    "segment_layout",
+    "unfold_strided",
+    "unfold_strided_lse",
+]

@@ -958,6 +958,23 @@ class VarlenForm:
 
 
 @dataclasses.dataclass(frozen=True)
+class StridedForm:
+    """The mask keeps only pairs whose positions agree modulo ``stride``, with an FA-style window
+    in each residue class's own positions: query ``i`` sees key ``j`` iff ``i % stride == j %
+    stride`` and ``-left <= j // stride - i // stride <= right`` for ``window = (left, right)``
+    (``-1``: unbounded). Offered when Lq == Lkv (a dilated window).
+
+    Position ``t * stride + r`` is position ``t`` of class ``r``, so a kernel that knows only
+    windows runs the call on the classes as separate sequences: with ``L`` a multiple of
+    ``stride``, ``[B, L, H, D]`` is ``[B, L / stride, stride * H, D]`` (no copy for that layout),
+    head ``r * H + h`` holding class ``r`` of head ``h``.
+    """
+
+    stride: int
+    window: tuple[int, int] = (-1, -1)
+
+
+@dataclasses.dataclass(frozen=True)
 class SplitPart:
     """Queries ``q[0] <= i < q[1]`` see keys ``kv[0] <= j < kv[1]``: all of them, or when
     ``is_causal`` those with ``j - kv[0] <= i - q[0]`` (causal inside a square rectangle: as many
@@ -1280,6 +1297,7 @@ class MaskSpec(Spec):
         "sees_one_run",
         "split_form",
         "starts_mask_mod",
+        "strided_form",
         "uses_batch",
         "uses_head",
         "varlen_form",
@@ -1352,6 +1370,11 @@ class MaskSpec(Spec):
 
     def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
         """Exact split into unmasked / causal rectangles (see :class:`SplitForm`), or None."""
+        return None
+
+    def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
+        """Exact form as a window inside residue classes of positions (see :class:`StridedForm`),
+        or None. Only read where the mask has no ``varlen_form``."""
         return None
 
     def reads_scalar_tensors(self) -> bool:
@@ -1612,6 +1635,7 @@ __all__ = [
     "Spec",
     "SplitForm",
     "SplitPart",
+    "StridedForm",
     "VarlenForm",
     "as_4d",
     "block_ranges",

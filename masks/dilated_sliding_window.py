@@ -11,6 +11,7 @@ from flexattn_zoo.spec import (
     MaskSpec,
     SdpaForm,
     Spec,
+    StridedForm,
     VarlenForm,
     block_ranges,
     spec_dataclass,
@@ -50,10 +51,14 @@ class DilatedSlidingWindow(MaskSpec):
 
     Forms offered: everything :class:`SlidingWindow` offers when ``dilation == 1`` (varlen, SDPA
     in the full-window cases) and when no other key than the query's own survives
-    (``left, right < dilation``: the diagonal, as ``SlidingWindow(left=0)``); a closed-form block
-    map for any lengths; lowest visible key ``i - left`` for ``dilation == 1`` and ``i`` when
-    ``left < dilation`` (otherwise none: early rows' lowest key ``i % dilation`` falls at every
-    multiple of the dilation, and a bound must never decrease).
+    (``left, right < dilation``: the diagonal, as ``SlidingWindow(left=0)``); otherwise, for
+    ``Lq == Lkv``, a strided form: each residue class of positions mod ``dilation`` is a plain
+    window of ``left // dilation`` / ``right // dilation`` kept keys, which FlashAttention-4's
+    windowed kernels run as ``dilation`` times as many heads of ``L / dilation`` positions (route
+    ``fa4``, when ``L`` is a multiple of the dilation); a closed-form block map for any lengths;
+    lowest visible key ``i - left`` for ``dilation == 1`` and ``i`` when ``left < dilation``
+    (otherwise none: early rows' lowest key ``i % dilation`` falls at every multiple of the
+    dilation, and a bound must never decrease).
 
     Args:
         left: reach before the query, in positions (``>= 0``).
@@ -108,6 +113,14 @@ class DilatedSlidingWindow(MaskSpec):
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         plain = self._plain()
         return None if plain is None else plain.varlen_form(q_len, kv_len, batch)
+
+    def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
+        # Kept pairs share their position mod the dilation; in that class's own positions
+        # (position // dilation) the window reaches left // dilation back, right // dilation ahead.
+        if q_len != kv_len or self._plain() is not None:
+            return None  # the plain window's varlen form serves those
+        d = self.dilation
+        return StridedForm(stride=d, window=(self.left // d, self.right // d))
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         return self.right < self.dilation  # the first kept key after the query is `dilation` away

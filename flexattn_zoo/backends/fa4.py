@@ -8,7 +8,10 @@ FA4's own kernels know causal and sliding windows (``window_size``), packed docu
 * one segment per row (no mask, causal, sliding window): one batched call, no copy;
 * equal segments (``Chunked``): the rows are viewed as a larger batch of chunks (no copy when the
   tensors' layout allows the view, else a reshape copy);
-* unequal segments (documents): q/k/v are packed to ``[tokens, H, D]`` with ``cu_seqlens``.
+* unequal segments (documents): q/k/v are packed to ``[tokens, H, D]`` with ``cu_seqlens``;
+* a window inside residue classes of positions (``StridedForm``: dilated windows, ``L`` a multiple
+  of the stride): ``[B, L, H, D]`` is viewed as ``[B, L / stride, stride * H, D]``, each class
+  its own heads (no copy for that layout, else a reshape copy), and the result viewed back.
 
 Score mods: only a soft-cap form with ``approx=True`` (``SoftCap(approx=True)``). FA4's soft-capping
 evaluates ``tanh`` with the hardware approximation (``tanh.approx.f32``), which is what
@@ -42,7 +45,7 @@ from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Back
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.segments import segment_layout
+from flexattn_zoo.segments import fold_strided, segment_layout, unfold_strided, unfold_strided_lse
 
 
 def _softcap(p: Problem) -> float:
@@ -90,7 +93,10 @@ class FlashAttn4Backend(Backend):
         else:
             layout = segment_layout(p.mask, p.batch, p.q_len)
             if layout is None:
-                out.append(f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window)")
+                out.append(
+                    f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window, or a "
+                    "window in residue classes of a stride that divides the length)"
+                )
             elif layout[0] == "packed" and _compat.is_compiling():
                 # cu_seqlens and max_seqlen are read from the segments (data-dependent shapes).
                 out.append(f"unequal segments need cu_seqlens built from the mask's data: not {IN_GRAPH}")
@@ -156,7 +162,15 @@ def _launcher(p: Problem, batch: int, length: int) -> BoundCall:
             lse = lse.view(b, n, h, lq // n).permute(0, 2, 1, 3).reshape(b, h, lq)
         return out, lse
 
-    return packed if kind == "packed" else batched
+    def strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Launched:
+        h = q.shape[1]
+        # [B, H, L, D] views -> FA4's [B, L, H, D] -> each residue class mod the stride its own heads.
+        qt, kt, vt = (fold_strided(t.transpose(1, 2), chunk) for t in (q, k, v))
+        out, lse = fa4_attention(qt, kt, vt, scale=scale, softcap=softcap, window=window)
+        out = unfold_strided(out, h).transpose(1, 2)
+        return out, (unfold_strided_lse(lse, h) if return_lse else None)
+
+    return {"packed": packed, "strided": strided}.get(kind, batched)
 
 
 __all__ = ["FA4", "VALUE_DIM_PAIRS", "FlashAttn4Backend", "fa4_window"]

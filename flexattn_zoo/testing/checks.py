@@ -17,7 +17,7 @@ import torch
 from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
-from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, VarlenForm, as_4d
+from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, StridedForm, VarlenForm, as_4d
 from flexattn_zoo.spec import index_grids as spec_index_grids
 from flexattn_zoo.validation import check_tolerance
 
@@ -183,6 +183,23 @@ def _cross_varlen_dense(form: VarlenForm, q_len: int, kv_len: int) -> torch.Tens
         visible = visible & (col[None, :] >= pos[:, None] - left)
     if right >= 0:
         visible = visible & (col[None, :] <= pos[:, None] + right)
+    return visible[None, None]
+
+
+def strided_dense(form: StridedForm, length: int) -> torch.Tensor:
+    """The ``[1, 1, L, L]`` mask a :class:`StridedForm` describes: positions agree mod the
+    stride, and the window holds in the class's own positions (``position // stride``)."""
+    if form.stride < 1:
+        raise AssertionError(f"StridedForm {form}: the stride must be at least 1")
+    pos = torch.arange(length)
+    i, j = pos.view(length, 1), pos.view(1, length)
+    t, u = i // form.stride, j // form.stride
+    visible = (i % form.stride) == (j % form.stride)
+    left, right = form.window
+    if left >= 0:
+        visible = visible & (u >= t - left)
+    if right >= 0:
+        visible = visible & (u <= t + right)
     return visible[None, None]
 
 
@@ -579,6 +596,13 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
     if split is not None:
         what = f"split_form {split}"
         said = split_dense(split, q_len, kv_len)
+        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
+    strided = spec.strided_form(q_len, kv_len)
+    if strided is not None:
+        if q_len != kv_len:
+            raise AssertionError(f"{spec!r}: strided_form offered for q_len {q_len} != kv_len {kv_len}")
+        what = f"strided_form {strided}"
+        said = strided_dense(strided, q_len)
         _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
 
 

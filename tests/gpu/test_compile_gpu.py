@@ -301,6 +301,8 @@ FA4_CASES: dict[str, Any] = {
         "score_mod": score_mods.SoftCap(cap=5.0, approx=True),
     },
     "chunked_causal": lambda: {"mask": masks.Chunked(size=128) & masks.Causal()},
+    # each residue class mod 2 as heads of its own (a strided layout)
+    "dilated_two_sided": lambda: {"mask": masks.DilatedSlidingWindow(left=90, right=20, dilation=2)},
     "full": lambda: {},
 }
 needs_fa4 = pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4")

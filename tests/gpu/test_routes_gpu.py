@@ -494,12 +494,15 @@ def test_backends_declared() -> None:
         (masks.Chunked(size=128) & masks.Causal(), 333, "packed"),  # a short last chunk: cu_seqlens
         (masks.SlidingWindow(left=50, right=3), 333, "rows"),
         ("documents", 333, "packed"),  # per-row documents, built below for the batch size
+        (masks.DilatedSlidingWindow(left=100, dilation=2), 384, "strided"),  # classes as heads
+        (masks.DilatedSlidingWindow(left=60, right=31, dilation=3), 333, "strided"),
     ],
 )
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fa4_layouts_with_lse_and_gqa(mask, length: int, layout: str, batch: int) -> None:  # type: ignore[no-untyped-def]
-    """Each way the fa4 route lays a call out (rows, a batch of chunks, packed cu_seqlens), with
-    GQA, lse and gradients, against float64; batch 1 keeps the chunk view copy-free."""
+    """Each way the fa4 route lays a call out (rows, a batch of chunks, packed cu_seqlens, residue
+    classes as heads), with GQA, lse and gradients, against float64; batch 1 keeps the chunk view
+    copy-free."""
     from flexattn_zoo.segments import segment_layout
 
     if mask == "documents":

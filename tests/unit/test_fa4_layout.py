@@ -13,7 +13,15 @@ from flexattn_zoo import masks, score_mods
 from flexattn_zoo.backends import fa4
 from flexattn_zoo.backends.fa4 import FA4, fa4_window
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
+from flexattn_zoo.reference import reference_attention
+from flexattn_zoo.segments import (
+    as_chunks,
+    fold_strided,
+    from_chunks,
+    segment_layout,
+    unfold_strided,
+    unfold_strided_lse,
+)
 from flexattn_zoo.spec import ScoreSpec, SoftCapForm, spec_dataclass
 
 
@@ -34,6 +42,10 @@ def test_window_conversion() -> None:
         (masks.Chunked(size=30) & masks.Causal(), 100, 1, ("packed", 0, (-1, 0))),
         (masks.Document.from_lengths([40, 60]) & masks.Causal(), 100, 2, ("packed", 0, (-1, 0))),
         (masks.Document.from_lengths([50, 50]), 100, 1, ("chunks", 50, (-1, -1))),
+        (masks.DilatedSlidingWindow(left=9, right=4, dilation=2), 100, 2, ("strided", 2, (4, 2))),
+        (masks.DilatedSlidingWindow(left=30, dilation=3), 99, 1, ("strided", 3, (10, 0))),
+        (masks.DilatedSlidingWindow(left=30, dilation=3), 100, 1, None),  # 3 does not divide 100
+        (masks.DilatedSlidingWindow(left=1, right=1, dilation=2), 100, 1, ("rows", 100, (0, 0))),  # diagonal
     ],
 )
 def test_layouts(mask, length: int, batch: int, expected) -> None:  # type: ignore[no-untyped-def]
@@ -50,6 +62,53 @@ def test_chunks_are_views_of_projection_layouts() -> None:
     torch.testing.assert_close(from_chunks(chunked, 2), t)
     contiguous = t.contiguous()  # [B, H, L, D] contiguous: one copy, same values
     torch.testing.assert_close(from_chunks(as_chunks(contiguous, 24), 2), t)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize(
+    ("mask", "length"),
+    [
+        (masks.DilatedSlidingWindow(left=9, right=4, dilation=2), 40),
+        (masks.DilatedSlidingWindow(left=13, dilation=3), 36),
+        (masks.DilatedSlidingWindow(left=40, right=40, dilation=4), 40),
+    ],
+)
+def test_strided_fold_runs_each_class_as_heads_of_its_own(mask, length: int, layout: str) -> None:  # type: ignore[no-untyped-def]
+    """What the fa4 route does with a strided layout, with float64 attention in place of FA4's
+    kernel: fold q/k/v (GQA 4:2) into heads per residue class, attend with the class window,
+    unfold out and lse; equal to the reference of the whole mask, forward and backward."""
+    kind, stride, (left, right) = segment_layout(mask.bind(length, length), 2, length)
+    assert kind == "strided"
+    g = torch.Generator().manual_seed(3)
+    shapes = [(2, length, heads, 8) for heads in (4, 2, 2)]  # [B, L, H, D] projections
+    q, k, v = (torch.randn(*s, dtype=torch.float64, generator=g) for s in shapes)
+    if layout == "bhsd":
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    folded = [fold_strided(t, stride) for t in (q, k, v)]
+    if layout == "bshd":
+        assert all(f.data_ptr() == t.data_ptr() for f, t in zip(folded, (q, k, v), strict=True))  # views
+    inner = masks.SlidingWindow(left=left if left >= 0 else length, right=right if right >= 0 else length)
+    fq, fk, fv = (t.transpose(1, 2) for t in folded)
+    out, lse = reference_attention(fq, fk, fv, mask=inner, enable_gqa=True, return_lse=True)
+    out = unfold_strided(out.transpose(1, 2), 4).transpose(1, 2)
+    lse = unfold_strided_lse(lse, 4)
+    bhsd = [t.transpose(1, 2) for t in (q, k, v)]
+    want, want_lse = reference_attention(*bhsd, mask=mask, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    g_out = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), g_out)
+    expected = torch.autograd.grad(want, (q, k, v), g_out)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_fa4_takes_a_dilated_window_with_its_stride_dividing_the_length() -> None:
+    dilated = masks.DilatedSlidingWindow(left=64, dilation=2)
+    assert FA4.mask_reasons(_problem(mask=dilated)) == []
+    reasons = " ".join(FA4.mask_reasons(_problem(mask=masks.DilatedSlidingWindow(left=64, dilation=3))))
+    assert "no exact FA4 form" in reasons and "stride that divides the length" in reasons
 
 
 def _problem(**kw) -> Problem:  # type: ignore[no-untyped-def]
