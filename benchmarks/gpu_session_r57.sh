@@ -16,11 +16,13 @@
 #   bash benchmarks/gpu_session_r57.sh host 200      # the eager host-cost table
 #   bash benchmarks/gpu_session_r57.sh compile 200   # any card (FA4 installed: more routes run):
 #                    # tests/gpu/test_compile_gpu.py on the tree with the traced-walk fix
+#   bash benchmarks/gpu_session_r57.sh dilated 300   # (FA4 installed) the strided (dilated) fa4
+#                    # layout's GPU tests and the dilated zoo case on auto/raw_flex/flex_flash/fa4
 #   bash benchmarks/gpu_session_r57.sh zoo 300       # (FA4 installed) the zoo rows below the 1.3x
 #                    # goal again, into a copy of zoo_h200.json on an H200 (CASES and ROUTES
 #                    # override the cases and routes)
 set -uo pipefail
-step="${1:?usage: $0 compile|band2|flexex|compiled|host|zoo [BUDGET_S]}"
+step="${1:?usage: $0 compile|dilated|band2|flexex|compiled|host|zoo [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r57
@@ -29,6 +31,16 @@ case "$step" in
   compile)
     run "gpu_tests_compile_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 6 tests/gpu/test_compile_gpu.py
+    ;;
+  dilated)
+    # FA4 installed: the strided layout's GPU tests, then the dilated zoo case on every fast route
+    run "gpu_tests_dilated_${gpu}_${session}" "$(share 45)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
+      -n 4 tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py tests/gpu/test_zoo_gpu.py \
+      -k "fa4_layouts or dilated"
+    run "zoo_dilated_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo \
+      --routes auto,raw_flex,flex_flash,fa4 --cases zoo_dilated_sliding_window \
+      --out "$out/zoo_dilated_${gpu}_${session}.json" --md "$out/zoo_dilated_${gpu}_${session}.md" --quiet \
+      --time-budget "$(( $(left) - 35 ))"
     ;;
   zoo)
     cases="${CASES:-zoo_dilated_sliding_window,zoo_flamingo_cross,zoo_global_window,zoo_rel_pos_bias,zoo_block_select,zoo_graphormer,zoo_tree}"
