@@ -31,8 +31,8 @@ LAYOUT_CACHE: LRUCache[SegmentLayout] = LRUCache(64)
 
 def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLayout | None:
     """The layout of a ``[batch, length]`` call with ``Lq == Lkv``, or None when the mask has
-    neither a varlen form nor a strided one that tiles ``length``; cached per (mask, batch,
-    length). No mask is ``("rows", length, (-1, -1))``."""
+    neither a varlen form (with query and key segments alike) nor a strided one whose stride
+    divides ``length``; cached per (mask, batch, length). No mask is ``("rows", length, (-1, -1))``."""
     if mask is None:
         return "rows", length, (-1, -1)
     key = (mask, batch, length)

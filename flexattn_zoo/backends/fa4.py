@@ -3,7 +3,8 @@
 FA4's own kernels know causal and sliding windows (``window_size``), packed documents
 (``cu_seqlens``) and soft-capping natively, so they skip the BlockMask and the compiled
 ``mask_mod`` / ``score_mod`` that ``flex_flash`` evaluates per element. Exact for masks whose
-``varlen_form()`` exists (segments + a window inside each), like the ``varlen`` route:
+``varlen_form()`` exists (segments + a window inside each), like the ``varlen`` route, and for
+those with a ``strided_form()`` whose stride divides the length:
 
 * one segment per row (no mask, causal, sliding window): one batched call, no copy;
 * equal segments (``Chunked``): the rows are viewed as a larger batch of chunks (no copy when the
@@ -196,5 +197,5 @@ FA4 = FlashAttn4Backend(
     requires=(FLASH_CUTE,),
     deterministic=False,
     nondeterministic_why="FA4's backward accumulates dQ with atomics (its deterministic mode is not validated here)",
-    doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks, SoftCap(approx=True)",
+    doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks/dilated windows, SoftCap(approx=True)",
 )
