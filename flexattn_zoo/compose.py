@@ -44,6 +44,7 @@ from flexattn_zoo.spec import (
     SdpaForm,
     SoftCapForm,
     SplitForm,
+    StridedForm,
     VarlenForm,
     as_4d,
     block_ranges,
@@ -211,9 +212,39 @@ class And(_Combined):
             return VarlenForm(segments=None, window=(left, right))
         return dataclasses.replace(segmented[0], window=(left, right))
 
+    def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
+        # Parts with strided forms of one stride, the others plain windows (a varlen form of one
+        # segment per row): a same-class pair is (u - t) * stride apart, so an absolute window
+        # (left, right) is (left // stride, right // stride) in class positions; windows intersect.
+        strided = [p.strided_form(q_len, kv_len) for p in self.parts]
+        strides = {f.stride for f in strided if f is not None}
+        if len(strides) != 1:
+            return None
+        stride = strides.pop()
+        windows = []
+        for part, form in zip(self.parts, strided, strict=True):
+            if form is not None:
+                windows.append(form.window)
+                continue
+            if part.uses_batch():
+                return None  # per-row segments at best: no plain window
+            plain = part.varlen_form(q_len, kv_len, 1)
+            if plain is None or plain.segments is not None or plain.kv_segments is not None:
+                return None
+            windows.append(tuple(w // stride if w >= 0 else -1 for w in plain.window))
+        left = _tightest([w[0] for w in windows])
+        right = _tightest([w[1] for w in windows])
+        return StridedForm(stride=stride, window=(left, right))
+
     def __and__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "&")
         return And(parts=(*self.parts, other))
+
+
+def _tightest(reaches: list[int]) -> int:
+    """The smallest of window reaches where ``-1`` means unbounded (``-1`` if all are)."""
+    bounded = [r for r in reaches if r >= 0]
+    return min(bounded) if bounded else -1
 
 
 def _starts_spelled(others: list[MaskMod], starts: torch.Tensor) -> MaskMod:

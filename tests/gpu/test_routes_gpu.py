@@ -496,6 +496,7 @@ def test_backends_declared() -> None:
         ("documents", 333, "packed"),  # per-row documents, built below for the batch size
         (masks.DilatedSlidingWindow(left=100, dilation=2), 384, "strided"),  # classes as heads
         (masks.DilatedSlidingWindow(left=60, right=31, dilation=3), 333, "strided"),
+        (masks.DilatedSlidingWindow(left=100, right=50, dilation=2) & masks.Causal(), 384, "strided"),
     ],
 )
 @pytest.mark.parametrize("batch", [1, 2])

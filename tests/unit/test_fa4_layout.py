@@ -23,6 +23,7 @@ from flexattn_zoo.segments import (
     unfold_strided_lse,
 )
 from flexattn_zoo.spec import ScoreSpec, SoftCapForm, spec_dataclass
+from flexattn_zoo.testing import assert_mask_consistent
 
 
 def test_window_conversion() -> None:
@@ -102,6 +103,29 @@ def test_strided_fold_runs_each_class_as_heads_of_its_own(mask, length: int, lay
     expected = torch.autograd.grad(want, (q, k, v), g_out)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
+
+
+_DILATED = masks.DilatedSlidingWindow(left=9, right=4, dilation=2)
+
+
+@pytest.mark.parametrize(
+    ("mask", "window"),
+    [
+        (_DILATED & masks.Causal(), (4, 0)),
+        (_DILATED & masks.SlidingWindow(left=5, right=3), (2, 1)),  # absolute reaches // stride
+        (masks.Causal() & _DILATED & masks.DilatedSlidingWindow(left=3, right=9, dilation=2), (1, 0)),
+        (_DILATED & masks.DilatedSlidingWindow(left=9, dilation=3), None),  # two strides
+        (_DILATED & masks.Chunked(size=6), None),  # segments: no plain window
+        (_DILATED & masks.Document.from_lengths([[10, 14], [4, 20]]), None),
+    ],
+)
+def test_intersections_keep_a_strided_form_where_exact(mask, window) -> None:  # type: ignore[no-untyped-def]
+    """``And`` of strided forms of one stride and plain windows is a strided form (checked
+    against ``dense()`` at lengths the stride divides and not); anything else has none."""
+    form = mask.strided_form(24, 24)
+    assert (form and form.window) == window
+    for length in (24, 25) if window is not None else (24,):
+        assert_mask_consistent(mask, q_len=length, kv_len=length, batch=2)
 
 
 def test_fa4_takes_a_dilated_window_with_its_stride_dividing_the_length() -> None:
