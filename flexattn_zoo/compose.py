@@ -231,10 +231,11 @@ class And(_Combined):
             plain = part.varlen_form(q_len, kv_len, 1)
             if plain is None or plain.segments is not None or plain.kv_segments is not None:
                 return None
-            windows.append(tuple(w // stride if w >= 0 else -1 for w in plain.window))
-        left = _tightest([w[0] for w in windows])
-        right = _tightest([w[1] for w in windows])
-        return StridedForm(stride=stride, window=(left, right))
+            left, right = plain.window
+            windows.append((left // stride if left >= 0 else -1, right // stride if right >= 0 else -1))
+        return StridedForm(
+            stride=stride, window=(_tightest([w[0] for w in windows]), _tightest([w[1] for w in windows]))
+        )
 
     def __and__(self, other: MaskSpec) -> MaskSpec:
         check_mask(other, "&")
