@@ -18,6 +18,7 @@
 #                    # tests/gpu/test_compile_gpu.py on the tree with the traced-walk fix
 #   bash benchmarks/gpu_session_r57.sh dilated 300   # (FA4 installed) the strided (dilated) fa4
 #                    # layout's GPU tests and the dilated zoo case on auto/raw_flex/flex_flash/fa4
+#                    # (TESTK: the tests' -k expression; MODES: the zoo case's modes)
 #   bash benchmarks/gpu_session_r57.sh zoo 300       # (FA4 installed) the zoo rows below the 1.3x
 #                    # goal again, into a copy of zoo_h200.json on an H200 (CASES and ROUTES
 #                    # override the cases and routes)
@@ -36,9 +37,9 @@ case "$step" in
     # FA4 installed: the strided layout's GPU tests, then the dilated zoo case on every fast route
     run "gpu_tests_dilated_${gpu}_${session}" "$(share 45)" python3 -m pytest -m gpu -q -rfE -p no:cacheprovider \
       -n 4 tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py tests/gpu/test_zoo_gpu.py \
-      -k "fa4_layouts or dilated"
+      -k "${TESTK:-fa4_layouts or dilated}"
     run "zoo_dilated_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo \
-      --routes auto,raw_flex,flex_flash,fa4 --cases zoo_dilated_sliding_window \
+      --routes auto,raw_flex,flex_flash,fa4 --cases zoo_dilated_sliding_window --modes "${MODES:-fwd,fwdbwd}" \
       --out "$out/zoo_dilated_${gpu}_${session}.json" --md "$out/zoo_dilated_${gpu}_${session}.md" --quiet \
       --time-budget "$(( $(left) - 35 ))"
     ;;
