@@ -2,7 +2,10 @@
 
 SDPA is only exact for masks whose ``sdpa_form()`` is "no mask" or ``is_causal`` (top-left,
 offered only when Lq == Lkv), for equal chunks of either (``Chunked``, ``Chunked & Causal``,
-equal documents: each chunk becomes a batch row, see ``segments.as_chunks``), and for masks and
+equal documents: each chunk becomes a batch row, see ``segments.as_chunks``), for either inside
+residue classes of positions (a ``StridedForm`` whose class window is unbounded or causal:
+dilated windows spanning the sequence, Sparse Transformer's strided heads; each class becomes
+heads of its own, see ``segments.fold_strided``), and for masks and
 score mods that *are* a tensor the user gave (``masks.Dense``, ``score_mods.Bias``: their form's
 ``attn_mask``, one per call, passed as it is). Any other score mod is refused: a dense mask or
 bias built from a spec would materialize Lq x Lkv, which this library never does behind the
@@ -49,7 +52,7 @@ from flexattn_zoo.backends.base import (
     laid_out,
 )
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.segments import as_chunks, from_chunks, segment_layout
+from flexattn_zoo.segments import as_chunks, fold_strided, from_chunks, segment_layout, unfold_strided
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +107,15 @@ class SdpaBackend(Backend):
         asked while ``torch.compile`` traces: the check builds fake tensors of its own."""
         if p.device_type != "cuda" or p.arch == ROCM or _compat.is_compiling():
             return []
-        is_causal, chunk = call.is_causal, call.chunk
+        is_causal, chunk, stride = call.is_causal, call.chunk, call.stride
         batch, q_len, kv_len = p.batch, p.q_len, p.kv_len
+        heads = p.heads
+        kv_heads = p.heads if (p.gqa and self.expand_gqa) else p.kv_heads
         if chunk:
             batch, q_len, kv_len = batch * (q_len // chunk), chunk, chunk
-        kv_heads = p.heads if (p.gqa and self.expand_gqa) else p.kv_heads
+        if stride:
+            q_len, kv_len = q_len // stride, kv_len // stride
+            heads, kv_heads = heads * stride, kv_heads * stride
         # Asked only when set: torch checks dropout per kernel, and calls without it (or with
         # equal head dims) are asked, and cached, under the same key as ever.
         extra: dict[str, Any] = {}
@@ -119,7 +126,7 @@ class SdpaBackend(Backend):
         with SDPA_LOCK:  # the check pins the kernel through torch's global flags
             why = _compat.sdpa_torch_refusal(
                 self.kernel,
-                (batch, p.heads, q_len, p.head_dim),
+                (batch, heads, q_len, p.head_dim),
                 (batch, kv_heads, kv_len, p.head_dim),
                 p.dtype,
                 p.arch,
@@ -146,8 +153,13 @@ class SdpaBackend(Backend):
         it does not ask per call and per tensor whether torch.compile traces it."""
         call = _sdpa_call(p)
         assert not isinstance(call, str)  # mask_reasons refused the rest
-        is_causal, chunk, has_tensor = call.is_causal, call.chunk, call.attn_mask is not None
-        batch = p.batch
+        is_causal, chunk, stride, has_tensor = (
+            call.is_causal,
+            call.chunk,
+            call.stride,
+            call.attn_mask is not None,
+        )
+        batch, heads = p.batch, p.heads
         # cuDNN refuses enable_gqa (H200, 32:8 causal L=8192 with k/v expanded: 4.4 / 15.6 ms
         # fwd / fwd+bwd vs 5.1 / 20.1 on Triton flex, benchmarks/results/nofa4_levers_probe_h200.txt).
         expand = p.gqa and self.expand_gqa
@@ -198,6 +210,8 @@ class SdpaBackend(Backend):
             view_ok = chunk_view and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
             if chunk:
                 q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
+            if stride:  # [B, H, L, D] -> [B, stride * H, L / stride, D]: each class its own heads
+                q, k, v = (fold_strided(t.transpose(1, 2), stride).transpose(1, 2) for t in (q, k, v))
             if fused and not view_ok:
                 if eager:
                     flags = copies[0]
@@ -220,6 +234,8 @@ class SdpaBackend(Backend):
             out = _launch_sdpa(sdpa, q, k, v, scale, enabled, traced)
             if enabled is not kernels and not capturing:
                 warm[0] = True  # after the call: its plan exists now
+            if stride:
+                return unfold_strided(out.transpose(1, 2), heads).transpose(1, 2), None
             return (from_chunks(out, batch) if chunk else out), None
 
         return launch
@@ -375,18 +391,21 @@ class SdpaChoiceBackend(SdpaBackend):
 @dataclasses.dataclass(frozen=True)
 class SdpaCall:
     """The exact SDPA call for a problem: ``is_causal``, ``chunk`` (0: the call as it is, else each
-    ``chunk`` positions as their own batch row), the ``attn_mask`` tensor (``[B|1, H|1, Lq|1,
-    Lkv|1]``, bool or float) or None, and whether that mask may leave a row seeing no key."""
+    ``chunk`` positions as their own batch row), ``stride`` (0, else each residue class of
+    positions mod ``stride`` as heads of its own, ``is_causal`` inside each), the ``attn_mask``
+    tensor (``[B|1, H|1, Lq|1, Lkv|1]``, bool or float) or None, and whether that mask may leave a
+    row seeing no key."""
 
     is_causal: bool
     chunk: int = 0
+    stride: int = 0
     attn_mask: torch.Tensor | None = None
     empty_rows: bool = False
 
 
 _NO_FORM = (
     "mask {} has no exact SDPA form (only no mask or causal with Lq == Lkv, equal chunks of either, "
-    "or an attn_mask tensor: masks.Dense)"
+    "either inside residue classes of a stride dividing the length, or an attn_mask tensor: masks.Dense)"
 )
 
 
@@ -403,9 +422,21 @@ def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
     if p.q_len != p.kv_len:
         return _NO_FORM.format(name)
     layout = segment_layout(p.mask, p.batch, p.q_len)
-    if layout is None or layout[0] != "chunks" or layout[2] not in ((-1, -1), (-1, 0)):
+    if layout is None or layout[0] not in ("chunks", "strided"):
         return _NO_FORM.format(name)
-    return SdpaCall(is_causal=layout[2] == (-1, 0), chunk=layout[1])
+    kind, size, window = layout
+    if kind == "strided":
+        window = _whole_class_window(window, p.q_len // size)
+    if window not in ((-1, -1), (-1, 0)):
+        return _NO_FORM.format(name)
+    is_causal = window == (-1, 0)
+    return SdpaCall(is_causal=is_causal, chunk=size) if kind == "chunks" else SdpaCall(is_causal, stride=size)
+
+
+def _whole_class_window(window: tuple[int, int], length: int) -> tuple[int, int]:
+    """``window`` with each reach that spans a class of ``length`` positions as -1 (unbounded)."""
+    left, right = window
+    return (-1 if left < 0 or left >= length - 1 else left, -1 if right < 0 or right >= length - 1 else right)
 
 
 def _empty_rows_reason(consequence: str) -> str:

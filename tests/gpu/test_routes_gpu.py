@@ -311,6 +311,27 @@ def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore
     _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
 
 
+@pytest.mark.parametrize("route", ["sdpa", "sdpa_cudnn", "sdpa_flash"])
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.DilatedSlidingWindow(left=384, dilation=3),  # causal inside each residue class
+        masks.DilatedSlidingWindow(left=384, right=384, dilation=2),  # whole classes
+    ],
+)
+def test_sdpa_residue_classes_as_heads(route: str, hkv: int, mask) -> None:  # type: ignore[no-untyped-def]
+    """A dilated window spanning the sequence: each residue class its own heads (GQA with k/v
+    expanded for cuDNN first), forward and backward vs float64."""
+    g = torch.Generator(device=DEV).manual_seed(6)
+    q = torch.randn(2, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k, v = (
+        torch.randn(2, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        for _ in range(2)
+    )
+    _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
+
+
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("layout", ["contiguous", "projection"])
 def test_sdpa_split_prefix(hkv: int, layout: str) -> None:

@@ -1,4 +1,4 @@
-"""Segment layouts (fa4 and SDPA chunk calls) and the fa4 route's refusals, on the CPU (kernels: tests/gpu)."""
+"""Segment layouts (fa4 and SDPA chunk and residue-class calls) and the fa4 route's refusals, on the CPU (kernels: tests/gpu)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from flexattn_zoo.segments import (
     unfold_strided_lse,
 )
 from flexattn_zoo.spec import ScoreSpec, SoftCapForm, spec_dataclass
-from flexattn_zoo.testing import assert_mask_consistent
+from flexattn_zoo.testing import assert_mask_consistent, assert_matches_reference
 
 
 def test_window_conversion() -> None:
@@ -208,3 +208,36 @@ def test_routes_import_no_catalogue_classes() -> None:
                     name,
                 )
                 assert name.split(".")[0] not in ("masks", "score_mods"), (path.name, name)
+
+
+@pytest.mark.parametrize("route", ["sdpa_flash", "sdpa_math"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        masks.DilatedSlidingWindow(left=64, right=64, dilation=2),  # whole classes
+        masks.DilatedSlidingWindow(left=62, dilation=2),  # reaches the first of its class: causal
+        masks.DilatedSlidingWindow(left=100, dilation=4) & masks.Causal(),
+    ],
+)
+def test_sdpa_runs_residue_classes_whose_window_spans_them(mask, layout: str, route: str) -> None:  # type: ignore[no-untyped-def]
+    """A strided form whose class window is unbounded or causal is SDPA on the classes as
+    heads of their own (GQA 4:2), forward and backward, against float64."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 64, heads, 16, generator=g) for heads in (4, 2, 2))  # [B, L, H, D]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if layout == "bhsd":
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    assert fz.plan(q, k, v, mask=mask, enable_gqa=True).backend == "sdpa_flash"
+    out = fz.attention(q, k, v, mask=mask, enable_gqa=True, backend=route)
+    g_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), g_out)
+    assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=True, grads=grads, grad_out=g_out)
+
+
+def test_sdpa_refuses_residue_classes_with_a_bounded_window() -> None:
+    q = torch.randn(1, 2, 64, 16)
+    narrow = masks.DilatedSlidingWindow(left=60, dilation=2)  # class window 30 of 32: bounded
+    with pytest.raises(ValueError, match="residue classes"):
+        fz.attention(q, q, q, mask=narrow, backend="sdpa_flash")

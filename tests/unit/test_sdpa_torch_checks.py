@@ -57,6 +57,14 @@ def test_equal_chunks_are_checked_as_the_batch_rows_sdpa_sees(monkeypatch: pytes
     assert asked and asked[0][1] == (8, 8, 256, 128) and asked[0][5] is True
 
 
+def test_residue_classes_are_checked_as_the_heads_sdpa_sees(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[object, ...]] = []
+    monkeypatch.setattr(_compat, "sdpa_torch_refusal", lambda *a: asked.append(a))
+    spanning = masks.DilatedSlidingWindow(left=1024, dilation=4)  # causal inside each class
+    SDPA_CUDNN.reasons(_problem(mask=spanning, heads=8, kv_heads=2))  # cuDNN expands k/v first
+    assert asked and asked[0][1:3] == ((2, 32, 256, 128), (2, 32, 256, 128)) and asked[0][5] is True
+
+
 def test_not_asked_off_cuda_and_when_the_own_rules_refuse(monkeypatch: pytest.MonkeyPatch) -> None:
     asked: list[object] = []
     monkeypatch.setattr(_compat, "sdpa_torch_refusal", lambda *a: asked.append(a))
