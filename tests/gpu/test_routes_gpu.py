@@ -296,19 +296,24 @@ def test_gqa(route: str) -> None:
     _check(q, k, v, route, masks.Causal(), None, gqa=True)
 
 
+def _bf16_qkv(batch: int, hkv: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded bf16 q ``[batch, 4, 384, 64]`` and k, v with ``hkv`` heads, requiring grad."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(batch, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k, v = (
+        torch.randn(batch, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        for _ in range(2)
+    )
+    return q, k, v
+
+
 @pytest.mark.parametrize("route", ["sdpa_cudnn", "sdpa_flash"])
 @pytest.mark.parametrize("hkv", [4, 2])
 @pytest.mark.parametrize("mask", [masks.Chunked(size=128) & masks.Causal(), masks.Chunked(size=96)])
 def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore[no-untyped-def]
     """Batch 1, contiguous: cuDNN gets the strided chunk view itself (no copy); with GQA (k/v
     expanded for cuDNN first), lse-free, forward and backward vs float64."""
-    g = torch.Generator(device=DEV).manual_seed(3)
-    q = torch.randn(1, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    k, v = (
-        torch.randn(1, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-        for _ in range(2)
-    )
-    _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
+    _check(*_bf16_qkv(1, hkv, seed=3), route, mask, None, gqa=hkv != 4, lse=False)
 
 
 @pytest.mark.parametrize("route", ["sdpa", "sdpa_cudnn", "sdpa_flash"])
@@ -323,13 +328,7 @@ def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore
 def test_sdpa_residue_classes_as_heads(route: str, hkv: int, mask) -> None:  # type: ignore[no-untyped-def]
     """A dilated window spanning the sequence: each residue class its own heads (GQA with k/v
     expanded for cuDNN first), forward and backward vs float64."""
-    g = torch.Generator(device=DEV).manual_seed(6)
-    q = torch.randn(2, 4, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    k, v = (
-        torch.randn(2, hkv, 384, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-        for _ in range(2)
-    )
-    _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
+    _check(*_bf16_qkv(2, hkv, seed=6), route, mask, None, gqa=hkv != 4, lse=False)
 
 
 @pytest.mark.parametrize("hkv", [4, 2])
