@@ -493,7 +493,7 @@ SDPA_CUDNN = SdpaBackend(
     value_dims=True,  # q/k 192 with v 128 forward and backward (H200, cuDNN 9.19)
     deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
-    doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks; GQA with k/v expanded)",
+    doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks, spanning dilated windows; GQA with k/v expanded)",
 )
 #: The kernels SDPA chooses among before its math fallback.
 FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
