@@ -85,6 +85,11 @@ def from_chunks(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.reshape(batch, n, h, chunk, d).transpose(1, 2).reshape(batch, h, n * chunk, d)
 
 
+#: The most heads a folded call may have on CUDA: kernels put heads on a grid dimension of at most
+#: 65535 blocks (FlashAttention-2's and the memory-efficient kernel's).
+MAX_FOLDED_HEADS = 65535
+
+
 def fold_strided(t: torch.Tensor, stride: int) -> torch.Tensor:
     """``[B, L, H, D]`` -> ``[B, L // stride, stride * H, D]``: position ``u * stride + r`` of head
     ``h`` becomes position ``u`` of head ``r * H + h`` (each residue class its own heads; with
@@ -110,6 +115,7 @@ def unfold_strided_lse(lse: torch.Tensor, heads: int) -> torch.Tensor:
 
 __all__ = [
     "LAYOUT_CACHE",
+    "MAX_FOLDED_HEADS",
     "SegmentLayout",
     "as_chunks",
     "fold_strided",

@@ -56,10 +56,10 @@ class DilatedSlidingWindow(MaskSpec):
     window of ``left // dilation`` / ``right // dilation`` kept keys, which FlashAttention-4's
     windowed kernels run as ``dilation`` times as many heads of ``L / dilation`` positions (route
     ``fa4``, when ``L`` is a multiple of the dilation), and SDPA's kernels too when that window
-    spans each class (``left >= L - dilation``, ``right`` the same or 0); a closed-form block map
-    for any lengths; lowest visible key ``i - left`` for ``dilation == 1`` and ``i`` when
-    ``left < dilation`` (otherwise none: early rows' lowest key ``i % dilation`` falls at every
-    multiple of the dilation, and a bound must never decrease).
+    spans each class (``left >= L - dilation``; ``right`` too, or ``right < dilation``); a
+    closed-form block map for any lengths; lowest visible key ``i - left`` for ``dilation == 1``
+    and ``i`` when ``left < dilation`` (otherwise none: early rows' lowest key ``i % dilation``
+    falls at every multiple of the dilation, and a bound must never decrease).
 
     Args:
         left: reach before the query, in positions (``>= 0``).

@@ -46,7 +46,13 @@ from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Back
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.segments import fold_strided, segment_layout, unfold_strided, unfold_strided_lse
+from flexattn_zoo.segments import (
+    MAX_FOLDED_HEADS,
+    fold_strided,
+    segment_layout,
+    unfold_strided,
+    unfold_strided_lse,
+)
 
 
 def _softcap(p: Problem) -> float:
@@ -97,6 +103,11 @@ class FlashAttn4Backend(Backend):
                 out.append(
                     f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window, or a "
                     "window in residue classes of a stride that divides the length)"
+                )
+            elif layout[0] == "strided" and layout[1] * p.heads > MAX_FOLDED_HEADS:
+                out.append(
+                    f"{layout[1]} residue classes x {p.heads} heads exceed the {MAX_FOLDED_HEADS} heads "
+                    "a folded call may have"
                 )
             elif layout[0] == "packed" and _compat.is_compiling():
                 # cu_seqlens and max_seqlen are read from the segments (data-dependent shapes).

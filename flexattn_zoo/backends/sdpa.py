@@ -52,7 +52,14 @@ from flexattn_zoo.backends.base import (
     laid_out,
 )
 from flexattn_zoo.problem import Problem
-from flexattn_zoo.segments import as_chunks, fold_strided, from_chunks, segment_layout, unfold_strided
+from flexattn_zoo.segments import (
+    MAX_FOLDED_HEADS,
+    as_chunks,
+    fold_strided,
+    from_chunks,
+    segment_layout,
+    unfold_strided,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +433,11 @@ def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
         return _NO_FORM.format(name)
     kind, size, window = layout
     if kind == "strided":
+        if p.device_type == "cuda" and size * p.heads > MAX_FOLDED_HEADS:
+            return (
+                f"mask {name} runs each of its {size} residue classes as heads of their own: "
+                f"{size} x {p.heads} heads exceed the {MAX_FOLDED_HEADS} a CUDA kernel grid takes"
+            )
         window = _whole_class_window(window, p.q_len // size)
     if window not in ((-1, -1), (-1, 0)):
         return _NO_FORM.format(name)
@@ -513,7 +525,7 @@ SDPA_CHOICE = SdpaChoiceBackend(
     deterministic=False,
     nondeterministic_why="SDPA chooses its kernel per call; name a pinned sdpa_* route for reproducible runs",
     doc="SDPA with its own kernel choice (cuDNN, FA2, memory-efficient; native GQA); no mask, causal, "
-    "equal chunks, attn_mask tensors",
+    "spanning dilated windows, attn_mask tensors",
 )
 SDPA_FLASH = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
@@ -529,7 +541,7 @@ SDPA_FLASH = SdpaBackend(
     min_cc=(8, 0),
     needs_torch_deterministic_mode=True,  # FA2's backward: deterministic dQ accumulation only then
     rocm=True,
-    doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal chunks)",
+    doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal chunks, spanning dilated windows)",
 )
 SDPA_EFFICIENT = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
@@ -543,7 +555,7 @@ SDPA_EFFICIENT = SdpaBackend(
     gqa=False,
     needs_torch_deterministic_mode=True,  # forces num_splits_key=1 in its backward
     rocm=True,
-    doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks)",
+    doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks, spanning dilated windows)",
 )
 SDPA_MATH = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
@@ -555,5 +567,5 @@ SDPA_MATH = SdpaBackend(
     rocm=True,
     materializes=True,
     value_dims=True,
-    doc="SDPA's reference math kernel (no mask, causal, equal chunks); materializes scores internally",
+    doc="SDPA's reference math kernel (no mask, causal, equal chunks, spanning dilated windows); materializes scores internally",
 )

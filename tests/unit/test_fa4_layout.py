@@ -241,3 +241,15 @@ def test_sdpa_refuses_residue_classes_with_a_bounded_window() -> None:
     narrow = masks.DilatedSlidingWindow(left=60, dilation=2)  # class window 30 of 32: bounded
     with pytest.raises(ValueError, match="residue classes"):
         fz.attention(q, q, q, mask=narrow, backend="sdpa_flash")
+
+
+def test_folds_past_a_cuda_grid_of_heads_are_refused() -> None:
+    """Each residue class becomes heads of its own: on CUDA stride x heads must fit a kernel grid."""
+    from flexattn_zoo.backends.sdpa import SDPA_CUDNN
+
+    spanning = masks.DilatedSlidingWindow(left=4096, dilation=2048)  # 2048 classes of 2 positions
+    wide = _problem(mask=spanning, q_len=4096, kv_len=4096, heads=32, kv_heads=32)  # 65536 heads
+    assert "65535" in " ".join(FA4.mask_reasons(wide))
+    assert "65535" in " ".join(SDPA_CUDNN.mask_reasons(wide))
+    narrow = _problem(mask=spanning, q_len=4096, kv_len=4096, heads=16, kv_heads=16)
+    assert FA4.mask_reasons(narrow) == []
