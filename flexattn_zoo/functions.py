@@ -733,8 +733,8 @@ def walkable_at_trace_time(fn: Any) -> bool:
     raw mod over captured document ids or slopes), and torch 2.11's Dynamo cannot take ``id()``
     of a module or a float among the globals. At trace time: from torch 2.13 (2.11 raised
     NotImplementedError for the function argument; earlier versions take the conservative
-    answers), and only for a function made outside the compiled region (Dynamo shows one made inside it no ``__closure__``, and cannot hand it to a
-    trace-time call)."""
+    answers), and only for a function made outside the compiled region (Dynamo shows one made
+    inside it no ``__closure__``, and cannot hand it to a trace-time call)."""
     if _compat.TORCH_VERSION < TRACE_TIME_WALK_SINCE:
         return False
     try:

@@ -12,7 +12,9 @@ kernel sees them as separate sequences:
   its stride (``chunk``): each residue class of positions mod the stride is a sequence of its
   own, which kernels taking ``[B, L, H, D]`` see as heads of their own (:func:`fold_strided`).
 
-``window`` is the form's window inside each segment (or class): ``(left, right)``, ``-1`` unbounded.
+``window`` is the form's window inside each segment (or class): ``(left, right)``, ``-1`` unbounded;
+a reach that spans every segment (``>= segment length - 1``) is given as ``-1`` too, so kernels
+that know only "no mask" and causal read such a window as one of those.
 """
 
 from __future__ import annotations
@@ -44,10 +46,22 @@ def segment_layout(mask: MaskSpec | None, batch: int, length: int) -> SegmentLay
         strided = mask.strided_form(length, length)
         if strided is None or length % strided.stride:
             return None
-        return LAYOUT_CACHE.put(key, ("strided", strided.stride, strided.window))
-    if form.kv_segments is not None:
+        layout: SegmentLayout = ("strided", strided.stride, strided.window)
+    elif form.kv_segments is not None:
         return None  # keys segmented apart from queries: only a varlen kernel with two offset lists
-    return LAYOUT_CACHE.put(key, _layout(form, length))
+    else:
+        layout = _layout(form, length)
+    return LAYOUT_CACHE.put(key, _spans_as_unbounded(layout, length))
+
+
+def _spans_as_unbounded(layout: SegmentLayout, length: int) -> SegmentLayout:
+    """``layout`` with each window reach that spans its segments (a class of ``length / stride``
+    positions, a chunk, a row) as -1; packed segments differ in length and keep theirs."""
+    kind, size, (left, right) = layout
+    if kind == "packed":
+        return layout
+    span = length // size if kind == "strided" else size
+    return kind, size, (-1 if left >= span - 1 else left, -1 if right >= span - 1 else right)
 
 
 def _layout(form: VarlenForm, length: int) -> SegmentLayout:

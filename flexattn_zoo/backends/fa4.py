@@ -208,5 +208,6 @@ FA4 = FlashAttn4Backend(
     requires=(FLASH_CUTE,),
     deterministic=False,
     nondeterministic_why="FA4's backward accumulates dQ with atomics (its deterministic mode is not validated here)",
-    doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks/dilated windows, SoftCap(approx=True)",
+    doc="FlashAttention-4 CuTe kernels called directly: causal/windows/documents/chunks/dilated windows, "
+    "SoftCap(approx=True)",
 )

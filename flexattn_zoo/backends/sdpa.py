@@ -431,24 +431,16 @@ def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
     layout = segment_layout(p.mask, p.batch, p.q_len)
     if layout is None or layout[0] not in ("chunks", "strided"):
         return _NO_FORM.format(name)
-    kind, size, window = layout
-    if kind == "strided":
-        if p.device_type == "cuda" and size * p.heads > MAX_FOLDED_HEADS:
-            return (
-                f"mask {name} runs each of its {size} residue classes as heads of their own: "
-                f"{size} x {p.heads} heads exceed the {MAX_FOLDED_HEADS} a CUDA kernel grid takes"
-            )
-        window = _whole_class_window(window, p.q_len // size)
+    kind, size, window = layout  # a window spanning the chunks or classes reads as unbounded
     if window not in ((-1, -1), (-1, 0)):
         return _NO_FORM.format(name)
+    if kind == "strided" and p.device_type == "cuda" and size * p.heads > MAX_FOLDED_HEADS:
+        return (
+            f"mask {name} runs each of its {size} residue classes as heads of their own: "
+            f"{size} x {p.heads} heads exceed the {MAX_FOLDED_HEADS} a CUDA kernel grid takes"
+        )
     is_causal = window == (-1, 0)
     return SdpaCall(is_causal=is_causal, chunk=size) if kind == "chunks" else SdpaCall(is_causal, stride=size)
-
-
-def _whole_class_window(window: tuple[int, int], length: int) -> tuple[int, int]:
-    """``window`` with each reach that spans a class of ``length`` positions as -1 (unbounded)."""
-    left, right = window
-    return (-1 if left < 0 or left >= length - 1 else left, -1 if right < 0 or right >= length - 1 else right)
 
 
 def _empty_rows_reason(consequence: str) -> str:
@@ -505,7 +497,8 @@ SDPA_CUDNN = SdpaBackend(
     value_dims=True,  # q/k 192 with v 128 forward and backward (H200, cuDNN 9.19)
     deterministic=False,
     nondeterministic_why="torch refuses cuDNN SDPA in deterministic mode (its backward is not reproducible)",
-    doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks, spanning dilated windows; GQA with k/v expanded)",
+    doc="cuDNN fused attention via SDPA (no mask, causal, equal chunks, spanning dilated windows; "
+    "GQA with k/v expanded)",
 )
 #: The kernels SDPA chooses among before its math fallback.
 FUSED_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
@@ -541,7 +534,8 @@ SDPA_FLASH = SdpaBackend(
     min_cc=(8, 0),
     needs_torch_deterministic_mode=True,  # FA2's backward: deterministic dQ accumulation only then
     rocm=True,
-    doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal chunks, spanning dilated windows)",
+    doc="FlashAttention-2 via SDPA on CUDA; torch's fused flash kernel on CPU (no mask, causal, equal "
+    "chunks, spanning dilated windows)",
 )
 SDPA_EFFICIENT = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
@@ -555,7 +549,8 @@ SDPA_EFFICIENT = SdpaBackend(
     gqa=False,
     needs_torch_deterministic_mode=True,  # forces num_splits_key=1 in its backward
     rocm=True,
-    doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks, spanning dilated windows)",
+    doc="memory-efficient (xFormers-style) kernel via SDPA (no mask, causal, equal chunks, spanning "
+    "dilated windows)",
 )
 SDPA_MATH = SdpaBackend(
     score_mods=True,  # only a Bias (see _sdpa_call)
@@ -567,5 +562,6 @@ SDPA_MATH = SdpaBackend(
     rocm=True,
     materializes=True,
     value_dims=True,
-    doc="SDPA's reference math kernel (no mask, causal, equal chunks, spanning dilated windows); materializes scores internally",
+    doc="SDPA's reference math kernel (no mask, causal, equal chunks, spanning dilated windows); "
+    "materializes scores internally",
 )

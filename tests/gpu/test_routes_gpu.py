@@ -327,8 +327,10 @@ def test_sdpa_chunks_batch1(route: str, hkv: int, mask) -> None:  # type: ignore
 )
 def test_sdpa_residue_classes_as_heads(route: str, hkv: int, mask) -> None:  # type: ignore[no-untyped-def]
     """A dilated window spanning the sequence: each residue class its own heads (GQA with k/v
-    expanded for cuDNN first), forward and backward vs float64."""
-    _check(*_bf16_qkv(2, hkv, seed=6), route, mask, None, gqa=hkv != 4, lse=False)
+    expanded for cuDNN first), forward and backward vs float64. The route must take it (no skip)."""
+    q, k, v = _bf16_qkv(2, hkv, seed=6)
+    assert fz.plan(q, k, v, mask=mask, backend=route, enable_gqa=hkv != 4).backend == route
+    _check(q, k, v, route, mask, None, gqa=hkv != 4, lse=False)
 
 
 @pytest.mark.parametrize("hkv", [4, 2])

@@ -47,6 +47,11 @@ def test_window_conversion() -> None:
         (masks.DilatedSlidingWindow(left=30, dilation=3), 99, 1, ("strided", 3, (10, 0))),
         (masks.DilatedSlidingWindow(left=30, dilation=3), 100, 1, None),  # 3 does not divide 100
         (masks.DilatedSlidingWindow(left=1, right=1, dilation=2), 100, 1, ("rows", 100, (0, 0))),  # diagonal
+        # reaches spanning their segments read as unbounded: a row, a chunk, a residue class
+        (masks.SlidingWindow(left=99, right=120), 100, 1, ("rows", 100, (-1, -1))),
+        (masks.Chunked(size=25) & masks.SlidingWindow(left=24), 100, 2, ("chunks", 25, (-1, 0))),
+        (masks.DilatedSlidingWindow(left=98, dilation=2), 100, 1, ("strided", 2, (-1, 0))),
+        (masks.DilatedSlidingWindow(left=96, dilation=2), 100, 1, ("strided", 2, (48, 0))),
     ],
 )
 def test_layouts(mask, length: int, batch: int, expected) -> None:  # type: ignore[no-untyped-def]
@@ -253,3 +258,15 @@ def test_folds_past_a_cuda_grid_of_heads_are_refused() -> None:
     assert "65535" in " ".join(SDPA_CUDNN.mask_reasons(wide))
     narrow = _problem(mask=spanning, q_len=4096, kv_len=4096, heads=16, kv_heads=16)
     assert FA4.mask_reasons(narrow) == []
+
+
+def test_sdpa_runs_chunks_whose_window_spans_them() -> None:
+    """A window reaching over every chunk is no window: causal chunks on SDPA, against float64."""
+    mask = masks.Chunked(size=16) & masks.SlidingWindow(left=15)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 64, 16, generator=g).requires_grad_(True) for _ in range(3))
+    assert fz.plan(q, k, v, mask=mask).backend == "sdpa_flash"
+    out = fz.attention(q, k, v, mask=mask, backend="sdpa_flash")
+    g_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), g_out)
+    assert_matches_reference(out, q, k, v, mask=mask, grads=grads, grad_out=g_out)
