@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU steps of the fifty-eighth session (outputs in $OUT/r58/, packed into $OUT/r58_STEP.tar).
+# FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
+#
+#   bash benchmarks/gpu_session_r58.sh verify 200   # (FA4 installed) the strided (dilated) layout's
+#                    # GPU tests on fa4 and the SDPA routes, the fullgraph dilated case, the zoo
+#                    # family test of the dilated preset
+#   bash benchmarks/gpu_session_r58.sh zoo 560      # (FA4 installed) every zoo case on auto and
+#                    # hand-written flex into /root/zoo_GPU_r58.json (kept while the machine is warm:
+#                    # a second call resumes it); CASES / ROUTES override the cases and routes
+#   bash benchmarks/gpu_session_r58.sh zoonofa4 560 # the same with FA4 hidden (--no-fa4)
+set -uo pipefail
+step="${1:?usage: $0 verify|zoo|zoonofa4 [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r58
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+zoo() {  # zoo SUFFIX [EXTRA ARGS...]: the zoo sweep into /root/zoo_${gpu}${SUFFIX}_r58.json
+  local name="zoo_${gpu}$1_${session}"
+  shift
+  run "$name" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes "${ROUTES:-auto,raw_flex}" \
+    --out "/root/$name.json" --md "$out/$name.md" --quiet --resume ${CASES:+--cases "$CASES"} \
+    --time-budget "$(( $(left) - 35 ))" "$@"
+  cp "/root/$name.json" "$out/"
+}
+case "$step" in
+  verify)
+    run "gpu_tests_strided_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py \
+      tests/gpu/test_zoo_gpu.py -k "${TESTK:-dilated or residue_classes or fa4_layouts}"
+    ;;
+  zoo) zoo "" ;;
+  zoonofa4) zoo "-nofa4" --no-fa4 ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
