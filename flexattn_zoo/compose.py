@@ -14,8 +14,8 @@ ids of row ``b``. The wrappers hold the part of the whole call a shard covers --
 ``[b0, b1)`` and query heads ``[h0, h1)`` of a call with ``total = (B, H)`` -- and give the inner
 spec global indices: ``mask_mod(b, h, ...)`` is the inner ``mask_mod(b + b0, h + h0, ...)``. Nothing
 is sliced to build them, so specs holding ``[B, ...]`` tensors and raw callables work alike. Forms
-stay exact: those that cannot depend on ``b`` or ``h`` (SDPA's ``is_causal``, split, soft-cap,
-future keys hidden, lowest visible key: each holds for every row and head of the whole call, so for
+stay exact: those that cannot depend on ``b`` or ``h`` (SDPA's ``is_causal``, split, strided,
+soft-cap, future keys hidden, lowest visible key: each holds for every row and head of the whole call, so for
 every row and head of a shard) pass through; those that can are sliced to the shard (SDPA
 ``attn_mask`` tensors and block maps ``[B|1, H|1, ...]``, varlen segments ``[B, S]``, per-head
 linear-bias slopes). ``validate`` checks the inner spec against the whole call and the local sizes
@@ -533,6 +533,9 @@ class MaskOnShard(MaskSpec):
 
     def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
         return self.part.split_form(q_len, kv_len)
+
+    def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
+        return self.part.strided_form(q_len, kv_len)  # the same classes in every row and head
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         form = self.part.varlen_form(q_len, kv_len, self.total[0])

@@ -17,6 +17,7 @@ from flexattn_zoo.spec import (
     SdpaForm,
     Spec,
     SplitForm,
+    StridedForm,
     VarlenForm,
     keeps_function_of,
     spec_dataclass,
@@ -61,7 +62,8 @@ class PerDocument(MaskSpec):
 
     * varlen, when ``Lq == Lkv`` and ``inner`` offers the same window form (no segments) at every
       document length: the documents as segments with that window (``Causal``, ``SlidingWindow``);
-    * SDPA and split forms of ``inner`` when one document covers the whole problem and ``Lq == Lkv``;
+    * SDPA, split and strided forms of ``inner`` when one document covers the whole problem and
+      ``Lq == Lkv``;
     * a block map: when every document starts on a multiple of both block sizes, composed from
       ``inner``'s own block maps (one per distinct document length, placed on the diagonal); else,
       when ``inner`` depends on neither batch nor head, by evaluating the ``mask_mod`` only on the
@@ -233,6 +235,10 @@ class PerDocument(MaskSpec):
     def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
         inner = self._single(q_len, kv_len)
         return None if inner is None else inner.split_form(q_len, kv_len)
+
+    def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
+        inner = self._single(q_len, kv_len)
+        return None if inner is None else inner.strided_form(q_len, kv_len)
 
     def hides_future_keys(self, q_len: int, kv_len: int) -> bool:
         if tracing():

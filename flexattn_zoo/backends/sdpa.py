@@ -212,13 +212,15 @@ class SdpaBackend(Backend):
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
         ) -> tuple[torch.Tensor, None]:
             traced = False if eager else _compat.is_compiling()
+            if stride:  # [B, H, L, D] -> [B, stride * H, L / stride, D]: each class its own heads
+                # Folded before the k/v expansion: a view of [B, L, H, D] projection outputs, and
+                # folded kv head r * Hkv + g repeated group times is q head r * H + g * group + i.
+                q, k, v = (fold_strided(t.transpose(1, 2), stride).transpose(1, 2) for t in (q, k, v))
             if expand:
                 k, v = expand_kv_heads(k, v, p)
             view_ok = chunk_view and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
             if chunk:
                 q, k, v = as_chunks(q, chunk), as_chunks(k, chunk), as_chunks(v, chunk)
-            if stride:  # [B, H, L, D] -> [B, stride * H, L / stride, D]: each class its own heads
-                q, k, v = (fold_strided(t.transpose(1, 2), stride).transpose(1, 2) for t in (q, k, v))
             if fused and not view_ok:
                 if eager:
                     flags = copies[0]

@@ -270,3 +270,48 @@ def test_sdpa_runs_chunks_whose_window_spans_them() -> None:
     g_out = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, (q, k, v), g_out)
     assert_matches_reference(out, q, k, v, mask=mask, grads=grads, grad_out=g_out)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_sdpa_folds_residue_classes_before_expanding_grouped_kv(layout: str) -> None:
+    """cuDNN gets k/v expanded to every q head; on folded classes the expansion must still give q
+    head ``r * H + h`` the k/v of head ``r * Hkv + h // group`` (the math kernel stands in for
+    cuDNN on the CPU), forward and backward against float64."""
+    import dataclasses
+
+    from flexattn_zoo.backends.sdpa import SDPA_MATH
+
+    expanding = dataclasses.replace(SDPA_MATH, expand_gqa=True)
+    mask = masks.DilatedSlidingWindow(left=100, dilation=4) & masks.Causal()
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 64, heads, 16, generator=g, dtype=torch.float64) for heads in (6, 2, 2))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, L, D] views of projection outputs
+    if layout == "bhsd":
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    p = Problem(
+        batch=2, heads=6, kv_heads=2, q_len=64, kv_len=64, head_dim=16, dtype=torch.float64,
+        device_type="cpu", arch="cpu", requires_grad=True, mask=mask.bind(64, 64),
+    )  # fmt: skip
+    assert expanding.mask_reasons(p) == []
+    out, _ = expanding.bound_run(p, q.device)(q, k, v, 16**-0.5)
+    g_out = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (q, k, v), g_out)
+    assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=True, grads=grads, grad_out=g_out)
+
+
+def test_wrappers_keep_the_strided_form() -> None:
+    """A shard of a call and one document spanning the problem see the same residue classes as
+    the mask they wrap (and the forms stay exact against their oracles)."""
+    from flexattn_zoo.compose import MaskOnShard
+
+    dilated = masks.DilatedSlidingWindow(left=9, right=4, dilation=2)
+    expected = ("strided", 2, (4, 2))
+    shard = MaskOnShard(part=dilated, batch=(1, 2), heads=(0, 4), total=(2, 4))
+    one_doc = masks.PerDocument(inner=dilated, documents=masks.Document.from_lengths([100]))
+    two_docs = masks.PerDocument(inner=dilated, documents=masks.Document.from_lengths([50, 50]))
+    assert segment_layout(shard.bind(100, 100), 1, 100) == expected
+    assert segment_layout(one_doc.bind(100, 100), 1, 100) == expected
+    assert segment_layout(two_docs.bind(100, 100), 1, 100) != expected  # classes restart per document
+    for spec in (shard, one_doc):
+        assert_mask_consistent(spec, 100, 100, batch=1, heads=4)
