@@ -5,12 +5,14 @@
 #   bash benchmarks/gpu_session_r58.sh verify 200   # (FA4 installed) the strided (dilated) layout's
 #                    # GPU tests on fa4 and the SDPA routes, the fullgraph dilated case, the zoo
 #                    # family test of the dilated preset
+#   bash benchmarks/gpu_session_r58.sh dilated 150  # (FA4 installed) the README's dilated command in one
+#                    # process: both modes on auto, hand-written flex, flex_flash and fa4
 #   bash benchmarks/gpu_session_r58.sh zoo 560      # (FA4 installed) every zoo case on auto and
 #                    # hand-written flex into /root/zoo_GPU_r58.json (kept while the machine is warm:
 #                    # a second call resumes it); CASES / ROUTES override the cases and routes
 #   bash benchmarks/gpu_session_r58.sh zoonofa4 560 # the same with FA4 hidden (--no-fa4)
 set -uo pipefail
-step="${1:?usage: $0 verify|zoo|zoonofa4 [BUDGET_S]}"
+step="${1:?usage: $0 verify|dilated|zoo|zoonofa4 [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r58
@@ -28,6 +30,12 @@ case "$step" in
     run "gpu_tests_strided_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py tests/gpu/test_compile_gpu.py \
       tests/gpu/test_zoo_gpu.py -k "${TESTK:-dilated or residue_classes or fa4_layouts}"
+    ;;
+  dilated)
+    run "zoo_dilated_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo \
+      --routes auto,raw_flex,flex_flash,fa4 --cases zoo_dilated_sliding_window \
+      --out "$out/zoo_dilated_${gpu}_${session}.json" --md "$out/zoo_dilated_${gpu}_${session}.md" --quiet \
+      --time-budget "$(( $(left) - 35 ))"
     ;;
   zoo) zoo "" ;;
   zoonofa4) zoo "-nofa4" --no-fa4 ;;
