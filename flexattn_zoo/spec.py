@@ -974,15 +974,25 @@ class StridedForm:
     window: tuple[int, int] = (-1, -1)
 
 
+#: The most (query, key) pairs a :class:`SplitPart` may list in a ``mask``: routes evaluate such a
+#: part as dense scores (``[B, H, Tq, Tk]`` in float32), which must stay small next to attention.
+SPLIT_MASK_PAIRS = 1 << 16
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitPart:
     """Queries ``q[0] <= i < q[1]`` see keys ``kv[0] <= j < kv[1]``: all of them, or when
     ``is_causal`` those with ``j - kv[0] <= i - q[0]`` (causal inside a square rectangle: as many
-    queries as keys, so top-left and bottom-right alignment agree)."""
+    queries as keys, so top-left and bottom-right alignment agree), or when ``mask`` is given the
+    pairs it marks: a bool tensor ``[q[1] - q[0], kv[1] - kv[0]]`` (True: visible), the same for
+    every batch row and head, of at most :data:`SPLIT_MASK_PAIRS` pairs (a small irregular block,
+    such as a draft tree's own keys, which routes evaluate as dense scores). Parts compare by their
+    ranges and flags; the mask is not compared."""
 
     q: tuple[int, int]
     kv: tuple[int, int]
     is_causal: bool
+    mask: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         (q0, q1), (k0, k1) = self.q, self.kv
@@ -993,13 +1003,32 @@ class SplitPart:
         if self.is_causal and q1 - q0 != k1 - k0:
             # Kernels' is_causal alignment (top-left vs bottom-right) only agrees on squares.
             raise ValueError(f"SplitPart is causal but not square: q={self.q}, kv={self.kv}")
+        if self.mask is None:
+            return
+        if self.is_causal:
+            raise ValueError(
+                "SplitPart takes is_causal or a mask, not both (put the causal pairs in the mask)"
+            )
+        if not isinstance(self.mask, torch.Tensor) or self.mask.dtype != torch.bool:
+            raise TypeError(f"SplitPart(mask=...) must be a bool tensor, got {self.mask!r:.80}")
+        if tuple(self.mask.shape) != (q1 - q0, k1 - k0):
+            raise ValueError(
+                f"SplitPart(mask=...) must have shape [{q1 - q0}, {k1 - k0}] (its query and key "
+                f"ranges), got {tuple(self.mask.shape)}"
+            )
+        if self.mask.numel() > SPLIT_MASK_PAIRS:
+            raise ValueError(
+                f"SplitPart(mask=...) lists {self.mask.numel()} pairs, more than SPLIT_MASK_PAIRS = "
+                f"{SPLIT_MASK_PAIRS} (routes evaluate a masked part as dense scores)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitForm:
-    """The mask is exactly the union of ``parts``, each unmasked or causal, whose key ranges are
-    disjoint within every query row; ``parts[0]`` covers every query row. Fused kernels that know
-    only "no mask" and causal run each part, and the results merge by log-sum-exp."""
+    """The mask is exactly the union of ``parts`` -- unmasked, causal or small masked rectangles
+    (:class:`SplitPart`) -- whose key ranges are disjoint within every query row; a row no part
+    covers sees no key. Fused kernels that know only "no mask" and causal run each unmasked or
+    causal part, and the results merge by log-sum-exp."""
 
     parts: tuple[SplitPart, ...]
 
@@ -1369,7 +1398,8 @@ class MaskSpec(Spec):
         return None
 
     def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
-        """Exact split into unmasked / causal rectangles (see :class:`SplitForm`), or None."""
+        """Exact split into unmasked, causal or small masked rectangles (see :class:`SplitForm`),
+        or None."""
         return None
 
     def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
@@ -1633,6 +1663,7 @@ __all__ = [
     "SdpaForm",
     "SoftCapForm",
     "Spec",
+    "SPLIT_MASK_PAIRS",
     "SplitForm",
     "SplitPart",
     "StridedForm",

@@ -8,11 +8,14 @@ import torch
 
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import (
+    SPLIT_MASK_PAIRS,
     BlockMap,
     MaskMod,
     MaskSpec,
     SdpaForm,
     Spec,
+    SplitForm,
+    SplitPart,
     block_ranges,
     known_true,
     lower_triangle_fraction,
@@ -66,7 +69,12 @@ class Tree(MaskSpec):
     tree tokens usually get (``prefix_len + depth``).
 
     Forms offered: SDPA ``is_causal=True`` when ``Lq == Lkv``, ``q_offset == 0`` and the tree is a
-    chain (or the problem ends inside the context); a table-based block map for any lengths (context
+    chain (or the problem ends inside the context); a split form when there is a context, the keys
+    are the whole row, the tree has at most 256 tokens (``spec.SPLIT_MASK_PAIRS`` pairs) and the
+    queries are the whole row (``q_offset=0``: the context causal, the tree rows over the context
+    unmasked, the tree over itself as a small mask) or the tree alone (``q_offset=prefix_len``,
+    decoding: the last two parts), so SDPA's fused kernels run all but the tree's own block; a
+    table-based block map for any lengths (context
     keys by the causal rule; tree keys from each tree token's set of ancestor key blocks, built by
     pointer doubling in ``O(T log T)`` block-set steps, ``T`` the tree size; full pairs from the
     intersection of the key block's subtree intervals; none while ``torch.compile`` traces, where
@@ -207,6 +215,43 @@ class Tree(MaskSpec):
             return None
         causal = self.__dict__["_chain"] or known_true(q_len <= self.prefix_len + 1)
         return SdpaForm(is_causal=True) if causal else None
+
+    def split_form(self, q_len: int, kv_len: int) -> SplitForm | None:
+        prefix, size = self.prefix_len, self.parents.numel()
+        if (
+            tracing()
+            or not isinstance(self.q_offset, int)
+            or prefix == 0
+            or kv_len != prefix + size
+            or size * size > SPLIT_MASK_PAIRS
+            or self.sdpa_form(q_len, kv_len) is not None
+        ):
+            return None
+        whole = (prefix, kv_len)
+        context: tuple[SplitPart, ...]
+        if self.q_offset == 0 and q_len == kv_len:  # the context and the tree as queries
+            tree_rows = whole
+            context = (SplitPart(q=(0, prefix), kv=(0, prefix), is_causal=True),)
+        elif self.q_offset == prefix and q_len == size:  # the drafted tokens as queries (decoding)
+            tree_rows = (0, q_len)
+            context = ()
+        else:
+            return None
+        # Tree queries see the whole context, and among the tree keys exactly their ancestors-or-
+        # self: the mask_mod's preorder intervals over the tree's positions (built on first use,
+        # from the tables the spec fixed when built).
+        ancestors = self.__dict__.get("_ancestors")
+        if ancestors is None:
+            number, end = self.__dict__["_number"][prefix:], self.__dict__["_end"][prefix:]
+            ancestors = (number[None, :] <= number[:, None]) & (number[:, None] < end[None, :])
+            self.__dict__["_ancestors"] = ancestors
+        return SplitForm(
+            parts=(
+                *context,
+                SplitPart(q=tree_rows, kv=(0, prefix), is_causal=False),
+                SplitPart(q=tree_rows, kv=whole, is_causal=False, mask=ancestors),
+            )
+        )
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

@@ -1,11 +1,12 @@
-"""``sdpa_split``: a mask made of a few unmasked or causal rectangles (``MaskSpec.split_form``,
-e.g. ``PrefixLM``), one fused SDPA kernel call per rectangle, merged by log-sum-exp.
+"""``sdpa_split``: a mask made of a few unmasked, causal or small masked rectangles
+(``MaskSpec.split_form``, e.g. ``PrefixLM``, a draft ``Tree`` after its context), one fused SDPA
+kernel call per unmasked or causal rectangle, merged by log-sum-exp.
 
 Forward: part ``p`` gives ``out_p`` and ``lse_p`` over its own keys; where parts share query rows
 they merge as ``fz.merge_attention`` does (``lse = logaddexp(lse_a, lse_b)``,
 ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``, float32 math; the same function,
 :func:`flexattn_zoo.backends.merge.merge_core`). This is exact because the parts' keys are disjoint in
-every row.
+every row. A row no part covers sees no key: output 0, lse ``-inf``.
 
 Backward: the attention backward of part ``p``, given the *merged* ``out`` and ``lse``, is the
 gradient of the whole attention restricted to ``p``'s keys (its softmax probabilities are
@@ -15,13 +16,16 @@ gradient of the whole attention restricted to ``p``'s keys (its softmax probabil
 Kernels: cuDNN on CUDA (``_compat.cudnn_attention``; H200, prefix-LM 2048 at
 4x16x8192x128: 2.02 / 9.01 ms forward / forward+backward vs 2.68 / 10.53 on Triton flex,
 benchmarks/results/h200-nofa4.md), torch's flash kernel on CPU. Causal parts must be square:
-the kernels' ``is_causal`` is only unambiguous (top-left = bottom-right) when Lq == Lkv.
+the kernels' ``is_causal`` is only unambiguous (top-left = bottom-right) when Lq == Lkv. A part
+with a ``mask`` (at most ``spec.SPLIT_MASK_PAIRS`` pairs) runs as dense scores in float32 (a few
+small matrix products, forward and backward), whatever the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +70,52 @@ _KERNELS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "cuda": (_cuda_forward, _cuda_backward),
     "cpu": (_cpu_forward, _cpu_backward),
 }
+
+
+def _masked_probs(
+    q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float, lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A masked part's probabilities ``exp(s - lse)`` (hidden pairs 0) and its lse: its own when
+    ``lse`` is None, else the given (merged) one. float32 at least."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask.to(s.device), -math.inf)
+    if lse is None:
+        lse = torch.logsumexp(s, dim=-1)
+    # A row that sees no key has lse -inf; exp(-inf - 0) = 0 keeps it out of every product.
+    ref = torch.where(lse == -math.inf, torch.zeros_like(lse), lse).to(acc)
+    return torch.exp(s - ref.unsqueeze(-1)), lse
+
+
+def _masked_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, *, mask: torch.Tensor
+) -> Any:
+    probs, lse = _masked_probs(q, k, mask, scale, None)
+    out = torch.matmul(probs, v.to(probs.dtype)).to(q.dtype)
+    return out, lse, (None, lse)
+
+
+def _masked_backward(g, q, k, v, out, lse, saved, causal: bool, scale: float, *, mask: torch.Tensor) -> Any:
+    probs, _ = _masked_probs(q, k, mask, scale, lse)
+    acc = probs.dtype
+    g32 = g.to(acc)
+    dv = torch.matmul(probs.transpose(-1, -2), g32)
+    # dS = P * (dP - rowsum(dO * O)), with O the merged output of the whole row.
+    ds = probs * (torch.matmul(g32, v.to(acc).transpose(-1, -2)) - (g32 * out.to(acc)).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k.to(acc)) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _part_kernels(part: SplitPart, device_type: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The forward and backward that run ``part``: the device's fused kernel, or dense scores for
+    a masked part."""
+    if part.mask is None:
+        return _KERNELS[device_type]
+    return (
+        functools.partial(_masked_forward, mask=part.mask),
+        functools.partial(_masked_backward, mask=part.mask),
+    )
 
 
 def _merge(
@@ -113,20 +163,24 @@ class _SplitAttention(torch.autograd.Function):
         parts: tuple[SplitPart, ...],
         scale: float,
     ) -> torch.Tensor:
-        forward, _ = _KERNELS[q.device.type]
         merge = _compiled_merge() if q.device.type == "cuda" else _merge
-        b, h = q.shape[:2]
+        b, h, q_len = q.shape[:3]
         out = lse = None
         saved = []
         for part in parts:
+            forward, _ = _part_kernels(part, q.device.type)
             o, part_lse, state = forward(
                 _rows(q, part.q), _rows(k, part.kv), _rows(v, part.kv), part.is_causal, scale
             )
             saved.append(state)
             part_lse = part_lse.reshape(b, h, -1).to(torch.promote_types(part_lse.dtype, torch.float32))
-            if out is None or lse is None:  # parts[0] covers every row (SplitForm's contract)
-                out, lse = o, part_lse.clone()
-                continue
+            if out is None or lse is None:
+                if part.q == (0, q_len):  # covers every row: the start of the merge
+                    out, lse = o, part_lse.clone()
+                    continue
+                # Rows no part covered yet: output 0, lse -inf, which a merge leaves to the part.
+                out = o.new_zeros(b, h, q_len, o.shape[-1])
+                lse = part_lse.new_full((b, h, q_len), -math.inf)
             merged_out, merged_lse = merge(_rows(out, part.q), _rows(lse, part.q), o, part_lse)
             _rows(out, part.q).copy_(merged_out)
             _rows(lse, part.q).copy_(merged_lse)
@@ -139,10 +193,10 @@ class _SplitAttention(torch.autograd.Function):
     @once_differentiable  # the kernels' backwards have no derivative: say so instead of a wrong one
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         q, k, v, out, lse = ctx.saved_tensors
-        _, backward = _KERNELS[q.device.type]
         g = g.contiguous()
         grads: list[torch.Tensor | None] = [None, None, None]
         for part, state in zip(ctx.parts, ctx.states, strict=True):
+            _, backward = _part_kernels(part, q.device.type)
             rows, keys = part.q, part.kv
             # The kernels take the merged out / lse / dO of their rows, laid out as they wrote them.
             part_lse = _kernel_lse(_rows(lse, rows), state[1])
@@ -196,7 +250,8 @@ class SplitBackend(Backend):
         elif form is None:
             name = type(p.mask).__name__ if p.mask is not None else "none"
             out.append(
-                f"mask {name} has no split form (unmasked / causal rectangles, e.g. PrefixLM with Lq == Lkv)"
+                f"mask {name} has no split form (unmasked / causal / small masked rectangles, e.g. "
+                "PrefixLM with Lq == Lkv)"
             )
         else:
             out.extend(cpu_flash_reasons(p, causal=any(part.is_causal for part in form.parts)))
@@ -218,7 +273,8 @@ SDPA_SPLIT = SplitBackend(
     min_cc=(8, 0),
     deterministic=False,
     nondeterministic_why="its CUDA kernel is cuDNN's, whose backward is not reproducible",
-    doc="split masks (PrefixLM): one fused SDPA call per unmasked/causal part (cuDNN; flash on CPU), merged by lse",
+    doc="split masks (PrefixLM, a draft Tree after its context): one fused SDPA call per unmasked/causal "
+    "part (cuDNN; flash on CPU), small masked parts as dense scores, merged by lse",
 )
 
 __all__ = ["SDPA_SPLIT", "SplitBackend"]

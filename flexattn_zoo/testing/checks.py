@@ -206,13 +206,11 @@ def strided_dense(form: StridedForm, length: int) -> torch.Tensor:
 def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
     """The ``[1, 1, Lq, Lkv]`` mask a :class:`SplitForm` describes; ``AssertionError`` when it
     breaks the contract parts cannot check alone (ranges beyond Lq / Lkv, keys shared by two parts
-    in one row, a first part that does not cover every row; ``SplitPart`` itself refuses empty
-    ranges and causal parts that are not square)."""
+    in one row; ``SplitPart`` itself refuses empty ranges, causal parts that are not square and
+    masks of the wrong shape)."""
     i = torch.arange(q_len).view(q_len, 1)
     j = torch.arange(kv_len).view(1, kv_len)
     union = torch.zeros(q_len, kv_len, dtype=torch.bool)
-    if not form.parts or form.parts[0].q != (0, q_len):
-        raise AssertionError(f"SplitForm {form}: the first part must cover every query row [0, {q_len})")
     for part in form.parts:
         (q0, q1), (k0, k1) = part.q, part.kv
         if q1 > q_len or k1 > kv_len:
@@ -220,6 +218,8 @@ def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
         rect = (i >= q0) & (i < q1) & (j >= k0) & (j < k1)
         if part.is_causal:
             rect &= (j - k0) <= (i - q0)
+        if part.mask is not None:
+            rect[q0:q1, k0:k1] &= part.mask.cpu()
         if bool((rect & union).any()):
             raise AssertionError(f"SplitForm part {part} shares keys with an earlier part")
         union |= rect

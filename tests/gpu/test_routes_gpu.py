@@ -356,6 +356,30 @@ def test_sdpa_split_prefix(hkv: int, layout: str) -> None:
     assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=hkv != H)
 
 
+@pytest.mark.parametrize("hkv", [4, 2])
+@pytest.mark.parametrize("decoding", [False, True])
+def test_sdpa_split_tree(hkv: int, decoding: bool) -> None:
+    """A 63-token draft tree after its context: cuDNN for the context parts, the tree's own block
+    as dense scores, merged by lse; rows of the whole sequence and the drafted tokens alone
+    (decoding), GQA, D=128, forward+backward then the no-grad forward vs float64."""
+    length = 700
+    tree = masks.Tree.typical_example(length, length, B, H).to(DEV)
+    q_len = length
+    if decoding:
+        q_len = tree.parents.numel()
+        tree = masks.Tree(parents=tree.parents, prefix_len=tree.prefix_len, q_offset=tree.prefix_len)
+    g = torch.Generator(device=DEV).manual_seed(8)
+    q = torch.randn(B, H, q_len, 128, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k, v = (
+        torch.randn(B, hkv, length, 128, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+        for _ in range(2)
+    )
+    _check(q, k, v, "sdpa_split", tree, None, gqa=hkv != H, lse=False)
+    with torch.no_grad():
+        out = fz.attention(q, k, v, mask=tree, enable_gqa=hkv != H, backend="sdpa_split")
+    assert_matches_reference(out, q, k, v, mask=tree, enable_gqa=hkv != H)
+
+
 def test_sdpa_cudnn_gqa_needs_equal_lengths() -> None:
     q = torch.empty(2, 8, 16, 64, device=DEV, dtype=torch.bfloat16)
     kv = torch.empty(2, 2, 300, 64, device=DEV, dtype=torch.bfloat16)

@@ -199,14 +199,16 @@ def test_cheap_forms_match_dense(spec: MaskSpec, lq: int, lkv: int, b: int) -> N
 
 def split_paint(form: SplitForm, lq: int, lkv: int) -> torch.Tensor:
     """What a kernel per part computes: each rectangle painted (causal ones as a lower triangle
-    from its top-left corner); no key may be painted twice in a row (the merge would count it twice)."""
+    from its top-left corner, masked ones where their mask is True); no key may be painted twice
+    in a row (the merge would count it twice)."""
     count = torch.zeros(lq, lkv, dtype=torch.int64)
     for part in form.parts:
         (q0, q1), (k0, k1) = part.q, part.kv
         rect = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
+        if part.mask is not None:
+            rect = part.mask.long()
         count[q0:q1, k0:k1] += rect.tril() if part.is_causal else rect
     assert int(count.max()) <= 1
-    assert form.parts[0].q == (0, lq)
     return count.bool()
 
 

@@ -113,3 +113,72 @@ def test_user_block_mask_refused() -> None:
     bm = fz.block_mask(masks.PrefixLM(prefix_len=9), 32, 32, device="cpu")
     with pytest.raises(ValueError, match="takes no BlockMask"):
         fz.attention(q, k, v, mask=bm, backend="sdpa_split")
+
+
+def test_masked_parts_are_checked_when_built() -> None:
+    from flexattn_zoo.spec import SPLIT_MASK_PAIRS, SplitPart
+
+    ok = SplitPart((4, 8), (0, 3), False, mask=torch.ones(4, 3, dtype=torch.bool))
+    assert ok.mask is not None and ok == SplitPart((4, 8), (0, 3), False)  # compared by ranges
+    with pytest.raises(ValueError, match=r"shape \[4, 3\]"):
+        SplitPart((4, 8), (0, 3), False, mask=torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool tensor"):
+        SplitPart((4, 8), (0, 3), False, mask=torch.ones(4, 3))
+    with pytest.raises(ValueError, match="not both"):
+        SplitPart((0, 3), (0, 3), True, mask=torch.ones(3, 3, dtype=torch.bool))
+    side = int(SPLIT_MASK_PAIRS**0.5) + 1
+    with pytest.raises(ValueError, match="SPLIT_MASK_PAIRS"):
+        SplitPart((0, side), (0, side), False, mask=torch.ones(side, side, dtype=torch.bool))
+
+
+class _Scattered(masks.Full):
+    """A mask whose split form leaves rows to later parts, has a masked part in the middle of the
+    keys, and leaves the last two rows to no part (they see nothing): rows 0-5 see keys 0-4
+    causally; rows 6-13 see keys 0-4 and, among keys 5-9, those with (i + j) even."""
+
+    def _make_mask_mod(self):  # type: ignore[no-untyped-def]
+        def scattered(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+            top = (q_idx < 5) & (kv_idx <= q_idx)
+            tree = (
+                (q_idx >= 6) & (q_idx < 14) & ((kv_idx < 5) | ((kv_idx < 10) & ((q_idx + kv_idx) % 2 == 0)))
+            )
+            return top | tree
+
+        return scattered
+
+    def dense(self, q_len: int, kv_len: int, *, batch: int = 1, heads: int = 1) -> torch.Tensor:
+        i, j = torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :]
+        top = (i < 5) & (j <= i)
+        tree = (i >= 6) & (i < 14) & ((j < 5) | ((j < 10) & ((i + j) % 2 == 0)))
+        return (top | tree)[None, None]
+
+    def sdpa_form(self, q_len: int, kv_len: int):  # type: ignore[no-untyped-def]
+        return None
+
+    def split_form(self, q_len: int, kv_len: int):  # type: ignore[no-untyped-def]
+        from flexattn_zoo.spec import SplitForm, SplitPart
+
+        i, j = torch.arange(6, 14)[:, None], torch.arange(5, 10)[None, :]
+        return SplitForm(
+            (
+                SplitPart((0, 5), (0, 5), True),
+                SplitPart((6, 14), (5, 10), False, mask=(i + j) % 2 == 0),
+                SplitPart((6, 14), (0, 5), False),
+            )
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_parts_in_any_rows_with_masks_match_reference(dtype: torch.dtype) -> None:
+    """No part covers every row, the first part to reach rows 6-13 is a masked one, row 5 and
+    rows 14-15 see no key (output 0): forward and backward against float64, GQA 4:2."""
+    from flexattn_zoo.testing import assert_mask_consistent
+
+    mask = _Scattered()
+    assert_mask_consistent(mask, 16, 16)
+    q, k, v = _inputs(2, 4, 2, 16, 8, dtype)
+    out = fz.attention(q, k, v, mask=mask, enable_gqa=True, backend="sdpa_split")
+    assert torch.all(out[:, :, 14:] == 0) and torch.all(out[:, :, 5] == 0)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=mask, enable_gqa=True, grads=grads, grad_out=grad_out)

@@ -296,3 +296,57 @@ def test_tree_problem_must_fit_the_row() -> None:
         spec.validate(4, 7, 1, 1)
     with pytest.raises(ValueError, match="Lkv = 8"):
         fz.attention(*qkv(1, 3, 8), mask=spec)
+
+
+def test_tree_split_form_where_offered() -> None:
+    """Whole rows (context causal, tree rows over the context, the tree's own block as a mask) and
+    the drafted tokens alone as queries; nothing without a context, for trees past 256 tokens,
+    keys short of the row or other query offsets."""
+    tree = Tree(parents=[-1, 0, 0, 1, 2], prefix_len=6)
+    whole = tree.split_form(11, 11)
+    assert whole is not None
+    assert [(p.q, p.kv, p.is_causal) for p in whole.parts] == [
+        ((0, 6), (0, 6), True),
+        ((6, 11), (0, 6), False),
+        ((6, 11), (6, 11), False),
+    ]
+    ancestors = whole.parts[2].mask
+    assert ancestors is not None and ancestors.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, False, True, False, False],
+        [True, True, False, True, False],
+        [True, False, True, False, True],
+    ]
+    decoding = Tree(parents=[-1, 0, 0, 1, 2], prefix_len=6, q_offset=6).split_form(5, 11)
+    assert decoding is not None and [(p.q, p.kv) for p in decoding.parts] == [
+        ((0, 5), (0, 6)),
+        ((0, 5), (6, 11)),
+    ]
+    assert Tree(parents=[-1, 0, 0, 1, 2]).split_form(5, 5) is None  # no context
+    assert Tree(parents=list(range(-1, 299)), prefix_len=4).split_form(304, 304) is None  # a chain: causal
+    big = Tree(parents=[-1] + [0] * 299, prefix_len=4)
+    assert big.split_form(304, 304) is None  # 300 x 300 tree pairs
+    assert tree.split_form(11, 10) is None  # keys short of the row
+    assert Tree(parents=[-1, 0, 0, 1, 2], prefix_len=6, q_offset=3).split_form(8, 11) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decoding", [False, True])
+def test_tree_runs_on_sdpa_split(dtype: torch.dtype, decoding: bool) -> None:
+    """The typical verification tree (63 tokens) on SDPA's kernels plus its own block, GQA 4:2,
+    forward and backward against float64; CPU training takes this route."""
+    length = 300
+    tree = Tree.typical_example(length, length, 2, 4)
+    assert tree.parents.numel() == 63
+    q_len = 63 if decoding else length
+    if decoding:
+        tree = Tree(parents=tree.parents, prefix_len=tree.prefix_len, q_offset=tree.prefix_len)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, q_len, 16, generator=g, dtype=dtype).requires_grad_(True)
+    k, v = (torch.randn(2, 2, length, 16, generator=g, dtype=dtype).requires_grad_(True) for _ in range(2))
+    assert fz.plan(q, k, v, mask=tree, enable_gqa=True).backend == "sdpa_split"
+    out = fz.attention(q, k, v, mask=tree, enable_gqa=True, backend="sdpa_split")
+    grad_out = torch.randn(out.shape, generator=g, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(out, q, k, v, mask=tree, enable_gqa=True, grads=grads, grad_out=grad_out)
