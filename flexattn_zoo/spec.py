@@ -1026,8 +1026,8 @@ class SplitPart:
 @dataclasses.dataclass(frozen=True)
 class SplitForm:
     """The mask is exactly the union of ``parts`` -- unmasked, causal or small masked rectangles
-    (:class:`SplitPart`) -- whose key ranges are disjoint within every query row; a row no part
-    covers sees no key. Fused kernels that know only "no mask" and causal run each unmasked or
+    (:class:`SplitPart`) -- no two of which show one (query, key) pair; a row no part covers sees
+    no key. Fused kernels that know only "no mask" and causal run each unmasked or
     causal part, and the results merge by log-sum-exp."""
 
     parts: tuple[SplitPart, ...]

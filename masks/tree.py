@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo._compat import outside_inference_mode
 from flexattn_zoo.registry import MASKS
 from flexattn_zoo.spec import (
     SPLIT_MASK_PAIRS,
@@ -73,7 +74,8 @@ class Tree(MaskSpec):
     are the whole row, the tree has at most 256 tokens (``spec.SPLIT_MASK_PAIRS`` pairs) and the
     queries are the whole row (``q_offset=0``: the context causal, the tree rows over the context
     unmasked, the tree over itself as a small mask) or the tree alone (``q_offset=prefix_len``,
-    decoding: the last two parts), so SDPA's fused kernels run all but the tree's own block; a
+    decoding: the last two parts), so SDPA's fused kernels run all but the tree's own block (none
+    while ``torch.compile`` traces, like the block map; a chain has the SDPA form instead); a
     table-based block map for any lengths (context
     keys by the causal rule; tree keys from each tree token's set of ancestor key blocks, built by
     pointer doubling in ``O(T log T)`` block-set steps, ``T`` the tree size; full pairs from the
@@ -243,7 +245,10 @@ class Tree(MaskSpec):
         ancestors = self.__dict__.get("_ancestors")
         if ancestors is None:
             number, end = self.__dict__["_number"][prefix:], self.__dict__["_end"][prefix:]
-            ancestors = (number[None, :] <= number[:, None]) & (number[:, None] < end[None, :])
+            # Kept beyond the call: a normal tensor even when built under inference_mode.
+            ancestors = outside_inference_mode(
+                lambda: (number[None, :] <= number[:, None]) & (number[:, None] < end[None, :])
+            )
             self.__dict__["_ancestors"] = ancestors
         return SplitForm(
             parts=(

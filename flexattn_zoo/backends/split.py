@@ -17,8 +17,9 @@ Kernels: cuDNN on CUDA (``_compat.cudnn_attention``; H200, prefix-LM 2048 at
 4x16x8192x128: 2.02 / 9.01 ms forward / forward+backward vs 2.68 / 10.53 on Triton flex,
 benchmarks/results/h200-nofa4.md), torch's flash kernel on CPU. Causal parts must be square:
 the kernels' ``is_causal`` is only unambiguous (top-left = bottom-right) when Lq == Lkv. A part
-with a ``mask`` (at most ``spec.SPLIT_MASK_PAIRS`` pairs) runs as dense scores in float32 (a few
-small matrix products, forward and backward), whatever the device.
+with a ``mask`` (at most ``spec.SPLIT_MASK_PAIRS`` pairs) runs as dense scores in float32 at least
+(float64 inputs stay float64; a few small matrix products, forward and backward), whatever the
+device.
 """
 
 from __future__ import annotations

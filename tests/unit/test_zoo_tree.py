@@ -350,3 +350,13 @@ def test_tree_runs_on_sdpa_split(dtype: torch.dtype, decoding: bool) -> None:
     grad_out = torch.randn(out.shape, generator=g, dtype=dtype)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     assert_matches_reference(out, q, k, v, mask=tree, enable_gqa=True, grads=grads, grad_out=grad_out)
+
+
+def test_tree_split_form_built_under_inference_mode_is_a_normal_tensor() -> None:
+    """The ancestor block is kept on the spec: built during an evaluation under inference_mode,
+    it must still serve the training calls that follow."""
+    tree = Tree(parents=[-1, 0, 0, 1, 2, -1, 5, 3], prefix_len=5)
+    with torch.inference_mode():
+        form = tree.split_form(13, 13)
+    assert form is not None and form.parts[-1].mask is not None
+    assert not form.parts[-1].mask.is_inference()
