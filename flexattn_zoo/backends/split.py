@@ -168,6 +168,7 @@ class _SplitAttention(torch.autograd.Function):
         b, h, q_len = q.shape[:3]
         out = lse = None
         saved = []
+        covered: list[tuple[int, int]] = []  # the row ranges of the parts run so far
         for part in parts:
             forward, _ = _part_kernels(part, q.device.type)
             o, part_lse, state = forward(
@@ -178,13 +179,20 @@ class _SplitAttention(torch.autograd.Function):
             if out is None or lse is None:
                 if part.q == (0, q_len):  # covers every row: the start of the merge
                     out, lse = o, part_lse.clone()
+                    covered.append(part.q)
                     continue
-                # Rows no part covered yet: output 0, lse -inf, which a merge leaves to the part.
+                # Rows no part covers keep output 0 and lse -inf (they see no key).
                 out = o.new_zeros(b, h, q_len, o.shape[-1])
                 lse = part_lse.new_full((b, h, q_len), -math.inf)
-            merged_out, merged_lse = merge(_rows(out, part.q), _rows(lse, part.q), o, part_lse)
-            _rows(out, part.q).copy_(merged_out)
-            _rows(lse, part.q).copy_(merged_lse)
+            (q0, q1) = part.q
+            if all(q1 <= start or q0 >= stop for start, stop in covered):  # rows not reached yet
+                _rows(out, part.q).copy_(o)
+                _rows(lse, part.q).copy_(part_lse)
+            else:
+                merged_out, merged_lse = merge(_rows(out, part.q), _rows(lse, part.q), o, part_lse)
+                _rows(out, part.q).copy_(merged_out)
+                _rows(lse, part.q).copy_(merged_lse)
+            covered.append(part.q)
         assert out is not None and lse is not None
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.parts, ctx.scale, ctx.states = parts, scale, saved
