@@ -41,7 +41,7 @@ case "$step" in
     ;;
   tree)
     run "zoo_tree_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo \
-      --routes auto,raw_flex,flex,flex_flash,sdpa_split --cases zoo_tree \
+      --routes auto,raw_flex,flex,flex_flash,sdpa_split --cases zoo_tree,zoo_tree_verify \
       --out "$out/zoo_tree_${gpu}_${session}.json" --md "$out/zoo_tree_${gpu}_${session}.md" --quiet \
       --time-budget "$(( $(left) - 35 ))"
     ;;
