@@ -296,6 +296,17 @@ SPLIT_DECODE_MIN_KV_ROWS = 256
 RULES: tuple[Rule, ...] = (
     Rule(
         generation="sm90",
+        modes=BOTH,
+        traits=frozenset({"split_masked"}),
+        front=("flex_flash", "flex"),
+        why="split forms with a masked part (a draft tree after its context): sdpa_split's three "
+        "kernel calls, merges and dense block are host-bound on CUDA (H100, 8x16x2048x128 tree: "
+        "0.997 ms forward, 0.967 of it host, vs flex 0.418; forward+backward 2.56 vs 1.53)",
+        benchmark="zoo_tree_nofa4_h100_r58.json",
+        evidence=("zoo_tree/fwd",),
+    ),
+    Rule(
+        generation="sm90",
         modes=("fwd",),
         traits=frozenset({"packed_segments"}),
         front=("flex_flash",),

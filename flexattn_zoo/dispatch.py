@@ -161,6 +161,10 @@ def problem_traits(p: Problem) -> frozenset[str]:
         layout = segment_layout(p.mask, p.batch, p.q_len)
         if layout is not None and layout[0] == "packed":
             traits.add("packed_segments")
+    if p.mask is not None and not p.user_block_mask:
+        split = p.mask.split_form(p.q_len, p.kv_len)
+        if split is not None and any(part.mask is not None for part in split.parts):
+            traits.add("split_masked")
     return frozenset(traits)
 
 

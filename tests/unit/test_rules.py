@@ -23,6 +23,7 @@ SWEEP_CONFIG = {
     "generalization_h200.json": "generalization",
     "generalization_fa4replay_h100.json": "generalization",
     "h200.json": "h200",
+    "zoo_tree_nofa4_h100_r58.json": "zoo",
 }
 
 

@@ -360,3 +360,27 @@ def test_tree_split_form_built_under_inference_mode_is_a_normal_tensor() -> None
         form = tree.split_form(13, 13)
     assert form is not None and form.parts[-1].mask is not None
     assert not form.parts[-1].mask.is_inference()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize(
+    ("batch", "length", "decoding"), [(8, 2048, False), (2, 8192, False), (8, 8192, True)]
+)
+def test_cuda_auto_keeps_draft_trees_on_flex(batch: int, length: int, decoding: bool, grad: bool) -> None:
+    """On an H100 the tree's split form on sdpa_split was host-bound and 2.4x slower than Triton
+    flex (benchmarks/results/zoo_tree_nofa4_h100_r58.md): auto must not put it before flex."""
+    from flexattn_zoo.dispatch import _order, problem_traits
+    from flexattn_zoo.problem import Problem
+
+    tree = Tree.typical_example(length, length, batch, 16)
+    q_len = length
+    if decoding:
+        tree = Tree(parents=tree.parents, prefix_len=tree.prefix_len, q_offset=tree.prefix_len)
+        q_len = tree.parents.numel()
+    p = Problem(
+        batch=batch, heads=16, kv_heads=16, q_len=q_len, kv_len=length, head_dim=128, dtype=torch.bfloat16,
+        device_type="cuda", arch="sm90", requires_grad=grad, mask=tree.bind(q_len, length),
+    )  # fmt: skip
+    assert "split_masked" in problem_traits(p)
+    order = _order(p)
+    assert order.index("flex") < order.index("sdpa_split")
