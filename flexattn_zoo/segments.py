@@ -104,6 +104,17 @@ def from_chunks(t: torch.Tensor, batch: int) -> torch.Tensor:
 MAX_FOLDED_HEADS = 65535
 
 
+def fold_too_wide(stride: int, heads: int, device_type: str) -> str | None:
+    """Why a call folding ``stride`` residue classes of ``heads`` heads into heads of their own
+    cannot run on ``device_type`` (too many heads for a CUDA kernel's grid), or None."""
+    if device_type != "cuda" or stride * heads <= MAX_FOLDED_HEADS:
+        return None
+    return (
+        f"{stride} residue classes x {heads} heads, each class as heads of its own, exceed the "
+        f"{MAX_FOLDED_HEADS} heads a CUDA kernel grid takes"
+    )
+
+
 def fold_strided(t: torch.Tensor, stride: int) -> torch.Tensor:
     """``[B, L, H, D]`` -> ``[B, L // stride, stride * H, D]``: position ``u * stride + r`` of head
     ``h`` becomes position ``u`` of head ``r * H + h`` (each residue class its own heads; with
@@ -133,6 +144,7 @@ __all__ = [
     "SegmentLayout",
     "as_chunks",
     "fold_strided",
+    "fold_too_wide",
     "from_chunks",
     "segment_layout",
     "unfold_strided",

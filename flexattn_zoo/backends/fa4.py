@@ -47,8 +47,8 @@ from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import (
-    MAX_FOLDED_HEADS,
     fold_strided,
+    fold_too_wide,
     segment_layout,
     unfold_strided,
     unfold_strided_lse,
@@ -104,11 +104,8 @@ class FlashAttn4Backend(Backend):
                     f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window, or a "
                     "window in residue classes of a stride that divides the length)"
                 )
-            elif layout[0] == "strided" and layout[1] * p.heads > MAX_FOLDED_HEADS:
-                out.append(
-                    f"{layout[1]} residue classes x {p.heads} heads exceed the {MAX_FOLDED_HEADS} heads "
-                    "a folded call may have"
-                )
+            elif layout[0] == "strided" and (too_wide := fold_too_wide(layout[1], p.heads, p.device_type)):
+                out.append(too_wide)
             elif layout[0] == "packed" and _compat.is_compiling():
                 # cu_seqlens and max_seqlen are read from the segments (data-dependent shapes).
                 out.append(f"unequal segments need cu_seqlens built from the mask's data: not {IN_GRAPH}")

@@ -53,9 +53,9 @@ from flexattn_zoo.backends.base import (
 )
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import (
-    MAX_FOLDED_HEADS,
     as_chunks,
     fold_strided,
+    fold_too_wide,
     from_chunks,
     segment_layout,
     unfold_strided,
@@ -436,11 +436,9 @@ def _mask_call(p: Problem, beside_bias: bool) -> SdpaCall | str:
     kind, size, window = layout  # a window spanning the chunks or classes reads as unbounded
     if window not in ((-1, -1), (-1, 0)):
         return _NO_FORM.format(name)
-    if kind == "strided" and p.device_type == "cuda" and size * p.heads > MAX_FOLDED_HEADS:
-        return (
-            f"mask {name} runs each of its {size} residue classes as heads of their own: "
-            f"{size} x {p.heads} heads exceed the {MAX_FOLDED_HEADS} a CUDA kernel grid takes"
-        )
+    too_wide = fold_too_wide(size, p.heads, p.device_type) if kind == "strided" else None
+    if too_wide:
+        return f"mask {name}: {too_wide}"
     is_causal = window == (-1, 0)
     return SdpaCall(is_causal=is_causal, chunk=size) if kind == "chunks" else SdpaCall(is_causal, stride=size)
 
