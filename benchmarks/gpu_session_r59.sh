@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# GPU steps of the fifty-ninth session (outputs in $OUT/r59/, packed into $OUT/r59_STEP.tar).
+# FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
+#
+#   bash benchmarks/gpu_session_r59.sh first 560    # the first call of a fresh machine (no FA4):
+#                    # on an H200 the zoo without FA4 (zoonofa4), then the probe; elsewhere the
+#                    # probe, then the sweep's host-bound short cases (short)
+#   bash benchmarks/gpu_session_r59.sh probe 200    # benchmarks/split_host_probe.py: sdpa_split's
+#                    # host and device time per call, its first synchronizing op, the profiler table
+#   bash benchmarks/gpu_session_r59.sh short 300    # the sweep's host-bound short cases: auto and
+#                    # the SDPA routes beside plain SDPA (the hand-written-calls view)
+#   bash benchmarks/gpu_session_r59.sh zoo 560      # (FA4 installed) every zoo case on auto and
+#                    # hand-written flex into /root/zoo_GPU_r59.json (a second call resumes it);
+#                    # CASES / ROUTES override the cases and routes
+#   bash benchmarks/gpu_session_r59.sh zoonofa4 560 # the same with FA4 hidden (--no-fa4)
+#   bash benchmarks/gpu_session_r59.sh band2 300    # (FA4 installed; on an H200) the two cases whose
+#                    # fa4 rows are stale, into a copy of generalization_h200.json
+#   bash benchmarks/gpu_session_r59.sh verify 200   # GPU tests: TESTK, the -k expression
+set -uo pipefail
+step="${1:?usage: $0 first|probe|short|zoo|zoonofa4|band2|verify [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r59
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+zoo() {  # zoo SUFFIX [EXTRA ARGS...]: the zoo sweep into /root/zoo_${gpu}${SUFFIX}_r59.json
+  local name="zoo_${gpu}$1_${session}"
+  shift
+  run "$name" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes "${ROUTES:-auto,raw_flex}" \
+    --out "/root/$name.json" --md "$out/$name.md" --quiet --resume ${CASES:+--cases "$CASES"} \
+    --time-budget "$(( $(left) - 35 ))" "$@"
+  cp "/root/$name.json" "$out/"
+}
+probe() {
+  run "split_host_probe_${gpu}_${session}" "$1" python3 benchmarks/split_host_probe.py --device cuda
+}
+short() {
+  run "generalization_short_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+    --out "$out/generalization_short_${gpu}_${session}.json" \
+    --cases bert_base_l128_b128,llama3_8b_l128_b64,gpt2_medium_l1024_b8,decode_llama3_70b_b8_4k,decode_qwen25_7b_b64_1k,vit_h14_l257_b16_d80,vit_b16_l197_b64,gpt2_l1024_b16,bert_base_l512_b32 \
+    --routes auto,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient \
+    --md "$out/generalization_short_${gpu}_${session}_bench.md" --quiet --time-budget "$(( $(left) - 35 ))"
+}
+case "$step" in
+  first)
+    if [ "$gpu" = h200 ]; then
+      whole=$budget
+      budget=$(( whole - 150 ))  # the zoo stops starting rows in time for the probe
+      zoo "-nofa4" --no-fa4
+      budget=$whole
+      probe "$(( $(left) - 5 ))"
+    else
+      probe "$(share 45)"
+      short
+    fi
+    ;;
+  probe) probe "$(( $(left) - 5 ))" ;;
+  short) short ;;
+  zoo) zoo "" ;;
+  zoonofa4) zoo "-nofa4" --no-fa4 ;;
+  band2)
+    cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+    run "generalization_band2_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+      --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
+      --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
+      --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+    ;;
+  verify)
+    run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu -k "${TESTK:?set TESTK}"
+    ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
