@@ -16,8 +16,10 @@
 #   bash benchmarks/gpu_session_r59.sh band2 300    # (FA4 installed; on an H200) the two cases whose
 #                    # fa4 rows are stale, into a copy of generalization_h200.json
 #   bash benchmarks/gpu_session_r59.sh verify 200   # GPU tests: TESTK, the -k expression
+#   bash benchmarks/gpu_session_r59.sh gw 300       # (FA4 installed) global tokens on fa4: the GPU tests,
+#                    # then both global-window cases on auto, hand-written flex, flex_flash and fa4
 set -uo pipefail
-step="${1:?usage: $0 first|probe|short|zoo|zoonofa4|band2|verify [BUDGET_S]}"
+step="${1:?usage: $0 first|probe|short|zoo|zoonofa4|band2|verify|gw [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r59
@@ -63,6 +65,14 @@ case "$step" in
       --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
       --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
       --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+    ;;
+  gw)
+    run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 40)" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
+    run "zoo_global_window_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo \
+      --routes auto,raw_flex,flex_flash,fa4 --cases zoo_global_window,zoo_global_window_d64 \
+      --out "$out/zoo_global_window_${gpu}_${session}.json" --md "$out/zoo_global_window_${gpu}_${session}.md" \
+      --quiet --time-budget "$(( $(left) - 35 ))"
     ;;
   verify)
     run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \

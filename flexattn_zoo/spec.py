@@ -1033,6 +1033,28 @@ class SplitForm:
     parts: tuple[SplitPart, ...]
 
 
+#: The most global positions a :class:`GlobalTokensForm` may list: routes score every query
+#: against the global keys densely (``[B, H, L, G]`` in float32), which must stay small.
+GLOBAL_FORM_MAX_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalTokensForm:
+    """The mask is a window plus global tokens, the same in every batch row and head: query ``i``
+    sees key ``j`` iff ``-left <= j - i <= right`` for ``window = (left, right)`` (``-1``:
+    unbounded on that side), or ``i`` is one of ``positions``, or ``j`` is one. Offered when
+    Lq == Lkv, with at least one and at most :data:`GLOBAL_FORM_MAX_TOKENS` positions.
+
+    A kernel that knows only windows runs the window over every row; each row's global keys
+    outside its window are scored apart and merged in by log-sum-exp, and the global rows (which
+    see every key) are computed apart and written over theirs.
+    """
+
+    #: int64 ``[G]``, ascending, distinct, each in ``[0, L)``; on the mask's device.
+    positions: torch.Tensor = dataclasses.field(compare=False)
+    window: tuple[int, int] = (-1, -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockMap:
     """Block-level visibility, computed in closed form (O(n_q_blocks * n_kv_blocks), never O(L^2)).
@@ -1407,6 +1429,11 @@ class MaskSpec(Spec):
         or None. Only read where the mask has no ``varlen_form``."""
         return None
 
+    def global_tokens_form(self, q_len: int, kv_len: int) -> GlobalTokensForm | None:
+        """Exact form as a window plus global tokens (see :class:`GlobalTokensForm`), or None.
+        Only read where the mask has no ``varlen_form`` or ``strided_form``."""
+        return None
+
     def reads_scalar_tensors(self) -> bool:
         """True when the ``mask_mod`` loads a captured tensor of one element: a 0-d tensor
         (position offsets kept out of the compiled kernel's constants, so one kernel serves every
@@ -1655,6 +1682,8 @@ def as_4d(mask: torch.Tensor) -> torch.Tensor:
 __all__ = [
     "COMBINATORS",
     "BlockMap",
+    "GLOBAL_FORM_MAX_TOKENS",
+    "GlobalTokensForm",
     "LinearBiasForm",
     "MaskMod",
     "MaskSpec",

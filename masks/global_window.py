@@ -7,8 +7,20 @@ from typing import Any
 
 import torch
 
+from flexattn_zoo._compat import outside_inference_mode
 from flexattn_zoo.registry import MASKS
-from flexattn_zoo.spec import BlockMap, MaskMod, MaskSpec, Spec, spec_dataclass, static_int, tracing
+from flexattn_zoo.spec import (
+    GLOBAL_FORM_MAX_TOKENS,
+    BlockMap,
+    GlobalTokensForm,
+    MaskMod,
+    MaskSpec,
+    Spec,
+    VarlenForm,
+    spec_dataclass,
+    static_int,
+    tracing,
+)
 
 from ._blocks import band_block_map, check_int, complete_pairs
 from .document import _int_vector
@@ -42,7 +54,11 @@ class GlobalWindow(MaskSpec):
     Forms offered: a closed-form block map for any lengths (the window's interval rule, or'ed with
     the blocks holding a global query or key; a block pair is full when every non-global query and
     non-global key of it fall in the window, read off the extreme non-global positions of each
-    block). No SDPA or varlen form; no lowest visible key (a global key may sit anywhere below).
+    block). With ``[L]`` flags and ``Lq == Lkv``: a global-tokens form (the window, plus the global
+    positions) for 1 to ``spec.GLOBAL_FORM_MAX_TOKENS`` global positions, which FlashAttention-4's
+    windowed kernel runs; a plain window's varlen form when no position is global. Neither while
+    ``torch.compile`` traces (the positions are data). No SDPA form; no lowest visible key (a
+    global key may sit anywhere below).
 
     Args:
         is_global: bool tensor ``[L]`` or ``[B, L]`` (0/1 integers are converted); see
@@ -159,6 +175,33 @@ class GlobalWindow(MaskSpec):
                 f"GlobalWindow(is_global=...) has {self.is_global.shape[0]} rows but the batch size is "
                 f"{batch}; pass [L] flags to share them across the batch, or one row per batch element"
             )
+
+    def global_tokens_form(self, q_len: int, kv_len: int) -> GlobalTokensForm | None:
+        positions = self._shared_positions(q_len, kv_len)
+        if positions is None or not 1 <= positions.numel() <= GLOBAL_FORM_MAX_TOKENS:
+            return None
+        return GlobalTokensForm(positions=positions, window=(self.left, self.right))
+
+    def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
+        positions = self._shared_positions(q_len, kv_len)
+        if positions is None or positions.numel():
+            return None
+        return VarlenForm(segments=None, window=(self.left, self.right))  # no global token: a window
+
+    def _shared_positions(self, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """The global positions below ``L`` (int64, ascending, on the flags' device) when the flags
+        are shared by every row and ``Lq == Lkv == L``, else None; found once per length."""
+        if tracing() or q_len != kv_len or self.is_global.dim() != 1:
+            return None
+        self._check_length(q_len)
+        found = self.__dict__.setdefault("_positions", {})
+        positions = found.get(q_len)
+        if positions is None:
+            # Kept beyond the call: a normal tensor even when first asked under inference_mode.
+            flags = self.is_global[:q_len]
+            positions = outside_inference_mode(lambda: torch.nonzero(flags).flatten())
+            found[q_len] = positions
+        return positions
 
     def block_map(
         self, q_len: int, kv_len: int, q_block: int, kv_block: int, device: torch.device | str

@@ -13,6 +13,10 @@ those with a ``strided_form()`` whose stride divides the length:
 * a window inside residue classes of positions (``StridedForm``: dilated windows, ``L`` a multiple
   of the stride): ``[B, L, H, D]`` is viewed as ``[B, L / stride, stride * H, D]``, each class
   its own heads (no copy for that layout, else a reshape copy), and the result viewed back.
+* a window plus global tokens (``GlobalTokensForm``: Longformer-style, eager calls): the windowed
+  kernel over every row, the global keys outside each row's window scored densely and merged in
+  by log-sum-exp, the global rows run unmasked on their own
+  (:mod:`flexattn_zoo.backends.global_tokens`).
 
 Score mods: only a soft-cap form with ``approx=True`` (``SoftCap(approx=True)``). FA4's soft-capping
 evaluates ``tanh`` with the hardware approximation (``tanh.approx.f32``), which is what
@@ -44,6 +48,8 @@ from flexattn_zoo import _compat
 from flexattn_zoo.arch import generation
 from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Backend, BoundCall
 from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
+from flexattn_zoo.backends.global_tokens import global_tokens_attention
+from flexattn_zoo.backends.merge import compiled_merge_two, merge_two
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import (
@@ -53,6 +59,7 @@ from flexattn_zoo.segments import (
     unfold_strided,
     unfold_strided_lse,
 )
+from flexattn_zoo.spec import GLOBAL_FORM_MAX_TOKENS, GlobalTokensForm
 
 
 def _softcap(p: Problem) -> float:
@@ -100,10 +107,12 @@ class FlashAttn4Backend(Backend):
         else:
             layout = segment_layout(p.mask, p.batch, p.q_len)
             if layout is None:
-                out.append(
-                    f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window, or a "
-                    "window in residue classes of a stride that divides the length)"
-                )
+                if _global_tokens_form(p) is None:  # eager calls only: its positions are data
+                    out.append(
+                        f"mask {type(p.mask).__name__} has no exact FA4 form (segments + window, a "
+                        "window in residue classes of a stride that divides the length, or a window "
+                        f"plus up to {GLOBAL_FORM_MAX_TOKENS} global tokens shared by every row)"
+                    )
             elif layout[0] == "strided" and (too_wide := fold_too_wide(layout[1], p.heads, p.device_type)):
                 out.append(too_wide)
             elif layout[0] == "packed" and _compat.is_compiling():
@@ -137,7 +146,8 @@ def _launcher(p: Problem, batch: int, length: int) -> BoundCall:
     """The call of ``p`` (``batch`` rows of ``length`` queries) as a function of ``(q, k, v, scale)``;
     sizes are read from the tensors at each call (symbolic ones too, while traced)."""
     layout = segment_layout(p.mask, batch, length)
-    assert layout is not None  # mask_reasons refused masks without one
+    if layout is None:
+        return _global_tokens_launcher(p, length)
     kind, chunk, window = layout
     softcap = _softcap(p)
     return_lse = p.return_lse
@@ -180,6 +190,40 @@ def _launcher(p: Problem, batch: int, length: int) -> BoundCall:
         return out, (unfold_strided_lse(lse, h) if return_lse else None)
 
     return {"packed": packed, "strided": strided}.get(kind, batched)
+
+
+def _global_tokens_form(p: Problem) -> GlobalTokensForm | None:
+    """The mask's global-tokens form for ``p`` (None while traced: the positions are data)."""
+    if p.mask is None or p.q_len != p.kv_len or _compat.is_compiling():
+        return None
+    return p.mask.global_tokens_form(p.q_len, p.kv_len)
+
+
+def _global_tokens_launcher(p: Problem, length: int) -> BoundCall:
+    """A window plus global tokens: FA4's windowed kernel over every row and unmasked over the
+    global rows, the global keys outside each row's window scored apart and merged in
+    (:func:`~flexattn_zoo.backends.global_tokens.global_tokens_attention`)."""
+    form = p.mask.global_tokens_form(length, length) if p.mask is not None else None
+    assert form is not None  # mask_reasons refused masks without a form
+    softcap = _softcap(p)
+    return_lse = p.return_lse
+
+    def global_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Launched:
+        def kernel(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: tuple[int, int]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            # FA4 takes [batch, seq, heads, dim]; ours are [B, H, L, D] views of either layout.
+            out, lse = fa4_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, softcap=softcap,
+                window=window,
+            )  # fmt: skip
+            return out.transpose(1, 2), lse
+
+        merge = compiled_merge_two() if q.is_cuda else merge_two
+        out, lse = global_tokens_attention(q, k, v, form, scale, kernel, softcap=softcap, merge=merge)
+        return out, (lse if return_lse else None)
+
+    return global_tokens
 
 
 __all__ = ["FA4", "VALUE_DIM_PAIRS", "FlashAttn4Backend", "fa4_window"]

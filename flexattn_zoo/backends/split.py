@@ -43,7 +43,7 @@ from flexattn_zoo.backends.base import (
     expand_kv_heads,
     fused_layout,
 )
-from flexattn_zoo.backends.merge import merge_core
+from flexattn_zoo.backends.merge import compiled_merge_two, merge_two
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
@@ -119,35 +119,6 @@ def _part_kernels(part: SplitPart, device_type: str) -> tuple[Callable[..., Any]
     )
 
 
-def _merge(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two disjoint key sets, from each set's ``(out, lse)``: the one
-    merge of the library (``fz.merge_attention``'s, :func:`flexattn_zoo.backends.merge.merge_core`)."""
-    return merge_core((out_a, out_b), (lse_a, lse_b))
-
-
-def _merge_one_graph(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_merge` for ``torch.compile``: a graph break in it is an error (one fused kernel).
-    Only ever run compiled: torch's flag behind ``no_graph_breaks`` is process-wide eagerly."""
-    with _compat.no_graph_breaks():
-        return _merge(out_a, lse_a, out_b, lse_b)
-
-
-@functools.cache
-def _compiled_merge() -> Callable[..., Any]:
-    # Eager, the merge is several passes over float32 copies of the outputs; compiled it is one
-    # fused kernel (H200, prefix-LM 2048 at 4x16x8192x128: the forward went from 2.71 ms with the
-    # eager merge, cudnn_decomp_probe_h200.txt, to 2.02 ms, h200-nofa4.md; measured with the
-    # two-part formula this function had before it called merge_core). Default (automatic)
-    # dynamic shapes: a second prefix length or batch compiles one shape-generic kernel, not one
-    # per shape.
-    compiled = torch.compile(_merge_one_graph, fullgraph=_compat.FULLGRAPH_NEEDED)
-    return functools.partial(_compat.call_compiled, compiled)
-
-
 def _rows(t: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
     return t[:, :, span[0] : span[1]]
 
@@ -164,7 +135,7 @@ class _SplitAttention(torch.autograd.Function):
         parts: tuple[SplitPart, ...],
         scale: float,
     ) -> torch.Tensor:
-        merge = _compiled_merge() if q.device.type == "cuda" else _merge
+        merge = compiled_merge_two() if q.device.type == "cuda" else merge_two
         b, h, q_len = q.shape[:3]
         out = lse = None
         saved = []

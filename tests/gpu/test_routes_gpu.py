@@ -569,6 +569,39 @@ def test_fa4_layouts_with_lse_and_gqa(mask, length: int, layout: str, batch: int
 
 
 @pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4 (flash_attn.cute)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("positions", "left", "right", "length"),
+    [
+        ([0], 64, 64, 700),  # a [CLS] token
+        ([0, 5, 333, 699], 100, 0, 700),  # causal-side window, global rows at both ends
+        (list(range(0, 640, 10)), 31, 17, 640),  # the most global positions the form takes
+        ([3], 1000, 1000, 640),  # the window spans the row
+    ],
+)
+def test_fa4_global_tokens(
+    positions: list[int], left: int, right: int, length: int, dtype: torch.dtype
+) -> None:
+    """A window plus global tokens on fa4 (the windowed kernel, the global keys merged in, the
+    global rows apart) with GQA, soft-capping, lse and gradients against float64."""
+    mask = masks.GlobalWindow.from_positions(positions, length, left=left, right=right, device=DEV)
+    assert mask.global_tokens_form(length, length) is not None
+    g = torch.Generator(device=DEV).manual_seed(4)
+    q = torch.randn(2, 8, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    k = torch.randn(2, 2, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    v = torch.randn(2, 2, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    for score in (None, score_mods.SoftCap(cap=20.0, approx=True)):
+        out, lse = fz.attention(
+            q, k, v, mask=mask, score_mod=score, backend="fa4", enable_gqa=True, return_lse=True
+        )
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_matches_reference(
+            out, q, k, v, mask=mask, score_mod=score, enable_gqa=True, lse=lse, grads=grads, grad_out=grad_out
+        )
+
+
+@pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4 (flash_attn.cute)")
 def test_fa4_takes_projection_layout_and_scale() -> None:
     """[B, L, H, D] projections viewed as [B, H, L, D] (no copy needed) and a non-default scale."""
     g = torch.Generator(device=DEV).manual_seed(2)

@@ -315,3 +315,57 @@ def test_wrappers_keep_the_strided_form() -> None:
     assert segment_layout(two_docs.bind(100, 100), 1, 100) != expected  # classes restart per document
     for spec in (shard, one_doc):
         assert_mask_consistent(spec, 100, 100, batch=1, heads=4)
+
+
+def test_fa4_takes_global_tokens_shared_by_every_row() -> None:
+    shared = masks.GlobalWindow.from_positions([0, 100], 256, left=16, right=16)
+    assert FA4.mask_reasons(_problem(mask=shared)) == []
+    per_row = masks.GlobalWindow(is_global=torch.zeros(2, 256, dtype=torch.bool), left=16)
+    many = masks.GlobalWindow.from_positions(list(range(0, 256, 3)), 256, left=16)  # 86 positions
+    for mask in (per_row, many):
+        reasons = " ".join(FA4.mask_reasons(_problem(mask=mask)))
+        assert "no exact FA4 form" in reasons and "global tokens shared by every row" in reasons
+
+
+def _fa4_stand_in(q, k, v, *, scale, softcap=0.0, window=(-1, -1), cu_seqlens=None, max_seqlen=0):  # type: ignore[no-untyped-def]
+    """FA4's kernel in its layouts (``[B, L, H, D]`` in, ``(out [B, L, H, D], lse [B, H, L])`` out),
+    FA-style window bottom-right aligned, as float64 dense math."""
+    assert cu_seqlens is None
+    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+    group = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    lq, lk = s.shape[-2:]
+    i = torch.arange(lq).view(-1, 1) + (lk - lq)
+    j = torch.arange(lk).view(1, -1)
+    seen = torch.ones(lq, lk, dtype=torch.bool)
+    if window[0] >= 0:
+        seen &= j >= i - window[0]
+    if window[1] >= 0:
+        seen &= j <= i + window[1]
+    s = s.masked_fill(~seen, float("-inf"))
+    out = torch.matmul(torch.softmax(s, -1), vh).to(q.dtype)
+    return out.transpose(1, 2), torch.logsumexp(s, -1).float()
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_fa4_global_tokens_launch_matches_the_reference(monkeypatch, gqa: bool) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(fa4, "fa4_attention", _fa4_stand_in)
+    length, heads, kv_heads = 48, 4, (2 if gqa else 4)
+    mask = masks.GlobalWindow.from_positions([0, 17, 47], length, left=5, right=3)
+    p = _problem(mask=mask, batch=2, heads=heads, kv_heads=kv_heads, q_len=length, kv_len=length,
+                 head_dim=16, dtype=torch.float32, device_type="cpu", arch="cpu", return_lse=True)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, length, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, length, 16, generator=gen, requires_grad=True) for _ in range(2))
+    out, lse = fa4._launcher(p, 2, length)(q, k, v, 0.25)
+    want, want_lse = reference_attention(q, k, v, mask=mask, scale=0.25, enable_gqa=gqa, return_lse=True)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
+    g = torch.randn_like(want)
+    for got, ref in zip(
+        torch.autograd.grad(out, (q, k, v), g.float()), torch.autograd.grad(want, (q, k, v), g), strict=True
+    ):
+        torch.testing.assert_close(got.double(), ref.double(), atol=1e-4, rtol=1e-4)

@@ -123,11 +123,12 @@ def test_mixed_lse_dtypes_merge_in_the_widest_whatever_the_order() -> None:
 
 
 def test_split_route_uses_the_same_merge() -> None:
-    from flexattn_zoo.backends import split
+    from flexattn_zoo.backends import merge, split
 
+    assert split.merge_two is merge.merge_two and split.compiled_merge_two is merge.compiled_merge_two
     out_a, out_b = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
     lse_a, lse_b = torch.randn(1, 1, 3), torch.randn(1, 1, 3)
-    got = split._merge(out_a, lse_a, out_b, lse_b)
+    got = merge.merge_two(out_a, lse_a, out_b, lse_b)
     want = fz.merge_attention([out_a, out_b], [lse_a, lse_b])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 

@@ -8,7 +8,8 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks
-from flexattn_zoo.backends.split import _compiled_merge, _merge
+from flexattn_zoo.backends.merge import compiled_merge_two as _compiled_merge
+from flexattn_zoo.backends.merge import merge_two as _merge
 from flexattn_zoo.testing import assert_matches_reference
 
 

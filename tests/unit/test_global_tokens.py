@@ -1,0 +1,148 @@
+"""The global-tokens form (a window plus global positions) and its composition from a windowed
+kernel (``backends.global_tokens``), against the float64 reference; the kernel here is a dense
+stand-in for FlashAttention-4's windowed kernel (tests/gpu runs the real one)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flexattn_zoo.backends.global_tokens import global_tokens_attention
+from flexattn_zoo.masks import GlobalWindow, SlidingWindow
+from flexattn_zoo.reference import reference_attention
+from flexattn_zoo.score_mods import SoftCap
+from flexattn_zoo.spec import GLOBAL_FORM_MAX_TOKENS, GlobalTokensForm
+
+
+def _window_kernel(softcap: float = 0.0):
+    """A windowed kernel as FA4's: FA-style ``(left, right)`` (-1 unbounded), bottom-right aligned,
+    grouped k/v heads, ``(out, lse)`` differentiable; dense float64."""
+
+    def kernel(q, k, v, window):
+        lq, lk = q.shape[2], k.shape[2]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = torch.matmul(q.double(), k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(lq).view(-1, 1) + (lk - lq)
+        j = torch.arange(lk).view(1, -1)
+        left, right = window
+        seen = torch.ones(lq, lk, dtype=torch.bool)
+        if left >= 0:
+            seen &= j >= i - left
+        if right >= 0:
+            seen &= j <= i + right
+        s = s.masked_fill(~seen, -math.inf)
+        lse = torch.logsumexp(s, -1)
+        return torch.matmul(torch.softmax(s, -1), v.double()).to(q.dtype), lse
+
+    return kernel
+
+
+def _specs(length: int) -> list[GlobalWindow]:
+    return [
+        GlobalWindow.from_positions([0], length, left=4, right=4),
+        GlobalWindow.from_positions(sorted({0, length // 3, length - 1}), length, left=length // 6, right=0),
+        GlobalWindow.from_positions(
+            [min(2, length - 1), length - 1], length, left=0, right=length
+        ),  # right spans the row
+        GlobalWindow.from_positions(list(range(0, length, 7)), length, left=3, right=1),
+        GlobalWindow.from_positions([length - 1], length, left=length, right=length),  # everything visible
+    ]
+
+
+@pytest.mark.parametrize("length", [1, 9, 40])
+def test_global_tokens_form_equals_the_mask(length: int) -> None:
+    for spec in _specs(length):
+        form = spec.global_tokens_form(length, length)
+        assert form is not None
+        i = torch.arange(length).view(-1, 1)
+        j = torch.arange(length).view(1, -1)
+        flags = torch.zeros(length, dtype=torch.bool)
+        flags[form.positions] = True
+        said = ((j >= i - spec.left) & (j <= i + spec.right)) | flags[:, None] | flags[None, :]
+        assert torch.equal(said, spec.dense(length, length)[0, 0])
+        assert torch.equal(form.positions, torch.nonzero(spec.is_global[:length]).flatten())
+
+
+def test_global_tokens_form_is_offered_only_where_it_is_exact() -> None:
+    spec = GlobalWindow.from_positions([0, 3], 16, left=2)
+    assert spec.global_tokens_form(16, 12) is None  # Lq != Lkv
+    per_row = GlobalWindow(
+        is_global=torch.zeros(2, 16, dtype=torch.bool).index_fill_(1, torch.tensor([1]), True), left=2
+    )
+    assert per_row.global_tokens_form(16, 16) is None  # flags per batch row
+    many = GlobalWindow.from_positions(list(range(GLOBAL_FORM_MAX_TOKENS + 1)), 200, left=2)
+    assert many.global_tokens_form(200, 200) is None
+    assert GlobalWindow.from_positions(list(range(GLOBAL_FORM_MAX_TOKENS)), 200, left=2).global_tokens_form(
+        200, 200
+    )
+    # Positions at or past the call's length are not part of its form.
+    tail = GlobalWindow.from_positions([3, 30], 40, left=2)
+    assert tail.global_tokens_form(20, 20).positions.tolist() == [3]
+    none_below = GlobalWindow.from_positions([30], 40, left=2, right=1)
+    assert none_below.global_tokens_form(20, 20) is None
+    # With no global position below L it is a plain window: the varlen form says so.
+    form = none_below.varlen_form(20, 20, 1)
+    assert form is not None and form.segments is None and form.window == (2, 1)
+    assert torch.equal(none_below.dense(20, 20), SlidingWindow(left=2, right=1).dense(20, 20))
+    assert tail.varlen_form(20, 20, 1) is None
+
+
+def test_global_tokens_form_built_under_inference_mode_is_a_normal_tensor() -> None:
+    spec = GlobalWindow.from_positions([0, 5], 16, left=2)
+    with torch.inference_mode():
+        form = spec.global_tokens_form(16, 16)
+    assert form is not None and not form.positions.is_inference()
+    assert spec.global_tokens_form(16, 16).positions is form.positions  # found once per length
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("length", [1, 9, 40])
+def test_composition_matches_the_reference(length: int, heads: tuple[int, int], dtype: torch.dtype) -> None:
+    h, hkv = heads
+    gen = torch.Generator().manual_seed(length * 10 + h)
+    for spec in _specs(length):
+        form = spec.global_tokens_form(length, length)
+        q = torch.randn(2, h, length, 8, generator=gen, dtype=dtype, requires_grad=True)
+        k = torch.randn(2, hkv, length, 8, generator=gen, dtype=dtype, requires_grad=True)
+        v = torch.randn(2, hkv, length, 8, generator=gen, dtype=dtype, requires_grad=True)
+        out, lse = global_tokens_attention(q, k, v, form, 1 / math.sqrt(8), _window_kernel())
+        want, want_lse = reference_attention(q, k, v, mask=spec, enable_gqa=h != hkv, return_lse=True)
+        tol = 1e-10 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), want_lse, atol=tol, rtol=tol)
+        g = torch.randn_like(want)
+        got_grads = torch.autograd.grad(out, (q, k, v), g.to(dtype))
+        want_grads = torch.autograd.grad(want, (q, k, v), g)
+        for got_g, want_g in zip(got_grads, want_grads, strict=True):
+            assert torch.isfinite(got_g).all()
+            torch.testing.assert_close(got_g.double(), want_g.double(), atol=10 * tol, rtol=10 * tol)
+
+
+def test_composition_with_soft_capping_and_lse_gradients() -> None:
+    length, cap = 24, 2.0
+    spec = GlobalWindow.from_positions([0, 11], length, left=3, right=2)
+    form = spec.global_tokens_form(length, length)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, 2, length, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
+    out, lse = global_tokens_attention(q, k, v, form, 1 / math.sqrt(8), _window_kernel(cap), softcap=cap)
+    want, want_lse = reference_attention(q, k, v, mask=spec, score_mod=SoftCap(cap=cap), return_lse=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    # Gradients through the lse too (a caller's merge of its own parts reads it).
+    got = torch.autograd.grad((out.sum() + lse.exp().sum()), (q, k, v))
+    ref = torch.autograd.grad((want.sum() + want_lse.exp().sum()), (q, k, v))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_form_positions_are_not_compared() -> None:
+    a = GlobalTokensForm(positions=torch.tensor([0]), window=(2, 2))
+    assert a == GlobalTokensForm(positions=torch.tensor([5]), window=(2, 2))  # as SplitPart's mask
