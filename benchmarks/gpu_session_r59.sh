@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session_r59.sh first 560    # the first call of a fresh machine (no FA4):
 #                    # on an H200 the zoo without FA4 (zoonofa4), then the probe; elsewhere the
-#                    # probe, then the sweep's host-bound short cases (short)
+#                    # probe alone
 #   bash benchmarks/gpu_session_r59.sh probe 200    # benchmarks/split_host_probe.py: sdpa_split's
 #                    # host and device time per call, its first synchronizing op, the profiler table
 #   bash benchmarks/gpu_session_r59.sh short 300    # the sweep's host-bound short cases: auto and
@@ -51,8 +51,7 @@ case "$step" in
       budget=$whole
       probe "$(( $(left) - 5 ))"
     else
-      probe "$(share 45)"
-      short
+      probe "$(( $(left) - 5 ))"
     fi
     ;;
   probe) probe "$(( $(left) - 5 ))" ;;
