@@ -17,7 +17,17 @@ import torch
 from flexattn_zoo._compat import BlockMask, create_block_mask
 from flexattn_zoo.compose import And, Not, Or
 from flexattn_zoo.registry import MASKS, SCORES, Registry, did_you_mean
-from flexattn_zoo.spec import MaskSpec, ScoreSpec, Spec, SplitForm, StridedForm, VarlenForm, as_4d
+from flexattn_zoo.spec import (
+    GLOBAL_FORM_MAX_TOKENS,
+    GlobalTokensForm,
+    MaskSpec,
+    ScoreSpec,
+    Spec,
+    SplitForm,
+    StridedForm,
+    VarlenForm,
+    as_4d,
+)
 from flexattn_zoo.spec import index_grids as spec_index_grids
 from flexattn_zoo.validation import check_tolerance
 
@@ -201,6 +211,34 @@ def strided_dense(form: StridedForm, length: int) -> torch.Tensor:
     if right >= 0:
         visible = visible & (u <= t + right)
     return visible[None, None]
+
+
+def global_tokens_dense(form: GlobalTokensForm, length: int) -> torch.Tensor:
+    """The ``[1, 1, L, L]`` mask a :class:`GlobalTokensForm` describes: the window, or'ed with the
+    rows and columns of its positions; ``AssertionError`` when the positions break the contract
+    (not ascending and distinct, outside ``[0, L)``, none, or more than ``GLOBAL_FORM_MAX_TOKENS``)."""
+    positions = form.positions.cpu()
+    count = positions.numel()
+    if positions.dim() != 1 or positions.dtype != torch.int64 or not 1 <= count <= GLOBAL_FORM_MAX_TOKENS:
+        raise AssertionError(
+            f"GlobalTokensForm: positions must be int64 [G] with 1 <= G <= {GLOBAL_FORM_MAX_TOKENS}, "
+            f"got {positions.dtype} {tuple(positions.shape)}"
+        )
+    if bool((positions < 0).any() | (positions >= length).any()) or bool((positions.diff() <= 0).any()):
+        raise AssertionError(
+            f"GlobalTokensForm: positions must be ascending, distinct and in [0, {length}), got {positions.tolist()[:8]}"
+        )
+    pos = torch.arange(length)
+    i, j = pos.view(length, 1), pos.view(1, length)
+    visible = torch.ones(length, length, dtype=torch.bool)
+    left, right = form.window
+    if left >= 0:
+        visible = visible & (j >= i - left)
+    if right >= 0:
+        visible = visible & (j <= i + right)
+    flags = torch.zeros(length, dtype=torch.bool)
+    flags[positions] = True
+    return (visible | flags.view(length, 1) | flags.view(1, length))[None, None]
 
 
 def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
@@ -603,6 +641,13 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
             raise AssertionError(f"{spec!r}: strided_form offered for q_len {q_len} != kv_len {kv_len}")
         what = f"strided_form {strided}"
         said = strided_dense(strided, q_len)
+        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
+    global_tokens = spec.global_tokens_form(q_len, kv_len)
+    if global_tokens is not None:
+        if q_len != kv_len:
+            raise AssertionError(f"{spec!r}: global_tokens_form offered for q_len {q_len} != kv_len {kv_len}")
+        what = f"global_tokens_form {global_tokens}"
+        said = global_tokens_dense(global_tokens, q_len)
         _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
 
 

@@ -146,3 +146,24 @@ def test_composition_with_soft_capping_and_lse_gradients() -> None:
 def test_form_positions_are_not_compared() -> None:
     a = GlobalTokensForm(positions=torch.tensor([0]), window=(2, 2))
     assert a == GlobalTokensForm(positions=torch.tensor([5]), window=(2, 2))  # as SplitPart's mask
+
+
+def test_consistency_checks_catch_a_wrong_form() -> None:
+    from flexattn_zoo.spec import spec_dataclass
+    from flexattn_zoo.testing import assert_mask_consistent
+
+    @spec_dataclass
+    class NarrowerForm(GlobalWindow):
+        def global_tokens_form(self, q_len: int, kv_len: int) -> GlobalTokensForm | None:
+            form = super().global_tokens_form(q_len, kv_len)
+            return (
+                None
+                if form is None
+                else GlobalTokensForm(positions=form.positions, window=(self.left - 1, self.right))
+            )
+
+    good = GlobalWindow.from_positions([0, 9], 24, left=3, right=2)
+    assert_mask_consistent(good, q_len=24, kv_len=24)
+    bad = NarrowerForm(is_global=good.is_global, left=3, right=2)
+    with pytest.raises(AssertionError, match="global_tokens_form"):
+        assert_mask_consistent(bad, q_len=24, kv_len=24)
