@@ -36,6 +36,7 @@ import torch
 from flexattn_zoo.spec import (
     COMBINATORS,
     BlockMap,
+    GlobalTokensForm,
     LinearBiasForm,
     MaskMod,
     MaskSpec,
@@ -536,6 +537,9 @@ class MaskOnShard(MaskSpec):
 
     def strided_form(self, q_len: int, kv_len: int) -> StridedForm | None:
         return self.part.strided_form(q_len, kv_len)  # the same classes in every row and head
+
+    def global_tokens_form(self, q_len: int, kv_len: int) -> GlobalTokensForm | None:
+        return self.part.global_tokens_form(q_len, kv_len)  # the same positions in every row and head
 
     def varlen_form(self, q_len: int, kv_len: int, batch: int) -> VarlenForm | None:
         form = self.part.varlen_form(q_len, kv_len, self.total[0])

@@ -325,6 +325,14 @@ def test_fa4_takes_global_tokens_shared_by_every_row() -> None:
     for mask in (per_row, many):
         reasons = " ".join(FA4.mask_reasons(_problem(mask=mask)))
         assert "no exact FA4 form" in reasons and "global tokens shared by every row" in reasons
+    # A shard of the batch or heads sees the same positions.
+    from flexattn_zoo.compose import MaskOnShard
+
+    shard = MaskOnShard(part=shared, batch=(1, 2), heads=(0, 4), total=(2, 8))
+    form = shard.global_tokens_form(256, 256)
+    assert form is not None and form.positions.tolist() == [0, 100]
+    assert FA4.mask_reasons(_problem(mask=shard, batch=1, heads=4, kv_heads=4)) == []
+    assert_mask_consistent(shard, 256, 256, batch=1, heads=4)
 
 
 def _fa4_stand_in(q, k, v, *, scale, softcap=0.0, window=(-1, -1), cu_seqlens=None, max_seqlen=0):  # type: ignore[no-untyped-def]
