@@ -47,8 +47,14 @@ import torch
 from flexattn_zoo import _compat
 from flexattn_zoo.arch import generation
 from flexattn_zoo.backends.base import FLASH_CUTE, IN_GRAPH, LOW_PRECISION, Backend, BoundCall
-from flexattn_zoo.backends.fa4_op import fa4_attention, fa4_window
-from flexattn_zoo.backends.global_tokens import global_tokens_attention
+from flexattn_zoo.backends.fa4_op import (
+    fa4_attention,
+    fa4_bwd_eager,
+    fa4_fwd_eager,
+    fa4_lse_backward,
+    fa4_window,
+)
+from flexattn_zoo.backends.global_tokens import WindowKernels, global_tokens_attention
 from flexattn_zoo.backends.merge import compiled_merge_two, merge_two
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
@@ -209,21 +215,44 @@ def _global_tokens_launcher(p: Problem, length: int) -> BoundCall:
     return_lse = p.return_lse
 
     def global_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Launched:
-        def kernel(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: tuple[int, int]
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            # FA4 takes [batch, seq, heads, dim]; ours are [B, H, L, D] views of either layout.
-            out, lse = fa4_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, softcap=softcap,
-                window=window,
-            )  # fmt: skip
-            return out.transpose(1, 2), lse
-
+        kernels = _window_kernels(scale, softcap)
         merge = compiled_merge_two() if q.is_cuda else merge_two
-        out, lse = global_tokens_attention(q, k, v, form, scale, kernel, softcap=softcap, merge=merge)
+        out, lse = global_tokens_attention(q, k, v, form, scale, kernels, softcap=softcap, merge=merge)
         return out, (lse if return_lse else None)
 
     return global_tokens
+
+
+def _window_kernels(scale: float, softcap: float) -> WindowKernels:
+    """FA4's forward and backward on ``[B, H, L, D]`` views (FA4 takes ``[B, L, H, D]``)."""
+
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = fa4_fwd_eager(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0, scale, softcap, *window
+        )
+        return out.transpose(1, 2), lse
+
+    def backward(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        window: tuple[int, int],
+        g_lse: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qt, kt, vt, ot, gt = (t.transpose(1, 2) for t in (q, k, v, out, dout))
+        rest = (None, 0, scale, softcap, *window)
+        dq, dk, dv = fa4_bwd_eager(gt, qt, kt, vt, ot, lse.contiguous(), *rest)
+        if g_lse is not None:  # one more backward call: the gradient of sum(g_lse * lse)
+            lq, lk = fa4_lse_backward(g_lse, qt, kt, vt, ot, lse.contiguous(), rest, fa4_bwd_eager)
+            dq, dk = dq + lq, dk + lk
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    return WindowKernels(forward, backward)
 
 
 __all__ = ["FA4", "VALUE_DIM_PAIRS", "FlashAttn4Backend", "fa4_window"]

@@ -390,7 +390,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     ctx.set_materialize_grads(False)  # an unused out or lse gives None: no work for it
 
 
-def _lse_backward(
+def fa4_lse_backward(
     g_lse: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -429,7 +429,7 @@ def _backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) 
     else:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if g_lse is not None:
-        lq, lk = _lse_backward(g_lse, q, k, v, out, lse, rest, bwd)
+        lq, lk = fa4_lse_backward(g_lse, q, k, v, out, lse, rest, bwd)
         dq, dk = dq + lq, dk + lk
     return dq, dk, dv, None, None, None, None, None, None
 
@@ -503,4 +503,14 @@ def fa4_attention(
     return out, lse
 
 
-__all__ = ["BWD_SCHEMA", "FWD_SCHEMA", "fa4_attention", "fa4_bwd", "fa4_fwd", "fa4_window"]
+__all__ = [
+    "BWD_SCHEMA",
+    "FWD_SCHEMA",
+    "fa4_attention",
+    "fa4_bwd",
+    "fa4_bwd_eager",
+    "fa4_fwd",
+    "fa4_fwd_eager",
+    "fa4_lse_backward",
+    "fa4_window",
+]

@@ -10,7 +10,7 @@ import torch
 
 import flexattn_zoo as fz
 from flexattn_zoo import masks, score_mods
-from flexattn_zoo.backends import fa4
+from flexattn_zoo.backends import fa4, fa4_op
 from flexattn_zoo.backends.fa4 import FA4, fa4_window
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.reference import reference_attention
@@ -335,32 +335,12 @@ def test_fa4_takes_global_tokens_shared_by_every_row() -> None:
     assert_mask_consistent(shard, 256, 256, batch=1, heads=4)
 
 
-def _fa4_stand_in(q, k, v, *, scale, softcap=0.0, window=(-1, -1), cu_seqlens=None, max_seqlen=0):  # type: ignore[no-untyped-def]
-    """FA4's kernel in its layouts (``[B, L, H, D]`` in, ``(out [B, L, H, D], lse [B, H, L])`` out),
-    FA-style window bottom-right aligned, as float64 dense math."""
-    assert cu_seqlens is None
-    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
-    group = qh.shape[1] // kh.shape[1]
-    kh, vh = kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    lq, lk = s.shape[-2:]
-    i = torch.arange(lq).view(-1, 1) + (lk - lq)
-    j = torch.arange(lk).view(1, -1)
-    seen = torch.ones(lq, lk, dtype=torch.bool)
-    if window[0] >= 0:
-        seen &= j >= i - window[0]
-    if window[1] >= 0:
-        seen &= j <= i + window[1]
-    s = s.masked_fill(~seen, float("-inf"))
-    out = torch.matmul(torch.softmax(s, -1), vh).to(q.dtype)
-    return out.transpose(1, 2), torch.logsumexp(s, -1).float()
-
-
 @pytest.mark.parametrize("gqa", [False, True])
 def test_fa4_global_tokens_launch_matches_the_reference(monkeypatch, gqa: bool) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(fa4, "fa4_attention", _fa4_stand_in)
+    from test_fa4_op import emulated_backward, emulated_forward  # FA4's kernels' contract, float64
+
+    monkeypatch.setattr(fa4_op, "_fwd_kernel", emulated_forward)
+    monkeypatch.setattr(fa4_op, "_bwd_kernel", emulated_backward)
     length, heads, kv_heads = 48, 4, (2 if gqa else 4)
     mask = masks.GlobalWindow.from_positions([0, 17, 47], length, left=5, right=3)
     p = _problem(mask=mask, batch=2, heads=heads, kv_heads=kv_heads, q_len=length, kv_len=length,
