@@ -87,8 +87,9 @@ class _GlobalTokens(torch.autograd.Function):
         out_c = torch.matmul(probs, dense.values).reshape(*out_w.shape[:3], -1)
         out, lse = merge(out_w, lse_w, out_c.to(out_w.dtype), lse_c.reshape(lse_w.shape))
         out_g, lse_g = kernels.forward(q.index_select(2, rows), k, v, (-1, -1))
-        out = out.index_copy(2, rows, out_g.to(out.dtype))
-        lse = lse.index_copy(2, rows, lse_g.to(lse.dtype))
+        # The merge's results are its own (fresh) tensors: the global rows are written in place.
+        out.index_copy_(2, rows, out_g.to(out.dtype))
+        lse.index_copy_(2, rows, lse_g.to(lse.dtype))
         ctx.save_for_backward(q, k, v, out, lse, rows)
         ctx.args = (window, scale, softcap, kernels)
         return out, lse
