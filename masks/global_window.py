@@ -26,6 +26,11 @@ from ._blocks import band_block_map, check_int, complete_pairs
 from .document import _int_vector
 
 
+#: Lengths whose global positions a ``GlobalWindow`` keeps (a model calls few lengths; reading
+#: them from the flags syncs with the device once per length).
+_POSITIONS_KEPT = 8
+
+
 @MASKS.register
 @spec_dataclass
 class GlobalWindow(MaskSpec):
@@ -200,6 +205,8 @@ class GlobalWindow(MaskSpec):
             # Kept beyond the call: a normal tensor even when first asked under inference_mode.
             flags = self.is_global[:q_len]
             positions = outside_inference_mode(lambda: torch.nonzero(flags).flatten())
+            if len(found) >= _POSITIONS_KEPT:
+                del found[next(iter(found))]  # the oldest length
             found[q_len] = positions
         return positions
 

@@ -188,3 +188,10 @@ def test_consistency_checks_catch_a_wrong_form() -> None:
     bad = NarrowerForm(is_global=good.is_global, left=3, right=2)
     with pytest.raises(AssertionError, match="global_tokens_form"):
         assert_mask_consistent(bad, q_len=24, kv_len=24)
+
+
+def test_positions_are_kept_for_a_few_lengths_only() -> None:
+    spec = GlobalWindow.from_positions([0], 64, left=2)
+    for n in range(1, 30):
+        assert spec.global_tokens_form(n, n).positions.tolist() == [0]
+    assert len(spec.__dict__["_positions"]) <= 8
