@@ -25,7 +25,6 @@ from flexattn_zoo.spec import (
 from ._blocks import band_block_map, check_int, complete_pairs
 from .document import _int_vector
 
-
 #: Lengths whose global positions a ``GlobalWindow`` keeps (a model calls few lengths; reading
 #: them from the flags syncs with the device once per length).
 _POSITIONS_KEPT = 8
