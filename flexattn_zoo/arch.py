@@ -368,14 +368,14 @@ RULES: tuple[Rule, ...] = (
         front=_SHORT_FIRST,
         why="short forwards (visible B*H*Lq*Lkv*D up to 3e10, which includes decoding from any real cache): "
         "FA4's per-call host time (0.14-0.31 ms) exceeds the kernel time it saves; SDPA's kernels finish "
-        "first (decoding: 2-10x faster than fa4 and flex). Near the bound the two split (DINOv2-g, 2.3e10: "
-        "fa4 0.223 vs sdpa 0.246 ms; a Llama-3.2-3B-style 4 x 2K batch, 2.6e10: sdpa 0.216 vs fa4 0.271); "
-        "above it FA4 leads (a Gemma-3-27B-style 4K sequence, 3.4e10: fa4 0.239 vs sdpa 0.277)",
+        "first (decoding: 2-10x faster than fa4 and flex). From 2e10 FA4's replayed launches lead "
+        "(a later rule: DINOv2-g, 2.3e10: fa4 0.223 vs sdpa 0.246 ms; a Llama-3.2-3B-style 4 x 2K "
+        "batch, 2.6e10: 0.190 vs 0.213), as above the bound (a Gemma-3-27B-style 4K sequence, 3.4e10: "
+        "fa4 0.239 vs sdpa 0.277)",
         benchmark="generalization_h200.json",
         evidence=(
             "bert_base_l128_b128/fwd",
             "llama3_8b_l512_b32/fwd",
-            "llama32_3b_l2048_b4/fwd",
             "decode_llama3_8b_b1_32k/fwd",
             "decode_b1_128k/fwd",
             "decode_qwen25_7b_b64_1k/fwd",
@@ -411,28 +411,39 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         generation="sm90",
-        modes=BOTH,
-        absent=frozenset({"score_mod", "packed_segments"}),
+        modes=("fwd",),
+        absent=frozenset({"score_mod", "packed_segments", "global_tokens"}),
         min_work=2 * 10**10,
         max_work=4 * 10**10,
         front=("fa4",),
-        why="the top of the short range (visible B*H*Lq*Lkv*D from 2e10), without a score mod or "
-        "documents: with its launches replayed (backends.fa4_replay) FA4's host time per call is "
-        "about half its launcher's forward and 0.7-0.8 of it forward+backward, and its kernels "
-        "beat SDPA's from here (H100: DINOv2-g, 2.3e10: 0.225 vs 0.243 ms forward, 0.76 vs 0.95 "
-        "forward+backward; a Llama-3.2-3B-style 4 x 2K batch, 2.6e10: 0.205 vs 0.225, 0.88 vs "
-        "0.95); below it SDPA led on most rows (Llama-3-8B heads at B=32, L=512, 1.7e10: sdpa "
-        "0.197 vs 0.269 forward, 1.22 vs 1.33 forward+backward; at the same size with "
-        "Llama-3.2-1B heads, D=64, fa4 led forward+backward, 1.39 vs 1.48). Where fa4 refuses "
-        "the problem the short-range order stands",
+        why="forwards at the top of the short range (visible B*H*Lq*Lkv*D from 2e10), without a "
+        "score mod or documents: with its launches replayed (backends.fa4_replay) FA4's host time "
+        "per call is about half its launcher's, and its kernels beat SDPA's from here (H100: "
+        "DINOv2-g, 2.3e10: 0.225 vs 0.243 ms; a Llama-3.2-3B-style 4 x 2K batch, 2.6e10: 0.205 vs "
+        "0.225); below it SDPA led on most rows (Llama-3-8B heads at B=32, L=512, 1.7e10: sdpa "
+        "0.197 vs 0.269). Not forward+backward: there FA4's host time decides with the host's "
+        "speed (H100: fa4 0.88 vs sdpa 0.95 ms on the Llama-3.2-3B batch; the H200, whose host is "
+        "slower: 1.19 vs 0.87, fa4 host-bound, and Gemma-3-27B-style 4K 1.06 vs 0.97), and SDPA "
+        "is the choice that loses least where it loses. Where fa4 refuses the problem the "
+        "short-range order stands",
         benchmark="generalization_fa4replay_h100.json",
-        evidence=(
-            "dinov2_g_l1370_b8/fwd",
-            "llama32_3b_l2048_b4/fwd",
-            "dinov2_g_l1370_b8/fwdbwd",
-            "llama32_3b_l2048_b4/fwdbwd",
-            "gemma3_27b_l4096_b1/fwdbwd",
-        ),
+        evidence=("dinov2_g_l1370_b8/fwd", "llama32_3b_l2048_b4/fwd"),
+    ),
+    Rule(
+        generation="sm90",
+        modes=("fwdbwd",),
+        absent=frozenset({"score_mod", "packed_segments", "global_tokens", "gqa"}),
+        min_work=2 * 10**10,
+        max_work=4 * 10**10,
+        front=("fa4",),
+        why="training steps at the top of the short range (visible B*H*Lq*Lkv*D from 2e10) without "
+        "grouped-query attention, a score mod or documents: FA4's backward beats SDPA's by more "
+        "than its host time costs (DINOv2-g, 2.3e10: 0.76 vs 0.95 ms on an H100, 0.73 vs 0.91 on "
+        "the H200). With GQA FA4's forward+backward is host-bound there and SDPA leads on the "
+        "H200 (a Llama-3.2-3B-style 4 x 2K batch, 24:8 heads: fa4 1.19 vs sdpa 0.87 ms; "
+        "Gemma-3-27B-style 4K, 32:16: 1.10 vs 1.06), though not on an H100 (0.88 vs 0.95)",
+        benchmark="generalization_fa4replay_h100.json",
+        evidence=("dinov2_g_l1370_b8/fwdbwd",),
     ),
     Rule(
         generation="sm90",
@@ -455,7 +466,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         generation="sm90",
         modes=("fwdbwd",),
-        absent=frozenset({"score_mod", "packed_segments"}),
+        absent=frozenset({"score_mod", "packed_segments", "global_tokens"}),
         min_work=15 * 10**9,
         max_work=2 * 10**10,
         max_head_dim=64,
@@ -509,6 +520,25 @@ RULES: tuple[Rule, ...] = (
         "decides elsewhere",
         benchmark="generalization_h200.json",
         evidence=("gemma3_4b_local1024_l8192_d256/fwdbwd",),
+    ),
+    Rule(
+        generation="sm90",
+        modes=BOTH,
+        traits=frozenset({"global_tokens"}),
+        min_work=3 * 10**10,
+        front=("flex_flash",),
+        why="a window plus global tokens (Longformer): fa4 runs it as its windowed kernel plus the "
+        "global keys merged in and the global rows apart, whose extra passes and host time "
+        "(about 1.45 ms per forward on the H200's host) outweigh the windowed kernel's lead; "
+        "flex_flash's one call stays ahead (2x16x8192x128, a [CLS] token, window 512 each side: "
+        "0.50 vs 1.50 ms forward, 2.16 vs 6.27 forward+backward)",
+        benchmark="zoo_global_window_h200_r59.json",
+        evidence=(
+            "zoo_global_window/fwd",
+            "zoo_global_window/fwdbwd",
+            "zoo_global_window_d64/fwd",
+            "zoo_global_window_d64/fwdbwd",
+        ),
     ),
 )
 

@@ -165,6 +165,10 @@ def problem_traits(p: Problem) -> frozenset[str]:
         split = p.mask.split_form(p.q_len, p.kv_len)
         if split is not None and any(part.mask is not None for part in split.parts):
             traits.add("split_masked")
+        if p.q_len == p.kv_len and p.mask.global_tokens_form(p.q_len, p.kv_len) is not None:
+            traits.add("global_tokens")
+    if p.kv_heads < p.heads:
+        traits.add("gqa")
     return frozenset(traits)
 
 

@@ -52,8 +52,14 @@ class Group:
         return Sizes(r["batch"], r["heads"], lq, r["seq_len"], r["head_dim"], self.visible, r.get("kv_heads"))
 
     def traits(self) -> frozenset[str]:
+        """The traits the auto row recorded, with those the case's shape says (rows measured
+        before a trait existed do not record it)."""
         auto = self.auto
-        return frozenset((auto or {}).get("traits") or ())
+        traits = set((auto or {}).get("traits") or ())
+        sizes = self.sizes()
+        if sizes.kv_heads is not None and sizes.kv_heads < sizes.heads:
+            traits.add("gqa")
+        return frozenset(traits)
 
     def accepted(self, fa4: bool = True, sdpa_stand_in: bool = False) -> set[str]:
         auto = self.auto or {}

@@ -24,6 +24,7 @@ SWEEP_CONFIG = {
     "generalization_fa4replay_h100.json": "generalization",
     "h200.json": "h200",
     "zoo_tree_nofa4_h100_r58.json": "zoo",
+    "zoo_global_window_h200_r59.json": "zoo",
 }
 
 
