@@ -298,10 +298,13 @@ RULES: tuple[Rule, ...] = (
         generation="sm90",
         modes=BOTH,
         traits=frozenset({"split_masked"}),
-        front=("flex_flash", "flex"),
+        front=("flex", "flex_flash"),
         why="split forms with a masked part (a draft tree after its context): sdpa_split's three "
         "kernel calls, merges and dense block are host-bound on CUDA (H100, 8x16x2048x128 tree: "
-        "0.997 ms forward, 0.967 of it host, vs flex 0.418; forward+backward 2.56 vs 1.53)",
+        "0.997 ms forward, 0.967 of it host, vs flex 0.418; forward+backward 2.56 vs 1.53). Triton "
+        "flex before flex_flash: on the H200 flex_flash's host time outlasts its kernel there "
+        "(forward 273 vs hand-written flex 318 TFLOP/s, zoo_h200.json), where on an H100 its "
+        "kernel led (458 vs 329)",
         benchmark="zoo_tree_nofa4_h100_r58.json",
         evidence=("zoo_tree/fwd",),
     ),
