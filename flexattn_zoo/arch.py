@@ -387,6 +387,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         generation="sm90",
         modes=("fwd",),
+        absent=frozenset({"global_tokens"}),
         min_head_dim=256,
         min_work=10**10,
         front=("fa4",),
@@ -513,6 +514,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         generation="sm90",
         modes=("fwdbwd",),
+        absent=frozenset({"global_tokens"}),
         min_head_dim=256,
         front=("sdpa", "sdpa_cudnn", "fa4"),
         why="training at head dim 256 (Gemma-2/3; at 192 FA4 leads, mla_d192 in h200.json): SDPA's own choice (cuDNN) where SDPA "
@@ -529,12 +531,14 @@ RULES: tuple[Rule, ...] = (
         modes=BOTH,
         traits=frozenset({"global_tokens"}),
         min_work=3 * 10**10,
-        front=("flex_flash",),
+        front=("flex_flash", "flex"),
         why="a window plus global tokens (Longformer): fa4 runs it as its windowed kernel plus the "
         "global keys merged in and the global rows apart, whose extra passes and host time "
         "(about 1.45 ms per forward on the H200's host) outweigh the windowed kernel's lead; "
         "flex_flash's one call stays ahead (2x16x8192x128, a [CLS] token, window 512 each side: "
-        "0.50 vs 1.50 ms forward, 2.16 vs 6.27 forward+backward)",
+        "0.50 vs 1.50 ms forward; 2.16 vs 6.27 forward+backward, measured with two needless FA4 "
+        "backward calls since removed). Below 3e10 the short-range "
+        "order takes Triton flex first, and the fa4 rules leave global tokens out",
         benchmark="zoo_global_window_h200_r59.json",
         evidence=(
             "zoo_global_window/fwd",

@@ -53,6 +53,7 @@ from flexattn_zoo.backends.fa4_op import (
     fa4_fwd_eager,
     fa4_lse_backward,
     fa4_window,
+    plain_eager,
 )
 from flexattn_zoo.backends.global_tokens import WindowKernels, global_tokens_attention
 from flexattn_zoo.backends.merge import compiled_merge_two, merge_two
@@ -97,6 +98,13 @@ class FlashAttn4Backend(Backend):
                     "FA4's backward with fewer k/v heads than q heads needs the value head dim equal to q/k's"
                 )
         return out
+
+    def func_transform_blocker(self, p: Problem) -> str | None:
+        if p.mask is None or segment_layout(p.mask, p.batch, p.q_len) is not None:
+            return None
+        if _global_tokens_form(p) is None:
+            return None
+        return "a window plus global tokens as an autograd.Function around FA4's kernels"
 
     def mask_reasons(self, p: Problem) -> list[str]:
         out = []
@@ -213,11 +221,23 @@ def _global_tokens_launcher(p: Problem, length: int) -> BoundCall:
     assert form is not None  # mask_reasons refused masks without a form
     softcap = _softcap(p)
     return_lse = p.return_lse
+    on_device: dict[torch.device, GlobalTokensForm] = {}  # the positions where q lives
 
     def global_tokens(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> Launched:
+        if not plain_eager(q, k, v):
+            # It calls FA4's kernels directly, beside a Function of its own: no op for a graph,
+            # a mode or a tensor subclass to see.
+            raise RuntimeError(
+                "fa4 runs a window plus global tokens only in plain eager calls (no tensor "
+                "subclass, torch function or dispatch mode, functorch transform or tracing); "
+                "flex and flex_flash run it there"
+            )
+        here = on_device.get(q.device)
+        if here is None:
+            here = on_device[q.device] = dataclasses.replace(form, positions=form.positions.to(q.device))
         kernels = _window_kernels(scale, softcap)
         merge = compiled_merge_two() if q.is_cuda else merge_two
-        out, lse = global_tokens_attention(q, k, v, form, scale, kernels, softcap=softcap, merge=merge)
+        out, lse = global_tokens_attention(q, k, v, here, scale, kernels, softcap=softcap, merge=merge)
         return out, (lse if return_lse else None)
 
     return global_tokens

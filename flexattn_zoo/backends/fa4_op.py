@@ -479,6 +479,12 @@ def _plain_eager(*tensors: torch.Tensor | None) -> bool:
     )
 
 
+def plain_eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call with ``tensors`` is a plain eager one (see :func:`fa4_attention`): callers
+    that run FA4's eager implementations directly may only do so then."""
+    return _plain_eager(*tensors)
+
+
 def fa4_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -513,4 +519,5 @@ __all__ = [
     "fa4_fwd_eager",
     "fa4_lse_backward",
     "fa4_window",
+    "plain_eager",
 ]

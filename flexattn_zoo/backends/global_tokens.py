@@ -92,6 +92,8 @@ class _GlobalTokens(torch.autograd.Function):
         lse.index_copy_(2, rows, lse_g.to(lse.dtype))
         ctx.save_for_backward(q, k, v, out, lse, rows)
         ctx.args = (window, scale, softcap, kernels)
+        # An unused lse gets no gradient (None), not zeros: its backward is a kernel call more.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
@@ -104,13 +106,12 @@ class _GlobalTokens(torch.autograd.Function):
         g_out = g_out.contiguous()
         # The global rows were overwritten: no gradient reaches the window's or the dense part's
         # values there (a zero dout and lse gradient make their score gradients 0).
-        kept = torch.ones(q.shape[2], dtype=torch.bool, device=q.device).index_fill_(0, rows, False)
-        g_kept = g_out * kept.view(-1, 1)
-        lse_kept = None if g_lse is None else g_lse * kept
+        g_kept = g_out.index_fill(2, rows, 0.0)
+        lse_kept = None if g_lse is None else g_lse.index_fill(2, rows, 0.0)
         dq, dk, dv = kernels.backward(g_kept, q, k, v, out, lse, window, lse_kept)
         dense = _GlobalKeys(q, k, v, rows, window, scale, softcap)
         cq, ck, cv = dense.backward(g_kept, out, lse, lse_kept)
-        dq = dq + cq
+        dq = dq + cq.to(dq.dtype)
         dk = dk.index_add(2, rows, ck.to(dk.dtype))
         dv = dv.index_add(2, rows, cv.to(dv.dtype))
         q_rows = q.index_select(2, rows)

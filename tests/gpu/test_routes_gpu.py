@@ -584,7 +584,9 @@ def test_fa4_global_tokens(
 ) -> None:
     """A window plus global tokens on fa4 (the windowed kernel, the global keys merged in, the
     global rows apart) with GQA, soft-capping, lse and gradients against float64."""
-    mask = masks.GlobalWindow.from_positions(positions, length, left=left, right=right, device=DEV)
+    # The [CLS] case keeps its flags on the CPU: the route moves the positions to q's device.
+    flags_on = "cpu" if positions == [0] else DEV
+    mask = masks.GlobalWindow.from_positions(positions, length, left=left, right=right, device=flags_on)
     assert mask.global_tokens_form(length, length) is not None
     g = torch.Generator(device=DEV).manual_seed(4)
     q = torch.randn(2, 8, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)

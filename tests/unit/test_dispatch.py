@@ -175,6 +175,28 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
             ),
             "flex_flash",
         ),
+        # ... also where a head-dim-256 rule would put fa4 first, and below the rule's size (flex)
+        (
+            _problem(
+                masks.GlobalWindow.from_positions([0], 2048, left=64, right=64),
+                lq=2048,
+                d=256,
+                batch=2,
+                heads=(8, 8),
+            ),
+            "flex",
+        ),
+        (
+            _problem(
+                masks.GlobalWindow.from_positions([0], 2048, left=64, right=64),
+                lq=2048,
+                d=256,
+                batch=2,
+                heads=(8, 8),
+                grad=True,
+            ),
+            "flex",
+        ),
         (_problem(masks.Causal(), heads=(32, 8), batch=32, lq=512), "sdpa"),
         (_problem(masks.Causal(), heads=(32, 8), batch=32, lq=512, grad=True), "sdpa"),
         # exact score mods above the short forwards (3e10): flex_flash; below: flex

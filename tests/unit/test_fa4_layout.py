@@ -333,6 +333,24 @@ def test_fa4_takes_global_tokens_shared_by_every_row() -> None:
     assert form is not None and form.positions.tolist() == [0, 100]
     assert FA4.mask_reasons(_problem(mask=shard, batch=1, heads=4, kv_heads=4)) == []
     assert_mask_consistent(shard, 256, 256, batch=1, heads=4)
+    # Eager calls only: a function transform or a dispatch mode is refused with the reason.
+    assert "global tokens" in (FA4.func_transform_blocker(_problem(mask=shared)) or "")
+    assert FA4.func_transform_blocker(_problem(mask=masks.Causal())) is None
+
+
+def test_fa4_global_tokens_refuse_calls_a_mode_intercepts() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    mask = masks.GlobalWindow.from_positions([0], 32, left=4, right=4)
+    p = _problem(mask=mask, batch=1, heads=2, kv_heads=2, q_len=32, kv_len=32, head_dim=16,
+                 dtype=torch.float32, device_type="cpu", arch="cpu")  # fmt: skip
+    q = torch.randn(1, 2, 32, 16)
+    with Passing(), pytest.raises(RuntimeError, match="only in plain eager calls"):
+        fa4._launcher(p, 1, 32)(q, q, q, 0.25)
 
 
 @pytest.mark.parametrize("gqa", [False, True])

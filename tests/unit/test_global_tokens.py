@@ -195,3 +195,28 @@ def test_positions_are_kept_for_a_few_lengths_only() -> None:
     for n in range(1, 30):
         assert spec.global_tokens_form(n, n).positions.tolist() == [0]
     assert len(spec.__dict__["_positions"]) <= 8
+
+
+def test_an_unused_lse_costs_no_kernel_backward_of_its_own() -> None:
+    """Only ``out`` in the loss: the kernels' backwards get no lse gradient (FA4 runs one more
+    backward call for one), and the gradients are still right."""
+    seen: list[bool] = []
+    base = _window_kernel()
+
+    def backward(*args):  # type: ignore[no-untyped-def]
+        seen.append(args[-1] is None)
+        return base.backward(*args)
+
+    spec = GlobalWindow.from_positions([0, 7], 20, left=3, right=3)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (
+        torch.randn(1, 2, 20, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
+    out, _ = global_tokens_attention(
+        q, k, v, spec.global_tokens_form(20, 20), 1 / math.sqrt(8), WindowKernels(base.forward, backward)
+    )
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    want = torch.autograd.grad(reference_attention(q, k, v, mask=spec).sum(), (q, k, v))
+    assert seen == [True, True]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
