@@ -56,6 +56,13 @@ def _problem(
     )
 
 
+def _global_tokens(length: int, window: int, **kw) -> Problem:  # type: ignore[no-untyped-def]
+    """A [CLS]-style global token and a window of ``window`` keys on each side, ``length`` long."""
+    return _problem(
+        masks.GlobalWindow.from_positions([0], length, left=window, right=window), lq=length, **kw
+    )
+
+
 DOC = masks.Document.from_lengths([300, 500, 224])
 LONG_DOC = masks.Document.from_lengths([4096, 2048, 6144, 4096])
 GEMMA_LOCAL = masks.SlidingWindow(left=4095) & masks.Causal()
@@ -165,37 +172,11 @@ def test_auto_route_table(problem: Problem, route: str) -> None:
         (_problem(None, heads=(24, 24), batch=8, lq=1370, d=64, grad=True), "fa4"),
         # a window plus global tokens: fa4 runs it (windowed kernel + merged global keys) but
         # slower than flex_flash's one call (H200: 1.50 vs 0.50 ms forward, 6.27 vs 2.16 training)
-        (
-            _problem(masks.GlobalWindow.from_positions([0], 8192, left=512, right=512), batch=2, lq=8192),
-            "flex_flash",
-        ),
-        (
-            _problem(
-                masks.GlobalWindow.from_positions([0], 8192, left=512, right=512), batch=2, lq=8192, grad=True
-            ),
-            "flex_flash",
-        ),
+        *((_global_tokens(8192, 512, batch=2, grad=grad), "flex_flash") for grad in (False, True)),
         # ... also where a head-dim-256 rule would put fa4 first, and below the rule's size (flex)
-        (
-            _problem(
-                masks.GlobalWindow.from_positions([0], 2048, left=64, right=64),
-                lq=2048,
-                d=256,
-                batch=2,
-                heads=(8, 8),
-            ),
-            "flex",
-        ),
-        (
-            _problem(
-                masks.GlobalWindow.from_positions([0], 2048, left=64, right=64),
-                lq=2048,
-                d=256,
-                batch=2,
-                heads=(8, 8),
-                grad=True,
-            ),
-            "flex",
+        *(
+            (_global_tokens(2048, 64, d=256, batch=2, heads=(8, 8), grad=grad), "flex")
+            for grad in (False, True)
         ),
         (_problem(masks.Causal(), heads=(32, 8), batch=32, lq=512), "sdpa"),
         (_problem(masks.Causal(), heads=(32, 8), batch=32, lq=512, grad=True), "sdpa"),
