@@ -1340,6 +1340,7 @@ class MaskSpec(Spec):
     FORMS: ClassVar[tuple[str, ...]] = (
         "bind",
         "block_map",
+        "global_tokens_form",
         "hides_future_keys",
         "lowest_visible_key",
         "past_key_starts",
