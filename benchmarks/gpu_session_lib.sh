@@ -26,3 +26,23 @@ run() {  # run NAME LIMIT_S CMD...: stdout+stderr to $out/NAME.txt, exit status 
 }
 left() { echo $(( budget - ($(date +%s) - start) )); }
 share() { echo $(( budget * $1 / 100 )); }  # share PERCENT: that part of the budget, in seconds
+
+# Steps more than one session ran (each session's script names them in its own usage line).
+band2() {  # (FA4; an H200) the Llama-3.2-3B 4 x 2K and Gemma-3-27B 4K cases, every route beside
+  # plain SDPA and auto_tuned, into a copy of the committed generalization_h200.json
+  cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
+  run "generalization_band2_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+    --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
+    --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
+    --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+}
+zoo_sweep() {  # zoo_sweep SUFFIX [EXTRA ARGS...]: the zoo sweep on ROUTES (auto,raw_flex) and CASES
+  # (every case) into /root/zoo_${gpu}${SUFFIX}_${session}.json, kept while the machine is warm so
+  # that a second call resumes it
+  local name="zoo_${gpu}$1_${session}"
+  shift
+  run "$name" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes "${ROUTES:-auto,raw_flex}" \
+    --out "/root/$name.json" --md "$out/$name.md" --quiet --resume ${CASES:+--cases "$CASES"} \
+    --time-budget "$(( $(left) - 35 ))" "$@"
+  cp "/root/$name.json" "$out/"
+}

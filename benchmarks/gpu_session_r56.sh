@@ -21,13 +21,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r56
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
 case "$step" in
-  band2)
-    cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
-    run "generalization_band2_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
-      --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
-      --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
-      --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
-    ;;
+  band2) band2 ;;
   flexex)
     run "gpu_tests_examples_flex_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 6 tests/gpu/test_examples_flex_routes_gpu.py -k "not flex_flash"

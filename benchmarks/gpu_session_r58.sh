@@ -19,14 +19,6 @@ budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r58
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-zoo() {  # zoo SUFFIX [EXTRA ARGS...]: the zoo sweep into /root/zoo_${gpu}${SUFFIX}_r58.json
-  local name="zoo_${gpu}$1_${session}"
-  shift
-  run "$name" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes "${ROUTES:-auto,raw_flex}" \
-    --out "/root/$name.json" --md "$out/$name.md" --quiet --resume ${CASES:+--cases "$CASES"} \
-    --time-budget "$(( $(left) - 35 ))" "$@"
-  cp "/root/$name.json" "$out/"
-}
 case "$step" in
   verify)
     run "gpu_tests_strided_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
@@ -45,8 +37,8 @@ case "$step" in
       --out "$out/zoo_tree_${gpu}_${session}.json" --md "$out/zoo_tree_${gpu}_${session}.md" --quiet \
       --time-budget "$(( $(left) - 35 ))"
     ;;
-  zoo) zoo "" ;;
-  zoonofa4) zoo "-nofa4" --no-fa4 ;;
+  zoo) zoo_sweep "" ;;
+  zoonofa4) zoo_sweep "-nofa4" --no-fa4 ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 pack

@@ -24,14 +24,6 @@ budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r59
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-zoo() {  # zoo SUFFIX [EXTRA ARGS...]: the zoo sweep into /root/zoo_${gpu}${SUFFIX}_r59.json
-  local name="zoo_${gpu}$1_${session}"
-  shift
-  run "$name" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench zoo --routes "${ROUTES:-auto,raw_flex}" \
-    --out "/root/$name.json" --md "$out/$name.md" --quiet --resume ${CASES:+--cases "$CASES"} \
-    --time-budget "$(( $(left) - 35 ))" "$@"
-  cp "/root/$name.json" "$out/"
-}
 probe() {
   run "split_host_probe_${gpu}_${session}" "$1" python3 benchmarks/split_host_probe.py --device cuda
 }
@@ -47,7 +39,7 @@ case "$step" in
     if [ "$gpu" = h200 ]; then
       whole=$budget
       budget=$(( whole - 150 ))  # the zoo stops starting rows in time for the probe
-      zoo "-nofa4" --no-fa4
+      zoo_sweep "-nofa4" --no-fa4
       budget=$whole
       probe "$(( $(left) - 5 ))"
     else
@@ -56,15 +48,9 @@ case "$step" in
     ;;
   probe) probe "$(( $(left) - 5 ))" ;;
   short) short ;;
-  zoo) zoo "" ;;
-  zoonofa4) zoo "-nofa4" --no-fa4 ;;
-  band2)
-    cp benchmarks/results/generalization_h200.json "$out/generalization_h200.json"
-    run "generalization_band2_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
-      --resume --rerun --out "$out/generalization_h200.json" --cases llama32_3b_l2048_b4,gemma3_27b_l4096_b1 \
-      --routes auto,auto_tuned,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,flex,flex_flash,fa4 \
-      --md "$out/generalization_band2_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
-    ;;
+  zoo) zoo_sweep "" ;;
+  zoonofa4) zoo_sweep "-nofa4" --no-fa4 ;;
+  band2) band2 ;;
   gw)
     run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 40)" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"

@@ -11,6 +11,8 @@ linear-bias forms.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -228,17 +230,10 @@ def global_tokens_dense(form: GlobalTokensForm, length: int) -> torch.Tensor:
         raise AssertionError(
             f"GlobalTokensForm: positions must be ascending, distinct and in [0, {length}), got {positions.tolist()[:8]}"
         )
-    pos = torch.arange(length)
-    i, j = pos.view(length, 1), pos.view(1, length)
-    visible = torch.ones(length, length, dtype=torch.bool)
-    left, right = form.window
-    if left >= 0:
-        visible = visible & (j >= i - left)
-    if right >= 0:
-        visible = visible & (j <= i + right)
+    window = strided_dense(StridedForm(stride=1, window=form.window), length)  # one class: a window
     flags = torch.zeros(length, dtype=torch.bool)
     flags[positions] = True
-    return (visible | flags.view(length, 1) | flags.view(1, length))[None, None]
+    return window | flags.view(length, 1) | flags.view(1, length)
 
 
 def split_dense(form: SplitForm, q_len: int, kv_len: int) -> torch.Tensor:
@@ -635,20 +630,18 @@ def _check_forms(spec: MaskSpec, dense: torch.Tensor, batch: int) -> None:
         what = f"split_form {split}"
         said = split_dense(split, q_len, kv_len)
         _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
-    strided = spec.strided_form(q_len, kv_len)
-    if strided is not None:
+    # Forms offered only for Lq == Lkv, each with the [1, 1, L, L] mask it describes.
+    square: tuple[tuple[str, Any, Callable[[Any, int], torch.Tensor]], ...] = (
+        ("strided_form", spec.strided_form(q_len, kv_len), strided_dense),
+        ("global_tokens_form", spec.global_tokens_form(q_len, kv_len), global_tokens_dense),
+    )
+    for name, form, paint in square:
+        if form is None:
+            continue
         if q_len != kv_len:
-            raise AssertionError(f"{spec!r}: strided_form offered for q_len {q_len} != kv_len {kv_len}")
-        what = f"strided_form {strided}"
-        said = strided_dense(strided, q_len)
-        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
-    global_tokens = spec.global_tokens_form(q_len, kv_len)
-    if global_tokens is not None:
-        if q_len != kv_len:
-            raise AssertionError(f"{spec!r}: global_tokens_form offered for q_len {q_len} != kv_len {kv_len}")
-        what = f"global_tokens_form {global_tokens}"
-        said = global_tokens_dense(global_tokens, q_len)
-        _require_equal(what, _broadcast_to_mask(what, said, dense, spec), dense, spec)
+            raise AssertionError(f"{spec!r}: {name} offered for q_len {q_len} != kv_len {kv_len}")
+        what = f"{name} {form}"
+        _require_equal(what, _broadcast_to_mask(what, paint(form, q_len), dense, spec), dense, spec)
 
 
 def assert_score_consistent(
