@@ -56,7 +56,6 @@ from flexattn_zoo.backends.fa4_op import (
     plain_eager,
 )
 from flexattn_zoo.backends.global_tokens import WindowKernels, global_tokens_attention
-from flexattn_zoo.backends.merge import compiled_merge_two, merge_two
 from flexattn_zoo.backends.varlen import cu_seqlens
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.segments import (
@@ -236,8 +235,7 @@ def _global_tokens_launcher(p: Problem, length: int) -> BoundCall:
         if here is None:
             here = on_device[q.device] = dataclasses.replace(form, positions=form.positions.to(q.device))
         kernels = _window_kernels(scale, softcap)
-        merge = compiled_merge_two() if q.is_cuda else merge_two
-        out, lse = global_tokens_attention(q, k, v, here, scale, kernels, softcap=softcap, merge=merge)
+        out, lse = global_tokens_attention(q, k, v, here, scale, kernels, softcap=softcap, compiled=q.is_cuda)
         return out, (lse if return_lse else None)
 
     return global_tokens

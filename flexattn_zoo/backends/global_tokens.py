@@ -6,20 +6,29 @@ Row ``i`` sees the keys of its window ``W(i)`` and the global keys ``G``; split 
 
 * ``(out_w, lse_w)``: the windowed kernel over every row;
 * ``(out_c, lse_c)``: each row scored against the global keys outside its window, densely
-  (``[B, H, L, G]`` in float32 at least: ``G`` is small, ``spec.GLOBAL_FORM_MAX_TOKENS``);
+  (``[B, H, L, G]`` scores in float32 at least: ``G`` is small, ``spec.GLOBAL_FORM_MAX_TOKENS``);
 * merged by log-sum-exp (``fz.merge_attention``'s :func:`~flexattn_zoo.backends.merge.merge_core`);
-* the global rows see every key: ``(out_g, lse_g)`` from an unmasked kernel call on those rows
-  alone, written over their merged rows.
+* the global rows see every key: ``(out_g, lse_g)`` from those rows against every key, written
+  over their merged rows -- densely too while their scores stay small
+  (:data:`GLOBAL_ROWS_DENSE_MAX_SCORES`), else one unmasked kernel call on those rows.
+
+Everything but the windowed kernel is one function (:func:`dense_forward`, and
+:func:`dense_backward` for the gradients), which CUDA calls run compiled: one call, a few fused
+kernels. Compiled, a product over the head dim or the (small) global axis is a broadcast product
+summed, which reads the bfloat16 inputs in place; a sum over the sequence is a matmul in the
+inputs' dtype with float32 accumulation, the probabilities and score gradients rounded to that
+dtype first as flash kernels round theirs. Eagerly (CPU), both are float32 matmuls.
 
 Backward (as ``sdpa_split``'s): a part's attention backward given the *final* ``out`` and ``lse``
-of its rows is the gradient of the whole attention restricted to that part's keys, so each part
-runs one kernel backward: the window over every row with the global rows' ``dout`` zeroed (they
-were overwritten), the dense global keys likewise, and the global rows' unmasked call on those
-rows. An lse gradient (a caller that reads the lse) adds ``P * g`` to each part's score gradient.
+of its rows is the gradient of the whole attention restricted to that part's keys, so the window
+runs one kernel backward over every row with the global rows' ``dout`` zeroed (they were
+overwritten), the dense global keys likewise, and the global rows' part on those rows. An lse
+gradient (a caller that reads the lse) adds ``P * g`` to each part's score gradient.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,10 +36,17 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from flexattn_zoo.backends.merge import merge_two
+from flexattn_zoo import _compat
+from flexattn_zoo.backends.merge import merge_core
 from flexattn_zoo.spec import GlobalTokensForm
 
 Window = tuple[int, int]
+
+#: The most scores (``B * H * G * L``) the global rows take densely, in the compiled function
+#: beside the global keys; past it they take one more unmasked kernel call (and its backward).
+#: 2**26 float32 scores are 256 MiB: a [CLS] token at any practical length, 64 global tokens up to
+#: 2**20 / (B * H) keys.
+GLOBAL_ROWS_DENSE_MAX_SCORES = 1 << 26
 
 
 class WindowKernels(NamedTuple):
@@ -45,6 +61,13 @@ class WindowKernels(NamedTuple):
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+class DenseParts(NamedTuple):
+    """:func:`dense_forward` and :func:`dense_backward`, eager or compiled."""
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def global_tokens_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -54,17 +77,25 @@ def global_tokens_attention(
     kernels: WindowKernels,
     *,
     softcap: float = 0.0,
-    merge: Callable[..., tuple[torch.Tensor, torch.Tensor]] = merge_two,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, H, L, Dv], lse [B, H, L])`` of ``q, k, v`` (``[B, H, L, D]``, ``Lq == Lkv``) under
     ``form``, differentiable through both (see the module docstring).
 
     ``softcap``: the kernels' soft-cap (0: none), applied to the global keys' scores as
-    ``softcap * tanh(s / softcap)``. ``merge``: ``merge_two``'s signature (e.g. its compiled form).
+    ``softcap * tanh(s / softcap)``. ``compiled``: run the dense parts through ``torch.compile``
+    (:func:`compiled_dense_parts`), as CUDA calls should.
     """
     length = q.shape[2]
     window = tuple(-1 if w < 0 or w >= length - 1 else w for w in form.window)
-    return _GlobalTokens.apply(q, k, v, form.positions, window, scale, softcap, kernels, merge)
+    parts = compiled_dense_parts() if compiled else EAGER_PARTS
+    return _GlobalTokens.apply(q, k, v, form.positions, window, scale, softcap, kernels, parts)
+
+
+def rows_dense(q: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the global rows of ``q`` take the dense part (:data:`GLOBAL_ROWS_DENSE_MAX_SCORES`)."""
+    b, h, length, _ = q.shape
+    return b * h * rows.numel() * length <= GLOBAL_ROWS_DENSE_MAX_SCORES
 
 
 class _GlobalTokens(torch.autograd.Function):
@@ -79,19 +110,18 @@ class _GlobalTokens(torch.autograd.Function):
         scale: float,
         softcap: float,
         kernels: WindowKernels,
-        merge: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+        parts: DenseParts,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out_w, lse_w = kernels.forward(q, k, v, window)
-        dense = _GlobalKeys(q, k, v, rows, window, scale, softcap)
-        probs, lse_c = dense.probs(None)
-        out_c = torch.matmul(probs, dense.values).reshape(*out_w.shape[:3], -1)
-        out, lse = merge(out_w, lse_w, out_c.to(out_w.dtype), lse_c.reshape(lse_w.shape))
-        out_g, lse_g = kernels.forward(q.index_select(2, rows), k, v, (-1, -1))
-        # The merge's results are its own (fresh) tensors: the global rows are written in place.
-        out.index_copy_(2, rows, out_g.to(out.dtype))
-        lse.index_copy_(2, rows, lse_g.to(lse.dtype))
+        dense_rows = rows_dense(q, rows)
+        out, lse = parts.forward(q, k, v, out_w, lse_w, rows, window, scale, softcap, dense_rows)
+        if not dense_rows:
+            out_g, lse_g = kernels.forward(q.index_select(2, rows), k, v, (-1, -1))
+            # The dense part's results are its own (fresh) tensors: the global rows are written in place.
+            out.index_copy_(2, rows, out_g.to(out.dtype))
+            lse.index_copy_(2, rows, lse_g.to(lse.dtype))
         ctx.save_for_backward(q, k, v, out, lse, rows)
-        ctx.args = (window, scale, softcap, kernels)
+        ctx.args = (window, scale, softcap, kernels, parts, dense_rows)
         # An unused lse gets no gradient (None), not zeros: its backward is a kernel call more.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -100,96 +130,217 @@ class _GlobalTokens(torch.autograd.Function):
     @once_differentiable  # the kernels' backwards have no derivative: say so instead of a wrong one
     def backward(ctx: Any, g_out: torch.Tensor | None, g_lse: torch.Tensor | None) -> Any:
         q, k, v, out, lse, rows = ctx.saved_tensors
-        window, scale, softcap, kernels = ctx.args
+        window, scale, softcap, kernels, parts, dense_rows = ctx.args
         if g_out is None:
             g_out = torch.zeros_like(out)
         g_out = g_out.contiguous()
-        # The global rows were overwritten: no gradient reaches the window's or the dense part's
+        # The global rows were overwritten: no gradient reaches the window's or the global keys'
         # values there (a zero dout and lse gradient make their score gradients 0).
         g_kept = g_out.index_fill(2, rows, 0.0)
         lse_kept = None if g_lse is None else g_lse.index_fill(2, rows, 0.0)
         dq, dk, dv = kernels.backward(g_kept, q, k, v, out, lse, window, lse_kept)
-        dense = _GlobalKeys(q, k, v, rows, window, scale, softcap)
-        cq, ck, cv = dense.backward(g_kept, out, lse, lse_kept)
-        dq = dq + cq.to(dq.dtype)
-        dk = dk.index_add(2, rows, ck.to(dk.dtype))
-        dv = dv.index_add(2, rows, cv.to(dv.dtype))
-        q_rows = q.index_select(2, rows)
-        lse_rows = None if g_lse is None else g_lse.index_select(2, rows)
-        gq, gk, gv = kernels.backward(
-            g_out.index_select(2, rows), q_rows, k, v, out.index_select(2, rows), lse.index_select(2, rows),
-            (-1, -1), lse_rows,
-        )  # fmt: skip
-        dq = dq.index_add(2, rows, gq.to(dq.dtype))
-        return dq, dk + gk, dv + gv, None, None, None, None, None, None
+        dq, dk, dv = parts.backward(
+            dq, dk, dv, g_out, g_kept, g_lse, q, k, v, out, lse, rows, window, scale, softcap, dense_rows
+        )
+        if not dense_rows:
+            lse_rows = None if g_lse is None else g_lse.index_select(2, rows)
+            gq, gk, gv = kernels.backward(
+                g_out.index_select(2, rows), q.index_select(2, rows), k, v, out.index_select(2, rows),
+                lse.index_select(2, rows), (-1, -1), lse_rows,
+            )  # fmt: skip
+            dq = dq.index_add(2, rows, gq.to(dq.dtype))
+            dk, dv = dk + gk, dv + gv
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-class _GlobalKeys:
-    """Every row scored against the global keys outside its window (the dense part), with the
-    query heads grouped over their kv head: scores ``[B, Hkv, group, L, G]``."""
-
-    def __init__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rows: torch.Tensor,
-        window: Window,
-        scale: float,
-        softcap: float,
-    ) -> None:
-        b, h, length, d = q.shape
-        self.kv_heads = k.shape[1]
-        self.acc = torch.promote_types(q.dtype, torch.float32)
-        self.shape = (b, self.kv_heads, h // self.kv_heads, length)
-        self.q = q.to(self.acc).reshape(*self.shape, d)
-        self.keys = k.index_select(2, rows).to(self.acc).unsqueeze(2)  # [B, Hkv, 1, G, D]
-        self.values = v.index_select(2, rows).to(self.acc).unsqueeze(2)
-        self.scale, self.softcap = scale, softcap
-        left, right = window
-        i = torch.arange(length, device=q.device).view(length, 1)
-        j = rows.view(1, -1)
-        inside = torch.ones(length, rows.numel(), dtype=torch.bool, device=q.device)
-        if left >= 0:
-            inside &= j >= i - left
-        if right >= 0:
-            inside &= j <= i + right
-        self.inside = inside  # counted by the window already
-
-    def _scores(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, s)``: the scaled scores and the capped, masked ones."""
-        x = torch.matmul(self.q, self.keys.transpose(-1, -2)) * self.scale
-        s = self.softcap * torch.tanh(x / self.softcap) if self.softcap else x
-        return x, s.masked_fill(self.inside, -math.inf)
-
-    def probs(self, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``exp(s - lse)`` (hidden pairs 0) and the lse: the part's own when ``lse`` is None
-        (``-inf`` in rows whose window holds every global key), else the given (final) one."""
-        _, s = self._scores()
-        if lse is None:
-            lse = torch.logsumexp(s, dim=-1)
-        ref = torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
-        return torch.exp(s - ref.unsqueeze(-1)), lse
-
-    def backward(
-        self, g_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, g_lse: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq [B, H, L, D], dk, dv [B, Hkv, G, D])`` of the part, from the final out and lse."""
-        acc = self.acc
-        x, _ = self._scores()
-        p, _ = self.probs(lse.to(acc).reshape(self.shape))
-        g = g_out.to(acc).reshape(*self.shape, -1)
-        rowsum = (g * out.to(acc).reshape(*self.shape, -1)).sum(-1, keepdim=True)
-        if g_lse is not None:
-            rowsum = rowsum - g_lse.to(acc).reshape(*self.shape, 1)
-        dv = torch.matmul(p.transpose(-1, -2), g).sum(2)  # summed over the group
-        ds = p * (torch.matmul(g, self.values.transpose(-1, -2)) - rowsum)
-        if self.softcap:
-            ds = ds * (1 - torch.tanh(x / self.softcap) ** 2)
-        dq = torch.matmul(ds, self.keys) * self.scale
-        dk = torch.matmul(ds.transpose(-1, -2), self.q).sum(2) * self.scale
-        b, _, _, length = self.shape
-        return dq.reshape(b, -1, length, dq.shape[-1]), dk, dv
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.T`` over the last axis (``[..., M, K]``, ``[..., N, K]`` -> ``[..., M, N]``) in
+    float32 at least. Compiled, a broadcast product summed over ``K`` (one reduction kernel that
+    reads ``a`` and ``b`` in their own dtype); eagerly a matmul of float32 copies (the broadcast
+    product would be materialized). Used where ``K`` or ``N`` is the head dim or the global axis."""
+    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    if _compat.is_compiling():
+        return (a.unsqueeze(-2).to(acc) * b.unsqueeze(-3).to(acc)).sum(-1)
+    return torch.matmul(a.to(acc), b.to(acc).transpose(-1, -2))
 
 
-__all__ = ["WindowKernels", "global_tokens_attention"]
+def _long_sum(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``p @ x`` summed over the sequence axis (``p`` ``[..., M, L]`` in float32, ``x``
+    ``[..., L, N]``): a matmul in ``x``'s dtype (``p`` rounded to it, as flash kernels round their
+    probabilities and score gradients) with float32 accumulation, result in float32 at least."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return torch.matmul(p.to(x.dtype), x).to(acc)
+
+
+def _capped(x: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(x / softcap) if softcap else x
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (a row that sees none of the part's keys) as 0: ``exp(s - 0)`` is then
+    0 for its ``-inf`` scores, never ``exp(-inf + inf)``."""
+    return torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+
+
+def _inside_window(length: int, rows: torch.Tensor, window: Window) -> torch.Tensor:
+    """``[L, G]``: whether global key ``rows[g]`` lies inside row ``i``'s window (the windowed
+    kernel counted it already)."""
+    i = torch.arange(length, device=rows.device).view(length, 1)
+    j = rows.view(1, -1)
+    left, right = window
+    inside = torch.ones(length, rows.numel(), dtype=torch.bool, device=rows.device)
+    if left >= 0:
+        inside = inside & (j >= i - left)
+    if right >= 0:
+        inside = inside & (j <= i + right)
+    return inside
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, H, L, D]`` as ``[B, Hkv, H / Hkv, L, D]`` (query heads grouped over their kv head)."""
+    b, h, length, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, length, d)
+
+
+def dense_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_w: torch.Tensor,
+    lse_w: torch.Tensor,
+    rows: torch.Tensor,
+    window: Window,
+    scale: float,
+    softcap: float,
+    dense_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window's ``(out_w, lse_w)`` merged with every row's global keys outside its window, and
+    (``dense_rows``) the global rows' attention over every key written over their rows: fresh
+    ``(out [B, H, L, Dv] in out_w's dtype, lse [B, H, L] float32 at least)``."""
+    b, h, length, _ = q.shape
+    kv_heads = k.shape[1]
+    qg = _grouped(q, kv_heads)
+    kg, vg = k.unsqueeze(2), v.unsqueeze(2)  # [B, Hkv, 1, L, D]
+    keys, values = kg.index_select(3, rows), vg.index_select(3, rows)  # [B, Hkv, 1, G, D]
+    s = _capped(_dot(qg, keys) * scale, softcap)  # [B, Hkv, group, L, G]
+    s = s.masked_fill(_inside_window(length, rows, window), -math.inf)
+    lse_c = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse_c).unsqueeze(-1))
+    out_c = _dot(p, values.transpose(-1, -2))  # [B, Hkv, group, L, Dv]
+    out_c = out_c.reshape(b, h, length, -1)
+    out, lse = merge_core((out_w.to(out_c.dtype), out_c), (lse_w, lse_c.reshape(lse_w.shape)))
+    if dense_rows:
+        q_rows = qg.index_select(3, rows)  # [B, Hkv, group, G, D]
+        x = _capped(_dot(kg, q_rows) * scale, softcap)  # [B, Hkv, group, L, G]: keys on the long axis
+        lse_g = torch.logsumexp(x, dim=-2)  # every key is visible: finite
+        p_g = torch.exp(x - lse_g.unsqueeze(-2))
+        out_g = _long_sum(p_g.transpose(-1, -2), vg)  # [B, Hkv, group, G, Dv]
+        out = out.index_copy(2, rows, out_g.reshape(b, h, rows.numel(), -1).to(out.dtype))
+        lse = lse.index_copy(2, rows, lse_g.reshape(b, h, rows.numel()).to(lse.dtype))
+    return out.to(out_w.dtype), lse
+
+
+def dense_backward(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    g_out: torch.Tensor,
+    g_kept: torch.Tensor,
+    g_lse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: torch.Tensor,
+    window: Window,
+    scale: float,
+    softcap: float,
+    dense_rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` (the window's, in their dtypes) plus the dense parts' gradients, from the
+    final ``out`` and ``lse``: the global keys of every row (``g_kept``: ``g_out`` with the global
+    rows zeroed) and, ``dense_rows``, the global rows over every key."""
+    b, h, length, d = q.shape
+    kv_heads = k.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    n = rows.numel()
+    qg = _grouped(q, kv_heads)
+    kg, vg = k.unsqueeze(2), v.unsqueeze(2)
+    keys, values = kg.index_select(3, rows), vg.index_select(3, rows)
+    lse_all = _grouped(lse.unsqueeze(-1), kv_heads).squeeze(-1).to(acc)  # [B, Hkv, group, L]
+    out_all = _grouped(out, kv_heads).to(acc)
+    g_all = _grouped(g_out, kv_heads).to(acc)
+    g_lse_all = None if g_lse is None else _grouped(g_lse.unsqueeze(-1), kv_heads).squeeze(-1).to(acc)
+
+    # Every row against the global keys outside its window (global rows' dout zeroed).
+    gk = _grouped(g_kept, kv_heads).to(acc)
+    rowsum = (gk * out_all).sum(-1)
+    if g_lse_all is not None:
+        rowsum = rowsum - g_lse_all.index_fill(3, rows, 0.0)
+    x = _dot(qg, keys) * scale  # [B, Hkv, group, L, G]
+    s = _capped(x, softcap).masked_fill(_inside_window(length, rows, window), -math.inf)
+    p = torch.exp(s - _finite(lse_all).unsqueeze(-1))
+    ds = p * (_dot(gk, values) - rowsum.unsqueeze(-1))
+    if softcap:
+        ds = ds * (1 - torch.tanh(x / softcap) ** 2)
+    dq_acc = dq.to(acc) + _dot(ds, keys.transpose(-1, -2)).reshape(b, h, length, d) * scale
+    dk_acc = dk.to(acc).index_add(2, rows, _long_sum(ds.transpose(-1, -2), qg).sum(2) * scale)
+    dv_acc = dv.to(acc).index_add(2, rows, _long_sum(p.transpose(-1, -2), gk).sum(2))
+
+    if dense_rows:  # the global rows against every key
+        q_rows = qg.index_select(3, rows)  # [B, Hkv, group, G, D]
+        g_rows = g_all.index_select(3, rows)
+        rs = (g_rows * out_all.index_select(3, rows)).sum(-1)  # [B, Hkv, group, G]
+        if g_lse_all is not None:
+            rs = rs - g_lse_all.index_select(3, rows)
+        x_g = _dot(kg, q_rows) * scale  # [B, Hkv, group, L, G]
+        p_g = torch.exp(_capped(x_g, softcap) - lse_all.index_select(3, rows).unsqueeze(-2))
+        ds_g = p_g * (_dot(vg, g_rows) - rs.unsqueeze(-2))
+        if softcap:
+            ds_g = ds_g * (1 - torch.tanh(x_g / softcap) ** 2)
+        dq_rows = _long_sum(ds_g.transpose(-1, -2), kg) * scale  # [B, Hkv, group, G, D]
+        dq_acc = dq_acc.index_add(2, rows, dq_rows.reshape(b, h, n, d))
+        dk_acc = dk_acc + _dot(ds_g, q_rows.transpose(-1, -2)).sum(2) * scale
+        dv_acc = dv_acc + _dot(p_g, g_rows.transpose(-1, -2)).sum(2)
+    return dq_acc.to(dq.dtype), dk_acc.to(dk.dtype), dv_acc.to(dv.dtype)
+
+
+EAGER_PARTS = DenseParts(dense_forward, dense_backward)
+
+
+def _one_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for ``torch.compile``: a graph break in it is an error (a few fused kernels). Only
+    ever run compiled: torch's flag behind ``no_graph_breaks`` is process-wide eagerly."""
+
+    @functools.wraps(fn)
+    def whole(*args: Any) -> Any:
+        with _compat.no_graph_breaks():
+            return fn(*args)
+
+    return whole
+
+
+@functools.cache
+def compiled_dense_parts() -> DenseParts:
+    """:class:`DenseParts` compiled by ``torch.compile`` (eager calls on CUDA). Default (automatic)
+    dynamic shapes: a second length or batch compiles one shape-generic graph, not one per shape."""
+    fwd, bwd = (
+        torch.compile(_one_graph(fn), fullgraph=_compat.FULLGRAPH_NEEDED)
+        for fn in (dense_forward, dense_backward)
+    )
+    return DenseParts(
+        functools.partial(_compat.call_compiled, fwd), functools.partial(_compat.call_compiled, bwd)
+    )
+
+
+__all__ = [
+    "GLOBAL_ROWS_DENSE_MAX_SCORES",
+    "DenseParts",
+    "WindowKernels",
+    "compiled_dense_parts",
+    "dense_backward",
+    "dense_forward",
+    "global_tokens_attention",
+    "rows_dense",
+]

@@ -579,11 +579,23 @@ def test_fa4_layouts_with_lse_and_gqa(mask, length: int, layout: str, batch: int
         ([3], 1000, 1000, 640),  # the window spans the row
     ],
 )
+@pytest.mark.parametrize("global_rows", ["dense", "kernel"])
 def test_fa4_global_tokens(
-    positions: list[int], left: int, right: int, length: int, dtype: torch.dtype
+    positions: list[int],
+    left: int,
+    right: int,
+    length: int,
+    dtype: torch.dtype,
+    global_rows: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A window plus global tokens on fa4 (the windowed kernel, the global keys merged in, the
-    global rows apart) with GQA, soft-capping, lse and gradients against float64."""
+    global rows apart: in the compiled dense part, or past its size limit as one more kernel
+    call) with GQA, soft-capping, lse and gradients against float64."""
+    if global_rows == "kernel":
+        from flexattn_zoo.backends import global_tokens
+
+        monkeypatch.setattr(global_tokens, "GLOBAL_ROWS_DENSE_MAX_SCORES", 0)
     # The [CLS] case keeps its flags on the CPU: the route moves the positions to q's device.
     flags_on = "cpu" if positions == [0] else DEV
     mask = masks.GlobalWindow.from_positions(positions, length, left=left, right=right, device=flags_on)

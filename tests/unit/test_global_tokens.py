@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from flexattn_zoo.backends import global_tokens
 from flexattn_zoo.backends.global_tokens import WindowKernels, global_tokens_attention
 from flexattn_zoo.masks import GlobalWindow, SlidingWindow
 from flexattn_zoo.reference import reference_attention
@@ -121,10 +122,21 @@ def test_global_tokens_form_built_under_inference_mode_is_a_normal_tensor() -> N
     assert spec.global_tokens_form(16, 16).positions is form.positions  # found once per length
 
 
+@pytest.fixture(params=["dense rows", "kernel rows"])
+def global_rows(request, monkeypatch) -> str:  # type: ignore[no-untyped-def]
+    """Both ways the global rows run: in the dense part, and (past its size limit) as one more
+    unmasked kernel call."""
+    if request.param == "kernel rows":
+        monkeypatch.setattr(global_tokens, "GLOBAL_ROWS_DENSE_MAX_SCORES", 0)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("heads", [(2, 2), (4, 2)])
 @pytest.mark.parametrize("length", [1, 9, 40])
-def test_composition_matches_the_reference(length: int, heads: tuple[int, int], dtype: torch.dtype) -> None:
+def test_composition_matches_the_reference(
+    length: int, heads: tuple[int, int], dtype: torch.dtype, global_rows: str
+) -> None:
     h, hkv = heads
     gen = torch.Generator().manual_seed(length * 10 + h)
     for spec in _specs(length):
@@ -145,7 +157,7 @@ def test_composition_matches_the_reference(length: int, heads: tuple[int, int], 
             torch.testing.assert_close(got_g.double(), want_g.double(), atol=10 * tol, rtol=10 * tol)
 
 
-def test_composition_with_soft_capping_and_lse_gradients() -> None:
+def test_composition_with_soft_capping_and_lse_gradients(global_rows: str) -> None:
     length, cap = 24, 2.0
     spec = GlobalWindow.from_positions([0, 11], length, left=3, right=2)
     form = spec.global_tokens_form(length, length)
@@ -197,9 +209,10 @@ def test_positions_are_kept_for_a_few_lengths_only() -> None:
     assert len(spec.__dict__["_positions"]) <= 8
 
 
-def test_an_unused_lse_costs_no_kernel_backward_of_its_own() -> None:
+def test_an_unused_lse_costs_no_kernel_backward_of_its_own(global_rows: str) -> None:
     """Only ``out`` in the loss: the kernels' backwards get no lse gradient (FA4 runs one more
-    backward call for one), and the gradients are still right."""
+    backward call for one), and the gradients are still right. The global rows take a kernel
+    backward of their own only past the dense part's size limit."""
     seen: list[bool] = []
     base = _window_kernel()
 
@@ -217,6 +230,33 @@ def test_an_unused_lse_costs_no_kernel_backward_of_its_own() -> None:
     )
     got = torch.autograd.grad(out.sum(), (q, k, v))
     want = torch.autograd.grad(reference_attention(q, k, v, mask=spec).sum(), (q, k, v))
-    assert seen == [True, True]
+    assert seen == ([True] if global_rows == "dense rows" else [True, True])
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_dense_parts_match_the_reference() -> None:
+    """The dense parts as CUDA runs them (``torch.compile``: broadcast products summed, sums over
+    the sequence as matmuls in the inputs' dtype), here on the CPU in float32, GQA and soft-capping
+    included, forward and backward with an lse gradient."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    length, cap = 40, 3.0
+    spec = GlobalWindow.from_positions([0, 13, 39], length, left=5, right=2)
+    form = spec.global_tokens_form(length, length)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 4, length, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, length, 8, generator=gen, requires_grad=True) for _ in range(2))
+    out, lse = global_tokens_attention(
+        q, k, v, form, 1 / math.sqrt(8), _window_kernel(cap), softcap=cap, compiled=True
+    )
+    want, want_lse = reference_attention(
+        q, k, v, mask=spec, score_mod=SoftCap(cap=cap), enable_gqa=True, return_lse=True
+    )
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=2e-5)
+    got = torch.autograd.grad(out.sum() + lse.exp().sum(), (q, k, v))
+    ref = torch.autograd.grad(want.sum() + want_lse.exp().sum(), (q, k, v))
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-4, rtol=2e-4)
