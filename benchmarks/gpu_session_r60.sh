@@ -4,14 +4,15 @@
 #
 #   bash benchmarks/gpu_session_r60.sh zoonofa4 560 # FA4 hidden: every zoo case on auto and
 #                    # hand-written flex into /root/zoo_GPU-nofa4_r60.json (a second call resumes it)
-#   bash benchmarks/gpu_session_r60.sh bound 400    # (FA4 installed) the global-tokens floor
-#                    # (benchmarks/global_tokens_bound.yaml), then the zoo's Graphormer, NATTEN and T5
-#                    # rows on auto and hand-written flex
-#   bash benchmarks/gpu_session_r60.sh gw 300       # (FA4 installed) global tokens on fa4: the GPU
-#                    # tests, then the global-window cases on auto, hand-written flex, flex_flash, fa4
+#   bash benchmarks/gpu_session_r60.sh gw 560       # (FA4 installed) global tokens on fa4: the GPU
+#                    # tests, then the global-window case beside the same window alone on fa4
+#                    # (benchmarks/global_tokens_bound.yaml: the path's floor)
+#   bash benchmarks/gpu_session_r60.sh rerun 560    # (FA4 installed) the D=64 global-window case on
+#                    # auto, hand-written flex, flex_flash and fa4; the zoo's Graphormer, NATTEN and
+#                    # T5 rows (last measured many sessions ago) on auto and hand-written flex
 #   bash benchmarks/gpu_session_r60.sh verify 200   # GPU tests: TESTK, the -k expression
 set -uo pipefail
-step="${1:?usage: $0 zoonofa4|bound|gw|verify [BUDGET_S]}"
+step="${1:?usage: $0 zoonofa4|gw|rerun|verify [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r60
@@ -22,20 +23,19 @@ gw_cases() {  # gw_cases NAME CONFIG CASES ROUTES: a bench run of those cases in
 }
 case "$step" in
   zoonofa4) zoo_sweep "-nofa4" --no-fa4 ;;
-  bound)
-    whole=$budget
-    budget=$(( whole * 55 / 100 ))
+  gw)
+    run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 35)" python3 -m pytest -m gpu -q -rfE \
+      -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
     run "global_tokens_bound_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench \
       benchmarks/global_tokens_bound.yaml --out "$out/global_tokens_bound_${gpu}_${session}.json" \
       --md "$out/global_tokens_bound_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+    ;;
+  rerun)
+    whole=$budget
+    budget=$(( whole * 45 / 100 ))
+    gw_cases "zoo_global_window_d64_${gpu}_${session}" zoo zoo_global_window_d64 auto,raw_flex,flex_flash,fa4
     budget=$whole
     gw_cases "zoo_rerun_${gpu}_${session}" zoo zoo_graphormer,zoo_natten_2d,zoo_rel_pos_bias auto,raw_flex
-    ;;
-  gw)
-    run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 40)" python3 -m pytest -m gpu -q -rfE \
-      -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
-    gw_cases "zoo_global_window_${gpu}_${session}" zoo zoo_global_window,zoo_global_window_d64 \
-      auto,raw_flex,flex_flash,fa4
     ;;
   verify)
     run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
