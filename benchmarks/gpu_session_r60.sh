@@ -3,7 +3,8 @@
 # FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
 #
 #   bash benchmarks/gpu_session_r60.sh zoonofa4 560 # FA4 hidden: every zoo case on auto and
-#                    # hand-written flex into /root/zoo_GPU-nofa4_r60.json (a second call resumes it)
+#                    # hand-written flex into /root/zoo_GPU-nofa4_r60.json (a second call resumes it,
+#                    # as does a fresh machine from benchmarks/results/ when that card's file is there)
 #   bash benchmarks/gpu_session_r60.sh gw 560       # (FA4 installed) global tokens on fa4: the GPU
 #                    # tests, then the global-window case beside the same window alone on fa4
 #                    # (benchmarks/global_tokens_bound.yaml: the path's floor)
@@ -22,7 +23,12 @@ gw_cases() {  # gw_cases NAME CONFIG CASES ROUTES: a bench run of those cases in
     --out "$out/$1.json" --md "$out/$1.md" --quiet --time-budget "$(( $(left) - 35 ))"
 }
 case "$step" in
-  zoonofa4) zoo_sweep "-nofa4" --no-fa4 ;;
+  zoonofa4)
+    # A fresh machine resumes the sweep from the committed rows of the same card, if any.
+    kept="benchmarks/results/zoo_${gpu}-nofa4_${session}.json"
+    [ -f "/root/zoo_${gpu}-nofa4_${session}.json" ] || { [ -f "$kept" ] && cp "$kept" /root/; }
+    zoo_sweep "-nofa4" --no-fa4
+    ;;
   gw)
     run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 35)" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
