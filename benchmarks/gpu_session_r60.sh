@@ -25,12 +25,14 @@ gw_cases() {  # gw_cases NAME CONFIG CASES ROUTES: a bench run of those cases in
   run "$1" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench "$2" --routes "$4" --cases "$3" \
     --out "$out/$1.json" --md "$out/$1.md" --quiet --time-budget "$(( $(left) - 35 ))"
 }
+zoo_nofa4() {  # the zoo without FA4; a fresh machine resumes from the committed rows of its card
+  local kept="benchmarks/results/zoo_${gpu}-nofa4_${session}.json"
+  [ -f "/root/zoo_${gpu}-nofa4_${session}.json" ] || { [ -f "$kept" ] && cp "$kept" /root/; }
+  zoo_sweep "-nofa4" --no-fa4
+}
 case "$step" in
   zoonofa4)
-    # A fresh machine resumes the sweep from the committed rows of the same card, if any.
-    kept="benchmarks/results/zoo_${gpu}-nofa4_${session}.json"
-    [ -f "/root/zoo_${gpu}-nofa4_${session}.json" ] || { [ -f "$kept" ] && cp "$kept" /root/; }
-    zoo_sweep "-nofa4" --no-fa4
+    zoo_nofa4
     ;;
   gw)
     run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 35)" python3 -m pytest -m gpu -q -rfE \
@@ -49,9 +51,7 @@ case "$step" in
   last)
     whole=$budget
     budget=$(( whole * 45 / 100 ))
-    kept="benchmarks/results/zoo_${gpu}-nofa4_${session}.json"
-    [ -f "/root/zoo_${gpu}-nofa4_${session}.json" ] || { [ -f "$kept" ] && cp "$kept" /root/; }
-    zoo_sweep "-nofa4" --no-fa4
+    zoo_nofa4
     budget=$whole
     run "generalization_short_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
       --out "$out/generalization_short_${gpu}_${session}.json" --no-fa4 \
