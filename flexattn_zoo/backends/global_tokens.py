@@ -44,9 +44,9 @@ Window = tuple[int, int]
 
 #: The most scores (``B * H * G * L``) the global rows take densely, in the compiled function
 #: beside the global keys; past it they take one more unmasked kernel call (and its backward).
-#: 2**26 float32 scores are 256 MiB: a [CLS] token at any practical length, 64 global tokens up to
-#: 2**20 / (B * H) keys.
-GLOBAL_ROWS_DENSE_MAX_SCORES = 1 << 26
+#: 2**24 float32 scores are 64 MiB (the backward holds a few such temporaries): a [CLS] token up to
+#: 2**24 / (B * H) keys, 64 global tokens at 8K keys with B * H = 32.
+GLOBAL_ROWS_DENSE_MAX_SCORES = 1 << 24
 
 
 class WindowKernels(NamedTuple):
