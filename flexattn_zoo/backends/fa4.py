@@ -213,8 +213,9 @@ def _global_tokens_form(p: Problem) -> GlobalTokensForm | None:
 
 
 def _global_tokens_launcher(p: Problem, length: int) -> BoundCall:
-    """A window plus global tokens: FA4's windowed kernel over every row and unmasked over the
-    global rows, the global keys outside each row's window scored apart and merged in
+    """A window plus global tokens: FA4's windowed kernel over every row; the global keys outside
+    each row's window and the global rows (past a size limit, FA4 unmasked on those rows) in one
+    compiled function, merged in by lse
     (:func:`~flexattn_zoo.backends.global_tokens.global_tokens_attention`)."""
     form = p.mask.global_tokens_form(length, length) if p.mask is not None else None
     assert form is not None  # mask_reasons refused masks without a form

@@ -12,8 +12,8 @@ Row ``i`` sees the keys of its window ``W(i)`` and the global keys ``G``; split 
   over their merged rows -- densely too while their scores stay small
   (:data:`GLOBAL_ROWS_DENSE_MAX_SCORES`), else one unmasked kernel call on those rows.
 
-Everything but the windowed kernel is one function (:func:`dense_forward`, and
-:func:`dense_backward` for the gradients), which CUDA calls run compiled: one call, a few fused
+Everything but the windowed kernel is one function (``_dense_forward``, and
+``_dense_backward`` for the gradients), which CUDA calls run compiled: one call, a few fused
 kernels. Compiled, a product over the head dim or the (small) global axis is a broadcast product
 summed, which reads the bfloat16 inputs in place; a sum over the sequence is a matmul in the
 inputs' dtype with float32 accumulation, the probabilities and score gradients rounded to that
@@ -62,7 +62,8 @@ class WindowKernels(NamedTuple):
 
 
 class DenseParts(NamedTuple):
-    """:func:`dense_forward` and :func:`dense_backward`, eager or compiled."""
+    """The dense parts' forward and backward (``_dense_forward``, ``_dense_backward``), eager or
+    compiled."""
 
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -88,11 +89,11 @@ def global_tokens_attention(
     """
     length = q.shape[2]
     window = tuple(-1 if w < 0 or w >= length - 1 else w for w in form.window)
-    parts = compiled_dense_parts() if compiled else EAGER_PARTS
+    parts = compiled_dense_parts() if compiled else _EAGER_PARTS
     return _GlobalTokens.apply(q, k, v, form.positions, window, scale, softcap, kernels, parts)
 
 
-def rows_dense(q: torch.Tensor, rows: torch.Tensor) -> bool:
+def _rows_dense(q: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether the global rows of ``q`` take the dense part (:data:`GLOBAL_ROWS_DENSE_MAX_SCORES`)."""
     b, h, length, _ = q.shape
     return b * h * rows.numel() * length <= GLOBAL_ROWS_DENSE_MAX_SCORES
@@ -113,7 +114,7 @@ class _GlobalTokens(torch.autograd.Function):
         parts: DenseParts,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out_w, lse_w = kernels.forward(q, k, v, window)
-        dense_rows = rows_dense(q, rows)
+        dense_rows = _rows_dense(q, rows)
         out, lse = parts.forward(q, k, v, out_w, lse_w, rows, window, scale, softcap, dense_rows)
         if not dense_rows:
             out_g, lse_g = kernels.forward(q.index_select(2, rows), k, v, (-1, -1))
@@ -167,9 +168,20 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _long_sum(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``p @ x`` summed over the sequence axis (``p`` ``[..., M, L]`` in float32, ``x``
     ``[..., L, N]``): a matmul in ``x``'s dtype (``p`` rounded to it, as flash kernels round their
-    probabilities and score gradients) with float32 accumulation, result in float32 at least."""
+    probabilities and score gradients) with float32 accumulation; the result is rounded to ``x``'s
+    dtype (the matmul's output) and returned in float32 at least."""
     acc = torch.promote_types(x.dtype, torch.float32)
     return torch.matmul(p.to(x.dtype), x).to(acc)
+
+
+def _score_grad(
+    p: torch.Tensor, dp: torch.Tensor, rowsum: torch.Tensor, x: torch.Tensor, softcap: float
+) -> torch.Tensor:
+    """The FA backward's score gradient ``P * (dP - rowsum)`` (``rowsum``: ``sum(dout * out)`` minus
+    the lse gradient, broadcast against ``p``), through the soft-cap's ``tanh`` of the raw scores
+    ``x`` when there is one."""
+    ds = p * (dp - rowsum)
+    return ds * (1 - torch.tanh(x / softcap) ** 2) if softcap else ds
 
 
 def _capped(x: torch.Tensor, softcap: float) -> torch.Tensor:
@@ -202,7 +214,7 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(b, kv_heads, h // kv_heads, length, d)
 
 
-def dense_forward(
+def _dense_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -224,10 +236,9 @@ def dense_forward(
     keys, values = kg.index_select(3, rows), vg.index_select(3, rows)  # [B, Hkv, 1, G, D]
     s = _capped(_dot(qg, keys) * scale, softcap)  # [B, Hkv, group, L, G]
     s = s.masked_fill(_inside_window(length, rows, window), -math.inf)
-    lse_c = torch.logsumexp(s, dim=-1)
+    lse_c = torch.logsumexp(s, dim=-1)  # -inf where the window holds every global key
     p = torch.exp(s - _finite(lse_c).unsqueeze(-1))
-    out_c = _dot(p, values.transpose(-1, -2))  # [B, Hkv, group, L, Dv]
-    out_c = out_c.reshape(b, h, length, -1)
+    out_c = _dot(p, values.transpose(-1, -2)).reshape(b, h, length, -1)
     out, lse = merge_core((out_w.to(out_c.dtype), out_c), (lse_w, lse_c.reshape(lse_w.shape)))
     if dense_rows:
         q_rows = qg.index_select(3, rows)  # [B, Hkv, group, G, D]
@@ -240,7 +251,59 @@ def dense_forward(
     return out.to(out_w.dtype), lse
 
 
-def dense_backward(
+class _Saved(NamedTuple):
+    """What both dense backward parts read: q and k/v grouped (``[B, Hkv, group or 1, L, D]``),
+    the final out / lse and the gradients in float32 at least, the global positions."""
+
+    qg: torch.Tensor
+    kg: torch.Tensor
+    vg: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    g_out: torch.Tensor
+    g_lse: torch.Tensor | None
+    rows: torch.Tensor
+    scale: float
+    softcap: float
+
+
+def _global_keys_backward(
+    t: _Saved, g_kept: torch.Tensor, window: Window
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [B, Hkv, group, L, D], dk, dv [B, Hkv, G, D])`` of every row against the global keys
+    outside its window; the global rows' dout and lse gradient are zero here (``g_kept``)."""
+    keys, values = t.kg.index_select(3, t.rows), t.vg.index_select(3, t.rows)
+    gk = _grouped(g_kept, t.kg.shape[1])  # the input dtype: _long_sum rounds nothing more
+    rowsum = (gk.to(t.out.dtype) * t.out).sum(-1)
+    if t.g_lse is not None:
+        rowsum = rowsum - t.g_lse.index_fill(3, t.rows, 0.0)
+    x = _dot(t.qg, keys) * t.scale  # [B, Hkv, group, L, G]
+    s = _capped(x, t.softcap).masked_fill(_inside_window(t.qg.shape[3], t.rows, window), -math.inf)
+    p = torch.exp(s - t.lse.unsqueeze(-1))  # the final lse: finite (every row sees itself)
+    ds = _score_grad(p, _dot(gk, values), rowsum.unsqueeze(-1), x, t.softcap)
+    dq = _dot(ds, keys.transpose(-1, -2)) * t.scale
+    dk = _long_sum(ds.transpose(-1, -2), t.qg).sum(2) * t.scale
+    dv = _long_sum(p.transpose(-1, -2), gk).sum(2)
+    return dq, dk, dv
+
+
+def _global_rows_backward(t: _Saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [B, Hkv, group, G, D], dk, dv [B, Hkv, L, D])`` of the global rows against every key."""
+    q_rows = t.qg.index_select(3, t.rows)  # [B, Hkv, group, G, D]
+    g_rows = t.g_out.index_select(3, t.rows)
+    rowsum = (g_rows * t.out.index_select(3, t.rows)).sum(-1)  # [B, Hkv, group, G]
+    if t.g_lse is not None:
+        rowsum = rowsum - t.g_lse.index_select(3, t.rows)
+    x = _dot(t.kg, q_rows) * t.scale  # [B, Hkv, group, L, G]: keys on the long axis
+    p = torch.exp(_capped(x, t.softcap) - t.lse.index_select(3, t.rows).unsqueeze(-2))
+    ds = _score_grad(p, _dot(t.vg, g_rows), rowsum.unsqueeze(-2), x, t.softcap)
+    dq = _long_sum(ds.transpose(-1, -2), t.kg) * t.scale
+    dk = _dot(ds, q_rows.transpose(-1, -2)).sum(2) * t.scale
+    dv = _dot(p, g_rows.transpose(-1, -2)).sum(2)
+    return dq, dk, dv
+
+
+def _dense_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -264,61 +327,39 @@ def dense_backward(
     b, h, length, d = q.shape
     kv_heads = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    n = rows.numel()
-    qg = _grouped(q, kv_heads)
-    kg, vg = k.unsqueeze(2), v.unsqueeze(2)
-    keys, values = kg.index_select(3, rows), vg.index_select(3, rows)
-    lse_all = _grouped(lse.unsqueeze(-1), kv_heads).squeeze(-1).to(acc)  # [B, Hkv, group, L]
-    out_all = _grouped(out, kv_heads).to(acc)
-    g_all = _grouped(g_out, kv_heads).to(acc)
-    g_lse_all = None if g_lse is None else _grouped(g_lse.unsqueeze(-1), kv_heads).squeeze(-1).to(acc)
 
-    # Every row against the global keys outside its window (global rows' dout zeroed).
-    gk = _grouped(g_kept, kv_heads).to(acc)
-    rowsum = (gk * out_all).sum(-1)
-    if g_lse_all is not None:
-        rowsum = rowsum - g_lse_all.index_fill(3, rows, 0.0)
-    x = _dot(qg, keys) * scale  # [B, Hkv, group, L, G]
-    s = _capped(x, softcap).masked_fill(_inside_window(length, rows, window), -math.inf)
-    p = torch.exp(s - _finite(lse_all).unsqueeze(-1))
-    ds = p * (_dot(gk, values) - rowsum.unsqueeze(-1))
-    if softcap:
-        ds = ds * (1 - torch.tanh(x / softcap) ** 2)
-    dq_acc = dq.to(acc) + _dot(ds, keys.transpose(-1, -2)).reshape(b, h, length, d) * scale
-    dk_acc = dk.to(acc).index_add(2, rows, _long_sum(ds.transpose(-1, -2), qg).sum(2) * scale)
-    dv_acc = dv.to(acc).index_add(2, rows, _long_sum(p.transpose(-1, -2), gk).sum(2))
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        return _grouped(t.unsqueeze(-1), kv_heads).squeeze(-1).to(acc)  # [B, H, L] -> [B, Hkv, group, L]
 
-    if dense_rows:  # the global rows against every key
-        q_rows = qg.index_select(3, rows)  # [B, Hkv, group, G, D]
-        g_rows = g_all.index_select(3, rows)
-        rs = (g_rows * out_all.index_select(3, rows)).sum(-1)  # [B, Hkv, group, G]
-        if g_lse_all is not None:
-            rs = rs - g_lse_all.index_select(3, rows)
-        x_g = _dot(kg, q_rows) * scale  # [B, Hkv, group, L, G]
-        p_g = torch.exp(_capped(x_g, softcap) - lse_all.index_select(3, rows).unsqueeze(-2))
-        ds_g = p_g * (_dot(vg, g_rows) - rs.unsqueeze(-2))
-        if softcap:
-            ds_g = ds_g * (1 - torch.tanh(x_g / softcap) ** 2)
-        dq_rows = _long_sum(ds_g.transpose(-1, -2), kg) * scale  # [B, Hkv, group, G, D]
-        dq_acc = dq_acc.index_add(2, rows, dq_rows.reshape(b, h, n, d))
-        dk_acc = dk_acc + _dot(ds_g, q_rows.transpose(-1, -2)).sum(2) * scale
-        dv_acc = dv_acc + _dot(p_g, g_rows.transpose(-1, -2)).sum(2)
+    saved = _Saved(
+        _grouped(q, kv_heads), k.unsqueeze(2), v.unsqueeze(2), _grouped(out, kv_heads).to(acc), grouped(lse),
+        _grouped(g_out, kv_heads).to(acc), None if g_lse is None else grouped(g_lse), rows, scale, softcap,
+    )  # fmt: skip
+    cq, ck, cv = _global_keys_backward(saved, g_kept, window)
+    dq_acc = dq.to(acc) + cq.reshape(b, h, length, d)
+    dk_acc = dk.to(acc).index_add(2, rows, ck)
+    dv_acc = dv.to(acc).index_add(2, rows, cv)
+    if dense_rows:
+        rq, rk, rv = _global_rows_backward(saved)
+        dq_acc = dq_acc.index_add(2, rows, rq.reshape(b, h, rows.numel(), d))
+        dk_acc, dv_acc = dk_acc + rk, dv_acc + rv
     return dq_acc.to(dq.dtype), dk_acc.to(dk.dtype), dv_acc.to(dv.dtype)
 
 
-EAGER_PARTS = DenseParts(dense_forward, dense_backward)
+_EAGER_PARTS = DenseParts(_dense_forward, _dense_backward)
 
 
-def _one_graph(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` for ``torch.compile``: a graph break in it is an error (a few fused kernels). Only
-    ever run compiled: torch's flag behind ``no_graph_breaks`` is process-wide eagerly."""
+# One module-level function per compiled part: Dynamo keeps its graphs (and its recompile limit)
+# per code object, and the forward and backward must not share one. Only ever run compiled:
+# torch's flag behind ``no_graph_breaks`` is process-wide eagerly.
+def _dense_forward_one_graph(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    with _compat.no_graph_breaks():
+        return _dense_forward(*args)
 
-    @functools.wraps(fn)
-    def whole(*args: Any) -> Any:
-        with _compat.no_graph_breaks():
-            return fn(*args)
 
-    return whole
+def _dense_backward_one_graph(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with _compat.no_graph_breaks():
+        return _dense_backward(*args)
 
 
 @functools.cache
@@ -326,21 +367,12 @@ def compiled_dense_parts() -> DenseParts:
     """:class:`DenseParts` compiled by ``torch.compile`` (eager calls on CUDA). Default (automatic)
     dynamic shapes: a second length or batch compiles one shape-generic graph, not one per shape."""
     fwd, bwd = (
-        torch.compile(_one_graph(fn), fullgraph=_compat.FULLGRAPH_NEEDED)
-        for fn in (dense_forward, dense_backward)
+        torch.compile(fn, fullgraph=_compat.FULLGRAPH_NEEDED)
+        for fn in (_dense_forward_one_graph, _dense_backward_one_graph)
     )
     return DenseParts(
         functools.partial(_compat.call_compiled, fwd), functools.partial(_compat.call_compiled, bwd)
     )
 
 
-__all__ = [
-    "GLOBAL_ROWS_DENSE_MAX_SCORES",
-    "DenseParts",
-    "WindowKernels",
-    "compiled_dense_parts",
-    "dense_backward",
-    "dense_forward",
-    "global_tokens_attention",
-    "rows_dense",
-]
+__all__ = ["GLOBAL_ROWS_DENSE_MAX_SCORES", "WindowKernels", "global_tokens_attention"]
