@@ -7,7 +7,8 @@
 #                    # as does a fresh machine from benchmarks/results/ when that card's file is there)
 #   bash benchmarks/gpu_session_r60.sh gw 560       # (FA4 installed) global tokens on fa4: the GPU
 #                    # tests, then the global-window case beside the same window alone on fa4
-#                    # (benchmarks/global_tokens_bound.yaml: the path's floor)
+#                    # (benchmarks/global_tokens_bound.yaml: the path's floor); TESTS_S: the tests'
+#                    # seconds (default 35% of the budget)
 #   bash benchmarks/gpu_session_r60.sh rerun 560    # (FA4 installed) the D=64 global-window case on
 #                    # auto, hand-written flex, flex_flash and fa4; the zoo's Graphormer, NATTEN and
 #                    # T5 rows (last measured many sessions ago) on auto and hand-written flex
@@ -35,7 +36,7 @@ case "$step" in
     zoo_nofa4
     ;;
   gw)
-    run "gpu_tests_global_tokens_${gpu}_${session}" "$(share 35)" python3 -m pytest -m gpu -q -rfE \
+    run "gpu_tests_global_tokens_${gpu}_${session}" "${TESTS_S:-$(share 35)}" python3 -m pytest -m gpu -q -rfE \
       -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
     run "global_tokens_bound_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench \
       benchmarks/global_tokens_bound.yaml --out "$out/global_tokens_bound_${gpu}_${session}.json" \
