@@ -615,6 +615,41 @@ def test_fa4_global_tokens(
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("global_rows", ["dense", "kernel"])
+def test_global_tokens_compiled_dense_parts(
+    dtype: torch.dtype, global_rows: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The global-tokens composition's compiled dense parts as Inductor builds them for CUDA (no
+    FA4 needed: a dense float64 windowed kernel stands in for FA4's), GQA 8:2 and soft-capping,
+    output, lse and gradients against float64."""
+    import math
+
+    from dense_window_kernel import dense_window_kernels
+
+    from flexattn_zoo.backends import global_tokens
+
+    if global_rows == "kernel":
+        monkeypatch.setattr(global_tokens, "GLOBAL_ROWS_DENSE_MAX_SCORES", 0)
+    length, cap = 700, 20.0
+    mask = masks.GlobalWindow.from_positions([0, 5, 333, 699], length, left=100, right=30, device=DEV)
+    form = mask.global_tokens_form(length, length)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    q = torch.randn(2, 8, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    k = torch.randn(2, 2, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    v = torch.randn(2, 2, length, 128, device=DEV, dtype=dtype, generator=g).requires_grad_(True)
+    scale = 1 / math.sqrt(128)
+    out, lse = global_tokens.global_tokens_attention(
+        q, k, v, form, scale, dense_window_kernels(cap), softcap=cap, compiled=True
+    )
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    assert_matches_reference(
+        out, q, k, v, mask=mask, score_mod=score_mods.SoftCap(cap=cap), enable_gqa=True, lse=lse,
+        grads=grads, grad_out=grad_out,
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(not _compat.flash_cute_available(), reason="needs flash-attn-4 (flash_attn.cute)")
 def test_fa4_takes_projection_layout_and_scale() -> None:
     """[B, L, H, D] projections viewed as [B, H, L, D] (no copy needed) and a non-default scale."""

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from dense_window_kernel import dense_window_kernels as _window_kernel
 
 from flexattn_zoo.backends import global_tokens
 from flexattn_zoo.backends.global_tokens import WindowKernels, global_tokens_attention
@@ -15,53 +16,6 @@ from flexattn_zoo.masks import GlobalWindow, SlidingWindow
 from flexattn_zoo.reference import reference_attention
 from flexattn_zoo.score_mods import SoftCap
 from flexattn_zoo.spec import GLOBAL_FORM_MAX_TOKENS, GlobalTokensForm
-
-
-def _window_kernel(softcap: float = 0.0) -> WindowKernels:
-    """A windowed kernel as FA4's: FA-style ``(left, right)`` (-1 unbounded), bottom-right aligned,
-    grouped k/v heads; the backward from the ``out`` and ``lse`` it is given. Dense float64."""
-
-    def scores(q, k, window):  # type: ignore[no-untyped-def]
-        lq, lk = q.shape[2], k.shape[2]
-        group = q.shape[1] // k.shape[1]
-        x = torch.matmul(q.double(), k.double().repeat_interleave(group, 1).transpose(-1, -2)) / math.sqrt(
-            q.shape[-1]
-        )
-        s = softcap * torch.tanh(x / softcap) if softcap else x
-        i = torch.arange(lq).view(-1, 1) + (lk - lq)
-        j = torch.arange(lk).view(1, -1)
-        left, right = window
-        seen = torch.ones(lq, lk, dtype=torch.bool)
-        if left >= 0:
-            seen &= j >= i - left
-        if right >= 0:
-            seen &= j <= i + right
-        return x, s.masked_fill(~seen, -math.inf)
-
-    def forward(q, k, v, window):  # type: ignore[no-untyped-def]
-        _, s = scores(q, k, window)
-        group = q.shape[1] // k.shape[1]
-        out = torch.matmul(torch.softmax(s, -1), v.double().repeat_interleave(group, 1))
-        return out.to(q.dtype), torch.logsumexp(s, -1).to(torch.promote_types(q.dtype, torch.float32))
-
-    def backward(dout, q, k, v, out, lse, window, g_lse):  # type: ignore[no-untyped-def]
-        group = q.shape[1] // k.shape[1]
-        x, s = scores(q, k, window)
-        p = torch.exp(s - lse.double().unsqueeze(-1))
-        g, ve = dout.double(), v.double().repeat_interleave(group, 1)
-        rowsum = (g * out.double()).sum(-1, keepdim=True)
-        if g_lse is not None:
-            rowsum = rowsum - g_lse.double().unsqueeze(-1)
-        ds = p * (torch.matmul(g, ve.transpose(-1, -2)) - rowsum)
-        if softcap:
-            ds = ds * (1 - torch.tanh(x / softcap) ** 2)
-        scale = 1 / math.sqrt(q.shape[-1])
-        dq = torch.matmul(ds, k.double().repeat_interleave(group, 1)) * scale
-        dk = (torch.matmul(ds.transpose(-1, -2), q.double()) * scale).unflatten(1, (k.shape[1], group)).sum(2)
-        dv = torch.matmul(p.transpose(-1, -2), g).unflatten(1, (k.shape[1], group)).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    return WindowKernels(forward, backward)
 
 
 def _specs(length: int) -> list[GlobalWindow]:
