@@ -273,7 +273,7 @@ def _global_keys_backward(
     """``(dq [B, Hkv, group, L, D], dk, dv [B, Hkv, G, D])`` of every row against the global keys
     outside its window; the global rows' dout and lse gradient are zero here (``g_kept``)."""
     keys, values = t.kg.index_select(3, t.rows), t.vg.index_select(3, t.rows)
-    gk = _grouped(g_kept, t.kg.shape[1])  # the input dtype: _long_sum rounds nothing more
+    gk = _grouped(g_kept, t.kg.shape[1])  # in dout's dtype: dv's _long_sum rounds P, not it
     rowsum = (gk.to(t.out.dtype) * t.out).sum(-1)
     if t.g_lse is not None:
         rowsum = rowsum - t.g_lse.index_fill(3, t.rows, 0.0)
