@@ -37,7 +37,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flexattn_zoo import _compat
-from flexattn_zoo.backends.merge import merge_core
+from flexattn_zoo.backends.merge import finite_lse, merge_core
 from flexattn_zoo.spec import GlobalTokensForm
 
 Window = tuple[int, int]
@@ -188,12 +188,6 @@ def _capped(x: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(x / softcap) if softcap else x
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with ``-inf`` (a row that sees none of the part's keys) as 0: ``exp(s - 0)`` is then
-    0 for its ``-inf`` scores, never ``exp(-inf + inf)``."""
-    return torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
-
-
 def _inside_window(length: int, rows: torch.Tensor, window: Window) -> torch.Tensor:
     """``[L, G]``: whether global key ``rows[g]`` lies inside row ``i``'s window (the windowed
     kernel counted it already)."""
@@ -237,7 +231,7 @@ def _dense_forward(
     s = _capped(_dot(qg, keys) * scale, softcap)  # [B, Hkv, group, L, G]
     s = s.masked_fill(_inside_window(length, rows, window), -math.inf)
     lse_c = torch.logsumexp(s, dim=-1)  # -inf where the window holds every global key
-    p = torch.exp(s - _finite(lse_c).unsqueeze(-1))
+    p = torch.exp(s - finite_lse(lse_c).unsqueeze(-1))
     out_c = _dot(p, values.transpose(-1, -2)).reshape(b, h, length, -1)
     out, lse = merge_core((out_w.to(out_c.dtype), out_c), (lse_w, lse_c.reshape(lse_w.shape)))
     if dense_rows:

@@ -30,6 +30,13 @@ import torch
 from flexattn_zoo import _compat
 
 
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with ``-inf`` (a row that sees none of a part's keys) as 0, the reference a part's
+    probabilities ``exp(s - lse)`` are taken against: its ``-inf`` scores then give 0, never
+    ``exp(-inf + inf)``."""
+    return torch.where(lse == -math.inf, torch.zeros_like(lse), lse)
+
+
 def merge_core(
     outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,4 +168,4 @@ def merge_attention(
     return merge_core(outs, lses)
 
 
-__all__ = ["compiled_merge_two", "merge_attention", "merge_core", "merge_two"]
+__all__ = ["compiled_merge_two", "finite_lse", "merge_attention", "merge_core", "merge_two"]

@@ -43,7 +43,7 @@ from flexattn_zoo.backends.base import (
     expand_kv_heads,
     fused_layout,
 )
-from flexattn_zoo.backends.merge import compiled_merge_two, merge_two
+from flexattn_zoo.backends.merge import compiled_merge_two, finite_lse, merge_two
 from flexattn_zoo.problem import Problem
 from flexattn_zoo.spec import SplitForm, SplitPart
 
@@ -83,8 +83,7 @@ def _masked_probs(
     s = s.masked_fill(~mask.to(s.device), -math.inf)
     if lse is None:
         lse = torch.logsumexp(s, dim=-1)
-    # A row that sees no key has lse -inf; exp(-inf - 0) = 0 keeps it out of every product.
-    ref = torch.where(lse == -math.inf, torch.zeros_like(lse), lse).to(acc)
+    ref = finite_lse(lse).to(acc)  # a row that sees no key: exp(-inf - 0) = 0 in every product
     return torch.exp(s - ref.unsqueeze(-1)), lse
 
 
