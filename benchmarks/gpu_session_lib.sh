@@ -46,3 +46,7 @@ zoo_sweep() {  # zoo_sweep SUFFIX [EXTRA ARGS...]: the zoo sweep on ROUTES (auto
     --time-budget "$(( $(left) - 35 ))" "$@"
   cp "/root/$name.json" "$out/"
 }
+verify() {  # the GPU tests matching TESTK (a pytest -k expression) into $out/gpu_tests_GPU_SESSION.txt
+  run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+    -p no:cacheprovider -n 4 tests/gpu -k "${TESTK:?set TESTK}"
+}

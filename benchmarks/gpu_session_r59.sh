@@ -59,10 +59,7 @@ case "$step" in
       --out "$out/zoo_global_window_${gpu}_${session}.json" --md "$out/zoo_global_window_${gpu}_${session}.md" \
       --quiet --time-budget "$(( $(left) - 35 ))"
     ;;
-  verify)
-    run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
-      -p no:cacheprovider -n 4 tests/gpu -k "${TESTK:?set TESTK}"
-    ;;
+  verify) verify ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 pack

@@ -60,10 +60,7 @@ case "$step" in
       --routes auto,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient \
       --md "$out/generalization_short_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
     ;;
-  verify)
-    run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
-      -p no:cacheprovider -n 4 tests/gpu -k "${TESTK:?set TESTK}"
-    ;;
+  verify) verify ;;
   *) echo "unknown step $step" >&2; exit 2 ;;
 esac
 pack

@@ -14,8 +14,8 @@ those with a ``strided_form()`` whose stride divides the length:
   of the stride): ``[B, L, H, D]`` is viewed as ``[B, L / stride, stride * H, D]``, each class
   its own heads (no copy for that layout, else a reshape copy), and the result viewed back.
 * a window plus global tokens (``GlobalTokensForm``: Longformer-style, eager calls): the windowed
-  kernel over every row, the global keys outside each row's window scored densely and merged in
-  by log-sum-exp, the global rows run unmasked on their own
+  kernel over every row; the global keys outside each row's window and the global rows (which
+  see every key) scored densely in one compiled function and merged in by log-sum-exp
   (:mod:`flexattn_zoo.backends.global_tokens`).
 
 Score mods: only a soft-cap form with ``approx=True`` (``SoftCap(approx=True)``). FA4's soft-capping

@@ -209,14 +209,18 @@ def test_compiled_dense_parts_match_the_reference(global_rows: str, dtype: torch
     want, want_lse = reference_attention(
         q, k, v, mask=spec, score_mod=SoftCap(cap=cap), enable_gqa=True, return_lse=True
     )
-    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    # bfloat16: two units in the last place (2**-7 relative), the rounding of the output itself.
+    tol = 2e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(out.double(), want.double(), atol=tol, rtol=tol)
     torch.testing.assert_close(lse.double(), want_lse.double(), atol=tol, rtol=tol)
     got = torch.autograd.grad(out.float().sum() + lse.exp().sum(), (q, k, v))
     ref = torch.autograd.grad(want.sum() + want_lse.exp().sum(), (q, k, v))
     for a, b in zip(got, ref, strict=True):
         assert a.dtype == dtype
-        torch.testing.assert_close(a.double(), b.double(), atol=10 * tol, rtol=10 * tol)
+        # The lse's exp term makes gradients up to ~50 here: bfloat16's absolute rounding grows
+        # with the largest of them, so its tolerance is relative to that.
+        atol = 10 * tol if dtype == torch.float32 else tol * b.abs().max().item()
+        torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=tol)
 
 
 def test_compiled_forward_and_backward_keep_a_graph_each() -> None:
