@@ -46,6 +46,23 @@ zoo_sweep() {  # zoo_sweep SUFFIX [EXTRA ARGS...]: the zoo sweep on ROUTES (auto
     --time-budget "$(( $(left) - 35 ))" "$@"
   cp "/root/$name.json" "$out/"
 }
+zoo_nofa4() {  # the zoo without FA4 into zoo_GPU-nofa4_SESSION.json; a fresh machine resumes from
+  # the committed rows of its card: benchmarks/results/zoo_GPU-nofa4_SESSION.json, else those of
+  # the session RESUME_FROM names (e.g. r60)
+  local name="zoo_${gpu}-nofa4_${session}" kept
+  for kept in "benchmarks/results/$name.json" "benchmarks/results/zoo_${gpu}-nofa4_${RESUME_FROM:-none}.json"; do
+    [ -f "/root/$name.json" ] || { [ -f "$kept" ] && cp "$kept" "/root/$name.json"; }
+  done
+  zoo_sweep "-nofa4" --no-fa4
+}
+short_beside_sdpa() {  # no FA4: the sweep's short, host-bound cases on auto beside plain SDPA and the
+  # SDPA routes (the hand-written-calls view)
+  run "generalization_short_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
+    --out "$out/generalization_short_${gpu}_${session}.json" --no-fa4 \
+    --cases bert_base_l128_b128,llama3_8b_l128_b64,vit_b16_l197_b64,bert_base_l512_b32,gpt2_l1024_b16,vit_h14_l257_b16_d80,decode_qwen25_7b_b64_1k,decode_llama3_70b_b8_4k \
+    --routes auto,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient \
+    --md "$out/generalization_short_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+}
 verify() {  # the GPU tests matching TESTK (a pytest -k expression) into $out/gpu_tests_GPU_SESSION.txt
   run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
     -p no:cacheprovider -n 4 tests/gpu -k "${TESTK:?set TESTK}"

@@ -26,11 +26,6 @@ gw_cases() {  # gw_cases NAME CONFIG CASES ROUTES: a bench run of those cases in
   run "$1" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench "$2" --routes "$4" --cases "$3" \
     --out "$out/$1.json" --md "$out/$1.md" --quiet --time-budget "$(( $(left) - 35 ))"
 }
-zoo_nofa4() {  # the zoo without FA4; a fresh machine resumes from the committed rows of its card
-  local kept="benchmarks/results/zoo_${gpu}-nofa4_${session}.json"
-  [ -f "/root/zoo_${gpu}-nofa4_${session}.json" ] || { [ -f "$kept" ] && cp "$kept" /root/; }
-  zoo_sweep "-nofa4" --no-fa4
-}
 case "$step" in
   zoonofa4)
     zoo_nofa4
@@ -54,11 +49,7 @@ case "$step" in
     budget=$(( whole * 45 / 100 ))
     zoo_nofa4
     budget=$whole
-    run "generalization_short_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench generalization \
-      --out "$out/generalization_short_${gpu}_${session}.json" --no-fa4 \
-      --cases bert_base_l128_b128,llama3_8b_l128_b64,vit_b16_l197_b64,bert_base_l512_b32,gpt2_l1024_b16,vit_h14_l257_b16_d80,decode_qwen25_7b_b64_1k,decode_llama3_70b_b8_4k \
-      --routes auto,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient \
-      --md "$out/generalization_short_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
+    short_beside_sdpa
     ;;
   verify) verify ;;
   *) echo "unknown step $step" >&2; exit 2 ;;

@@ -356,12 +356,17 @@ def _dense_backward_one_graph(*args: Any) -> tuple[torch.Tensor, torch.Tensor, t
         return _dense_backward(*args)
 
 
+#: Inductor options of the compiled dense parts (``torch.compile(options=...)``); read once, by
+#: the first :func:`compiled_dense_parts` call.
+_INDUCTOR_OPTIONS: dict[str, Any] = {}
+
+
 @functools.cache
 def compiled_dense_parts() -> DenseParts:
     """:class:`DenseParts` compiled by ``torch.compile`` (eager calls on CUDA). Default (automatic)
     dynamic shapes: a second length or batch compiles one shape-generic graph, not one per shape."""
     fwd, bwd = (
-        torch.compile(fn, fullgraph=_compat.FULLGRAPH_NEEDED)
+        torch.compile(fn, fullgraph=_compat.FULLGRAPH_NEEDED, options=dict(_INDUCTOR_OPTIONS) or None)
         for fn in (_dense_forward_one_graph, _dense_backward_one_graph)
     )
     return DenseParts(

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU steps of the sixty-first session (outputs in $OUT/r61/, packed into $OUT/r61_STEP.tar).
+# FA4: three calls (.whlA, .whlC, .whlB; benchmarks/README.md, thirty-seventh session).
+#
+#   bash benchmarks/gpu_session_r61.sh probe 560   # (FA4 installed) the global-tokens path under
+#                    # Inductor options of its dense parts (benchmarks/global_tokens_launch_probe.py:
+#                    # none, cpp_wrapper, combo_kernels, both), then the GPU tests -k global_tokens
+#   bash benchmarks/gpu_session_r61.sh gw 560      # (FA4 installed) benchmarks/global_tokens_bound.yaml,
+#                    # then the GPU tests -k global_tokens (TESTS_S: their seconds, default 45%)
+#   bash benchmarks/gpu_session_r61.sh last 380    # no FA4: the zoo without FA4 (resumed from r60's
+#                    # rows of the card) on 45% of the budget, then the short cases beside plain SDPA
+#   bash benchmarks/gpu_session_r61.sh verify 200  # GPU tests: TESTK, the -k expression
+set -uo pipefail
+step="${1:?usage: $0 probe|gw|last|verify [BUDGET_S]}"
+budget="${2:-200}"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+session=r61
+source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
+global_tokens_tests() {
+  run "gpu_tests_global_tokens_${gpu}_${session}" "$1" python3 -m pytest -m gpu -q -rfE \
+    -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
+}
+case "$step" in
+  probe)
+    for options in "" cpp_wrapper combo_kernels "cpp_wrapper combo_kernels"; do
+      # shellcheck disable=SC2086  # the options are separate arguments
+      run "global_tokens_launch_${gpu}_${session}_${options// /+}" "$(share 16)" \
+        python3 -u benchmarks/global_tokens_launch_probe.py $options
+    done
+    global_tokens_tests "$(( $(left) - 5 ))"
+    ;;
+  gw)
+    run "global_tokens_bound_${gpu}_${session}" "$(( $(left) - 5 - ${TESTS_S:-$(share 45)} ))" python3 -m flexattn_zoo.bench \
+      benchmarks/global_tokens_bound.yaml --out "$out/global_tokens_bound_${gpu}_${session}.json" \
+      --md "$out/global_tokens_bound_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 40 - ${TESTS_S:-$(share 45)} ))"
+    global_tokens_tests "$(( $(left) - 5 ))"
+    ;;
+  last)
+    whole=$budget
+    budget=$(( whole * 45 / 100 ))
+    RESUME_FROM=r60 zoo_nofa4
+    budget=$whole
+    short_beside_sdpa
+    ;;
+  verify) verify ;;
+  *) echo "unknown step $step" >&2; exit 2 ;;
+esac
+pack
+ls -la "$out"
