@@ -202,6 +202,25 @@ def _inside_window(length: int, rows: torch.Tensor, window: Window) -> torch.Ten
     return inside
 
 
+def _row_slots(length: int, rows: torch.Tensor) -> torch.Tensor:
+    """``[L]`` int64: ``g`` at position ``rows[g]``, -1 at the other positions (``rows`` unique)."""
+    slots = torch.full((length,), -1, dtype=torch.long, device=rows.device)
+    return slots.index_copy(0, rows, torch.arange(rows.numel(), device=rows.device))
+
+
+def _at_rows(
+    base: torch.Tensor, per_row: torch.Tensor, slots: torch.Tensor, *, replace: bool = False
+) -> torch.Tensor:
+    """``base`` (``[B, H, L, ...]``) plus -- ``replace``: replaced by -- ``per_row`` (``[B, H, G,
+    ...]``) at the global positions (:func:`_row_slots`), in ``base``'s dtype. A gather and a
+    ``where`` rather than ``index_add`` / ``index_copy``: compiled, it fuses into the kernel that
+    produces ``base`` (and its dtype conversion after), where a scatter would be a kernel more and
+    a full pass over ``base``."""
+    picked = per_row.index_select(2, slots.clamp(min=0)).to(base.dtype)  # [B, H, L, ...]
+    is_row = (slots >= 0).view(-1, *([1] * (base.dim() - 3)))
+    return torch.where(is_row, picked if replace else base + picked, base)
+
+
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``[B, H, L, D]`` as ``[B, Hkv, H / Hkv, L, D]`` (query heads grouped over their kv head)."""
     b, h, length, d = q.shape
@@ -240,8 +259,9 @@ def _dense_forward(
         lse_g = torch.logsumexp(x, dim=-2)  # every key is visible: finite
         p_g = torch.exp(x - lse_g.unsqueeze(-2))
         out_g = _long_sum(p_g.transpose(-1, -2), vg)  # [B, Hkv, group, G, Dv]
-        out = out.index_copy(2, rows, out_g.reshape(b, h, rows.numel(), -1).to(out.dtype))
-        lse = lse.index_copy(2, rows, lse_g.reshape(b, h, rows.numel()).to(lse.dtype))
+        slots = _row_slots(length, rows)
+        out = _at_rows(out, out_g.reshape(b, h, rows.numel(), -1), slots, replace=True)
+        lse = _at_rows(lse, lse_g.reshape(b, h, rows.numel()), slots, replace=True)
     return out.to(out_w.dtype), lse
 
 
@@ -329,13 +349,14 @@ def _dense_backward(
         _grouped(q, kv_heads), k.unsqueeze(2), v.unsqueeze(2), _grouped(out, kv_heads).to(acc), grouped(lse),
         _grouped(g_out, kv_heads).to(acc), None if g_lse is None else grouped(g_lse), rows, scale, softcap,
     )  # fmt: skip
+    slots = _row_slots(length, rows)
     cq, ck, cv = _global_keys_backward(saved, g_kept, window)
     dq_acc = dq.to(acc) + cq.reshape(b, h, length, d)
-    dk_acc = dk.to(acc).index_add(2, rows, ck)
-    dv_acc = dv.to(acc).index_add(2, rows, cv)
+    dk_acc = _at_rows(dk.to(acc), ck, slots)
+    dv_acc = _at_rows(dv.to(acc), cv, slots)
     if dense_rows:
         rq, rk, rv = _global_rows_backward(saved)
-        dq_acc = dq_acc.index_add(2, rows, rq.reshape(b, h, rows.numel(), d))
+        dq_acc = _at_rows(dq_acc, rq.reshape(b, h, rows.numel(), d), slots)
         dk_acc, dv_acc = dk_acc + rk, dv_acc + rv
     return dq_acc.to(dq.dtype), dk_acc.to(dk.dtype), dv_acc.to(dv.dtype)
 
