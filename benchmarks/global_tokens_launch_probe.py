@@ -6,7 +6,8 @@ the host ms per call (issue time, before synchronizing).
 
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/global_tokens_launch_probe.py [OPTION ...]
 
-OPTION: a boolean Inductor option set for the dense parts (``cpp_wrapper``, ``combo_kernels``).
+OPTION: a boolean Inductor option set for the dense parts (``cpp_wrapper``, ``combo_kernels``);
+none: the dense parts compiled without options (the library's default is ``cpp_wrapper``).
 """
 
 import statistics
@@ -21,6 +22,7 @@ from flexattn_zoo.backends import global_tokens
 from flexattn_zoo.masks import GlobalWindow, SlidingWindow
 
 warnings.filterwarnings("ignore")
+global_tokens._INDUCTOR_OPTIONS.clear()
 for option in sys.argv[1:]:
     global_tokens._INDUCTOR_OPTIONS[option] = True
 B, H, L, D = 2, 16, 8192, 128

@@ -897,6 +897,23 @@ def static_shape_compiles() -> Any:
     return torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True)
 
 
+def _inductor_compile_errors() -> tuple[type[BaseException], ...]:
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    names = (
+        (torch._dynamo.exc, "BackendCompilerFailed"),
+        (torch._inductor.exc, "InductorError"),
+        (torch._inductor.exc, "CppCompileError"),
+    )
+    return tuple(getattr(module, name) for module, name in names if hasattr(module, name))
+
+
+#: What a ``torch.compile``'d call raises when Inductor fails to compile its graph (Dynamo's
+#: wrapper of a backend's failure, Inductor's own error, a C++ compile error), on this torch.
+INDUCTOR_COMPILE_ERRORS = _inductor_compile_errors()
+
+
 def inductor_backend() -> Any:
     """The callable torch.compile uses for ``backend="inductor"`` (wrapped to count compiles)."""
     from torch._dynamo.backends.registry import lookup_backend

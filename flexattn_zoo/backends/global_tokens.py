@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -377,22 +378,50 @@ def _dense_backward_one_graph(*args: Any) -> tuple[torch.Tensor, torch.Tensor, t
         return _dense_backward(*args)
 
 
-#: Inductor options of the compiled dense parts (``torch.compile(options=...)``); read once, by
-#: the first :func:`compiled_dense_parts` call.
-_INDUCTOR_OPTIONS: dict[str, Any] = {}
+#: Inductor options of the compiled dense parts (``torch.compile(options=...)``), read by the first
+#: :func:`compiled_dense_parts` call. Inductor's C++ wrapper launches their dozen small kernels
+#: from C++: launched from Python, their host time made the path host-bound.
+_INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
+
+
+class _CompiledPart:
+    """A dense part compiled with :data:`_INDUCTOR_OPTIONS`; where a compile fails under them (the
+    C++ wrapper needs a C++ compiler and the CUDA headers at compile time), compiled again without
+    them, with a warning, and so from then on. A failure without options is raised."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        self._options = dict(_INDUCTOR_OPTIONS)
+        self._compiled = self._compile(self._options)
+
+    def _compile(self, options: dict[str, Any]) -> Callable[..., Any]:
+        return torch.compile(self._fn, fullgraph=_compat.FULLGRAPH_NEEDED, options=options or None)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return _compat.call_compiled(self._compiled, *args)
+        except _compat.INDUCTOR_COMPILE_ERRORS as exc:
+            if not self._options:
+                raise
+            warnings.warn(
+                f"flexattn_zoo: the global-tokens dense part {self._fn.__name__} could not be "
+                f"compiled with Inductor options {self._options} ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); compiled without them (its "
+                "kernels launch from Python: more host time per call)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self._options = {}
+            self._compiled = self._compile({})
+            return _compat.call_compiled(self._compiled, *args)
 
 
 @functools.cache
 def compiled_dense_parts() -> DenseParts:
-    """:class:`DenseParts` compiled by ``torch.compile`` (eager calls on CUDA). Default (automatic)
-    dynamic shapes: a second length or batch compiles one shape-generic graph, not one per shape."""
-    fwd, bwd = (
-        torch.compile(fn, fullgraph=_compat.FULLGRAPH_NEEDED, options=dict(_INDUCTOR_OPTIONS) or None)
-        for fn in (_dense_forward_one_graph, _dense_backward_one_graph)
-    )
-    return DenseParts(
-        functools.partial(_compat.call_compiled, fwd), functools.partial(_compat.call_compiled, bwd)
-    )
+    """:class:`DenseParts` compiled by ``torch.compile`` (eager calls on CUDA; :class:`_CompiledPart`).
+    Default (automatic) dynamic shapes: a second length or batch compiles one shape-generic graph,
+    not one per shape."""
+    return DenseParts(_CompiledPart(_dense_forward_one_graph), _CompiledPart(_dense_backward_one_graph))
 
 
 __all__ = ["GLOBAL_ROWS_DENSE_MAX_SCORES", "WindowKernels", "global_tokens_attention"]

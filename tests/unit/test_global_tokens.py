@@ -5,6 +5,7 @@ stand-in for FlashAttention-4's windowed kernel (tests/gpu runs the real one).""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -241,6 +242,48 @@ def test_compiled_forward_and_backward_keep_a_graph_each() -> None:
                     q, k, v = (torch.randn(1, 2, length, 8, requires_grad=True) for _ in range(3))
                     out, lse = global_tokens_attention(q, k, v, form, 0.3, _window_kernel(), compiled=True)
                     (out.sum() + (lse.sum() if use_lse else 0)).backward()
+
+
+def _forward_args(length: int = 20) -> tuple:
+    rows = torch.tensor([0, 7])
+    q, k, v = (torch.randn(1, 2, length, 8) for _ in range(3))
+    out_w, lse_w = _window_kernel().forward(q, k, v, (2, 2))
+    return (q, k, v, out_w, lse_w, rows, (2, 2), 0.3, 0.0, True)
+
+
+_NO_COMPILER = {"cpp.cxx": (None, "/nonexistent/c++")}
+
+
+def test_a_part_whose_options_do_not_build_compiles_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the dense parts' Inductor options cannot build (here the C++ wrapper with a compiler
+    that does not exist), a part warns once and compiles without them, with the eager results."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(global_tokens, "_INDUCTOR_OPTIONS", {"cpp_wrapper": True, **_NO_COMPILER})
+    part = global_tokens._CompiledPart(global_tokens._dense_forward_one_graph)
+    args = _forward_args()
+    with pytest.warns(RuntimeWarning, match="compiled without them"):
+        out, lse = part(*args)
+    want, want_lse = global_tokens._dense_forward(*args)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        part(*_forward_args(26))  # a second shape: no second warning
+
+
+def test_a_part_without_options_raises_its_compile_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._dynamo
+    import torch._inductor.config
+
+    from flexattn_zoo import _compat
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(global_tokens, "_INDUCTOR_OPTIONS", {})
+    part = global_tokens._CompiledPart(global_tokens._dense_forward_one_graph)
+    with torch._inductor.config.patch(_NO_COMPILER), pytest.raises(_compat.INDUCTOR_COMPILE_ERRORS):
+        part(*_forward_args())
 
 
 def test_every_position_global_an_lse_only_loss_and_projection_views(global_rows: str) -> None:
