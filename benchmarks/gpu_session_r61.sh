@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session_r61.sh probe 560   # (FA4 installed) the global-tokens path under
 #                    # Inductor options of its dense parts (benchmarks/global_tokens_launch_probe.py:
-#                    # none, cpp_wrapper, cpp_wrapper with combo_kernels), the GPU tests -k
+#                    # none, then cpp_wrapper), the GPU tests -k
 #                    # global_tokens, then the global-window case of global_tokens_bound.yaml on fa4,
 #                    # flex_flash and hand-written flex
 #   bash benchmarks/gpu_session_r61.sh gw 560      # (FA4 installed) benchmarks/global_tokens_bound.yaml,
@@ -24,12 +24,10 @@ global_tokens_tests() {
 }
 case "$step" in
   probe)
-    for options in "" cpp_wrapper "cpp_wrapper combo_kernels"; do
-      # shellcheck disable=SC2086  # the options are separate arguments
-      run "global_tokens_launch_${gpu}_${session}_${options// /+}" "$(share 14)" \
-        python3 -u benchmarks/global_tokens_launch_probe.py $options
-    done
-    global_tokens_tests "$(share 30)"
+    run "global_tokens_launch_${gpu}_${session}_none" "$(share 16)" python3 -u benchmarks/global_tokens_launch_probe.py
+    run "global_tokens_launch_${gpu}_${session}_cpp_wrapper" "$(share 22)" \
+      python3 -u benchmarks/global_tokens_launch_probe.py cpp_wrapper
+    global_tokens_tests "$(share 32)"
     run "global_tokens_bound_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench \
       benchmarks/global_tokens_bound.yaml --cases global_window_cls_w512 --routes fa4,flex_flash,raw_flex \
       --out "$out/global_tokens_bound_${gpu}_${session}.json" --md "$out/global_tokens_bound_${gpu}_${session}.md" \
