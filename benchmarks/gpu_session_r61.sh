@@ -7,13 +7,17 @@
 #                    # none, then cpp_wrapper), the GPU tests -k
 #                    # global_tokens, then the global-window case of global_tokens_bound.yaml on fa4,
 #                    # flex_flash and hand-written flex
+#   bash benchmarks/gpu_session_r61.sh dense 580   # no FA4 needed: the compiled dense parts alone
+#                    # (benchmarks/global_tokens_dense_probe.py: none, then cpp_wrapper), the GPU tests
+#                    # -k global_tokens (those needing FA4 skip), then on the rest of the budget, halved,
+#                    # the zoo without FA4 (resumed from r60's rows) and the short cases beside SDPA
 #   bash benchmarks/gpu_session_r61.sh gw 560      # (FA4 installed) benchmarks/global_tokens_bound.yaml,
 #                    # then the GPU tests -k global_tokens (TESTS_S: their seconds, default 45%)
 #   bash benchmarks/gpu_session_r61.sh last 380    # no FA4: the zoo without FA4 (resumed from r60's
 #                    # rows of the card) on 45% of the budget, then the short cases beside plain SDPA
 #   bash benchmarks/gpu_session_r61.sh verify 200  # GPU tests: TESTK, the -k expression
 set -uo pipefail
-step="${1:?usage: $0 probe|gw|last|verify [BUDGET_S]}"
+step="${1:?usage: $0 probe|dense|gw|last|verify [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r61
@@ -38,6 +42,17 @@ case "$step" in
       benchmarks/global_tokens_bound.yaml --out "$out/global_tokens_bound_${gpu}_${session}.json" \
       --md "$out/global_tokens_bound_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 40 - ${TESTS_S:-$(share 45)} ))"
     global_tokens_tests "$(( $(left) - 5 ))"
+    ;;
+  dense)
+    run "global_tokens_dense_${gpu}_${session}_none" "$(share 12)" python3 -u benchmarks/global_tokens_dense_probe.py
+    run "global_tokens_dense_${gpu}_${session}_cpp_wrapper" "$(share 15)" \
+      python3 -u benchmarks/global_tokens_dense_probe.py cpp_wrapper
+    global_tokens_tests "$(share 20)"
+    whole=$budget
+    budget=$(( whole - $(left) / 2 ))
+    RESUME_FROM=r60 zoo_nofa4
+    budget=$whole
+    short_beside_sdpa
     ;;
   last)
     whole=$budget
