@@ -20,10 +20,13 @@ inputs' dtype with float32 accumulation, the probabilities and score gradients r
 dtype first as flash kernels round theirs. Eagerly (CPU), both are float32 matmuls.
 
 Backward (as ``sdpa_split``'s): a part's attention backward given the *final* ``out`` and ``lse``
-of its rows is the gradient of the whole attention restricted to that part's keys, so the window
-runs one kernel backward over every row with the global rows' ``dout`` zeroed (they were
-overwritten), the dense global keys likewise, and the global rows' part on those rows. An lse
-gradient (a caller that reads the lse) adds ``P * g`` to each part's score gradient.
+of its rows is the gradient of the whole attention restricted to that part's keys. So the window
+runs one kernel backward over every row, the global rows included (their final lse is over every
+key, so their window's probabilities are the true ones); the dense backward adds each other row's
+global keys outside its window and each global row's keys outside its window: every (row, key)
+pair is counted once. Where the global rows take a kernel call over every key instead, their
+``dout`` is zeroed for the window's backward. An lse gradient (a caller that reads the lse) adds
+``P * g`` to each part's score gradient.
 """
 
 from __future__ import annotations
@@ -136,13 +139,16 @@ class _GlobalTokens(torch.autograd.Function):
         if g_out is None:
             g_out = torch.zeros_like(out)
         g_out = g_out.contiguous()
-        # The global rows were overwritten: no gradient reaches the window's or the global keys'
-        # values there (a zero dout and lse gradient make their score gradients 0).
-        g_kept = g_out.index_fill(2, rows, 0.0)
-        lse_kept = None if g_lse is None else g_lse.index_fill(2, rows, 0.0)
-        dq, dk, dv = kernels.backward(g_kept, q, k, v, out, lse, window, lse_kept)
+        g_window, lse_window = g_out, g_lse
+        if not dense_rows:
+            # The global rows take a kernel backward over every key below: none of their
+            # gradient goes through the window's (a zero dout and lse gradient make their score
+            # gradients 0). Dense, the global rows' part takes only the keys outside their window.
+            g_window = g_out.index_fill(2, rows, 0.0)
+            lse_window = None if g_lse is None else g_lse.index_fill(2, rows, 0.0)
+        dq, dk, dv = kernels.backward(g_window, q, k, v, out, lse, window, lse_window)
         dq, dk, dv = parts.backward(
-            dq, dk, dv, g_out, g_kept, g_lse, q, k, v, out, lse, rows, window, scale, softcap, dense_rows
+            dq, dk, dv, g_out, g_lse, q, k, v, out, lse, rows, window, scale, softcap, dense_rows
         )
         if not dense_rows:
             lse_rows = None if g_lse is None else g_lse.index_select(2, rows)
@@ -283,17 +289,18 @@ class _Saved(NamedTuple):
 
 
 def _global_keys_backward(
-    t: _Saved, g_kept: torch.Tensor, window: Window
+    t: _Saved, g_out: torch.Tensor, slots: torch.Tensor, window: Window
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq [B, Hkv, group, L, D], dk, dv [B, Hkv, G, D])`` of every row against the global keys
-    outside its window; the global rows' dout and lse gradient are zero here (``g_kept``)."""
+    """``(dq [B, Hkv, group, L, D], dk, dv [B, Hkv, G, D])`` of every row but the global ones
+    (the global rows' part takes theirs) against the global keys outside its window."""
     keys, values = t.kg.index_select(3, t.rows), t.vg.index_select(3, t.rows)
-    gk = _grouped(g_kept, t.kg.shape[1])  # in dout's dtype: dv's _long_sum rounds P, not it
+    gk = _grouped(g_out, t.kg.shape[1])  # in dout's dtype: dv's _long_sum rounds P, not it
     rowsum = (gk.to(t.out.dtype) * t.out).sum(-1)
     if t.g_lse is not None:
-        rowsum = rowsum - t.g_lse.index_fill(3, t.rows, 0.0)
+        rowsum = rowsum - t.g_lse
     x = _dot(t.qg, keys) * t.scale  # [B, Hkv, group, L, G]
-    s = _capped(x, t.softcap).masked_fill(_inside_window(t.qg.shape[3], t.rows, window), -math.inf)
+    counted = _inside_window(t.qg.shape[3], t.rows, window) | (slots >= 0).unsqueeze(-1)
+    s = _capped(x, t.softcap).masked_fill(counted, -math.inf)
     p = torch.exp(s - t.lse.unsqueeze(-1))  # the final lse: finite (every row sees itself)
     ds = _score_grad(p, _dot(gk, values), rowsum.unsqueeze(-1), x, t.softcap)
     dq = _dot(ds, keys.transpose(-1, -2)) * t.scale
@@ -302,15 +309,20 @@ def _global_keys_backward(
     return dq, dk, dv
 
 
-def _global_rows_backward(t: _Saved) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq [B, Hkv, group, G, D], dk, dv [B, Hkv, L, D])`` of the global rows against every key."""
+def _global_rows_backward(t: _Saved, window: Window) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq [B, Hkv, group, G, D], dk, dv [B, Hkv, L, D])`` of the global rows against the keys
+    outside their window (the window's kernel backward took those inside, from the rows' own
+    dout)."""
     q_rows = t.qg.index_select(3, t.rows)  # [B, Hkv, group, G, D]
     g_rows = t.g_out.index_select(3, t.rows)
     rowsum = (g_rows * t.out.index_select(3, t.rows)).sum(-1)  # [B, Hkv, group, G]
     if t.g_lse is not None:
         rowsum = rowsum - t.g_lse.index_select(3, t.rows)
     x = _dot(t.kg, q_rows) * t.scale  # [B, Hkv, group, L, G]: keys on the long axis
-    p = torch.exp(_capped(x, t.softcap) - t.lse.index_select(3, t.rows).unsqueeze(-2))
+    # Key j lies in row r's window (left, right) iff r lies in key j's mirrored one (right, left).
+    in_window = _inside_window(t.kg.shape[3], t.rows, (window[1], window[0]))
+    s = _capped(x, t.softcap).masked_fill(in_window, -math.inf)
+    p = torch.exp(s - t.lse.index_select(3, t.rows).unsqueeze(-2))
     ds = _score_grad(p, _dot(t.vg, g_rows), rowsum.unsqueeze(-2), x, t.softcap)
     dq = _long_sum(ds.transpose(-1, -2), t.kg) * t.scale
     dk = _dot(ds, q_rows.transpose(-1, -2)).sum(2) * t.scale
@@ -323,7 +335,6 @@ def _dense_backward(
     dk: torch.Tensor,
     dv: torch.Tensor,
     g_out: torch.Tensor,
-    g_kept: torch.Tensor,
     g_lse: torch.Tensor | None,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -337,8 +348,8 @@ def _dense_backward(
     dense_rows: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` (the window's, in their dtypes) plus the dense parts' gradients, from the
-    final ``out`` and ``lse``: the global keys of every row (``g_kept``: ``g_out`` with the global
-    rows zeroed) and, ``dense_rows``, the global rows over every key."""
+    final ``out`` and ``lse``: every other row's global keys outside its window and, ``dense_rows``,
+    the global rows' keys outside theirs."""
     b, h, length, d = q.shape
     kv_heads = k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
@@ -351,12 +362,12 @@ def _dense_backward(
         _grouped(g_out, kv_heads).to(acc), None if g_lse is None else grouped(g_lse), rows, scale, softcap,
     )  # fmt: skip
     slots = _row_slots(length, rows)
-    cq, ck, cv = _global_keys_backward(saved, g_kept, window)
+    cq, ck, cv = _global_keys_backward(saved, g_out, slots, window)
     dq_acc = dq.to(acc) + cq.reshape(b, h, length, d)
     dk_acc = _at_rows(dk.to(acc), ck, slots)
     dv_acc = _at_rows(dv.to(acc), cv, slots)
     if dense_rows:
-        rq, rk, rv = _global_rows_backward(saved)
+        rq, rk, rv = _global_rows_backward(saved, window)
         dq_acc = _at_rows(dq_acc, rq.reshape(b, h, rows.numel(), d), slots)
         dk_acc, dv_acc = dk_acc + rk, dv_acc + rv
     return dq_acc.to(dq.dtype), dk_acc.to(dk.dtype), dv_acc.to(dv.dtype)
