@@ -7,7 +7,7 @@ the host ms per call (issue time, before synchronizing), and the GPU kernels one
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/global_tokens_dense_probe.py [OPTION ...]
 
 OPTION: a boolean Inductor option for the dense parts (``cpp_wrapper``, ``combo_kernels``); none:
-compiled without options (the library's default is ``cpp_wrapper``).
+compiled without options (the library's default).
 """
 
 import statistics

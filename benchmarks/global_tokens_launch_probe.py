@@ -7,7 +7,7 @@ the host ms per call (issue time, before synchronizing).
     PYTHONPATH=.:$PYTHONPATH python3 benchmarks/global_tokens_launch_probe.py [OPTION ...]
 
 OPTION: a boolean Inductor option set for the dense parts (``cpp_wrapper``, ``combo_kernels``);
-none: the dense parts compiled without options (the library's default is ``cpp_wrapper``).
+none: the dense parts compiled without options (the library's default).
 """
 
 import statistics

@@ -390,9 +390,10 @@ def _dense_backward_one_graph(*args: Any) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 #: Inductor options of the compiled dense parts (``torch.compile(options=...)``), read by the first
-#: :func:`compiled_dense_parts` call. Inductor's C++ wrapper launches their dozen small kernels
-#: from C++: launched from Python, their host time made the path host-bound.
-_INDUCTOR_OPTIONS: dict[str, Any] = {"cpp_wrapper": True}
+#: :func:`compiled_dense_parts` call. None by default; ``{"cpp_wrapper": True}`` launches their
+#: kernels from C++ (less host time per call, a C++ compile on the first), which
+#: benchmarks/global_tokens_dense_probe.py times against the default on CUDA.
+_INDUCTOR_OPTIONS: dict[str, Any] = {}
 
 
 class _CompiledPart:

@@ -254,6 +254,44 @@ def _forward_args(length: int = 20) -> tuple:
 _NO_COMPILER = {"cpp.cxx": (None, "/nonexistent/c++")}
 
 
+@pytest.mark.parametrize("options", [{}, {"cpp_wrapper": True}], ids=["python wrapper", "cpp wrapper"])
+def test_parts_under_inductor_options_match_the_eager_ones(
+    monkeypatch: pytest.MonkeyPatch, options: dict
+) -> None:
+    """The dense parts compiled under each option set the probe times, forward and backward,
+    against the same functions run eagerly."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(global_tokens, "_INDUCTOR_OPTIONS", options)
+    forward = global_tokens._CompiledPart(global_tokens._dense_forward_one_graph)
+    backward = global_tokens._CompiledPart(global_tokens._dense_backward_one_graph)
+    args = _forward_args()
+    q, k, v, out_w, lse_w, rows, window, scale, softcap, dense = args
+    for got, want in zip(forward(*args), global_tokens._dense_forward(*args), strict=True):
+        torch.testing.assert_close(got, want)
+    out, lse = global_tokens._dense_forward(*args)
+    back = (
+        q,
+        k,
+        v,
+        torch.randn_like(out),
+        torch.randn_like(lse),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        rows,
+        window,
+        scale,
+        softcap,
+        dense,
+    )
+    for got, want in zip(backward(*back), global_tokens._dense_backward(*back), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_a_part_whose_options_do_not_build_compiles_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the dense parts' Inductor options cannot build (here the C++ wrapper with a compiler
     that does not exist), a part warns once and compiles without them, with the eager results."""
