@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from flexattn_zoo.backends import global_tokens
 
 warnings.filterwarnings("ignore")
+warnings.simplefilter("default", RuntimeWarning)  # a fallback to the Python wrapper shows
 global_tokens._INDUCTOR_OPTIONS.clear()
 for option in sys.argv[1:]:
     global_tokens._INDUCTOR_OPTIONS[option] = True
@@ -59,6 +60,7 @@ for name, f in calls.items():
         f()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"{name}: compiled with options {getattr(parts, name)._state[1] or '(none)'}")
     print(
         f"{name:9s} first {first:6.2f} s  wall {statistics.median(walls):.3f} ms  "
         f"host {statistics.median(hosts):.3f} ms  kernels {len(kernels)}"

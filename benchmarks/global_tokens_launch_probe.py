@@ -22,6 +22,7 @@ from flexattn_zoo.backends import global_tokens
 from flexattn_zoo.masks import GlobalWindow, SlidingWindow
 
 warnings.filterwarnings("ignore")
+warnings.simplefilter("default", RuntimeWarning)  # a fallback to the Python wrapper shows
 global_tokens._INDUCTOR_OPTIONS.clear()
 for option in sys.argv[1:]:
     global_tokens._INDUCTOR_OPTIONS[option] = True
@@ -66,6 +67,13 @@ for name, mask in masks.items():
             f()
         wall, host = timed(f)
         print(f"{name:14s} {mode:7s} first {first:7.2f} s  wall {wall:.3f} ms  host {host:.3f} ms")
+
+parts = global_tokens.compiled_dense_parts()
+print(
+    "dense parts compiled with options",
+    parts.forward._state[1] or "(none)",
+    parts.backward._state[1] or "(none)",
+)
 
 # The GPU kernels one call launches, by name (global window only).
 from torch.profiler import ProfilerActivity, profile  # noqa: E402

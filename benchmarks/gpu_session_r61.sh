@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_session_r61.sh dense 580   # no FA4 needed: the compiled dense parts alone
 #                    # (benchmarks/global_tokens_dense_probe.py: none, then cpp_wrapper), the GPU tests
 #                    # -k global_tokens (those needing FA4 skip), then on the rest of the budget, halved,
-#                    # the zoo without FA4 (resumed from r60's rows) and the short cases beside SDPA
+#                    # the zoo without FA4 (resumed from r60's rows of the card: an H100's; an H200
+#                    # starts afresh) and the short cases beside SDPA
 #   bash benchmarks/gpu_session_r61.sh gw 560      # (FA4 installed) benchmarks/global_tokens_bound.yaml,
 #                    # then the GPU tests -k global_tokens (TESTS_S: their seconds, default 45%)
 #   bash benchmarks/gpu_session_r61.sh last 380    # no FA4: the zoo without FA4 (resumed from r60's

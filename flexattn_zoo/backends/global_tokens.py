@@ -25,7 +25,7 @@ runs one kernel backward over every row, the global rows included (their final l
 key, so their window's probabilities are the true ones); the dense backward adds each other row's
 global keys outside its window and each global row's keys outside its window: every (row, key)
 pair is counted once. Where the global rows take a kernel call over every key instead, their
-``dout`` is zeroed for the window's backward. An lse gradient (a caller that reads the lse) adds
+``dout`` and lse gradient are zeroed for the window's backward. An lse gradient (a caller that reads the lse) adds
 ``P * g`` to each part's score gradient.
 """
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -220,9 +221,9 @@ def _at_rows(
 ) -> torch.Tensor:
     """``base`` (``[B, H, L, ...]``) plus -- ``replace``: replaced by -- ``per_row`` (``[B, H, G,
     ...]``) at the global positions (:func:`_row_slots`), in ``base``'s dtype. A gather and a
-    ``where`` rather than ``index_add`` / ``index_copy``: compiled, it fuses into the kernel that
-    produces ``base`` (and its dtype conversion after), where a scatter would be a kernel more and
-    a full pass over ``base``."""
+    ``where`` rather than ``index_add`` / ``index_copy``, so that compiled, Inductor can fuse it
+    into the kernel that produces ``base`` and its dtype conversion after (a scatter is a kernel
+    of its own, after ``base`` is written out)."""
     picked = per_row.index_select(2, slots.clamp(min=0)).to(base.dtype)  # [B, H, L, ...]
     is_row = (slots >= 0).view(-1, *([1] * (base.dim() - 3)))
     return torch.where(is_row, picked if replace else base + picked, base)
@@ -390,7 +391,7 @@ def _dense_backward_one_graph(*args: Any) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 #: Inductor options of the compiled dense parts (``torch.compile(options=...)``), read by the first
-#: :func:`compiled_dense_parts` call. None by default; ``{"cpp_wrapper": True}`` launches their
+#: :func:`compiled_dense_parts` call. No options by default; ``{"cpp_wrapper": True}`` launches their
 #: kernels from C++ (less host time per call, a C++ compile on the first), which
 #: benchmarks/global_tokens_dense_probe.py times against the default on CUDA.
 _INDUCTOR_OPTIONS: dict[str, Any] = {}
@@ -403,29 +404,34 @@ class _CompiledPart:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn = fn
-        self._options = dict(_INDUCTOR_OPTIONS)
-        self._compiled = self._compile(self._options)
+        self._lock = threading.Lock()
+        options = dict(_INDUCTOR_OPTIONS)
+        #: ``(compiled function, its options)``, replaced as one (threads read it unlocked).
+        self._state = (self._compile(options), options)
 
     def _compile(self, options: dict[str, Any]) -> Callable[..., Any]:
         return torch.compile(self._fn, fullgraph=_compat.FULLGRAPH_NEEDED, options=options or None)
 
     def __call__(self, *args: Any) -> Any:
+        compiled, options = self._state
         try:
-            return _compat.call_compiled(self._compiled, *args)
+            return _compat.call_compiled(compiled, *args)
         except _compat.INDUCTOR_COMPILE_ERRORS as exc:
-            if not self._options:
+            if not options:
                 raise
-            warnings.warn(
-                f"flexattn_zoo: the global-tokens dense part {self._fn.__name__} could not be "
-                f"compiled with Inductor options {self._options} ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); compiled without them (its "
-                "kernels launch from Python: more host time per call)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self._options = {}
-            self._compiled = self._compile({})
-            return _compat.call_compiled(self._compiled, *args)
+            with self._lock:  # several threads may fail at once: one falls back, all retry
+                if self._state[1]:
+                    reason = next((line for line in str(exc).splitlines() if line.strip()), "")
+                    warnings.warn(
+                        f"flexattn_zoo: the global-tokens dense part {self._fn.__name__} could not "
+                        f"be compiled with Inductor options {options} ({type(exc).__name__}: "
+                        f"{reason.strip()}); compiled without them (its kernels launch from "
+                        "Python: more host time per call)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    self._state = (self._compile({}), {})
+            return _compat.call_compiled(self._state[0], *args)
 
 
 @functools.cache
