@@ -25,8 +25,8 @@ runs one kernel backward over every row, the global rows included (their final l
 key, so their window's probabilities are the true ones); the dense backward adds each other row's
 global keys outside its window and each global row's keys outside its window: every (row, key)
 pair is counted once. Where the global rows take a kernel call over every key instead, their
-``dout`` and lse gradient are zeroed for the window's backward. An lse gradient (a caller that reads the lse) adds
-``P * g`` to each part's score gradient.
+``dout`` and lse gradient are zeroed for the window's backward. An lse gradient (a caller that
+reads the lse) adds ``P * g`` to each part's score gradient.
 """
 
 from __future__ import annotations
