@@ -10,22 +10,12 @@ OPTION: a boolean Inductor option for the dense parts (``cpp_wrapper``, ``combo_
 compiled without options (the library's default).
 """
 
-import statistics
-import sys
-import time
-import warnings
-
 import torch
-from torch.profiler import ProfilerActivity, profile
+from global_tokens_probe_lib import options_in_effect, print_kernels, set_options_from_argv, timed
 
 from flexattn_zoo.backends import global_tokens
 
-warnings.filterwarnings("ignore")
-warnings.simplefilter("default", RuntimeWarning)  # a fallback to the Python wrapper shows
-global_tokens._INDUCTOR_OPTIONS.clear()
-for option in sys.argv[1:]:
-    global_tokens._INDUCTOR_OPTIONS[option] = True
-print("options:", sys.argv[1:] or "(none)")
+set_options_from_argv()
 B, H, L, D = 2, 16, 8192, 128
 parts = global_tokens.compiled_dense_parts()
 dev, bf = "cuda", torch.bfloat16
@@ -40,30 +30,7 @@ calls = {
     ),
 }
 for name, f in calls.items():
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    f()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t
-    for _ in range(5):
-        f()
-    walls, hosts = [], []
-    for _ in range(7):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(20):
-            f()
-        hosts.append((time.perf_counter() - t) / 20 * 1e3)
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t) / 20 * 1e3)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        f()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"{name}: compiled with options {getattr(parts, name)._state[1] or '(none)'}")
-    print(
-        f"{name:9s} first {first:6.2f} s  wall {statistics.median(walls):.3f} ms  "
-        f"host {statistics.median(hosts):.3f} ms  kernels {len(kernels)}"
-    )
-    for e in kernels:
-        print(f"   {e.device_time_total:8.1f} us  {e.name[:100]}")
+    first, wall, host = timed(f)
+    print(f"{name:9s} first {first:6.2f} s  wall {wall:.3f} ms  host {host:.3f} ms")
+    print_kernels(name, f)
+print("compiled with options:", options_in_effect())

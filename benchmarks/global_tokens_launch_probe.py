@@ -10,22 +10,13 @@ OPTION: a boolean Inductor option set for the dense parts (``cpp_wrapper``, ``co
 none: the dense parts compiled without options (the library's default).
 """
 
-import statistics
-import sys
-import time
-import warnings
-
 import torch
+from global_tokens_probe_lib import options_in_effect, print_kernels, set_options_from_argv, timed
 
 import flexattn_zoo as fz
-from flexattn_zoo.backends import global_tokens
 from flexattn_zoo.masks import GlobalWindow, SlidingWindow
 
-warnings.filterwarnings("ignore")
-warnings.simplefilter("default", RuntimeWarning)  # a fallback to the Python wrapper shows
-global_tokens._INDUCTOR_OPTIONS.clear()
-for option in sys.argv[1:]:
-    global_tokens._INDUCTOR_OPTIONS[option] = True
+set_options_from_argv()
 B, H, L, D = 2, 16, 8192, 128
 masks = {
     "global_window": GlobalWindow.from_positions([0], L, left=512, right=512, device="cuda"),
@@ -34,21 +25,6 @@ masks = {
 q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 g = torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16)
 
-
-def timed(f, rounds: int = 7, calls: int = 20) -> tuple[float, float]:
-    walls, hosts = [], []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            f()
-        hosts.append((time.perf_counter() - t) / calls * 1e3)
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t) / calls * 1e3)
-    return statistics.median(walls), statistics.median(hosts)
-
-
-print("options:", sys.argv[1:] or "(none)")
 for name, mask in masks.items():
 
     def fwd(mask=mask) -> torch.Tensor:
@@ -58,33 +34,8 @@ for name, mask in masks.items():
         fwd().backward(g)
 
     for mode, f in (("fwd", fwd), ("fwdbwd", step)):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        f()
-        torch.cuda.synchronize()
-        first = time.perf_counter() - t
-        for _ in range(5):
-            f()
-        wall, host = timed(f)
+        first, wall, host = timed(f)
         print(f"{name:14s} {mode:7s} first {first:7.2f} s  wall {wall:.3f} ms  host {host:.3f} ms")
-
-parts = global_tokens.compiled_dense_parts()
-print(
-    "dense parts compiled with options",
-    parts.forward._state[1] or "(none)",
-    parts.backward._state[1] or "(none)",
-)
-
-# The GPU kernels one call launches, by name (global window only).
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-for mode in ("fwd", "fwdbwd"):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fz.attention(q, k, v, mask=masks["global_window"], backend="fa4")
-        if mode == "fwdbwd":
-            out.backward(g)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    print(f"global_window {mode}: {len(kernels)} GPU kernels / copies")
-    for e in kernels:
-        print(f"   {e.device_time_total:9.1f} us  {e.name[:90]}")
+        if name == "global_window":
+            print_kernels(f"{name} {mode}", f)
+print("dense parts compiled with options:", options_in_effect())

@@ -63,7 +63,8 @@ short_beside_sdpa() {  # no FA4: the sweep's short, host-bound cases on auto bes
     --routes auto,plain_sdpa,sdpa,sdpa_cudnn,sdpa_flash,sdpa_efficient \
     --md "$out/generalization_short_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 35 ))"
 }
-verify() {  # the GPU tests matching TESTK (a pytest -k expression) into $out/gpu_tests_GPU_SESSION.txt
-  run "gpu_tests_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m pytest -m gpu -q -rfE \
+verify() {  # verify [LIMIT_S]: the GPU tests matching TESTK (a pytest -k expression) into
+  # $out/gpu_tests_GPU_SESSION.txt, within LIMIT_S seconds (default: the budget left)
+  run "gpu_tests_${gpu}_${session}" "${1:-$(( $(left) - 5 ))}" python3 -m pytest -m gpu -q -rfE \
     -p no:cacheprovider -n 4 tests/gpu -k "${TESTK:?set TESTK}"
 }

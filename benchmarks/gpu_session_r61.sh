@@ -12,52 +12,31 @@
 #                    # -k global_tokens (those needing FA4 skip), then on the rest of the budget, halved,
 #                    # the zoo without FA4 (resumed from r60's rows of the card: an H100's; an H200
 #                    # starts afresh) and the short cases beside SDPA
-#   bash benchmarks/gpu_session_r61.sh gw 560      # (FA4 installed) benchmarks/global_tokens_bound.yaml,
-#                    # then the GPU tests -k global_tokens (TESTS_S: their seconds, default 45%)
-#   bash benchmarks/gpu_session_r61.sh last 380    # no FA4: the zoo without FA4 (resumed from r60's
-#                    # rows of the card) on 45% of the budget, then the short cases beside plain SDPA
 #   bash benchmarks/gpu_session_r61.sh verify 200  # GPU tests: TESTK, the -k expression
 set -uo pipefail
-step="${1:?usage: $0 probe|dense|gw|last|verify [BUDGET_S]}"
+step="${1:?usage: $0 probe|dense|verify [BUDGET_S]}"
 budget="${2:-200}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 session=r61
 source benchmarks/gpu_session_lib.sh  # the repository root is the working directory here
-global_tokens_tests() {
-  run "gpu_tests_global_tokens_${gpu}_${session}" "$1" python3 -m pytest -m gpu -q -rfE \
-    -p no:cacheprovider -n 4 tests/gpu/test_routes_gpu.py -k "global_tokens"
-}
 case "$step" in
   probe)
     run "global_tokens_launch_${gpu}_${session}_none" "$(share 16)" python3 -u benchmarks/global_tokens_launch_probe.py
     run "global_tokens_launch_${gpu}_${session}_cpp_wrapper" "$(share 22)" \
       python3 -u benchmarks/global_tokens_launch_probe.py cpp_wrapper
-    global_tokens_tests "$(share 32)"
+    TESTK=global_tokens verify "$(share 32)"
     run "global_tokens_bound_${gpu}_${session}" "$(( $(left) - 5 ))" python3 -m flexattn_zoo.bench \
       benchmarks/global_tokens_bound.yaml --cases global_window_cls_w512 --routes fa4,flex_flash,raw_flex \
       --out "$out/global_tokens_bound_${gpu}_${session}.json" --md "$out/global_tokens_bound_${gpu}_${session}.md" \
       --quiet --time-budget "$(( $(left) - 35 ))"
     ;;
-  gw)
-    run "global_tokens_bound_${gpu}_${session}" "$(( $(left) - 5 - ${TESTS_S:-$(share 45)} ))" python3 -m flexattn_zoo.bench \
-      benchmarks/global_tokens_bound.yaml --out "$out/global_tokens_bound_${gpu}_${session}.json" \
-      --md "$out/global_tokens_bound_${gpu}_${session}.md" --quiet --time-budget "$(( $(left) - 40 - ${TESTS_S:-$(share 45)} ))"
-    global_tokens_tests "$(( $(left) - 5 ))"
-    ;;
   dense)
     run "global_tokens_dense_${gpu}_${session}_none" "$(share 12)" python3 -u benchmarks/global_tokens_dense_probe.py
     run "global_tokens_dense_${gpu}_${session}_cpp_wrapper" "$(share 15)" \
       python3 -u benchmarks/global_tokens_dense_probe.py cpp_wrapper
-    global_tokens_tests "$(share 20)"
+    TESTK=global_tokens verify "$(share 20)"
     whole=$budget
     budget=$(( whole - $(left) / 2 ))
-    RESUME_FROM=r60 zoo_nofa4
-    budget=$whole
-    short_beside_sdpa
-    ;;
-  last)
-    whole=$budget
-    budget=$(( whole * 45 / 100 ))
     RESUME_FROM=r60 zoo_nofa4
     budget=$whole
     short_beside_sdpa

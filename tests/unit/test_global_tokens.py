@@ -304,6 +304,8 @@ def test_a_part_whose_options_do_not_build_compiles_without_them(monkeypatch: py
 
 
 def test_a_part_without_options_raises_its_compile_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A part compiled without options has nothing to fall back to: its compile error is raised,
+    with no fallback warning."""
     import torch._dynamo
     import torch._inductor.config
 
